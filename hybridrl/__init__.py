@@ -1,0 +1,28 @@
+"""hybridrl: a colocated hybrid-engine RL trainer (vLLM rollout + DeepSpeed training per rank).
+
+    import hybridrl
+    summary = hybridrl.train(hybridrl.Config())           # the embedded demo, in this process
+    summary = hybridrl.train(overrides={"train.steps": 50})
+
+The loop is in hybridrl/loop.py; start reading there.
+"""
+
+from __future__ import annotations
+
+from .config import Config, load as load_config
+
+__version__ = "0.1.0"
+__all__ = ["Config", "load_config", "train"]
+
+
+def train(config: Config | str | None = None, overrides: dict | None = None) -> dict:
+    """Train in the calling process (a notebook, a script under torchrun/accelerate)."""
+    from . import env
+    env.setup()  # before torch/vLLM/DeepSpeed are imported by the loop
+    from .config import apply
+    if isinstance(config, str):
+        config = load_config(config, overrides)
+    elif overrides:
+        config = apply(config or Config(), overrides)
+    from .loop import train as _train
+    return _train(config or Config())

