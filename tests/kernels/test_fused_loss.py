@@ -1,0 +1,151 @@
+"""fused_logprob_ppo_loss == ppo_loss(*logprob_entropy_reference(...)) in value, metrics, gradients."""
+import pytest
+import torch
+from test_logprob import DEVICE, PROVIDERS, make
+
+from kernels.logprob import logprob_entropy, logprob_entropy_reference
+from kernels.ppo_loss import AGGREGATORS, fused_logprob_ppo_loss, loss_normalizer, ppo_loss
+
+N, D, V = 37, 29, 75
+
+
+def batch(n=N, d=D, v=V, dtype=torch.float32, bias=True, device=DEVICE):
+    hidden, weight, b, targets = make(n, d, v, dtype, bias=bias, device=device)
+    seq = torch.arange(n, device=device) // 6  # 7 packed sequences, the last one short
+    mask = (torch.rand(n, device=device) > 0.25).float()
+    mask[targets < 0] = 0
+    with torch.no_grad():
+        logp, _ = logprob_entropy_reference(hidden.float(), weight.float(), targets, 1.0,
+                                            None if b is None else b.float())
+    noise = lambda s: logp + s * torch.randn(n, device=device)  # noqa: E731
+    data = dict(logp_old=noise(0.3), advantages=torch.randn(n, device=device)[seq], mask=mask)
+    extras = dict(seq_ids=seq, logp_ref=noise(0.2), logp_rollout=noise(0.1))
+    return (hidden, weight, b, targets), data, extras
+
+
+FULL = dict(tis_cap=2.0, tis_level="sequence", kl_coef=0.05, kl_type="k3", entropy_coef=0.01,
+            dual_clip=3.0, eps_high=0.28)
+
+
+def both(params, data, loss_kw, temperature=1.0, provider="torch", chunk_size=8):
+    """(loss, metrics, grads) of the fused path and of ppo_loss over the reference log-probs."""
+    hidden, weight, b, targets = params
+    wrt = [p for p in (hidden, weight, b) if p is not None]
+    loss, metrics, logp, ent = fused_logprob_ppo_loss(
+        hidden, weight, targets, data["logp_old"], data["advantages"], data["mask"], temperature,
+        b, provider=provider, chunk_size=chunk_size, **loss_kw)
+    grads = torch.autograd.grad(loss, wrt)
+    r_logp, r_ent = logprob_entropy_reference(hidden, weight, targets, temperature, b)
+    r_loss, r_metrics = ppo_loss(r_logp, data["logp_old"], data["advantages"], data["mask"],
+                                 entropy=r_ent, **loss_kw)
+    r_grads = torch.autograd.grad(r_loss, wrt)
+    torch.testing.assert_close(logp, r_logp.detach(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(ent, r_ent.detach(), atol=2e-5, rtol=2e-5)
+    return (loss, metrics, grads), (r_loss, r_metrics, r_grads)
+
+
+def assert_same(got, ref, tol=2e-5):
+    (loss, metrics, grads), (r_loss, r_metrics, r_grads) = got, ref
+    torch.testing.assert_close(loss, r_loss, atol=tol, rtol=tol)
+    assert metrics.keys() == r_metrics.keys()
+    for k in metrics:
+        torch.testing.assert_close(metrics[k], r_metrics[k], atol=tol, rtol=tol, msg=k)
+    for g, r in zip(grads, r_grads):
+        torch.testing.assert_close(g, r, atol=tol * max(1.0, r.abs().max().item()), rtol=tol)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("agg", list(AGGREGATORS))
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.01])
+def test_fused_equals_unfused(provider, agg, entropy_coef):
+    params, data, extras = batch()
+    kw = dict(FULL, **extras, agg=agg, entropy_coef=entropy_coef)
+    assert_same(*both(params, data, kw, temperature=0.6, provider=provider))
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_fused_on_policy_token_tis_no_bias(provider):
+    params, data, extras = batch(bias=False)
+    data = dict(data, logp_old=None)  # ratio == 1; logp_old only known chunk by chunk
+    kw = dict(FULL, **extras, tis_level="token")
+    assert_same(*both(params, data, kw, temperature=1.3, provider=provider))
+    with pytest.raises(ValueError):  # sequence TIS would need every logp before the first chunk
+        both(params, data, dict(kw, tis_level="sequence"), provider=provider)
+
+
+def test_fused_bf16():
+    params, data, extras = batch(dtype=torch.bfloat16)
+    got, ref = both(params, data, dict(FULL, **extras))
+    assert all(g.dtype == torch.bfloat16 for g in got[2])
+    assert_same(got, ref, tol=3e-2)
+
+
+def test_fused_chunk_size_invariance():
+    params, data, extras = batch(device="cpu")
+    kw = dict(FULL, **extras)
+    runs = [both(params, data, kw, chunk_size=c)[0] for c in (1, 7, 1000)]
+    for got in runs[1:]:
+        assert_same(got, runs[0], tol=1e-5)
+
+
+@pytest.mark.parametrize("agg", list(AGGREGATORS))
+def test_fused_micro_batches_sum_to_full_batch(agg):
+    (hidden, weight, b, targets), data, extras = batch(device="cpu")
+    kw = dict(FULL, agg=agg, logp_ref=extras["logp_ref"], logp_rollout=extras["logp_rollout"])
+    args = (data["logp_old"], data["advantages"], data["mask"])
+    full, *_ = fused_logprob_ppo_loss(hidden, weight, targets, *args, 0.9, b, seq_ids=extras["seq_ids"],
+                                      **kw)
+    g_full = torch.autograd.grad(full, [hidden, weight, b])
+    norm = loss_normalizer(agg, data["mask"], extras["seq_ids"])
+    total = 0.0
+    for sl in (slice(0, 12), slice(12, 30), slice(30, N)):  # sequence boundaries (6 tokens each)
+        part_kw = {k: v[sl] if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+        part, *_ = fused_logprob_ppo_loss(hidden[sl], weight, targets[sl], *(a[sl] for a in args), 0.9,
+                                          b, seq_ids=extras["seq_ids"][sl], normalizer=norm, **part_kw)
+        total = total + part
+    torch.testing.assert_close(total, full)
+    for g, gf in zip(torch.autograd.grad(total, [hidden, weight, b]), g_full):
+        torch.testing.assert_close(g, gf, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_fused_fully_masked(provider):
+    params, data, extras = batch()
+    data = dict(data, mask=torch.zeros_like(data["mask"]))
+    (loss, metrics, grads), _ = both(params, data, dict(FULL, **extras), provider=provider)
+    assert loss == 0 and all((g == 0).all() for g in grads)
+    assert all(torch.isfinite(v) for v in metrics.values())
+
+
+def test_fused_upstream_scale_and_no_grad():
+    (hidden, weight, b, targets), data, extras = batch(device="cpu")
+    args = (hidden, weight, targets, data["logp_old"], data["advantages"], data["mask"], 1.0, b)
+    loss, *_ = fused_logprob_ppo_loss(*args, chunk_size=8)
+    g1 = torch.autograd.grad(loss, [hidden])[0]
+    loss, *_ = fused_logprob_ppo_loss(*args, chunk_size=8)
+    g3 = torch.autograd.grad(3.0 * loss, [hidden])[0]
+    torch.testing.assert_close(g3, 3 * g1)
+    with torch.no_grad():
+        loss2, _, logp, _ = fused_logprob_ppo_loss(*args)
+    torch.testing.assert_close(loss2, loss.detach())
+    torch.testing.assert_close(logp, logprob_entropy(hidden, weight, targets, 1.0, b)[0].detach())
+    with pytest.raises(TypeError):
+        fused_logprob_ppo_loss(*args, clip_eps=0.2)
+
+
+def test_fused_computes_logits_once_per_chunk(monkeypatch):
+    """6*N*V*d, not 8: the fused pass builds each chunk's logits once; the unfused op twice."""
+    from kernels import logprob as lp_mod
+
+    calls = []
+    real = lp_mod._torch_log_softmax
+    monkeypatch.setattr(lp_mod, "_torch_log_softmax", lambda *a: calls.append(1) or real(*a))
+    (hidden, weight, b, targets), data, _ = batch(device="cpu")  # N = 37 -> 5 chunks of 8
+    loss, *_ = fused_logprob_ppo_loss(hidden, weight, targets, data["logp_old"], data["advantages"],
+                                      data["mask"], 1.0, b, provider="torch", chunk_size=8)
+    loss.backward()
+    assert len(calls) == 5
+    calls.clear()
+    logp, ent = logprob_entropy(hidden, weight, targets, 1.0, b, provider="torch", chunk_size=8)
+    (logp.sum() + ent.sum()).backward()
+    assert len(calls) == 10

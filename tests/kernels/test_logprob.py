@@ -1,0 +1,179 @@
+"""kernels.logprob: the chunked torch and Triton providers against the full-logits reference.
+
+Values AND gradients (random upstream gradients on both outputs), fp32 and bf16, shapes that are
+not multiples of any block, V below one block, targets at 0 / V-1 / the last partial block.
+"""
+import pytest
+import torch
+
+from kernels import logprob as lp_mod
+from kernels.logprob import logprob_entropy, logprob_entropy_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton under TRITON_INTERPRET on CPU
+PROVIDERS = ["torch"] + (["triton"] if lp_mod.triton is not None else [])
+
+BV = lp_mod.BLOCK_V
+SHAPES = {"ragged": (37, 29, 2 * BV + 11), "tiny_vocab": (21, 19, BV // 2 + 3)}  # N, d, V
+TOL = {torch.float32: dict(val=2e-5, grad=2e-5), torch.bfloat16: dict(val=2e-2, grad=2e-2)}
+
+
+def make(n, d, v, dtype=torch.float32, logit_scale=3.0, bias=False, device=DEVICE):
+    hidden = torch.randn(n, d, device=device).to(dtype).requires_grad_()
+    weight = (torch.randn(v, d, device=device) * logit_scale / d**0.5).to(dtype).requires_grad_()
+    b = (torch.randn(v, device=device) * logit_scale).to(dtype).requires_grad_() if bias else None
+    targets = torch.randint(0, v, (n,), device=device)
+    last_block = (v - 1) // BV * BV  # first column of the last (partial) vocab block
+    targets[:4] = torch.tensor([0, v - 1, last_block + (v - 1 - last_block) // 2, -100])
+    return hidden, weight, b, targets
+
+
+def run(fn, hidden, weight, bias, targets, temperature=1.0, upstream=None, **kw):
+    """Outputs and gradients w.r.t. (hidden, weight[, bias]) under random upstream grads."""
+    logp, ent = fn(hidden, weight, targets, temperature, bias, **kw)
+    g_lp, g_ent = upstream if upstream is not None else (torch.randn_like(logp), torch.randn_like(ent))
+    params = [p for p in (hidden, weight, bias) if p is not None]
+    grads = torch.autograd.grad((logp * g_lp + ent * g_ent).sum(), params)
+    return logp.detach(), ent.detach(), grads, (g_lp, g_ent)
+
+
+def close(actual, expected, tol, what):
+    expected = expected.float()
+    atol = tol * max(1.0, expected.abs().max().item())  # relative to the tensor's scale
+    torch.testing.assert_close(actual.float(), expected, atol=atol, rtol=tol, msg=what)
+
+
+def check_against_reference(provider, hidden, weight, bias, targets, temperature, tol, **kw):
+    logp, ent, grads, up = run(logprob_entropy, hidden, weight, bias, targets, temperature,
+                               provider=provider, **kw)
+    # the reference runs in fp32 on the same (possibly bf16-rounded) inputs: the truth to compare to
+    ref_in = [None if t is None else t.detach().float().requires_grad_() for t in (hidden, weight, bias)]
+    r_logp, r_ent, r_grads, _ = run(logprob_entropy_reference, *ref_in, targets, temperature, up)
+    assert logp.dtype == ent.dtype == torch.float32
+    close(logp, r_logp, tol["val"], "logp")
+    close(ent, r_ent, tol["val"], "entropy")
+    for name, g, r in zip(("hidden", "weight", "bias"), grads, r_grads):
+        assert g.dtype == hidden.dtype and g.shape == r.shape
+        close(g, r, tol["grad"], f"d{name}")
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("temperature", [0.6, 1.0, 1.3])
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+def test_matches_reference(provider, dtype, temperature, shape, bias):
+    hidden, weight, b, targets = make(*SHAPES[shape], dtype, bias=bias)
+    # chunk 16 < N: several chunks plus a ragged last one in the torch path and the backward
+    check_against_reference(provider, hidden, weight, b, targets, temperature, TOL[dtype], chunk_size=16)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+@pytest.mark.parametrize("logit_scale,tol", [(100.0, 1e-3), (1e4, 5e-3)], ids=["peaked", "huge"])
+def test_peaked_and_huge_logits(provider, logit_scale, tol):
+    """Logits ~100 give near one-hot softmax; ~1e4 would overflow exp without the max shift."""
+    hidden, weight, b, targets = make(24, 16, BV + 5, logit_scale=logit_scale, bias=True)
+    logp, ent, grads, _ = run(logprob_entropy, hidden, weight, b, targets, 1.0, provider=provider)
+    assert all(torch.isfinite(t).all() for t in (logp, ent, *grads))
+    check_against_reference(provider, hidden, weight, b, targets, 1.0, dict(val=tol, grad=tol))
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_chunk_size_invariance(provider):
+    """dW must be ACCUMULATED over token chunks; overwriting it would keep only the last chunk."""
+    hidden, weight, b, targets = make(*SHAPES["ragged"], bias=True)
+    up = (torch.randn(hidden.shape[0], device=DEVICE), torch.randn(hidden.shape[0], device=DEVICE))
+    runs = [run(logprob_entropy, hidden, weight, b, targets, 0.8, up, provider=provider, chunk_size=c)
+            for c in (1, 5, 16, 1000)]
+    for logp, ent, grads, _ in runs[1:]:
+        torch.testing.assert_close(logp, runs[0][0], atol=1e-5, rtol=1e-5)
+        for g, g0 in zip(grads, runs[0][2]):
+            torch.testing.assert_close(g, g0, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_non_contiguous_hidden_and_int32_targets(provider):
+    n, d, v = SHAPES["ragged"]
+    base = torch.randn(d, 2 * n, device=DEVICE, requires_grad=True)
+    hidden = base.t()[::2]  # [N, d], strides (2, 2N): neither dimension is contiguous
+    assert not hidden.is_contiguous()
+    _, weight, b, targets = make(n, d, v)
+    check_against_reference(provider, hidden, weight, b, targets, 1.0, TOL[torch.float32])
+    up = (torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE))
+    out64 = run(logprob_entropy, hidden, weight, b, targets, 1.0, up, provider=provider)
+    out32 = run(logprob_entropy, hidden, weight, b, targets.int(), 1.0, up, provider=provider)
+    torch.testing.assert_close(out32[0], out64[0], atol=0, rtol=0)
+    for g32, g64 in zip(out32[2], out64[2]):
+        torch.testing.assert_close(g32, g64, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS + ["naive"])
+def test_ignored_targets(provider):
+    """targets < 0: logp = entropy = 0 and the row contributes no gradient at all."""
+    hidden, weight, b, targets = make(*SHAPES["ragged"], bias=True)
+    targets[5:12] = -100
+    keep = targets >= 0
+    logp, ent, grads, up = run(logprob_entropy, hidden, weight, b, targets, 1.0, provider=provider)
+    assert (logp[~keep] == 0).all() and (ent[~keep] == 0).all()
+    assert (grads[0][~keep] == 0).all()
+    # dW and db equal those of the batch with the ignored rows removed
+    sub = [hidden.detach()[keep].requires_grad_(), weight, b]
+    *_, sub_grads, _ = run(logprob_entropy, *sub, targets[keep], 1.0, (up[0][keep], up[1][keep]),
+                           provider=provider)
+    for g, s in zip(grads[1:], sub_grads[1:]):
+        torch.testing.assert_close(g, s, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS + ["naive"])
+def test_all_targets_ignored_no_nan(provider):
+    hidden, weight, b, targets = make(*SHAPES["tiny_vocab"], bias=True)
+    logp, ent, grads, _ = run(logprob_entropy, hidden, weight, b, torch.full_like(targets, -100),
+                              1.0, provider=provider)
+    assert (logp == 0).all() and (ent == 0).all()
+    assert all((g == 0).all() for g in grads)
+
+
+def test_reference_gradcheck_fp64():
+    hidden, weight, b, targets = make(4, 3, 5, torch.float64, bias=True, device="cpu")
+    targets[3] = 2  # make() puts -100 there; gradcheck the ignored row below instead
+
+    def f(h, w, bb):
+        logp, ent = logprob_entropy_reference(h, w, targets, 0.7, bb)
+        return logp, ent
+
+    assert torch.autograd.gradcheck(f, (hidden, weight, b))
+    targets[3] = -100
+    assert torch.autograd.gradcheck(f, (hidden, weight, b))
+
+
+def test_torch_provider_gradcheck_fp64():
+    """The chunked autograd.Function runs in fp64 for fp64 inputs, so gradcheck applies to it too."""
+    hidden, weight, b, targets = make(5, 3, 6, torch.float64, bias=True, device="cpu")
+
+    def f(h, w, bb):
+        return logprob_entropy(h, w, targets, 1.3, bb, provider="torch", chunk_size=2)
+
+    assert torch.autograd.gradcheck(f, (hidden, weight, b))
+
+
+def test_frozen_head_and_auto_provider():
+    hidden, weight, _, targets = make(*SHAPES["tiny_vocab"], device="cpu")
+    weight.requires_grad_(False)
+    logp, ent = logprob_entropy(hidden, weight, targets)  # auto -> torch on CPU
+    (g,) = torch.autograd.grad(logp.sum() + ent.sum(), [hidden])
+    r_logp, r_ent = logprob_entropy_reference(hidden, weight, targets)
+    (r,) = torch.autograd.grad(r_logp.sum() + r_ent.sum(), [hidden])
+    torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(logprob_entropy(hidden, weight, targets)[0], r_logp.detach())
+
+
+def test_backward_through_logp_only():
+    """An unused entropy output reaches backward as None; that path must still be right."""
+    hidden, weight, b, targets = make(*SHAPES["ragged"], bias=True, device="cpu")
+    g_lp = torch.randn(hidden.shape[0])
+    grads = torch.autograd.grad((logprob_entropy(hidden, weight, targets, 0.9, b, chunk_size=7)[0]
+                                 * g_lp).sum(), [hidden, weight, b])
+    refs = torch.autograd.grad((logprob_entropy_reference(hidden, weight, targets, 0.9, b)[0]
+                                * g_lp).sum(), [hidden, weight, b])
+    for g, r in zip(grads, refs):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
