@@ -46,7 +46,6 @@ class RolloutConfig:
     enable_prefix_caching: bool = knob(True, "Reuse a prompt's KV cache across its n samples.")
     enforce_eager: bool = knob(True, "Skip graph capture/compilation (fast start; best for small models and CPU).")
     sleep_level: int = knob(1, "vLLM sleep level between rollouts on GPU (1: weights to CPU, 2: discard weights).")
-    seed: int = knob(0, "vLLM sampling seed (per rank: seed + rank).")
 
 
 @dataclass
@@ -70,7 +69,7 @@ class TrainConfig:
     probe_every: int = knob(1, "Check vLLM vs trainer log-probs on a probe batch every N hand-offs (0 = off).")
     probe_tol: float = knob(1e-3, "Largest allowed |logp_vllm - logp_trainer| on the probe batch.")
     probe_action: Literal["error", "warn"] = knob("error", "What a failed probe does.")
-    seed: int = knob(0, "Seed for data order, torch and sampling.")
+    seed: int = knob(0, "Seeds everything: data order, torch, and vLLM sampling (seed + rank on each rank).")
 
 
 @dataclass

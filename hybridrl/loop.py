@@ -65,7 +65,7 @@ def train(cfg: Config) -> dict:
         run.eval(step, acc)
         return acc
 
-    def hand_off(step: int) -> dict:
+    def hand_off() -> None:
         """Trainer -> vLLM. The order is the point: the trainer's states leave the device before
         vLLM's memory returns, and vLLM's weights wake before its KV cache, so the two engines'
         peaks never overlap (waking both while the trainer holds memory is the most reported
@@ -76,19 +76,22 @@ def train(cfg: Config) -> dict:
         if world.device.type == "cuda":
             torch.cuda.empty_cache()  # free the gather staging before the KV cache comes back
         rollout.wake(["kv_cache"])
-        out = {}
-        if cfg.train.probe_every and step % cfg.train.probe_every == 0:
-            gap, theirs = sync.probe(trainer, rollout, probe_seqs)
-            out["probe_gap"] = gap  # vLLM vs trainer now: must be ~0
-            if last_probe:  # vLLM now vs vLLM at the last probe: > 0 proves the weights moved
-                out["probe_delta"] = float((theirs - last_probe[0]).abs().max())
-            last_probe[:] = [theirs]
-            if gap > cfg.train.probe_tol:
-                msg = (f"step {step}: vLLM and trainer disagree on the probe batch by {gap:.2e} "
-                       f"(> train.probe_tol={cfg.train.probe_tol}): stale or partial weights after the hand-off")
-                if cfg.train.probe_action == "error":
-                    raise sync.StaleWeightsError(msg)
-                log.warning(msg)
+
+    def check_probe(step: int) -> dict:
+        """vLLM vs trainer log-probs on a fixed batch: stale or partial weights fail loudly."""
+        if not cfg.train.probe_every or step % cfg.train.probe_every:
+            return {}
+        gap, theirs = sync.probe(trainer, rollout, probe_seqs)
+        out = {"probe_gap": gap}  # vLLM vs trainer now: must be ~0
+        if last_probe:  # vLLM now vs vLLM at the last probe: > 0 proves the weights moved
+            out["probe_delta"] = float((theirs - last_probe[0]).abs().max())
+        last_probe[:] = [theirs]
+        if gap > cfg.train.probe_tol:
+            msg = (f"step {step}: vLLM and trainer disagree on the probe batch by {gap:.2e} "
+                   f"(> train.probe_tol={cfg.train.probe_tol}): stale or partial weights after the hand-off")
+            if cfg.train.probe_action == "error":
+                raise sync.StaleWeightsError(msg)
+            log.warning(msg)
         return out
 
     start = time.perf_counter()  # engines are up: the clock of train.max_minutes starts here
@@ -120,7 +123,9 @@ def train(cfg: Config) -> dict:
             metrics = trainer.step(batch)
         # 4. hand the new weights to vLLM
         with phases("sync"):
-            metrics.update(hand_off(step))
+            hand_off()
+        with phases("probe"):
+            metrics.update(check_probe(step))
 
         n_tok = all_sum([sum(len(s.token_ids) for s in samples), int(batch.lengths.sum())])
         reward_sum = all_sum([float(R.sum()), R.numel(), reward_errors, float((R >= 1).sum())])

@@ -39,7 +39,7 @@ class Rollout:
         self.llm = LLM(
             model=model_path,
             dtype=cfg.model.dtype,
-            seed=r.seed + rank,  # different samples on each data-parallel rank
+            seed=cfg.train.seed + rank,  # different samples on each data-parallel rank
             enforce_eager=r.enforce_eager,
             max_model_len=r.max_model_len,
             enable_prefix_caching=r.enable_prefix_caching,
