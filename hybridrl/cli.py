@@ -71,7 +71,7 @@ def _train(**kw) -> None:
     from .loop import train
     try:
         train(cfg)
-    except (C.ConfigError, ValueError, FileNotFoundError) as e:
+    except C.UserError as e:
         _fail(str(e))
 
 

@@ -11,13 +11,13 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import DataConfig
+from .config import DataConfig, UserError
 
 log = logging.getLogger("hybridrl")
 
 
-class DataError(ValueError):
-    pass
+class DataError(UserError):
+    """Malformed or missing data; names the file and line."""
 
 
 @dataclass

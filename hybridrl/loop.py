@@ -53,8 +53,10 @@ def train(cfg: Config) -> dict:
     mine = slice(world.rank, None, world.size)  # this rank's share of every global list
     last_probe: list[torch.Tensor] = []
 
-    def evaluate(step: int) -> float:
-        """Greedy held-out accuracy (reward >= 1), prompts sharded over ranks."""
+    def evaluate(step: int) -> float | None:
+        """Greedy held-out accuracy (reward >= 1), prompts sharded over ranks; None without a split."""
+        if not heldout:
+            return None
         rollout.wake(["kv_cache"])
         shard = heldout[mine]
         outs = rollout.greedy([p.ids for p in shard], cfg.rollout.max_new_tokens) if shard else []

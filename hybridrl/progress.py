@@ -80,5 +80,7 @@ class RunLog:
         self._write({"summary": summary})
         if self.main:
             self.file.close()
-            print(f"\nheld-out accuracy: {summary['heldout_acc_before']:.1%} -> {summary['heldout_acc_after']:.1%}"
-                  f"  ({summary['steps']} steps, {summary['minutes']:.1f} min, run dir {self.dir})", flush=True)
+            before, after = summary["heldout_acc_before"], summary["heldout_acc_after"]
+            acc = "n/a (no held-out split: set data.heldout_path)" if before is None else f"{before:.1%} -> {after:.1%}"
+            print(f"\nheld-out accuracy: {acc}  ({summary['steps']} steps, {summary['minutes']:.1f} min, "
+                  f"run dir {self.dir})", flush=True)

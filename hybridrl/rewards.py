@@ -11,6 +11,8 @@ import importlib
 import logging
 from typing import Callable
 
+from .config import ConfigError
+
 log = logging.getLogger("hybridrl")
 
 RewardFn = Callable[[str, str, str], float]
@@ -32,16 +34,16 @@ def load(spec: str) -> RewardFn:
     if spec in BUILTIN:
         return BUILTIN[spec]
     if ":" not in spec:
-        raise ValueError(f"reward.fn={spec!r}: use a built-in ({', '.join(BUILTIN)}) or module:function")
+        raise ConfigError(f"reward.fn={spec!r}: use a built-in ({', '.join(BUILTIN)}) or module:function")
     module, _, name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module), name)
     except ImportError as e:
-        raise ValueError(f"reward.fn={spec!r}: cannot import {module!r} ({e}); is it on PYTHONPATH?") from None
+        raise ConfigError(f"reward.fn={spec!r}: cannot import {module!r} ({e}); is it on PYTHONPATH?") from None
     except AttributeError:
-        raise ValueError(f"reward.fn={spec!r}: module {module!r} has no function {name!r}") from None
+        raise ConfigError(f"reward.fn={spec!r}: module {module!r} has no function {name!r}") from None
     if not callable(fn):
-        raise ValueError(f"reward.fn={spec!r} is not callable")
+        raise ConfigError(f"reward.fn={spec!r} is not callable")
     return fn
 
 

@@ -15,7 +15,7 @@ from .trainer import Trainer
 
 
 class StaleWeightsError(RuntimeError):
-    pass
+    """vLLM's weights do not match the trainer's after a hand-off."""
 
 
 def push_weights(trainer: Trainer, rollout: Rollout, bucket_mb: int) -> None:

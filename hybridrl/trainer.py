@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kernels.logprob import logprob_entropy
-from kernels.ppo_loss import ppo_loss
+from kernels.ppo_loss import fused_logprob_ppo_loss
 
 from .batch import Batch, micro_batches
 from .config import Config
@@ -37,14 +37,19 @@ class _TokenLogprobs(nn.Module):
             if getattr(hf.config, attr, None) not in (None, 1.0):
                 raise NotImplementedError(f"models with {attr} need the full LM head; not supported yet")
 
-    def forward(self, tokens, attention_mask, loss_mask, temperature: float):
+    def forward(self, tokens, attention_mask, loss_mask, temperature: float, loss: dict | None = None):
+        """Without `loss`: (logp [N], entropy [N]) of the masked tokens. With `loss` (ppo_loss's
+        per-token tensors and knobs): (loss, metrics, logp, entropy) from the fused kernel, which
+        produces the logits' gradient in the same pass."""
         hidden = self.hf.base_model(input_ids=tokens, attention_mask=attention_mask).last_hidden_state
         sel = loss_mask[:, 1:]  # [B, T-1]: position t predicts token t+1
         h = hidden[:, :-1][sel]  # [N, d]
         y = tokens[:, 1:][sel]  # [N]
         head = self.hf.get_output_embeddings()
-        return logprob_entropy(h, head.weight, y, temperature, head.bias,
-                               provider=self.provider, chunk_size=self.chunk)  # [N], [N]
+        kw = dict(temperature=temperature, bias=head.bias, provider=self.provider, chunk_size=self.chunk)
+        if loss is None:
+            return logprob_entropy(h, head.weight, y, **kw)
+        return fused_logprob_ppo_loss(h, head.weight, y, **kw, **loss)
 
 
 def ds_config(cfg: Config, bf16: bool) -> dict:
@@ -94,8 +99,8 @@ class Trainer:
         self.hf = hf
 
     # --- log-probs ----------------------------------------------------------------------------
-    def _forward(self, mb: Batch, temperature: float):
-        return self.engine(mb.tokens, mb.attention_mask(), mb.loss_mask, temperature)
+    def _forward(self, mb: Batch, temperature: float, loss: dict | None = None):
+        return self.engine(mb.tokens, mb.attention_mask(), mb.loss_mask, temperature, loss)
 
     @torch.no_grad()
     def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
@@ -137,23 +142,21 @@ class Trainer:
                 norm = self._normalizer(mini)
                 for idx in micro_batches(mini.lengths, t.max_tokens_per_micro_batch):
                     m = mini.select(idx).to(self.device)
-                    logp, entropy = self._forward(m, temp)  # [N], [N]
                     sel = m.loss_mask
                     seq_ids = torch.arange(len(m), device=self.device)[:, None].expand_as(sel)[sel]  # [N]
-                    old = m.logp_old[sel] if m.logp_old is not None else logp.detach()
-                    loss, metrics = ppo_loss(
-                        logp, old, m.advantages[seq_ids], torch.ones_like(logp), seq_ids=seq_ids,
-                        logp_rollout=m.logp_rollout[sel] if a.tis_cap else None, entropy=entropy,
+                    loss, metrics, logp, _ = self._forward(m, temp, loss=dict(
+                        logp_old=None if m.logp_old is None else m.logp_old[sel],  # None: on-policy, ratio 1
+                        advantages=m.advantages[seq_ids], mask=torch.ones(len(seq_ids), device=self.device),
+                        seq_ids=seq_ids, logp_rollout=m.logp_rollout[sel] if a.tis_cap else None,
                         eps_low=a.clip_low, eps_high=a.clip_high, dual_clip=a.dual_clip or None,
-                        tis_cap=a.tis_cap or None, entropy_coef=a.entropy_coef, agg=a.loss_agg,
-                        normalizer=norm)
+                        tis_cap=a.tis_cap or None, entropy_coef=a.entropy_coef, agg=a.loss_agg, normalizer=norm))
                     # DeepSpeed averages gradients over ranks; the normaliser is already global
                     self.engine.backward(loss * world, scale_wrt_gas=False)
                     w = float(sel.sum())
-                    gap = (logp.detach() - m.logp_rollout[sel]).abs()
-                    extra = {"loss": float(loss.detach()) * norm / max(w, 1.0), "logp_gap_mean": float(gap.mean()) if w else 0.0}
-                    for k, v in {**{k: float(v) for k, v in metrics.items()}, **extra}.items():
-                        sums[k] = sums.get(k, 0.0) + v * w
+                    gap = (logp - m.logp_rollout[sel]).abs()  # trainer vs vLLM on the sampled tokens
+                    sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())  # micro losses sum to the minibatch's
+                    for k, v in {**metrics, "logp_gap_mean": gap.mean() if w else 0.0}.items():
+                        sums[k] = sums.get(k, 0.0) + float(v) * w
                     sums["_w"] = sums.get("_w", 0.0) + w
                     sums["logp_gap_max"] = max(sums.get("logp_gap_max", 0.0), float(gap.max()) if w else 0.0)
                 self.engine.step()
@@ -161,8 +164,9 @@ class Trainer:
                 grad_norm = self.engine.get_global_grad_norm()
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + (float(grad_norm) if grad_norm is not None else 0.0)
         w = max(sums.pop("_w", 0.0), 1.0)
-        out = {k: v / w for k, v in sums.items() if k not in ("grad_norm", "logp_gap_max")}
-        out["grad_norm"] = sums.get("grad_norm", 0.0) / max(n_updates, 1)
+        per_update = ("grad_norm", "loss")
+        out = {k: v / w for k, v in sums.items() if k not in (*per_update, "logp_gap_max")}
+        out.update({k: sums.get(k, 0.0) / max(n_updates, 1) for k in per_update})
         out["logp_gap_max"] = sums.get("logp_gap_max", 0.0)
         out["lr"] = float(self.engine.get_lr()[0])
         return out

@@ -35,3 +35,40 @@ def test_loop_runs_and_hand_off_is_exact(tmp_path, nproc, zero):
         assert s["probe_delta"] > 1e-6, s  # and they changed since the previous hand-off
     assert "held-out accuracy:" in out.stdout
     assert 0.0 <= summary["heldout_acc_after"] <= 1.0
+
+
+REWARD_MODULE = '''
+def score(prompt, completion, answer):
+    if prompt.startswith("7+"):
+        raise RuntimeError("boom")  # a crashing verifier must not stop the run
+    return float(completion.strip() == answer)
+'''
+
+
+def test_user_data_reward_module_and_bad_rows(tmp_path, monkeypatch):
+    """A user's jsonl + module:function reward: overlong prompts dropped and counted, a reward
+    function that raises scores 0 and is counted, the run completes."""
+    from hybridrl.tasks import arithmetic
+    rows = arithmetic.load("train")[:200]
+    lines = [json.dumps({"question": r["prompt"], "label": r["answer"]}) for r in rows]
+    lines.append(json.dumps({"question": "1" * 60 + "+1=", "label": "x"}))  # longer than max_prompt_len
+    (tmp_path / "train.jsonl").write_text("\n".join(lines) + "\n")
+    (tmp_path / "myreward.py").write_text(REWARD_MODULE)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    out, steps, summary = train_cli(
+        tmp_path / "run", "--data", str(tmp_path / "train.jsonl"), "--data.prompt_key", "question",
+        "--data.answer_key", "label", "--reward", "myreward:score", "--model", "demo", "--steps", "6",
+        "--train.prompts_per_step", "16")
+    assert "dropped 1 of 201 prompts longer than data.max_prompt_len" in out.stdout + out.stderr
+    assert sum(s["reward_errors"] for s in steps) > 0  # 7+x prompts raised, were scored 0, run went on
+    assert "held-out accuracy: n/a" in out.stdout and summary["heldout_acc_before"] is None
+
+
+def test_bad_input_fails_fast_with_the_fix(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": "2"}\nnot json\n')
+    cmd = [sys.executable, "-m", "hybridrl", "train", "--data", str(bad), "--log.run_dir", str(tmp_path / "r")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "bad.jsonl:2: not valid JSON" in out.stderr
+    out = subprocess.run([*cmd[:4], "--reward", "nosuchmodule:f"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "cannot import 'nosuchmodule'" in out.stderr
