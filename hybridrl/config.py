@@ -84,6 +84,9 @@ class AlgoConfig:
     kl_type: Literal["k1", "k2", "k3"] = knob("k3", "KL estimator.")
     entropy_coef: float = knob(0.0, "Entropy bonus weight.")
     tis_cap: float = knob(0.0, "Truncated importance-sampling cap against vLLM log-probs (0 = off).")
+    skip_zero_advantage: bool = knob(True, "Train only on samples with a non-zero advantage; groups whose rewards are "
+                                     "all equal carry no gradient. The loss normaliser then counts only the kept "
+                                     "tokens, as with DAPO's dynamic sampling.")
 
 
 @dataclass

@@ -57,6 +57,21 @@ def init_distributed() -> World:
     return World(rank, size, local, device)
 
 
+def all_sum(values: list[float]) -> list[float]:
+    """Element-wise sum over ranks (a no-op in a world of one)."""
+    t = torch.tensor(values, dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def all_max(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
 def spawn(nproc: int, argv: list[str], *, nnodes: str = "1", node_rank: int = 0,
           rdzv_endpoint: str = "", rdzv_backend: str = "c10d", max_restarts: int = 0) -> int:
     """Run `python -m hybridrl <argv>` on `nproc` local ranks through torch.distributed.run."""

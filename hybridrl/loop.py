@@ -13,7 +13,6 @@ import time
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from . import algo, data, env, launch, rewards, sync
 from .batch import Batch
@@ -62,7 +61,7 @@ def train(cfg: Config) -> dict:
         outs = rollout.greedy([p.ids for p in shard], cfg.rollout.max_new_tokens) if shard else []
         texts = tokenizer.batch_decode(outs, skip_special_tokens=True)
         scores, _ = rewards.score(reward_fn, [p.text for p in shard], texts, [p.answer for p in shard])
-        correct = all_sum([sum(s >= 1.0 for s in scores), len(scores)])
+        correct = launch.all_sum([sum(s >= 1.0 for s in scores), len(scores)])
         acc = correct[0] / max(correct[1], 1)
         run.eval(step, acc)
         return acc
@@ -118,9 +117,12 @@ def train(cfg: Config) -> dict:
                                                   [p.answer for p in src], cfg.reward.on_error)
             R = torch.tensor(scores).view(len(batch_prompts), cfg.rollout.n)  # [P, n]
             adv = algo.advantages(cfg.algo.advantage, R).flatten()  # [P * n]
-        # 3. train on the rollout
-        batch = Batch.from_rows([p.ids for p in src], [s.token_ids for s in samples],
-                                [s.logprobs for s in samples], adv.tolist())
+        # 3. train on the samples that carry a gradient (equal-reward groups have A == 0)
+        keep = (adv != 0) if cfg.algo.skip_zero_advantage else torch.ones_like(adv, dtype=torch.bool)
+        keep[0] |= not keep.any()  # one zero-advantage row keeps this rank in the collectives
+        rows = keep.nonzero().flatten().tolist()
+        batch = Batch.from_rows([src[i].ids for i in rows], [samples[i].token_ids for i in rows],
+                                [samples[i].logprobs for i in rows], adv[rows].tolist())
         with phases("train"):
             metrics = trainer.step(batch)
         # 4. hand the new weights to vLLM
@@ -129,11 +131,12 @@ def train(cfg: Config) -> dict:
         with phases("probe"):
             metrics.update(check_probe(step))
 
-        n_tok = all_sum([sum(len(s.token_ids) for s in samples), int(batch.lengths.sum())])
-        reward_sum = all_sum([float(R.sum()), R.numel(), reward_errors, float((R >= 1).sum())])
+        n_tok = launch.all_sum([sum(len(s.token_ids) for s in samples), int(batch.lengths.sum())])
+        reward_sum = launch.all_sum([float(R.sum()), R.numel(), reward_errors, float((R >= 1).sum()),
+                                     float((adv != 0).sum())])
         metrics.update(
             reward=reward_sum[0] / reward_sum[1], solve_rate=reward_sum[3] / reward_sum[1],
-            reward_errors=reward_sum[2], rollout_tokens=n_tok[0],
+            reward_errors=reward_sum[2], rollout_tokens=n_tok[0], signal_frac=reward_sum[4] / reward_sum[1],
             rollout_tok_s=n_tok[0] / max(phases["generate"], 1e-9),
             train_tok_s=n_tok[1] / max(phases["train"], 1e-9),
             response_len=n_tok[0] / reward_sum[1], elapsed_s=time.perf_counter() - start,
@@ -141,7 +144,7 @@ def train(cfg: Config) -> dict:
         run.step(step, metrics)
         if cfg.log.eval_every and step % cfg.log.eval_every == 0 and step != cfg.train.steps:
             evaluate(step)
-        if cfg.train.max_minutes and all_max(time.perf_counter() - start) > cfg.train.max_minutes * 60:
+        if cfg.train.max_minutes and launch.all_max(time.perf_counter() - start) > cfg.train.max_minutes * 60:
             break
     acc_after = evaluate(step)
     summary = {"heldout_acc_before": acc_before, "heldout_acc_after": acc_after, "steps": step,
@@ -182,17 +185,3 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def all_sum(values: list[float]) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t)
-    return t.tolist()
-
-
-def all_max(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)

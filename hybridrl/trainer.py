@@ -23,6 +23,7 @@ from kernels.ppo_loss import fused_logprob_ppo_loss
 
 from .batch import Batch, micro_batches
 from .config import Config
+from .launch import all_max
 
 log = logging.getLogger("hybridrl")
 
@@ -102,23 +103,31 @@ class Trainer:
     def _forward(self, mb: Batch, temperature: float, loss: dict | None = None):
         return self.engine(mb.tokens, mb.attention_mask(), mb.loss_mask, temperature, loss)
 
+    def _plan(self, rows: Batch | None) -> list[torch.Tensor | None]:
+        """Micro-batches of `rows`, padded with None (a zero-weight dummy) up to the largest
+        count on any rank: under ZeRO-3 every forward gathers parameters collectively, so ranks
+        with different counts would hang."""
+        groups = micro_batches(rows.lengths, self.cfg.train.max_tokens_per_micro_batch) if rows else []
+        return groups + [None] * (int(all_max(len(groups))) - len(groups))
+
     @torch.no_grad()
     def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
         """Trainer log-probs of every masked token, laid out like `batch.loss_mask`: [B, T]."""
         out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
-        for idx in micro_batches(batch.lengths, self.cfg.train.max_tokens_per_micro_batch):
-            mb = batch.select(idx)
+        for idx in self._plan(batch):
+            mb = batch.select(idx if idx is not None else torch.tensor([0]))
             logp, _ = self._forward(mb.to(self.device), temperature)
-            rows = torch.zeros(mb.tokens.shape, dtype=torch.float32)
-            rows[mb.loss_mask] = logp.float().cpu()
-            out[idx, : rows.shape[1]] = rows
+            if idx is not None:
+                rows = torch.zeros(mb.tokens.shape, dtype=torch.float32)
+                rows[mb.loss_mask] = logp.float().cpu()
+                out[idx, : rows.shape[1]] = rows
         return out
 
     # --- update -------------------------------------------------------------------------------
-    def _normalizer(self, batch: Batch) -> float:
+    def _normalizer(self, batch: Batch | None) -> float:
         """Global denominator of the loss aggregation, summed over ranks (see ppo_loss)."""
         agg = self.cfg.algo.loss_agg
-        n_tok = batch.loss_mask.sum(1)
+        n_tok = batch.loss_mask.sum(1) if batch else torch.zeros(0)
         local = {"token_mean": n_tok.sum(), "seq_mean_token_mean": (n_tok > 0).sum(),
                  "seq_mean_token_sum_norm": torch.tensor(len(batch) * self.cfg.rollout.max_new_tokens)}[agg]
         total = local.double().reshape(1)
@@ -137,11 +146,12 @@ class Trainer:
         n_updates = 0
         for _ in range(t.epochs):
             perm = torch.randperm(len(batch), generator=gen) if t.minibatches > 1 else torch.arange(len(batch))
-            for mb_rows in perm.chunk(t.minibatches):
-                mini = batch.select(mb_rows)
+            for mb_rows in torch.tensor_split(perm, t.minibatches):  # same count on every rank
+                mini = batch.select(mb_rows) if len(mb_rows) else None
                 norm = self._normalizer(mini)
-                for idx in micro_batches(mini.lengths, t.max_tokens_per_micro_batch):
-                    m = mini.select(idx).to(self.device)
+                for idx in self._plan(mini):
+                    dummy = idx is None  # keeps this rank in step with the others' collectives
+                    m = (batch.select(torch.tensor([0])) if dummy else mini.select(idx)).to(self.device)
                     sel = m.loss_mask
                     seq_ids = torch.arange(len(m), device=self.device)[:, None].expand_as(sel)[sel]  # [N]
                     loss, metrics, logp, _ = self._forward(m, temp, loss=dict(
@@ -151,7 +161,9 @@ class Trainer:
                         eps_low=a.clip_low, eps_high=a.clip_high, dual_clip=a.dual_clip or None,
                         tis_cap=a.tis_cap or None, entropy_coef=a.entropy_coef, agg=a.loss_agg, normalizer=norm))
                     # DeepSpeed averages gradients over ranks; the normaliser is already global
-                    self.engine.backward(loss * world, scale_wrt_gas=False)
+                    self.engine.backward(loss * (0.0 if dummy else world), scale_wrt_gas=False)
+                    if dummy:
+                        continue
                     w = float(sel.sum())
                     gap = (logp - m.logp_rollout[sel]).abs()  # trainer vs vLLM on the sampled tokens
                     sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())  # micro losses sum to the minibatch's
