@@ -7,11 +7,16 @@ copies them in (see `Trainer.named_parameters_for_sync`).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from .batch import Batch
 from .rollout import Rollout
 from .trainer import Trainer
+
+
+log = logging.getLogger("hybridrl")
 
 
 class StaleWeightsError(RuntimeError):
@@ -31,10 +36,32 @@ def probe_batch(seqs: list[list[int]]) -> Batch:
 
 
 def probe(trainer: Trainer, rollout: Rollout, seqs: list[list[int]]) -> tuple[float, torch.Tensor]:
-    """max |logp_vllm - logp_trainer| over a fixed probe batch, and vLLM's log-probs.
-
-    Catches stale or partial weights after a hand-off (TRL#5312 lost weeks to this)."""
+    """max |logp_vllm - logp_trainer| over a fixed probe batch, and vLLM's log-probs."""
     batch = probe_batch(seqs)
     ours = trainer.logprobs(batch, temperature=1.0)[batch.loss_mask]  # [N]
     theirs = torch.tensor([x for row in rollout.prompt_logprobs(seqs) for x in row])  # [N]
     return float((ours - theirs).abs().max()), theirs
+
+
+class Probe:
+    """The post-hand-off check: vLLM and the trainer must agree on a fixed batch, and vLLM's
+    answers must change when the weights do. Stale or partial weights fail loudly (TRL#5312
+    lost weeks to silently stale weights); `action="warn"` only logs."""
+
+    def __init__(self, seqs: list[list[int]], tol: float, action: str):
+        self.seqs, self.tol, self.action = seqs, tol, action
+        self.last: torch.Tensor | None = None
+
+    def __call__(self, trainer: Trainer, rollout: Rollout, step: int) -> dict:
+        gap, theirs = probe(trainer, rollout, self.seqs)
+        out = {"probe_gap": gap}  # vLLM vs trainer now: must be ~0
+        if self.last is not None:  # vLLM now vs at the last probe: > 0 proves the weights moved
+            out["probe_delta"] = float((theirs - self.last).abs().max())
+        self.last = theirs
+        if gap > self.tol:
+            msg = (f"step {step}: vLLM and trainer disagree on the probe batch by {gap:.2e} "
+                   f"(> train.probe_tol={self.tol}): stale or partial weights after the hand-off")
+            if self.action == "error":
+                raise StaleWeightsError(msg)
+            log.warning(msg)
+        return out

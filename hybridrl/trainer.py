@@ -23,7 +23,7 @@ from kernels.ppo_loss import fused_logprob_ppo_loss
 
 from .batch import Batch, micro_batches
 from .config import Config
-from .launch import all_max
+from .launch import all_max, all_sum
 
 log = logging.getLogger("hybridrl")
 
@@ -126,14 +126,11 @@ class Trainer:
     # --- update -------------------------------------------------------------------------------
     def _normalizer(self, batch: Batch | None) -> float:
         """Global denominator of the loss aggregation, summed over ranks (see ppo_loss)."""
-        agg = self.cfg.algo.loss_agg
-        n_tok = batch.loss_mask.sum(1) if batch else torch.zeros(0)
+        n_tok = batch.loss_mask.sum(1) if batch else torch.zeros(0)  # [B] completion tokens per row
         local = {"token_mean": n_tok.sum(), "seq_mean_token_mean": (n_tok > 0).sum(),
-                 "seq_mean_token_sum_norm": torch.tensor(len(batch) * self.cfg.rollout.max_new_tokens)}[agg]
-        total = local.double().reshape(1)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(total)
-        return max(float(total), 1.0)
+                 # Dr.GRPO: a constant per sequence (the generation budget), not the batch's longest
+                 "seq_mean_token_sum_norm": len(n_tok) * self.cfg.rollout.max_new_tokens}[self.cfg.algo.loss_agg]
+        return max(all_sum([float(local)])[0], 1.0)
 
     def step(self, batch: Batch) -> dict[str, float]:
         """epochs x minibatches optimizer steps on one rollout batch; returns mean metrics."""
