@@ -67,8 +67,9 @@ class TrainConfig:
     epochs: int = knob(1, "Passes over each rollout batch (PPO epochs).")
     minibatches: int = knob(1, "Optimizer steps per epoch; > 1 makes later steps off-policy (ratio != 1).")
     max_tokens_per_micro_batch: int = knob(8192, "Token budget of one forward/backward; micro-batches accumulate.")
-    kernels: Literal["auto", "triton", "torch", "naive"] = knob(
-        "auto", "Log-prob/loss provider: auto = Triton on CUDA, chunked torch on CPU; naive = full logits (reference).")
+    kernels: Literal["auto", "triton", "torch", "liger", "naive"] = knob(
+        "auto", "Log-prob/loss provider: auto = Triton on CUDA, chunked torch on CPU; liger = Liger-Kernel's fused "
+        "GRPO loss (clipped surrogate only); naive = full logits (reference).")
     logprob_chunk: int = knob(1024, "Tokens per chunk in the chunked log-prob path.")
     sync_bucket_mb: int = knob(256, "Weight hand-off bucket size: ZeRO-3 params are gathered this many MiB at a time.")
     probe_every: int = knob(1, "Check vLLM vs trainer log-probs on a probe batch every N hand-offs (0 = off).")

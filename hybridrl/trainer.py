@@ -18,11 +18,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kernels.liger_loss import liger_ppo_loss
 from kernels.logprob import logprob_entropy
 from kernels.ppo_loss import fused_logprob_ppo_loss
 
 from .batch import Batch, micro_batches
-from .config import Config
+from .config import Config, ConfigError
 from .launch import all_max, all_sum
 
 log = logging.getLogger("hybridrl")
@@ -31,9 +32,9 @@ log = logging.getLogger("hybridrl")
 class _TokenLogprobs(nn.Module):
     """HF causal LM -> log-prob and entropy of the masked tokens, through the fused kernel."""
 
-    def __init__(self, hf: nn.Module, provider: str, chunk: int):
+    def __init__(self, hf: nn.Module, provider: str, chunk: int, max_len: int | None = None):
         super().__init__()
-        self.hf, self.provider, self.chunk = hf, provider, chunk
+        self.hf, self.provider, self.chunk, self.max_len = hf, provider, chunk, max_len
         for attr in ("final_logit_softcapping", "logit_scale"):
             if getattr(hf.config, attr, None) not in (None, 1.0):
                 raise NotImplementedError(f"models with {attr} need the full LM head; not supported yet")
@@ -47,10 +48,29 @@ class _TokenLogprobs(nn.Module):
         h = hidden[:, :-1][sel]  # [N, d]
         y = tokens[:, 1:][sel]  # [N]
         head = self.hf.get_output_embeddings()
-        kw = dict(temperature=temperature, bias=head.bias, provider=self.provider, chunk_size=self.chunk)
+        if self.provider == "liger" and loss is not None:
+            return self._liger(hidden[:, :-1], head, tokens[:, 1:], sel, h, y, temperature, loss)
+        kw = dict(temperature=temperature, bias=head.bias, chunk_size=self.chunk,
+                  provider="torch" if self.provider == "liger" else self.provider)
         if loss is None:
             return logprob_entropy(h, head.weight, y, **kw)
         return fused_logprob_ppo_loss(h, head.weight, y, **kw, **loss)
+
+    def _liger(self, hidden, head, targets, sel, h, y, temperature, loss):
+        """Liger's fused GRPO loss on whole rows (it takes [B, T, d]); our per-token inputs are
+        scattered back to rows. logp is recomputed without grad, for the metrics only."""
+        seq_ids = loss["seq_ids"]
+        adv = torch.zeros(len(hidden), device=h.device).index_put_((seq_ids,), loss["advantages"].float())  # [B]
+        old = None
+        if loss["logp_old"] is not None:
+            old = torch.zeros(sel.shape, device=h.device)
+            old[sel] = loss["logp_old"].float()  # [B, T-1]
+        value, metrics = liger_ppo_loss(hidden, head.weight, targets, sel, adv, old, temperature, head.bias,
+                                        eps_low=loss["eps_low"], eps_high=loss["eps_high"], agg=loss["agg"],
+                                        normalizer=loss["normalizer"], max_len=self.max_len)
+        with torch.no_grad():
+            logp, entropy = logprob_entropy(h, head.weight, y, temperature, head.bias, provider="torch")
+        return value, metrics, logp, entropy
 
 
 def ds_config(cfg: Config, bf16: bool) -> dict:
@@ -91,7 +111,10 @@ class Trainer:
         if cfg.model.gradient_checkpointing:
             hf.gradient_checkpointing_enable()
         provider = cfg.train.kernels if cfg.train.kernels != "auto" else ("triton" if device.type == "cuda" else "torch")
-        module = _TokenLogprobs(hf, provider, cfg.train.logprob_chunk)
+        if provider == "liger" and (cfg.algo.dual_clip or cfg.algo.tis_cap or cfg.algo.entropy_coef):
+            raise ConfigError("train.kernels=liger supports the clipped surrogate only: set algo.dual_clip, "
+                              "algo.tis_cap and algo.entropy_coef to 0, or use train.kernels=auto")
+        module = _TokenLogprobs(hf, provider, cfg.train.logprob_chunk, cfg.rollout.max_new_tokens)
         self.zero3 = cfg.train.zero_stage == 3
         if self.zero3:  # the head's weight is used by this module's forward, not by lm_head's
             deepspeed.zero.register_external_parameter(module, hf.get_output_embeddings().weight)

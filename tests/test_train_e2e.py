@@ -23,12 +23,12 @@ def train_cli(run_dir, *args, timeout=600):
     return out, [r for r in records if "reward" in r], records[-1]["summary"]
 
 
-@pytest.mark.parametrize("nproc,zero", [(1, 2), (1, 3), (2, 2), (2, 3)])
-def test_loop_runs_and_hand_off_is_exact(tmp_path, nproc, zero):
+@pytest.mark.parametrize("nproc,zero,kernels", [(1, 2, "auto"), (1, 3, "liger"), (2, 2, "auto"), (2, 3, "auto")])
+def test_loop_runs_and_hand_off_is_exact(tmp_path, nproc, zero, kernels):
     # a small token budget gives several micro-batches, and (zero-advantage rows being skipped) a
     # different count on each rank: ZeRO-3's collective gathers must still line up
     out, steps, summary = train_cli(tmp_path / "run", "--train.zero_stage", str(zero), "--nproc", str(nproc),
-                                    "--train.max_tokens_per_micro_batch", "40")
+                                    "--train.max_tokens_per_micro_batch", "40", "--train.kernels", kernels)
     assert [s["step"] for s in steps] == [1, 2, 3]
     for s in steps:
         assert s["probe_gap"] <= 1e-4, s  # vLLM == trainer on the trained weights
