@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import inspect
+import json
 import sys
 import typing
 from typing import Optional
@@ -141,6 +142,32 @@ def version() -> None:
             typer.echo(f"{pkg} {v(pkg)}")
         except PackageNotFoundError:
             pass
+
+
+@app.command("report")
+def report(run_dir: str = typer.Argument(..., help="A run directory of `hybridrl train` (holds metrics.jsonl).")
+           ) -> None:
+    """Plot where a run's time and memory went, and its canaries: RUN_DIR/report.png and report.html."""
+    from . import report as R
+    try:
+        png, page = R.render(run_dir)
+    except FileNotFoundError as e:
+        _fail(str(e))
+    typer.echo(f"wrote {png} and {page}")
+
+
+@app.command("doctor")
+def doctor(as_json: bool = typer.Option(False, "--json", help="Print the checks as JSON instead of a table."),
+           timeout: float = typer.Option(240.0, help="Seconds allowed for each of the vLLM and DeepSpeed imports.")
+           ) -> None:
+    """Check that this machine's stack can train (versions, devices, vLLM, DeepSpeed ops); exit 1 if not."""
+    from . import doctor as D
+    rows = D.checks(timeout)
+    if as_json:
+        typer.echo(json.dumps(rows, indent=1))
+    else:
+        D.print_table(rows)
+    raise typer.Exit(D.exit_code(rows))
 
 
 def main() -> None:

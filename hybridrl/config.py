@@ -120,6 +120,11 @@ class LogConfig:
     eval_every_s: float = knob(0.0, "Also evaluate once this many seconds have passed since the last evaluation (0 = off).")
     eval_size: int = knob(256, "Held-out prompts evaluated (0 = all).")
     progress: bool = knob(True, "Print a live progress line.")
+    tensorboard: bool = knob(False, "Also write TensorBoard events to <run_dir>/tensorboard (needs the 'log' extra).")
+    wandb: bool = knob(False, "Also log to Weights & Biases (needs the 'log' extra).")
+    wandb_project: str = knob("hybridrl", "Weights & Biases project name.")
+    wandb_mode: Literal["auto", "online", "offline"] = knob(
+        "auto", "auto = $WANDB_MODE, else online if an API key is set up, else offline (upload with `wandb sync`).")
 
 
 @dataclass

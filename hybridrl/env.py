@@ -31,6 +31,9 @@ def setup() -> None:
         "TRITON_CACHE_DIR": root / "triton",
         "TORCHINDUCTOR_CACHE_DIR": root / "inductor",
         "HF_HOME": root / "huggingface",
+        "MPLCONFIGDIR": root / "matplotlib",  # `hybridrl report`'s font cache
+        "WANDB_CACHE_DIR": root / "wandb",  # artifacts and staging of log.wandb runs
+        "WANDB_DATA_DIR": root / "wandb",
         # one in-process engine per rank: ~3 s start instead of ~30 s, tensors passed by reference
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CONFIGURE_LOGGING": "0",

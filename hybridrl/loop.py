@@ -16,6 +16,7 @@ import torch
 
 from . import algo, data, env, launch, rewards, sync
 from .batch import Batch
+from .canaries import distribution_metrics
 from .config import Config, ConfigError
 from .progress import Phases, RunLog
 from .rollout import Rollout
@@ -124,6 +125,8 @@ def train(cfg: Config) -> dict:
             train_tok_s=n_tok[1] / max(phases["train"], 1e-9),
             response_len=n_tok[0] / reward_sum[1], elapsed_s=time.perf_counter() - start,
             **{f"time/{k}": v for k, v in phases.items()})
+        metrics.update(phases.memory)  # mem/<phase>/*_gb: CUDA only
+        metrics.update(distribution_metrics(response_len=[len(s.token_ids) for s in samples], reward=scores))
         run.step(step, metrics)
         now = time.perf_counter()
         if step != cfg.train.steps and ((cfg.log.eval_every and step % cfg.log.eval_every == 0) or (

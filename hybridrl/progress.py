@@ -1,29 +1,58 @@
-"""What a run shows and keeps: a live progress line on rank 0 and `metrics.jsonl` in the run dir."""
+"""What a run shows and keeps, all on rank 0: a live progress line, `metrics.jsonl` in the run
+dir (always), and TensorBoard / Weights & Biases when `log.tensorboard` / `log.wandb` are on.
+
+Every record goes to every sink: a step's metrics, held-out accuracy, and the canaries'
+warnings (see canaries.py). `hybridrl report RUN_DIR` reads metrics.jsonl back into plots.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import yaml
 
-from .config import Config, to_dict
+from .canaries import Canaries
+from .config import Config, ConfigError, to_dict
 
 
 class Phases(dict):
-    """Wall seconds per named phase: `with phases("train"): ...`."""
+    """Wall seconds per named phase: `with phases("train"): ...`.
+
+    On CUDA it also records memory as each phase ends, in `.memory` as `mem/<phase>/<what>_gb`:
+    allocated and reserved by PyTorch's allocator, the allocator's peak during the phase, and
+    what the whole device has in use (which also counts vLLM's own pool, NCCL and other
+    processes): the numbers that show which role holds memory when."""
+
+    def __init__(self):
+        super().__init__()
+        self.memory: dict[str, float] = {}
+        # not initialised = nothing allocated yet, and querying would create a CUDA context
+        self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
 
     @contextmanager
     def __call__(self, name: str):
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
         try:
             yield
         finally:
             self[name] = self.get(name, 0.0) + time.perf_counter() - t
+            if self._cuda:
+                free, total = torch.cuda.mem_get_info()
+                gb = 2.0 ** -30
+                self.memory.update({
+                    f"mem/{name}/allocated_gb": torch.cuda.memory_allocated() * gb,
+                    f"mem/{name}/reserved_gb": torch.cuda.memory_reserved() * gb,
+                    f"mem/{name}/peak_gb": torch.cuda.max_memory_allocated() * gb,
+                    f"mem/{name}/device_used_gb": (total - free) * gb})
 
 
 def _run_dir(cfg: Config, main: bool) -> Path:
@@ -33,54 +62,161 @@ def _run_dir(cfg: Config, main: bool) -> Path:
     return Path(name[0])
 
 
+# --- sinks: each takes scalars and warning text, keyed by step ---------------------------------
+class JsonlSink:
+    """One JSON object per line; `hybridrl report` and the tests read this file."""
+
+    def __init__(self, path: Path):
+        self.file = open(path, "w")
+
+    def write(self, record: dict) -> None:
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()  # a crashed run keeps every step it finished
+
+    def scalars(self, step: int, values: dict) -> None:
+        self.write({"step": step, **values})
+
+    def warning(self, step: int, text: str) -> None:
+        self.write({"step": step, "warning": text})
+
+    def close(self, summary: dict) -> None:
+        self.write({"summary": summary})
+        self.file.close()
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError("log.tensorboard needs the tensorboard package: "
+                              "pip install 'hybridrl[log]' (or set log.tensorboard false)") from None
+        self.w = SummaryWriter(log_dir=str(log_dir), flush_secs=10)
+
+    def scalars(self, step: int, values: dict) -> None:
+        for k, v in values.items():
+            if isinstance(v, (int, float)):
+                self.w.add_scalar(k, v, step)
+
+    def warning(self, step: int, text: str) -> None:
+        self.w.add_text("warnings", text, step)
+
+    def close(self, summary: dict) -> None:
+        self.w.add_text("summary", "\n\n".join(f"{k}: {v}" for k, v in summary.items()))
+        self.w.close()
+
+
+def wandb_mode(setting: str) -> str:
+    """auto: $WANDB_MODE if set, else online when an API key is configured ($WANDB_API_KEY or
+    `wandb login`'s netrc entry), else offline, so a run never stops at a login prompt."""
+    if setting != "auto":
+        return setting
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"]
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    import netrc
+    from urllib.parse import urlparse
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return "online" if netrc.netrc(os.environ.get("NETRC")).authenticators(host) else "offline"
+    except (OSError, netrc.NetrcParseError):
+        return "offline"
+
+
+class WandbSink:
+    def __init__(self, cfg: Config, run_dir: Path):
+        try:
+            import wandb
+        except ImportError:
+            raise ConfigError("log.wandb needs the wandb package: pip install 'hybridrl[log]' "
+                              "(or set log.wandb false)") from None
+        mode = wandb_mode(cfg.log.wandb_mode)
+        # console="off": wandb must not wrap stdout, which would break the live progress line
+        self.run = wandb.init(project=cfg.log.wandb_project, dir=str(run_dir), name=run_dir.name,
+                              config=to_dict(cfg), mode=mode,
+                              settings=wandb.Settings(console="off", silent=True))
+        if mode == "offline":
+            print(f"wandb: offline run in {self.run.dir}; upload it with `wandb sync {Path(self.run.dir).parent}`",
+                  flush=True)
+
+    def scalars(self, step: int, values: dict) -> None:
+        self.run.log(values, step=step)
+
+    def warning(self, step: int, text: str) -> None:
+        self.run.log({"warning": text}, step=step)
+
+    def close(self, summary: dict) -> None:
+        self.run.summary.update(summary)
+        self.run.finish()
+
+
 class RunLog:
     def __init__(self, cfg: Config, world):
         self.main = world.main
         self.dir = _run_dir(cfg, self.main)
         self.tty = sys.stdout.isatty()
+        self.progress = cfg.log.progress
         self.total = cfg.train.steps
         self.last_acc: float | None = None
         self.first_acc: float | None = None
         self._last_print = 0.0
+        self._live = ""  # the step line a TTY shows at the bottom
+        self.canaries = Canaries()
+        self.warnings: list[str] = []
+        self.sinks: list = []
         if self.main:
             self.dir.mkdir(parents=True, exist_ok=True)
             (self.dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-            self.file = open(self.dir / "metrics.jsonl", "w")
-
-    def _write(self, record: dict) -> None:
-        if self.main:
-            self.file.write(json.dumps(record) + "\n")
-            self.file.flush()
+            self.sinks.append(JsonlSink(self.dir / "metrics.jsonl"))
+            if cfg.log.tensorboard:
+                self.sinks.append(TensorBoardSink(self.dir / "tensorboard"))
+            if cfg.log.wandb:
+                self.sinks.append(WandbSink(cfg, self.dir))
 
     def eval(self, step: int, acc: float) -> None:
         self.first_acc = acc if self.first_acc is None else self.first_acc
         self.last_acc = acc
-        self._write({"step": step, "heldout_acc": acc})
-        if self.main:
-            self._line(f"step {step:>4}/{self.total}  held-out accuracy {acc:6.1%}", force=True)
+        for s in self.sinks:
+            s.scalars(step, {"heldout_acc": acc})
+        self._line(f"step {step:>4}/{self.total}  held-out accuracy {acc:6.1%}", force=True)
 
     def step(self, step: int, m: dict) -> None:
-        self._write({"step": step, **m})
+        if not self.main:
+            return
+        for s in self.sinks:
+            s.scalars(step, m)
         acc = "  --  " if self.last_acc is None else f"{self.last_acc:6.1%}"
         t = sum(v for k, v in m.items() if k.startswith("time/"))
-        self._line(f"step {step:>4}/{self.total}  reward {m['reward']:.3f}  held-out {acc}  "
-                   f"{m['rollout_tok_s']:7.0f} rollout tok/s  {t * 1000:6.0f} ms/step  "
-                   f"[{m['elapsed_s']:5.0f}s]")
+        if self.progress:
+            self._line(f"step {step:>4}/{self.total}  reward {m['reward']:.3f}  held-out {acc}  "
+                       f"{m['rollout_tok_s']:7.0f} rollout tok/s  {t * 1000:6.0f} ms/step  "
+                       f"[{m['elapsed_s']:5.0f}s]")
+        for text in self.canaries.check(step, m):
+            self.warnings.append(text)
+            for s in self.sinks:
+                s.warning(step, text)
+            self._line(f"warning: {text}", force=True)
 
     def _line(self, text: str, force: bool = False) -> None:
         if not self.main:
             return
-        if self.tty:  # one live line, rewritten in place; eval results stay on screen
-            print("\r\033[K" + text, end="\n" if force else "", flush=True)
+        if self.tty:  # one live line, rewritten in place; evals and warnings scroll up above it
+            if not force:
+                self._live = text
+            print("\r\033[K" + (text + "\n" + self._live if force else text), end="", flush=True)
         elif force or time.perf_counter() - self._last_print > 5:
             print(text, flush=True)
             self._last_print = time.perf_counter()
 
     def close(self, summary: dict) -> None:
-        self._write({"summary": summary})
-        if self.main:
-            self.file.close()
-            before, after = summary["heldout_acc_before"], summary["heldout_acc_after"]
-            acc = "n/a (no held-out split: set data.heldout_path)" if before is None else f"{before:.1%} -> {after:.1%}"
-            print(f"\nheld-out accuracy: {acc}  ({summary['steps']} steps, {summary['minutes']:.1f} min, "
-                  f"run dir {self.dir})", flush=True)
+        if not self.main:
+            return
+        summary = {**summary, "warnings": len(self.warnings)}
+        for s in self.sinks:
+            s.close(summary)
+        before, after = summary["heldout_acc_before"], summary["heldout_acc_after"]
+        acc = "n/a (no held-out split: set data.heldout_path)" if before is None else f"{before:.1%} -> {after:.1%}"
+        print(f"\nheld-out accuracy: {acc}  ({summary['steps']} steps, {summary['minutes']:.1f} min, run dir {self.dir})"
+              + (f"; {len(self.warnings)} warning(s), see metrics.jsonl" if self.warnings else ""), flush=True)
+

