@@ -20,7 +20,8 @@ from . import config as C
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   help="hybridrl: colocated vLLM + DeepSpeed RL trainer for LLMs.")
 
-SHORTCUTS = {"model": "model.path", "data": "data.path", "reward": "reward.fn", "steps": "train.steps"}
+SHORTCUTS = {"model": "model.path", "data": "data.path", "reward": "reward.fn", "steps": "train.steps",
+             "resume": "ckpt.resume"}
 LAUNCH = ("nproc", "nnodes", "node_rank", "rdzv_endpoint")
 
 
@@ -60,7 +61,10 @@ def _train(**kw) -> None:
     overrides.update({k.replace("__", "."): v for k, v in kw.items() if v is not None})
     try:
         cfg = C.load(cfg_file, overrides)
-    except C.ConfigError as e:
+        if cfg.ckpt.resume and not cfg_file:  # a resumed run keeps its own config; the command line overrides it
+            from .checkpoint import saved_config
+            cfg = C.load(saved_config(cfg), overrides)
+    except C.UserError as e:
         _fail(str(e))
 
     from . import launch
@@ -71,9 +75,10 @@ def _train(**kw) -> None:
                                       rdzv_endpoint=launch_opts["rdzv_endpoint"]))
     from .loop import train
     try:
-        train(cfg)
+        summary = train(cfg)
     except C.UserError as e:
         _fail(str(e))
+    raise typer.Exit(summary.get("exit_code", 0))  # stopped by SIGTERM: 0, by SIGINT: 130
 
 
 def _strip_launch_flags(argv: list[str]) -> list[str]:
@@ -111,6 +116,8 @@ def _build_train_command():
             None, "--reward", help="Shortcut for --reward.fn (built-in name or module:function).")),
         inspect.Parameter("steps", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[int], default=typer.Option(
             None, "--steps", help="Shortcut for --train.steps.")),
+        inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
+            None, "--resume", help="Shortcut for --ckpt.resume: 'auto' or a run directory to continue.")),
         inspect.Parameter("nproc", inspect.Parameter.KEYWORD_ONLY, annotation=int, default=typer.Option(
             1, "--nproc", help="Ranks on this node (one per GPU); > 1 launches through torch.distributed.run.",
             rich_help_panel="launch")),
@@ -131,6 +138,18 @@ def _build_train_command():
 
 
 app.command("train")(_build_train_command())
+
+
+@app.command("export")
+def export(run_dir: str = typer.Argument(..., help="A run directory (its newest complete checkpoint) or one checkpoint."),
+           out: str = typer.Option(..., "--out", help="The Hugging Face model directory to write.")) -> None:
+    """Write a Hugging Face model directory (config, safetensors, tokenizer) from a run's checkpoint."""
+    from . import checkpoint
+    try:
+        ck = checkpoint.export(run_dir, out)
+    except C.UserError as e:
+        _fail(str(e))
+    typer.echo(f"wrote {out} from {ck}")
 
 
 @app.command("version")

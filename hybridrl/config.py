@@ -128,6 +128,15 @@ class LogConfig:
 
 
 @dataclass
+class CkptConfig:
+    every: int = knob(200, "Save a checkpoint every N steps (0 = only at the end and on SIGTERM/SIGINT).")
+    keep: int = knob(2, "Keep the newest N complete checkpoints; older ones are deleted.")
+    dir: str = knob("{run_dir}/checkpoints", "Where checkpoints go; {run_dir} is the run's directory.")
+    resume: str = knob("", "Continue a run: 'auto' = the newest complete checkpoint under log.run_dir if any "
+                       "(else start fresh), or a run directory (or one of its checkpoints) to continue.")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -136,6 +145,7 @@ class Config:
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
 
 
 GROUPS = [f.name for f in dataclasses.fields(Config)]
@@ -264,6 +274,7 @@ def validate(cfg: Config) -> None:
         (cfg.data.max_prompt_len + r.max_new_tokens <= r.max_model_len,
          f"data.max_prompt_len + rollout.max_new_tokens must fit rollout.max_model_len "
          f"({cfg.data.max_prompt_len} + {r.max_new_tokens} > {r.max_model_len}): raise rollout.max_model_len"),
+        (cfg.ckpt.every >= 0 and cfg.ckpt.keep >= 1, "ckpt.every must be >= 0 and ckpt.keep >= 1"),
         (cfg.algo.kl_coef == 0, "algo.kl_coef > 0 (reference model) is not supported yet; set it to 0"),
         (cfg.algo.advantage in ("grpo", "dr_grpo", "rloo"),
          f"algo.advantage={cfg.algo.advantage!r}: choose grpo, dr_grpo or rloo"),

@@ -9,6 +9,7 @@ rank 0 of a world of one.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import sys
 from dataclasses import dataclass
@@ -87,6 +88,9 @@ def spawn(nproc: int, argv: list[str], *, nnodes: str = "1", node_rank: int = 0,
     try:
         torchrun.run(torchrun.get_args_parser().parse_args(args))
     except Exception as e:  # ChildFailedError already printed each rank's traceback
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+        if isinstance(e, SignalException):  # forwarded to the workers, which saved a checkpoint and stopped
+            return {signal.SIGTERM: 0, signal.SIGINT: 130}.get(e.sigval, 1)
         print(f"hybridrl: a worker failed ({type(e).__name__}); see the rank's error above", file=sys.stderr)
         return 1
     return 0

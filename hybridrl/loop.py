@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from . import algo, data, env, launch, rewards, sync
+from . import algo, checkpoint, data, env, launch, rewards, sync
 from .batch import Batch
 from .canaries import distribution_metrics
 from .config import Config, ConfigError
@@ -43,7 +43,11 @@ def train(cfg: Config) -> dict:
     heldout = heldout[: cfg.log.eval_size or None]
     reward_fn = rewards.load(cfg.reward.fn)
     sampler = data.Sampler(len(prompts), cfg.train.seed)
+    resumed = checkpoint.Resume.find(cfg, world)  # None: a fresh run
+    if resumed:
+        cfg = resumed.adopt(cfg)  # continue in that run's directory
     run = RunLog(cfg, world)
+    saver = checkpoint.Saver(cfg, run.dir, world, tokenizer)
 
     trainer = Trainer(cfg, model_path, device=world.device, dtype=_dtype(cfg.model.dtype),
                       attn_implementation=cfg.model.attn_implementation)
@@ -79,65 +83,79 @@ def train(cfg: Config) -> dict:
         rollout.wake(["kv_cache"])
 
     start = time.perf_counter()  # engines are up: the clock of train.max_minutes starts here
-    acc_before = evaluate(0)
-    last_eval, step = start, 0
-    for step in range(1, cfg.train.steps + 1):
-        phases = Phases()
-        # 1. rollout: n samples per prompt, this rank's share of the global prompt batch
-        batch_prompts = [prompts[i] for i in sampler.next(cfg.train.prompts_per_step)][mine]
-        with phases("generate"):
-            rollout.wake(["kv_cache"])
-            samples = rollout.generate([p.ids for p in batch_prompts], cfg.rollout.n,
-                                       temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                       max_tokens=cfg.rollout.max_new_tokens)
-            rollout.sleep(cfg.rollout.sleep_level)
-            trainer.reload()
-        # 2. rewards and group-normalised advantages
-        with phases("reward"):
-            texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
-            src = [batch_prompts[s.prompt_idx] for s in samples]
-            scores, reward_errors = rewards.score(reward_fn, [p.text for p in src], texts,
-                                                  [p.answer for p in src], cfg.reward.on_error)
-            R = torch.tensor(scores).view(len(batch_prompts), cfg.rollout.n)  # [P, n]
-            adv = algo.advantages(cfg.algo.advantage, R).flatten()  # [P * n]
-        # 3. train on the samples that carry a gradient (equal-reward groups have A == 0)
-        keep = (adv != 0) if cfg.algo.skip_zero_advantage else torch.ones_like(adv, dtype=torch.bool)
-        keep[0] |= not keep.any()  # one zero-advantage row keeps this rank in the collectives
-        rows = keep.nonzero().flatten().tolist()
-        batch = Batch.from_rows([src[i].ids for i in rows], [samples[i].token_ids for i in rows],
-                                [samples[i].logprobs for i in rows], adv[rows].tolist())
-        with phases("train"):
-            metrics = trainer.step(batch)
-        # 4. hand the new weights to vLLM
-        with phases("sync"):
-            hand_off()
-        if cfg.train.probe_every and step % cfg.train.probe_every == 0:
-            with phases("probe"):
-                metrics.update(probe(trainer, rollout, step))
+    if resumed:  # weights (handed to vLLM and probed), optimizer, data cursor, RNG, history
+        done, acc_before = resumed.restore(trainer, rollout, sampler, probe, run, hand_off)
+        start -= resumed.state["history"]["elapsed_s"]
+    else:
+        done, acc_before = 0, evaluate(0)
+    last_eval, step, stop_signal = start, done, 0
+    with checkpoint.StopSignals(world.main) as stop:  # SIGTERM/SIGINT: finish the step, save, exit
+        for step in range(done + 1, cfg.train.steps + 1):
+            phases = Phases()
+            # 1. rollout: n samples per prompt, this rank's share of the global prompt batch
+            batch_prompts = [prompts[i] for i in sampler.next(cfg.train.prompts_per_step)][mine]
+            with phases("generate"):
+                rollout.wake(["kv_cache"])
+                samples = rollout.generate([p.ids for p in batch_prompts], cfg.rollout.n,
+                                           temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                                           max_tokens=cfg.rollout.max_new_tokens)
+                rollout.sleep(cfg.rollout.sleep_level)
+                trainer.reload()
+            # 2. rewards and group-normalised advantages
+            with phases("reward"):
+                texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
+                src = [batch_prompts[s.prompt_idx] for s in samples]
+                scores, reward_errors = rewards.score(reward_fn, [p.text for p in src], texts,
+                                                      [p.answer for p in src], cfg.reward.on_error)
+                R = torch.tensor(scores).view(len(batch_prompts), cfg.rollout.n)  # [P, n]
+                adv = algo.advantages(cfg.algo.advantage, R).flatten()  # [P * n]
+            # 3. train on the samples that carry a gradient (equal-reward groups have A == 0)
+            keep = (adv != 0) if cfg.algo.skip_zero_advantage else torch.ones_like(adv, dtype=torch.bool)
+            keep[0] |= not keep.any()  # one zero-advantage row keeps this rank in the collectives
+            rows = keep.nonzero().flatten().tolist()
+            batch = Batch.from_rows([src[i].ids for i in rows], [samples[i].token_ids for i in rows],
+                                    [samples[i].logprobs for i in rows], adv[rows].tolist())
+            with phases("train"):
+                metrics = trainer.step(batch)
+            # 4. hand the new weights to vLLM
+            with phases("sync"):
+                hand_off()
+            if cfg.train.probe_every and step % cfg.train.probe_every == 0:
+                with phases("probe"):
+                    metrics.update(probe(trainer, rollout, step))
 
-        n_tok = launch.all_sum([sum(len(s.token_ids) for s in samples), int(batch.lengths.sum())])
-        reward_sum = launch.all_sum([float(R.sum()), R.numel(), reward_errors, float((R >= 1).sum()),
-                                     float((adv != 0).sum())])
-        metrics.update(
-            reward=reward_sum[0] / reward_sum[1], solve_rate=reward_sum[3] / reward_sum[1],
-            reward_errors=reward_sum[2], rollout_tokens=n_tok[0], signal_frac=reward_sum[4] / reward_sum[1],
-            rollout_tok_s=n_tok[0] / max(phases["generate"], 1e-9),
-            train_tok_s=n_tok[1] / max(phases["train"], 1e-9),
-            response_len=n_tok[0] / reward_sum[1], elapsed_s=time.perf_counter() - start,
-            **{f"time/{k}": v for k, v in phases.items()})
-        metrics.update(phases.memory)  # mem/<phase>/*_gb: CUDA only
-        metrics.update(distribution_metrics(response_len=[len(s.token_ids) for s in samples], reward=scores))
-        run.step(step, metrics)
-        now = time.perf_counter()
-        if step != cfg.train.steps and ((cfg.log.eval_every and step % cfg.log.eval_every == 0) or (
-                cfg.log.eval_every_s and launch.all_max(now - last_eval) >= cfg.log.eval_every_s)):
-            evaluate(step)
-            last_eval = now
-        if cfg.train.max_minutes and launch.all_max(time.perf_counter() - start) > cfg.train.max_minutes * 60:
-            break
-    acc_after = evaluate(step)
+            n_tok = launch.all_sum([sum(len(s.token_ids) for s in samples), int(batch.lengths.sum())])
+            reward_sum = launch.all_sum([float(R.sum()), R.numel(), reward_errors, float((R >= 1).sum()),
+                                         float((adv != 0).sum())])
+            metrics.update(
+                reward=reward_sum[0] / reward_sum[1], solve_rate=reward_sum[3] / reward_sum[1],
+                reward_errors=reward_sum[2], rollout_tokens=n_tok[0], signal_frac=reward_sum[4] / reward_sum[1],
+                rollout_tok_s=n_tok[0] / max(phases["generate"], 1e-9),
+                train_tok_s=n_tok[1] / max(phases["train"], 1e-9),
+                response_len=n_tok[0] / reward_sum[1], elapsed_s=time.perf_counter() - start,
+                **{f"time/{k}": v for k, v in phases.items()})
+            metrics.update(phases.memory)  # mem/<phase>/*_gb: CUDA only
+            metrics.update(distribution_metrics(response_len=[len(s.token_ids) for s in samples], reward=scores))
+            run.step(step, metrics)
+            now = time.perf_counter()
+            if step != cfg.train.steps and ((cfg.log.eval_every and step % cfg.log.eval_every == 0) or (
+                    cfg.log.eval_every_s and launch.all_max(now - last_eval) >= cfg.log.eval_every_s)):
+                evaluate(step)
+                last_eval = now
+            elapsed = launch.all_max(time.perf_counter() - start)
+            out_of_time = bool(cfg.train.max_minutes) and elapsed > cfg.train.max_minutes * 60
+            stop_signal = stop.requested()  # all ranks agree
+            if saver.due(step, final=out_of_time or bool(stop_signal) or step == cfg.train.steps):
+                saver.save(step, trainer, sampler, probe, dict(acc_before=acc_before, last_acc=run.last_acc,
+                                                               elapsed_s=elapsed))
+            if out_of_time or stop_signal:
+                break
+    # a signal asks for a quick exit (preemption grace periods are short): no final evaluation
+    acc_after = run.last_acc if stop_signal else evaluate(step)
     summary = {"heldout_acc_before": acc_before, "heldout_acc_after": acc_after, "steps": step,
                "minutes": (time.perf_counter() - start) / 60, "run_dir": str(run.dir)}
+    if stop_signal:
+        summary.update(stop.summary(stop_signal, step, saver.last, run.dir))
     run.close(summary)
     rollout.close()
     return summary

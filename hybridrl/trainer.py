@@ -11,6 +11,7 @@ that predict completion tokens go through `kernels.logprob` with the head's weig
 from __future__ import annotations
 
 import logging
+import os
 from typing import Iterator
 
 import deepspeed
@@ -28,6 +29,7 @@ from .config import Config, ConfigError
 from .launch import all_max, all_sum
 
 log = logging.getLogger("hybridrl")
+_NAN_AT = os.environ.get("HYBRIDRL_TEST_NAN_AT_STEP")  # tests inject a NaN loss at this optimizer step
 
 
 class _TokenLogprobs(nn.Module):
@@ -89,6 +91,9 @@ def ds_config(cfg: Config, bf16: bool) -> dict:
             "stage3_param_persistence_threshold": 0,  # else small params are never partitioned
             "overlap_comm": False,
         },
+        # DeepSpeed discards an update whose gradient norm is inf/NaN, weights and optimizer states
+        # untouched (step() counts them as nonfinite_steps); bf16 ZeRO-2 via check_grad_overflow,
+        # on by default since DeepSpeed 0.18 (older versions reject the key, so it is not set here)
         "bf16": {"enabled": bf16},
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
@@ -163,6 +168,7 @@ class Trainer:
         if t.epochs * t.minibatches > 1 or a.tis_cap:
             batch.logp_old = self.logprobs(batch, temp)  # the policy that sampled, as the trainer sees it
         gen = torch.Generator().manual_seed(t.seed + int(self.engine.global_steps))
+        skipped = self.engine.skipped_steps
         sums: dict[str, float] = {}
         n_updates = 0
         ratios, rollout_ratios = [], []  # per token: pi/pi_old, and trainer/vLLM (~1 when the engines agree)
@@ -183,6 +189,8 @@ class Trainer:
                         eps_low=a.clip_low, eps_high=a.clip_high, dual_clip=a.dual_clip or None,
                         tis_cap=a.tis_cap or None, entropy_coef=a.entropy_coef, agg=a.loss_agg, normalizer=norm))
                     # DeepSpeed averages gradients over ranks; the normaliser is already global
+                    if _NAN_AT and int(self.engine.global_steps) + 1 == int(_NAN_AT):  # tests only
+                        loss = loss * float("nan")
                     self.engine.backward(loss * (0.0 if dummy else world), scale_wrt_gas=False)
                     if dummy:
                         continue
@@ -208,7 +216,33 @@ class Trainer:
         out["lr"] = float(self.engine.get_lr()[0])
         out.update(distribution_metrics(ratio=torch.cat(ratios) if ratios else [],
                                         rollout_ratio=torch.cat(rollout_ratios) if rollout_ratios else []))
+        out["nonfinite_steps"] = self.engine.skipped_steps - skipped  # updates DeepSpeed discarded
         return out
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def load_checkpoint(self, path: str, tag: str) -> None:
+        """Params, optimizer and LR schedule as DeepSpeed saved them (any ZeRO stage)."""
+        _, client = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
+        if client is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint '{tag}' in {path}")
+        if self.device.type == "cpu":
+            self._replay_cpu_adam_steps()
+
+    def _replay_cpu_adam_steps(self) -> None:
+        """DeepSpeed's CPU FusedAdam keeps beta^t as a running float product inside its C++ op
+        (IncrementStep in csrc/includes/cpu_adam.h), outside any state_dict. A fresh process
+        computes pow(beta, t) instead, which differs in the last bit and so would every update
+        after a resume. Replaying steps 1..t on a one-element dummy rebuilds the same product."""
+        opt = self.engine.optimizer.optimizer  # ZeRO's wrapper -> DeepSpeed's FusedAdam
+        if not hasattr(opt, "multi_tensor_adam"):
+            return
+        steps = [int(s["step"]) for s in opt.state.values() if "step" in s]
+        group = opt.param_groups[0]
+        dummy = [[torch.zeros(1)] for _ in range(4)]  # grad, param, exp_avg, exp_avg_sq
+        for t in range(1, max(steps, default=0) + 1):
+            opt.multi_tensor_adam(1, opt._dummy_overflow_buf, dummy, group["lr"], *group["betas"], group["eps"], t,
+                                  opt.adam_w_mode, 1, group["weight_decay"])  # 1: chunk size, unused on CPU
 
     # --- hand-off and memory ------------------------------------------------------------------
     def named_parameters_for_sync(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:

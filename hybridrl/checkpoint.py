@@ -1,0 +1,331 @@
+"""Checkpoints: save every `ckpt.every` steps and at the end, resume bit-exactly, stop cleanly on
+SIGTERM/SIGINT, and export a Hugging Face model directory.
+
+Layout of one checkpoint, `<ckpt.dir>/step-N/`:
+
+    ds/                DeepSpeed's own checkpoint (params + optimizer + LR schedule), one shard per rank
+    rank-R.pt          rank R's RNG states (python, numpy, torch CPU and CUDA) and its probe state
+    state.json         step, data cursor, the history the loop reads (held-out accuracy, elapsed time)
+    config.yaml        the run's config; hf/  the model's HF config, tokenizer and generation config
+    complete.json      written last: every file above with its size
+
+It is written to `tmp-step-N` and renamed to `step-N` once every rank's shard is on disk; then
+`latest` names it. A directory without a valid `complete.json` (a crash mid-save, a truncated
+file) is never loaded: the newest valid one is. Sizes catch truncation, not same-size bit rot.
+
+Why the RNG states make a resume exact: on CPU vLLM samples with per-token Gumbel noise seeded
+from `torch.randint` on the global torch generator (`forward_cpu` in
+vllm/v1/sample/ops/topk_topp_sampler.py; GPU: `exponential_()` on the CUDA generator), since
+hybridrl passes no per-request seed. `LLM(seed=...)` only seeds that global generator when the
+engine starts. So saving torch's global states after step N and restoring them after the
+resume's engine start, hand-off and probe gives step N+1 the same samples.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import logging
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import yaml
+
+from . import launch
+from .config import Config, UserError, to_dict
+
+log = logging.getLogger("hybridrl")
+DS_TAG = "ds"
+MANIFEST = "complete.json"
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def ckpt_root(cfg: Config, run_dir: str | Path) -> Path:
+    return Path(cfg.ckpt.dir.format(run_dir=run_dir))
+
+
+def step_of(path: Path) -> int:
+    return int(path.name.split("-")[-1])
+
+
+# --- finding checkpoints ----------------------------------------------------------------------
+def is_complete(path: Path) -> bool:
+    """Every file the manifest lists is there with its size."""
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+        return all((path / f).stat().st_size == size for f, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """The valid checkpoints under `root`, newest step first; invalid ones are named in the log."""
+    found = sorted((p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()), key=step_of, reverse=True)
+    good = []
+    for p in found:
+        if is_complete(p):
+            good.append(p)
+        else:
+            log.warning("checkpoint %s is incomplete or corrupt (files missing or truncated): skipped", p)
+    return good
+
+
+def locate(cfg: Config) -> tuple[Path, Path] | None:
+    """(checkpoint, run dir) that `ckpt.resume` names, or None for a fresh start. Filesystem only:
+    the CLI calls it before any process group exists."""
+    spec = cfg.ckpt.resume
+    if not spec:
+        return None
+    if spec == "auto":  # the configured run dir; with a {time} pattern, every run it matches
+        runs = [Path(d) for d in glob.glob(cfg.log.run_dir.replace("{time}", "*")) if Path(d).is_dir()]
+    else:
+        p = Path(spec)
+        if (p / MANIFEST).exists() or p.name.startswith("step-"):  # one checkpoint, named directly
+            state = json.loads((p / "state.json").read_text()) if (p / "state.json").exists() else {}
+            if not is_complete(p):
+                raise UserError(f"--resume {spec}: that checkpoint is incomplete or corrupt")
+            return p, Path(state.get("run_dir", p.parent.parent))
+        if not p.is_dir():
+            raise UserError(f"--resume {spec}: no such run directory")
+        runs = [p]
+    best = None
+    for run in runs:
+        for ck in complete_checkpoints(ckpt_root(cfg, run))[:1]:
+            mtime = (ck / MANIFEST).stat().st_mtime
+            if best is None or mtime > best[0]:
+                best = (mtime, ck, run)
+    if best is None and spec != "auto":
+        raise UserError(f"--resume {spec}: no complete checkpoint under {ckpt_root(cfg, spec)}")
+    return (best[1], best[2]) if best else None
+
+
+def saved_config(cfg: Config) -> Path | None:
+    """The config.yaml of the checkpoint `ckpt.resume` names: a resumed run keeps its settings
+    unless the command line overrides them."""
+    found = locate(cfg)
+    return found[0] / "config.yaml" if found else None
+
+
+# --- RNG ----------------------------------------------------------------------------------------
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --- saving -------------------------------------------------------------------------------------
+class Saver:
+    def __init__(self, cfg: Config, run_dir: Path, world, tokenizer):
+        self.cfg, self.run_dir, self.world, self.tokenizer = cfg, Path(run_dir), world, tokenizer
+        self.root = ckpt_root(cfg, run_dir)
+        self.last: Path | None = None
+
+    def due(self, step: int, final: bool) -> bool:
+        return final or bool(self.cfg.ckpt.every and step % self.cfg.ckpt.every == 0)
+
+    def save(self, step: int, trainer, sampler, probe, history: dict) -> Path:
+        """Every rank calls this at the same step. Returns the checkpoint directory."""
+        main, t0 = self.world.main, time.perf_counter()
+        tmp, final = self.root / f"tmp-step-{step}", self.root / f"step-{step}"
+        if main:
+            shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed at this step before
+            tmp.mkdir(parents=True)
+        _barrier()
+        trainer.engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
+        torch.save({"rng": rng_state(), "probe_last": probe.last}, tmp / f"rank-{self.world.rank}.pt")
+        if main:
+            state = {"step": step, "cursor": sampler.cursor, "world_size": self.world.size,
+                     "run_dir": str(self.run_dir), "history": history}
+            (tmp / "state.json").write_text(json.dumps(state, indent=1))
+            cfg = dataclasses.replace(self.cfg, log=dataclasses.replace(self.cfg.log, run_dir=str(self.run_dir)))
+            (tmp / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            trainer.hf.config.save_pretrained(tmp / "hf")
+            if getattr(trainer.hf, "generation_config", None) is not None:
+                trainer.hf.generation_config.save_pretrained(tmp / "hf")
+            self.tokenizer.save_pretrained(tmp / "hf")
+        _barrier()  # every rank's shard is on disk before the checkpoint is declared complete
+        if main:
+            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+            _write_atomic(tmp / MANIFEST, json.dumps({"step": step, "save_s": round(time.perf_counter() - t0, 3),
+                                                      "files": files}))
+            if final.exists():  # the same step saved again (e.g. a resumed run stopped at once)
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _write_atomic(self.root / "latest", final.name)
+            for old in complete_checkpoints(self.root)[self.cfg.ckpt.keep:]:
+                shutil.rmtree(old, ignore_errors=True)
+        _barrier()
+        self.last = final
+        return final
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# --- resuming -----------------------------------------------------------------------------------
+class Resume:
+    """A checkpoint to continue from. Built on every rank (rank 0 finds it, the others are told)."""
+
+    def __init__(self, path: Path, run_dir: Path):
+        self.path, self.run_dir = Path(path), Path(run_dir)
+        self.state = json.loads((self.path / "state.json").read_text())
+        self.step = int(self.state["step"])
+        self.records: list[dict] = []  # metrics.jsonl up to this step, kept through RunLog's rewrite
+        metrics = self.run_dir / "metrics.jsonl"
+        if metrics.exists():
+            for line in metrics.read_text().splitlines():
+                try:
+                    r = json.loads(line)
+                except ValueError:  # a line cut short by a crash
+                    continue
+                if "summary" not in r and r.get("step", 0) <= self.step:
+                    self.records.append(r)
+
+    @staticmethod
+    def find(cfg: Config, world) -> "Resume | None":
+        found = [locate(cfg) if world.main else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(found, src=0)
+        if found[0] is None:
+            if cfg.ckpt.resume == "auto" and world.main:
+                log.info("--resume auto: no complete checkpoint under %s; starting fresh", cfg.log.run_dir)
+            return None
+        r = Resume(*found[0])
+        if r.state["world_size"] != world.size:
+            raise UserError(f"{r.path} was saved by {r.state['world_size']} ranks; resume it with "
+                            f"--nproc {r.state['world_size']} (ZeRO shards and RNG streams are per rank)")
+        if world.main:
+            print(f"resuming from {r.path} (step {r.step})", flush=True)
+        return r
+
+    def adopt(self, cfg: Config) -> Config:
+        """The config, continuing in the checkpoint's run dir."""
+        return dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, run_dir=str(self.run_dir)))
+
+    def restore(self, trainer, rollout, sampler, probe, run, hand_off) -> tuple[int, float | None]:
+        """Load everything saved after step N; returns (N, held-out accuracy before training)."""
+        from . import progress
+        trainer.load_checkpoint(str(self.path), DS_TAG)
+        hand_off()  # the loaded weights to vLLM, as after any step
+        probe(trainer, rollout, self.step)  # raises if vLLM and the trainer disagree
+        mine = torch.load(self.path / f"rank-{dist.get_rank() if dist.is_initialized() else 0}.pt",
+                          weights_only=False)
+        probe.last = mine["probe_last"]
+        sampler.cursor = self.state["cursor"]
+        history = self.state["history"]
+        evals = [r["heldout_acc"] for r in self.records if "heldout_acc" in r]  # incl. the one after the save
+        run.first_acc, run.last_acc = history.get("acc_before"), evals[-1] if evals else history.get("last_acc")
+        for sink in run.sinks:
+            if isinstance(sink, progress.JsonlSink):  # RunLog opened metrics.jsonl afresh: put the history back
+                for r in self.records:
+                    sink.write(r)
+        set_rng_state(mine["rng"])  # last: the engine start, hand-off and probe above draw from it
+        return self.step, history.get("acc_before")
+
+
+# --- stopping on a signal -----------------------------------------------------------------------
+class StopSignals:
+    """SIGTERM/SIGINT ask the loop to finish its step, save and exit (0 / 130). A second SIGINT
+    interrupts at once. `requested()` is collective: every rank stops at the same step."""
+
+    EXIT = {signal.SIGTERM: 0, signal.SIGINT: 130}
+
+    def __init__(self, main: bool):
+        self.main, self.signum, self._old, self._at = main, 0, {}, 0.0
+
+    def __enter__(self):
+        try:
+            for s in self.EXIT:
+                self._old[s] = signal.signal(s, self._handle)
+        except ValueError:  # not the main thread (e.g. a notebook's worker thread): no handlers
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+    def _handle(self, signum, frame):
+        if self.signum == signal.SIGINT and signum == signal.SIGINT:
+            # under --nproc a Ctrl-C reaches a worker twice (the terminal, then the launcher
+            # forwarding it): only a second press, a moment later, means "now"
+            if time.monotonic() - self._at > 1.0:
+                raise KeyboardInterrupt
+            return
+        self.signum, self._at = signum, time.monotonic()
+        if self.main:
+            print(f"\nreceived {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+                  "(SIGINT again to stop now)", flush=True)
+
+    def requested(self) -> int:
+        return int(launch.all_max(self.signum))
+
+    def summary(self, signum: int, step: int, ckpt: Path | None, run_dir: Path) -> dict:
+        name = signal.Signals(signum).name
+        if self.main:
+            print(f"stopped by {name} after step {step}; checkpoint: {ckpt}\n"
+                  f"continue with: hybridrl train --resume {run_dir}", flush=True)
+        return {"stopped_by": name, "exit_code": self.EXIT[signal.Signals(signum)], "checkpoint": str(ckpt)}
+
+
+# --- export -------------------------------------------------------------------------------------
+def export(src: str | Path, out: str | Path) -> Path:
+    """A Hugging Face model directory from the newest complete checkpoint of run `src` (or from
+    checkpoint `src` itself). DeepSpeed's zero_to_fp32 consolidates ZeRO-2 and ZeRO-3 shards."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    src, out = Path(src), Path(out)
+    if is_complete(src):
+        ck = src
+    else:
+        from .config import load
+        cfg = load(src / "config.yaml") if (src / "config.yaml").exists() else Config()
+        found = complete_checkpoints(ckpt_root(cfg, src))
+        if not found:
+            raise UserError(f"{src}: no complete checkpoint under {ckpt_root(cfg, src)}")
+        ck = found[0]
+    cfg = yaml.safe_load((ck / "config.yaml").read_text())
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg["model"]["dtype"]]
+    state = get_fp32_state_dict_from_zero_checkpoint(str(ck), tag=DS_TAG)
+    state = {k.removeprefix("hf."): v for k, v in state.items()}  # the trainer wraps the HF model as .hf
+    hf_cfg = AutoConfig.from_pretrained(ck / "hf", trust_remote_code=cfg["model"]["trust_remote_code"])
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32,
+                                             trust_remote_code=cfg["model"]["trust_remote_code"])
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if getattr(hf_cfg, "tie_word_embeddings", False) and "lm_head" in k}
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"{ck}: checkpoint does not match the model: missing {sorted(set(missing) - tied)[:5]}, "
+                           f"unexpected {sorted(unexpected)[:5]}")
+    model.to(dtype).save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(ck / "hf").save_pretrained(out)
+    if (ck / "hf" / "generation_config.json").exists():
+        shutil.copy(ck / "hf" / "generation_config.json", out / "generation_config.json")
+    return ck
