@@ -70,17 +70,21 @@ def train(cfg: Config) -> dict:
         run.eval(step, acc)
         return acc
 
-    def hand_off() -> None:
+    def hand_off(phases: Phases | None = None) -> None:
         """Trainer -> vLLM. The order is the point: the trainer's states leave the device before
         vLLM's memory returns, and vLLM's weights wake before its KV cache, so the two engines'
         peaks never overlap (waking both while the trainer holds memory is the most reported
         colocation OOM: NeMo-RL#191, vllm#15254). On CPU the sleep/offload verbs are no-ops."""
-        trainer.offload()
-        rollout.wake(["weights"])
-        sync.push_weights(trainer, rollout, cfg.train.sync_bucket_mb)
-        if world.device.type == "cuda":
-            torch.cuda.empty_cache()  # free the gather staging before the KV cache comes back
-        rollout.wake(["kv_cache"])
+        phases = phases if phases is not None else Phases()
+        with phases("wake"):
+            trainer.offload()
+            rollout.wake(["weights"])
+        with phases("sync"):
+            sync.push_weights(trainer, rollout, cfg.train.sync_bucket_mb)
+            if world.device.type == "cuda":
+                torch.cuda.empty_cache()  # free the gather staging before the KV cache comes back
+        with phases("wake"):
+            rollout.wake(["kv_cache"])
 
     start = time.perf_counter()  # engines are up: the clock of train.max_minutes starts here
     if resumed:  # weights (handed to vLLM and probed), optimizer, data cursor, RNG, history
@@ -94,11 +98,11 @@ def train(cfg: Config) -> dict:
             phases = Phases()
             # 1. rollout: n samples per prompt, this rank's share of the global prompt batch
             batch_prompts = [prompts[i] for i in sampler.next(cfg.train.prompts_per_step)][mine]
-            with phases("generate"):
-                rollout.wake(["kv_cache"])
+            with phases("generate"):  # vLLM is awake: the hand-off (or engine start) woke it
                 samples = rollout.generate([p.ids for p in batch_prompts], cfg.rollout.n,
                                            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                            max_tokens=cfg.rollout.max_new_tokens)
+            with phases("sleep"):  # vLLM gives its memory back, the trainer takes its states back
                 rollout.sleep(cfg.rollout.sleep_level)
                 trainer.reload()
             # 2. rewards and group-normalised advantages
@@ -115,11 +119,13 @@ def train(cfg: Config) -> dict:
             rows = keep.nonzero().flatten().tolist()
             batch = Batch.from_rows([src[i].ids for i in rows], [samples[i].token_ids for i in rows],
                                     [samples[i].logprobs for i in rows], adv[rows].tolist())
+            if trainer.needs_old_logprobs:  # several updates per rollout, or TIS: the sampling policy's view
+                with phases("old_logprob"):
+                    batch.logp_old = trainer.logprobs(batch, cfg.rollout.temperature)
             with phases("train"):
                 metrics = trainer.step(batch)
             # 4. hand the new weights to vLLM
-            with phases("sync"):
-                hand_off()
+            hand_off(phases)
             if cfg.train.probe_every and step % cfg.train.probe_every == 0:
                 with phases("probe"):
                     metrics.update(probe(trainer, rollout, step))

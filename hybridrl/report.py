@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean, median
 
-PHASES = ["generate", "reward", "train", "sync", "probe"]  # the loop's order
+PHASES = ["generate", "sleep", "reward", "old_logprob", "train", "wake", "sync", "probe"]  # the loop's order
 
 
 @dataclass

@@ -161,12 +161,17 @@ class Trainer:
                  "seq_mean_token_sum_norm": len(n_tok) * self.cfg.rollout.max_new_tokens}[self.cfg.algo.loss_agg]
         return max(all_sum([float(local)])[0], 1.0)
 
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Several updates per rollout (ratio != 1 after the first) or TIS need the log-probs of
+        the policy that sampled, as the trainer computes them, before the first update."""
+        return self.cfg.train.epochs * self.cfg.train.minibatches > 1 or bool(self.cfg.algo.tis_cap)
+
     def step(self, batch: Batch) -> dict[str, float]:
-        """epochs x minibatches optimizer steps on one rollout batch; returns mean metrics."""
+        """epochs x minibatches optimizer steps on one rollout batch (batch.logp_old set by the
+        caller when `needs_old_logprobs`); returns mean metrics."""
         t, a, temp = self.cfg.train, self.cfg.algo, self.cfg.rollout.temperature
         world = dist.get_world_size() if dist.is_initialized() else 1
-        if t.epochs * t.minibatches > 1 or a.tis_cap:
-            batch.logp_old = self.logprobs(batch, temp)  # the policy that sampled, as the trainer sees it
         gen = torch.Generator().manual_seed(t.seed + int(self.engine.global_steps))
         skipped = self.engine.skipped_steps
         sums: dict[str, float] = {}
