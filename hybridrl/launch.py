@@ -91,6 +91,18 @@ def spawn(nproc: int, argv: list[str], *, nnodes: str = "1", node_rank: int = 0,
         from torch.distributed.elastic.multiprocessing.api import SignalException
         if isinstance(e, SignalException):  # forwarded to the workers, which saved a checkpoint and stopped
             return {signal.SIGTERM: 0, signal.SIGINT: 130}.get(e.sigval, 1)
-        print(f"hybridrl: a worker failed ({type(e).__name__}); see the rank's error above", file=sys.stderr)
+        print(f"hybridrl: {_failure_message(e)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _failure_message(e: Exception) -> str:
+    """Name the rank that died and how, from torchrun's ChildFailedError."""
+    failures = getattr(e, "failures", None) or {}
+    if not failures:
+        return f"a worker failed ({type(e).__name__}); see the rank's error above"
+    parts = []
+    for rank, f in sorted(failures.items()):
+        how = f"killed by {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}"
+        parts.append(f"rank {rank} (pid {f.pid}) died: {how}")
+    return "; ".join(parts) + ". The other ranks were stopped; see that rank's error above."

@@ -75,3 +75,27 @@ def test_bad_input_fails_fast_with_the_fix(tmp_path):
     assert out.returncode == 2 and "bad.jsonl:2: not valid JSON" in out.stderr
     out = subprocess.run([*cmd[:4], "--reward", "nosuchmodule:f"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "cannot import 'nosuchmodule'" in out.stderr
+
+
+def test_a_dead_rank_stops_the_others_with_its_name(tmp_path):
+    """kill -9 one of 2 ranks mid-run: the run ends within 60 s (no hang on a collective) and the
+    message names the dead rank."""
+    import signal
+    import time
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "hybridrl", "train", *SMALL, "--steps", "1000", "--nproc", "2",
+           "--log.run_dir", str(run_dir)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and (not metrics.exists() or metrics.read_text().count('"reward"') < 2):
+        time.sleep(1)
+    workers = subprocess.run(["pgrep", "-f", f"hybridrl train.*{run_dir}"], capture_output=True, text=True).stdout.split()
+    workers = [int(p) for p in workers if int(p) != proc.pid]
+    ranks = [p for p in workers if "--nproc" not in open(f"/proc/{p}/cmdline").read().replace("\0", " ")]
+    assert len(ranks) == 2, workers
+    t0 = time.time()
+    os.kill(max(ranks), signal.SIGKILL)  # the second-started worker
+    out, err = proc.communicate(timeout=120)
+    assert time.time() - t0 < 60 and proc.returncode == 1
+    assert "died: killed by SIGKILL" in err and "The other ranks were stopped" in err, err[-2000:]
