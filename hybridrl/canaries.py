@@ -55,7 +55,10 @@ def step_time(metrics: dict) -> float:
 @dataclass
 class Thresholds:
     clip_frac: float = 0.3  # clip_frac_low + clip_frac_high
-    slow_factor: float = 1.2  # step time vs the median of the last `window` steps
+    slow_factor: float = 1.2  # recent step time vs the median of the `window` steps before
+    # "recent step time" is the median of the last `recent` steps: one slow step on a shared machine
+    # is jitter, a slowdown that lasts (a leak, a growing cache, a lost kernel) moves this median
+    recent: int = 5
     gap_factor: float = 10.0  # logp_gap_mean vs the median of the last `window` steps
     # fp32 gaps are ~1e-7 and jump 10x from rounding alone; below this the gap is noise
     gap_floor: float = 1e-3
@@ -71,7 +74,7 @@ class Canaries:
 
     def __init__(self, thresholds: Thresholds | None = None):
         self.t = thresholds or Thresholds()
-        self.times: deque[float] = deque(maxlen=self.t.window)
+        self.times: deque[float] = deque(maxlen=self.t.window + self.t.recent)
         self.gaps: deque[float] = deque(maxlen=self.t.window)
         self.active: set[str] = set()
         self.fired_at: dict[str, int] = {}
@@ -114,13 +117,15 @@ def _clip(c: Canaries, step: int, m: dict) -> str | None:
 
 
 def _slow(c: Canaries, step: int, m: dict) -> str | None:
-    if "time/generate" not in m or len(c.times) < c.t.min_history:
+    k = c.t.recent
+    if "time/generate" not in m or len(c.times) < c.t.min_history + k - 1:
         return None
-    t, base = step_time(m), median(c.times)
+    times = list(c.times) + [step_time(m)]
+    t, base = median(times[-k:]), median(times[:-k])
     if t > c.t.slow_factor * base:
-        worst = max((k for k in m if k.startswith("time/")), key=m.__getitem__)
-        return (f"step took {t:.2f}s, {t / base:.1f}x the median {base:.2f}s of the last {len(c.times)} steps "
-                f"(longest phase: {worst.split('/', 1)[1]} {m[worst]:.2f}s)")
+        worst = max((key for key in m if key.startswith("time/")), key=m.__getitem__)
+        return (f"steps now take {t:.2f}s (median of the last {k}), {t / base:.1f}x the median {base:.2f}s of "
+                f"the {len(times) - k} before (longest phase now: {worst.split('/', 1)[1]} {m[worst]:.2f}s)")
     return None
 
 
