@@ -47,11 +47,6 @@ DS_TAG = "ds"
 MANIFEST = "complete.json"
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
 def ckpt_root(cfg: Config, run_dir: str | Path) -> Path:
     return Path(cfg.ckpt.dir.format(run_dir=run_dir))
 
@@ -151,7 +146,7 @@ class Saver:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed at this step before
             tmp.mkdir(parents=True)
-        _barrier()
+        launch.barrier()
         trainer.engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
         torch.save({"rng": rng_state(), "probe_last": probe.last}, tmp / f"rank-{self.world.rank}.pt")
         if main:
@@ -164,7 +159,7 @@ class Saver:
             if getattr(trainer.hf, "generation_config", None) is not None:
                 trainer.hf.generation_config.save_pretrained(tmp / "hf")
             self.tokenizer.save_pretrained(tmp / "hf")
-        _barrier()  # every rank's shard is on disk before the checkpoint is declared complete
+        launch.barrier()  # every rank's shard is on disk before the checkpoint is declared complete
         if main:
             files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
             _write_atomic(tmp / MANIFEST, json.dumps({"step": step, "save_s": round(time.perf_counter() - t0, 3),
@@ -175,7 +170,7 @@ class Saver:
             _write_atomic(self.root / "latest", final.name)
             for old in complete_checkpoints(self.root)[self.cfg.ckpt.keep:]:
                 shutil.rmtree(old, ignore_errors=True)
-        _barrier()
+        launch.barrier()
         self.last = final
         return final
 
@@ -210,14 +205,12 @@ class Resume:
 
     @staticmethod
     def find(cfg: Config, world) -> "Resume | None":
-        found = [locate(cfg) if world.main else None]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(found, src=0)
-        if found[0] is None:
+        found = launch.from_main(locate(cfg) if world.main else None)
+        if found is None:
             if cfg.ckpt.resume == "auto" and world.main:
                 log.info("--resume auto: no complete checkpoint under %s; starting fresh", cfg.log.run_dir)
             return None
-        r = Resume(*found[0])
+        r = Resume(*found)
         if r.state["world_size"] != world.size:
             raise UserError(f"{r.path} was saved by {r.state['world_size']} ranks; resume it with "
                             f"--nproc {r.state['world_size']} (ZeRO shards and RNG streams are per rank)")

@@ -73,6 +73,19 @@ def all_max(value: float) -> float:
     return float(t)
 
 
+def from_main(value):
+    """Rank 0's `value` on every rank (other ranks may pass anything, e.g. None)."""
+    box = [value]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def spawn(nproc: int, argv: list[str], *, nnodes: str = "1", node_rank: int = 0,
           rdzv_endpoint: str = "", rdzv_backend: str = "c10d", max_restarts: int = 0) -> int:
     """Run `python -m hybridrl <argv>` on `nproc` local ranks through torch.distributed.run."""

@@ -15,11 +15,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import yaml
 
 from .canaries import Canaries
 from .config import Config, ConfigError, to_dict
+from .launch import from_main
 
 
 class Phases(dict):
@@ -56,10 +56,8 @@ class Phases(dict):
 
 
 def _run_dir(cfg: Config, main: bool) -> Path:
-    name = [cfg.log.run_dir.format(time=time.strftime("%Y%m%d-%H%M%S"))] if main else [None]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(name, src=0)  # one directory for all ranks
-    return Path(name[0])
+    name = cfg.log.run_dir.format(time=time.strftime("%Y%m%d-%H%M%S")) if main else None
+    return Path(from_main(name))  # one directory for all ranks
 
 
 # --- sinks: each takes scalars and warning text, keyed by step ---------------------------------
