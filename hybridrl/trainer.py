@@ -200,10 +200,11 @@ class Trainer:
                     if dummy:
                         continue
                     w = float(sel.sum())
-                    gap = (logp - m.logp_rollout[sel]).abs()  # trainer vs vLLM on the sampled tokens
+                    diff = logp - m.logp_rollout[sel]  # [N] trainer vs vLLM on the sampled tokens
+                    gap = diff.abs()
                     old = logp if m.logp_old is None else m.logp_old[sel]  # None: on-policy, ratio 1
                     ratios.append((logp - old).clamp(-20, 20).exp())
-                    rollout_ratios.append((logp - m.logp_rollout[sel]).clamp(-20, 20).exp())
+                    rollout_ratios.append(diff.clamp(-20, 20).exp())
                     sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())  # micro losses sum to the minibatch's
                     for k, v in {**metrics, "logp_gap_mean": gap.mean() if w else 0.0}.items():
                         sums[k] = sums.get(k, 0.0) + float(v) * w
