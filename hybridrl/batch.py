@@ -17,9 +17,12 @@ class Batch:
     tokens: torch.Tensor  # [B, T] long, prompt + completion, right-padded with 0
     lengths: torch.Tensor  # [B] long, real tokens per row
     loss_mask: torch.Tensor  # [B, T] bool, True on completion tokens
-    advantages: torch.Tensor  # [B] float, one per sequence (broadcast over its tokens)
+    advantages: torch.Tensor  # [B] float, one per sequence (broadcast over its tokens), or [B, T] per token
     logp_rollout: torch.Tensor  # [B, T] float, vLLM's log-prob of each completion token
     logp_old: torch.Tensor | None = None  # [B, T] float, trainer log-probs before this update
+    logp_ref: torch.Tensor | None = None  # [B, T] float, the reference policy's log-probs (algo.kl_coef > 0)
+    values: torch.Tensor | None = None  # [B, T] float, the critic's values before this update (gae)
+    returns: torch.Tensor | None = None  # [B, T] float, the critic's targets (gae)
 
     @classmethod
     def from_rows(cls, prompts: list[list[int]], completions: list[list[int]],
@@ -72,3 +75,18 @@ def micro_batches(lengths: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
     if current:
         groups.append(torch.tensor(current))
     return groups
+
+
+def per_token(forward, batch: Batch, groups: list[torch.Tensor | None], device) -> torch.Tensor:
+    """Run `forward(micro_batch) -> [N]` (one value per masked token) over `groups` of rows and
+    lay the results out like `batch.loss_mask`: [B, T] float32 on the CPU. A None group runs row 0
+    and is dropped (it keeps a rank in step with the others' collectives under ZeRO-3)."""
+    out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+    for idx in groups:
+        mb = batch.select(idx if idx is not None else torch.tensor([0]))
+        vals = forward(mb.to(device))
+        if idx is not None:
+            rows = torch.zeros(mb.tokens.shape, dtype=torch.float32)
+            rows[mb.loss_mask] = vals.float().cpu()
+            out[idx, : rows.shape[1]] = rows
+    return out

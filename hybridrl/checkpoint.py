@@ -4,6 +4,7 @@ SIGTERM/SIGINT, and export a Hugging Face model directory.
 Layout of one checkpoint, `<ckpt.dir>/step-N/`:
 
     ds/                DeepSpeed's own checkpoint (params + optimizer + LR schedule), one shard per rank
+    critic/            the same for PPO's critic (algo.advantage=gae only)
     rank-R.pt          rank R's RNG states (python, numpy, torch CPU and CUDA) and its probe state
     state.json         step, data cursor, the history the loop reads (held-out accuracy, elapsed time)
     config.yaml        the run's config; hf/  the model's HF config, tokenizer and generation config
@@ -139,7 +140,7 @@ class Saver:
     def due(self, step: int, final: bool) -> bool:
         return final or bool(self.cfg.ckpt.every and step % self.cfg.ckpt.every == 0)
 
-    def save(self, step: int, trainer, sampler, probe, history: dict) -> Path:
+    def save(self, step: int, trainer, sampler, probe, history: dict, critic=None) -> Path:
         """Every rank calls this at the same step. Returns the checkpoint directory."""
         main, t0 = self.world.main, time.perf_counter()
         tmp, final = self.root / f"tmp-step-{step}", self.root / f"step-{step}"
@@ -148,6 +149,8 @@ class Saver:
             tmp.mkdir(parents=True)
         launch.barrier()
         trainer.engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
+        if critic:  # PPO's value model: its own DeepSpeed checkpoint, critic/
+            critic.save_checkpoint(str(tmp))
         torch.save({"rng": rng_state(), "probe_last": probe.last}, tmp / f"rank-{self.world.rank}.pt")
         if main:
             state = {"step": step, "cursor": sampler.cursor, "world_size": self.world.size,
@@ -222,10 +225,12 @@ class Resume:
         """The config, continuing in the checkpoint's run dir."""
         return dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, run_dir=str(self.run_dir)))
 
-    def restore(self, trainer, rollout, sampler, probe, run, hand_off) -> tuple[int, float | None]:
+    def restore(self, trainer, rollout, sampler, probe, run, hand_off, critic=None) -> tuple[int, float | None]:
         """Load everything saved after step N; returns (N, held-out accuracy before training)."""
         from . import progress
         trainer.load_checkpoint(str(self.path), DS_TAG)
+        if critic:
+            critic.load_checkpoint(str(self.path))
         hand_off()  # the loaded weights to vLLM, as after any step
         probe(trainer, rollout, self.step)  # raises if vLLM and the trainer disagree
         mine = torch.load(self.path / f"rank-{dist.get_rank() if dist.is_initialized() else 0}.pt",

@@ -80,14 +80,28 @@ class TrainConfig:
 
 @dataclass
 class AlgoConfig:
-    advantage: str = knob("grpo", "Advantage estimator: grpo | dr_grpo | rloo.")
+    advantage: str = knob("grpo", "Advantage estimator: grpo | dr_grpo | rloo (one per sample, from its group), "
+                          "reinforce_pp (REINFORCE++ baseline: R - group mean, whitened over the global batch) | "
+                          "gae (PPO with a critic: a value model trained alongside the policy).")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = knob(
         "token_mean", "How token losses are reduced (DAPO token_mean, GRPO seq_mean_token_mean, Dr.GRPO sum_norm).")
     clip_low: float = knob(0.2, "PPO clip epsilon below 1.")
     clip_high: float = knob(0.28, "PPO clip epsilon above 1 (DAPO clip-higher).")
     dual_clip: float = knob(0.0, "Dual-clip constant c > 1 for negative advantages (0 = off).")
-    kl_coef: float = knob(0.0, "Weight of KL to the initial policy in the loss (0 = no reference model).")
-    kl_type: Literal["k1", "k2", "k3"] = knob("k3", "KL estimator.")
+    kl_coef: float = knob(0.0, "Weight beta of the KL to the reference policy (0 = no reference model is loaded).")
+    kl_type: Literal["k1", "k2", "k3"] = knob("k3", "KL estimator (Schulman's k1 = log ratio, k2, k3); k1 is the usual "
+                                              "choice with algo.kl_in=reward.")
+    kl_in: Literal["loss", "reward"] = knob(
+        "loss", "Where the KL goes: loss (+ beta * KL in the policy loss, GRPO) or reward (a per-token reward "
+        "-beta * KL_t, PPO-RLHF; for grpo/dr_grpo/rloo beta * sum_t KL_t is taken off the sample's reward).")
+    ref_path: str = knob("", "Reference policy for the KL: a HF model directory (default: the initial policy, model.path).")
+    gamma: float = knob(1.0, "Discount factor of the per-token returns (gae, reinforce_pp).")
+    gae_lambda: float = knob(0.95, "GAE lambda: 1 = Monte-Carlo returns minus the value, 0 = one-step TD.")
+    critic_lr: float = knob(1e-4, "Learning rate of the critic (algo.advantage=gae).")
+    critic_path: str = knob("", "Critic initialisation: a HF model directory whose base model gets a new value head "
+                            "(default: the policy's model.path).")
+    value_clip: float = knob(0.2, "PPO value clipping: new values may move at most this far from the old ones in the "
+                             "critic's loss (0 = off).")
     entropy_coef: float = knob(0.0, "Entropy bonus weight.")
     tis_cap: float = knob(0.0, "Truncated importance-sampling cap against vLLM log-probs (0 = off).")
     skip_zero_advantage: bool = knob(True, "Train only on samples with a non-zero advantage; groups whose rewards are "
@@ -149,6 +163,7 @@ class Config:
 
 
 GROUPS = [f.name for f in dataclasses.fields(Config)]
+ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")  # algo.ADVANTAGES' names (config stays torch-free)
 
 
 class UserError(ValueError):
@@ -275,9 +290,15 @@ def validate(cfg: Config) -> None:
          f"data.max_prompt_len + rollout.max_new_tokens must fit rollout.max_model_len "
          f"({cfg.data.max_prompt_len} + {r.max_new_tokens} > {r.max_model_len}): raise rollout.max_model_len"),
         (cfg.ckpt.every >= 0 and cfg.ckpt.keep >= 1, "ckpt.every must be >= 0 and ckpt.keep >= 1"),
-        (cfg.algo.kl_coef == 0, "algo.kl_coef > 0 (reference model) is not supported yet; set it to 0"),
-        (cfg.algo.advantage in ("grpo", "dr_grpo", "rloo"),
-         f"algo.advantage={cfg.algo.advantage!r}: choose grpo, dr_grpo or rloo"),
+        (cfg.algo.kl_coef >= 0, "algo.kl_coef must be >= 0 (0 = no reference model)"),
+        (cfg.algo.advantage in ADVANTAGES,
+         f"algo.advantage={cfg.algo.advantage!r}: choose {', '.join(ADVANTAGES)}"),
+        (0 < cfg.algo.gamma <= 1 and 0 <= cfg.algo.gae_lambda <= 1,
+         "algo.gamma must be in (0, 1] and algo.gae_lambda in [0, 1]"),
+        (cfg.algo.critic_lr > 0 and cfg.algo.value_clip >= 0, "algo.critic_lr must be > 0 and algo.value_clip >= 0"),
+        (t.kernels != "liger" or (cfg.algo.kl_coef == 0 and cfg.algo.advantage in ("grpo", "dr_grpo", "rloo")),
+         "train.kernels=liger takes one advantage per sample and no KL: use train.kernels=auto with "
+         "algo.kl_coef > 0 or algo.advantage reinforce_pp/gae"),
     ]
     for ok, msg in checks:
         if not ok:

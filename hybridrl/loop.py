@@ -18,7 +18,9 @@ from . import algo, checkpoint, data, env, launch, rewards, sync
 from .batch import Batch
 from .canaries import distribution_metrics
 from .config import Config, ConfigError
+from .critic import Critic
 from .progress import Phases, RunLog
+from .reference import Reference
 from .rollout import Rollout
 from .trainer import Trainer
 
@@ -51,6 +53,9 @@ def train(cfg: Config) -> dict:
 
     trainer = Trainer(cfg, model_path, device=world.device, dtype=_dtype(cfg.model.dtype),
                       attn_implementation=cfg.model.attn_implementation)
+    engine_kw = dict(device=world.device, dtype=_dtype(cfg.model.dtype), attn_implementation=cfg.model.attn_implementation)
+    ref = Reference.load(cfg, model_path, **engine_kw)  # None (nothing loaded) when algo.kl_coef == 0
+    critic = Critic(cfg, model_path, **engine_kw) if cfg.algo.advantage == "gae" else None
     rollout = Rollout(cfg, model_path, on_cpu=on_cpu, eos_token_id=tokenizer.eos_token_id, rank=world.rank)
     probe = sync.Probe([p.ids + tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                         for p in (heldout or prompts)[:8]], cfg.train.probe_tol, cfg.train.probe_action)
@@ -88,7 +93,7 @@ def train(cfg: Config) -> dict:
 
     start = time.perf_counter()  # engines are up: the clock of train.max_minutes starts here
     if resumed:  # weights (handed to vLLM and probed), optimizer, data cursor, RNG, history
-        done, acc_before = resumed.restore(trainer, rollout, sampler, probe, run, hand_off)
+        done, acc_before = resumed.restore(trainer, rollout, sampler, probe, run, hand_off, critic=critic)
         start -= resumed.state["history"]["elapsed_s"]
     else:
         done, acc_before = 0, evaluate(0)
@@ -105,25 +110,38 @@ def train(cfg: Config) -> dict:
             with phases("sleep"):  # vLLM gives its memory back, the trainer takes its states back
                 rollout.sleep(cfg.rollout.sleep_level)
                 trainer.reload()
-            # 2. rewards and group-normalised advantages
+            # 2. rewards; the sampling policy's, the reference's and the critic's view; advantages
             with phases("reward"):
                 texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
                 src = [batch_prompts[s.prompt_idx] for s in samples]
                 scores, reward_errors = rewards.score(reward_fn, [p.text for p in src], texts,
                                                       [p.answer for p in src], cfg.reward.on_error)
                 R = torch.tensor(scores).view(len(batch_prompts), cfg.rollout.n)  # [P, n]
-                adv = algo.advantages(cfg.algo.advantage, R).flatten()  # [P * n]
-            # 3. train on the samples that carry a gradient (equal-reward groups have A == 0)
-            keep = (adv != 0) if cfg.algo.skip_zero_advantage else torch.ones_like(adv, dtype=torch.bool)
-            keep[0] |= not keep.any()  # one zero-advantage row keeps this rank in the collectives
-            rows = keep.nonzero().flatten().tolist()
-            batch = Batch.from_rows([src[i].ids for i in rows], [samples[i].token_ids for i in rows],
-                                    [samples[i].logprobs for i in rows], adv[rows].tolist())
-            if trainer.needs_old_logprobs:  # several updates per rollout, or TIS: the sampling policy's view
+            batch = Batch.from_rows([p.ids for p in src], [s.token_ids for s in samples],
+                                    [s.logprobs for s in samples], [0.0] * len(samples))
+            if trainer.needs_old_logprobs:  # several updates per rollout, TIS, KL in the reward
                 with phases("old_logprob"):
                     batch.logp_old = trainer.logprobs(batch, cfg.rollout.temperature)
+            if ref:
+                with phases("ref_logprob"):
+                    batch.logp_ref = ref.logprobs(batch, cfg.rollout.temperature)
+            if critic:
+                with phases("values"):
+                    batch.values = critic.values(batch)
+            batch.advantages, batch.returns, adv_metrics = algo.estimate(cfg.algo, R, batch)  # [P * n] or [P * n, T]
+            signal = algo.has_signal(batch.advantages)  # [P * n] bool
+            # 3. train on the samples that carry a gradient (equal-reward groups have A == 0, but
+            # with the KL in the loss every sample still has one)
+            skip = cfg.algo.skip_zero_advantage and not (cfg.algo.kl_coef and cfg.algo.kl_in == "loss")
+            keep = signal.clone() if skip else torch.ones_like(signal)
+            keep[0] |= not keep.any()  # one zero-advantage row keeps this rank in the collectives
+            batch = batch.select(keep.nonzero().flatten())
             with phases("train"):
                 metrics = trainer.step(batch)
+            if critic:
+                with phases("critic"):
+                    metrics.update(critic.step(batch))
+            metrics.update(adv_metrics)
             # 4. hand the new weights to vLLM
             hand_off(phases)
             if cfg.train.probe_every and step % cfg.train.probe_every == 0:
@@ -132,7 +150,7 @@ def train(cfg: Config) -> dict:
 
             n_tok = launch.all_sum([sum(len(s.token_ids) for s in samples), int(batch.lengths.sum())])
             reward_sum = launch.all_sum([float(R.sum()), R.numel(), reward_errors, float((R >= 1).sum()),
-                                         float((adv != 0).sum())])
+                                         float(signal.sum())])
             metrics.update(
                 reward=reward_sum[0] / reward_sum[1], solve_rate=reward_sum[3] / reward_sum[1],
                 reward_errors=reward_sum[2], rollout_tokens=n_tok[0], signal_frac=reward_sum[4] / reward_sum[1],
@@ -153,7 +171,7 @@ def train(cfg: Config) -> dict:
             stop_signal = stop.requested()  # all ranks agree
             if saver.due(step, final=out_of_time or bool(stop_signal) or step == cfg.train.steps):
                 saver.save(step, trainer, sampler, probe, dict(acc_before=acc_before, last_acc=run.last_acc,
-                                                               elapsed_s=elapsed))
+                                                               elapsed_s=elapsed), critic=critic)
             if out_of_time or stop_signal:
                 break
     # a signal asks for a quick exit (preemption grace periods are short): no final evaluation

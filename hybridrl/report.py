@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean, median
 
-PHASES = ["generate", "sleep", "reward", "old_logprob", "train", "wake", "sync", "probe"]  # the loop's order
+PHASES = ["generate", "sleep", "reward", "old_logprob", "ref_logprob", "values", "train", "critic", "wake", "sync",
+          "probe"]  # the loop's order
 
 
 @dataclass

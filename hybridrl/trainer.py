@@ -105,6 +105,23 @@ def ds_config(cfg: Config, bf16: bool) -> dict:
     return conf
 
 
+def replay_cpu_adam_steps(engine) -> None:
+    """DeepSpeed's CPU FusedAdam keeps beta^t as a running float product inside its C++ op
+    (IncrementStep in csrc/includes/cpu_adam.h), outside any state_dict. A fresh process
+    computes pow(beta, t) instead, which differs in the last bit and so would every update
+    after a resume. Replaying steps 1..t on a one-element dummy rebuilds the same product.
+    (The critic's engine needs it too.)"""
+    opt = engine.optimizer.optimizer  # ZeRO's wrapper -> DeepSpeed's FusedAdam
+    if not hasattr(opt, "multi_tensor_adam"):
+        return
+    steps = [int(s["step"]) for s in opt.state.values() if "step" in s]
+    group = opt.param_groups[0]
+    dummy = [[torch.zeros(1)] for _ in range(4)]  # grad, param, exp_avg, exp_avg_sq
+    for t in range(1, max(steps, default=0) + 1):
+        opt.multi_tensor_adam(1, opt._dummy_overflow_buf, dummy, group["lr"], *group["betas"], group["eps"], t,
+                              opt.adam_w_mode, 1, group["weight_decay"])  # 1: chunk size, unused on CPU
+
+
 class Trainer:
     def __init__(self, cfg: Config, model_path: str, *, device: torch.device, dtype: torch.dtype,
                  attn_implementation: str):
@@ -163,9 +180,11 @@ class Trainer:
 
     @property
     def needs_old_logprobs(self) -> bool:
-        """Several updates per rollout (ratio != 1 after the first) or TIS need the log-probs of
-        the policy that sampled, as the trainer computes them, before the first update."""
-        return self.cfg.train.epochs * self.cfg.train.minibatches > 1 or bool(self.cfg.algo.tis_cap)
+        """Several updates per rollout (ratio != 1 after the first), TIS, or the KL in the reward need
+        the log-probs of the policy that sampled, as the trainer computes them, before the first update."""
+        a = self.cfg.algo
+        return (self.cfg.train.epochs * self.cfg.train.minibatches > 1 or bool(a.tis_cap)
+                or (a.kl_coef > 0 and a.kl_in == "reward"))
 
     def step(self, batch: Batch) -> dict[str, float]:
         """epochs x minibatches optimizer steps on one rollout batch (batch.logp_old set by the
@@ -189,7 +208,10 @@ class Trainer:
                     seq_ids = torch.arange(len(m), device=self.device)[:, None].expand_as(sel)[sel]  # [N]
                     loss, metrics, logp, _ = self._forward(m, temp, loss=dict(
                         logp_old=None if m.logp_old is None else m.logp_old[sel],  # None: on-policy, ratio 1
-                        advantages=m.advantages[seq_ids], mask=torch.ones(len(seq_ids), device=self.device),
+                        advantages=m.advantages[sel] if m.advantages.dim() == 2 else m.advantages[seq_ids],  # [N]
+                        mask=torch.ones(len(seq_ids), device=self.device),
+                        logp_ref=None if m.logp_ref is None else m.logp_ref[sel],  # logs kl_mean whenever given
+                        kl_coef=a.kl_coef if a.kl_in == "loss" else 0.0, kl_type=a.kl_type,
                         seq_ids=seq_ids, logp_rollout=m.logp_rollout[sel] if a.tis_cap else None,
                         eps_low=a.clip_low, eps_high=a.clip_high, dual_clip=a.dual_clip or None,
                         tis_cap=a.tis_cap or None, entropy_coef=a.entropy_coef, agg=a.loss_agg, normalizer=norm))
@@ -233,22 +255,7 @@ class Trainer:
         if client is None:
             raise RuntimeError(f"DeepSpeed found no checkpoint '{tag}' in {path}")
         if self.device.type == "cpu":
-            self._replay_cpu_adam_steps()
-
-    def _replay_cpu_adam_steps(self) -> None:
-        """DeepSpeed's CPU FusedAdam keeps beta^t as a running float product inside its C++ op
-        (IncrementStep in csrc/includes/cpu_adam.h), outside any state_dict. A fresh process
-        computes pow(beta, t) instead, which differs in the last bit and so would every update
-        after a resume. Replaying steps 1..t on a one-element dummy rebuilds the same product."""
-        opt = self.engine.optimizer.optimizer  # ZeRO's wrapper -> DeepSpeed's FusedAdam
-        if not hasattr(opt, "multi_tensor_adam"):
-            return
-        steps = [int(s["step"]) for s in opt.state.values() if "step" in s]
-        group = opt.param_groups[0]
-        dummy = [[torch.zeros(1)] for _ in range(4)]  # grad, param, exp_avg, exp_avg_sq
-        for t in range(1, max(steps, default=0) + 1):
-            opt.multi_tensor_adam(1, opt._dummy_overflow_buf, dummy, group["lr"], *group["betas"], group["eps"], t,
-                                  opt.adam_w_mode, 1, group["weight_decay"])  # 1: chunk size, unused on CPU
+            replay_cpu_adam_steps(self.engine)
 
     # --- hand-off and memory ------------------------------------------------------------------
     def named_parameters_for_sync(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:

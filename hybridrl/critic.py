@@ -1,0 +1,146 @@
+"""The critic of PPO with GAE (`algo.advantage=gae`): the policy's base model plus a scalar value
+head, as a second DeepSpeed ZeRO-2/3 engine on the same device as the policy's.
+
+Verbs, like the trainer's: `values(batch)` (the loop's `values` phase, before the update: the old
+values that GAE and value clipping use), `step(batch)` (the `critic` phase: epochs x minibatches
+updates on the clipped value loss, `algo.critic_lr`), `save_checkpoint` / `load_checkpoint`.
+On GPU its parameters and optimizer states leave the device after each update and come back for
+the next `values` call (DeepSpeed's offload_states / reload_states, as the policy's), so it holds
+no device memory while vLLM generates; on CPU that is a no-op.
+
+V(s_t) for completion token t is read from the hidden state that predicts token t (position t-1),
+so values line up with the policy's log-probs ([B, T], like Batch.loss_mask). It starts from the
+policy's weights (or `algo.critic_path`) with a zero value head: V = 0 before the first update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import deepspeed
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import algo
+from .batch import Batch, micro_batches, per_token
+from .config import Config, UserError
+from .launch import all_max, all_sum
+from .trainer import ds_config, replay_cpu_adam_steps
+
+TAG = "critic"  # its DeepSpeed checkpoint's directory inside a hybridrl checkpoint
+
+
+class _ValueModel(nn.Module):
+    def __init__(self, base: nn.Module):
+        super().__init__()
+        self.base = base
+        self.head = nn.Linear(base.config.hidden_size, 1, dtype=base.dtype)
+        nn.init.zeros_(self.head.weight)
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, tokens, attention_mask, loss_mask) -> torch.Tensor:
+        """Values of the masked tokens' states: [N] float32."""
+        hidden = self.base(input_ids=tokens, attention_mask=attention_mask).last_hidden_state
+        return self.head(hidden[:, :-1][loss_mask[:, 1:]]).squeeze(-1).float()  # [N]
+
+
+class Critic:
+    def __init__(self, cfg: Config, model_path: str, *, device: torch.device, dtype: torch.dtype,
+                 attn_implementation: str):
+        from transformers import AutoModel
+
+        self.cfg, self.device = cfg, device
+        base = AutoModel.from_pretrained(cfg.algo.critic_path or model_path, dtype=dtype,
+                                         attn_implementation=attn_implementation,
+                                         trust_remote_code=cfg.model.trust_remote_code)
+        if cfg.model.gradient_checkpointing:
+            base.gradient_checkpointing_enable()
+        model = _ValueModel(base)
+        own = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=cfg.algo.critic_lr))
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                               config=ds_config(own, dtype == torch.bfloat16))
+        self.offload()
+
+    def _plan(self, rows: Batch | None) -> list[torch.Tensor | None]:
+        """Micro-batches padded with None up to the largest count on any rank (ZeRO-3 gathers
+        parameters collectively in every forward), as the trainer's."""
+        groups = micro_batches(rows.lengths, self.cfg.train.max_tokens_per_micro_batch) if rows else []
+        return groups + [None] * (int(all_max(len(groups))) - len(groups))
+
+    def _forward(self, mb: Batch) -> torch.Tensor:
+        return self.engine(mb.tokens, mb.attention_mask(), mb.loss_mask)
+
+    @torch.no_grad()
+    def values(self, batch: Batch) -> torch.Tensor:
+        """The critic's values of every completion token before this step's update: [B, T]."""
+        self.reload()
+        return per_token(self._forward, batch, self._plan(batch), self.device)
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        """epochs x minibatches updates on the clipped value loss against batch.returns, from the
+        old values batch.values; then the states leave the device. Returns mean metrics."""
+        t = self.cfg.train
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        gen = torch.Generator().manual_seed(t.seed + int(self.engine.global_steps))
+        sums, n_updates = {}, 0
+        for _ in range(t.epochs):
+            perm = torch.randperm(len(batch), generator=gen) if t.minibatches > 1 else torch.arange(len(batch))
+            for mb_rows in torch.tensor_split(perm, t.minibatches):  # same count on every rank
+                mini = batch.select(mb_rows) if len(mb_rows) else None
+                norm = max(all_sum([float(mini.loss_mask.sum()) if mini else 0.0])[0], 1.0)
+                for idx in self._plan(mini):
+                    dummy = idx is None  # keeps this rank in step with the others' collectives
+                    m = (batch.select(torch.tensor([0])) if dummy else mini.select(idx)).to(self.device)
+                    sel = m.loss_mask
+                    loss, metrics = algo.value_loss(self._forward(m), m.values[sel], m.returns[sel],
+                                                    clip=self.cfg.algo.value_clip, normalizer=norm)
+                    # DeepSpeed averages gradients over ranks; the normaliser is already global
+                    self.engine.backward(loss * (0.0 if dummy else world), scale_wrt_gas=False)
+                    if dummy:
+                        continue
+                    w = float(sel.sum())
+                    sums["value_loss"] = sums.get("value_loss", 0.0) + float(loss.detach())
+                    for k, v in metrics.items():
+                        sums[k] = sums.get(k, 0.0) + float(v) * w
+                    sums["_w"] = sums.get("_w", 0.0) + w
+                self.engine.step()
+                n_updates += 1
+                grad_norm = self.engine.get_global_grad_norm()
+                sums["critic_grad_norm"] = sums.get("critic_grad_norm", 0.0) + float(grad_norm or 0.0)
+        self.offload()
+        w = max(sums.pop("_w", 0.0), 1.0)
+        per_update = ("value_loss", "critic_grad_norm")
+        out = {k: v / w for k, v in sums.items() if k not in per_update}
+        out.update({k: sums.get(k, 0.0) / max(n_updates, 1) for k in per_update})
+        return out
+
+    # --- checkpoints: a DeepSpeed checkpoint of its own, `critic/` beside the policy's `ds/` -------
+    def save_checkpoint(self, path: str) -> None:
+        self.reload()
+        self.engine.save_checkpoint(path, tag=TAG, save_latest=False)
+        self.offload()
+
+    def load_checkpoint(self, path: str) -> None:
+        if not (Path(path) / TAG).is_dir():
+            raise UserError(f"{path} holds no critic (it was saved without algo.advantage=gae); resume it with "
+                            "the run's own algo.advantage, or start a new run")
+        self.reload()
+        _, client = self.engine.load_checkpoint(path, tag=TAG, load_optimizer_states=True,
+                                                load_lr_scheduler_states=True)
+        if client is None:
+            raise RuntimeError(f"DeepSpeed found no checkpoint '{TAG}' in {path}")
+        if self.device.type == "cpu":
+            replay_cpu_adam_steps(self.engine)
+        self.offload()
+
+    # --- memory ------------------------------------------------------------------------------
+    def offload(self) -> None:
+        """Parameters and optimizer states to CPU between its phases (GPU only)."""
+        if self.device.type == "cuda":
+            self.engine.optimizer.offload_states(device="cpu", pin_memory=True, non_blocking=True)
+
+    def reload(self) -> None:
+        if self.device.type == "cuda":
+            self.engine.reload_states()
