@@ -198,16 +198,6 @@ def test_reinforce_pp_normalises_over_every_rank(tmp_path):
     torch.testing.assert_close(parts[1], whole[2:, : parts[1].shape[1]])
 
 
-def test_no_reference_model_is_loaded_when_beta_is_zero():
-    from hybridrl import config
-    from hybridrl.reference import Reference
-    cfg = config.load(overrides={"algo.kl_coef": 0.0})
-    kw = dict(device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
-    assert Reference.load(cfg, "/no/such/model", **kw) is None  # would raise if it tried to load anything
-    with pytest.raises(OSError):
-        Reference.load(config.load(overrides={"algo.kl_coef": 0.1}), "/no/such/model", **kw)
-
-
 def test_estimator_names_match_the_config():
     from hybridrl import config
     assert tuple(ADVANTAGES) == config.ADVANTAGES
