@@ -22,12 +22,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kernels.ppo_loss import KL_ESTIMATORS
 
 from .launch import all_sum
+
+if TYPE_CHECKING:
+    from .batch import Batch
+    from .config import AlgoConfig
 
 EPS = 1e-6
 
@@ -155,10 +160,11 @@ ADVANTAGES = {**{k: _per_sample(fn) for k, fn in GROUP_ESTIMATORS.items()},
               "reinforce_pp": reinforce_pp, "gae": gae}  # name -> fn(Experience)
 
 
-def estimate(a, rewards: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+def estimate(a: AlgoConfig, rewards: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                            dict[str, float]]:
     """Advantages ([B] or [B, T]), returns (gae) and metrics for a rollout batch whose rows are the
-    samples of `rewards` [P, n] in order. `a` is the AlgoConfig; the batch carries logp_ref and
-    logp_old when the KL is in the reward, values for gae."""
+    samples of `rewards` [P, n] in order; the batch carries logp_ref and logp_old when the KL is in
+    the reward, values for gae."""
     kl = None
     if a.kl_coef and a.kl_in == "reward":
         kl = kl_penalty(batch.logp_old, batch.logp_ref, batch.loss_mask, a.kl_type, a.kl_coef)

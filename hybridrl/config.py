@@ -94,7 +94,8 @@ class AlgoConfig:
     kl_in: Literal["loss", "reward"] = knob(
         "loss", "Where the KL goes: loss (+ beta * KL in the policy loss, GRPO) or reward (a per-token reward "
         "-beta * KL_t, PPO-RLHF; for grpo/dr_grpo/rloo beta * sum_t KL_t is taken off the sample's reward).")
-    ref_path: str = knob("", "Reference policy for the KL: a HF model directory (default: the initial policy, model.path).")
+    ref_path: str = knob("", "Reference policy for the KL: a HF model directory (default: the initial policy, "
+                         "model.path).")
     gamma: float = knob(1.0, "Discount factor of the per-token returns (gae, reinforce_pp).")
     gae_lambda: float = knob(0.95, "GAE lambda: 1 = Monte-Carlo returns minus the value, 0 = one-step TD.")
     critic_lr: float = knob(1e-4, "Learning rate of the critic (algo.advantage=gae).")

@@ -53,7 +53,8 @@ def train(cfg: Config) -> dict:
 
     trainer = Trainer(cfg, model_path, device=world.device, dtype=_dtype(cfg.model.dtype),
                       attn_implementation=cfg.model.attn_implementation)
-    engine_kw = dict(device=world.device, dtype=_dtype(cfg.model.dtype), attn_implementation=cfg.model.attn_implementation)
+    engine_kw = dict(device=world.device, dtype=_dtype(cfg.model.dtype),
+                     attn_implementation=cfg.model.attn_implementation)
     ref = Reference.load(cfg, model_path, **engine_kw)  # None (nothing loaded) when algo.kl_coef == 0
     critic = Critic(cfg, model_path, **engine_kw) if cfg.algo.advantage == "gae" else None
     rollout = Rollout(cfg, model_path, on_cpu=on_cpu, eos_token_id=tokenizer.eos_token_id, rank=world.rank)
