@@ -108,7 +108,8 @@ class RewardConfig:
 
 @dataclass
 class DataConfig:
-    path: str = knob("demo", "Prompts: 'demo' (built-in addition task) or a .jsonl/.json/.parquet/.csv file.")
+    path: str = knob("demo", "Prompts: 'demo' (built-in addition task), a .jsonl/.json/.parquet/.csv file, or a "
+                     "directory written by datasets' save_to_disk.")
     heldout_path: str = knob("", "Held-out prompts for evaluation (default: the demo's held-out split, or none).")
     prompt_key: str = knob("prompt", "Column holding the prompt text.")
     answer_key: str = knob("answer", "Column holding the reference answer passed to the reward.")
