@@ -29,8 +29,9 @@ def test_packing_matches_padding_with_real_engines(tmp_path):
             tmp_path / packing, packing, "--data", str(tmp_path / "ds"), "--data.heldout_path", str(tmp_path / "ds"),
             "--data.on_error", "skip", "--train.max_tokens_per_micro_batch", "40", "--algo.tis_cap", "2",
             "--algo.tis_level", "sequence", "--log.eval_n", str(EVAL_N), "--log.eval_temperature", "1.0")
-        assert "skipped 1 of 2245 malformed rows (data.on_error=skip); the first: " \
-               f"{tmp_path / 'ds'} [train] row 2244: 'prompt' must be a non-empty string, got None" in out.stdout + out.stderr
+        skipped = ("skipped 1 of 2245 malformed rows (data.on_error=skip); the first: "
+                   f"{tmp_path / 'ds'} [train] row 2244: 'prompt' must be a non-empty string, got None")
+        assert skipped in out.stdout + out.stderr
         records = [json.loads(line) for line in (tmp_path / packing / "metrics.jsonl").open()]
         evals = [r for r in records if "heldout_acc" in r]
         assert [e["step"] for e in evals] == [0, 3]  # log.eval_every 0: at the start and the end

@@ -20,7 +20,8 @@ def run(packing, batch, *, tis_level=None, logp_rollout=None, advantages=None, o
     seq_ids = torch.arange(len(batch))[:, None].expand_as(sel)[sel]  # [N]
     adv = batch.advantages if advantages is None else advantages
     loss, metrics, _, _ = t._forward(batch, 1.0, loss=dict(
-        logp_old=None if on_policy else batch.logp_old[sel], advantages=adv[seq_ids], mask=torch.ones(len(seq_ids)), seq_ids=seq_ids,
+        logp_old=None if on_policy else batch.logp_old[sel], advantages=adv[seq_ids], mask=torch.ones(len(seq_ids)),
+        seq_ids=seq_ids,
         logp_rollout=logp_rollout, eps_low=0.2, eps_high=0.28, dual_clip=None, tis_cap=2.0 if tis_level else None,
         tis_level=tis_level or "token", entropy_coef=0.0, agg="token_mean", normalizer=None))
     loss.backward()
