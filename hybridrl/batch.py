@@ -2,14 +2,24 @@
 
 Position t of a row holds token t; `loss_mask[b, t]` marks completion tokens, whose log-prob
 log p(tokens[b, t] | tokens[b, :t]) the trainer computes. Rows are right-padded, so position
-ids are 0..len-1 in both engines.
+ids are 0..len-1 in both engines. `Batch.packed()` lays the rows end to end without padding
+(the trainer's default, `train.packing`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
 import torch
+
+
+class Packed(NamedTuple):
+    """A batch's rows laid end to end in one row of sum(lengths) tokens, no padding."""
+    tokens: torch.Tensor  # [1, L] long
+    position_ids: torch.Tensor  # [1, L] long, 0..len-1 within each sample
+    loss_mask: torch.Tensor  # [1, L] bool
+    seq_ids: torch.Tensor  # [1, L] long, the batch row each token came from
 
 
 @dataclass
@@ -56,22 +66,38 @@ class Batch:
     def attention_mask(self) -> torch.Tensor:  # [B, T]
         return torch.arange(self.tokens.shape[1], device=self.tokens.device)[None] < self.lengths[:, None]
 
+    def packed(self) -> Packed:
+        """The rows end to end, position ids restarting at 0 per sample. Given position_ids and
+        no attention mask, transformers' attention (sdpa, eager, flex: a block-diagonal causal
+        mask; flash-attention-2: varlen cu_seqlens) keeps samples from attending to each other
+        (masking_utils.find_packed_sequence_indices). Tokens keep their row-major order, so
+        `loss_mask` selects the same tokens, in the same order, as the padded layout's."""
+        if self.loss_mask[:, 0].any():  # its "previous position" would be the last sample's end
+            raise ValueError("a row's first token cannot be a loss token when packing")
+        real = self.attention_mask()  # [B, T]
+        B, T = real.shape
+        pos = torch.arange(T, device=real.device)[None].expand(B, T)
+        rows = torch.arange(B, device=real.device)[:, None].expand(B, T)
+        return Packed(*(x[real][None] for x in (self.tokens, pos, self.loss_mask, rows)))  # each [1, L]
 
-def micro_batches(lengths: torch.Tensor, max_tokens: int) -> list[torch.Tensor]:
-    """Split rows into groups whose padded size (rows x longest row) fits `max_tokens`.
+
+def micro_batches(lengths: torch.Tensor, max_tokens: int, packed: bool = False) -> list[torch.Tensor]:
+    """Split rows into groups whose size fits `max_tokens`: rows x longest row when padded,
+    the sum of the lengths when `packed`.
 
     Rows are sorted by length first so that padding inside a group is small. A single row
     longer than the budget still gets a group of its own.
     """
     order = torch.argsort(lengths, descending=True, stable=True)
-    groups, current, longest = [], [], 0
+    groups, current, longest, total = [], [], 0, 0
     for i in order.tolist():
         L = int(lengths[i])
-        if current and max(longest, L) * (len(current) + 1) > max_tokens:
+        size = total + L if packed else max(longest, L) * (len(current) + 1)
+        if current and size > max_tokens:
             groups.append(torch.tensor(current))
-            current, longest = [], 0
+            current, longest, total = [], 0, 0
         current.append(i)
-        longest = max(longest, L)
+        longest, total = max(longest, L), total + L
     if current:
         groups.append(torch.tensor(current))
     return groups

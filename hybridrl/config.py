@@ -67,6 +67,8 @@ class TrainConfig:
     epochs: int = knob(1, "Passes over each rollout batch (PPO epochs).")
     minibatches: int = knob(1, "Optimizer steps per epoch; > 1 makes later steps off-policy (ratio != 1).")
     max_tokens_per_micro_batch: int = knob(8192, "Token budget of one forward/backward; micro-batches accumulate.")
+    packing: bool = knob(True, "Lay each micro-batch's samples end to end in one row (position ids restart per "
+                         "sample), so no padding is computed; off = right-padded rows. Same loss either way.")
     kernels: Literal["auto", "triton", "torch", "liger", "naive"] = knob(
         "auto", "Log-prob/loss provider: auto = Triton on CUDA, chunked torch on CPU; liger = Liger-Kernel's fused "
         "GRPO loss (clipped surrogate only); naive = full logits (reference).")
@@ -105,6 +107,8 @@ class AlgoConfig:
                              "critic's loss (0 = off).")
     entropy_coef: float = knob(0.0, "Entropy bonus weight.")
     tis_cap: float = knob(0.0, "Truncated importance-sampling cap against vLLM log-probs (0 = off).")
+    tis_level: Literal["token", "sequence"] = knob(
+        "token", "TIS weight per token, or per sequence (exp of the summed log-ratio, shared by its tokens).")
     skip_zero_advantage: bool = knob(True, "Train only on samples with a non-zero advantage; groups whose rewards are "
                                      "all equal carry no gradient. The loss normaliser then counts only the kept "
                                      "tokens, as with DAPO's dynamic sampling.")
@@ -119,13 +123,19 @@ class RewardConfig:
 
 @dataclass
 class DataConfig:
-    path: str = knob("demo", "Prompts: 'demo' (built-in addition task) or a .jsonl/.json/.parquet/.csv file.")
+    path: str = knob("demo", "Prompts: 'demo' (built-in addition task), a .jsonl/.json/.parquet/.csv file, or a "
+                     "directory written by datasets' save_to_disk.")
     heldout_path: str = knob("", "Held-out prompts for evaluation (default: the demo's held-out split, or none).")
     prompt_key: str = knob("prompt", "Column holding the prompt text.")
     answer_key: str = knob("answer", "Column holding the reference answer passed to the reward.")
     max_prompt_len: int = knob(48, "Prompts longer than this many tokens are dropped (counted).")
     chat_template: Literal["auto", "on", "off"] = knob(
         "auto", "Wrap prompts in the tokenizer's chat template (auto = if the tokenizer has one).")
+    split: str = knob("train", "Split of data.path when it is a saved datasets.DatasetDict.")
+    heldout_split: str = knob("test", "Split of data.heldout_path when it is a saved datasets.DatasetDict.")
+    on_error: Literal["error", "skip"] = knob(
+        "error", "A malformed row (bad JSON, missing key, non-string prompt) stops with its file and line, or is "
+        "skipped and counted (logged once with the first location).")
 
 
 @dataclass
@@ -134,6 +144,9 @@ class LogConfig:
     eval_every: int = knob(100, "Held-out greedy evaluation every N steps (0 = only at start and end).")
     eval_every_s: float = knob(0.0, "Also evaluate once this many seconds have passed since the last evaluation (0 = off).")
     eval_size: int = knob(256, "Held-out prompts evaluated (0 = all).")
+    eval_n: int = knob(0, "Also sample this many completions per held-out prompt and log their mean accuracy "
+                       "as eval/mean@n (0 = off; greedy pass@1 is always logged).")
+    eval_temperature: float = knob(1.0, "Sampling temperature of the eval_n samples.")
     progress: bool = knob(True, "Print a live progress line.")
     tensorboard: bool = knob(False, "Also write TensorBoard events to <run_dir>/tensorboard (needs the 'log' extra).")
     wandb: bool = knob(False, "Also log to Weights & Biases (needs the 'log' extra).")
@@ -300,6 +313,8 @@ def validate(cfg: Config) -> None:
         (t.kernels != "liger" or (cfg.algo.kl_coef == 0 and cfg.algo.advantage in ("grpo", "dr_grpo", "rloo")),
          "train.kernels=liger takes one advantage per sample and no KL: use train.kernels=auto with "
          "algo.kl_coef > 0 or algo.advantage reinforce_pp/gae"),
+        (cfg.log.eval_n >= 0 and cfg.log.eval_temperature > 0,
+         "log.eval_n must be >= 0 and log.eval_temperature > 0 (pass@1 is the greedy evaluation)"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -1,17 +1,28 @@
-"""Prompts in: read rows from a file (or the demo task), tokenize once, hand out seeded batches.
+"""Prompts in: read rows from a file, a saved `datasets` dataset or the demo task, tokenize once,
+hand out seeded batches.
 
-Malformed input fails with the file and line and what to change; prompts longer than
-`data.max_prompt_len` tokens are dropped and counted.
+Formats: .jsonl (one object per line), .json (a list of objects, or JSON lines as `datasets`'
+`to_json` writes them), .parquet, .csv (with a header row), and a directory written by
+`datasets`' `save_to_disk`: a Dataset, or a DatasetDict whose split `data.split` (held out:
+`data.heldout_split`) is read. Columns are `data.prompt_key` and `data.answer_key`.
+
+Readers never judge a row; `encode` does, in one place: a malformed row (bad JSON, not an
+object, a missing key, a prompt that is not a non-empty string) fails with its location
+(`file:line` for line formats, `file row i`, 0-based, for tables) and what to change, or with
+`data.on_error=skip` is skipped, counted, and logged once with the first location. Prompts
+longer than `data.max_prompt_len` tokens are dropped and counted.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from .config import DataConfig, UserError
+from .config import ConfigError, DataConfig, UserError
 
 log = logging.getLogger("hybridrl")
 
@@ -27,56 +38,146 @@ class Prompt:
     answer: str
 
 
-def read_rows(path: str) -> list[dict]:
+@dataclass
+class Row:
+    where: str  # how a user finds it: "train.jsonl:12", "train.parquet row 3"
+    value: Any  # the parsed row; a dict when well formed
+    problem: str = ""  # set by a reader that could not parse the row at all
+
+
+# --- readers: path -> rows (a broken file raises; a broken row is passed on with its problem) ----
+def _jsonl(p: Path) -> list[Row]:
+    rows = []
+    for n, line in enumerate(p.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(Row(f"{p}:{n}", json.loads(line)))
+        except json.JSONDecodeError as e:
+            rows.append(Row(f"{p}:{n}", None, f"not valid JSON ({e.msg}); each line must be one JSON object"))
+    return rows
+
+
+def _json(p: Path) -> list[Row]:
+    try:
+        items = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        if e.msg == "Extra data":  # several top-level values: JSON lines under a .json name
+            return _jsonl(p)
+        raise DataError(f"{p}:{e.lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(items, list):
+        raise DataError(f"{p}: expected a JSON list of objects (or one object per line), got {type(items).__name__}")
+    return [Row(f"{p} item {i}", r) for i, r in enumerate(items)]
+
+
+def _parquet(p: Path) -> list[Row]:
+    import pyarrow.parquet as pq  # pyarrow, not pandas: an int column with a null stays int
+    try:
+        table = pq.read_table(p)
+    except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for unreadable files
+        raise DataError(f"{p}: not a readable parquet file ({e})") from None
+    return [Row(f"{p} row {i}", r) for i, r in enumerate(table.to_pylist())]
+
+
+def _csv(p: Path) -> list[Row]:
+    rows = []
+    with open(p, newline="") as f:
+        reader = csv.reader(f)
+        try:
+            header = next(reader, [])
+            for fields in reader:  # line_num: the row's last line (a quoted field may span lines)
+                where = f"{p}:{reader.line_num}"
+                if not fields:
+                    continue
+                if len(fields) != len(header):
+                    rows.append(Row(where, None, f"has {len(fields)} fields, the header has {len(header)}"))
+                else:
+                    rows.append(Row(where, dict(zip(header, fields))))
+        except csv.Error as e:
+            raise DataError(f"{p}:{reader.line_num}: not valid CSV ({e})") from None
+    return rows
+
+
+def _saved_dataset(p: Path, split: str) -> list[Row]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(f"{p} is a directory: reading a saved dataset needs `pip install datasets`") from None
+    try:
+        ds = datasets.load_from_disk(str(p))
+    except FileNotFoundError:
+        raise DataError(f"{p}: a directory, but not one written by datasets' save_to_disk") from None
+    where = str(p)
+    if isinstance(ds, datasets.DatasetDict):
+        if split not in ds:
+            raise DataError(f"{p}: no split {split!r} (has {', '.join(ds)}); set data.split / data.heldout_split")
+        ds, where = ds[split], f"{p} [{split}]"
+    return [Row(f"{where} row {i}", r) for i, r in enumerate(ds.to_list())]
+
+
+READERS = {".jsonl": _jsonl, ".ndjson": _jsonl, ".json": _json, ".parquet": _parquet, ".csv": _csv}
+
+
+def read_rows(path: str, split: str = "train") -> list[Row]:
+    """Rows of a file, or of a dataset directory (`split` picks a DatasetDict's split)."""
     p = Path(path)
     if not p.exists():
         raise DataError(f"data file {path} not found")
-    suffix = p.suffix.lower()
-    if suffix in (".jsonl", ".ndjson"):
-        rows = []
-        for n, line in enumerate(p.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}: not valid JSON ({e.msg}); each line must be one JSON object") from None
-            if not isinstance(row, dict):
-                raise DataError(f"{path}:{n}: expected a JSON object, got {type(row).__name__}")
-            rows.append(row)
-        return rows
-    if suffix == ".json":
-        rows = json.loads(p.read_text())
-        if not isinstance(rows, list):
-            raise DataError(f"{path}: expected a JSON list of objects")
-        return rows
-    if suffix in (".parquet", ".csv"):
-        try:
-            import pandas as pd
-        except ImportError:
-            raise DataError(f"{path}: reading {suffix} needs pandas (and pyarrow for parquet): pip install pandas pyarrow") from None
-        frame = pd.read_parquet(p) if suffix == ".parquet" else pd.read_csv(p, dtype=str, keep_default_na=False)
-        return frame.to_dict(orient="records")
-    raise DataError(f"{path}: unknown format {suffix!r}; use .jsonl, .json, .parquet or .csv")
+    if p.is_dir():
+        return _saved_dataset(p, split)
+    reader = READERS.get(p.suffix.lower())
+    if reader is None:
+        raise DataError(f"{path}: unknown format {p.suffix!r}; use .jsonl, .json, .parquet, .csv "
+                        "or a directory written by datasets' save_to_disk")
+    return reader(p)
 
 
-def load_rows(cfg: DataConfig, split: str) -> list[dict]:
+def load_rows(cfg: DataConfig, split: str) -> list[Row]:
     """split is 'train' or 'heldout'."""
     if cfg.path == "demo" and not (split == "heldout" and cfg.heldout_path):
         from .tasks import arithmetic
-        return arithmetic.load(split)
+        return [Row(f"demo {split} row {i}", r) for i, r in enumerate(arithmetic.load(split))]
     path = cfg.path if split == "train" else cfg.heldout_path
-    return read_rows(path) if path else []
+    return read_rows(path, cfg.split if split == "train" else cfg.heldout_split) if path else []
 
 
-def encode(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> tuple[list[Prompt], int]:
-    """Tokenize rows; returns the kept prompts and how many were too long."""
-    use_template = cfg.chat_template == "on" or (cfg.chat_template == "auto" and getattr(tokenizer, "chat_template", None))
-    out, too_long = [], 0
-    for n, row in enumerate(rows, 1):
-        if cfg.prompt_key not in row:
-            raise DataError(f"{source} row {n}: no '{cfg.prompt_key}' field (has {sorted(row)}); set data.prompt_key")
-        text = row[cfg.prompt_key]
+# --- rows -> prompts -----------------------------------------------------------------------------
+def _problem(row: Any, cfg: DataConfig) -> str:
+    """What is wrong with a parsed row ('' if nothing)."""
+    if not isinstance(row, dict):
+        return f"expected an object with a '{cfg.prompt_key}' field, got {type(row).__name__}"
+    for key, knob in ((cfg.prompt_key, "prompt_key"), (cfg.answer_key, "answer_key")):
+        if key and key not in row:
+            return f"no '{key}' field (has {sorted(map(str, row))}); set data.{knob}"
+    text = row[cfg.prompt_key]
+    if not isinstance(text, str) or not text:
+        return f"'{cfg.prompt_key}' must be a non-empty string, got {repr(text)[:40]}"
+    if cfg.answer_key and row[cfg.answer_key] is None:
+        return f"'{cfg.answer_key}' is null"
+    return ""
+
+
+def _answer(value: Any) -> str:
+    return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def encode(rows: list[Row], tokenizer, cfg: DataConfig, source: str) -> tuple[list[Prompt], dict[str, int]]:
+    """Check and tokenize rows; returns the kept prompts and how many were dropped, by reason
+    ({"too_long": n, "malformed": m}). `data.answer_key` '' means rows carry no answer."""
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if cfg.chat_template == "on" and not has_template:
+        raise ConfigError("data.chat_template=on but the tokenizer has no chat template; set data.chat_template=off")
+    use_template = cfg.chat_template == "on" or (cfg.chat_template == "auto" and has_template)
+    out, too_long, malformed, first = [], 0, 0, ""
+    for row in rows:
+        problem = row.problem or _problem(row.value, cfg)
+        if problem:
+            if cfg.on_error != "skip":
+                raise DataError(f"{row.where}: {problem} (data.on_error=skip skips malformed rows)")
+            malformed += 1
+            first = first or f"{row.where}: {problem}"
+            continue
+        text = row.value[cfg.prompt_key]
         if use_template:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                 tokenize=True, return_dict=False)
@@ -85,11 +186,14 @@ def encode(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> tuple[l
         if len(ids) > cfg.max_prompt_len:
             too_long += 1
             continue
-        out.append(Prompt(text, list(ids), str(row.get(cfg.answer_key, ""))))
+        out.append(Prompt(text, list(ids), _answer(row.value[cfg.answer_key]) if cfg.answer_key else ""))
+    if malformed:
+        log.warning("%s: skipped %d of %d malformed rows (data.on_error=skip); the first: %s",
+                    source, malformed, len(rows), first)
     if too_long:
         log.warning("%s: dropped %d of %d prompts longer than data.max_prompt_len=%d tokens",
                     source, too_long, len(rows), cfg.max_prompt_len)
-    return out, too_long
+    return out, {"too_long": too_long, "malformed": malformed}
 
 
 class Sampler:

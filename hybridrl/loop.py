@@ -63,7 +63,9 @@ def train(cfg: Config) -> dict:
     mine = slice(world.rank, None, world.size)  # this rank's share of every global list
 
     def evaluate(step: int) -> float | None:
-        """Greedy held-out accuracy (reward >= 1), prompts sharded over ranks; None without a split."""
+        """Held-out accuracy (reward >= 1), prompts sharded over ranks; None without a split.
+        pass@1 scores the greedy completion; mean@n (log.eval_n > 0) the mean over n samples
+        per prompt, drawn with a per-step seed so that training's sampling stream is untouched."""
         if not heldout:
             return None
         rollout.wake(["kv_cache"])
@@ -73,7 +75,17 @@ def train(cfg: Config) -> dict:
         scores, _ = rewards.score(reward_fn, [p.text for p in shard], texts, [p.answer for p in shard])
         correct = launch.all_sum([sum(s >= 1.0 for s in scores), len(scores)])
         acc = correct[0] / max(correct[1], 1)
-        run.eval(step, acc)
+        sampled = {}
+        if cfg.log.eval_n:
+            samples = rollout.generate([p.ids for p in shard], cfg.log.eval_n, temperature=cfg.log.eval_temperature,
+                                       top_p=cfg.rollout.top_p, max_tokens=cfg.rollout.max_new_tokens,
+                                       seed=cfg.train.seed + step) if shard else []
+            texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
+            src = [shard[s.prompt_idx] for s in samples]
+            scores, _ = rewards.score(reward_fn, [p.text for p in src], texts, [p.answer for p in src])
+            hits = launch.all_sum([sum(s >= 1.0 for s in scores), len(scores)])
+            sampled = {"eval/mean@n": hits[0] / max(hits[1], 1), "eval/n_samples": int(hits[1])}
+        run.eval(step, acc, sampled)
         return acc
 
     def hand_off(phases: Phases | None = None) -> None:
@@ -178,7 +190,8 @@ def train(cfg: Config) -> dict:
     # a signal asks for a quick exit (preemption grace periods are short): no final evaluation
     acc_after = run.last_acc if stop_signal else evaluate(step)
     summary = {"heldout_acc_before": acc_before, "heldout_acc_after": acc_after, "steps": step,
-               "minutes": (time.perf_counter() - start) / 60, "run_dir": str(run.dir)}
+               "minutes": (time.perf_counter() - start) / 60, "run_dir": str(run.dir),
+               "eval/pass@1": acc_after, **run.last_sampled}
     if stop_signal:
         summary.update(stop.summary(stop_signal, step, saver.last, run.dir))
     run.close(summary)

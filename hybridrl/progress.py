@@ -158,6 +158,9 @@ class RunLog:
         self.total = cfg.train.steps
         self.last_acc: float | None = None
         self.first_acc: float | None = None
+        self.eval_n = cfg.log.eval_n
+        self.first_sampled: dict = {}  # eval/mean@n at step 0 (none in a resumed process) and the latest
+        self.last_sampled: dict = {}
         self._last_print = 0.0
         self._live = ""  # the step line a TTY shows at the bottom
         self.canaries = Canaries()
@@ -172,12 +175,18 @@ class RunLog:
             if cfg.log.wandb:
                 self.sinks.append(WandbSink(cfg, self.dir))
 
-    def eval(self, step: int, acc: float) -> None:
+    def eval(self, step: int, acc: float, sampled: dict | None = None) -> None:
+        """acc: greedy held-out accuracy (logged as heldout_acc and eval/pass@1); sampled:
+        eval/mean@n and eval/n_samples when log.eval_n > 0."""
         self.first_acc = acc if self.first_acc is None else self.first_acc
         self.last_acc = acc
+        self.last_sampled = dict(sampled or {})
+        if step == 0:
+            self.first_sampled = self.last_sampled
         for s in self.sinks:
-            s.scalars(step, {"heldout_acc": acc})
-        self._line(f"step {step:>4}/{self.total}  held-out accuracy {acc:6.1%}", force=True)
+            s.scalars(step, {"heldout_acc": acc, "eval/pass@1": acc, **self.last_sampled})
+        mean = f"  mean@{self.eval_n} {sampled['eval/mean@n']:6.1%}" if sampled else ""
+        self._line(f"step {step:>4}/{self.total}  held-out accuracy {acc:6.1%}{mean}", force=True)
 
     def step(self, step: int, m: dict) -> None:
         if not self.main:
@@ -215,6 +224,10 @@ class RunLog:
             s.close(summary)
         before, after = summary["heldout_acc_before"], summary["heldout_acc_after"]
         acc = "n/a (no held-out split: set data.heldout_path)" if before is None else f"{before:.1%} -> {after:.1%}"
+        if self.last_sampled:
+            first = self.first_sampled.get("eval/mean@n")
+            acc += (f" (pass@1), mean@{self.eval_n} {'' if first is None else f'{first:.1%} -> '}"
+                    f"{self.last_sampled['eval/mean@n']:.1%}")
         print(f"\nheld-out accuracy: {acc}  ({summary['steps']} steps, {summary['minutes']:.1f} min, run dir {self.dir})"
               + (f"; {len(self.warnings)} warning(s), see metrics.jsonl" if self.warnings else ""), flush=True)
 

@@ -56,10 +56,11 @@ class Rollout:
         return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
     def generate(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
-                 max_tokens: int) -> list[Sample]:
-        """n samples per prompt, with the sampled tokens' log-probs, in one call."""
+                 max_tokens: int, seed: int | None = None) -> list[Sample]:
+        """n samples per prompt, with the sampled tokens' log-probs, in one call. A `seed` gives
+        these requests their own generator, leaving the engine's sampling stream as it was."""
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                logprobs=0, stop_token_ids=[self.eos], detokenize=False)
+                                logprobs=0, stop_token_ids=[self.eos], detokenize=False, seed=seed)
         samples = []
         for i, out in enumerate(self._run(prompts, params)):
             for c in out.outputs:

@@ -21,14 +21,16 @@ from torch import nn
 
 from kernels.liger_loss import liger_ppo_loss
 from kernels.logprob import logprob_entropy
-from kernels.ppo_loss import fused_logprob_ppo_loss
+from kernels.ppo_loss import TIS_LEVELS, fused_logprob_ppo_loss
 
-from .batch import Batch, micro_batches
+from .batch import Batch, micro_batches, per_token
 from .canaries import distribution_metrics
 from .config import Config, ConfigError
 from .launch import all_max, all_sum
 
 log = logging.getLogger("hybridrl")
+# attention implementations that read packed samples from position_ids (transformers' masking_utils)
+PACKABLE_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 _NAN_AT = os.environ.get("HYBRIDRL_TEST_NAN_AT_STEP")  # tests inject a NaN loss at this optimizer step
 
 
@@ -42,11 +44,16 @@ class _TokenLogprobs(nn.Module):
             if getattr(hf.config, attr, None) not in (None, 1.0):
                 raise NotImplementedError(f"models with {attr} need the full LM head; not supported yet")
 
-    def forward(self, tokens, attention_mask, loss_mask, temperature: float, loss: dict | None = None):
+    def forward(self, tokens, attention_mask, loss_mask, temperature: float, loss: dict | None = None,
+                position_ids=None):
         """Without `loss`: (logp [N], entropy [N]) of the masked tokens. With `loss` (ppo_loss's
         per-token tensors and knobs): (loss, metrics, logp, entropy) from the fused kernel, which
-        produces the logits' gradient in the same pass."""
-        hidden = self.hf.base_model(input_ids=tokens, attention_mask=attention_mask).last_hidden_state
+        produces the logits' gradient in the same pass. Packed rows (`Batch.packed()`) come with
+        position_ids and attention_mask=None."""
+        # use_cache=False: a KV cache is useless here, and transformers only looks for packed
+        # sequences in position_ids when there is none (masking_utils._preprocess_mask_arguments)
+        hidden = self.hf.base_model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids,
+                                    use_cache=False).last_hidden_state
         sel = loss_mask[:, 1:]  # [B, T-1]: position t predicts token t+1
         h = hidden[:, :-1][sel]  # [N, d]
         y = tokens[:, 1:][sel]  # [N]
@@ -137,6 +144,13 @@ class Trainer:
         if provider == "liger" and (cfg.algo.dual_clip or cfg.algo.tis_cap or cfg.algo.entropy_coef):
             raise ConfigError("train.kernels=liger supports the clipped surrogate only: set algo.dual_clip, "
                               "algo.tis_cap and algo.entropy_coef to 0, or use train.kernels=auto")
+        # Liger's loss takes [B, T, d] rows and aggregates per row; remote-code models may build
+        # their own masks, blind to packing
+        self.packing = (cfg.train.packing and provider != "liger" and attn_implementation in PACKABLE_ATTENTION
+                        and type(hf).__module__.startswith("transformers."))
+        if cfg.train.packing and not self.packing:
+            log.info("train.packing: not with kernels=%s / attention %s / %s; using padded rows",
+                     provider, attn_implementation, type(hf).__name__)
         module = _TokenLogprobs(hf, provider, cfg.train.logprob_chunk, cfg.rollout.max_new_tokens)
         self.zero3 = cfg.train.zero_stage == 3
         if self.zero3:  # the head's weight is used by this module's forward, not by lm_head's
@@ -147,27 +161,24 @@ class Trainer:
 
     # --- log-probs ----------------------------------------------------------------------------
     def _forward(self, mb: Batch, temperature: float, loss: dict | None = None):
+        """Log-probs (and the loss) of mb's masked tokens, in the order of `mb.loss_mask`'s True
+        entries whether packed or padded."""
+        if self.packing:  # one row, no padding computed
+            p = mb.packed()
+            return self.engine(p.tokens, None, p.loss_mask, temperature, loss, position_ids=p.position_ids)
         return self.engine(mb.tokens, mb.attention_mask(), mb.loss_mask, temperature, loss)
 
     def _plan(self, rows: Batch | None) -> list[torch.Tensor | None]:
         """Micro-batches of `rows`, padded with None (a zero-weight dummy) up to the largest
         count on any rank: under ZeRO-3 every forward gathers parameters collectively, so ranks
         with different counts would hang."""
-        groups = micro_batches(rows.lengths, self.cfg.train.max_tokens_per_micro_batch) if rows else []
+        groups = micro_batches(rows.lengths, self.cfg.train.max_tokens_per_micro_batch, self.packing) if rows else []
         return groups + [None] * (int(all_max(len(groups))) - len(groups))
 
     @torch.no_grad()
     def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
         """Trainer log-probs of every masked token, laid out like `batch.loss_mask`: [B, T]."""
-        out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
-        for idx in self._plan(batch):
-            mb = batch.select(idx if idx is not None else torch.tensor([0]))
-            logp, _ = self._forward(mb.to(self.device), temperature)
-            if idx is not None:
-                rows = torch.zeros(mb.tokens.shape, dtype=torch.float32)
-                rows[mb.loss_mask] = logp.float().cpu()
-                out[idx, : rows.shape[1]] = rows
-        return out
+        return per_token(lambda mb: self._forward(mb, temperature)[0], batch, self._plan(batch), self.device)
 
     # --- update -------------------------------------------------------------------------------
     def _normalizer(self, batch: Batch | None) -> float:
@@ -196,6 +207,7 @@ class Trainer:
         sums: dict[str, float] = {}
         n_updates = 0
         ratios, rollout_ratios = [], []  # per token: pi/pi_old, and trainer/vLLM (~1 when the engines agree)
+        is_ratios = []  # per token: the importance ratio TIS caps, pi_old/pi_vllm at algo.tis_level
         for _ in range(t.epochs):
             perm = torch.randperm(len(batch), generator=gen) if t.minibatches > 1 else torch.arange(len(batch))
             for mb_rows in torch.tensor_split(perm, t.minibatches):  # same count on every rank
@@ -214,7 +226,8 @@ class Trainer:
                         kl_coef=a.kl_coef if a.kl_in == "loss" else 0.0, kl_type=a.kl_type,
                         seq_ids=seq_ids, logp_rollout=m.logp_rollout[sel] if a.tis_cap else None,
                         eps_low=a.clip_low, eps_high=a.clip_high, dual_clip=a.dual_clip or None,
-                        tis_cap=a.tis_cap or None, entropy_coef=a.entropy_coef, agg=a.loss_agg, normalizer=norm))
+                        tis_cap=a.tis_cap or None, tis_level=a.tis_level, entropy_coef=a.entropy_coef, agg=a.loss_agg,
+                        normalizer=norm))
                     # DeepSpeed averages gradients over ranks; the normaliser is already global
                     if _NAN_AT and int(self.engine.global_steps) + 1 == int(_NAN_AT):  # tests only
                         loss = loss * float("nan")
@@ -227,6 +240,8 @@ class Trainer:
                     old = logp if m.logp_old is None else m.logp_old[sel]  # None: on-policy, ratio 1
                     ratios.append((logp - old).clamp(-20, 20).exp())
                     rollout_ratios.append(diff.clamp(-20, 20).exp())
+                    log_is = TIS_LEVELS[a.tis_level](old - m.logp_rollout[sel], torch.ones_like(old), seq_ids)  # [N]
+                    is_ratios.append(log_is.clamp(-20, 20).exp())
                     sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())  # micro losses sum to the minibatch's
                     for k, v in {**metrics, "logp_gap_mean": gap.mean() if w else 0.0}.items():
                         sums[k] = sums.get(k, 0.0) + float(v) * w
@@ -245,6 +260,11 @@ class Trainer:
         out.update(distribution_metrics(ratio=torch.cat(ratios) if ratios else [],
                                         rollout_ratio=torch.cat(rollout_ratios) if rollout_ratios else []))
         out["nonfinite_steps"] = self.engine.skipped_steps - skipped  # updates DeepSpeed discarded
+        if is_ratios:  # how far vLLM's sampling is from the trainer's policy; TIS (if on) caps it
+            is_ratio = torch.cat(is_ratios)  # [tokens]
+            out.update({"tis/ratio_mean": float(is_ratio.mean()), "tis/ratio_max": float(is_ratio.max())})
+            if a.tis_cap:
+                out["tis/clip_frac"] = float((is_ratio > a.tis_cap).float().mean())
         return out
 
     # --- checkpoints ----------------------------------------------------------------------------

@@ -1,11 +1,7 @@
-import json
-
-import pytest
 import torch
 
 from hybridrl import data
 from hybridrl.batch import Batch, micro_batches
-from hybridrl.config import DataConfig
 
 
 def test_batch_layout():
@@ -24,25 +20,6 @@ def test_micro_batches_respect_token_budget():
     for g in groups:
         assert len(g) * int(lengths[g].max()) <= 20 or len(g) == 1
     assert micro_batches(torch.tensor([50]), 20)[0].tolist() == [0]  # oversize row alone
-
-
-def test_malformed_jsonl_names_file_and_line(tmp_path):
-    f = tmp_path / "d.jsonl"
-    f.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": oops}\n')
-    with pytest.raises(data.DataError, match=r"d.jsonl:2: not valid JSON"):
-        data.read_rows(str(f))
-
-
-def test_missing_prompt_key_and_overlong_prompts(tmp_path):
-    class Tok:
-        chat_template = None
-        def __call__(self, text):
-            return {"input_ids": list(range(len(text)))}
-    cfg = DataConfig(max_prompt_len=5)
-    prompts, dropped = data.encode([{"prompt": "abc", "answer": 1}, {"prompt": "abcdefgh"}], Tok(), cfg, "x")
-    assert [p.text for p in prompts] == ["abc"] and dropped == 1 and prompts[0].answer == "1"
-    with pytest.raises(data.DataError, match="set data.prompt_key"):
-        data.encode([{"question": "abc"}], Tok(), cfg, "x")
 
 
 def test_sampler_is_seeded_and_covers_each_epoch():

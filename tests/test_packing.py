@@ -1,0 +1,98 @@
+"""Packed micro-batches (train.packing) give the padded layout's log-probs, loss and gradients.
+
+The trainer's own `_forward` and `logprobs` run on a tiny Qwen2 (sdpa, float32) through its
+`_TokenLogprobs` module, with no DeepSpeed in between, once packed and once padded. Rows have
+different lengths, so the padded layout computes padding and the packed one does not; a packed
+row whose samples attended to each other (e.g. transformers not seeing the packing because a KV
+cache was passed) is off by ~1 nat, far outside float32 tolerance.
+"""
+import pytest
+import torch
+import transformers
+
+from hybridrl.batch import Batch, micro_batches
+from hybridrl.config import Config
+from hybridrl.trainer import Trainer, _TokenLogprobs
+
+V = 40
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=V, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                                   num_hidden_layers=2, intermediate_size=96, max_position_embeddings=64,
+                                   tie_word_embeddings=False, attn_implementation="sdpa")
+    return transformers.Qwen2ForCausalLM(cfg).float()
+
+
+def rows() -> Batch:
+    """5 samples, prompts of 2..6 tokens and completions of 1..5: lengths 3..11."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, V, (n,), generator=g).tolist() for n in (6, 2, 4, 3, 5)]
+    completions = [torch.randint(1, V, (n,), generator=g).tolist() for n in (5, 1, 3, 5, 2)]
+    logp_rollout = [(-0.1 * torch.arange(1, len(c) + 1)).tolist() for c in completions]
+    return Batch.from_rows(prompts, completions, logp_rollout, [1.0, -0.5, 0.7, -1.2, 0.3])
+
+
+def trainer(packing: bool) -> Trainer:
+    """The real Trainer's log-prob paths, with the module itself standing in for DeepSpeed's engine."""
+    t = Trainer.__new__(Trainer)
+    t.cfg, t.device, t.packing = Config(), torch.device("cpu"), packing
+    t.engine = _TokenLogprobs(tiny_model(), "torch", chunk=7, max_len=5)  # odd chunk: spans samples
+    return t
+
+
+def test_packed_layout():
+    b = Batch.from_rows([[1, 5, 6], [1, 7]], [[8, 2], [9, 9, 2]], [[-0.1, -0.2], [-1, -2, -3]], [1.0, -1.0])
+    p = b.packed()
+    assert p.tokens.tolist() == [[1, 5, 6, 8, 2, 1, 7, 9, 9, 2]]
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 4, 0, 1, 2, 3, 4]]
+    assert p.seq_ids.tolist() == [[0, 0, 0, 0, 0, 1, 1, 1, 1, 1]]
+    assert p.tokens[p.loss_mask].tolist() == b.tokens[b.loss_mask].tolist() == [8, 2, 9, 9, 2]
+    ragged = b.select(torch.tensor([1, 0]))  # row 0 is padded by one: the padding is dropped
+    assert ragged.select(torch.tensor([1])).packed().tokens.tolist() == [[1, 5, 6, 8, 2]]
+    short = Batch.from_rows([[1], [1, 7, 7]], [[4], [5]], [[0.0], [0.0]], [0.0, 0.0])
+    assert short.packed().position_ids.tolist() == [[0, 1, 0, 1, 2, 3]]
+
+
+def test_packed_micro_batches_count_real_tokens():
+    lengths = torch.tensor([10, 3, 7, 7, 2, 9])
+    groups = micro_batches(lengths, 20, packed=True)
+    # longest first: [10, 9] = 19, then [7, 7, 3, 2] = 19 (padded, 7 * 4 = 28 would not fit)
+    assert [g.tolist() for g in groups] == [[0, 5], [2, 3, 1, 4]]
+    assert [g.tolist() for g in micro_batches(lengths, 20)] == [[0, 5], [2, 3], [1, 4]]
+
+
+def test_packed_logprobs_equal_padded():
+    batch = rows()
+    padded, packed = trainer(False).logprobs(batch, 0.7), trainer(True).logprobs(batch, 0.7)  # [B, T]
+    assert packed.shape == batch.tokens.shape and bool((packed[~batch.loss_mask] == 0).all())
+    torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
+    assert float(padded[batch.loss_mask].abs().min()) > 0  # every completion token was scored
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("tis_level", [None, "token", "sequence"])
+def test_packed_loss_and_gradients_equal_padded(agg, tis_level):
+    batch = rows()
+    batch.logp_old = trainer(False).logprobs(batch, 1.0) + 0.05 * batch.loss_mask  # off-policy: ratio 0.95
+    sel = batch.loss_mask
+    seq_ids = torch.arange(len(batch))[:, None].expand_as(sel)[sel]  # [N], as Trainer.step builds it
+    results = {}
+    for packing in (False, True):
+        t = trainer(packing)
+        loss, metrics, logp, entropy = t._forward(batch, 1.0, loss=dict(
+            logp_old=batch.logp_old[sel], advantages=batch.advantages[seq_ids], mask=torch.ones(len(seq_ids)),
+            seq_ids=seq_ids, logp_rollout=batch.logp_rollout[sel] if tis_level else None,
+            eps_low=0.2, eps_high=0.28, dual_clip=3.0, tis_cap=2.0 if tis_level else None,
+            tis_level=tis_level or "token", entropy_coef=0.01, agg=agg, normalizer=7.0))
+        loss.backward()
+        results[packing] = loss.detach(), logp, {n: p.grad.clone() for n, p in t.engine.named_parameters()}
+    (ref_loss, ref_logp, ref_grads), (loss, logp, grads) = results[False], results[True]
+    assert float(ref_loss) != 0.0
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-5)
+    assert len(grads) == len(ref_grads) == 2 + 2 * 12 + 1  # embeddings, head, 2 layers x 12 tensors, final norm
+    for name, g in ref_grads.items():
+        assert float(g.abs().max()) > 0, name
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
