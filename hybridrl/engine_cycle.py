@@ -23,7 +23,7 @@ from contextlib import nullcontext
 from dataclasses import replace
 
 from . import memory, sync
-from .config import Config
+from .config import Config, ConfigError
 
 
 def _phase(phases, name: str):
@@ -68,6 +68,9 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool) -> Config:
     trainer.offload()
     if not cuda or cfg.rollout.gpu_memory_utilization != "auto":
         return cfg
+    if cfg.rollout.sleep_level == 0:  # vLLM would keep the planned memory while the trainer reloads
+        raise ConfigError("rollout.gpu_memory_utilization=auto plans for vLLM sleeping while the trainer trains; with "
+                          "rollout.sleep_level=0 set a fraction that leaves room for the trainer")
     weights = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in trainer.hf.parameters())
     plan = memory.plan_from_device(cfg, weights)
     if main:

@@ -66,7 +66,8 @@ class BucketSender:
     def _new_buffer(self, nbytes: int) -> torch.Tensor:
         if self.cuda:
             return torch.empty(nbytes, dtype=torch.uint8, device=torch.cuda.current_device())
-        return torch.empty(nbytes, dtype=torch.uint8).share_memory_()
+        # shared memory made as such (share_memory_() would allocate, then copy into shm)
+        return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
 
     def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], rpc: Callable[..., dict],
              digest: bool = False) -> dict:

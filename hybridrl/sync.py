@@ -1,8 +1,10 @@
 """Weight hand-off from the trainer to vLLM, and the probe that proves it landed.
 
-The only module that knows both engines. Tensors pass by reference inside the process: no
-serialisation, no file, no transport. ZeRO-3 parameters are gathered in buckets while vLLM
-copies them in (see `Trainer.named_parameters_for_sync`).
+The only module that knows both engines. In process, tensors pass by reference: no
+serialisation, no file, no transport; out of process (rollout.mode=outofprocess) the rollout
+sends them through shared staging buckets (ipc.py). ZeRO-3 parameters are gathered in buckets
+while they are consumed (see `Trainer.named_parameters_for_sync`). When the hand-off happens,
+and around what, is engine_cycle.py's business.
 """
 
 from __future__ import annotations

@@ -206,6 +206,8 @@ def test_plan_rollout_fills_auto(monkeypatch, capsys):
     assert out.rollout.gpu_memory_utilization == "0.5"
     assert "memory plan: device 24.0 GiB" in capsys.readouterr().out
     assert engine_cycle.plan_rollout(cfg, trainer, cuda=False, main=True) is cfg  # CPU: kv_cache_mb rules
+    with pytest.raises(ConfigError, match="sleep_level=0 set a fraction"):
+        engine_cycle.plan_rollout(config.load(None, {"rollout.sleep_level": 0}), trainer, cuda=True, main=True)
     fixed = config.load(None, {"rollout.gpu_memory_utilization": "0.6"})
     assert engine_cycle.plan_rollout(fixed, trainer, cuda=True, main=True).rollout.gpu_memory_utilization == "0.6"
 
