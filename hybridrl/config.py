@@ -41,11 +41,20 @@ class RolloutConfig:
     max_new_tokens: int = knob(4, "Longest completion, in tokens.")
     max_model_len: int = knob(64, "vLLM context length (prompt + completion).")
     tensor_parallel_size: int = knob(1, "vLLM tensor-parallel size inside each group of ranks.")
-    gpu_memory_utilization: float = knob(0.5, "GPU only: fraction of device memory vLLM may use (weights + KV cache).")
+    gpu_memory_utilization: str = knob(
+        "auto", "GPU only: fraction of device memory vLLM may use (weights + KV cache), or auto = what is free "
+        "once the trainer has offloaded its states, less rollout.memory_margin_mb (the plan is printed at start).")
+    memory_margin_mb: int = knob(2048, "GPU only, with gpu_memory_utilization=auto: device memory kept back from vLLM "
+                                 "(CUDA contexts, NCCL, fragmentation, the hand-off's staging).")
+    mode: Literal["inprocess", "outofprocess"] = knob(
+        "inprocess", "inprocess: vLLM runs inside each rank, weights passed by reference; outofprocess: vLLM's own "
+        "engine-core process, weights sent through train.sync_bucket_mb staging buckets shared by handle (CUDA IPC "
+        "on GPU, shared memory on CPU).")
     kv_cache_mb: int = knob(64, "CPU only (and GPU if > 0 and gpu_memory_utilization is 0): KV cache size in MiB.")
     enable_prefix_caching: bool = knob(True, "Reuse a prompt's KV cache across its n samples.")
     enforce_eager: bool = knob(True, "Skip graph capture/compilation (fast start; best for small models and CPU).")
-    sleep_level: int = knob(1, "vLLM sleep level between rollouts on GPU (1: weights to CPU, 2: discard weights).")
+    sleep_level: int = knob(1, "vLLM sleep level between rollouts on GPU (1: weights to CPU, 2: discard weights, "
+                            "every hand-off then rewrites them all; 0: sleep mode off, vLLM keeps its memory).")
 
 
 @dataclass
@@ -73,7 +82,12 @@ class TrainConfig:
         "auto", "Log-prob/loss provider: auto = Triton on CUDA, chunked torch on CPU; liger = Liger-Kernel's fused "
         "GRPO loss (clipped surrogate only); naive = full logits (reference).")
     logprob_chunk: int = knob(1024, "Tokens per chunk in the chunked log-prob path.")
-    sync_bucket_mb: int = knob(256, "Weight hand-off bucket size: ZeRO-3 params are gathered this many MiB at a time.")
+    sync_bucket_mb: int = knob(256, "Weight hand-off bucket size: ZeRO-3 params are gathered this many MiB at a time, "
+                               "and rollout.mode=outofprocess sends them through staging buckets of this size "
+                               "(0 = one parameter at a time).")
+    offload_params: bool = knob(False, "GPU only: also move the trainer's parameters off the device while vLLM "
+                                "generates (after the hand-off); optimizer states, fp32 master weights and gradients "
+                                "always move.")
     probe_every: int = knob(1, "Check vLLM vs trainer log-probs on a probe batch every N hand-offs (0 = off).")
     probe_tol: float = knob(1e-3, "Largest allowed |logp_vllm - logp_trainer| on the probe batch.")
     probe_action: Literal["error", "warn"] = knob("error", "What a failed probe does.")
@@ -315,7 +329,22 @@ def validate(cfg: Config) -> None:
          "algo.kl_coef > 0 or algo.advantage reinforce_pp/gae"),
         (cfg.log.eval_n >= 0 and cfg.log.eval_temperature > 0,
          "log.eval_n must be >= 0 and log.eval_temperature > 0 (pass@1 is the greedy evaluation)"),
+        (r.sleep_level in (0, 1, 2), "rollout.sleep_level must be 0 (off), 1 or 2"),
+        (_fraction_or_auto(r.gpu_memory_utilization),
+         f"rollout.gpu_memory_utilization={r.gpu_memory_utilization!r}: use auto or a fraction in (0, 1]"),
+        (r.memory_margin_mb >= 0 and t.sync_bucket_mb >= 0, "rollout.memory_margin_mb and train.sync_bucket_mb must be >= 0"),
+        (not (t.offload_params and t.probe_every), "train.offload_params needs train.probe_every=0: the probe's "
+         "trainer forward runs after the hand-off, when the parameters would be off the device"),
+        (r.mode == "inprocess" or r.tensor_parallel_size == 1,
+         "rollout.mode=outofprocess supports rollout.tensor_parallel_size=1 only; use rollout.mode=inprocess"),
     ]
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
+
+
+def _fraction_or_auto(value: str) -> bool:
+    try:
+        return value == "auto" or 0 < float(value) <= 1
+    except ValueError:
+        return False

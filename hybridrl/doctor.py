@@ -228,11 +228,16 @@ def _other_rows(cuda: int) -> list[dict]:
                          value=fa))
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
     on = "expandable_segments:true" in conf.lower().replace(" ", "")
-    if cuda:
-        rows.append(_row("expandable_segments", "expandable segments", "warn" if on else "ok",
-                         "usable; " + ("set in PYTORCH_CUDA_ALLOC_CONF" if on else "not set"),
-                         "if LLM(...) fails in CuMemAllocator, unset expandable_segments: some vLLM versions refuse "
-                         "it with sleep mode (pytorch#147851)" if on else "", value=True))
+    if cuda:  # hybridrl turns them on for training and off around vLLM's pool (memory.py)
+        from . import config, memory
+        try:
+            memory.check_alloc_conf(os.environ, config.Config(), can_toggle=memory.can_toggle())
+            problem = ""
+        except config.ConfigError as e:
+            problem = str(e)
+        rows.append(_row("expandable_segments", "expandable segments", "fail" if problem else "ok",
+                         problem or ("on for training, switched off around vLLM's pool" if on else "off (set by you)"),
+                         problem and "change the allocator setting as the message says", value=on))
     else:
         rows.append(_row("expandable_segments", "expandable segments", "info",
                          "not applicable: a CUDA allocator setting" + ("; the setting is ignored on CPU" if on else ""),

@@ -34,7 +34,8 @@ def setup() -> None:
         "MPLCONFIGDIR": root / "matplotlib",  # `hybridrl report`'s font cache
         "WANDB_CACHE_DIR": root / "wandb",  # artifacts and staging of log.wandb runs
         "WANDB_DATA_DIR": root / "wandb",
-        # one in-process engine per rank: ~3 s start instead of ~30 s, tensors passed by reference
+        # rollout.mode=inprocess: one in-process engine per rank, ~3 s start instead of ~30 s, tensors
+        # passed by reference (vllm_compat.engine_env sets it per mode when the engine is built)
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CONFIGURE_LOGGING": "0",
         "TOKENIZERS_PARALLELISM": "false",
@@ -42,6 +43,10 @@ def setup() -> None:
     }
     if not has_cuda():
         defaults["DS_ACCELERATOR"] = "cpu"
+    # expandable segments for training, unless the user set the allocator (memory.py switches
+    # them off around vLLM's pool at run time)
+    from .memory import training_defaults  # no torch import: this runs before torch is loaded
+    defaults.update(training_defaults(os.environ, has_cuda()))
     for key, value in defaults.items():
         os.environ.setdefault(key, str(value))
 

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from . import algo, checkpoint, data, env, launch, rewards, sync
+from . import algo, checkpoint, data, engine_cycle, env, launch, rewards, sync
 from .batch import Batch
 from .canaries import distribution_metrics
 from .config import Config, ConfigError
@@ -32,6 +32,7 @@ def train(cfg: Config) -> dict:
     env.setup()
     world = launch.init_distributed()
     on_cpu = world.device.type == "cpu"
+    engine_cycle.check(cfg, cuda=not on_cpu)  # allocator settings that would break vLLM's sleep mode
     cfg, model_path = resolve(cfg, on_cpu)
     seed_everything(cfg.train.seed + world.rank)
     if cfg.train.prompts_per_step % world.size:
@@ -57,7 +58,10 @@ def train(cfg: Config) -> dict:
                      attn_implementation=cfg.model.attn_implementation)
     ref = Reference.load(cfg, model_path, **engine_kw)  # None (nothing loaded) when algo.kl_coef == 0
     critic = Critic(cfg, model_path, **engine_kw) if cfg.algo.advantage == "gae" else None
-    rollout = Rollout(cfg, model_path, on_cpu=on_cpu, eos_token_id=tokenizer.eos_token_id, rank=world.rank)
+    cfg = engine_cycle.plan_rollout(cfg, trainer, cuda=not on_cpu, main=world.main,
+                                     critic=critic)  # offloads the trainer (and critic)
+    rollout = Rollout(cfg, model_path, on_cpu=on_cpu, eos_token_id=tokenizer.eos_token_id, rank=world.rank,
+                      local_rank=world.local_rank)
     probe = sync.Probe([p.ids + tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                         for p in (heldout or prompts)[:8]], cfg.train.probe_tol, cfg.train.probe_action)
     mine = slice(world.rank, None, world.size)  # this rank's share of every global list
@@ -89,23 +93,14 @@ def train(cfg: Config) -> dict:
         return acc
 
     def hand_off(phases: Phases | None = None) -> None:
-        """Trainer -> vLLM. The order is the point: the trainer's states leave the device before
-        vLLM's memory returns, and vLLM's weights wake before its KV cache, so the two engines'
-        peaks never overlap (waking both while the trainer holds memory is the most reported
-        colocation OOM: NeMo-RL#191, vllm#15254). On CPU the sleep/offload verbs are no-ops."""
-        phases = phases if phases is not None else Phases()
-        with phases("wake"):
-            trainer.offload()
-            rollout.wake(["weights"])
-        with phases("sync"):
-            sync.push_weights(trainer, rollout, cfg.train.sync_bucket_mb)
-            if world.device.type == "cuda":
-                torch.cuda.empty_cache()  # free the gather staging before the KV cache comes back
-        with phases("wake"):
-            rollout.wake(["kv_cache"])
+        """Trainer -> vLLM: offload trainer, wake weights, hand-off, free staging, wake KV cache.
+        The order, and why, lives in engine_cycle.py (vLLM's sleep and the trainer's reload,
+        after generating, too)."""
+        engine_cycle.hand_off(trainer, rollout, phases, cfg=cfg, cuda=not on_cpu, critic=critic)
 
     start = time.perf_counter()  # engines are up: the clock of train.max_minutes starts here
     if resumed:  # weights (handed to vLLM and probed), optimizer, data cursor, RNG, history
+        engine_cycle.release(trainer, rollout, None, cfg=cfg, critic=critic)  # the states back to load into
         done, acc_before = resumed.restore(trainer, rollout, sampler, probe, run, hand_off, critic=critic)
         start -= resumed.state["history"]["elapsed_s"]
     else:
@@ -120,9 +115,7 @@ def train(cfg: Config) -> dict:
                 samples = rollout.generate([p.ids for p in batch_prompts], cfg.rollout.n,
                                            temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
                                            max_tokens=cfg.rollout.max_new_tokens)
-            with phases("sleep"):  # vLLM gives its memory back, the trainer takes its states back
-                rollout.sleep(cfg.rollout.sleep_level)
-                trainer.reload()
+            engine_cycle.release(trainer, rollout, phases, cfg=cfg, critic=critic)  # vLLM sleeps, trainers reload
             # 2. rewards; the sampling policy's, the reference's and the critic's view; advantages
             with phases("reward"):
                 texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
@@ -171,7 +164,7 @@ def train(cfg: Config) -> dict:
                 train_tok_s=n_tok[1] / max(phases["train"], 1e-9),
                 response_len=n_tok[0] / reward_sum[1], elapsed_s=time.perf_counter() - start,
                 **{f"time/{k}": v for k, v in phases.items()})
-            metrics.update(phases.memory)  # mem/<phase>/*_gb: CUDA only
+            metrics.update(phases.memory)  # mem/<phase>/*_gb after every phase: CUDA only
             metrics.update(distribution_metrics(response_len=[len(s.token_ids) for s in samples], reward=scores))
             run.step(step, metrics)
             now = time.perf_counter()

@@ -28,7 +28,9 @@ class Phases(dict):
     On CUDA it also records memory as each phase ends, in `.memory` as `mem/<phase>/<what>_gb`:
     allocated and reserved by PyTorch's allocator, the allocator's peak during the phase, and
     what the whole device has in use (which also counts vLLM's own pool, NCCL and other
-    processes): the numbers that show which role holds memory when."""
+    processes): the numbers that show which role holds memory when. The loop times every part
+    of a step as a phase (generate, sleep, reload, reward, old_logprob, train, offload,
+    wake_weights, sync, wake_kv, probe), so the step metrics carry the memory after each."""
 
     def __init__(self):
         super().__init__()

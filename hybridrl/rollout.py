@@ -1,4 +1,5 @@
-"""The rollout engine: one in-process vLLM engine per rank.
+"""The rollout engine: one vLLM engine per rank, in process (default) or in vLLM's own
+engine-core process (`rollout.mode=outofprocess`).
 
 Verbs: `generate`, `greedy`, `prompt_logprobs`, `update_weights`, `wake`, `sleep`
 (the verl rollout verb set). It never imports the trainer; `sync.py` joins the two.
@@ -14,7 +15,7 @@ from typing import Iterable
 import torch
 from vllm import LLM, SamplingParams
 
-from . import vllm_compat
+from . import ipc, memory, vllm_compat
 from .config import Config
 
 log = logging.getLogger("hybridrl")
@@ -29,27 +30,37 @@ class Sample:
 
 
 class Rollout:
-    def __init__(self, cfg: Config, model_path: str, *, on_cpu: bool, eos_token_id: int, rank: int):
+    def __init__(self, cfg: Config, model_path: str, *, on_cpu: bool, eos_token_id: int, rank: int,
+                 local_rank: int = 0):
         r = cfg.rollout
         self.cfg = cfg
         self.eos = eos_token_id
-        self.sleep_ok = vllm_compat.sleep_supported(on_cpu)
-        if not self.sleep_ok and rank == 0:
-            log.info("vLLM sleep mode is not supported on CPU: sleep/wake are no-ops here")
-        self.llm = LLM(
-            model=model_path,
-            dtype=cfg.model.dtype,
-            seed=cfg.train.seed + rank,  # different samples on each data-parallel rank
-            enforce_eager=r.enforce_eager,
-            max_model_len=r.max_model_len,
-            enable_prefix_caching=r.enable_prefix_caching,
-            tensor_parallel_size=r.tensor_parallel_size,
-            distributed_executor_backend="external_launcher",  # this process is the worker
-            trust_remote_code=cfg.model.trust_remote_code,
-            **vllm_compat.engine_kwargs(on_cpu=on_cpu, kv_cache_bytes=r.kv_cache_mb << 20,
-                                        gpu_memory_utilization=r.gpu_memory_utilization),
-        )
-        self._asleep = False
+        self.cuda = not on_cpu
+        self.sleep_ok = vllm_compat.sleep_supported(on_cpu) and r.sleep_level > 0
+        if on_cpu and rank == 0:
+            print("note: vLLM sleep mode is not supported on CPU: sleep/wake are no-ops and vLLM keeps its "
+                  "memory between rollouts", flush=True)
+        self.out_of_process = r.mode == "outofprocess"
+        with memory.vllm_pool(self.cuda), vllm_compat.engine_env(out_of_process=self.out_of_process,
+                                                                 local_rank=local_rank, cuda=self.cuda):
+            self.llm = LLM(
+                model=model_path,
+                dtype=cfg.model.dtype,
+                seed=cfg.train.seed + rank,  # different samples on each data-parallel rank
+                enforce_eager=r.enforce_eager,
+                max_model_len=r.max_model_len,
+                enable_prefix_caching=r.enable_prefix_caching,
+                tensor_parallel_size=r.tensor_parallel_size,
+                trust_remote_code=cfg.model.trust_remote_code,
+                **vllm_compat.engine_kwargs(on_cpu=on_cpu, kv_cache_bytes=r.kv_cache_mb << 20,
+                                            gpu_memory_utilization=memory.utilization(r.gpu_memory_utilization),
+                                            sleep_mode=r.sleep_level > 0, out_of_process=self.out_of_process),
+            )
+        self.sender = ipc.BucketSender(cfg.train.sync_bucket_mb << 20, cuda=self.cuda) if self.out_of_process else None
+        self.digest = False  # tests: the out-of-process receiver returns a sha256 of every tensor it rebuilt
+        self.last_receipt: dict | None = None  # what the out-of-process receiver reported of the last hand-off
+        self.asleep = False  # vLLM's memory is released (weights and KV cache)
+        self.weights_lost = False  # a level-2 sleep discarded the weights: only a full hand-off brings them back
 
     # --- generation ---------------------------------------------------------------------------
     def _run(self, prompts: list[list[int]], params: SamplingParams):
@@ -82,21 +93,38 @@ class Rollout:
 
     # --- weights and memory -------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy new weights in place (tensors by reference, no serialisation), then drop the
-        prefix cache: its KV entries were computed by the old weights."""
-        vllm_compat.load_weights(self.llm, named_tensors)
+        """Load every parameter anew (in process: tensors by reference, no serialisation; out of
+        process: through the staging buckets), then drop the prefix cache: its KV entries were
+        computed by the old weights. Always the full set, so it also restores a level-2 sleep."""
+        if self.sender is not None:
+            self.last_receipt = self.sender.send(named_tensors, lambda address, **kw: vllm_compat.receive_weights(
+                self.llm, address, **kw), digest=self.digest)
+        else:
+            vllm_compat.load_weights(self.llm, named_tensors)
         self.llm.reset_prefix_cache()
+        self.weights_lost = False
 
     def wake(self, tags: list[str]) -> None:
-        if self.sleep_ok and self._asleep:
-            self.llm.wake_up(tags=tags)
-            self._asleep = "kv_cache" not in tags
+        """Give vLLM its memory back: ["weights"] before the hand-off, ["kv_cache"] after it. The
+        KV cache never wakes over discarded weights: a level-2 sleep must be followed by a hand-off."""
+        if "kv_cache" in tags and self.weights_lost:
+            raise RuntimeError("vLLM's weights were discarded by a level-2 sleep and not handed off again: "
+                               "wake(['weights']), hand off, then wake(['kv_cache'])")
+        if self.sleep_ok and self.asleep:
+            with memory.vllm_pool(self.cuda):
+                self.llm.wake_up(tags=tags)
+            self.asleep = "kv_cache" not in tags
 
     def sleep(self, level: int) -> None:
+        """Release vLLM's memory: level 1 keeps the weights in CPU memory, level 2 discards them."""
         if self.sleep_ok:
-            self.llm.sleep(level=level)
-            self._asleep = True
+            with memory.vllm_pool(self.cuda):
+                self.llm.sleep(level=level)
+            self.asleep = True
+            self.weights_lost = level == 2
 
     def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+        vllm_compat.shutdown(self.llm)
         del self.llm
-        vllm_compat.shutdown()

@@ -1,13 +1,16 @@
 """Weight hand-off from the trainer to vLLM, and the probe that proves it landed.
 
-The only module that knows both engines. Tensors pass by reference inside the process: no
-serialisation, no file, no transport. ZeRO-3 parameters are gathered in buckets while vLLM
-copies them in (see `Trainer.named_parameters_for_sync`).
+The only module that knows both engines. In process, tensors pass by reference: no
+serialisation, no file, no transport; out of process (rollout.mode=outofprocess) the rollout
+sends them through shared staging buckets (ipc.py). ZeRO-3 parameters are gathered in buckets
+while they are consumed (see `Trainer.named_parameters_for_sync`). When the hand-off happens,
+and around what, is engine_cycle.py's business.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -23,8 +26,25 @@ class StaleWeightsError(RuntimeError):
     """vLLM's weights do not match the trainer's after a hand-off."""
 
 
+_CORRUPT_AT = os.environ.get("HYBRIDRL_TEST_CORRUPT_HAND_OFF")  # tests: garble one tensor of this hand-off
+_hand_offs = 0
+
+
 def push_weights(trainer: Trainer, rollout: Rollout, bucket_mb: int) -> None:
-    rollout.update_weights(trainer.named_parameters_for_sync(bucket_mb << 20))
+    """Every parameter, every time: a level-2 sleep discarded vLLM's copy, and a partial push
+    would leave it a mix of two policies."""
+    global _hand_offs
+    _hand_offs += 1
+    named = trainer.named_parameters_for_sync(bucket_mb << 20)
+    if _CORRUPT_AT and _hand_offs == int(_CORRUPT_AT):
+        named = _garbled(named)
+    rollout.update_weights(named)
+
+
+def _garbled(named):
+    """The first tensor arrives shifted by 1: what the probe must catch (tests only)."""
+    for i, (name, t) in enumerate(named):
+        yield name, (t + 1.0 if i == 0 else t)
 
 
 def probe_batch(seqs: list[list[int]]) -> Batch:

@@ -296,11 +296,25 @@ class Trainer:
                     yield from ((n, q.detach()) for n, q in bucket)
                 bucket, size = [], 0
 
-    def offload(self) -> None:
-        """Move optimizer states off the device while vLLM runs (GPU only; see HYBRID_ENGINE.md)."""
+    def offload(self, params: bool = False) -> None:
+        """Move the training states off the device while vLLM runs: optimizer states, fp32 master
+        weights, gradients (and ZeRO-3's contiguous gradient buffer); with `params`, the
+        parameters too (the loop does that after the hand-off, which reads them). DeepSpeed's
+        own optimizer is required (ds_config sets it). GPU only: on CPU there is nowhere to go."""
         if self.device.type == "cuda":
-            self.engine.optimizer.offload_states(device="cpu", pin_memory=True, non_blocking=True)
+            self._offload_states(params)
 
     def reload(self) -> None:
         if self.device.type == "cuda":
-            self.engine.reload_states()
+            self._reload_states()
+
+    def _offload_states(self, params: bool) -> None:
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum as S
+
+        include = [S.optim_states, S.hp_params, S.lp_grads] + ([S.contiguous_grad_buffer] if self.zero3 else [])
+        self.engine.offload_states(include=include + ([S.lp_params] if params else []), device=OffloadDeviceEnum.cpu,
+                                   pin_memory=self.device.type == "cuda", non_blocking=False)
+
+    def _reload_states(self) -> None:
+        if self.engine.optimizer.offloaded_states:
+            self.engine.reload_states(non_blocking=False)

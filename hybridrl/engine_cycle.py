@@ -1,0 +1,85 @@
+"""The hybrid engine's memory life cycle: the order in which the trainer and vLLM take and give
+back the device, in one place. The loop calls `hand_off` after training and `release` after
+generating; `plan_rollout` sizes vLLM once, before it is built.
+
+    offload trainer -> wake weights -> hand-off -> free staging, empty cache -> wake KV
+        -> generate -> sleep -> reload trainer -> train -> (again)
+
+Why this order: the trainer's states leave the device before vLLM's memory returns, and vLLM's
+weights wake before its KV cache, so the two engines' peaks never overlap (waking both while the
+trainer still holds memory is the most reported colocation OOM: NeMo-RL#191, vllm#15254). The KV
+cache wakes only after the hand-off: waking it restores nothing of the weights, so weights
+synced before it cannot be overwritten by a stale CPU copy (TRL#5312). Every hand-off sends all
+parameters, which is what a level-2 sleep (weights discarded) requires; `Rollout.wake` refuses to
+wake the KV cache over discarded weights. Expandable segments are off while vLLM's pool is touched
+(memory.py). On CPU the sleep, wake, offload and allocator verbs are no-ops; the order is the same.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from contextlib import nullcontext
+from dataclasses import replace
+
+from . import memory, sync
+from .config import Config, ConfigError
+
+
+def _phase(phases, name: str):
+    return phases(name) if phases is not None else nullcontext()
+
+
+def hand_off(trainer, rollout, phases, *, cfg: Config, cuda: bool, critic=None) -> None:
+    """Trainer -> vLLM, leaving vLLM awake and ready to generate."""
+    with _phase(phases, "offload"):
+        trainer.offload()  # optimizer states, fp32 master weights, gradients
+        if critic is not None:  # the value model (algo.advantage=gae): all of it, it takes no part in the hand-off
+            critic.offload()
+    with memory.vllm_pool(cuda):
+        with _phase(phases, "wake_weights"):
+            rollout.wake(["weights"])
+        with _phase(phases, "sync"):
+            sync.push_weights(trainer, rollout, cfg.train.sync_bucket_mb)
+            if cfg.train.offload_params:
+                trainer.offload(params=True)  # the hand-off has read them; back at reload
+            memory.empty_cache(cuda)  # gather and staging buffers go back before the KV cache comes
+        with _phase(phases, "wake_kv"):
+            rollout.wake(["kv_cache"])
+
+
+def release(trainer, rollout, phases, *, cfg: Config, critic=None) -> None:
+    """vLLM -> trainer, after generating: vLLM gives its memory back, the trainer takes its
+    states back."""
+    with _phase(phases, "sleep"):
+        rollout.sleep(cfg.rollout.sleep_level)
+    with _phase(phases, "reload"):
+        trainer.reload()
+        if critic is not None:
+            critic.reload()
+
+
+def check(cfg: Config, cuda: bool) -> None:
+    """At start, before any engine: an allocator setting that sleep mode cannot live with fails
+    here with what to change."""
+    if cuda:
+        memory.check_alloc_conf(os.environ, cfg, can_toggle=memory.can_toggle())
+
+
+def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None) -> Config:
+    """Offload the trainer (vLLM is built beside an offloaded trainer, as it will run), and with
+    rollout.gpu_memory_utilization=auto size vLLM from what is then free; prints the plan."""
+    trainer.offload()
+    if critic is not None:
+        critic.offload()
+    if not cuda or cfg.rollout.gpu_memory_utilization != "auto":
+        return cfg
+    if cfg.rollout.sleep_level == 0:  # vLLM would keep the planned memory while the trainer reloads
+        raise ConfigError("rollout.gpu_memory_utilization=auto plans for vLLM sleeping while the trainer trains; with "
+                          "rollout.sleep_level=0 set a fraction that leaves room for the trainer")
+    weights = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in trainer.hf.parameters())
+    plan = memory.plan_from_device(cfg, weights)
+    if main:
+        print(plan.describe(), flush=True)
+    fraction = math.floor(plan.utilization * 1e4) / 1e4  # rounded down: never more than is free
+    return replace(cfg, rollout=replace(cfg.rollout, gpu_memory_utilization=str(fraction)))

@@ -1,0 +1,181 @@
+"""Device memory policy of the hybrid engine: the allocator setting, the plan of vLLM's budget.
+
+- Expandable segments: PyTorch's `expandable_segments:True` removes the trainer's fragmentation
+  OOMs, but vLLM's sleep-mode memory pool breaks with it (pytorch#147851). So `env.setup` turns it
+  on for training when the user set nothing, `check_alloc_conf` refuses at start the settings
+  that sleep mode cannot live with (saying what to change), and `vllm_pool()` switches it off
+  around everything that touches vLLM's pool (construction, wake, hand-off, sleep) and back on
+  afterwards, at run time, as verl does (PR #3020). On CPU all of it is a no-op.
+- The planner: `rollout.gpu_memory_utilization=auto` gives vLLM the device memory that is free
+  once the trainer has offloaded its states, less `rollout.memory_margin_mb`. `plan()` is the
+  arithmetic (pure, tested with hand numbers); `plan_from_device()` measures and calls it.
+
+torch is imported inside the functions: `env.setup` calls `training_defaults` before torch loads.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Mapping
+
+from .config import Config, ConfigError
+
+GIB = 2.0 ** 30
+# torch reads the first of these that is set (the accelerator-neutral name wins)
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+TRAINING_DEFAULT = "expandable_segments:True"
+
+
+# --- the allocator setting ---------------------------------------------------------------------
+def alloc_conf(environ: Mapping[str, str]) -> tuple[str, str]:
+    """(variable, value) of the allocator setting torch will read; ("", "") if none is set."""
+    for name in ALLOC_CONF_VARS:
+        if environ.get(name):
+            return name, environ[name]
+    return "", ""
+
+
+def parse_conf(conf: str) -> dict[str, str]:
+    """'a:1,b:x' -> {'a': '1', 'b': 'x'} (keys and values stripped, order kept)."""
+    out = {}
+    for part in conf.split(","):
+        if part.strip():
+            key, _, value = part.partition(":")
+            out[key.strip()] = value.strip()
+    return out
+
+
+def with_expandable(conf: str, on: bool) -> str:
+    """`conf` with only expandable_segments changed: torch resets every option absent from the
+    string it is handed, so the user's other options must be written back verbatim."""
+    fields = parse_conf(conf)
+    fields["expandable_segments"] = "True" if on else "False"
+    return ",".join(f"{k}:{v}" for k, v in fields.items())
+
+
+def training_defaults(environ: Mapping[str, str], cuda: bool) -> dict[str, str]:
+    """What `env.setup` adds: expandable segments for training on CUDA, unless the user chose."""
+    if not cuda or alloc_conf(environ)[0]:
+        return {}
+    return {"PYTORCH_CUDA_ALLOC_CONF": TRAINING_DEFAULT}
+
+
+def check_alloc_conf(environ: Mapping[str, str], cfg: Config, *, can_toggle: bool = True) -> None:
+    """Refuse, before any engine starts, an allocator setting that would break vLLM's sleep mode.
+    Pure: `environ` is the process environment, `can_toggle` whether this torch can change
+    expandable_segments at run time. Sleep mode off (rollout.sleep_level=0) accepts anything."""
+    if cfg.rollout.sleep_level == 0:
+        return
+    name, conf = alloc_conf(environ)
+    fields = parse_conf(conf)
+    off = "or turn vLLM sleep mode off with rollout.sleep_level=0"
+    if environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") not in ("", "0"):
+        raise ConfigError("PYTORCH_NO_CUDA_MEMORY_CACHING is set: vLLM's sleep mode needs PyTorch's caching "
+                          f"allocator; unset it, {off}")
+    if fields.get("backend", "native") != "native":
+        raise ConfigError(f"{name}={conf}: vLLM's sleep-mode memory pool needs PyTorch's native allocator; "
+                          f"remove backend:{fields['backend']}, {off}")
+    expandable = fields.get("expandable_segments")
+    if expandable is None:
+        return
+    if expandable not in ("True", "False"):
+        raise ConfigError(f"{name}={conf}: expandable_segments must be True or False (PyTorch accepts only those)")
+    if expandable == "True" and not can_toggle:
+        raise ConfigError(f"{name}={conf}: this PyTorch cannot switch expandable_segments off at run time, which "
+                          f"vLLM's sleep-mode pool needs; set expandable_segments:False, {off}")
+
+
+def can_toggle() -> bool:
+    import torch
+    return hasattr(torch._C, "_accelerator_setAllocatorSettings") or hasattr(torch.cuda.memory, "_set_allocator_settings")
+
+
+def _set(conf: str) -> None:
+    import torch
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+    setter(conf)
+
+
+def _live_conf() -> str:
+    import torch
+    getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    return getter() if getter else alloc_conf(os.environ)[1]
+
+
+@contextmanager
+def vllm_pool(cuda: bool):
+    """Expandable segments off while vLLM's memory pool is touched, back on afterwards.
+
+    Also strips them from the environment for the duration: a vLLM that checks the variable when
+    its pool is built (older CuMemAllocator asserts on it) or an engine process spawned now
+    (rollout.mode=outofprocess) then starts without them. Re-entrant; a no-op on CPU or when
+    expandable segments are off."""
+    conf = _live_conf() if cuda else ""
+    if not cuda or parse_conf(conf).get("expandable_segments") != "True":
+        yield
+        return
+    saved = {k: os.environ[k] for k in ALLOC_CONF_VARS if k in os.environ}
+    _set(with_expandable(conf, False))
+    for k, v in saved.items():
+        os.environ[k] = with_expandable(v, False)
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+        _set(conf)
+
+
+def empty_cache(cuda: bool) -> None:
+    """Give the hand-off's staging memory back to the driver before vLLM's KV cache returns."""
+    if cuda:
+        import torch
+        torch.cuda.synchronize()
+        torch.cuda.ipc_collect()  # staging buffers another process opened by handle
+        torch.cuda.empty_cache()
+
+
+# --- the planner ---------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    total: int  # device bytes
+    free: int  # free once the trainer has offloaded its states
+    margin: int  # kept back for the CUDA context, NCCL, fragmentation, hand-off staging
+    weights: int  # vLLM's copy of the weights
+    budget: int  # what vLLM may use: weights + activations + KV cache
+    utilization: float  # budget / total, vLLM's gpu_memory_utilization
+
+    def describe(self) -> str:
+        return (f"memory plan: device {self.total / GIB:.1f} GiB, free after the trainer offloads "
+                f"{self.free / GIB:.1f} GiB, margin {self.margin / GIB:.1f} GiB -> vLLM budget "
+                f"{self.budget / GIB:.1f} GiB (rollout.gpu_memory_utilization={self.utilization:.3f}): weights "
+                f"{self.weights / GIB:.2f} GiB, KV cache and activations {(self.budget - self.weights) / GIB:.2f} GiB")
+
+
+def plan(total: int, free: int, *, margin: int, weights: int) -> Plan:
+    """vLLM's budget = free - margin, as a fraction of the device (vLLM 0.32 counts
+    gpu_memory_utilization per instance and refuses more than is free at start). At least
+    10% of the budget must be left for activations and the KV cache beyond the weights."""
+    budget = free - margin
+    if budget < weights * 1.1:
+        raise ConfigError(
+            f"after the trainer offloads, {free / GIB:.2f} GiB of {total / GIB:.2f} GiB are free; less the margin of "
+            f"{margin / GIB:.2f} GiB that leaves {budget / GIB:.2f} GiB for vLLM, too little for its "
+            f"{weights / GIB:.2f} GiB of weights plus a KV cache: lower rollout.memory_margin_mb, set "
+            "train.offload_params true, or use a smaller model or more ranks (ZeRO-3)")
+    return Plan(total, free, margin, weights, budget, budget / total)
+
+
+def plan_from_device(cfg: Config, weights: int) -> Plan:
+    """Measure now (the caller has offloaded the trainer) and plan."""
+    import torch
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return plan(total, free, margin=cfg.rollout.memory_margin_mb << 20, weights=weights)
+
+
+def utilization(value: str) -> float | None:
+    """rollout.gpu_memory_utilization as a number; None for 'auto'."""
+    return None if value == "auto" else float(value)

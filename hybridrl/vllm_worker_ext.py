@@ -1,0 +1,19 @@
+"""Mixed into vLLM's worker in its engine-core process (`rollout.mode=outofprocess`), through
+`LLM(worker_extension_cls=...)`, and reached with `llm.collective_rpc`. Imported only there.
+
+It reads the hand-off's staging buckets (ipc.BucketReceiver) and loads the weights with the same
+vLLM call as the in-process path (vllm_compat.load_into_worker): the one place that knows vLLM's
+loader stays vllm_compat.py.
+"""
+
+from __future__ import annotations
+
+from hybridrl import ipc, vllm_compat
+
+
+class WeightReceiver:
+    def hybridrl_receive_weights(self, address: str, digest: bool = False) -> dict:
+        """Load every tensor sent to `address`; returns what arrived (and sha256s if `digest`)."""
+        receiver = ipc.BucketReceiver(address, self.model_runner.device, digest=digest)
+        vllm_compat.load_into_worker(self, receiver)
+        return receiver.report

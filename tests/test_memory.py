@@ -1,0 +1,300 @@
+"""The hybrid engine's memory life cycle, on CPU: the phase order (a state machine driven through
+the real engine_cycle and Rollout verbs, with a recording stand-in for vLLM), the allocator
+checker and toggle, the planner's arithmetic, the bucketed shared-memory transport (bitwise),
+and DeepSpeed's offload/reload of the training states (real DeepSpeed)."""
+import multiprocessing as mp
+from pathlib import Path
+
+import pytest
+import torch
+
+import hybridrl
+from hybridrl import config, engine_cycle, ipc, memory, vllm_compat
+from hybridrl.config import ConfigError
+
+GIB = 1 << 30
+DEMO = str(Path(hybridrl.__file__).parent / "demo_model")
+
+
+# --- the phase order ---------------------------------------------------------------------------
+class FakeLLM:
+    """Records what vLLM is asked to do."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def wake_up(self, tags):
+        self.events.append(("vllm.wake_up", tuple(tags)))
+
+    def sleep(self, level):
+        self.events.append(("vllm.sleep", level))
+
+    def reset_prefix_cache(self):
+        self.events.append(("vllm.reset_prefix_cache",))
+
+
+class FakeTrainer:
+    names = ["embed", "layer.0", "layer.1", "head"]
+
+    def __init__(self, events):
+        self.events = events
+
+    def offload(self, params=False):
+        self.events.append(("trainer.offload", params))
+
+    def reload(self):
+        self.events.append(("trainer.reload",))
+
+    def named_parameters_for_sync(self, bucket_bytes):
+        return ((n, torch.zeros(2)) for n in self.names)
+
+
+def real_rollout(events, monkeypatch):
+    """hybridrl's own Rollout verbs (wake, sleep, update_weights) over the recording vLLM, with
+    sleep mode on as on a GPU."""
+    from hybridrl.rollout import Rollout
+    r = Rollout.__new__(Rollout)
+    r.llm, r.cuda, r.sleep_ok, r.sender, r.digest = FakeLLM(events), False, True, None, False
+    r.asleep = r.weights_lost = False
+    monkeypatch.setattr(vllm_compat, "load_weights",
+                        lambda llm, named: events.append(("vllm.load", tuple(n for n, _ in named))))
+    return r
+
+
+def one_step(trainer, rollout, cfg, events):
+    """What loop.train does around generation, in its order."""
+    events.append(("generate",))
+    engine_cycle.release(trainer, rollout, None, cfg=cfg)
+    events.append(("train",))
+    engine_cycle.hand_off(trainer, rollout, None, cfg=cfg, cuda=False)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("offload_params", [False, True])
+def test_phase_order(monkeypatch, level, offload_params):
+    events = []
+    cfg = config.load(None, {"rollout.sleep_level": level, "train.offload_params": offload_params,
+                             "train.probe_every": 0})
+    trainer, rollout = FakeTrainer(events), real_rollout(events, monkeypatch)
+    engine_cycle.hand_off(trainer, rollout, None, cfg=cfg, cuda=False)  # a freshly built engine is awake
+    events.clear()
+    one_step(trainer, rollout, cfg, events)
+    one_step(trainer, rollout, cfg, events)
+    step = [("generate",), ("vllm.sleep", level), ("trainer.reload",), ("train",),
+            ("trainer.offload", False), ("vllm.wake_up", ("weights",)),
+            ("vllm.load", tuple(FakeTrainer.names)),  # every parameter, every hand-off
+            ("vllm.reset_prefix_cache",)]
+    step += [("trainer.offload", True)] if offload_params else []
+    step += [("vllm.wake_up", ("kv_cache",))]
+    assert events == step + step
+    loads = [i for i, e in enumerate(events) if e[0] == "vllm.load"]
+    kv = [i for i, e in enumerate(events) if e == ("vllm.wake_up", ("kv_cache",))]
+    assert all(k > w for k, w in zip(kv, loads))  # the KV cache wakes only after the hand-off
+    assert not rollout.weights_lost and not rollout.asleep
+
+
+def test_level_two_sleep_forces_a_hand_off(monkeypatch):
+    events = []
+    rollout = real_rollout(events, monkeypatch)
+    rollout.sleep(2)
+    assert rollout.weights_lost  # vLLM discarded its weights
+    rollout.wake(["weights"])
+    with pytest.raises(RuntimeError, match="discarded by a level-2 sleep"):
+        rollout.wake(["kv_cache"])  # e.g. an evaluation right after sleeping: refused
+    rollout.update_weights(FakeTrainer(events).named_parameters_for_sync(0))
+    rollout.wake(["kv_cache"])
+    assert events[-1] == ("vllm.wake_up", ("kv_cache",)) and not rollout.weights_lost
+    rollout.sleep(1)
+    assert not rollout.weights_lost  # level 1 keeps them in CPU memory
+
+
+def test_cpu_rollout_verbs_are_no_ops(monkeypatch):
+    events = []
+    rollout = real_rollout(events, monkeypatch)
+    rollout.sleep_ok = False  # vllm_compat.sleep_supported(on_cpu=True)
+    rollout.sleep(2)
+    rollout.wake(["weights"])
+    rollout.wake(["kv_cache"])
+    assert events == [] and not rollout.weights_lost
+    assert vllm_compat.sleep_supported(on_cpu=True) is False
+
+
+# --- expandable segments -----------------------------------------------------------------------
+def test_training_default_only_when_the_user_chose_nothing():
+    assert memory.training_defaults({}, cuda=True) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    assert memory.training_defaults({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, cuda=True) == {}
+    assert memory.training_defaults({"PYTORCH_ALLOC_CONF": "expandable_segments:False"}, cuda=True) == {}
+    assert memory.training_defaults({}, cuda=False) == {}
+
+
+@pytest.mark.parametrize("env,match", [
+    ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, "remove backend:cudaMallocAsync"),
+    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:true"}, "must be True or False"),
+    ({"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, "unset it"),
+    ({"PYTORCH_ALLOC_CONF": "expandable_segments:yes", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+     "PYTORCH_ALLOC_CONF=expandable_segments:yes"),  # torch reads PYTORCH_ALLOC_CONF first
+])
+def test_allocator_settings_that_break_sleep_mode(env, match):
+    cfg = config.load()
+    with pytest.raises(ConfigError, match=match) as e:
+        memory.check_alloc_conf(env, cfg)
+    assert "rollout.sleep_level=0" in str(e.value) or "True or False" in str(e.value)
+    if "backend" in str(env) or "NO_CUDA" in str(env):
+        memory.check_alloc_conf(env, config.load(None, {"rollout.sleep_level": 0}))  # sleep mode off: fine
+
+
+def test_allocator_settings_sleep_mode_lives_with():
+    cfg = config.load()
+    for env in ({}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:512"},
+                {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, {"PYTORCH_CUDA_ALLOC_CONF": "backend:native"}):
+        memory.check_alloc_conf(env, cfg)
+    with pytest.raises(ConfigError, match="cannot switch expandable_segments off at run time"):
+        memory.check_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, cfg, can_toggle=False)
+
+
+def test_vllm_pool_switches_expandable_segments_off_and_back(monkeypatch):
+    # torch's CPU build keeps the allocator settings string, so the real toggle runs here
+    user = "max_split_size_mb:512,expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", user)
+    torch._C._accelerator_setAllocatorSettings(user)
+    try:
+        with memory.vllm_pool(cuda=True):
+            inside = "max_split_size_mb:512,expandable_segments:False"  # the user's other option kept
+            assert torch._C._accelerator_getAllocatorSettings() == inside
+            import os
+            assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == inside  # what a spawned engine inherits
+            with memory.vllm_pool(cuda=True):  # nested (wake inside the hand-off): stays off
+                assert torch._C._accelerator_getAllocatorSettings() == inside
+            assert torch._C._accelerator_getAllocatorSettings() == inside
+        assert torch._C._accelerator_getAllocatorSettings() == user
+        assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == user
+        with memory.vllm_pool(cuda=False):  # CPU: nothing changes
+            assert torch._C._accelerator_getAllocatorSettings() == user
+    finally:
+        torch._C._accelerator_setAllocatorSettings("")
+
+
+# --- the planner -------------------------------------------------------------------------------
+def test_plan_arithmetic():
+    # 80 GiB device, 60 GiB free after the trainer offloads, 2 GiB margin, 1 GiB of weights:
+    # budget = 60 - 2 = 58 GiB; utilization = 58 / 80 = 0.725; KV + activations = 58 - 1 = 57 GiB
+    p = memory.plan(80 * GIB, 60 * GIB, margin=2 * GIB, weights=1 * GIB)
+    assert p.budget == 58 * GIB and p.utilization == 0.725
+    assert "vLLM budget 58.0 GiB" in p.describe() and "KV cache and activations 57.00 GiB" in p.describe()
+    # 4 GiB free, 2 GiB margin: 2 GiB left < 1.1 x 2 GiB of weights -> refused with the knobs to turn
+    with pytest.raises(ConfigError, match="lower rollout.memory_margin_mb"):
+        memory.plan(80 * GIB, 4 * GIB, margin=2 * GIB, weights=2 * GIB)
+
+
+def test_plan_rollout_fills_auto(monkeypatch, capsys):
+    events = []
+    cfg = config.load(None, {"rollout.memory_margin_mb": 1024})
+    assert cfg.rollout.gpu_memory_utilization == "auto"
+    seen = {}
+
+    def fake_measure(c, weights):  # what torch.cuda.mem_get_info would say: 24 GiB device, 13 GiB free
+        seen["weights"] = weights
+        return memory.plan(24 * GIB, 13 * GIB, margin=c.rollout.memory_margin_mb << 20, weights=weights)
+
+    monkeypatch.setattr(memory, "plan_from_device", fake_measure)
+    trainer = FakeTrainer(events)
+    trainer.hf = torch.nn.Linear(1024, 1024)  # 1024 * 1024 + 1024 fp32 params
+    out = engine_cycle.plan_rollout(cfg, trainer, cuda=True, main=True)
+    assert events == [("trainer.offload", False)]  # measured after the trainer offloaded
+    assert seen["weights"] == (1024 * 1024 + 1024) * 4
+    # (13 - 1) / 24 = 0.5, floored to 4 decimals
+    assert out.rollout.gpu_memory_utilization == "0.5"
+    assert "memory plan: device 24.0 GiB" in capsys.readouterr().out
+    assert engine_cycle.plan_rollout(cfg, trainer, cuda=False, main=True) is cfg  # CPU: kv_cache_mb rules
+    with pytest.raises(ConfigError, match="sleep_level=0 set a fraction"):
+        engine_cycle.plan_rollout(config.load(None, {"rollout.sleep_level": 0}), trainer, cuda=True, main=True)
+    fixed = config.load(None, {"rollout.gpu_memory_utilization": "0.6"})
+    assert engine_cycle.plan_rollout(fixed, trainer, cuda=True, main=True).rollout.gpu_memory_utilization == "0.6"
+
+
+def test_gpu_memory_utilization_knob():
+    assert config.load(None, {"rollout.gpu_memory_utilization": 0.7}).rollout.gpu_memory_utilization == "0.7"
+    assert memory.utilization("0.7") == 0.7 and memory.utilization("auto") is None
+    for bad in ("x", 0, 1.5):
+        with pytest.raises(ConfigError, match="use auto or a fraction"):
+            config.load(None, {"rollout.gpu_memory_utilization": bad})
+    with pytest.raises(ConfigError, match="probe_every=0"):
+        config.load(None, {"train.offload_params": True})
+
+
+# --- the bucketed shared-memory transport ------------------------------------------------------
+def _tensors():
+    from safetensors.torch import load_file
+    named = sorted(load_file(f"{DEMO}/model.safetensors").items())
+    g = torch.Generator().manual_seed(0)
+    named += [("odd.bf16", torch.randn(999, generator=g).bfloat16()),  # 2 bytes/element, odd count
+              ("odd.transposed", torch.randn(33, 65, generator=g).t()),  # not contiguous
+              ("odd.int64", torch.arange(5)), ("odd.empty", torch.zeros(0))]
+    return named
+
+
+def test_bucketed_shared_memory_hand_off_is_bitwise():
+    named = _tensors()
+    largest = max(t.numel() * t.element_size() for _, t in named)
+    assert largest == 196608  # an MLP weight of the demo model: 128 x 384 fp32
+    ctx = mp.get_context("spawn")
+    addresses, results = ctx.Queue(), ctx.Queue()
+    from ipc_peer import receive_many
+    proc = ctx.Process(target=receive_many, args=(addresses, results), daemon=True)
+    proc.start()
+
+    def rpc(address, digest):
+        addresses.put(address)
+        return results.get(timeout=120)
+
+    try:
+        # smaller than the largest parameter (split across fills), larger, and one per parameter
+        for bucket, messages in [(100_000, None), (4 << 20, 1), (0, len(named))]:
+            sender = ipc.BucketSender(bucket, cuda=False)
+            report = sender.send(iter(named), rpc, digest=True)
+            sender.close()
+            assert report["names"] == [n for n, _ in named]  # every tensor, in order
+            for name, t in named:
+                assert report["digests"][name] == ipc.digest(t), (bucket, name)
+            total = sum(t.numel() * t.element_size() for _, t in named)
+            assert report["bytes"] == report["sent"]["bytes"] == total
+            if messages:
+                assert report["messages"] == messages
+            else:  # 100 kB buckets: at least total/100k fills, the largest tensors spanning two
+                assert report["messages"] >= total // bucket
+    finally:
+        addresses.put(None)
+        proc.join(60)
+
+
+# --- DeepSpeed's offload and reload of the training states ------------------------------------
+@pytest.mark.parametrize("zero", [2, 3])
+def test_offload_reload_keeps_training_bitwise(zero):
+    """The trainer verbs' DeepSpeed calls (offload_states with optimizer states, fp32 master,
+    gradients and parameters; reload_states) run here from CPU to CPU: training continues
+    bit for bit as without them. On a GPU the same calls move the states to pinned host memory."""
+    from hybridrl import launch
+    from hybridrl.batch import Batch
+    from hybridrl.trainer import Trainer
+    launch.init_distributed()
+
+    def train(offload):
+        torch.manual_seed(0)
+        cfg = config.load(None, {"train.zero_stage": zero})
+        trainer = Trainer(cfg, DEMO, device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
+        g = torch.Generator().manual_seed(1)
+        batch = Batch.from_rows([[1, 2, 3]] * 4, [torch.randint(3, 12, (4,), generator=g).tolist() for _ in range(4)],
+                                [[-1.0] * 4] * 4, [1.0, -1.0, 0.5, -0.5])
+        for _ in range(2):
+            trainer.step(batch)
+            if offload:
+                trainer._offload_states(params=False)  # before the hand-off
+                trainer._offload_states(params=True)  # after it (train.offload_params)
+                assert {s.value for s in trainer.engine.optimizer.offloaded_states} >= {
+                    "optim_states", "hp_params", "lp_grads", "lp_params"}
+                trainer._reload_states()
+                assert not trainer.engine.optimizer.offloaded_states
+        return {n: p.clone() for n, p in trainer.named_parameters_for_sync(1 << 20)}
+
+    plain, cycled = train(False), train(True)
+    assert plain.keys() == cycled.keys() and all(torch.equal(plain[n], cycled[n]) for n in plain)
