@@ -76,6 +76,9 @@ class TrainConfig:
     probe_tol: float = knob(1e-3, "Largest allowed |logp_vllm - logp_trainer| on the probe batch.")
     probe_action: Literal["error", "warn"] = knob("error", "What a failed probe does.")
     seed: int = knob(0, "Seeds everything: data order, torch, and vLLM sampling (seed + rank on each rank).")
+    watchdog_s: float = knob(900.0, "Stop the run when a rank makes no progress (no phase of a step begins) for this "
+                             "many seconds, naming the rank that stalled and dumping its stacks (0 = off). Raise it "
+                             "if one phase (a long generation, a big checkpoint) can legitimately take longer.")
 
 
 @dataclass
@@ -275,6 +278,7 @@ def validate(cfg: Config) -> None:
          f"data.max_prompt_len + rollout.max_new_tokens must fit rollout.max_model_len "
          f"({cfg.data.max_prompt_len} + {r.max_new_tokens} > {r.max_model_len}): raise rollout.max_model_len"),
         (cfg.ckpt.every >= 0 and cfg.ckpt.keep >= 1, "ckpt.every must be >= 0 and ckpt.keep >= 1"),
+        (t.watchdog_s == 0 or t.watchdog_s >= 5, "train.watchdog_s must be 0 (off) or >= 5 seconds"),
         (cfg.algo.kl_coef == 0, "algo.kl_coef > 0 (reference model) is not supported yet; set it to 0"),
         (cfg.algo.advantage in ("grpo", "dr_grpo", "rloo"),
          f"algo.advantage={cfg.algo.advantage!r}: choose grpo, dr_grpo or rloo"),

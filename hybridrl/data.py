@@ -74,9 +74,15 @@ def encode(rows: list[dict], tokenizer, cfg: DataConfig, source: str) -> tuple[l
     use_template = cfg.chat_template == "on" or (cfg.chat_template == "auto" and getattr(tokenizer, "chat_template", None))
     out, too_long = [], 0
     for n, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise DataError(f"{source} row {n}: expected an object with a '{cfg.prompt_key}' field, "
+                            f"got {type(row).__name__}")
         if cfg.prompt_key not in row:
             raise DataError(f"{source} row {n}: no '{cfg.prompt_key}' field (has {sorted(row)}); set data.prompt_key")
         text = row[cfg.prompt_key]
+        if not isinstance(text, str) or not text:
+            raise DataError(f"{source} row {n}: '{cfg.prompt_key}' must be non-empty text, got {text!r}; "
+                            "fix or drop that row")
         if use_template:
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                 tokenize=True, return_dict=False)

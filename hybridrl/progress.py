@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from . import faults
 from .canaries import Canaries
 from .config import Config, ConfigError, to_dict
 from .launch import from_main
@@ -30,14 +31,17 @@ class Phases(dict):
     what the whole device has in use (which also counts vLLM's own pool, NCCL and other
     processes): the numbers that show which role holds memory when."""
 
-    def __init__(self):
+    def __init__(self, step: int | None = None):
         super().__init__()
+        self.step = step  # given: each phase's start is reported to faults.progress (the watchdog)
         self.memory: dict[str, float] = {}
         # not initialised = nothing allocated yet, and querying would create a CUDA context
         self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
 
     @contextmanager
     def __call__(self, name: str):
+        if self.step is not None:
+            faults.progress(self.step, name)
         if self._cuda:
             torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()
