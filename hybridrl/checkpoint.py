@@ -190,6 +190,8 @@ class Saver:
                 problem = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
                 if getattr(e, "errno", None) == errno.ENOSPC or shutil.disk_usage(self.root).free < need:
                     problem = f"no space left on device ({problem})"
+                if not main:  # rank 0 tells the rest of the story
+                    print(f"error: rank {self.world.rank}: checkpoint of step {step}: {problem}", file=sys.stderr)
             # every rank's shard is on disk (or some rank failed) before the checkpoint is declared complete
             if launch.all_max(float(problem is not None)) and problem is None:
                 problem = "another rank could not write its shard (see its message)"

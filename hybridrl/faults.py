@@ -13,7 +13,7 @@ by torchrun's agent (launch._failure_message names it).
 
 A stall that holds the GIL (stuck inside a C extension) starves the watchdog thread; for that
 faulthandler's own C-level timer, re-armed by the progress reports, dumps the stacks and exits
-`train.watchdog_s` + 60 s after the last report. The process group's collective timeout is
+at least 60 s after the watchdog would have. The process group's collective timeout is
 2 x `train.watchdog_s` (launch.init_distributed), a last resort if neither could act.
 
 Departs from torch's NCCL/gloo watchdogs: those only see collectives, so a rank stuck before its
@@ -82,7 +82,8 @@ class Watchdog:
         if self._store is not None:
             self._store.set(_KEY.format(self.rank), f"{self.n} {step} {phase}")
         if self.at - self._armed_at > self.seconds / 10:  # re-arming starts a thread: not on every phase
-            faulthandler.dump_traceback_later(self.seconds + 60, exit=True)
+            # armed at most seconds/10 before this report, so it fires >= 60 s after the watchdog would
+            faulthandler.dump_traceback_later(self.seconds * 1.1 + 60, exit=True)
             self._armed_at = self.at
 
     def _watch(self) -> None:

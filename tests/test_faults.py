@@ -161,12 +161,13 @@ def test_no_space_left_while_checkpointing(tmp_path):
 
 def test_a_stalled_rank_is_named_and_the_run_stops(tmp_path):
     """Rank 1 of 2 sleeps forever on entering step 3 (a stuck verifier, a deadlocked thread): rank 0
-    blocks in its next collective. Both watchdogs (train.watchdog_s=10) fire; the run ends within
+    blocks in its next collective. Both watchdogs (train.watchdog_s=20: twice the longest phase seen on
+    a 2-core machine shared by five runs, so only the stall trips it) fire; the run ends within
     60 s of the stall with exit 1, a message naming rank 1 and where it stalled, each rank's
     stacks on disk, and the step-2 checkpoint intact."""
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "hybridrl", "train", *SMALL, *FAST, "--steps", "50", "--nproc", "2",
-           "--ckpt.every", "2", "--train.watchdog_s", "10", "--log.run_dir", str(run)]
+           "--ckpt.every", "2", "--train.watchdog_s", "20", "--log.run_dir", str(run)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", "HYBRIDRL_TEST_FAULT": "hang@3:generate:rank1"})
     metrics, deadline = run / "metrics.jsonl", time.time() + 600
@@ -195,3 +196,31 @@ def test_malformed_rows_name_the_row():
                       ([{"prompt": 12}], "x row 1: 'prompt' must be non-empty text, got 12")]:
         with pytest.raises(data.DataError, match=msg.replace("(", r"\(").replace(")", r"\)")):
             data.encode(rows, lambda text: {"input_ids": [1]}, cfg, "x")
+
+
+class _Store:
+    """The c10d store's check/get, over a dict (the watchdog's verdict is pure bookkeeping)."""
+
+    def __init__(self, values):
+        self.values = {f"hybridrl/progress/{r}": v.encode() for r, v in values.items()}
+
+    def check(self, keys):
+        return all(k in self.values for k in keys)
+
+    def get(self, key):
+        return self.values[key]
+
+
+@pytest.mark.parametrize("reports,expected", [  # rank: "<progress reports so far> <step> <phase>"
+    ({0: "9 3 train", 1: "5 3 generate", 2: "9 3 train"},
+     "Cause: rank 1 stalled in phase 'generate' of step 3 (the others wait for it in a collective)."),
+    ({0: "9 3 train", 1: "9 3 train", 2: "9 3 train"}, "every rank stopped at the same point"),
+    ({0: "9 3 train", 2: "9 3 train"}, "ranks [1] never reported (dead?)"),
+])
+def test_watchdog_verdict_names_the_rank_furthest_behind(reports, expected):
+    from hybridrl import faults
+    dog = faults.Watchdog(10, rank=0, size=3, run_dir=".")
+    dog._store, dog.n, dog.step, dog.phase = _Store(reports), 9, 3, "train"
+    assert dog.verdict().startswith("rank 0 has made no progress for 0 s (train.watchdog_s=10), in phase "
+                                    "'train' of step 3")
+    assert expected in dog.verdict()
