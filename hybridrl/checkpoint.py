@@ -14,6 +14,12 @@ It is written to `tmp-step-N` and renamed to `step-N` once every rank's shard is
 `latest` names it. A directory without a valid `complete.json` (a crash mid-save, a truncated
 file) is never loaded: the newest valid one is. Sizes catch truncation, not same-size bit rot.
 
+A save that cannot be written (no space left, an I/O error) removes its partial directory,
+keeps the previous checkpoint, prints what it needs and what is free, and training goes on; a
+run whose last save failed exits 1. Free space is checked before writing: at > 1 rank a write
+that fails on some ranks only, inside DeepSpeed's save, leaves the ranks in different
+collectives, and then the watchdog (faults.py) ends the run, the previous checkpoint intact.
+
 Why the RNG states make a resume exact: on CPU vLLM samples with per-token Gumbel noise seeded
 from `torch.randint` on the global torch generator (`forward_cpu` in
 vllm/v1/sample/ops/topk_topp_sampler.py; GPU: `exponential_()` on the CUDA generator), since
@@ -25,13 +31,16 @@ resume's engine start, hand-off and probe gives step N+1 the same samples.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import glob
+import io
 import json
 import logging
 import os
 import random
 import shutil
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -40,7 +49,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from . import launch
+from . import faults, launch
 from .config import Config, UserError, to_dict
 
 log = logging.getLogger("hybridrl")
@@ -136,46 +145,120 @@ class Saver:
         self.cfg, self.run_dir, self.world, self.tokenizer = cfg, Path(run_dir), world, tokenizer
         self.root = ckpt_root(cfg, run_dir)
         self.last: Path | None = None
+        self.failures = 0  # saves that could not be written
+        self.unsaved: str | None = None  # why the latest save failed (None once one succeeds)
 
     def due(self, step: int, final: bool) -> bool:
         return final or bool(self.cfg.ckpt.every and step % self.cfg.ckpt.every == 0)
 
-    def save(self, step: int, trainer, sampler, probe, history: dict, critic=None) -> Path:
-        """Every rank calls this at the same step. Returns the checkpoint directory."""
+    def save(self, step: int, trainer, sampler, probe, history: dict, final: bool = False,
+             critic=None) -> Path | None:
+        """Every rank calls this at the same step. Returns the checkpoint directory, or None when
+        it could not be written (no space left, an I/O error): the partial one is removed, the
+        previous one is kept, the user is told, and training goes on (`final`: the run is ending,
+        so the loop exits non-zero)."""
         main, t0 = self.world.main, time.perf_counter()
-        tmp, final = self.root / f"tmp-step-{step}", self.root / f"step-{step}"
+        tmp, final_dir = self.root / f"tmp-step-{step}", self.root / f"step-{step}"
+        need = self._size_needed(trainer) if main else 0
+        problem = None
         if main:
-            shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed at this step before
-            tmp.mkdir(parents=True)
-        launch.barrier()
-        trainer.engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
-        if critic:  # PPO's value model: its own DeepSpeed checkpoint, critic/
-            critic.save_checkpoint(str(tmp))
-        torch.save({"rng": rng_state(), "probe_last": probe.last}, tmp / f"rank-{self.world.rank}.pt")
+            try:
+                shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed at this step before
+                self.root.mkdir(parents=True, exist_ok=True)
+                free = shutil.disk_usage(self.root).free
+                if free < need:  # checked first: a write that fails half-way at > 1 rank can leave
+                    problem = "not enough free space (checked before writing)"  # ranks in different collectives
+                else:
+                    tmp.mkdir()
+            except OSError as e:
+                problem = str(e)
+        problem = launch.from_main(problem)
+        if problem is None:
+            try:
+                faults.progress(step, "save", self.root)
+                trainer.engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
+                if critic:  # PPO's value model: its own DeepSpeed checkpoint, critic/
+                    critic.save_checkpoint(str(tmp))
+                _save_torch({"rng": rng_state(), "probe_last": probe.last}, tmp / f"rank-{self.world.rank}.pt")
+                if main:
+                    state = {"step": step, "cursor": sampler.cursor, "world_size": self.world.size,
+                             "run_dir": str(self.run_dir), "history": history}
+                    (tmp / "state.json").write_text(json.dumps(state, indent=1))
+                    cfg = dataclasses.replace(self.cfg, log=dataclasses.replace(self.cfg.log, run_dir=str(self.run_dir)))
+                    (tmp / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+                    trainer.hf.config.save_pretrained(tmp / "hf")
+                    if getattr(trainer.hf, "generation_config", None) is not None:
+                        trainer.hf.generation_config.save_pretrained(tmp / "hf")
+                    self.tokenizer.save_pretrained(tmp / "hf")
+            except (OSError, RuntimeError) as e:  # torch.save (DeepSpeed's shards) reports a full disk as RuntimeError
+                problem = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
+                if getattr(e, "errno", None) == errno.ENOSPC or shutil.disk_usage(self.root).free < need:
+                    problem = f"no space left on device ({problem})"
+                if not main:  # rank 0 tells the rest of the story
+                    print(f"error: rank {self.world.rank}: checkpoint of step {step}: {problem}", file=sys.stderr)
+            # every rank's shard is on disk (or some rank failed) before the checkpoint is declared complete
+            if launch.all_max(float(problem is not None)) and problem is None:
+                problem = "another rank could not write its shard (see its message)"
+        if problem is None and main:
+            try:
+                files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+                _write_atomic(tmp / MANIFEST, json.dumps({"step": step, "save_s": round(time.perf_counter() - t0, 3),
+                                                          "files": files}))
+                if final_dir.exists():  # the same step saved again (e.g. a resumed run stopped at once)
+                    shutil.rmtree(final_dir)
+                os.rename(tmp, final_dir)
+            except OSError as e:
+                problem = str(e)
+        problem = launch.from_main(problem)
+        if problem is not None:
+            if main:
+                shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint is never left behind
+                self._tell(step, problem, need, final)
+            launch.barrier()
+            self.failures += 1
+            self.unsaved = problem
+            return None
         if main:
-            state = {"step": step, "cursor": sampler.cursor, "world_size": self.world.size,
-                     "run_dir": str(self.run_dir), "history": history}
-            (tmp / "state.json").write_text(json.dumps(state, indent=1))
-            cfg = dataclasses.replace(self.cfg, log=dataclasses.replace(self.cfg.log, run_dir=str(self.run_dir)))
-            (tmp / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-            trainer.hf.config.save_pretrained(tmp / "hf")
-            if getattr(trainer.hf, "generation_config", None) is not None:
-                trainer.hf.generation_config.save_pretrained(tmp / "hf")
-            self.tokenizer.save_pretrained(tmp / "hf")
-        launch.barrier()  # every rank's shard is on disk before the checkpoint is declared complete
-        if main:
-            files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-            _write_atomic(tmp / MANIFEST, json.dumps({"step": step, "save_s": round(time.perf_counter() - t0, 3),
-                                                      "files": files}))
-            if final.exists():  # the same step saved again (e.g. a resumed run stopped at once)
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            _write_atomic(self.root / "latest", final.name)
+            try:
+                _write_atomic(self.root / "latest", final_dir.name)
+            except OSError as e:  # informational only: resume looks for the newest complete step-N
+                log.warning("could not update %s: %s", self.root / "latest", e)
             for old in complete_checkpoints(self.root)[self.cfg.ckpt.keep:]:
                 shutil.rmtree(old, ignore_errors=True)
         launch.barrier()
-        self.last = final
-        return final
+        self.last, self.unsaved = final_dir, None
+        return final_dir
+
+    def _size_needed(self, trainer) -> int:
+        """Bytes the next checkpoint takes: the last one's size, else the weights plus DeepSpeed's
+        fp32 master copy and two Adam moments (12 bytes a parameter)."""
+        kept = complete_checkpoints(self.root)[:1] if self.root.exists() else []
+        if kept:
+            return sum(json.loads((kept[0] / MANIFEST).read_text())["files"].values())
+        params = list(trainer.hf.parameters())
+        return sum(getattr(p, "ds_numel", p.numel()) * (p.element_size() + 12) for p in params)
+
+    def _tell(self, step: int, problem: str, need: int, final: bool) -> None:
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            free = -1
+        kept = complete_checkpoints(self.root)[:1] if self.root.exists() else []
+        then = ("the run ends without a checkpoint of its last steps" if final else
+                "training goes on" + (f"; the next save is at step {step + self.cfg.ckpt.every}"
+                                      if self.cfg.ckpt.every else ""))
+        msg = (f"checkpoint of step {step} NOT saved under {self.root}: {problem}. A checkpoint needs "
+               f"~{need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free there. "
+               f"Kept: {kept[0] if kept else 'no earlier checkpoint'} (the partial one was removed). "
+               f"Free some space, lower ckpt.keep, or point --ckpt.dir at a bigger disk; {then}.")
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+
+
+def _save_torch(obj, path: Path) -> None:
+    """torch.save through Python's file I/O, so a full disk raises OSError (ENOSPC), not RuntimeError."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    path.write_bytes(buf.getvalue())
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -92,6 +92,9 @@ class TrainConfig:
     probe_tol: float = knob(1e-3, "Largest allowed |logp_vllm - logp_trainer| on the probe batch.")
     probe_action: Literal["error", "warn"] = knob("error", "What a failed probe does.")
     seed: int = knob(0, "Seeds everything: data order, torch, and vLLM sampling (seed + rank on each rank).")
+    watchdog_s: float = knob(900.0, "Stop the run when a rank makes no progress (no phase of a step begins) for this "
+                             "many seconds, naming the rank that stalled and dumping its stacks (0 = off). Raise it "
+                             "if one phase (a long generation, a big checkpoint) can legitimately take longer.")
 
 
 @dataclass
@@ -337,6 +340,7 @@ def validate(cfg: Config) -> None:
          "trainer forward runs after the hand-off, when the parameters would be off the device"),
         (r.mode == "inprocess" or r.tensor_parallel_size == 1,
          "rollout.mode=outofprocess supports rollout.tensor_parallel_size=1 only; use rollout.mode=inprocess"),
+        (t.watchdog_s == 0 or t.watchdog_s >= 5, "train.watchdog_s must be 0 (off) or >= 5 seconds"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -13,11 +13,13 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from . import env
+from .faults import WATCHDOG_EXIT
 
 
 @dataclass
@@ -42,9 +44,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed() -> World:
+def init_distributed(timeout_s: float = 0) -> World:
     """Join (or create) the process group both engines share. vLLM's external_launcher and
-    DeepSpeed both need it to exist before they are built."""
+    DeepSpeed both need it to exist before they are built. `timeout_s` > 0 bounds every
+    collective (torch's default otherwise: 30 min gloo, 10 min NCCL)."""
     if not under_launcher():  # notebook / plain python: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -54,7 +57,8 @@ def init_distributed() -> World:
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=rank, world_size=size)
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=rank, world_size=size,
+                                timeout=timedelta(seconds=timeout_s) if timeout_s else None)
     return World(rank, size, local, device)
 
 
@@ -116,6 +120,10 @@ def _failure_message(e: Exception) -> str:
         return f"a worker failed ({type(e).__name__}); see the rank's error above"
     parts = []
     for rank, f in sorted(failures.items()):
+        if f.exitcode == WATCHDOG_EXIT:
+            parts.append(f"rank {rank} (pid {f.pid}) was stopped by its watchdog (the 'hybridrl watchdog:' line "
+                         "above names the rank that stalled)")
+            continue
         how = f"killed by {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}"
         parts.append(f"rank {rank} (pid {f.pid}) died: {how}")
     return "; ".join(parts) + ". The other ranks were stopped; see that rank's error above."

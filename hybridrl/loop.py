@@ -14,7 +14,7 @@ import time
 import numpy as np
 import torch
 
-from . import algo, checkpoint, data, engine_cycle, env, launch, rewards, sync
+from . import algo, checkpoint, data, engine_cycle, env, faults, launch, rewards, sync
 from .batch import Batch
 from .canaries import distribution_metrics
 from .config import Config, ConfigError
@@ -30,7 +30,7 @@ log = logging.getLogger("hybridrl")
 def train(cfg: Config) -> dict:
     """Run RL training as configured; returns the summary (accuracy before/after, timings)."""
     env.setup()
-    world = launch.init_distributed()
+    world = launch.init_distributed(timeout_s=2 * cfg.train.watchdog_s)
     on_cpu = world.device.type == "cpu"
     engine_cycle.check(cfg, cuda=not on_cpu)  # allocator settings that would break vLLM's sleep mode
     cfg, model_path = resolve(cfg, on_cpu)
@@ -72,6 +72,7 @@ def train(cfg: Config) -> dict:
         per prompt, drawn with a per-step seed so that training's sampling stream is untouched."""
         if not heldout:
             return None
+        faults.progress(step, "eval")
         rollout.wake(["kv_cache"])
         shard = heldout[mine]
         outs = rollout.greedy([p.ids for p in shard], cfg.rollout.max_new_tokens) if shard else []
@@ -106,9 +107,10 @@ def train(cfg: Config) -> dict:
     else:
         done, acc_before = 0, evaluate(0)
     last_eval, step, stop_signal = start, done, 0
-    with checkpoint.StopSignals(world.main) as stop:  # SIGTERM/SIGINT: finish the step, save, exit
+    watchdog = faults.Watchdog(cfg.train.watchdog_s, world.rank, world.size, run.dir)  # a stalled rank stops the run
+    with checkpoint.StopSignals(world.main) as stop, watchdog:  # SIGTERM/SIGINT: finish the step, save, exit
         for step in range(done + 1, cfg.train.steps + 1):
-            phases = Phases()
+            phases = Phases(step)
             # 1. rollout: n samples per prompt, this rank's share of the global prompt batch
             batch_prompts = [prompts[i] for i in sampler.next(cfg.train.prompts_per_step)][mine]
             with phases("generate"):  # vLLM is awake: the hand-off (or engine start) woke it
@@ -175,9 +177,10 @@ def train(cfg: Config) -> dict:
             elapsed = launch.all_max(time.perf_counter() - start)
             out_of_time = bool(cfg.train.max_minutes) and elapsed > cfg.train.max_minutes * 60
             stop_signal = stop.requested()  # all ranks agree
-            if saver.due(step, final=out_of_time or bool(stop_signal) or step == cfg.train.steps):
+            last = out_of_time or bool(stop_signal) or step == cfg.train.steps
+            if saver.due(step, final=last):  # a failed save is reported; the run goes on (ends non-zero if last)
                 saver.save(step, trainer, sampler, probe, dict(acc_before=acc_before, last_acc=run.last_acc,
-                                                               elapsed_s=elapsed), critic=critic)
+                                                               elapsed_s=elapsed), final=last, critic=critic)
             if out_of_time or stop_signal:
                 break
     # a signal asks for a quick exit (preemption grace periods are short): no final evaluation
@@ -187,6 +190,10 @@ def train(cfg: Config) -> dict:
                "eval/pass@1": acc_after, **run.last_sampled}
     if stop_signal:
         summary.update(stop.summary(stop_signal, step, saver.last, run.dir))
+    if saver.failures:
+        summary.update(checkpoint_failures=saver.failures)
+    if saver.unsaved:  # the last save failed: the newest checkpoint is older than the run's end
+        summary.update(exit_code=1, checkpoint_error=saver.unsaved)
     run.close(summary)
     rollout.close()
     return summary

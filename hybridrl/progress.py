@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import yaml
 
+from . import faults
 from .canaries import Canaries
 from .config import Config, ConfigError, to_dict
 from .launch import from_main
@@ -32,14 +33,17 @@ class Phases(dict):
     of a step as a phase (generate, sleep, reload, reward, old_logprob, train, offload,
     wake_weights, sync, wake_kv, probe), so the step metrics carry the memory after each."""
 
-    def __init__(self):
+    def __init__(self, step: int | None = None):
         super().__init__()
+        self.step = step  # given: each phase's start is reported to faults.progress (the watchdog)
         self.memory: dict[str, float] = {}
         # not initialised = nothing allocated yet, and querying would create a CUDA context
         self._cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
 
     @contextmanager
     def __call__(self, name: str):
+        if self.step is not None:
+            faults.progress(self.step, name)
         if self._cuda:
             torch.cuda.reset_peak_memory_stats()
         t = time.perf_counter()

@@ -160,6 +160,9 @@ def test_signal_stops_after_a_checkpoint_and_resume_auto_continues(tmp_path, sig
     stopped = max(steps)
     assert f"stopped by {sig.name} after step {stopped}; checkpoint: {run_dir / 'checkpoints' / f'step-{stopped}'}" \
         in stdout
+    from hybridrl import checkpoint  # the step in progress when the signal came was finished and saved
+    ck = run_dir / "checkpoints" / f"step-{stopped}"
+    assert checkpoint.is_complete(ck) and json.loads((ck / "state.json").read_text())["step"] == stopped
     _, records, summary = train_cli(run_dir, *FAST, "--steps", str(stopped + 1), "--resume", "auto")
     assert sorted(_steps(records)) == list(range(1, stopped + 2)) and summary["steps"] == stopped + 1
 
