@@ -285,6 +285,9 @@ def test_offload_reload_keeps_training_bitwise(zero):
         g = torch.Generator().manual_seed(1)
         batch = Batch.from_rows([[1, 2, 3]] * 4, [torch.randint(3, 12, (4,), generator=g).tolist() for _ in range(4)],
                                 [[-1.0] * 4] * 4, [1.0, -1.0, 0.5, -0.5])
+        if offload:  # the loop offloads once before the first step (engine_cycle.plan_rollout)
+            trainer._offload_states(params=False)
+            trainer._reload_states()
         for _ in range(2):
             trainer.step(batch)
             if offload:
