@@ -77,9 +77,7 @@ def engine_env(*, out_of_process: bool, local_rank: int, cuda: bool):
     try:
         yield
     finally:
-        for k, v in saved.items():
-            if k == "VLLM_ENABLE_V1_MULTIPROCESSING":
-                continue  # the engine reads it again later (e.g. its executor): leave it matching the mode
+        for k, v in saved.items():  # read at construction only (the engine process copied them)
             if v is None:
                 os.environ.pop(k, None)
             else:

@@ -285,6 +285,9 @@ def test_offload_reload_keeps_training_bitwise(zero):
         g = torch.Generator().manual_seed(1)
         batch = Batch.from_rows([[1, 2, 3]] * 4, [torch.randint(3, 12, (4,), generator=g).tolist() for _ in range(4)],
                                 [[-1.0] * 4] * 4, [1.0, -1.0, 0.5, -0.5])
+        if offload:  # the loop offloads once before the first step (engine_cycle.plan_rollout)
+            trainer._offload_states(params=False)
+            trainer._reload_states()
         for _ in range(2):
             trainer.step(batch)
             if offload:
@@ -298,3 +301,28 @@ def test_offload_reload_keeps_training_bitwise(zero):
 
     plain, cycled = train(False), train(True)
     assert plain.keys() == cycled.keys() and all(torch.equal(plain[n], cycled[n]) for n in plain)
+
+
+def test_engine_env_per_mode(monkeypatch):
+    """Out of process: V1 multiprocessing, spawned, on this rank's device only; in process: none."""
+    import os
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # env.setup's default
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    with vllm_compat.engine_env(out_of_process=True, local_rank=1, cuda=True):
+        assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+        assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"  # the engine process sees rank 1's GPU as its cuda:0
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3" and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # restored: only construction reads it
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with vllm_compat.engine_env(out_of_process=True, local_rank=1, cuda=True):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    with vllm_compat.engine_env(out_of_process=False, local_rank=1, cuda=True):
+        assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "CUDA_VISIBLE_DEVICES" not in os.environ
+    kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, sleep_mode=True,
+                                   out_of_process=True)
+    assert kw["worker_extension_cls"] == "hybridrl.vllm_worker_ext.WeightReceiver" and kw["enable_sleep_mode"]
+    assert "distributed_executor_backend" not in kw
+    kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, sleep_mode=False)
+    assert kw["distributed_executor_backend"] == "external_launcher" and not kw["enable_sleep_mode"]
