@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from . import algo, checkpoint, data, env, launch, rewards, sync
+from .collect import Collector
 from .batch import Batch
 from .canaries import distribution_metrics
 from .config import Config, ConfigError
@@ -41,12 +42,13 @@ def train(cfg: Config) -> dict:
     prompts, _ = data.encode(data.load_rows(cfg.data, "train"), tokenizer, cfg.data, cfg.data.path)
     heldout, _ = data.encode(data.load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")
     heldout = heldout[: cfg.log.eval_size or None]
-    reward_fn = rewards.load(cfg.reward.fn)
     sampler = data.Sampler(len(prompts), cfg.train.seed)
     resumed = checkpoint.Resume.find(cfg, world)  # None: a fresh run
     if resumed:
         cfg = resumed.adopt(cfg)  # continue in that run's directory
+    scorer = rewards.Scorer(cfg.reward, rank=world.rank)  # a bad reward.fn fails here; its workers start now
     run = RunLog(cfg, world)
+    scorer.run_dir = run.dir  # where reward_dead_letter.jsonl goes
     saver = checkpoint.Saver(cfg, run.dir, world, tokenizer)
 
     trainer = Trainer(cfg, model_path, device=world.device, dtype=_dtype(cfg.model.dtype),
@@ -55,6 +57,7 @@ def train(cfg: Config) -> dict:
     probe = sync.Probe([p.ids + tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                         for p in (heldout or prompts)[:8]], cfg.train.probe_tol, cfg.train.probe_action)
     mine = slice(world.rank, None, world.size)  # this rank's share of every global list
+    collector = Collector(cfg, rollout, scorer, tokenizer, prompts, sampler, world)
 
     def evaluate(step: int) -> float | None:
         """Greedy held-out accuracy (reward >= 1), prompts sharded over ranks; None without a split."""
@@ -64,7 +67,7 @@ def train(cfg: Config) -> dict:
         shard = heldout[mine]
         outs = rollout.greedy([p.ids for p in shard], cfg.rollout.max_new_tokens) if shard else []
         texts = tokenizer.batch_decode(outs, skip_special_tokens=True)
-        scores, _ = rewards.score(reward_fn, [p.text for p in shard], texts, [p.answer for p in shard])
+        scores = scorer.score([p.text for p in shard], texts, [p.answer for p in shard], {"eval_step": step})
         correct = launch.all_sum([sum(s >= 1.0 for s in scores), len(scores)])
         acc = correct[0] / max(correct[1], 1)
         run.eval(step, acc)
@@ -96,25 +99,18 @@ def train(cfg: Config) -> dict:
     with checkpoint.StopSignals(world.main) as stop:  # SIGTERM/SIGINT: finish the step, save, exit
         for step in range(done + 1, cfg.train.steps + 1):
             phases = Phases()
-            # 1. rollout: n samples per prompt, this rank's share of the global prompt batch
-            batch_prompts = [prompts[i] for i in sampler.next(cfg.train.prompts_per_step)][mine]
-            with phases("generate"):  # vLLM is awake: the hand-off (or engine start) woke it
-                samples = rollout.generate([p.ids for p in batch_prompts], cfg.rollout.n,
-                                           temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                           max_tokens=cfg.rollout.max_new_tokens)
+            # 1. rollout and rewards: n samples per prompt (this rank's share), each scored as it
+            #    finishes while vLLM generates the rest; DAPO's dynamic sampling and overlong shaping
+            ro = collector.batch(step, phases)
+            samples, src = ro.samples, [p for p in ro.prompts for _ in range(cfg.rollout.n)]
             with phases("sleep"):  # vLLM gives its memory back, the trainer takes its states back
                 rollout.sleep(cfg.rollout.sleep_level)
                 trainer.reload()
-            # 2. rewards and group-normalised advantages
-            with phases("reward"):
-                texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
-                src = [batch_prompts[s.prompt_idx] for s in samples]
-                scores, reward_errors = rewards.score(reward_fn, [p.text for p in src], texts,
-                                                      [p.answer for p in src], cfg.reward.on_error)
-                R = torch.tensor(scores).view(len(batch_prompts), cfg.rollout.n)  # [P, n]
-                adv = algo.advantages(cfg.algo.advantage, R).flatten()  # [P * n]
+            # 2. group-normalised advantages; masked samples (overlong-filtered, filler) carry none
+            R = ro.rewards  # [P, n]
+            adv = algo.advantages(cfg.algo.advantage, R).flatten().masked_fill(ro.masked, 0.0)  # [P * n]
             # 3. train on the samples that carry a gradient (equal-reward groups have A == 0)
-            keep = (adv != 0) if cfg.algo.skip_zero_advantage else torch.ones_like(adv, dtype=torch.bool)
+            keep = (adv != 0) if cfg.algo.skip_zero_advantage else ~ro.masked
             keep[0] |= not keep.any()  # one zero-advantage row keeps this rank in the collectives
             rows = keep.nonzero().flatten().tolist()
             batch = Batch.from_rows([src[i].ids for i in rows], [samples[i].token_ids for i in rows],
@@ -130,18 +126,15 @@ def train(cfg: Config) -> dict:
                 with phases("probe"):
                     metrics.update(probe(trainer, rollout, step))
 
-            n_tok = launch.all_sum([sum(len(s.token_ids) for s in samples), int(batch.lengths.sum())])
-            reward_sum = launch.all_sum([float(R.sum()), R.numel(), reward_errors, float((R >= 1).sum()),
-                                         float((adv != 0).sum())])
+            n_train = launch.all_sum([int(batch.lengths.sum()), float((adv != 0).sum()), adv.numel()])
+            metrics.update(ro.metrics)  # reward, solve_rate, reward_errors/timeouts, dropped_prompts, ds_*
             metrics.update(
-                reward=reward_sum[0] / reward_sum[1], solve_rate=reward_sum[3] / reward_sum[1],
-                reward_errors=reward_sum[2], rollout_tokens=n_tok[0], signal_frac=reward_sum[4] / reward_sum[1],
-                rollout_tok_s=n_tok[0] / max(phases["generate"], 1e-9),
-                train_tok_s=n_tok[1] / max(phases["train"], 1e-9),
-                response_len=n_tok[0] / reward_sum[1], elapsed_s=time.perf_counter() - start,
+                signal_frac=n_train[1] / n_train[2],
+                rollout_tok_s=ro.metrics["rollout_tokens"] / max(phases["generate"], 1e-9),
+                train_tok_s=n_train[0] / max(phases["train"], 1e-9), elapsed_s=time.perf_counter() - start,
                 **{f"time/{k}": v for k, v in phases.items()})
             metrics.update(phases.memory)  # mem/<phase>/*_gb: CUDA only
-            metrics.update(distribution_metrics(response_len=[len(s.token_ids) for s in samples], reward=scores))
+            metrics.update(distribution_metrics(response_len=[len(s.token_ids) for s in samples], reward=R))
             run.step(step, metrics)
             now = time.perf_counter()
             if step != cfg.train.steps and ((cfg.log.eval_every and step % cfg.log.eval_every == 0) or (
@@ -163,6 +156,7 @@ def train(cfg: Config) -> dict:
     if stop_signal:
         summary.update(stop.summary(stop_signal, step, saver.last, run.dir))
     run.close(summary)
+    scorer.close()
     rollout.close()
     return summary
 
