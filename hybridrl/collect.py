@@ -59,34 +59,32 @@ class Collector:
         target, n = cfg.train.prompts_per_step, cfg.rollout.n
         self.scorer.step = step
         self.scorer.counts()  # start this step's error counts from zero (the held-out eval's are in the dead-letter file)
-        kept: list[_Group] = []
-        seen: list[_Group] = []  # every scored group, for the metrics
-        dropped = rounds = 0
-        max_rounds = a.dynamic_sampling_max_rounds if a.dynamic_sampling else 1
-        for rounds in range(1, max_rounds + 1):
-            groups, rejected = self._round(step, phases)
-            dropped += rejected
-            seen += groups
-            kept += [g for g in groups if not a.dynamic_sampling or bool(dapo.has_signal(g.rewards[None]))]
-            one_hot = [0.0] * world.size
-            one_hot[world.rank] = float(len(kept))
-            kept_per_rank = [int(k) for k in launch.all_sum(one_hot)]  # the same on every rank
-            if not a.dynamic_sampling or sum(kept_per_rank) >= target:
-                break
-        if a.dynamic_sampling:  # trim the surplus so the ranks together train on `target` groups
-            kept = kept[: dapo.shares(kept_per_rank, target)[world.rank]]
+        seen: list[list[_Group]] = []  # every round's scored groups
+        rejected = []
+
+        def rounds():  # each pull generates and scores one more round
+            while True:
+                groups, dropped = self._round(step, phases)
+                seen.append(groups)
+                rejected.append(dropped)
+                yield torch.stack([g.rewards for g in groups]) if groups else torch.zeros(0, n)
+
+        plan = dapo.fill(rounds(), target, a.dynamic_sampling_max_rounds, dynamic=a.dynamic_sampling,
+                         rank=world.rank, world_size=world.size, all_sum=launch.all_sum)
+        kept = [seen[r][g] for r, g in plan.kept]
+        every = [g for groups in seen for g in groups]
         filler = not kept
         if filler:  # this rank keeps one group with no gradient so it stays in the trainer's collectives
-            if not seen:
+            if not every:
                 raise UserError("vLLM rejected every prompt of this rank's batch; see the warnings above "
                                 "(prompts longer than rollout.max_model_len, or token ids outside the vocabulary)")
-            kept = seen[:1]
+            kept = every[:1]
         samples = [s for g in kept for s in g.samples]
         truncated = torch.tensor([not s.finished for s in samples])
         masked = truncated if a.overlong_filter else torch.zeros(len(samples), dtype=torch.bool)
         masked |= filler
         return Rollouts([g.prompt for g in kept], samples, torch.stack([g.rewards for g in kept]), masked,
-                        self._metrics(seen, kept if not filler else [], dropped, rounds, target))
+                        self._metrics(every, [] if filler else kept, sum(rejected), plan))
 
     def _round(self, step: int, phases: Phases) -> tuple[list[_Group], int]:
         """Generate n samples for each of this rank's share of `prompts_per_step` new prompts and
@@ -127,7 +125,7 @@ class Collector:
     def _text(self, s: Sample) -> str:
         return self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
 
-    def _metrics(self, seen: list[_Group], kept: list[_Group], dropped: int, rounds: int, target: int) -> dict:
+    def _metrics(self, seen: list[_Group], kept: list[_Group], dropped: int, plan: dapo.Fill) -> dict:
         """Over every sample generated this step (all rounds), summed over ranks."""
         samples = [s for g in seen for s in g.samples]
         shaped = torch.cat([g.rewards for g in seen]) if seen else torch.zeros(0)
@@ -148,6 +146,6 @@ class Collector:
         if self.cfg.algo.overlong_buffer:
             out["overlong_penalty"] = sums[5] / num
         if self.cfg.algo.dynamic_sampling:
-            out.update(ds_rounds=rounds, ds_groups_kept=sums[9], ds_groups_dropped=sums[10],
-                       ds_cap_hits=float(sums[9] < target))
+            out.update(ds_rounds=plan.rounds, ds_groups_kept=sums[9], ds_groups_dropped=sums[10],
+                       ds_cap_hits=float(plan.cap_hit))
         return out

@@ -5,6 +5,9 @@ soft overlong punishment. collect.py applies them; tests check them against hand
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
 import torch
 
 
@@ -30,6 +33,34 @@ def shares(kept_per_rank: list[int], target: int) -> list[int]:
                 out[r] += 1
                 left -= 1
     return out
+
+
+@dataclass
+class Fill:
+    kept: list[tuple[int, int]]  # (round, group) this rank trains on
+    rounds: int  # generation rounds used
+    kept_per_rank: list[int]  # groups with signal on each rank, before trimming
+    cap_hit: bool  # the rounds ran out before the ranks had `target` groups
+
+
+def fill(rounds: Iterable[torch.Tensor], target: int, max_rounds: int, *, dynamic: bool = True, rank: int = 0,
+         world_size: int = 1, all_sum: Callable[[list[float]], list[float]] = lambda v: v) -> Fill:
+    """DAPO dynamic sampling: pull [P, n] reward matrices from `rounds` (each pull generates a
+    round) until the ranks together hold `target` groups with signal or `max_rounds` rounds ran;
+    then keep this rank's share (see `shares`). `all_sum` sums a list over ranks, so every rank
+    takes the same decisions. dynamic=False: one round, every group kept, nothing trimmed."""
+    kept: list[tuple[int, int]] = []
+    r, per_rank = 0, [0] * world_size
+    for r, R in enumerate(rounds, 1):
+        signal = has_signal(R) if dynamic else torch.ones(len(R), dtype=torch.bool)  # [P]
+        kept += [(r - 1, g) for g in signal.nonzero().flatten().tolist()]
+        one_hot = [0.0] * world_size
+        one_hot[rank] = float(len(kept))
+        per_rank = [int(k) for k in all_sum(one_hot)]
+        if not dynamic or sum(per_rank) >= target or r >= max_rounds:
+            break
+    share = shares(per_rank, target)[rank] if dynamic else len(kept)
+    return Fill(kept[:share], r, per_rank, dynamic and sum(per_rank) < target)
 
 
 def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer: int, factor: float = 1.0) -> torch.Tensor:

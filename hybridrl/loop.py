@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from . import algo, checkpoint, data, env, launch, rewards, sync
-from .collect import Collector
 from .batch import Batch
 from .canaries import distribution_metrics
+from .collect import Collector
 from .config import Config, ConfigError
 from .progress import Phases, RunLog
 from .rollout import Rollout

@@ -141,7 +141,15 @@ def evaluate(terms: list[Term], prompt: str, completions: list[str], answer: str
 
 
 def _run_async(coro, timeout_s: float | None):
-    return asyncio.run(asyncio.wait_for(coro, timeout_s) if timeout_s else coro)
+    main = asyncio.wait_for(coro, timeout_s) if timeout_s else coro
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:  # the usual case: no event loop in this thread
+        return asyncio.run(main)
+    # called under a running loop (a Jupyter kernel): asyncio.run refuses, so use a thread of its own
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, main).result()
 
 
 def total(terms: list[Term], values: list[float]) -> float:
@@ -374,7 +382,9 @@ class Scorer:
         s.proc.join(timeout=5)
         code = s.proc.exitcode
         if not s.ready:  # it died loading the reward module: that will not get better by retrying
-            raise RewardError(f"a reward worker died while loading reward.fn={self.cfg.fn!r} (exit code {code})")
+            raise RewardError(f"a reward worker died while loading reward.fn={self.cfg.fn!r} (exit code {code}; its "
+                              f"error is above). A script that calls hybridrl.train() needs an "
+                              f"`if __name__ == '__main__':` guard: workers are spawned and import it")
         task = self.running.pop(s.key) if s.key is not None else None
         self._replace(i)
         if task is not None:

@@ -53,6 +53,8 @@ def extract_answer(text: str) -> str | None:
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed.strip()
+    if "\\boxed" in text or "\\fbox" in text:  # a box cut off before it closed: no answer yet
+        return None
     tags = re.findall(r"<answer>(.*?)</answer>", text, flags=re.S)
     if tags:
         return tags[-1].strip()
@@ -66,9 +68,9 @@ def extract_answer(text: str) -> str | None:
 
 
 def _math_parse(text: str):
-    """math-verify's parse of one answer string, tried bare, then as LaTeX math."""
+    """math-verify's parse of one answer string, tried as LaTeX math, then bare."""
     from math_verify import parse
-    for candidate in (text, f"${text}$"):
+    for candidate in (f"${text}$", text):  # as LaTeX first: bare, "x^2+2x+1" parses as its last number
         parsed = parse(candidate)
         if parsed:
             return parsed
