@@ -47,8 +47,9 @@ def standalone(cfg, steps: int) -> dict:
     rates = []
     for prompts in batches:
         t = time.perf_counter()
-        samples = ro.generate(prompts, cfg.rollout.n, temperature=cfg.rollout.temperature,
-                              top_p=cfg.rollout.top_p, max_tokens=cfg.rollout.max_new_tokens)
+        samples = [s for done in ro.generate(prompts, cfg.rollout.n, temperature=cfg.rollout.temperature,
+                                             top_p=cfg.rollout.top_p, max_tokens=cfg.rollout.max_new_tokens)
+                   for s in done]
         rates.append(sum(len(s.token_ids) for s in samples) / (time.perf_counter() - t))
     return {"tok_s": statistics.median(rates[3:])}
 

@@ -1,4 +1,4 @@
 from .cli import main
 
-if __name__ == "__main__":  # vLLM's engine process (rollout.mode=outofprocess) is spawned: it re-imports this
+if __name__ == "__main__":  # not when a spawned process (vLLM's engine, a reward worker) imports this
     main()

@@ -151,9 +151,10 @@ def _nonfinite(c: Canaries, step: int, m: dict) -> str | None:
 
 
 def _reward_errors(c: Canaries, step: int, m: dict) -> str | None:
-    n = m.get("reward_errors", 0)
-    if n and n > 0:
-        return (f"the reward function raised on {int(n)} samples (scored 0); "
+    n, t = m.get("reward_errors", 0), m.get("reward_timeouts", 0)  # each also in reward_dead_letter.jsonl
+    if (n and n > 0) or (t and t > 0):
+        what = " and ".join(x for x in (f"raised on {int(n)}" if n else "", f"timed out on {int(t)}" if t else "") if x)
+        return (f"the reward function {what} samples (scored 0); "
                 f"--reward.on_error raise stops at the first one with its traceback")
     return None
 

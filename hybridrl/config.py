@@ -129,13 +129,29 @@ class AlgoConfig:
     skip_zero_advantage: bool = knob(True, "Train only on samples with a non-zero advantage; groups whose rewards are "
                                      "all equal carry no gradient. The loss normaliser then counts only the kept "
                                      "tokens, as with DAPO's dynamic sampling.")
+    dynamic_sampling: bool = knob(False, "DAPO dynamic sampling: drop groups whose rewards are all equal and generate "
+                                  "more prompts until train.prompts_per_step groups carry signal.")
+    dynamic_sampling_max_rounds: int = knob(4, "Most generation rounds per step with dynamic sampling; at the cap the "
+                                            "step trains on the groups it has (counted in ds_cap_hits).")
+    overlong_buffer: int = knob(0, "DAPO soft overlong punishment: the last N tokens before rollout.max_new_tokens "
+                                "cost up to overlong_penalty, linearly (0 = off).")
+    overlong_penalty: float = knob(1.0, "Reward subtracted at the length limit by the overlong buffer.")
+    overlong_filter: bool = knob(False, "DAPO overlong filtering: samples cut off by rollout.max_new_tokens (not "
+                                 "stopped by EOS) are masked out of the loss.")
 
 
 @dataclass
 class RewardConfig:
-    fn: str = knob("arithmetic", "Reward: a built-in name (arithmetic, exact_match) or module:function "
-                   "with signature fn(prompt, completion, answer) -> float.")
-    on_error: Literal["zero", "raise"] = knob("zero", "A reward function that raises scores 0 (counted) or stops the run.")
+    fn: str = knob("arithmetic", "Reward: comma-separated terms NAME[:WEIGHT], each a built-in (arithmetic, "
+                   "exact_match, math_verify, format) or module:function with fn(prompt, completion, answer) -> float "
+                   "(async def too; batched if fn.batched), e.g. math_verify:1.0,format:0.1.")
+    on_error: Literal["zero", "raise"] = knob("zero", "A reward function that raises, hangs past timeout_s or kills "
+                                              "its worker scores 0 (counted, dead-lettered) or stops the run.")
+    workers: int = knob(-1, "Reward worker processes (0 = in this process, no timeout for plain functions; "
+                        "-1 = auto: in-process for the built-in arithmetic/exact_match/format, else min(4, CPUs)).")
+    timeout_s: float = knob(30.0, "Per-call reward timeout in seconds; the hung worker is killed and replaced.")
+    format_pattern: str = knob(r"<think>.*?</think>\s*<answer>.*?</answer>",
+                               "Regular expression the whole completion must match for the 'format' reward.")
 
 
 @dataclass
@@ -341,6 +357,10 @@ def validate(cfg: Config) -> None:
         (r.mode == "inprocess" or r.tensor_parallel_size == 1,
          "rollout.mode=outofprocess supports rollout.tensor_parallel_size=1 only; use rollout.mode=inprocess"),
         (t.watchdog_s == 0 or t.watchdog_s >= 5, "train.watchdog_s must be 0 (off) or >= 5 seconds"),
+        (cfg.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
+        (cfg.algo.dynamic_sampling_max_rounds >= 1, "algo.dynamic_sampling_max_rounds must be >= 1"),
+        (0 <= cfg.algo.overlong_buffer <= r.max_new_tokens,
+         f"algo.overlong_buffer must be in [0, rollout.max_new_tokens={r.max_new_tokens}]"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -17,6 +17,7 @@ import torch
 from . import algo, checkpoint, data, engine_cycle, env, faults, launch, rewards, sync
 from .batch import Batch
 from .canaries import distribution_metrics
+from .collect import Collector
 from .config import Config, ConfigError
 from .critic import Critic
 from .progress import Phases, RunLog
@@ -44,12 +45,13 @@ def train(cfg: Config) -> dict:
     prompts, _ = data.encode(data.load_rows(cfg.data, "train"), tokenizer, cfg.data, cfg.data.path)
     heldout, _ = data.encode(data.load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")
     heldout = heldout[: cfg.log.eval_size or None]
-    reward_fn = rewards.load(cfg.reward.fn)
     sampler = data.Sampler(len(prompts), cfg.train.seed)
     resumed = checkpoint.Resume.find(cfg, world)  # None: a fresh run
     if resumed:
         cfg = resumed.adopt(cfg)  # continue in that run's directory
+    scorer = rewards.Scorer(cfg.reward, rank=world.rank)  # a bad reward.fn fails here; its workers start now
     run = RunLog(cfg, world)
+    scorer.run_dir = run.dir  # where reward_dead_letter.jsonl goes
     saver = checkpoint.Saver(cfg, run.dir, world, tokenizer)
 
     trainer = Trainer(cfg, model_path, device=world.device, dtype=_dtype(cfg.model.dtype),
@@ -65,6 +67,7 @@ def train(cfg: Config) -> dict:
     probe = sync.Probe([p.ids + tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                         for p in (heldout or prompts)[:8]], cfg.train.probe_tol, cfg.train.probe_action)
     mine = slice(world.rank, None, world.size)  # this rank's share of every global list
+    collector = Collector(cfg, rollout, scorer, tokenizer, prompts, sampler, world)
 
     def evaluate(step: int) -> float | None:
         """Held-out accuracy (reward >= 1), prompts sharded over ranks; None without a split.
@@ -77,17 +80,18 @@ def train(cfg: Config) -> dict:
         shard = heldout[mine]
         outs = rollout.greedy([p.ids for p in shard], cfg.rollout.max_new_tokens) if shard else []
         texts = tokenizer.batch_decode(outs, skip_special_tokens=True)
-        scores, _ = rewards.score(reward_fn, [p.text for p in shard], texts, [p.answer for p in shard])
+        scores = scorer.score([p.text for p in shard], texts, [p.answer for p in shard], {"eval_step": step})
         correct = launch.all_sum([sum(s >= 1.0 for s in scores), len(scores)])
         acc = correct[0] / max(correct[1], 1)
         sampled = {}
         if cfg.log.eval_n:
-            samples = rollout.generate([p.ids for p in shard], cfg.log.eval_n, temperature=cfg.log.eval_temperature,
-                                       top_p=cfg.rollout.top_p, max_tokens=cfg.rollout.max_new_tokens,
-                                       seed=cfg.train.seed + step) if shard else []
+            gen = rollout.generate([p.ids for p in shard], cfg.log.eval_n, temperature=cfg.log.eval_temperature,
+                                   top_p=cfg.rollout.top_p, max_tokens=cfg.rollout.max_new_tokens,
+                                   seed=cfg.train.seed + step) if shard else []
+            samples = [s for finished in gen for s in finished]
             texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
             src = [shard[s.prompt_idx] for s in samples]
-            scores, _ = rewards.score(reward_fn, [p.text for p in src], texts, [p.answer for p in src])
+            scores = scorer.score([p.text for p in src], texts, [p.answer for p in src], {"eval_step": step})
             hits = launch.all_sum([sum(s >= 1.0 for s in scores), len(scores)])
             sampled = {"eval/mean@n": hits[0] / max(hits[1], 1), "eval/n_samples": int(hits[1])}
         run.eval(step, acc, sampled)
@@ -111,20 +115,13 @@ def train(cfg: Config) -> dict:
     with checkpoint.StopSignals(world.main) as stop, watchdog:  # SIGTERM/SIGINT: finish the step, save, exit
         for step in range(done + 1, cfg.train.steps + 1):
             phases = Phases(step)
-            # 1. rollout: n samples per prompt, this rank's share of the global prompt batch
-            batch_prompts = [prompts[i] for i in sampler.next(cfg.train.prompts_per_step)][mine]
-            with phases("generate"):  # vLLM is awake: the hand-off (or engine start) woke it
-                samples = rollout.generate([p.ids for p in batch_prompts], cfg.rollout.n,
-                                           temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                                           max_tokens=cfg.rollout.max_new_tokens)
+            # 1. rollout and rewards: n samples per prompt (this rank's share), each scored as it
+            #    finishes while vLLM generates the rest; DAPO's dynamic sampling and overlong shaping
+            ro = collector.batch(step, phases)
+            samples, src = ro.samples, [p for p in ro.prompts for _ in range(cfg.rollout.n)]
             engine_cycle.release(trainer, rollout, phases, cfg=cfg, critic=critic)  # vLLM sleeps, trainers reload
-            # 2. rewards; the sampling policy's, the reference's and the critic's view; advantages
-            with phases("reward"):
-                texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
-                src = [batch_prompts[s.prompt_idx] for s in samples]
-                scores, reward_errors = rewards.score(reward_fn, [p.text for p in src], texts,
-                                                      [p.answer for p in src], cfg.reward.on_error)
-                R = torch.tensor(scores).view(len(batch_prompts), cfg.rollout.n)  # [P, n]
+            # 2. the sampling policy's, the reference's and the critic's view; advantages
+            R = ro.rewards  # [P, n]
             batch = Batch.from_rows([p.ids for p in src], [s.token_ids for s in samples],
                                     [s.logprobs for s in samples], [0.0] * len(samples))
             if trainer.needs_old_logprobs:  # several updates per rollout, TIS, KL in the reward
@@ -137,11 +134,12 @@ def train(cfg: Config) -> dict:
                 with phases("values"):
                     batch.values = critic.values(batch)
             batch.advantages, batch.returns, adv_metrics = algo.estimate(cfg.algo, R, batch)  # [P * n] or [P * n, T]
+            batch.advantages[ro.masked] = 0.0  # overlong-filtered samples and a filler group carry no gradient
             signal = algo.has_signal(batch.advantages)  # [P * n] bool
             # 3. train on the samples that carry a gradient (equal-reward groups have A == 0, but
-            # with the KL in the loss every sample still has one)
+            # with the KL in the loss every unmasked sample still has one)
             skip = cfg.algo.skip_zero_advantage and not (cfg.algo.kl_coef and cfg.algo.kl_in == "loss")
-            keep = signal.clone() if skip else torch.ones_like(signal)
+            keep = signal.clone() if skip else ~ro.masked
             keep[0] |= not keep.any()  # one zero-advantage row keeps this rank in the collectives
             batch = batch.select(keep.nonzero().flatten())
             with phases("train"):
@@ -156,18 +154,15 @@ def train(cfg: Config) -> dict:
                 with phases("probe"):
                     metrics.update(probe(trainer, rollout, step))
 
-            n_tok = launch.all_sum([sum(len(s.token_ids) for s in samples), int(batch.lengths.sum())])
-            reward_sum = launch.all_sum([float(R.sum()), R.numel(), reward_errors, float((R >= 1).sum()),
-                                         float(signal.sum())])
+            n_train = launch.all_sum([int(batch.lengths.sum()), float(signal.sum()), signal.numel()])
+            metrics.update(ro.metrics)  # reward, solve_rate, reward_errors/timeouts, dropped_prompts, ds_*
             metrics.update(
-                reward=reward_sum[0] / reward_sum[1], solve_rate=reward_sum[3] / reward_sum[1],
-                reward_errors=reward_sum[2], rollout_tokens=n_tok[0], signal_frac=reward_sum[4] / reward_sum[1],
-                rollout_tok_s=n_tok[0] / max(phases["generate"], 1e-9),
-                train_tok_s=n_tok[1] / max(phases["train"], 1e-9),
-                response_len=n_tok[0] / reward_sum[1], elapsed_s=time.perf_counter() - start,
+                signal_frac=n_train[1] / n_train[2],
+                rollout_tok_s=ro.metrics["rollout_tokens"] / max(phases["generate"], 1e-9),
+                train_tok_s=n_train[0] / max(phases["train"], 1e-9), elapsed_s=time.perf_counter() - start,
                 **{f"time/{k}": v for k, v in phases.items()})
             metrics.update(phases.memory)  # mem/<phase>/*_gb after every phase: CUDA only
-            metrics.update(distribution_metrics(response_len=[len(s.token_ids) for s in samples], reward=scores))
+            metrics.update(distribution_metrics(response_len=[len(s.token_ids) for s in samples], reward=R))
             run.step(step, metrics)
             now = time.perf_counter()
             if step != cfg.train.steps and ((cfg.log.eval_every and step % cfg.log.eval_every == 0) or (
@@ -195,6 +190,7 @@ def train(cfg: Config) -> dict:
     if saver.unsaved:  # the last save failed: the newest checkpoint is older than the run's end
         summary.update(exit_code=1, checkpoint_error=saver.unsaved)
     run.close(summary)
+    scorer.close()
     rollout.close()
     return summary
 

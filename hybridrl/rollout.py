@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 from vllm import LLM, SamplingParams
@@ -27,6 +27,26 @@ class Sample:
     token_ids: list[int]  # completion tokens
     logprobs: list[float]  # vLLM's log-prob of each completion token (after temperature)
     finished: bool  # stopped on EOS / stop token rather than on the length limit
+    sample_idx: int = 0  # which of the prompt's n samples
+
+
+@dataclass
+class Generation:
+    """Queued requests; iterate for lists of finished Samples (see Rollout.generate)."""
+    llm: LLM
+    requests: dict[str, tuple[int, int]]  # request id -> (prompt index, sample index)
+    rejected: dict[int, str]  # prompt index -> why vLLM refused it
+
+    def __iter__(self) -> Iterator[list[Sample]]:
+        for outs in vllm_compat.step_finished(self.llm):
+            done = []
+            for out in outs:
+                i, j = self.requests.pop(out.request_id)
+                c = out.outputs[0]
+                ids = list(c.token_ids)
+                lps = [d[t].logprob for t, d in zip(ids, c.logprobs)]
+                done.append(Sample(i, ids, lps, c.finish_reason == "stop", j))
+            yield done
 
 
 class Rollout:
@@ -61,24 +81,40 @@ class Rollout:
         self.last_receipt: dict | None = None  # what the out-of-process receiver reported of the last hand-off
         self.asleep = False  # vLLM's memory is released (weights and KV cache)
         self.weights_lost = False  # a level-2 sleep discarded the weights: only a full hand-off brings them back
+        self._calls = 0  # generate() calls, for unique request ids
 
     # --- generation ---------------------------------------------------------------------------
     def _run(self, prompts: list[list[int]], params: SamplingParams):
         return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
     def generate(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
-                 max_tokens: int, seed: int | None = None) -> list[Sample]:
-        """n samples per prompt, with the sampled tokens' log-probs, in one call. A `seed` gives
-        these requests their own generator, leaving the engine's sampling stream as it was."""
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                logprobs=0, stop_token_ids=[self.eos], detokenize=False, seed=seed)
-        samples = []
-        for i, out in enumerate(self._run(prompts, params)):
-            for c in out.outputs:
-                ids = list(c.token_ids)
-                lps = [d[t].logprob for t, d in zip(ids, c.logprobs)]
-                samples.append(Sample(i, ids, lps, c.finish_reason == "stop"))
-        return samples
+                 max_tokens: int, seed: int | None = None) -> "Generation":
+        """n samples per prompt, with the sampled tokens' log-probs, streamed as they finish.
+
+        Requests are queued now; iterating the returned Generation steps vLLM's engine and
+        yields, after each engine step, the samples that finished in it, so a caller can score
+        them while the rest are still generating. Each sample is its own request (vLLM fans
+        n > 1 out into n requests the same way); the prefix cache shares the prompt's KV. A
+        prompt the engine rejects (longer than max_model_len, a token outside the vocabulary)
+        is left out, logged, and listed in `Generation.rejected`. A `seed` gives these requests
+        their own generators (seed, seed + 1, ...), leaving the engine's sampling stream as it was."""
+        params = SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                logprobs=0, stop_token_ids=[self.eos], detokenize=False)
+        self._calls += 1
+        gen = Generation(self.llm, {}, {})
+        for i, ids in enumerate(prompts):
+            try:
+                for j in range(n):
+                    rid = f"{self._calls}-{i}-{j}"
+                    own = params if seed is None else params.clone()
+                    if seed is not None:  # one request per sample: each needs its own seed
+                        own.seed = seed + i * n + j
+                    vllm_compat.add_request(self.llm, rid, ids, own)
+                    gen.requests[rid] = (i, j)
+            except vllm_compat.REJECTED as e:  # only the first sample can be refused: the rest are the same
+                gen.rejected[i] = str(e)
+                log.warning("vLLM rejected prompt %d of this batch (%d tokens), dropped: %s", i, len(ids), e)
+        return gen
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=[self.eos],

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import inspect
 from contextlib import contextmanager
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 import vllm
-from vllm import LLM
+from vllm import LLM, RequestOutput, SamplingParams
+from vllm.sampling_params import RequestOutputKind
 
 VERSION = vllm.__version__
 
@@ -116,6 +117,38 @@ def receive_weights(llm: LLM, address: str, digest: bool = False) -> dict:
     """Out of process: have the engine's worker read the weights from `address` (see ipc.py)
     and load them; returns the receiver's report (counts, and sha256 per tensor if `digest`)."""
     return llm.collective_rpc("hybridrl_receive_weights", kwargs={"address": address, "digest": digest})[0]
+
+
+def _rejections() -> tuple[type[BaseException], ...]:
+    """What `add_request` raises for a request the engine will not serve (a prompt longer than
+    max_model_len, a token id outside the vocabulary): ValueError, and vLLM >= 0.30's
+    VLLMValidationError, which is not a ValueError."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+        return (ValueError, TypeError, VLLMValidationError)
+    except ImportError:
+        return (ValueError, TypeError)
+
+
+REJECTED = _rejections()
+
+
+def add_request(llm: LLM, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    """Queue one request on the engine, final output only (what `LLM.generate` does per prompt).
+    Raises one of REJECTED if the engine will not serve it."""
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    prompt = {"prompt_token_ids": prompt_ids}
+    if hasattr(llm, "_preprocess_cmpl_one"):  # vLLM >= 0.30 renders prompts before the engine sees them
+        prompt = llm._preprocess_cmpl_one(prompt)
+    llm.llm_engine.add_request(request_id, prompt, params)
+
+
+def step_finished(llm: LLM) -> Iterator[list[RequestOutput]]:
+    """Step the engine until its queue is empty, yielding after every step the requests that
+    finished in it (often none), so the caller can act between steps."""
+    engine = llm.llm_engine
+    while engine.has_unfinished_requests():
+        yield [o for o in engine.step() if o.finished]
 
 
 def sleep_supported(on_cpu: bool) -> bool:

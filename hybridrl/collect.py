@@ -1,0 +1,151 @@
+"""Collect one training batch: generate, score each sample as it finishes, shape, filter.
+
+`Collector.batch(step, phases)` runs one or more generation rounds on this rank's share of the
+prompts. Every finished sample is decoded and handed to the reward Scorer while vLLM keeps
+generating the others (rewards.py: a slow verifier runs beside generation, not after it). Then:
+- DAPO overlong shaping (`algo.overlong_buffer`): a length penalty is added to each reward;
+- DAPO dynamic sampling (`algo.dynamic_sampling`): groups whose rewards are all equal are
+  dropped and more prompts are generated, up to `algo.dynamic_sampling_max_rounds` rounds,
+  until the ranks together hold `train.prompts_per_step` groups; every decision comes from
+  all-reduced counts, so all ranks run the same number of rounds;
+- DAPO overlong filtering (`algo.overlong_filter`): samples cut off at the length limit are
+  marked `masked` (no gradient).
+Prompts vLLM refuses are dropped and counted (`dropped_prompts`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from . import dapo, launch
+from .config import Config, UserError
+from .data import Prompt, Sampler
+from .progress import Phases
+from .rewards import Scorer
+from .rollout import Rollout, Sample
+
+log = logging.getLogger("hybridrl")
+
+
+@dataclass
+class Rollouts:
+    """This rank's training groups, group-major: sample j of group g is samples[g * n + j]."""
+    prompts: list[Prompt]  # [G]
+    samples: list[Sample]  # [G * n]
+    rewards: torch.Tensor  # [G, n] final rewards (overlong penalty included)
+    masked: torch.Tensor  # [G * n] bool: carries no gradient (overlong-filtered, or this rank's filler group)
+    metrics: dict[str, float]  # summed or averaged over all ranks
+
+
+@dataclass
+class _Group:
+    prompt: Prompt
+    samples: list[Sample]
+    raw: list[float]  # the reward functions' values
+    rewards: torch.Tensor  # [n] after shaping
+
+
+class Collector:
+    def __init__(self, cfg: Config, rollout: Rollout, scorer: Scorer, tokenizer, prompts: list[Prompt],
+                 sampler: Sampler, world):
+        self.cfg, self.rollout, self.scorer, self.tokenizer = cfg, rollout, scorer, tokenizer
+        self.prompts, self.sampler, self.world = prompts, sampler, world
+
+    def batch(self, step: int, phases: Phases) -> Rollouts:
+        cfg, a, world = self.cfg, self.cfg.algo, self.world
+        target, n = cfg.train.prompts_per_step, cfg.rollout.n
+        self.scorer.step = step
+        self.scorer.counts()  # start this step's error counts from zero (the held-out eval's are in the dead-letter file)
+        seen: list[list[_Group]] = []  # every round's scored groups
+        rejected = []
+
+        def rounds():  # each pull generates and scores one more round
+            while True:
+                groups, dropped = self._round(step, phases)
+                seen.append(groups)
+                rejected.append(dropped)
+                yield torch.stack([g.rewards for g in groups]) if groups else torch.zeros(0, n)
+
+        plan = dapo.fill(rounds(), target, a.dynamic_sampling_max_rounds, dynamic=a.dynamic_sampling,
+                         rank=world.rank, world_size=world.size, all_sum=launch.all_sum)
+        kept = [seen[r][g] for r, g in plan.kept]
+        every = [g for groups in seen for g in groups]
+        filler = not kept
+        if filler:  # this rank keeps one group with no gradient so it stays in the trainer's collectives
+            if not every:
+                raise UserError("vLLM rejected every prompt of this rank's batch; see the warnings above "
+                                "(prompts longer than rollout.max_model_len, or token ids outside the vocabulary)")
+            kept = every[:1]
+        samples = [s for g in kept for s in g.samples]
+        truncated = torch.tensor([not s.finished for s in samples])
+        masked = truncated if a.overlong_filter else torch.zeros(len(samples), dtype=torch.bool)
+        masked |= filler
+        return Rollouts([g.prompt for g in kept], samples, torch.stack([g.rewards for g in kept]), masked,
+                        self._metrics(every, [] if filler else kept, sum(rejected), plan))
+
+    def _round(self, step: int, phases: Phases) -> tuple[list[_Group], int]:
+        """Generate n samples for each of this rank's share of `prompts_per_step` new prompts and
+        score them; returns the scored groups and how many prompts vLLM rejected."""
+        cfg, w, n = self.cfg, self.world, self.cfg.rollout.n
+        index = self.sampler.next(cfg.train.prompts_per_step)[w.rank::w.size]  # dataset rows, this rank's share
+        batch = [self.prompts[i] for i in index]
+        pending: dict[int, list[Sample | None]] = {i: [None] * n for i in range(len(batch))}
+        with phases("generate"):  # vLLM is awake: the hand-off (or engine start) woke it
+            gen = self.rollout.generate([p.ids for p in batch], n, temperature=cfg.rollout.temperature,
+                                        top_p=cfg.rollout.top_p, max_tokens=cfg.rollout.max_new_tokens)
+            for i in gen.rejected:
+                del pending[i]
+            for finished in gen:
+                for s in finished:
+                    if s.prompt_idx not in pending:
+                        continue
+                    group = pending[s.prompt_idx]
+                    group[s.sample_idx] = s
+                    p, meta = batch[s.prompt_idx], {"prompt_index": index[s.prompt_idx]}
+                    if not self.scorer.batched:  # score it now, while the engine generates the rest
+                        self.scorer.submit((s.prompt_idx, s.sample_idx), p.text, [self._text(s)], p.answer,
+                                           {**meta, "sample": s.sample_idx})
+                    elif all(group):  # a batched reward takes the whole group at once
+                        self.scorer.submit((s.prompt_idx, None), p.text, [self._text(x) for x in group], p.answer, meta)
+                self.scorer.poll()
+        with phases("reward"):  # what the verifiers have not finished by the end of generation
+            scores = self.scorer.wait()
+        groups = []
+        for i, samples in pending.items():
+            raw = scores[(i, None)] if self.scorer.batched else [scores[(i, j)][0] for j in range(n)]
+            lengths = torch.tensor([len(s.token_ids) for s in samples])
+            shaped = torch.tensor(raw) + dapo.overlong_penalty(lengths, cfg.rollout.max_new_tokens,
+                                                               cfg.algo.overlong_buffer, cfg.algo.overlong_penalty)
+            groups.append(_Group(batch[i], samples, raw, shaped))
+        return groups, len(gen.rejected)
+
+    def _text(self, s: Sample) -> str:
+        return self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+
+    def _metrics(self, seen: list[_Group], kept: list[_Group], dropped: int, plan: dapo.Fill) -> dict:
+        """Over every sample generated this step (all rounds), summed over ranks."""
+        samples = [s for g in seen for s in g.samples]
+        shaped = torch.cat([g.rewards for g in seen]) if seen else torch.zeros(0)
+        raw = torch.tensor([r for g in seen for r in g.raw])
+        counts = self.scorer.counts()
+        terms = [k for k in counts if k.startswith("reward/")]
+        no_signal = sum(not bool(dapo.has_signal(g.rewards[None])) for g in seen)
+        lengths = [len(s.token_ids) for s in samples]
+        sums = launch.all_sum([len(samples), float(shaped.sum()), float((raw >= 1).sum()), sum(lengths),
+                               sum(not s.finished for s in samples), float((shaped - raw).sum()), dropped,
+                               counts["reward_errors"], counts["reward_timeouts"], len(kept), no_signal,
+                               *[counts[k] for k in terms]])
+        num = max(sums[0], 1)
+        out = dict(reward=sums[1] / num, solve_rate=sums[2] / num, rollout_tokens=sums[3], response_len=sums[3] / num,
+                   truncated_frac=sums[4] / num, dropped_prompts=sums[6], reward_errors=sums[7],
+                   reward_timeouts=sums[8])
+        out.update({k: v / num for k, v in zip(terms, sums[11:])})  # per-term means
+        if self.cfg.algo.overlong_buffer:
+            out["overlong_penalty"] = sums[5] / num
+        if self.cfg.algo.dynamic_sampling:
+            out.update(ds_rounds=plan.rounds, ds_groups_kept=sums[9], ds_groups_dropped=sums[10],
+                       ds_cap_hits=float(plan.cap_hit))
+        return out
