@@ -3,7 +3,7 @@
 Position t of a row holds token t; `loss_mask[b, t]` marks completion tokens, whose log-prob
 log p(tokens[b, t] | tokens[b, :t]) the trainer computes. Rows are right-padded, so position
 ids are 0..len-1 in both engines. `Batch.packed()` lays the rows end to end without padding
-(the trainer's default, `train.packing`).
+(`train.packing`: on by default with flash-attention).
 """
 
 from __future__ import annotations

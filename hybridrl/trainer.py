@@ -146,9 +146,10 @@ class Trainer:
                               "algo.tis_cap and algo.entropy_coef to 0, or use train.kernels=auto")
         # Liger's loss takes [B, T, d] rows and aggregates per row; remote-code models may build
         # their own masks, blind to packing
-        self.packing = (cfg.train.packing and provider != "liger" and attn_implementation in PACKABLE_ATTENTION
+        want = cfg.train.packing == "on" or (cfg.train.packing == "auto" and attn_implementation.startswith("flash_"))
+        self.packing = (want and provider != "liger" and attn_implementation in PACKABLE_ATTENTION
                         and type(hf).__module__.startswith("transformers."))
-        if cfg.train.packing and not self.packing:
+        if cfg.train.packing == "on" and not self.packing:
             log.info("train.packing: not with kernels=%s / attention %s / %s; using padded rows",
                      provider, attn_implementation, type(hf).__name__)
         module = _TokenLogprobs(hf, provider, cfg.train.logprob_chunk, cfg.rollout.max_new_tokens)

@@ -24,9 +24,10 @@ def test_packing_matches_padding_with_real_engines(tmp_path):
                           "test": datasets.Dataset.from_list(arithmetic.load("heldout")[:EVAL_SIZE])}
                          ).save_to_disk(tmp_path / "ds")
     runs = {}
-    for packing in ("--train.packing", "--train.no_packing"):
+    for packing in ("on", "off"):
         out, steps, summary = train_cli(
-            tmp_path / packing, packing, "--data", str(tmp_path / "ds"), "--data.heldout_path", str(tmp_path / "ds"),
+            tmp_path / packing, "--train.packing", packing, "--data", str(tmp_path / "ds"),
+            "--data.heldout_path", str(tmp_path / "ds"),
             "--data.on_error", "skip", "--train.max_tokens_per_micro_batch", "40", "--algo.tis_cap", "2",
             "--algo.tis_level", "sequence", "--log.eval_n", str(EVAL_N), "--log.eval_temperature", "1.0")
         skipped = ("skipped 1 of 2245 malformed rows (data.on_error=skip); the first: "
@@ -48,6 +49,6 @@ def test_packing_matches_padding_with_real_engines(tmp_path):
             assert 0.0 <= s["tis/clip_frac"] <= 1.0 and s["tis/ratio_max"] >= s["tis/ratio_mean"] > 0.0
             assert s["logp_gap_max"] >= s["logp_gap_mean"] >= 0.0
         runs[packing] = steps
-    packed, padded = runs["--train.packing"][0], runs["--train.no_packing"][0]
+    packed, padded = runs["on"][0], runs["off"][0]
     assert abs(packed["loss"] - padded["loss"]) <= 1e-5 and padded["loss"] != 0.0, (packed["loss"], padded["loss"])
     assert abs(packed["tis/ratio_mean"] - padded["tis/ratio_mean"]) <= 1e-5
