@@ -10,6 +10,7 @@ satellite: it calls `load_into_worker` and nothing else of vLLM's.
 from __future__ import annotations
 
 import inspect
+import logging
 from contextlib import contextmanager
 from typing import Iterable, Iterator
 
@@ -95,6 +96,11 @@ def _worker(llm: LLM):
 def load_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy checkpoint-format (HF-named) tensors into the in-process engine's model, in place."""
     load_into_worker(_worker(llm), named_tensors)
+
+
+# Every reload warns "RotaryEmbedding: Failed to load weights": the rotary cos/sin cache is a buffer
+# no checkpoint holds, and vLLM restores it from its own copy, which is right; the warning is noise.
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
 
 
 def load_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
