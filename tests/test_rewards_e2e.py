@@ -72,23 +72,31 @@ DROP_SCRIPT = textwrap.dedent('''
     from transformers import AutoTokenizer
 
     world = launch.init_distributed()
-    cfg, path = resolve(apply(Config(), {"train.prompts_per_step": 4, "rollout.n": 2}), True)
+    cfg, path = resolve(apply(Config(), {"train.prompts_per_step": 4, "rollout.n": 8}), True)
     tok = AutoTokenizer.from_pretrained(path)
     ok = [Prompt(t, tok(t)["input_ids"], str(eval(t[:-1]))) for t in ("1+2=", "3+4=")]
     too_long = Prompt("long", [5] * (cfg.rollout.max_model_len + 6), "0")  # past max_model_len
     bad_token = Prompt("bad", [5, len(tok) + 1000], "0")  # outside the vocabulary
     rollout = Rollout(cfg, path, on_cpu=True, eos_token_id=tok.eos_token_id, rank=0)
-    ro = Collector(cfg, rollout, Scorer(cfg.reward), tok, ok + [too_long, bad_token], Sampler(4, 0), world).batch(1, Phases())
+    scorer = Scorer(cfg.reward)
+    while_generating = []  # at each submit: were other requests still in the engine?
+    submit = scorer.submit
+    scorer.submit = lambda *a: (while_generating.append(rollout.llm.llm_engine.has_unfinished_requests()), submit(*a))
+    ro = Collector(cfg, rollout, scorer, tok, ok + [too_long, bad_token], Sampler(4, 0), world).batch(1, Phases())
     print("RESULT", json.dumps({"prompts": sorted(p.text for p in ro.prompts), "samples": len(ro.samples),
-                                "shape": list(ro.rewards.shape), "dropped": ro.metrics["dropped_prompts"]}))
+                                "shape": list(ro.rewards.shape), "dropped": ro.metrics["dropped_prompts"],
+                                "submits": len(while_generating), "early": any(while_generating)}))
 ''')
 
 
-def test_prompt_vllm_rejects_is_dropped_and_counted(tmp_path):
+def test_prompt_vllm_rejects_is_dropped_and_counted_and_samples_scored_as_they_finish(tmp_path):
     script = tmp_path / "drop.py"
     script.write_text(DROP_SCRIPT)
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    assert json.loads(line[7:]) == {"prompts": ["1+2=", "3+4="], "samples": 4, "shape": [2, 2], "dropped": 2}
+    # 2 of 4 prompts served, 8 samples each; every sample scored on its own, and some of them while
+    # the engine still had others to generate (the scorer does not wait for the batch)
+    assert json.loads(line[7:]) == {"prompts": ["1+2=", "3+4="], "samples": 16, "shape": [2, 8], "dropped": 2,
+                                    "submits": 16, "early": True}
     assert "vLLM rejected prompt" in out.stderr + out.stdout and "out of vocabulary" in out.stderr + out.stdout
