@@ -83,7 +83,8 @@ class Watchdog:
             self._store.set(_KEY.format(self.rank), f"{self.n} {step} {phase}")
         if self.at - self._armed_at > self.seconds / 10:  # re-arming starts a thread: not on every phase
             # armed at most seconds/10 before this report, so it fires >= 60 s after the watchdog would
-            faulthandler.dump_traceback_later(self.seconds * 1.1 + 60, exit=True)
+            if (err := _real_stderr()) is not None:
+                faulthandler.dump_traceback_later(self.seconds * 1.1 + 60, exit=True, file=err)
             self._armed_at = self.at
 
     def _watch(self) -> None:
@@ -115,9 +116,9 @@ class Watchdog:
             return mine + f"; ranks {sorted(set(range(self.size)) - set(seen))} never reported (dead?)."
         behind = min(n for n, _, _ in seen.values())
         stuck = sorted(r for r, (n, _, _) in seen.items() if n == behind)
-        if len(stuck) == self.size:
-            return mine + "; every rank stopped at the same point (a collective, the filesystem or the " \
-                          "device is stuck)."
+        if len(stuck) == self.size:  # progress is counted per phase: a stall inside one looks like this too
+            return mine + "; every rank stopped in the same phase (one rank stalled inside it, or a collective, " \
+                          "the filesystem or the device is stuck: the stacks below show which waits where)."
         where = ", ".join(f"rank {r} stalled in phase '{seen[r][2]}' of step {seen[r][1]}" for r in stuck)
         who = "this rank is the one furthest behind" if self.rank in stuck else "the others wait for it in a collective"
         return f"{mine}. Cause: {where} ({who})."
@@ -134,8 +135,21 @@ class Watchdog:
             pass
         text += " Continue from the last checkpoint with: hybridrl train --resume auto (same --log.run_dir)."
         print(text, file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if (err := _real_stderr()) is not None:
+            faulthandler.dump_traceback(file=err, all_threads=True)
         os._exit(WATCHDOG_EXIT)
+
+
+def _real_stderr():
+    """The process's own stderr for faulthandler, which needs a file descriptor; in a Jupyter
+    kernel sys.stderr is a stream without one (the kernel keeps the original as sys.__stderr__)."""
+    for stream in (sys.stderr, sys.__stderr__):
+        try:
+            stream.fileno()
+            return stream
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError
+            continue
+    return None
 
 
 # --- test-only fault injection --------------------------------------------------------------------
