@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import os
 import pickle
+import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -160,10 +160,7 @@ class BucketSender:
     def close(self) -> None:
         self.pool.shutdown(wait=False)
         self.ctx.destroy(linger=0)
-        try:
-            os.rmdir(self.dir)
-        except OSError:
-            pass
+        shutil.rmtree(self.dir, ignore_errors=True)  # the sockets' files
 
 
 class BucketReceiver:

@@ -268,15 +268,25 @@ def test_bucketed_shared_memory_hand_off_is_bitwise():
 
 
 # --- DeepSpeed's offload and reload of the training states ------------------------------------
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """torch.distributed in this process, its variables undone afterwards: a later subprocess
+    that inherited MASTER_PORT would take itself for a launched rank and fail to bind it. The
+    group itself stays (DeepSpeed keeps references to it)."""
+    from hybridrl import launch
+    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(launch._free_port())).items():
+        monkeypatch.setenv(key, value)
+    launch.init_distributed()
+
+
 @pytest.mark.parametrize("zero", [2, 3])
-def test_offload_reload_keeps_training_bitwise(zero):
+def test_offload_reload_keeps_training_bitwise(zero, world_of_one):
     """The trainer verbs' DeepSpeed calls (offload_states with optimizer states, fp32 master,
     gradients and parameters; reload_states) run here from CPU to CPU: training continues
     bit for bit as without them. On a GPU the same calls move the states to pinned host memory."""
-    from hybridrl import launch
     from hybridrl.batch import Batch
     from hybridrl.trainer import Trainer
-    launch.init_distributed()
 
     def train(offload):
         torch.manual_seed(0)
