@@ -27,7 +27,7 @@ from . import algo
 from .batch import Batch, micro_batches, per_token
 from .config import Config, UserError
 from .launch import all_max, all_sum
-from .trainer import ds_config, replay_cpu_adam_steps
+from .trainer import ds_config, load_engine_checkpoint
 
 TAG = "critic"  # its DeepSpeed checkpoint's directory inside a hybridrl checkpoint
 
@@ -127,12 +127,7 @@ class Critic:
             raise UserError(f"{path} holds no critic (it was saved without algo.advantage=gae); resume it with "
                             "the run's own algo.advantage, or start a new run")
         self.reload()
-        _, client = self.engine.load_checkpoint(path, tag=TAG, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
-        if client is None:
-            raise RuntimeError(f"DeepSpeed found no checkpoint '{TAG}' in {path}")
-        if self.device.type == "cpu":
-            replay_cpu_adam_steps(self.engine)
+        load_engine_checkpoint(self.engine, path, TAG, self.device)
         self.offload()
 
     # --- memory ------------------------------------------------------------------------------

@@ -112,6 +112,16 @@ def ds_config(cfg: Config, bf16: bool) -> dict:
     return conf
 
 
+def load_engine_checkpoint(engine, path: str, tag: str, device: torch.device) -> None:
+    """Params, optimizer and LR schedule of a DeepSpeed engine as saved (any ZeRO stage); on CPU
+    with the Adam step product rebuilt (below). The policy and the critic both load this way."""
+    _, client = engine.load_checkpoint(path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    if client is None:
+        raise RuntimeError(f"DeepSpeed found no checkpoint '{tag}' in {path}")
+    if device.type == "cpu":
+        replay_cpu_adam_steps(engine)
+
+
 def replay_cpu_adam_steps(engine) -> None:
     """DeepSpeed's CPU FusedAdam keeps beta^t as a running float product inside its C++ op
     (IncrementStep in csrc/includes/cpu_adam.h), outside any state_dict. A fresh process
@@ -271,12 +281,7 @@ class Trainer:
     # --- checkpoints ----------------------------------------------------------------------------
     def load_checkpoint(self, path: str, tag: str) -> None:
         """Params, optimizer and LR schedule as DeepSpeed saved them (any ZeRO stage)."""
-        _, client = self.engine.load_checkpoint(path, tag=tag, load_optimizer_states=True,
-                                                load_lr_scheduler_states=True)
-        if client is None:
-            raise RuntimeError(f"DeepSpeed found no checkpoint '{tag}' in {path}")
-        if self.device.type == "cpu":
-            replay_cpu_adam_steps(self.engine)
+        load_engine_checkpoint(self.engine, path, tag, self.device)
 
     # --- hand-off and memory ------------------------------------------------------------------
     def named_parameters_for_sync(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
