@@ -190,12 +190,16 @@ def test_a_stalled_rank_is_named_and_the_run_stops(tmp_path):
     assert sorted(_steps(_records(run))) == [1, 2]
 
 
-def test_malformed_rows_name_the_row():
-    """Rows that are not objects, or whose prompt is not text, stop the run at load with the row."""
+def test_malformed_rows_name_the_row(tmp_path):
+    """Rows that are not objects, or whose prompt is not text, stop the run at load with file:line
+    (every format's locations: tests/test_data.py)."""
     cfg = config.DataConfig()
-    for rows, msg in [([{"prompt": "1+1="}, ["1+1="]], "x row 2: expected an object with a 'prompt' field, got list"),
-                      ([{"prompt": None}], "x row 1: 'prompt' must be non-empty text, got None"),
-                      ([{"prompt": 12}], "x row 1: 'prompt' must be non-empty text, got 12")]:
+    for lines, msg in [(['{"prompt": "1+1=", "answer": "2"}', '["1+1="]'],
+                        "x.jsonl:2: expected an object with a 'prompt' field, got list"),
+                       (['{"prompt": null, "answer": "2"}'], "x.jsonl:1: 'prompt' must be a non-empty string, got None"),
+                       (['{"prompt": 12, "answer": "2"}'], "x.jsonl:1: 'prompt' must be a non-empty string, got 12")]:
+        (tmp_path / "x.jsonl").write_text("\n".join(lines) + "\n")
+        rows = data.read_rows(str(tmp_path / "x.jsonl"))
         with pytest.raises(data.DataError, match=msg.replace("(", r"\(").replace(")", r"\)")):
             data.encode(rows, lambda text: {"input_ids": [1]}, cfg, "x")
 
