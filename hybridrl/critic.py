@@ -24,10 +24,10 @@ import torch.distributed as dist
 from torch import nn
 
 from . import algo
-from .batch import Batch, micro_batches, per_token
+from .batch import Batch, per_token
 from .config import Config, UserError
-from .launch import all_max, all_sum
-from .trainer import ds_config, load_engine_checkpoint
+from .launch import all_sum
+from .trainer import ds_config, load_engine_checkpoint, plan_micro_batches
 
 TAG = "critic"  # its DeepSpeed checkpoint's directory inside a hybridrl checkpoint
 
@@ -64,10 +64,7 @@ class Critic:
         self.offload()
 
     def _plan(self, rows: Batch | None) -> list[torch.Tensor | None]:
-        """Micro-batches padded with None up to the largest count on any rank (ZeRO-3 gathers
-        parameters collectively in every forward), as the trainer's."""
-        groups = micro_batches(rows.lengths, self.cfg.train.max_tokens_per_micro_batch) if rows else []
-        return groups + [None] * (int(all_max(len(groups))) - len(groups))
+        return plan_micro_batches(rows, self.cfg.train.max_tokens_per_micro_batch)  # padded rows
 
     def _forward(self, mb: Batch) -> torch.Tensor:
         return self.engine(mb.tokens, mb.attention_mask(), mb.loss_mask)

@@ -112,6 +112,14 @@ def ds_config(cfg: Config, bf16: bool) -> dict:
     return conf
 
 
+def plan_micro_batches(rows: Batch | None, max_tokens: int, packed: bool = False) -> list[torch.Tensor | None]:
+    """Micro-batches of `rows`, padded with None (a zero-weight dummy) up to the largest count on
+    any rank: under ZeRO-3 every forward gathers parameters collectively, so ranks with different
+    counts would hang. The policy and the critic both plan this way."""
+    groups = micro_batches(rows.lengths, max_tokens, packed) if rows else []
+    return groups + [None] * (int(all_max(len(groups))) - len(groups))
+
+
 def load_engine_checkpoint(engine, path: str, tag: str, device: torch.device) -> None:
     """Params, optimizer and LR schedule of a DeepSpeed engine as saved (any ZeRO stage); on CPU
     with the Adam step product rebuilt (below). The policy and the critic both load this way."""
@@ -180,11 +188,7 @@ class Trainer:
         return self.engine(mb.tokens, mb.attention_mask(), mb.loss_mask, temperature, loss)
 
     def _plan(self, rows: Batch | None) -> list[torch.Tensor | None]:
-        """Micro-batches of `rows`, padded with None (a zero-weight dummy) up to the largest
-        count on any rank: under ZeRO-3 every forward gathers parameters collectively, so ranks
-        with different counts would hang."""
-        groups = micro_batches(rows.lengths, self.cfg.train.max_tokens_per_micro_batch, self.packing) if rows else []
-        return groups + [None] * (int(all_max(len(groups))) - len(groups))
+        return plan_micro_batches(rows, self.cfg.train.max_tokens_per_micro_batch, self.packing)
 
     @torch.no_grad()
     def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
