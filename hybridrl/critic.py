@@ -27,7 +27,7 @@ from . import algo
 from .batch import Batch, per_token
 from .config import Config, UserError
 from .launch import all_sum
-from .trainer import ds_config, load_engine_checkpoint, plan_micro_batches
+from .trainer import ds_config, load_engine_checkpoint, offload_engine_states, plan_micro_batches, reload_engine_states
 
 TAG = "critic"  # its DeepSpeed checkpoint's directory inside a hybridrl checkpoint
 
@@ -131,8 +131,8 @@ class Critic:
     def offload(self) -> None:
         """Parameters and optimizer states to CPU between its phases (GPU only)."""
         if self.device.type == "cuda":
-            self.engine.optimizer.offload_states(device="cpu", pin_memory=True, non_blocking=True)
+            offload_engine_states(self.engine)  # all of it: the critic takes no part in the hand-off
 
     def reload(self) -> None:
         if self.device.type == "cuda":
-            self.engine.reload_states()
+            reload_engine_states(self.engine)

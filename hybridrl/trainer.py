@@ -120,6 +120,23 @@ def plan_micro_batches(rows: Batch | None, max_tokens: int, packed: bool = False
     return groups + [None] * (int(all_max(len(groups))) - len(groups))
 
 
+def offload_engine_states(engine, include: list[str] | None = None) -> None:
+    """DeepSpeed's offload_states to host memory (pinned on CUDA): `include` names OffloadStateTypeEnum
+    members (optim_states, hp_params, lp_params, lp_grads, contiguous_grad_buffer; None = all).
+    Both ZeRO optimizers read `device.value`, so the device must be the enum, not "cpu". The
+    policy and the critic both offload this way."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+
+    states = None if include is None else [OffloadStateTypeEnum(s) for s in include]
+    engine.offload_states(include=states, device=OffloadDeviceEnum.cpu, pin_memory=torch.cuda.is_available(),
+                          non_blocking=False)
+
+
+def reload_engine_states(engine) -> None:
+    if engine.optimizer.offloaded_states:
+        engine.reload_states(non_blocking=False)
+
+
 def load_engine_checkpoint(engine, path: str, tag: str, device: torch.device) -> None:
     """Params, optimizer and LR schedule of a DeepSpeed engine as saved (any ZeRO stage); on CPU
     with the Adam step product rebuilt (below). The policy and the critic both load this way."""
@@ -319,12 +336,8 @@ class Trainer:
             self._reload_states()
 
     def _offload_states(self, params: bool) -> None:
-        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum as S
-
-        include = [S.optim_states, S.hp_params, S.lp_grads] + ([S.contiguous_grad_buffer] if self.zero3 else [])
-        self.engine.offload_states(include=include + ([S.lp_params] if params else []), device=OffloadDeviceEnum.cpu,
-                                   pin_memory=self.device.type == "cuda", non_blocking=False)
+        include = ["optim_states", "hp_params", "lp_grads"] + (["contiguous_grad_buffer"] if self.zero3 else [])
+        offload_engine_states(self.engine, include + (["lp_params"] if params else []))
 
     def _reload_states(self) -> None:
-        if self.engine.optimizer.offloaded_states:
-            self.engine.reload_states(non_blocking=False)
+        reload_engine_states(self.engine)

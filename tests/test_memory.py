@@ -336,3 +336,19 @@ def test_engine_env_per_mode(monkeypatch):
     assert "distributed_executor_backend" not in kw
     kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, sleep_mode=False)
     assert kw["distributed_executor_backend"] == "external_launcher" and not kw["enable_sleep_mode"]
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_critic_offload_reaches_deepspeed(zero, world_of_one):
+    """The critic's offload and reload go through DeepSpeed's offload_states with the device as
+    OffloadDeviceEnum (a "cpu" string fails in both ZeRO optimizers with 'str' object has no
+    attribute 'value'): every state leaves, then comes back, CPU to CPU here."""
+    from hybridrl.critic import Critic
+    from hybridrl.trainer import offload_engine_states, reload_engine_states
+
+    cfg = config.load(None, {"train.zero_stage": zero, "algo.advantage": "gae"})
+    critic = Critic(cfg, DEMO, device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
+    offload_engine_states(critic.engine)  # what Critic.offload calls on a GPU
+    assert {s.value for s in critic.engine.optimizer.offloaded_states} >= {"optim_states", "hp_params", "lp_params"}
+    reload_engine_states(critic.engine)
+    assert not critic.engine.optimizer.offloaded_states
