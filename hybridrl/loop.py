@@ -65,7 +65,8 @@ def train(cfg: Config) -> dict:
     rollout = Rollout(cfg, model_path, on_cpu=on_cpu, eos_token_id=tokenizer.eos_token_id, rank=world.rank,
                       local_rank=world.local_rank)
     probe = sync.Probe([p.ids + tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                        for p in (heldout or prompts)[:8]], cfg.train.probe_tol, cfg.train.probe_action)
+                        for p in (heldout or prompts)[:8]],
+                      cfg.train.probe_tol or sync.PROBE_TOL[cfg.model.dtype], cfg.train.probe_action)
     mine = slice(world.rank, None, world.size)  # this rank's share of every global list
     collector = Collector(cfg, rollout, scorer, tokenizer, prompts, sampler, world)
 

