@@ -90,12 +90,13 @@ CLAIMS: dict[str, tuple[int, list[tuple[str, str]]]] = {
         ("0.5B: hybrid overhead (sleep+wake+offload+reload+hand-off) % of step", "<= 3%"),
         ("0.5B: memory timeline (device used after each phase)", "reported"),
         ("hand-off, in process: demo / 0.5B (s, bytes)", "reported"),
-        ("post-hand-off probe gap, bf16 (max abs dlogp)", "<= 2e-2"),
+        ("post-hand-off probe gap: demo fp32 max / 0.5B bf16 mean (abs dlogp)", "<= 1e-4 / <= 2e-2"),
         ("0.5B, sleep level 2 vs 1: step and overhead", "reported"),
         ("flash-attention varlen packing", "packed loss == padded"),
     ]),
     "oop": (420, [("hand-off, out of process (CUDA IPC buckets): demo / 0.5B (s)", "completes, probe passes")]),
     "critic": (300, [("PPO with a critic (gae) + checkpoints on GPU", "completes")]),
+    "variants": (420, [("0.5B: the planner's choices vs the previous plan, side by side", "reported")]),
 }
 
 
@@ -268,7 +269,8 @@ def check_kernels(cuda: bool) -> None:
 
     def reference():
         hf.grad = wf.grad = None
-        loss = ppo_loss(*logprob_entropy_reference(hf, wf, y), old, adv, mask, **loss_kw)[0]
+        logp, ent = logprob_entropy_reference(hf, wf, y)
+        loss = ppo_loss(logp, old, adv, mask, entropy=ent, **loss_kw)[0]
         loss.backward()
         return float(loss), hf.grad.clone(), wf.grad.clone()
 
@@ -322,6 +324,10 @@ def check_offload(cuda: bool) -> None:
         plain = [step(t) for _ in range(3)]
         del t
         torch.cuda.empty_cache()
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
+        baseline = torch.cuda.memory_allocated()  # engines of earlier configs DeepSpeed still references
         t = trainer()
         losses, figs = [step(t)], {}
         for params in (False, True):
@@ -331,7 +337,7 @@ def check_offload(cuda: bool) -> None:
             t_on = _timed(t.reload)
             after_on = torch.cuda.memory_allocated()
             figs[params] = dict(out_gib=(before - after_off) / GIB, back_gib=(after_on - after_off) / GIB,
-                                offload_s=t_off, reload_s=t_on, resident_gib=after_off / GIB)
+                                offload_s=t_off, reload_s=t_on, resident_gib=(after_off - baseline) / GIB)
             losses.append(step(t))
         del t
         torch.cuda.empty_cache()
@@ -453,7 +459,9 @@ def check_planner(cuda: bool) -> None:
 
 def _train(args: list[str], timeout: int, env: dict | None = None) -> dict:
     """One `hybridrl train` run; its steps, summary and the tail of its output."""
-    run_dir = Path(tempfile.mkdtemp(prefix="gpu-check-"))
+    from hybridrl.env import cache_dir
+    (cache_dir() / "runs").mkdir(parents=True, exist_ok=True)  # not /tmp: 0.5B checkpoints are ~6 GB each
+    run_dir = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=cache_dir() / "runs"))
     cmd = [sys.executable, "-m", "hybridrl", "train", "--log.run_dir", str(run_dir), "--log.no_progress", *args]
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(BENCH), os.environ.get("PYTHONPATH", "")]),
                **(env or {})}
@@ -468,7 +476,11 @@ def _train(args: list[str], timeout: int, env: dict | None = None) -> dict:
     steps = [r for r in recs if "reward" in r]
     summary = next((r["summary"] for r in recs if "summary" in r), {})
     plan = next((x for x in text.splitlines() if x.startswith("memory plan:")), "")
+    ckpts = sorted(p.name for p in (run_dir / "checkpoints").glob("step-*"))
+    import shutil
+    shutil.rmtree(run_dir, ignore_errors=True)
     return {"rc": rc, "steps": steps, "summary": summary, "wall_s": time.perf_counter() - t, "plan": plan,
+            "checkpoints": ckpts,
             "tail": text[-3000:], "cmd": " ".join(cmd)}
 
 
@@ -495,8 +507,8 @@ def _phases(steps: list[dict], skip: int = 1) -> dict[str, float]:
 
 def _failed(r: dict) -> str | None:
     if r["rc"] != 0 or not r["steps"]:
-        last = [x for x in r["tail"].splitlines() if x.strip()][-3:]
-        return f"exit {r['rc']}: " + " | ".join(last)[-400:]
+        last = [x for x in r["tail"].splitlines() if x.strip() and "Warning" not in x][-4:]
+        return f"exit {r['rc']}: " + " | ".join(last)[-700:]
     return None
 
 
@@ -521,7 +533,7 @@ def check_e2e(cuda: bool) -> None:
         row(claims[1], f"{step * 1e3:.0f} ms/step: " + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in
                                                                   sorted(ph.items(), key=lambda kv: -kv[1])),
             "reported", "info", phases=ph)
-        gaps["demo"] = max(x.get("probe_gap", 0) for x in r["steps"])
+        gaps["demo fp32 max"] = max(x.get("probe_gap", 0) for x in r["steps"])
         demo_sync = ph.get("sync", float("nan"))
 
     # 0.5B, 20 steps, real-length completions, sleep level 1 (the default)
@@ -545,15 +557,15 @@ def check_e2e(cuda: bool) -> None:
                              "probe") if p in mem]
         row(claims[4], " -> ".join(f"{p} {mem[p]:.1f}" for p in order) + " GiB; " + r1["plan"][len("memory plan: "):],
             "reported", "info", device_used_gb=mem, peaks={k: v for k, v in last.items() if k.endswith("peak_gb")})
-        gaps["0.5B"] = max(x.get("probe_gap", 0) for x in r1["steps"])
+        gaps["0.5B bf16 mean"] = max(x.get("probe_gap_mean", 0) for x in r1["steps"])
+        gaps["0.5B bf16 max"] = max(x.get("probe_gap", 0) for x in r1["steps"])
         n_bytes = 494032768 * 2
         row(claims[5], f"demo {demo_sync * 1e3:.1f} ms; 0.5B {ph.get('sync', 0) * 1e3:.0f} ms for "
-            f"{n_bytes / GIB:.2f} GiB ({n_bytes / GIB / max(ph.get('sync', 1e-9), 1e-9):.0f} GiB/s)" if gaps.get("demo")
-            is not None else f"0.5B {ph.get('sync', 0) * 1e3:.0f} ms", "reported", "info")
+            f"{n_bytes / GIB:.2f} GiB ({n_bytes / GIB / max(ph.get('sync', 1e-9), 1e-9):.0f} GiB/s)" if "demo fp32 max"
+            in gaps else f"0.5B {ph.get('sync', 0) * 1e3:.0f} ms", "reported", "info")
     if gaps:
-        worst = max(gaps.values())
-        row(claims[6], ", ".join(f"{k} {v:.3g}" for k, v in gaps.items()), "<= 2e-2", verdict(worst <= 2e-2),
-            **gaps)
+        ok = gaps.get("demo fp32 max", 0) <= 1e-4 and gaps.get("0.5B bf16 mean", 0) <= 2e-2
+        row(claims[6], ", ".join(f"{k} {v:.3g}" for k, v in gaps.items()), "<= 1e-4 / <= 2e-2", verdict(ok), **gaps)
 
     # sleep level 2: every hand-off a full one, nothing copied to the host at sleep
     r2 = _train(half_b + ["--steps", "8", "--rollout.sleep_level", "2"], 150)
@@ -600,14 +612,40 @@ def check_critic(cuda: bool) -> None:
     r = _train(["--steps", "4", "--algo.advantage", "gae", "--ckpt.every", "2", "--train.probe_action", "warn",
                 "--train.max_minutes", "0"], 300)
     err = _failed(r)
-    ckpts = sorted(p.name for p in Path(r["summary"].get("run_dir", "/nonexistent"), "checkpoints").glob("step-*"))
+    ckpts = r["checkpoints"]
     row(CLAIMS["critic"][1][0][0], err or f"{len(r['steps'])} steps, checkpoints {ckpts}", "completes",
         verdict(not err and len(r["steps"]) == 4 and bool(ckpts)), tail=r["tail"] if err else "")
 
 
+def check_variants(cuda: bool) -> None:
+    """What the hybrid overhead is made of: a KV cache of the whole free device vs one sized to the
+    step's sequences, vLLM sleeping or not, the trainer offloading or not."""
+    half_b = _half_b_args(half_b_model()) + ["--steps", "10"]
+    runs = {
+        "0.5B, this plan (KV for the step, states kept, level 2)": half_b,
+        "0.5B, the previous plan (KV = whole free device, states offloaded, level 1)": half_b + [
+            "--rollout.gpu_memory_utilization", "0.9", "--train.offload_states", "on", "--rollout.sleep_level", "1"],
+    }
+    out = []
+    for name, args in runs.items():
+        r = _train(args, 150)
+        err = _failed(r)
+        if err:
+            out.append(f"{name}: {err}")
+            continue
+        ph = _phases(r["steps"], 2)
+        step = sum(ph.values())
+        over = sum(ph.get(k, 0) for k in HYBRID)
+        s = r["summary"]
+        out.append(f"{name}: {step * 1e3:.0f} ms/step, overhead {over / step:.1%} (" + ", ".join(
+            f"{k} {ph.get(k, 0) * 1e3:.0f}" for k in HYBRID) + f" ms); held-out {s.get('heldout_acc_before')} -> "
+            f"{s.get('heldout_acc_after')}")
+        row(f"variant {name}", out[-1], "reported", "info", phases=ph)
+
+
 CHECKS = {"stack": check_stack, "expandable": check_expandable, "kernels": check_kernels, "offload": check_offload,
           "sleep": check_sleep, "planner": check_planner, "e2e": check_e2e, "oop": check_oop,
-          "critic": check_critic}
+          "critic": check_critic, "variants": check_variants}
 
 
 # --- the driver ------------------------------------------------------------------------------------

@@ -33,7 +33,8 @@ def _phase(phases, name: str):
 def hand_off(trainer, rollout, phases, *, cfg: Config, cuda: bool, critic=None) -> None:
     """Trainer -> vLLM, leaving vLLM awake and ready to generate."""
     with _phase(phases, "offload"):
-        trainer.offload()  # optimizer states, fp32 master weights, gradients
+        if cfg.train.offload_states != "off":  # plan_rollout decided (on GPU with the planner)
+            trainer.offload()  # optimizer states, fp32 master weights, gradients
         if critic is not None:  # the value model (algo.advantage=gae): all of it, it takes no part in the hand-off
             critic.offload()
     with memory.vllm_pool(cuda):
@@ -66,20 +67,36 @@ def check(cfg: Config, cuda: bool) -> None:
         memory.check_alloc_conf(os.environ, cfg, can_toggle=memory.can_toggle())
 
 
-def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None) -> Config:
-    """Offload the trainer (vLLM is built beside an offloaded trainer, as it will run), and with
-    rollout.gpu_memory_utilization=auto size vLLM from what is then free; prints the plan."""
-    trainer.offload()
+def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, world_size: int = 1) -> Config:
+    """Size vLLM before it is built, as it will run, and decide where the trainer's states live
+    while it generates. With rollout.gpu_memory_utilization=auto (GPU): measure the device with
+    the trainer's states on it and offloaded, plan (memory.plan: weights, a KV cache for the
+    step's sequences, activations), keep the states on the device if they fit beside vLLM, print
+    the plan. Returns the config with the decisions filled in (a utilization, rollout.kv_cache_mb,
+    train.offload_states on/off). The critic always leaves: it takes no part in generating."""
     if critic is not None:
         critic.offload()
-    if not cuda or cfg.rollout.gpu_memory_utilization != "auto":
-        return cfg
-    if cfg.rollout.sleep_level == 0:  # vLLM would keep the planned memory while the trainer reloads
+    t, r = cfg.train, cfg.rollout
+    if not cuda or r.gpu_memory_utilization != "auto":  # the user sized vLLM (or CPU: rollout.kv_cache_mb)
+        offload = "off" if t.offload_states == "off" else "on"
+        if offload == "on":
+            trainer.offload()
+        return replace(cfg, train=replace(t, offload_states=offload))
+    if r.sleep_level == 0:  # vLLM would keep the planned memory while the trainer reloads
         raise ConfigError("rollout.gpu_memory_utilization=auto plans for vLLM sleeping while the trainer trains; with "
                           "rollout.sleep_level=0 set a fraction that leaves room for the trainer")
-    weights = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in trainer.hf.parameters())
-    plan = memory.plan_from_device(cfg, weights)
+    hf = trainer.hf
+    weights = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in hf.parameters())
+    need = (r.kv_cache_mb << 20) or memory.kv_cache_need(cfg, hf.config, world_size, hf.dtype.itemsize)
+    free_kept = memory.free_memory()[0] if t.offload_states != "on" else 0
+    trainer.offload()
+    free_offloaded, total = memory.free_memory()
+    plan = memory.plan(total, free_kept, free_offloaded, margin=r.memory_margin_mb << 20, weights=weights,
+                       need=need, offload=t.offload_states)
+    if not plan.offload:
+        trainer.reload()
     if main:
         print(plan.describe(), flush=True)
     fraction = math.floor(plan.utilization * 1e4) / 1e4  # rounded down: never more than is free
-    return replace(cfg, rollout=replace(cfg.rollout, gpu_memory_utilization=str(fraction)))
+    return replace(cfg, rollout=replace(r, gpu_memory_utilization=str(fraction), kv_cache_mb=plan.kv >> 20),
+                   train=replace(t, offload_states="on" if plan.offload else "off"))

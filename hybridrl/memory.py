@@ -6,9 +6,11 @@
   that sleep mode cannot live with (saying what to change), and `vllm_pool()` switches it off
   around everything that touches vLLM's pool (construction, wake, hand-off, sleep) and back on
   afterwards, at run time, as verl does (PR #3020). On CPU all of it is a no-op.
-- The planner: `rollout.gpu_memory_utilization=auto` gives vLLM the device memory that is free
-  once the trainer has offloaded its states, less `rollout.memory_margin_mb`. `plan()` is the
-  arithmetic (pure, tested with hand numbers); `plan_from_device()` measures and calls it.
+- The planner: `rollout.gpu_memory_utilization=auto` gives vLLM its weights, a KV cache sized to
+  the step's sequences (not the whole free device: every wake and sleep maps and unmaps all of
+  it) and an activation reserve, and keeps the trainer's states on the device when they fit
+  beside that (`train.offload_states=auto`). `plan()` is the arithmetic (pure, tested with hand
+  numbers); `engine_cycle.plan_rollout` measures the device and calls it.
 
 torch is imported inside the functions: `env.setup` calls `training_defaults` before torch loads.
 """
@@ -137,43 +139,93 @@ def empty_cache(cuda: bool) -> None:
 
 
 # --- the planner ---------------------------------------------------------------------------------
+KV_HEADROOM = 2  # KV cache = this x what every sequence of a step needs at full length (prefix blocks, eval)
+KV_MIN = 1 << 30  # never less than this
+MIB = 1 << 20
+
+
+def kv_bytes_per_token(hf_config, dtype_bytes: int) -> int:
+    """K and V of one token in every layer: 2 x layers x KV heads x head dim x bytes."""
+    heads = getattr(hf_config, "num_attention_heads")
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return 2 * hf_config.num_hidden_layers * kv_heads * head_dim * dtype_bytes
+
+
+def kv_cache_need(cfg: Config, hf_config, world_size: int, dtype_bytes: int) -> int:
+    """KV bytes for one rank's step: every sequence it generates at once (its share of the
+    prompts x rollout.n) at full rollout.max_model_len, times KV_HEADROOM, at least KV_MIN.
+    More would only be mapped and unmapped at every wake and sleep (a KV cache of the whole
+    free device cost 240-300 ms per wake on an H100, 5% of a 0.5B step); vLLM queues
+    whatever does not fit, so less is slower but never wrong."""
+    seqs = -(-cfg.train.prompts_per_step // world_size) * cfg.rollout.n
+    need = seqs * cfg.rollout.max_model_len * kv_bytes_per_token(hf_config, dtype_bytes)
+    return max(KV_HEADROOM * need, KV_MIN)
+
+
 @dataclass
 class Plan:
     total: int  # device bytes
-    free: int  # free once the trainer has offloaded its states
+    free: int  # free once vLLM is planned for: with the trainer's states on the device (offload False) or not
     margin: int  # kept back for the CUDA context, NCCL, fragmentation, hand-off staging
     weights: int  # vLLM's copy of the weights
-    budget: int  # what vLLM may use: weights + activations + KV cache
-    utilization: float  # budget / total, vLLM's gpu_memory_utilization
+    kv: int  # its KV cache
+    activations: int  # reserved for vLLM's forward passes and sampler
+    offload: bool  # the trainer's states leave the device while vLLM generates
+    need: int  # the KV cache the step needs (kv < need: vLLM queues sequences)
+
+    @property
+    def budget(self) -> int:  # what vLLM may use
+        return self.weights + self.kv + self.activations
+
+    @property
+    def utilization(self) -> float:  # vLLM's gpu_memory_utilization (it counts per instance)
+        return self.budget / self.total
 
     def describe(self) -> str:
-        return (f"memory plan: device {self.total / GIB:.1f} GiB, free after the trainer offloads "
-                f"{self.free / GIB:.1f} GiB, margin {self.margin / GIB:.1f} GiB -> vLLM budget "
-                f"{self.budget / GIB:.1f} GiB (rollout.gpu_memory_utilization={self.utilization:.3f}): weights "
-                f"{self.weights / GIB:.2f} GiB, KV cache and activations {(self.budget - self.weights) / GIB:.2f} GiB")
+        where = "after the trainer offloads its states" if self.offload else "with the trainer's states kept on it"
+        short = f" (less than the {self.need / GIB:.2f} GiB the step needs: vLLM will queue sequences)" \
+            if self.kv < self.need else ""
+        return (f"memory plan: device {self.total / GIB:.1f} GiB, free {where} {self.free / GIB:.1f} GiB, margin "
+                f"{self.margin / GIB:.1f} GiB -> vLLM {self.budget / GIB:.1f} GiB "
+                f"(rollout.gpu_memory_utilization={self.utilization:.3f}): weights {self.weights / GIB:.2f} GiB, "
+                f"KV cache {self.kv / GIB:.2f} GiB{short}, activations {self.activations / GIB:.2f} GiB")
 
 
-def plan(total: int, free: int, *, margin: int, weights: int) -> Plan:
-    """vLLM's budget = free - margin, as a fraction of the device (vLLM 0.32 counts
-    gpu_memory_utilization per instance and refuses more than is free at start). At least
-    10% of the budget must be left for activations and the KV cache beyond the weights."""
-    budget = free - margin
-    if budget < weights * 1.1:
+def plan(total: int, free_kept: int, free_offloaded: int, *, margin: int, weights: int, need: int,
+         offload: str = "auto") -> Plan:
+    """Size vLLM for one step and decide whether the trainer must offload (pure; hand-tested).
+
+    vLLM gets its weights, a KV cache of `need` (kv_cache_need) and an activation reserve of
+    1 GiB + 10% of the weights. The trainer's optimizer states, fp32 master weights and
+    gradients stay on the device while vLLM generates when that fits beside them
+    (`offload="auto"`; free_kept is measured with them on the device), which saves moving them
+    out and back every step; otherwise they leave (free_offloaded). If even then the whole KV
+    cache does not fit, it shrinks to what is free; below 10% of the weights the plan is refused."""
+    act = GIB + weights // 10
+    if offload != "on" and free_kept - margin >= weights + need + act:
+        return Plan(total, free_kept, margin, weights, need, act, False, need)
+    if offload == "off":
         raise ConfigError(
-            f"after the trainer offloads, {free / GIB:.2f} GiB of {total / GIB:.2f} GiB are free; less the margin of "
-            f"{margin / GIB:.2f} GiB that leaves {budget / GIB:.2f} GiB for vLLM, too little for its "
-            f"{weights / GIB:.2f} GiB of weights plus a KV cache: lower rollout.memory_margin_mb, set "
+            f"with the trainer's states on the device {free_kept / GIB:.2f} GiB of {total / GIB:.2f} GiB are free: too "
+            f"little for vLLM's {weights / GIB:.2f} GiB of weights, {need / GIB:.2f} GiB of KV cache and "
+            f"{act / GIB:.2f} GiB of activations beside a {margin / GIB:.2f} GiB margin; set train.offload_states auto")
+    room = free_offloaded - margin - weights - act
+    if room < weights // 10:
+        raise ConfigError(
+            f"after the trainer offloads, {free_offloaded / GIB:.2f} GiB of {total / GIB:.2f} GiB are free; less the "
+            f"margin of {margin / GIB:.2f} GiB that leaves too little for vLLM's {weights / GIB:.2f} GiB of weights, "
+            f"{act / GIB:.2f} GiB of activations and a KV cache: lower rollout.memory_margin_mb, set "
             "train.offload_params true, or use a smaller model or more ranks (ZeRO-3)")
-    return Plan(total, free, margin, weights, budget, budget / total)
+    return Plan(total, free_offloaded, margin, weights, min(need, room), act, True, need)
 
 
-def plan_from_device(cfg: Config, weights: int) -> Plan:
-    """Measure now (the caller has offloaded the trainer) and plan."""
+def free_memory() -> tuple[int, int]:
+    """(free, total) device bytes now, the allocator's cache given back first."""
     import torch
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info()
-    return plan(total, free, margin=cfg.rollout.memory_margin_mb << 20, weights=weights)
+    return torch.cuda.mem_get_info()
 
 
 def utilization(value: str) -> float | None:

@@ -63,9 +63,12 @@ def probe(trainer: Trainer, rollout: Rollout, seqs: list[list[int]]) -> tuple[to
     return (ours - theirs).abs(), theirs
 
 
-# train.probe_tol=0: what two engines computing in this dtype may differ by on a probe token
-# (float32: accumulation order; 16-bit: rounding of every activation, largest on rare tokens)
-PROBE_TOL = {"float32": 1e-4, "bfloat16": 5e-2, "float16": 5e-2}
+# By dtype: the statistic of |logp_vllm - logp_trainer| over the probe's tokens and its default bound
+# (train.probe_tol=0). float32 engines differ by accumulation order only: the largest gap, 1e-4
+# (CPU: ~4e-6). 16-bit engines differ by the rounding of every activation, which on single tokens
+# reaches 0.04 (0.5B, random weights) to 0.15 (the demo in bf16) on an H100: the mean gap is what
+# stays small, while a stale or garbled tensor moves every token.
+PROBE = {"float32": ("max", 1e-4), "bfloat16": ("mean", 2e-2), "float16": ("mean", 2e-2)}
 
 
 class Probe:
@@ -73,20 +76,20 @@ class Probe:
     answers must change when the weights do. Stale or partial weights fail loudly (TRL#5312
     lost weeks to silently stale weights); `action="warn"` only logs."""
 
-    def __init__(self, seqs: list[list[int]], tol: float, action: str):
-        self.seqs, self.tol, self.action = seqs, tol, action
+    def __init__(self, seqs: list[list[int]], tol: float, action: str, stat: str = "max"):
+        self.seqs, self.tol, self.action, self.stat = seqs, tol, action, stat
         self.last: torch.Tensor | None = None
 
     def __call__(self, trainer: Trainer, rollout: Rollout, step: int) -> dict:
         diff, theirs = probe(trainer, rollout, self.seqs)  # [N]
-        gap = float(diff.max())
-        out = {"probe_gap": gap, "probe_gap_mean": float(diff.mean())}  # vLLM vs trainer now: must be ~0
+        out = {"probe_gap": float(diff.max()), "probe_gap_mean": float(diff.mean())}  # vLLM vs trainer now: ~0
+        gap = out["probe_gap" if self.stat == "max" else "probe_gap_mean"]
         if self.last is not None:  # vLLM now vs at the last probe: > 0 proves the weights moved
             out["probe_delta"] = float((theirs - self.last).abs().max())
         self.last = theirs
         if gap > self.tol:
-            msg = (f"step {step}: vLLM and trainer disagree on the probe batch by {gap:.2e} "
-                   f"(> train.probe_tol={self.tol}): stale or partial weights after the hand-off")
+            msg = (f"step {step}: vLLM and trainer disagree on the probe batch by {gap:.2e} ({self.stat} over its "
+                   f"tokens, > train.probe_tol={self.tol}): stale or partial weights after the hand-off")
             if self.action == "error":
                 raise StaleWeightsError(msg)
             log.warning(msg)

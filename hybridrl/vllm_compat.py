@@ -54,8 +54,10 @@ def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: 
     else:
         if gpu_memory_utilization is None:
             raise ValueError("gpu_memory_utilization=auto must be planned before the engine starts (memory.plan)")
-        kw["gpu_memory_utilization"] = gpu_memory_utilization
+        kw["gpu_memory_utilization"] = gpu_memory_utilization  # also the free memory vLLM checks for at start
         kw["enable_sleep_mode"] = sleep_mode
+        if kv_cache_bytes and "kv_cache_memory_bytes" in fields:  # planned (or set): not the whole budget
+            kw["kv_cache_memory_bytes"] = kv_cache_bytes
     return kw
 
 

@@ -176,40 +176,83 @@ def test_vllm_pool_switches_expandable_segments_off_and_back(monkeypatch):
 
 # --- the planner -------------------------------------------------------------------------------
 def test_plan_arithmetic():
-    # 80 GiB device, 60 GiB free after the trainer offloads, 2 GiB margin, 1 GiB of weights:
-    # budget = 60 - 2 = 58 GiB; utilization = 58 / 80 = 0.725; KV + activations = 58 - 1 = 57 GiB
-    p = memory.plan(80 * GIB, 60 * GIB, margin=2 * GIB, weights=1 * GIB)
-    assert p.budget == 58 * GIB and p.utilization == 0.725
-    assert "vLLM budget 58.0 GiB" in p.describe() and "KV cache and activations 57.00 GiB" in p.describe()
-    # 4 GiB free, 2 GiB margin: 2 GiB left < 1.1 x 2 GiB of weights -> refused with the knobs to turn
+    # 80 GiB device; 70 GiB free with the trainer's states on it, 76 GiB once they leave; margin 2,
+    # weights 1, the step's KV cache 2: activations 1 + 0.1 = 1.1; 1 + 2 + 1.1 = 4.1 <= 70 - 2, so
+    # the states stay (no offload every step) and vLLM gets exactly 4.1 GiB = 0.05125 of the device
+    p = memory.plan(80 * GIB, 70 * GIB, 76 * GIB, margin=2 * GIB, weights=1 * GIB, need=2 * GIB)
+    assert not p.offload and p.kv == 2 * GIB and p.activations == GIB + GIB // 10
+    assert p.budget == 4 * GIB + GIB // 10 and p.utilization == pytest.approx(4.1 / 80)
+    assert "with the trainer's states kept on it 70.0 GiB" in p.describe() and "KV cache 2.00 GiB" in p.describe()
+    # the same with offload forced on: measured after offloading, same budget
+    p = memory.plan(80 * GIB, 0, 76 * GIB, margin=2 * GIB, weights=1 * GIB, need=2 * GIB, offload="on")
+    assert p.offload and p.free == 76 * GIB and p.kv == 2 * GIB
+    # 14 GiB of weights (7B bf16), a 20 GiB KV cache: activations 2.4; 36.4 > 10 - 2 with the
+    # states on the device, <= 60 - 2 without: the states must leave
+    p = memory.plan(80 * GIB, 10 * GIB, 60 * GIB, margin=2 * GIB, weights=14 * GIB, need=20 * GIB)
+    assert p.offload and p.kv == 20 * GIB
+    # only 20 GiB free even offloaded: the KV cache shrinks to 20 - 2 - 14 - 2.4 = 1.6 GiB and says so
+    p = memory.plan(80 * GIB, 10 * GIB, 20 * GIB, margin=2 * GIB, weights=14 * GIB, need=20 * GIB)
+    assert p.offload and p.kv == 20 * GIB - 2 * GIB - 14 * GIB - (GIB + 14 * GIB // 10)
+    assert "less than the 20.00 GiB the step needs" in p.describe()
+    # 18 GiB free offloaded: 18 - 2 - 14 - 2.4 < 1.4 (10% of the weights) -> refused with the knobs to turn
     with pytest.raises(ConfigError, match="lower rollout.memory_margin_mb"):
-        memory.plan(80 * GIB, 4 * GIB, margin=2 * GIB, weights=2 * GIB)
+        memory.plan(80 * GIB, 10 * GIB, 18 * GIB, margin=2 * GIB, weights=14 * GIB, need=20 * GIB)
+    with pytest.raises(ConfigError, match="set train.offload_states auto"):
+        memory.plan(80 * GIB, 10 * GIB, 60 * GIB, margin=2 * GIB, weights=14 * GIB, need=20 * GIB, offload="off")
+
+
+def test_kv_cache_need():
+    import transformers
+    # Qwen2.5-0.5B: 24 layers, 2 KV heads of 64 -> 2 * 24 * 2 * 64 * 2 bytes = 12 KiB per bf16 token
+    qwen = transformers.Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                                    num_key_value_heads=2)
+    assert memory.kv_bytes_per_token(qwen, 2) == 12288
+    # 64 prompts x 8 samples over 8 ranks = 64 sequences of 4096 tokens: 64 * 4096 * 12 KiB = 3 GiB, x2
+    cfg = config.load(None, {"train.prompts_per_step": 64, "rollout.n": 8, "rollout.max_model_len": 4096})
+    assert memory.kv_cache_need(cfg, qwen, 8, 2) == 6 * GIB
+    small = config.load(None, {})  # the demo's step needs a few MiB: at least 1 GiB
+    assert memory.kv_cache_need(small, qwen, 1, 2) == memory.KV_MIN
 
 
 def test_plan_rollout_fills_auto(monkeypatch, capsys):
+    """The planner's caller, with the device's free memory given: 24 GiB device, 20 GiB free with
+    the trainer's states, 22 once they leave; a 1 MiB-weight model needs the 1 GiB minimum KV."""
     events = []
     cfg = config.load(None, {"rollout.memory_margin_mb": 1024})
-    assert cfg.rollout.gpu_memory_utilization == "auto"
-    seen = {}
-
-    def fake_measure(c, weights):  # what torch.cuda.mem_get_info would say: 24 GiB device, 13 GiB free
-        seen["weights"] = weights
-        return memory.plan(24 * GIB, 13 * GIB, margin=c.rollout.memory_margin_mb << 20, weights=weights)
-
-    monkeypatch.setattr(memory, "plan_from_device", fake_measure)
+    assert cfg.rollout.gpu_memory_utilization == "auto" and cfg.train.offload_states == "auto"
+    frees = iter([(20 * GIB, 24 * GIB), (22 * GIB, 24 * GIB)])
+    monkeypatch.setattr(memory, "free_memory", lambda: next(frees))
     trainer = FakeTrainer(events)
-    trainer.hf = torch.nn.Linear(1024, 1024)  # 1024 * 1024 + 1024 fp32 params
+    trainer.hf = torch.nn.Linear(1024, 1024)  # 1024 * 1024 + 1024 fp32 params, ~4 MiB
+    trainer.hf.config = type("C", (), dict(num_attention_heads=2, num_hidden_layers=2, hidden_size=64))()
+    trainer.hf.dtype = torch.float32
     out = engine_cycle.plan_rollout(cfg, trainer, cuda=True, main=True)
-    assert events == [("trainer.offload", False)]  # measured after the trainer offloaded
-    assert seen["weights"] == (1024 * 1024 + 1024) * 4
-    # (13 - 1) / 24 = 0.5, floored to 4 decimals
-    assert out.rollout.gpu_memory_utilization == "0.5"
+    # measured with the states on, then offloaded, then (they fit) reloaded
+    assert events == [("trainer.offload", False), ("trainer.reload",)]
+    assert out.train.offload_states == "off" and out.rollout.kv_cache_mb == 1024
+    weights = (1024 * 1024 + 1024) * 4
+    budget = weights + GIB + GIB + weights // 10
+    assert out.rollout.gpu_memory_utilization == str(int(budget / (24 * GIB) * 1e4) / 1e4)
     assert "memory plan: device 24.0 GiB" in capsys.readouterr().out
-    assert engine_cycle.plan_rollout(cfg, trainer, cuda=False, main=True) is cfg  # CPU: kv_cache_mb rules
+    # CPU, or a fraction the user set: offload as asked, nothing measured
+    events.clear()
+    assert engine_cycle.plan_rollout(cfg, trainer, cuda=False, main=True).train.offload_states == "on"
+    fixed = config.load(None, {"rollout.gpu_memory_utilization": "0.6", "train.offload_states": "off"})
+    out = engine_cycle.plan_rollout(fixed, trainer, cuda=True, main=True)
+    assert out.rollout.gpu_memory_utilization == "0.6" and out.train.offload_states == "off"
+    assert events == [("trainer.offload", False)]  # only the CPU call offloaded
     with pytest.raises(ConfigError, match="sleep_level=0 set a fraction"):
         engine_cycle.plan_rollout(config.load(None, {"rollout.sleep_level": 0}), trainer, cuda=True, main=True)
-    fixed = config.load(None, {"rollout.gpu_memory_utilization": "0.6"})
-    assert engine_cycle.plan_rollout(fixed, trainer, cuda=True, main=True).rollout.gpu_memory_utilization == "0.6"
+
+
+def test_states_stay_when_planned_off(monkeypatch):
+    """train.offload_states=off (what the planner decides when both engines fit): the hand-off
+    leaves the trainer's states where they are; the rest of the order is unchanged."""
+    events = []
+    cfg = config.load(None, {"train.offload_states": "off", "rollout.sleep_level": 2})
+    one_step(FakeTrainer(events), real_rollout(events, monkeypatch), cfg, events)
+    assert ("trainer.offload", False) not in events
+    assert [e[0] for e in events][:3] == ["generate", "vllm.sleep", "trainer.reload"]
 
 
 def test_gpu_memory_utilization_knob():
