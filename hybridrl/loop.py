@@ -219,10 +219,7 @@ def resolve(cfg: Config, on_cpu: bool) -> tuple[Config, str]:
     if path == "demo":
         from pathlib import Path
         path = str(Path(__file__).parent / "demo_model")
-    rollout = cfg.rollout
-    if on_cpu and not rollout.kv_cache_mb:  # GPU: the planner sizes it (engine_cycle.plan_rollout)
-        rollout = replace(rollout, kv_cache_mb=64)
-    return replace(cfg, model=replace(m, dtype=dtype, attn_implementation=attn), rollout=rollout), path
+    return replace(cfg, model=replace(m, dtype=dtype, attn_implementation=attn)), path
 
 
 def _dtype(name: str) -> torch.dtype:

