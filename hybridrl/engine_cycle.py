@@ -88,7 +88,8 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     hf = trainer.hf
     weights = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in hf.parameters())
     need = (r.kv_cache_mb << 20) or memory.kv_cache_need(cfg, hf.config, world_size, hf.dtype.itemsize)
-    free_kept = memory.free_memory()[0] if t.offload_states != "on" else 0
+    # with the states kept, what is free now less the Adam moments the first step will add
+    free_kept = memory.free_memory()[0] - trainer.pending_state_bytes() if t.offload_states != "on" else 0
     trainer.offload()
     free_offloaded, total = memory.free_memory()
     plan = memory.plan(total, free_kept, free_offloaded, margin=r.memory_margin_mb << 20, weights=weights,

@@ -88,8 +88,8 @@ class Probe:
             out["probe_delta"] = float((theirs - self.last).abs().max())
         self.last = theirs
         if gap > self.tol:
-            msg = (f"step {step}: vLLM and trainer disagree on the probe batch by {gap:.2e} ({self.stat} over its "
-                   f"tokens, > train.probe_tol={self.tol}): stale or partial weights after the hand-off")
+            msg = (f"step {step}: vLLM and trainer disagree on the probe batch by {gap:.2e} ({self.stat}, "
+                   f"> train.probe_tol={self.tol}): stale or partial weights after the hand-off")
             if self.action == "error":
                 raise StaleWeightsError(msg)
             log.warning(msg)

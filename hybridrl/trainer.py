@@ -323,6 +323,16 @@ class Trainer:
                     yield from ((n, q.detach()) for n, q in bucket)
                 bucket, size = [], 0
 
+    def pending_state_bytes(self) -> int:
+        """Device bytes the optimizer will still allocate: DeepSpeed's Adam creates its two fp32
+        moments (of this rank's ZeRO partition) at the first step, after vLLM is planned."""
+        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        if any(inner.state.values()):
+            return 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in self.hf.parameters() if p.requires_grad)
+        return 8 * trainable // world
+
     def offload(self, params: bool = False) -> None:
         """Move the training states off the device while vLLM runs: optimizer states, fp32 master
         weights, gradients (and ZeRO-3's contiguous gradient buffer); with `params`, the

@@ -216,7 +216,8 @@ def test_kv_cache_need():
 
 def test_plan_rollout_fills_auto(monkeypatch, capsys):
     """The planner's caller, with the device's free memory given: 24 GiB device, 20 GiB free with
-    the trainer's states, 22 once they leave; a 1 MiB-weight model needs the 1 GiB minimum KV."""
+    the trainer's states (18 once Adam's moments exist), 22 once they leave; a 4 MiB model needs
+    the 1 GiB minimum KV cache, so the states stay."""
     events = []
     cfg = config.load(None, {"rollout.memory_margin_mb": 1024})
     assert cfg.rollout.gpu_memory_utilization == "auto" and cfg.train.offload_states == "auto"
@@ -226,6 +227,7 @@ def test_plan_rollout_fills_auto(monkeypatch, capsys):
     trainer.hf = torch.nn.Linear(1024, 1024)  # 1024 * 1024 + 1024 fp32 params, ~4 MiB
     trainer.hf.config = type("C", (), dict(num_attention_heads=2, num_hidden_layers=2, hidden_size=64))()
     trainer.hf.dtype = torch.float32
+    trainer.pending_state_bytes = lambda: 2 * GIB  # Adam's moments, created at the first step
     out = engine_cycle.plan_rollout(cfg, trainer, cuda=True, main=True)
     # measured with the states on, then offloaded, then (they fit) reloaded
     assert events == [("trainer.offload", False), ("trainer.reload",)]
@@ -395,3 +397,15 @@ def test_critic_offload_reaches_deepspeed(zero, world_of_one):
     assert {s.value for s in critic.engine.optimizer.offloaded_states} >= {"optim_states", "hp_params", "lp_params"}
     reload_engine_states(critic.engine)
     assert not critic.engine.optimizer.offloaded_states
+
+
+def test_pending_state_bytes(world_of_one):
+    """Adam's two fp32 moments do not exist until the first step: the planner counts them."""
+    from hybridrl.batch import Batch
+    from hybridrl.trainer import Trainer
+    trainer = Trainer(config.load(None, {}), DEMO, device=torch.device("cpu"), dtype=torch.float32,
+                      attn_implementation="sdpa")
+    n = sum(p.numel() for p in trainer.hf.parameters())
+    assert trainer.pending_state_bytes() == 8 * n
+    trainer.step(Batch.from_rows([[1, 2, 3]] * 2, [[4, 5]] * 2, [[-1.0] * 2] * 2, [1.0, -1.0]))
+    assert trainer.pending_state_bytes() == 0
