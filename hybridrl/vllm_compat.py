@@ -127,13 +127,15 @@ def receive_weights(llm: LLM, address: str, digest: bool = False) -> dict:
 
 def _rejections() -> tuple[type[BaseException], ...]:
     """What `add_request` raises for a request the engine will not serve (a prompt longer than
-    max_model_len, a token id outside the vocabulary): ValueError, and vLLM >= 0.30's
-    VLLMValidationError, which is not a ValueError."""
+    max_model_len, a token id outside the vocabulary), and nothing else: any other error (a
+    TypeError from a changed vLLM API, an engine failure) must propagate, not read as "vLLM
+    rejected every prompt". vLLM >= 0.30 raises VLLMValidationError for every request validation,
+    and it is not a ValueError there, so that class alone; older vLLM raised ValueError."""
     try:
         from vllm.exceptions import VLLMValidationError
-        return (ValueError, TypeError, VLLMValidationError)
     except ImportError:
-        return (ValueError, TypeError)
+        return (ValueError,)
+    return (ValueError,) if issubclass(VLLMValidationError, ValueError) else (VLLMValidationError,)
 
 
 REJECTED = _rejections()
