@@ -119,10 +119,12 @@ def load_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
         worker.model_runner.model.load_weights(iter(named_tensors))
 
 
-def receive_weights(llm: LLM, address: str, digest: bool = False) -> dict:
+def receive_weights(llm: LLM, address: str, digest: bool = False, timeout_s: float | None = None) -> dict:
     """Out of process: have the engine's worker read the weights from `address` (see ipc.py)
-    and load them; returns the receiver's report (counts, and sha256 per tensor if `digest`)."""
-    return llm.collective_rpc("hybridrl_receive_weights", kwargs={"address": address, "digest": digest})[0]
+    and load them; returns the receiver's report (counts, and sha256 per tensor if `digest`).
+    The receiver gives up after `timeout_s` without a message from the trainer."""
+    kwargs = {"address": address, "digest": digest, **({"timeout_s": timeout_s} if timeout_s else {})}
+    return llm.collective_rpc("hybridrl_receive_weights", kwargs=kwargs)[0]
 
 
 def _rejections() -> tuple[type[BaseException], ...]:

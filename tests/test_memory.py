@@ -243,7 +243,7 @@ def test_bucketed_shared_memory_hand_off_is_bitwise():
     proc = ctx.Process(target=receive_many, args=(addresses, results), daemon=True)
     proc.start()
 
-    def rpc(address, digest):
+    def rpc(address, digest, timeout_s):
         addresses.put(address)
         return results.get(timeout=120)
 
