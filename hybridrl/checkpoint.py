@@ -158,7 +158,8 @@ class Saver:
         """Every rank calls this at the same step. Returns the checkpoint directory, or None when
         it could not be written (no space left, an I/O error): the partial one is removed, the
         previous one is kept, the user is told, and training goes on (`final`: the run is ending,
-        so the loop exits non-zero)."""
+        so the loop exits non-zero). The engines are saved as they are: after the hand-off their
+        states are offloaded and vLLM holds the device, so nothing is reloaded for the save."""
         main, t0 = self.world.main, time.perf_counter()
         tmp, final_dir = self.root / f"tmp-step-{step}", self.root / f"step-{step}"
         need = self._size_needed(trainer) if main else 0

@@ -115,9 +115,14 @@ class Critic:
 
     # --- checkpoints: a DeepSpeed checkpoint of its own, `critic/` beside the policy's `ds/` -------
     def save_checkpoint(self, path: str) -> None:
-        self.reload()
+        """Saved where the states are: the loop saves after the hand-off, when they sit offloaded in
+        host memory and vLLM's KV cache is awake. DeepSpeed's save reads them there (ZeRO-2's
+        state_dict and ZeRO-3's _rigid_state_dict take the master weights and Adam moments as
+        tensors wherever they live, and the parameters through the module's state_dict); reloading
+        first would bring the critic back onto the device beside vLLM, memory the plan never had."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # a non-blocking offload's copies into host memory have landed
         self.engine.save_checkpoint(path, tag=TAG, save_latest=False)
-        self.offload()
 
     def load_checkpoint(self, path: str) -> None:
         if not (Path(path) / TAG).is_dir():
