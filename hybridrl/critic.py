@@ -27,7 +27,7 @@ from . import algo
 from .batch import Batch, per_token
 from .config import Config, UserError
 from .launch import all_sum
-from .trainer import ds_config, load_engine_checkpoint, plan_micro_batches
+from .trainer import ds_config, from_pretrained, load_engine_checkpoint, plan_micro_batches
 
 TAG = "critic"  # its DeepSpeed checkpoint's directory inside a hybridrl checkpoint
 
@@ -52,15 +52,14 @@ class Critic:
         from transformers import AutoModel
 
         self.cfg, self.device = cfg, device
-        base = AutoModel.from_pretrained(cfg.algo.critic_path or model_path, dtype=dtype,
-                                         attn_implementation=attn_implementation,
-                                         trust_remote_code=cfg.model.trust_remote_code)
+        own = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=cfg.algo.critic_lr))
+        conf = ds_config(own, dtype == torch.bfloat16)
+        base = from_pretrained(AutoModel, cfg.algo.critic_path or model_path, conf, dtype=dtype,
+                               attn_implementation=attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
         if cfg.model.gradient_checkpointing:
             base.gradient_checkpointing_enable()
-        model = _ValueModel(base)
-        own = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=cfg.algo.critic_lr))
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=ds_config(own, dtype == torch.bfloat16))
+        model = _ValueModel(base)  # under ZeRO-3 the new head is partitioned by deepspeed.initialize
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
         self.offload()
 
     def _plan(self, rows: Batch | None) -> list[torch.Tensor | None]:
