@@ -22,7 +22,7 @@ import os
 from contextlib import nullcontext
 from dataclasses import replace
 
-from . import memory, sync
+from . import launch, memory, sync
 from .config import Config, ConfigError
 
 
@@ -67,11 +67,15 @@ def check(cfg: Config, cuda: bool) -> None:
 
 
 def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None) -> Config:
-    """Offload the trainer (vLLM is built beside an offloaded trainer, as it will run), and with
-    rollout.gpu_memory_utilization=auto size vLLM from what is then free; prints the plan."""
+    """Offload the trainer (vLLM is built beside an offloaded trainer, as it will run), print every
+    rank's host memory, and with rollout.gpu_memory_utilization=auto size vLLM from what is then
+    free; prints the plan."""
     trainer.offload()
     if critic is not None:
         critic.offload()
+    per_rank = launch.all_gather(memory.host_memory())
+    if main:
+        print(memory.describe_host(per_rank), flush=True)
     if not cuda or cfg.rollout.gpu_memory_utilization != "auto":
         return cfg
     if cfg.rollout.sleep_level == 0:  # vLLM would keep the planned memory while the trainer reloads
