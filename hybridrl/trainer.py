@@ -25,7 +25,7 @@ from kernels.ppo_loss import TIS_LEVELS, fused_logprob_ppo_loss
 
 from .batch import Batch, micro_batches, per_token
 from .canaries import distribution_metrics
-from .config import Config, ConfigError
+from .config import Config, ConfigError, UserError
 from .launch import all_max, all_sum
 
 log = logging.getLogger("hybridrl")
@@ -42,7 +42,9 @@ class _TokenLogprobs(nn.Module):
         self.hf, self.provider, self.chunk, self.max_len = hf, provider, chunk, max_len
         for attr in ("final_logit_softcapping", "logit_scale"):
             if getattr(hf.config, attr, None) not in (None, 1.0):
-                raise NotImplementedError(f"models with {attr} need the full LM head; not supported yet")
+                raise UserError(f"{type(hf).__name__} applies {attr}={getattr(hf.config, attr)} to its logits, which "
+                                "the fused log-prob path (it bypasses the LM head) does not: such models are not "
+                                "supported yet; use a model without it")
 
     def forward(self, tokens, attention_mask, loss_mask, temperature: float, loss: dict | None = None,
                 position_ids=None):
