@@ -284,8 +284,9 @@ class BucketReceiver:
                 try:
                     sock.send(b"ack")
                 except zmq.Again:
-                    raise TimeoutError(f"weight hand-off: the trainer took no acknowledgement for {self.timeout_s:.0f} s "
-                                       f"on {self.address} (its process may have died or hung)") from None
+                    raise TimeoutError(f"weight hand-off: the trainer took no acknowledgement for "
+                                       f"{self.timeout_s:.0f} s on {self.address} (its process may have died or "
+                                       "hung)") from None
                 self.report["messages"] += 1
                 for name, t in ready:
                     self.report["tensors"] += 1
