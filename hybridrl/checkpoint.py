@@ -19,6 +19,8 @@ keeps the previous checkpoint, prints what it needs and what is free, and traini
 run whose last save failed exits 1. Free space is checked before writing: at > 1 rank a write
 that fails on some ranks only, inside DeepSpeed's save, leaves the ranks in different
 collectives, and then the watchdog (faults.py) ends the run, the previous checkpoint intact.
+Only I/O errors are handled so (`is_io_error`): any other error while saving (CUDA, NCCL) stops
+the run as it would anywhere else.
 
 Why the RNG states make a resume exact: on CPU vLLM samples with per-token Gumbel noise seeded
 from `torch.randint` on the global torch generator (`forward_cpu` in
@@ -156,7 +158,8 @@ class Saver:
         """Every rank calls this at the same step. Returns the checkpoint directory, or None when
         it could not be written (no space left, an I/O error): the partial one is removed, the
         previous one is kept, the user is told, and training goes on (`final`: the run is ending,
-        so the loop exits non-zero)."""
+        so the loop exits non-zero). The engines are saved as they are: after the hand-off their
+        states are offloaded and vLLM holds the device, so nothing is reloaded for the save."""
         main, t0 = self.world.main, time.perf_counter()
         tmp, final_dir = self.root / f"tmp-step-{step}", self.root / f"step-{step}"
         need = self._size_needed(trainer) if main else 0
@@ -190,7 +193,9 @@ class Saver:
                     if getattr(trainer.hf, "generation_config", None) is not None:
                         trainer.hf.generation_config.save_pretrained(tmp / "hf")
                     self.tokenizer.save_pretrained(tmp / "hf")
-            except (OSError, RuntimeError) as e:  # torch.save (DeepSpeed's shards) reports a full disk as RuntimeError
+            except Exception as e:
+                if not is_io_error(e):  # a CUDA, NCCL or programming error is not a disk problem: it stops the run
+                    raise
                 problem = f"{type(e).__name__}: {str(e).strip().splitlines()[-1][:300]}"
                 if getattr(e, "errno", None) == errno.ENOSPC or shutil.disk_usage(self.root).free < need:
                     problem = f"no space left on device ({problem})"
@@ -252,6 +257,19 @@ class Saver:
                f"Kept: {kept[0] if kept else 'no earlier checkpoint'} (the partial one was removed). "
                f"Free some space, lower ckpt.keep, or point --ckpt.dir at a bigger disk; {then}.")
         print(f"error: {msg}", file=sys.stderr, flush=True)
+
+
+def is_io_error(e: BaseException) -> bool:
+    """A write that failed, as opposed to a computation: OSError (Python's file I/O: ENOSPC, EIO,
+    EDQUOT, a vanished mount), or the RuntimeError that torch.save raises from its C++ file writer
+    (caffe2's inline_container.cc: "unexpected pos", "file write failed"), which is how DeepSpeed's
+    shards report a full disk. CUDA and NCCL failures are RuntimeErrors too, and must not be taken
+    for a full disk: training on after one would hide a broken device or process group."""
+    if isinstance(e, OSError):
+        return True
+    if not isinstance(e, RuntimeError) or isinstance(e, dist.DistError):
+        return False
+    return any(mark in str(e) for mark in ("inline_container.cc", "PytorchStreamWriter"))
 
 
 def _save_torch(obj, path: Path) -> None:

@@ -27,7 +27,8 @@ def knob(default: Any, help: str, **kw) -> Any:
 class ModelConfig:
     path: str = knob("demo", "Policy model: a local HF directory, a hub name, or 'demo' (the shipped tiny model).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
-        "auto", "Weight/compute dtype for both engines; auto = float32 on CPU, bfloat16 on GPU.")
+        "auto", "Weight/compute dtype for both engines; auto = float32 on CPU, bfloat16 on GPU. float16 is refused: "
+        "the trainer has no loss scaling, so small gradients would underflow to zero.")
     attn_implementation: str = knob("auto", "transformers attention: auto = flash_attention_2 if installed on GPU, else sdpa.")
     gradient_checkpointing: bool = knob(False, "Recompute activations in backward to save trainer memory.")
     trust_remote_code: bool = knob(False, "Allow custom modelling code from the model directory.")
@@ -40,7 +41,8 @@ class RolloutConfig:
     top_p: float = knob(1.0, "Nucleus sampling.")
     max_new_tokens: int = knob(4, "Longest completion, in tokens.")
     max_model_len: int = knob(64, "vLLM context length (prompt + completion).")
-    tensor_parallel_size: int = knob(1, "vLLM tensor-parallel size inside each group of ranks.")
+    tensor_parallel_size: int = knob(1, "vLLM tensor-parallel size. Only 1 is built: every rank runs its own engine on "
+                                     "its own prompts and seed (use more ranks, --nproc, for throughput).")
     gpu_memory_utilization: str = knob(
         "auto", "GPU only: fraction of device memory vLLM may use (weights + KV cache), or auto = what is free "
         "once the trainer has offloaded its states, less rollout.memory_margin_mb (the plan is printed at start).")
@@ -369,8 +371,13 @@ def validate(cfg: Config) -> None:
          "rollout.memory_margin_mb, rollout.kv_cache_mb and train.sync_bucket_mb must be >= 0"),
         (not (t.offload_params and t.probe_every), "train.offload_params needs train.probe_every=0: the probe's "
          "trainer forward runs after the hand-off, when the parameters would be off the device"),
-        (r.mode == "inprocess" or r.tensor_parallel_size == 1,
-         "rollout.mode=outofprocess supports rollout.tensor_parallel_size=1 only; use rollout.mode=inprocess"),
+        (r.tensor_parallel_size == 1,
+         f"rollout.tensor_parallel_size={r.tensor_parallel_size} is not built: each rank runs its own vLLM engine on "
+         "its own prompts and seed, and the ranks of one tensor-parallel group would need the same ones; use "
+         "rollout.tensor_parallel_size=1 (and more ranks, --nproc, for throughput)"),
+        (cfg.model.dtype != "float16",
+         "model.dtype=float16 is not supported: the trainer configures no loss scaling, so small gradients would "
+         "underflow to zero; use model.dtype=bfloat16 (or float32)"),
         (t.probe_tol >= 0, "train.probe_tol must be >= 0 (0 = by dtype)"),
         (t.watchdog_s == 0 or t.watchdog_s >= 5, "train.watchdog_s must be 0 (off) or >= 5 seconds"),
         (cfg.reward.timeout_s > 0, "reward.timeout_s must be > 0"),

@@ -27,7 +27,8 @@ from . import algo
 from .batch import Batch, per_token
 from .config import Config, UserError
 from .launch import all_sum
-from .trainer import ds_config, load_engine_checkpoint, offload_engine_states, plan_micro_batches, reload_engine_states
+from .trainer import (ds_config, from_pretrained, load_engine_checkpoint, offload_engine_states, plan_micro_batches,
+                      reload_engine_states)
 
 TAG = "critic"  # its DeepSpeed checkpoint's directory inside a hybridrl checkpoint
 
@@ -52,15 +53,14 @@ class Critic:
         from transformers import AutoModel
 
         self.cfg, self.device = cfg, device
-        base = AutoModel.from_pretrained(cfg.algo.critic_path or model_path, dtype=dtype,
-                                         attn_implementation=attn_implementation,
-                                         trust_remote_code=cfg.model.trust_remote_code)
+        own = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=cfg.algo.critic_lr))
+        conf = ds_config(own, dtype == torch.bfloat16)
+        base = from_pretrained(AutoModel, cfg.algo.critic_path or model_path, conf, dtype=dtype,
+                               attn_implementation=attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
         if cfg.model.gradient_checkpointing:
             base.gradient_checkpointing_enable()
-        model = _ValueModel(base)
-        own = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=cfg.algo.critic_lr))
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                               config=ds_config(own, dtype == torch.bfloat16))
+        model = _ValueModel(base)  # under ZeRO-3 the new head is partitioned by deepspeed.initialize
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
         self.offload()
 
     def _plan(self, rows: Batch | None) -> list[torch.Tensor | None]:
@@ -115,9 +115,14 @@ class Critic:
 
     # --- checkpoints: a DeepSpeed checkpoint of its own, `critic/` beside the policy's `ds/` -------
     def save_checkpoint(self, path: str) -> None:
-        self.reload()
+        """Saved where the states are: the loop saves after the hand-off, when they sit offloaded in
+        host memory and vLLM's KV cache is awake. DeepSpeed's save reads them there (ZeRO-2's
+        state_dict and ZeRO-3's _rigid_state_dict take the master weights and Adam moments as
+        tensors wherever they live, and the parameters through the module's state_dict); reloading
+        first would bring the critic back onto the device beside vLLM, memory the plan never had."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # a non-blocking offload's copies into host memory have landed
         self.engine.save_checkpoint(path, tag=TAG, save_latest=False)
-        self.offload()
 
     def load_checkpoint(self, path: str) -> None:
         if not (Path(path) / TAG).is_dir():

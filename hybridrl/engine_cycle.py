@@ -22,7 +22,7 @@ import os
 from contextlib import nullcontext
 from dataclasses import replace
 
-from . import memory, sync
+from . import launch, memory, sync
 from .config import Config, ConfigError
 
 
@@ -76,6 +76,9 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     train.offload_states on/off). The critic always leaves: it takes no part in generating."""
     if critic is not None:
         critic.offload()
+    per_rank = launch.all_gather(memory.host_memory())
+    if main:
+        print(memory.describe_host(per_rank), flush=True)
     t, r = cfg.train, cfg.rollout
     if not cuda or r.gpu_memory_utilization != "auto":  # the user sized vLLM (or CPU: rollout.kv_cache_mb)
         offload = "off" if t.offload_states == "off" else "on"

@@ -85,6 +85,15 @@ def from_main(value):
     return box[0]
 
 
+def all_gather(value) -> list:
+    """Every rank's `value`, in rank order (a list of one in a world of one)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, value)
+        return out
+    return [value]
+
+
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

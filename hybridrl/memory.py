@@ -11,6 +11,8 @@
   it) and an activation reserve, and keeps the trainer's states on the device when they fit
   beside that (`train.offload_states=auto`). `plan()` is the arithmetic (pure, tested with hand
   numbers); `engine_cycle.plan_rollout` measures the device and calls it.
+- Host memory: `host_memory()` is this process's resident and peak host memory; the run prints it
+  for every rank once its engines are built (before vLLM starts), and logs rank 0's each step.
 
 torch is imported inside the functions: `env.setup` calls `training_defaults` before torch loads.
 """
@@ -231,3 +233,26 @@ def free_memory() -> tuple[int, int]:
 def utilization(value: str) -> float | None:
     """rollout.gpu_memory_utilization as a number; None for 'auto'."""
     return None if value == "auto" else float(value)
+
+
+# --- host memory ---------------------------------------------------------------------------------
+def host_memory() -> tuple[float, float]:
+    """This process's resident host memory now and its peak so far, in bytes (Linux's VmRSS and
+    VmHWM; page-cache pages of memory-mapped checkpoints included). (0, 0) where unknown."""
+    found = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key in ("VmRSS", "VmHWM"):
+                    found[key] = float(value.split()[0]) * 1024
+    except OSError:
+        pass
+    rss = found.get("VmRSS", 0.0)
+    return rss, max(rss, found.get("VmHWM", 0.0))  # the kernel's high-water mark can lag its counters
+
+
+def describe_host(per_rank: list[tuple[float, float]]) -> str:
+    """One line: every rank's host memory (now, peak) once its engines are built."""
+    ranks = ", ".join(f"rank {r} {now / GIB:.2f} GiB (peak {peak / GIB:.2f})" for r, (now, peak) in enumerate(per_rank))
+    return f"host memory per rank with the trainer's engines built, before vLLM starts: {ranks}"

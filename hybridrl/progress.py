@@ -21,6 +21,7 @@ from . import faults
 from .canaries import Canaries
 from .config import Config, ConfigError, to_dict
 from .launch import from_main
+from .memory import host_memory
 
 
 class Phases(dict):
@@ -31,7 +32,9 @@ class Phases(dict):
     what the whole device has in use (which also counts vLLM's own pool, NCCL and other
     processes): the numbers that show which role holds memory when. The loop times every part
     of a step as a phase (generate, sleep, reload, reward, old_logprob, train, offload,
-    wake_weights, sync, wake_kv, probe), so the step metrics carry the memory after each."""
+    wake_weights, sync, wake_kv, probe), so the step metrics carry the memory after each. On every
+    device it records this process's host memory: `host/rss_gb` (the most resident at the end of
+    any phase of the step) and `host/peak_gb` (the process's peak so far)."""
 
     def __init__(self, step: int | None = None):
         super().__init__()
@@ -51,6 +54,9 @@ class Phases(dict):
             yield
         finally:
             self[name] = self.get(name, 0.0) + time.perf_counter() - t
+            rss, peak = host_memory()
+            self.memory["host/rss_gb"] = max(self.memory.get("host/rss_gb", 0.0), rss * 2.0 ** -30)
+            self.memory["host/peak_gb"] = max(self.memory["host/rss_gb"], peak * 2.0 ** -30)
             if self._cuda:
                 free, total = torch.cuda.mem_get_info()
                 gb = 2.0 ** -30

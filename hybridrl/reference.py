@@ -1,27 +1,36 @@
 """The reference policy of the KL penalty: a frozen copy of the initial policy (or `algo.ref_path`).
 
 Verb: `logprobs(batch, temperature)`, the loop's `ref_logprob` phase. It is colocated with the
-trainer on every rank but kept off the device while idle: its weights live in pinned CPU memory,
-are copied to the device (non-blocking) for the phase and dropped after it; nothing is copied
-back, since they never change. On CPU that is a no-op. Its peak on the device is one copy of the
-weights plus one micro-batch's activations, while vLLM sleeps.
-
-A plain module, not a DeepSpeed engine: it has no gradients or optimizer states for ZeRO to
-shard, and without ZeRO-3's collective gathers ranks may run different micro-batch counts.
-Departure (not built): under ZeRO-3 every rank still holds a full copy of the reference weights
-during the phase. `Reference.load` returns None when algo.kl_coef == 0: no reference model is
-loaded at all.
+trainer on every rank and holds no device memory while idle. Under ZeRO-3 it is sharded like the
+policy: loaded partitioned (trainer.from_pretrained), run as a DeepSpeed ZeRO-3 engine without an
+optimizer that gathers one layer at a time during the phase, its shard kept in pinned host memory
+on a GPU (`offload_param`, as OpenRLHF's reference does): one copy of the weights per node, not
+per rank. Under ZeRO-2 (whose policy is replicated anyway) it is a plain module, its weights in
+pinned CPU memory, copied to the device (non-blocking) for the phase and dropped after it; nothing
+is copied back, since they never change. On CPU those moves are no-ops. `Reference.load` returns
+None when algo.kl_coef == 0: no reference model is loaded at all.
 """
 
 from __future__ import annotations
 
 from itertools import chain
 
+import deepspeed
 import torch
 
 from .batch import Batch, micro_batches, per_token
 from .config import Config
-from .trainer import _TokenLogprobs
+from .trainer import _TokenLogprobs, from_pretrained, plan_micro_batches
+
+
+def ds_config(cfg: Config, bf16: bool, cuda: bool) -> dict:
+    """The reference's DeepSpeed config: parameters only (no optimizer), the policy's ZeRO stage;
+    under ZeRO-3 on a GPU the shards live in pinned host memory between forwards."""
+    zero = {"stage": cfg.train.zero_stage, "stage3_param_persistence_threshold": 0}
+    if cuda and cfg.train.zero_stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "bf16": {"enabled": bf16},
+            "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
 
 
 class Reference:
@@ -39,16 +48,23 @@ class Reference:
         from transformers import AutoModelForCausalLM
 
         self.cfg, self.device = cfg, device
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                                  trust_remote_code=cfg.model.trust_remote_code)
+        cuda = device.type == "cuda"
+        conf = ds_config(cfg, dtype == torch.bfloat16, cuda)
+        hf = from_pretrained(AutoModelForCausalLM, path, conf, dtype=dtype, attn_implementation=attn_implementation,
+                             trust_remote_code=cfg.model.trust_remote_code)
         hf.eval().requires_grad_(False)
         kernels = cfg.train.kernels
-        provider = {"auto": "triton" if device.type == "cuda" else "torch", "liger": "torch"}.get(kernels, kernels)
+        provider = {"auto": "triton" if cuda else "torch", "liger": "torch"}.get(kernels, kernels)
         self.module = _TokenLogprobs(hf, provider, cfg.train.logprob_chunk)
-        cuda = device.type == "cuda"
-        # (tensor, its CPU master copy): the device copy is made from the master for each phase
-        self._host = [(t, t.data.pin_memory() if cuda else t.data)
-                      for t in chain(self.module.parameters(), self.module.buffers())]
+        self.sharded = cfg.train.zero_stage == 3
+        self._host = []
+        if self.sharded:  # the head's weight is used by this module's forward, not by lm_head's
+            deepspeed.zero.register_external_parameter(self.module, hf.get_output_embeddings().weight)
+            self.module, *_ = deepspeed.initialize(model=self.module, config=conf)
+            self.module.eval()
+        else:  # (tensor, its CPU master copy): the device copy is made from the master for each phase
+            self._host = [(t, t.data.pin_memory() if cuda else t.data)
+                          for t in chain(self.module.parameters(), self.module.buffers())]
 
     def _place(self, device: torch.device) -> None:
         for t, host in self._host:
@@ -57,9 +73,11 @@ class Reference:
     @torch.no_grad()
     def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
         """Reference log-probs of every completion token at the sampling temperature: [B, T]."""
+        budget = self.cfg.train.max_tokens_per_micro_batch
+        # sharded: every rank runs as many forwards as the busiest (each gathers collectively)
+        groups = plan_micro_batches(batch, budget) if self.sharded else micro_batches(batch.lengths, budget)
         self._place(self.device)
         try:
-            groups = micro_batches(batch.lengths, self.cfg.train.max_tokens_per_micro_batch)
             return per_token(lambda mb: self.module(mb.tokens, mb.attention_mask(), mb.loss_mask, temperature)[0],
                              batch, groups, self.device)
         finally:

@@ -25,7 +25,7 @@ from kernels.ppo_loss import TIS_LEVELS, fused_logprob_ppo_loss
 
 from .batch import Batch, micro_batches, per_token
 from .canaries import distribution_metrics
-from .config import Config, ConfigError
+from .config import Config, ConfigError, UserError
 from .launch import all_max, all_sum
 
 log = logging.getLogger("hybridrl")
@@ -42,7 +42,9 @@ class _TokenLogprobs(nn.Module):
         self.hf, self.provider, self.chunk, self.max_len = hf, provider, chunk, max_len
         for attr in ("final_logit_softcapping", "logit_scale"):
             if getattr(hf.config, attr, None) not in (None, 1.0):
-                raise NotImplementedError(f"models with {attr} need the full LM head; not supported yet")
+                raise UserError(f"{type(hf).__name__} applies {attr}={getattr(hf.config, attr)} to its logits, which "
+                                "the fused log-prob path (it bypasses the LM head) does not: such models are not "
+                                "supported yet; use a model without it")
 
     def forward(self, tokens, attention_mask, loss_mask, temperature: float, loss: dict | None = None,
                 position_ids=None):
@@ -164,15 +166,48 @@ def replay_cpu_adam_steps(engine) -> None:
                               opt.adam_w_mode, 1, group["weight_decay"])  # 1: chunk size, unused on CPU
 
 
+def from_pretrained(auto_cls, path: str, conf: dict, **kw) -> nn.Module:
+    """`auto_cls.from_pretrained(path, **kw)`, partitioned from the start when the DeepSpeed config
+    `conf` is ZeRO-3: built inside deepspeed.zero.Init and filled through transformers' ZeRO-3
+    loader (HfDeepSpeedConfig switches both on), which gathers one layer's parameters at a time,
+    copies them in on rank 0 from the memory-mapped checkpoint and partitions them again. No rank
+    then holds the whole model, in host memory or on the device; without it every rank loads all of
+    it (a private copy whenever the checkpoint's dtype differs), and DeepSpeed moves it whole onto
+    the device before partitioning. The policy, the critic and the reference all load this way."""
+    if conf["zero_optimization"]["stage"] != 3:
+        return auto_cls.from_pretrained(path, **kw)
+    import copy
+
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+    keep = HfDeepSpeedConfig(copy.deepcopy(conf))  # transformers holds only a weak reference to it
+    try:
+        model = auto_cls.from_pretrained(path, **kw)
+    finally:
+        unset_hf_deepspeed_config()  # scoped: later loads (and vLLM's) are not partitioned
+        del keep
+    _trim_host_heap()
+    return model
+
+
+def _trim_host_heap() -> None:
+    """Hand freed heap pages back to the OS (glibc's malloc_trim): loading layer by layer leaves
+    many freed gather buffers that glibc otherwise keeps, as resident memory, in its arenas."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 class Trainer:
     def __init__(self, cfg: Config, model_path: str, *, device: torch.device, dtype: torch.dtype,
                  attn_implementation: str):
         from transformers import AutoModelForCausalLM
 
         self.cfg, self.device = cfg, device
-        hf = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=dtype, attn_implementation=attn_implementation,
-            trust_remote_code=cfg.model.trust_remote_code)
+        conf = ds_config(cfg, dtype == torch.bfloat16)
+        hf = from_pretrained(AutoModelForCausalLM, model_path, conf, dtype=dtype,
+                             attn_implementation=attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
         if cfg.model.gradient_checkpointing:
             hf.gradient_checkpointing_enable()
         provider = cfg.train.kernels if cfg.train.kernels != "auto" else "torch"  # see config's train.kernels
@@ -191,8 +226,7 @@ class Trainer:
         self.zero3 = cfg.train.zero_stage == 3
         if self.zero3:  # the head's weight is used by this module's forward, not by lm_head's
             deepspeed.zero.register_external_parameter(module, hf.get_output_embeddings().weight)
-        self.engine, *_ = deepspeed.initialize(model=module, model_parameters=hf.parameters(),
-                                               config=ds_config(cfg, dtype == torch.bfloat16))
+        self.engine, *_ = deepspeed.initialize(model=module, model_parameters=hf.parameters(), config=conf)
         self.hf = hf
 
     # --- log-probs ----------------------------------------------------------------------------

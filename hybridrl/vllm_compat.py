@@ -128,21 +128,25 @@ def load_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
         runner.model.load_weights(iter(named_tensors))
 
 
-def receive_weights(llm: LLM, address: str, digest: bool = False) -> dict:
+def receive_weights(llm: LLM, address: str, digest: bool = False, timeout_s: float | None = None) -> dict:
     """Out of process: have the engine's worker read the weights from `address` (see ipc.py)
-    and load them; returns the receiver's report (counts, and sha256 per tensor if `digest`)."""
-    return llm.collective_rpc("hybridrl_receive_weights", kwargs={"address": address, "digest": digest})[0]
+    and load them; returns the receiver's report (counts, and sha256 per tensor if `digest`).
+    The receiver gives up after `timeout_s` without a message from the trainer."""
+    kwargs = {"address": address, "digest": digest, **({"timeout_s": timeout_s} if timeout_s else {})}
+    return llm.collective_rpc("hybridrl_receive_weights", kwargs=kwargs)[0]
 
 
 def _rejections() -> tuple[type[BaseException], ...]:
     """What `add_request` raises for a request the engine will not serve (a prompt longer than
-    max_model_len, a token id outside the vocabulary): ValueError, and vLLM >= 0.30's
-    VLLMValidationError, which is not a ValueError."""
+    max_model_len, a token id outside the vocabulary), and nothing else: any other error (a
+    TypeError from a changed vLLM API, an engine failure) must propagate, not read as "vLLM
+    rejected every prompt". vLLM >= 0.30 raises VLLMValidationError for every request validation,
+    and it is not a ValueError there, so that class alone; older vLLM raised ValueError."""
     try:
         from vllm.exceptions import VLLMValidationError
-        return (ValueError, TypeError, VLLMValidationError)
     except ImportError:
-        return (ValueError, TypeError)
+        return (ValueError,)
+    return (ValueError,) if issubclass(VLLMValidationError, ValueError) else (VLLMValidationError,)
 
 
 REJECTED = _rejections()

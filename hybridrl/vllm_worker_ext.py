@@ -12,8 +12,9 @@ from hybridrl import ipc, vllm_compat
 
 
 class WeightReceiver:
-    def hybridrl_receive_weights(self, address: str, digest: bool = False) -> dict:
-        """Load every tensor sent to `address`; returns what arrived (and sha256s if `digest`)."""
-        receiver = ipc.BucketReceiver(address, self.model_runner.device, digest=digest)
+    def hybridrl_receive_weights(self, address: str, digest: bool = False, timeout_s: float = ipc.TIMEOUT_S) -> dict:
+        """Load every tensor sent to `address`; returns what arrived (and sha256s if `digest`).
+        Raises (and the RPC returns) after `timeout_s` without a message, or when the sender aborts."""
+        receiver = ipc.BucketReceiver(address, self.model_runner.device, digest=digest, timeout_s=timeout_s)
         vllm_compat.load_into_worker(self, receiver)
         return receiver.report

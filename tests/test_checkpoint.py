@@ -57,7 +57,7 @@ def _assert_same_steps(runs):
     assert sorted(b) == list(range(1, N + 1))  # metrics.jsonl continued: steps 1..K kept, K+1..N appended
     for s in range(1, N + 1):
         for key in ("loss", "reward", "grad_norm", "entropy_mean", "rollout_tokens"):
-            assert abs(a[s][key] - b[s][key]) <= 1e-6, (s, key, a[s][key], b[s][key])
+            assert a[s][key] == b[s][key], (s, key, a[s][key], b[s][key])  # bit-identical
     lines = (runs["part"] / "metrics.jsonl").read_text().splitlines()
     assert sum("summary" in json.loads(x) for x in lines) == 1  # the first invocation's summary was dropped
     assert runs["summary"]["steps"] == N and runs["summary"]["heldout_acc_before"] is not None

@@ -41,6 +41,20 @@ def test_bad_values_say_what_to_change():
         C.load(None, {"rollout.max_model_len": 16, "data.max_prompt_len": 15})
 
 
+def test_settings_not_built_are_refused_with_the_fix():
+    # tensor parallelism inside one rank's engine: ranks of a TP group would get different prompts and seeds
+    for mode in ("inprocess", "outofprocess"):
+        with pytest.raises(C.ConfigError, match=r"rollout.tensor_parallel_size=2 is not built: .* use "
+                                                r"rollout.tensor_parallel_size=1") as e:
+            C.load(None, {"rollout.tensor_parallel_size": 2, "rollout.mode": mode})
+        assert "\n" not in str(e.value)
+    # fp16 without loss scaling: refused; bf16 and fp32 are fine
+    with pytest.raises(C.ConfigError, match="model.dtype=float16 is not supported: .* use model.dtype=bfloat16"):
+        C.load(None, {"model.dtype": "float16"})
+    for dtype in ("auto", "bfloat16", "float32"):
+        assert C.load(None, {"model.dtype": dtype}).model.dtype == dtype
+
+
 def test_yaml_then_overrides(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text("train:\n  lr: 3.0e-5\n  steps: 9\nalgo:\n  clip_high: 0.3\n")

@@ -19,6 +19,8 @@ Where each fault of the issue's list is tested (the ones that already worked sta
                                              message); the rules: test_checkpoint.py::test_incomplete_or_
                                              truncated_checkpoint_is_never_loaded
   no space left while checkpointing          here: test_no_space_left_while_checkpointing
+  a CUDA/NCCL error while checkpointing      here: test_only_io_errors_while_saving_are_survived (it stops
+                                             the run; only I/O errors are survived)
   malformed data                             here: test_malformed_rows_name_the_row; test_train_e2e.py::
                                              test_bad_input_fails_fast_with_the_fix (CLI, exit 2);
                                              test_batch_data.py (bad JSON line, missing key, overlong prompts)
@@ -30,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -90,7 +93,7 @@ def test_kill_9_mid_step_then_resume_repeats_the_run(killed):
     assert sorted(b) == list(range(1, STEPS + 1))  # steps 1-2 kept from before the crash, 3-4 redone/new
     for s in range(1, STEPS + 1):
         for key in ("loss", "reward", "grad_norm", "entropy_mean", "rollout_tokens"):
-            assert abs(a[s][key] - b[s][key]) <= 1e-6, (s, key, a[s][key], b[s][key])
+            assert a[s][key] == b[s][key], (s, key, a[s][key], b[s][key])  # bit-identical
     assert killed["summary"]["steps"] == STEPS
 
 
@@ -157,6 +160,51 @@ def test_no_space_left_while_checkpointing(tmp_path):
             "the run ends without a checkpoint of its last steps" in res.stderr
     else:
         assert res.returncode == 0 and summary["checkpoint_failures"] == 1 and kept == ["latest", "step-1", "step-3"]
+
+
+def _torch_write_error() -> RuntimeError:
+    """What torch.save raises when the disk fills under it (DeepSpeed's shards are torch.saved)."""
+    import torch
+    try:
+        torch.save({"w": torch.zeros(1 << 16)}, "/dev/full")  # every write: ENOSPC
+    except RuntimeError as e:
+        return e
+    raise AssertionError("torch.save to /dev/full succeeded")
+
+
+@pytest.mark.parametrize("error,handled", [
+    (_torch_write_error(), True),  # "[enforce fail at inline_container.cc:...] . unexpected pos ..."
+    (OSError(5, "Input/output error"), True),
+    (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+    (__import__("torch").distributed.DistBackendError("NCCL communicator was aborted on rank 1"), False),
+    (ValueError("a bug"), False),
+], ids=["torch-enospc", "eio", "cuda", "nccl", "bug"])
+def test_only_io_errors_while_saving_are_survived(tmp_path, capsys, error, handled):
+    """Saver.save on one rank, DeepSpeed's save replaced by one that raises `error` (a state-machine
+    test of the error policy; the real full disk is test_no_space_left_while_checkpointing): an I/O
+    error is reported, its partial directory removed and training may go on; a CUDA or NCCL failure
+    or a bug propagates instead of reading as a full disk."""
+    import torch
+    from types import SimpleNamespace
+
+    from hybridrl.launch import World
+
+    def save_checkpoint(path, **kw):
+        (Path(path) / "ds").mkdir(parents=True)  # a partial shard directory
+        raise error
+
+    trainer = SimpleNamespace(engine=SimpleNamespace(save_checkpoint=save_checkpoint), hf=torch.nn.Linear(4, 4))
+    cfg = config.load(None, {"ckpt.dir": str(tmp_path / "ck")})
+    saver = checkpoint.Saver(cfg, tmp_path, World(0, 1, 0, torch.device("cpu")), tokenizer=None)
+    args = (1, trainer, SimpleNamespace(cursor=0), SimpleNamespace(last=None), {})
+    if handled:
+        assert saver.save(*args) is None and saver.failures == 1
+        assert "checkpoint of step 1 NOT saved" in capsys.readouterr().err
+        assert list((tmp_path / "ck").iterdir()) == []  # the partial tmp-step-1 was removed
+    else:
+        with pytest.raises(type(error)):
+            saver.save(*args)
+    assert checkpoint.is_io_error(error) is handled
 
 
 def test_a_stalled_rank_is_named_and_the_run_stops(tmp_path):

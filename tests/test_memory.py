@@ -1,7 +1,8 @@
 """The hybrid engine's memory life cycle, on CPU: the phase order (a state machine driven through
 the real engine_cycle and Rollout verbs, with a recording stand-in for vLLM), the allocator
 checker and toggle, the planner's arithmetic, the bucketed shared-memory transport (bitwise),
-and DeepSpeed's offload/reload of the training states (real DeepSpeed)."""
+DeepSpeed's offload/reload of the training states, and a checkpoint saved from offloaded states
+(real DeepSpeed)."""
 import multiprocessing as mp
 from pathlib import Path
 
@@ -288,7 +289,7 @@ def test_bucketed_shared_memory_hand_off_is_bitwise():
     proc = ctx.Process(target=receive_many, args=(addresses, results), daemon=True)
     proc.start()
 
-    def rpc(address, digest):
+    def rpc(address, digest, timeout_s):
         addresses.put(address)
         return results.get(timeout=120)
 
@@ -356,6 +357,80 @@ def test_offload_reload_keeps_training_bitwise(zero, world_of_one):
 
     plain, cycled = train(False), train(True)
     assert plain.keys() == cycled.keys() and all(torch.equal(plain[n], cycled[n]) for n in plain)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_checkpoint_is_saved_from_offloaded_states(zero, world_of_one, tmp_path, monkeypatch):
+    """The loop saves after the hand-off: the policy's training states and the whole critic are
+    offloaded, vLLM's KV cache is awake. Saver.save (real trainer, real critic, real DeepSpeed)
+    must save them from there: no reload verb and no DeepSpeed reload_states runs, the engines are
+    still offloaded afterwards, and the saved states continue training bit for bit. DeepSpeed's
+    offload_states runs CPU->CPU here: the same bookkeeping as a GPU's move to host memory."""
+    from types import SimpleNamespace
+
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+    from transformers import AutoTokenizer
+
+    from hybridrl import checkpoint
+    from hybridrl.batch import Batch
+    from hybridrl.critic import Critic
+    from hybridrl.launch import World
+    from hybridrl.trainer import Trainer
+
+    cpu = torch.device("cpu")
+    cfg = config.load(None, {"train.zero_stage": zero, "algo.advantage": "gae", "ckpt.dir": str(tmp_path / "ck")})
+    g = torch.Generator().manual_seed(1)
+    batch = Batch.from_rows([[1, 2, 3]] * 4, [torch.randint(3, 12, (4,), generator=g).tolist() for _ in range(4)],
+                            [[-1.0] * 4] * 4, [1.0, -1.0, 0.5, -0.5])
+
+    def engines():
+        torch.manual_seed(0)
+        kw = dict(device=cpu, dtype=torch.float32, attn_implementation="sdpa")
+        return Trainer(cfg, DEMO, **kw), Critic(cfg, DEMO, **kw)
+
+    def train(trainer, critic):
+        trainer.step(batch)
+        batch.values = critic.values(batch)
+        batch.returns = batch.values + batch.loss_mask.float()  # [B, T]
+        critic.step(batch)
+
+    def state(trainer, critic):  # every parameter of both engines, gathered under ZeRO-3
+        import deepspeed
+        out = {f"policy.{n}": p.clone() for n, p in trainer.named_parameters_for_sync(1 << 20)}
+        params = list(critic.engine.module.named_parameters())
+        with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=zero == 3):
+            out.update({f"critic.{n}": p.detach().clone() for n, p in params})
+        return out
+
+    trainer, critic = engines()
+    train(trainer, critic)
+    trainer._offload_states(params=False)  # what engine_cycle.hand_off does on a GPU
+    critic.engine.offload_states(device=OffloadDeviceEnum.cpu, pin_memory=False)  # what Critic.offload does there
+    offloaded = (set(trainer.engine.optimizer.offloaded_states), set(critic.engine.optimizer.offloaded_states))
+    assert "hp_params" in {s.value for s in offloaded[0]} and "optim_states" in {s.value for s in offloaded[1]}
+    reloads = []
+    saver = checkpoint.Saver(cfg, tmp_path, World(0, 1, 0, cpu), AutoTokenizer.from_pretrained(DEMO))
+    with pytest.MonkeyPatch.context() as spy:  # record every way back onto the device
+        for obj in (trainer, critic, trainer.engine, critic.engine):
+            for verb in ("reload", "reload_states"):
+                if hasattr(obj, verb):
+                    real = getattr(obj, verb)
+                    spy.setattr(obj, verb, lambda *a, _r=real, _n=f"{type(obj).__name__}.{verb}", **k: (
+                        reloads.append(_n), _r(*a, **k))[1])
+        ck = saver.save(1, trainer, SimpleNamespace(cursor=0), SimpleNamespace(last=None), {}, critic=critic)
+    assert ck is not None and checkpoint.is_complete(ck)
+    assert reloads == []  # nothing came back onto the device for the save
+    assert (set(trainer.engine.optimizer.offloaded_states), set(critic.engine.optimizer.offloaded_states)) == offloaded
+
+    trainer._reload_states()
+    critic.engine.reload_states()
+    train(trainer, critic)  # the run goes on
+    resumed = engines()
+    resumed[0].load_checkpoint(str(ck), checkpoint.DS_TAG)
+    resumed[1].load_checkpoint(str(ck))
+    train(*resumed)  # the same step from the checkpoint
+    ours, theirs = state(trainer, critic), state(*resumed)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
 def test_engine_env_per_mode(monkeypatch):

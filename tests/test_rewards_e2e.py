@@ -83,9 +83,15 @@ DROP_SCRIPT = textwrap.dedent('''
     submit = scorer.submit
     scorer.submit = lambda *a: (while_generating.append(rollout.llm.llm_engine.has_unfinished_requests()), submit(*a))
     ro = Collector(cfg, rollout, scorer, tok, ok + [too_long, bad_token], Sampler(4, 0), world).batch(1, Phases())
+    try:  # an error that is not the engine's validation (here a TypeError inside it) is not a rejection
+        rollout.generate([[5, "x"]], 1, temperature=1.0, top_p=1.0, max_tokens=2)
+        raised = None
+    except TypeError as e:
+        raised = type(e).__name__
     print("RESULT", json.dumps({"prompts": sorted(p.text for p in ro.prompts), "samples": len(ro.samples),
                                 "shape": list(ro.rewards.shape), "dropped": ro.metrics["dropped_prompts"],
-                                "submits": len(while_generating), "early": any(while_generating)}))
+                                "submits": len(while_generating), "early": any(while_generating),
+                                "raised": raised}))
 ''')
 
 
@@ -98,5 +104,5 @@ def test_prompt_vllm_rejects_is_dropped_and_counted_and_samples_scored_as_they_f
     # 2 of 4 prompts served, 8 samples each; every sample scored on its own, and some of them while
     # the engine still had others to generate (the scorer does not wait for the batch)
     assert json.loads(line[7:]) == {"prompts": ["1+2=", "3+4="], "samples": 16, "shape": [2, 8], "dropped": 2,
-                                    "submits": 16, "early": True}
+                                    "submits": 16, "early": True, "raised": "TypeError"}
     assert "vLLM rejected prompt" in out.stderr + out.stdout and "out of vocabulary" in out.stderr + out.stdout

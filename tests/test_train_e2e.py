@@ -38,6 +38,10 @@ def test_loop_runs_and_hand_off_is_exact(tmp_path, nproc, zero, kernels):
         assert s["probe_delta"] > 1e-6, s  # and they changed since the previous hand-off
     assert "held-out accuracy:" in out.stdout
     assert 0.0 <= summary["heldout_acc_after"] <= 1.0
+    # host memory: every rank's, once, before vLLM starts; rank 0's in every step's metrics
+    line = next(x for x in out.stdout.splitlines() if x.startswith("host memory per rank"))
+    assert all(f"rank {r} " in line for r in range(nproc)) and f"rank {nproc} " not in line, line
+    assert all(0.1 < s["host/rss_gb"] <= s["host/peak_gb"] < 20 for s in steps), steps[0]
 
 
 REWARD_MODULE = '''

@@ -67,3 +67,15 @@ def test_liger_micro_batches_sum_to_the_batch(agg):
     whole, _ = loss_and_grads("liger", agg, True)
     halves = sum(loss_and_grads("liger", agg, True, row_idx=torch.tensor(i))[0] for i in ([0, 1], [2, 3]))
     torch.testing.assert_close(halves, whole, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("attr,value", [("final_logit_softcapping", 30.0), ("logit_scale", 0.5)])
+def test_models_that_transform_their_logits_are_refused_with_a_clear_error(attr, value):
+    """The fused path reads the head's weight, not lm_head's forward: a model that softcaps or scales
+    its logits (Gemma 2, Cohere) would be scored wrong, so it is refused with a one-line UserError."""
+    from hybridrl.config import UserError
+    model = tiny_model()
+    setattr(model.config, attr, value)
+    with pytest.raises(UserError, match=f"applies {attr}={value} to its logits.*use a model without it") as e:
+        _TokenLogprobs(model, "torch", chunk=16)
+    assert "\n" not in str(e.value)
