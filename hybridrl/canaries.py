@@ -4,13 +4,17 @@ behind the mean metrics.
 `Canaries.check(step, metrics)` is fed each step's metrics dict (what `loop.train` logs) and
 returns the warnings that step raised. A warning fires when its condition starts to hold and
 stays quiet while it keeps holding, so a run stuck in one state prints one line, not one per
-step; it re-arms once the condition clears (the slow-step canary only after a 20-step cooldown). `RunLog.step` calls it on rank 0 and writes each
-warning to the console and to metrics.jsonl as `{"step", "warning"}`.
+step; it re-arms once the condition clears (the slow-step canary only after a cooldown).
+`RunLog.step` calls it on rank 0 and writes each warning to the console and to metrics.jsonl as
+`{"step", "warning"}`.
 
 The thresholds follow the seeds' tuning guide: more than 30% of tokens clipped means the
 sampling policy has drifted from the trained one (stale sync or a kernel mismatch); a 20% step
 time creep is the cheapest early signal of KV-cache fragmentation or a slow verifier; a jump in
-the trainer-vs-vLLM log-prob gap after a hand-off is a bug, not noise.
+the trainer-vs-vLLM log-prob gap after a hand-off is a bug, not noise. The step-time canary waits
+for a *sustained* creep (the recent median above the baseline for two recent-windows in a row)
+and ignores steps under a minimum absolute time: on a shared machine a 0.15 s step wobbles by
+1.2-1.3x for a few steps at a time, and a warning for that would teach users to ignore warnings.
 
 `distribution_metrics(...)` turns per-sample lists into flat `name/p10`, `/p50`, `/p90` floats.
 """
@@ -58,15 +62,24 @@ class Thresholds:
     slow_factor: float = 1.2  # recent step time vs the median of the `window` steps before
     # "recent step time" is the median of the last `recent` steps: one slow step on a shared machine
     # is jitter, a slowdown that lasts (a leak, a growing cache, a lost kernel) moves this median
-    recent: int = 5
+    recent: int = 10
+    # ... and it must stay above slow_factor x the baseline for this many steps in a row (two
+    # recent-windows): a machine-load wobble moves the median for a few steps, a regression stays
+    sustain: int = 20
+    # below this recent median (seconds per step) nothing is called slow: at the demo's 0.15 s a
+    # neighbour's job moves step times by 20-30% and a regression worth a warning costs more
+    min_step_s: float = 0.25
     gap_factor: float = 10.0  # logp_gap_mean vs the median of the last `window` steps
     # fp32 gaps are ~1e-7 and jump 10x from rounding alone; below this the gap is noise
     gap_floor: float = 1e-3
-    window: int = 20
+    # baseline of the step-time canary (the steps before the recent ones): long enough that the
+    # slow steps of a sustained slowdown are still a minority of it when the canary fires
+    window: int = 50
+    gap_window: int = 20  # baseline of the log-prob gap canary
     min_history: int = 5  # a median of fewer steps (compile, warm caches) is not a baseline
     # after a slow-step warning, stay quiet this many steps: on a shared or noisy machine single
     # slow steps come and go, and a warning every few steps would drown the others
-    slow_cooldown: int = 20
+    slow_cooldown: int = 50
 
 
 class Canaries:
@@ -75,7 +88,8 @@ class Canaries:
     def __init__(self, thresholds: Thresholds | None = None):
         self.t = thresholds or Thresholds()
         self.times: deque[float] = deque(maxlen=self.t.window + self.t.recent)
-        self.gaps: deque[float] = deque(maxlen=self.t.window)
+        self.gaps: deque[float] = deque(maxlen=self.t.gap_window)
+        self.slow_streak = 0  # consecutive steps whose recent median was slow (see _slow)
         self.active: set[str] = set()
         self.fired_at: dict[str, int] = {}
 
@@ -122,10 +136,13 @@ def _slow(c: Canaries, step: int, m: dict) -> str | None:
         return None
     times = list(c.times) + [step_time(m)]
     t, base = median(times[-k:]), median(times[:-k])
-    if t > c.t.slow_factor * base:
+    slow = t > c.t.slow_factor * base and t >= c.t.min_step_s
+    c.slow_streak = c.slow_streak + 1 if slow else 0
+    if c.slow_streak >= c.t.sustain:
         worst = max((key for key in m if key.startswith("time/")), key=m.__getitem__)
         return (f"steps now take {t:.2f}s (median of the last {k}), {t / base:.1f}x the median {base:.2f}s of "
-                f"the {len(times) - k} before (longest phase now: {worst.split('/', 1)[1]} {m[worst]:.2f}s)")
+                f"the {len(times) - k} before, for {c.slow_streak} steps (longest phase now: "
+                f"{worst.split('/', 1)[1]} {m[worst]:.2f}s)")
     return None
 
 

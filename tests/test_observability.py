@@ -127,24 +127,61 @@ def test_clip_fraction_warns_once_per_crossing():
     assert "clipped" in out[0][1] and "40%" in out[0][1]
 
 
-def test_slow_step_against_recent_median():
-    stream = [_step() for _ in range(3)] + [_step(**{"time/train": 5.0})]  # slow, but no baseline yet
-    stream += [_step() for _ in range(10)] + [_step(**{"time/train": 1.5})]  # one 2.5 s step: jitter
-    stream += [_step(**{"time/train": 1.3}) for _ in range(3)]  # a lasting 2.3 s: 1.15x, fine
-    assert fired(stream) == []
-    stream += [_step(**{"time/train": 1.5}) for _ in range(3)]  # a lasting 2.5 s: 1.25x the 2 s median
-    out = fired(stream)
-    assert [i for i, _ in out] == [len(stream)]  # fires once 3 of the last 5 steps are slow
-    assert "1.2x the median 2.00s" in out[0][1] and "train" in out[0][1]
+def _timed(seconds: float, **kw):
+    """A step of `seconds` wall time, split over two phases."""
+    return _step(**{"time/generate": seconds / 2, "time/train": seconds / 2}, **kw)
 
 
-def test_slow_steps_on_a_noisy_machine_stay_quiet():
-    stream = [_step() for _ in range(10)]
-    for i in range(60):  # every 4th step is 2x slower: noise, not a regression
-        stream.append(_step(**{"time/train": 3.0}) if i % 4 == 0 else _step())
-    assert fired(stream) == []
-    stream += [_step(**{"time/train": 3.0}) for _ in range(40)]  # then every step is: a regression
-    assert [i for i, _ in fired(stream)] == [73]  # once, at the 3rd slow step in a row
+def _noisy_healthy(n: int, step_s: float, seed: int = 0) -> list[float]:
+    """Step times of a healthy run on a shared machine: +-10% jitter, single 2x spikes, and
+    stretches of 3-15 steps at 1.2-1.3x while a neighbour's job runs (what the demo showed), each
+    followed by at least 10 ordinary steps."""
+    import random
+    rng = random.Random(seed)
+    out: list[float] = []
+    while len(out) < n:
+        if rng.random() < 0.15:  # a neighbour's job: a stretch at 1.2-1.3x
+            out += [step_s * rng.uniform(1.2, 1.3) * rng.uniform(0.95, 1.05) for _ in range(rng.randint(3, 15))]
+            out += [step_s * rng.uniform(0.9, 1.1) for _ in range(10)]
+        elif rng.random() < 0.05:
+            out.append(step_s * 2.0)  # one step stalled
+        else:
+            out.append(step_s * rng.uniform(0.9, 1.1))
+    return out[:n]
+
+
+def test_slow_step_noisy_but_healthy_stays_silent():
+    """0.15 s steps wobbling 1.2-1.3x (issue: 12 warnings on one healthy demo run): silent, on
+    several seeds; the same wobble on 1 s steps (above min_step_s) is silent too, since no stretch
+    lasts two recent-windows."""
+    for seed in range(5):
+        for step_s in (0.15, 1.0):
+            times = _noisy_healthy(400, step_s, seed)
+            assert fired([_timed(t) for t in times]) == [], (seed, step_s)
+
+
+def test_slow_step_fires_on_a_sustained_2x_slowdown():
+    times = _noisy_healthy(100, 0.15, seed=1)
+    slow = [2 * t for t in _noisy_healthy(60, 0.15, seed=2)]  # from step 101 on, every step takes 2x
+    out = fired([_timed(t) for t in times + slow])
+    assert len(out) == 1, out  # once, not once per slow step
+    step, text = out[0]
+    # the median of the last 10 turns slow at the 6th slow step (106), then must stay slow for 20
+    # steps: 125 (a slow stretch inside the noise can start the streak a step or two early)
+    assert 120 <= step <= 126, step
+    assert "x the median 0.1" in text and "for 20 steps" in text
+
+
+def test_slow_step_ignores_fast_steps_and_short_stretches():
+    # a 2x slowdown of 0.1 s steps (0.2 s < min_step_s 0.25): not worth a warning
+    assert fired([_timed(0.1) for _ in range(60)] + [_timed(0.2) for _ in range(60)]) == []
+    # 1 s steps at 1.5x for L steps: the median of the last 10 is slow (1.25x or more) from the 5th
+    # slow step to 5 steps after the last, L + 1 steps; L = 15 is a stretch, not a regression
+    stretch = [_timed(1.0) for _ in range(60)] + [_timed(1.5) for _ in range(15)] + [_timed(1.0) for _ in range(40)]
+    assert fired(stretch) == []
+    # L = 30 fires once, when the streak reaches 20 (step 65 + 19)
+    long = [_timed(1.0) for _ in range(60)] + [_timed(1.5) for _ in range(30)] + [_timed(1.0) for _ in range(5)]
+    assert [i for i, _ in fired(long)] == [84]
 
 
 def test_logp_gap_jump_after_hand_off():
