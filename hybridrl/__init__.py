@@ -17,12 +17,14 @@ __all__ = ["Config", "load_config", "train"]
 
 def train(config: Config | str | None = None, overrides: dict | None = None) -> dict:
     """Train in the calling process (a notebook, a script under torchrun/accelerate)."""
-    from . import env
-    env.setup()  # before torch/vLLM/DeepSpeed are imported by the loop
+    from . import env, preflight
     from .config import apply
     if isinstance(config, str):
         config = load_config(config, overrides)
     elif overrides:
         config = apply(config or Config(), overrides)
+    config = config or Config()
+    env.setup(verbose=config.log.verbose)  # before torch/vLLM/DeepSpeed are imported by the loop
+    preflight.check(config)  # a missing file or a bad reward module fails now, not after the imports
     from .loop import train as _train
-    return _train(config or Config())
+    return _train(config)

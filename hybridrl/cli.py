@@ -3,6 +3,10 @@
     hybridrl train                                   # the embedded demo
     hybridrl train --config run.yaml --algo.clip_high 0.28 --set train.lr=1e-5
     hybridrl train --model Qwen/Qwen2.5-0.5B --data train.jsonl --reward mymod:score --nproc 8
+
+A boolean takes `--log.progress`, `--log.no_progress` or `--log.progress true|false`. `train --help`
+is plain text grouped by section (model, rollout, train, ...), each option on its own line with
+its help below, so whole option names show at any terminal width.
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ import sys
 import typing
 from typing import Optional
 
+import textwrap
+
 import typer
+import typer.core
 
 from . import config as C
 
@@ -23,6 +30,36 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="
 SHORTCUTS = {"model": "model.path", "data": "data.path", "reward": "reward.fn", "steps": "train.steps",
              "resume": "ckpt.resume"}
 LAUNCH = ("nproc", "nnodes", "node_rank", "rdzv_endpoint")
+
+
+TRUE, FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def bool_words(argv: list[str]) -> list[str]:
+    """`--group.flag true|false` (and `--group.flag=false`) as the flag forms click parses:
+    `--group.flag` / `--group.no_flag`. Other arguments pass through unchanged."""
+    flags = {f"--{key}": key for key, f in C.leaves().items() if C._field_type(*key.split(".")) is bool}
+    out, i = [], 0
+    while i < len(argv):
+        a = argv[i]
+        head, eq, value = a.partition("=")
+        if head in flags and (eq or (i + 1 < len(argv) and not argv[i + 1].startswith("-"))):  # train takes
+            # no positional arguments: a word after a boolean is its value
+            if not eq:
+                value, i = argv[i + 1], i + 1
+            if value.lower() not in TRUE + FALSE:
+                raise C.ConfigError(f"{head} {value}: a boolean takes true or false (or {head} / "
+                                    f"{_negated(flags[head])})")
+            out.append(head if value.lower() in TRUE else _negated(flags[head]))
+        else:
+            out.append(a)
+        i += 1
+    return out
+
+
+def _negated(key: str) -> str:
+    group, name = key.split(".")
+    return f"--{group}.no_{name}"
 
 
 def _param_name(key: str) -> str:
@@ -59,16 +96,19 @@ def _train(**kw) -> None:
             overrides[key] = kw.pop(short)
         kw.pop(short, None)
     overrides.update({k.replace("__", "."): v for k, v in kw.items() if v is not None})
+    nproc = launch_opts["nproc"]
     try:
         cfg = C.load(cfg_file, overrides)
         if cfg.ckpt.resume and not cfg_file:  # a resumed run keeps its own config; the command line overrides it
             from .checkpoint import saved_config
             cfg = C.load(saved_config(cfg), overrides)
+        from . import env, preflight
+        env.setup(verbose=cfg.log.verbose)  # still before torch/vLLM/DeepSpeed are imported
+        preflight.check(cfg, nproc)  # paths, the reward module, settings: in a second, not after the imports
     except C.UserError as e:
         _fail(str(e))
 
     from . import launch
-    nproc = launch_opts["nproc"]
     if nproc > 1 and not launch.under_launcher():
         argv = _strip_launch_flags(sys.argv[1:])
         raise typer.Exit(launch.spawn(nproc, argv, nnodes=launch_opts["nnodes"], node_rank=launch_opts["node_rank"],
@@ -137,7 +177,48 @@ def _build_train_command():
     return train
 
 
-app.command("train")(_build_train_command())
+class _PlainHelp(typer.core.TyperCommand):
+    """`train --help` as plain text: ~100 options do not fit rich's four-column table at 80 columns
+    (it cut names to `--algo.skip_zero_ad…`). Each option gets its own line, its help wrapped below;
+    the sections are the config groups, as in the YAML file."""
+
+    def format_help(self, ctx, formatter) -> None:  # typer's (vendored) click Context and HelpFormatter
+        self.format_usage(ctx, formatter)
+        self.format_help_text(ctx, formatter)
+        width = max(formatter.width, 40)
+        groups: dict[str, list] = {}
+        for p in self.get_params(ctx):
+            if p.param_type_name == "option" and not p.hidden:
+                groups.setdefault(getattr(p, "rich_help_panel", None) or "options", []).append(p)
+        formatter.write_paragraph()
+        formatter.write_text("Any field below is also --set group.field=value or a YAML key; a boolean takes "
+                             "--group.flag, --group.no_flag or --group.flag true|false.")
+        for group, params in groups.items():
+            formatter.write_paragraph()
+            formatter.write(f"{group}:\n")
+            for p in params:
+                formatter.write(f"  {_option_line(p, ctx)}\n")
+                if p.help:
+                    formatter.write(textwrap.fill(p.help, width, initial_indent=" " * 6,
+                                                  subsequent_indent=" " * 6, break_on_hyphens=False) + "\n")
+
+
+def _option_line(p, ctx) -> str:
+    """`--train.lr FLOAT`, `--log.progress [true|false]`, `--algo.loss_agg [token_mean|...]`."""
+    names = ", ".join(sorted(p.opts, key=len))
+    if p.is_flag:
+        return f"{names} [true|false]" if p.secondary_opts else names
+    key = (p.name or "").replace("__", ".")
+    tp = C._field_type(*key.split(".")) if key in C.leaves() else p.type_descriptor.annotation
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if typing.get_origin(tp) is typing.Literal:
+        return f"{names} [{'|'.join(map(str, args))}]"
+    if args and typing.get_origin(tp) is not list:  # Optional[X]
+        tp = args[0]
+    return f"{names} {'LIST' if typing.get_origin(tp) is list or tp is list else tp.__name__.upper()}"
+
+
+app.command("train", cls=_PlainHelp)(_build_train_command())
 
 
 @app.command("export")
@@ -192,4 +273,9 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="Print the checks 
 def main() -> None:
     from . import env
     env.setup()  # caches and platform variables before anything imports torch/vLLM/DeepSpeed
-    app()
+    try:
+        args = bool_words(sys.argv[1:])
+    except C.UserError as e:
+        typer.secho(f"error: {e}", fg="red", err=True)
+        raise SystemExit(2) from None
+    app(args=args)

@@ -197,6 +197,8 @@ class LogConfig:
                        "as eval/mean@n (0 = off; greedy pass@1 is always logged).")
     eval_temperature: float = knob(1.0, "Sampling temperature of the eval_n samples.")
     progress: bool = knob(True, "Print a live progress line.")
+    verbose: bool = knob(False, "Show everything vLLM, DeepSpeed, torch and transformers print (their info lines, "
+                         "harmless warnings, load bars); off: only their errors and hybridrl's own lines.")
     tensorboard: bool = knob(False, "Also write TensorBoard events to <run_dir>/tensorboard (needs the 'log' extra).")
     wandb: bool = knob(False, "Also log to Weights & Biases (needs the 'log' extra).")
     wandb_project: str = knob("hybridrl", "Weights & Biases project name.")

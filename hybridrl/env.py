@@ -2,6 +2,7 @@
 
 Caches go under $HYBRIDRL_CACHE_DIR (the Makefile points it into the work tree; default a temp
 dir), never ~/.cache, so a fresh machine builds what it needs in a place the setup controls.
+The libraries' console output is quiet unless `log.verbose` (logs.py).
 """
 
 from __future__ import annotations
@@ -22,8 +23,19 @@ def has_cuda() -> bool:
     return any(Path(p).exists() for p in ("/dev/nvidia0", "/dev/nvidiactl"))
 
 
-def setup() -> None:
-    """Idempotent; only fills variables the user has not set."""
+_OURS: dict[str, str] = {}  # the logging variables setup() set (logs.environment)
+_VERBOSE = False
+
+
+def setup(verbose: bool | None = None) -> None:
+    """Idempotent; only fills variables the user has not set. `verbose` (log.verbose): the
+    libraries' own console output as they print it; None keeps the last choice (quiet at first).
+    The CLI calls it before parsing (quiet) and again with the config's choice, before anything
+    heavy is imported."""
+    global _VERBOSE
+    from . import logs
+
+    _VERBOSE = _VERBOSE if verbose is None else verbose
     root = cache_dir()
     defaults = {
         "TORCH_EXTENSIONS_DIR": root / "torch_extensions",  # DeepSpeed JIT ops
@@ -37,7 +49,6 @@ def setup() -> None:
         # rollout.mode=inprocess: one in-process engine per rank, ~3 s start instead of ~30 s, tensors
         # passed by reference (vllm_compat.engine_env sets it per mode when the engine is built)
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CONFIGURE_LOGGING": "0",
         "TOKENIZERS_PARALLELISM": "false",
         "HF_HUB_DISABLE_TELEMETRY": "1",
     }
@@ -51,6 +62,8 @@ def setup() -> None:
         os.environ.setdefault(key, str(value))
     if os.environ.get("TORCH_CUDA_ARCH_LIST"):
         os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
+    logs.environment(os.environ, _VERBOSE, _OURS)
+    logs.quiet_python(_VERBOSE)
 
 
 def deepspeed_arch_list(value: str) -> str:

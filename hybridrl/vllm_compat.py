@@ -41,6 +41,9 @@ def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: 
         kw["worker_extension_cls"] = "hybridrl.vllm_worker_ext.WeightReceiver"
     else:
         kw["distributed_executor_backend"] = "external_launcher"  # this process is the worker
+    if "use_tqdm_on_load" in fields:  # its "Loading safetensors checkpoint shards" bars, only with log.verbose
+        from . import logs
+        kw["use_tqdm_on_load"] = logs.verbose()
     if "logprobs_mode" in fields:
         # log-probs of the distribution actually sampled from (after temperature), which is
         # what the trainer scores; the default "raw_logprobs" ignores temperature

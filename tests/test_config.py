@@ -75,7 +75,7 @@ def test_cli_help_shows_groups_and_rejects_typos():
     out = run("--help")
     assert out.returncode == 0
     for group in C.GROUPS:
-        assert f" {group} " in out.stdout, group
+        assert f"\n{group}:\n" in out.stdout, group
     bad = run("--algo.clip_hgh", "0.3")
     assert bad.returncode == 2 and "--algo.clip_high" in bad.stderr
     bad = run("--set", "algo.clip_hgh=0.3")

@@ -31,8 +31,9 @@ def demo_run(tmp_path_factory):
     cmd = [sys.executable, "-m", "hybridrl", "train", "--steps", str(STEPS), "--train.prompts_per_step", "4",
            "--rollout.n", "4", "--log.eval_every", "2", "--log.eval_size", "16", "--log.tensorboard",
            "--log.run_dir", str(run_dir)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-8000:]
+    (run_dir.parent / "console.txt").write_text(out.stdout)  # stdout and stderr as a terminal shows them
     return run_dir
 
 
@@ -59,6 +60,19 @@ def test_demo_run_writes_the_metrics(demo_run):
     acc.Reload()
     assert [e.step for e in acc.Scalars("reward")] == list(range(1, STEPS + 1))
     assert [e.step for e in acc.Scalars("heldout_acc")] == [0, 2, STEPS]
+
+
+def test_demo_run_console_is_quiet(demo_run):
+    """What a newcomer sees before the first step line: hybridrl's own lines (host memory, the
+    CPU sleep note) and none of the ~30 lines vLLM, DeepSpeed and torch print on a healthy run
+    (NUMA binding, LD_PRELOAD advice, set_num_threads, FutureWarnings, Triton, load bars);
+    `--log.verbose` shows those (logs.py)."""
+    lines = (demo_run.parent / "console.txt").read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("step "))
+    assert first <= 5, lines[:first]
+    text = "\n".join(lines)
+    for noise in ("NUMA binding", "LD_PRELOAD", "set_num_threads", "FutureWarning", "Triton", "Loading "):
+        assert noise not in text, noise
 
 
 def test_demo_run_logs_distributions(demo_run):

@@ -1,0 +1,59 @@
+"""Checks that run before torch, vLLM and DeepSpeed are imported (~10 s on a small machine), so
+a wrong path, a reward module that does not import or settings that cannot work together fail in
+about a second, with one line naming the fix.
+
+    hybridrl train --data missing.jsonl   ->   error: data.path=missing.jsonl: no such file ...
+
+`check(cfg, nproc)` raises `UserError`. It judges only what it can see without the engines: a
+file's rows are read (and judged) later by data.py, a hub model name is resolved by transformers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from . import data, rewards
+from .config import Config, ConfigError
+
+
+def check(cfg: Config, nproc: int = 1) -> None:
+    for key, path in _data_paths(cfg):
+        _data_file(key, path)
+    for key, path in _model_paths(cfg):
+        if _looks_local(path) and not Path(path).expanduser().is_dir():
+            raise ConfigError(f"{key}={path}: not a model directory (a local path must be a Hugging Face model "
+                              "directory; a hub name looks like Org/name)")
+    resume = cfg.ckpt.resume
+    if resume and resume != "auto" and not Path(resume).exists():
+        raise ConfigError(f"ckpt.resume={resume}: no such run directory or checkpoint (use 'auto' to continue the "
+                          f"newest run under log.run_dir, or a directory that `hybridrl train` wrote)")
+    rewards.load_terms(cfg.reward.fn, cfg.reward.format_pattern)  # imports a user module: its errors show now
+    if nproc > 1 and cfg.train.prompts_per_step % nproc:
+        raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by the {nproc} "
+                          f"ranks of --nproc {nproc}")
+
+
+def _data_paths(cfg: Config) -> list[tuple[str, str]]:
+    out = [] if cfg.data.path == "demo" else [("data.path", cfg.data.path)]
+    return out + ([("data.heldout_path", cfg.data.heldout_path)] if cfg.data.heldout_path else [])
+
+
+def _data_file(key: str, path: str) -> None:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ConfigError(f"{key}={path}: no such file or directory (relative to {Path.cwd()})")
+    if p.is_file() and p.suffix.lower() not in data.READERS:
+        raise ConfigError(f"{key}={path}: unknown format {p.suffix!r}; use .jsonl, .json, .parquet, .csv or a "
+                          "directory written by datasets' save_to_disk")
+
+
+def _model_paths(cfg: Config) -> list[tuple[str, str]]:
+    pairs = [("model.path", cfg.model.path), ("algo.ref_path", cfg.algo.ref_path),
+             ("algo.critic_path", cfg.algo.critic_path)]
+    return [(k, v) for k, v in pairs if v and v != "demo"]
+
+
+def _looks_local(path: str) -> bool:
+    """A path, not a hub name: absolute, home- or dot-relative, or an existing entry. 'Org/name'
+    could be either; it is left to transformers."""
+    return path.startswith(("/", "~", "./", "../")) or path in (".", "..") or Path(path).exists()

@@ -1,0 +1,83 @@
+"""The command line a newcomer meets: booleans in every spelling, `train --help` at 80 columns,
+bad input that fails in about a second with one line, and the libraries' output kept quiet."""
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hybridrl import config as C
+from hybridrl import logs
+from hybridrl.cli import bool_words
+
+
+def hybridrl(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "hybridrl", *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def test_booleans_take_true_false_and_no_forms():
+    argv = ["train", "--log.progress", "false", "--algo.skip_zero_advantage", "TRUE", "--log.tensorboard",
+            "--rollout.enable_prefix_caching=off", "--steps", "3", "--log.no_wandb", "--log.verbose"]
+    assert bool_words(argv) == ["train", "--log.no_progress", "--algo.skip_zero_advantage", "--log.tensorboard",
+                                "--rollout.no_enable_prefix_caching", "--steps", "3", "--log.no_wandb",
+                                "--log.verbose"]
+    assert bool_words(["train", "--train.lr", "1e-5", "--set", "log.progress=false"]) == \
+        ["train", "--train.lr", "1e-5", "--set", "log.progress=false"]  # not booleans: untouched
+    with pytest.raises(C.ConfigError, match=r"--log.progress maybe: a boolean takes true or false "
+                                            r"\(or --log.progress / --log.no_progress\)"):
+        bool_words(["train", "--log.progress", "maybe"])
+
+
+def test_help_at_80_columns_shows_whole_option_names():
+    out = hybridrl("train", "--help", env={"COLUMNS": "80"})
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, max(lines, key=len)
+    names = {line.split()[0] for line in lines if line.startswith("  --")}
+    assert {f"--{key}" for key in C.leaves()} <= names  # every field, whole (no '…')
+    assert "--algo.skip_zero_advantage" in names and "…" not in out.stdout
+    heads = [line[:-1] for line in lines if line.endswith(":") and not line.startswith(" ")]
+    assert heads == ["options", "launch", *C.GROUPS]  # grouped as the YAML file is
+    assert "  --log.progress [true|false]" in lines and "  --algo.loss_agg [token_mean|seq_mean_token_mean|" \
+        "seq_mean_token_sum_norm]" in lines
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--data", "missing.jsonl"], "error: data.path=missing.jsonl: no such file or directory"),
+    # booleans spelled with a value parse (the error is the data's, not "unexpected extra argument")
+    (["--log.progress", "false", "--algo.skip_zero_advantage", "false", "--data", "missing.jsonl"],
+     "error: data.path=missing.jsonl: no such file"),
+    (["--reward", "no_such_module:score"], "error: reward.fn='no_such_module:score': cannot import"),
+    (["--model", "./no_such_dir"], "error: model.path=./no_such_dir: not a model directory"),
+    (["--log.progress", "maybe"], "error: --log.progress maybe: a boolean takes true or false"),
+    (["--nproc", "3"], "error: train.prompts_per_step=16 must be divisible by the 3 ranks"),
+])
+def test_bad_input_fails_fast_in_one_line(args, message):
+    t0 = time.perf_counter()
+    out = hybridrl("train", *args)
+    took = time.perf_counter() - t0
+    assert out.returncode == 2 and out.stdout == "", (out.stdout, out.stderr)
+    assert out.stderr.startswith(message) and out.stderr.count("\n") == 1, out.stderr
+    assert took < 10, took  # ~0.5 s idle (the bound leaves room for a loaded machine): no torch import
+
+
+def test_quiet_environment_leaves_the_users_variables():
+    environ, ours = {"TORCH_CPP_LOG_LEVEL": "INFO"}, {}
+    logs.environment(environ, False, ours)
+    assert environ["VLLM_CONFIGURE_LOGGING"] == "1" and environ["VLLM_LOGGING_LEVEL"] == "ERROR"
+    assert environ["TORCH_CPP_LOG_LEVEL"] == "INFO"  # the user's
+    logs.environment(environ, True, ours)  # --log.verbose: back to what the libraries do
+    assert environ == {"TORCH_CPP_LOG_LEVEL": "INFO", "VLLM_CONFIGURE_LOGGING": "0"}
+    logs.environment(environ, False, ours)
+    assert environ["VLLM_LOGGING_LEVEL"] == "ERROR" and environ["TORCH_CPP_LOG_LEVEL"] == "INFO"
+
+
+def test_harmless_lines_are_recognised():
+    import logging
+    f = logs.Harmless()
+    record = lambda msg: logging.LogRecord("vllm", logging.WARNING, "x.py", 1, msg, None, None)
+    assert not f.filter(record("libtcmalloc is not found in LD_PRELOAD. For best performance, ..."))
+    assert not f.filter(record("CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding"))
+    assert f.filter(record("vLLM rejected prompt 3 of this batch (70 tokens), dropped"))
