@@ -24,6 +24,12 @@ from .launch import from_main
 from .memory import host_memory
 
 
+# every phase a step times, in the order the loop runs them (engine_cycle.py: sleep ... wake_kv);
+# `hybridrl report` stacks them in this order
+PHASES = ("generate", "sleep", "reload", "reward", "old_logprob", "ref_logprob", "values", "train", "critic",
+          "offload", "wake_weights", "sync", "wake_kv", "probe")
+
+
 class Phases(dict):
     """Wall seconds per named phase: `with phases("train"): ...`.
 
@@ -31,8 +37,7 @@ class Phases(dict):
     allocated and reserved by PyTorch's allocator, the allocator's peak during the phase, and
     what the whole device has in use (which also counts vLLM's own pool, NCCL and other
     processes): the numbers that show which role holds memory when. The loop times every part
-    of a step as a phase (generate, sleep, reload, reward, old_logprob, train, offload,
-    wake_weights, sync, wake_kv, probe), so the step metrics carry the memory after each. On every
+    of a step as a phase (PHASES), so the step metrics carry the memory after each. On every
     device it records this process's host memory: `host/rss_gb` (the most resident at the end of
     any phase of the step) and `host/peak_gb` (the process's peak so far)."""
 

@@ -19,8 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean, median
 
-PHASES = ["generate", "sleep", "reload", "reward", "old_logprob", "ref_logprob", "values", "train", "critic",
-          "offload", "wake_weights", "sync", "wake_kv", "probe"]  # the loop's order (engine_cycle.py: sleep ... wake_kv)
+from .progress import PHASES  # the loop's order
 
 
 @dataclass
@@ -61,7 +60,7 @@ def load(run_dir: str | Path) -> Run:
 
 def phase_names(run: Run) -> list[str]:
     seen = {k.split("/", 1)[1] for r in run.steps for k in r if k.startswith("time/")}
-    return [p for p in PHASES if p in seen] + sorted(seen - set(PHASES))
+    return [p for p in PHASES if p in seen] + sorted(seen - set(PHASES))  # a phase added since: last
 
 
 def memory_table(run: Run) -> dict[str, dict[str, float]]:
@@ -105,25 +104,78 @@ def _band(ax, run: Run, name: str):
         ax.fill_between(x, lo, hi, alpha=0.25, label=f"{name} p10-p90")
 
 
+def time_axis(step_s: list[float]) -> tuple[float, int]:
+    """(top of the y axis, number of warm-up steps) for the time-per-step panel.
+
+    The first steps pay for engine warm-up (vLLM's first batch, DeepSpeed's first step, kernel
+    caches): 15 s against a steady 0.2 s on the demo, which scaled the axis so the steady state
+    was a flat line at zero. Warm-up = the leading steps (at most 10) longer than 2x the median;
+    they are drawn hatched and named, and the axis fits the rest: 1.15x their largest step that
+    is at most 3x their median (a rarer spike is cut, not scaled to)."""
+    if not step_s:
+        return 1.0, 0
+    med = median(step_s)
+    warm = 0
+    while warm < min(10, len(step_s) - 1) and step_s[warm] > 2 * med:
+        warm += 1
+    steady = step_s[warm:]
+    m = median(steady)
+    top = max([t for t in steady if t <= 3 * m] or [m])
+    return (1.15 * top) or 1.0, warm
+
+
 def _phase_bars(ax, run: Run):
     bottom = [0.0] * len(run.steps)
     x = [r["step"] for r in run.steps]
+    top, warm = time_axis([sum(v for k, v in r.items() if k.startswith("time/")) for r in run.steps])
     for p in phase_names(run):
         h = [r.get(f"time/{p}", 0.0) for r in run.steps]
-        ax.bar(x, h, bottom=bottom, width=1.0, label=p, linewidth=0)
+        bars = ax.bar(x, h, bottom=bottom, width=1.0, label=p, linewidth=0)
+        for bar in list(bars)[:warm]:  # warm-up: drawn, marked, off the scale
+            bar.set_hatch("//")
+            bar.set_edgecolor("white")
         bottom = [b + v for b, v in zip(bottom, h)]
     for w in run.warnings:  # where the canaries fired
         ax.axvline(w["step"], color="red", lw=0.6, alpha=0.5)
+    warm_note = ""
+    if warm:
+        warm_note = (f" (hatched: warm-up, step{'s' if warm > 1 else ''} {x[0]}{f'-{x[warm - 1]}' if warm > 1 else ''}"
+                     f" took {', '.join(f'{b:.1f}' for b in bottom[:warm])} s, off the scale)")
+    if x:
+        ax.set_ylim(0, top)
     ax.set_title("time per step by phase (red: canary warnings)", fontsize=10)
-    ax.set_xlabel("step", fontsize=8)
+    ax.set_xlabel("step" + warm_note, fontsize=8)
     ax.set_ylabel("seconds", fontsize=8)
     if x:
         ax.legend(fontsize=7, loc="upper right")
 
 
+def reward_kind(run: Run) -> str:
+    """'binary' when every sample's reward was 0 or 1 (the quantiles say so: a verifier's pass or
+    fail), else 'continuous' (a shaped, weighted or learned reward)."""
+    for r in run.steps:
+        for q in ("p10", "p50", "p90"):
+            v = r.get(f"reward/{q}")
+            if isinstance(v, (int, float)) and v not in (0.0, 1.0):
+                return "continuous"
+    return "binary" if any("reward/p50" in r for r in run.steps) else "continuous"
+
+
 def _reward(ax, run: Run):
+    """Binary rewards: the mean is the fraction of samples solved, and a p10-p90 band would only
+    say 0-1; so the panel shows that fraction, the share of samples that carried a gradient
+    (groups neither all right nor all wrong) and held-out accuracy on one 0-1 axis. Continuous
+    rewards: mean, median and the p10-p90 band, held-out accuracy on its own axis."""
+    if reward_kind(run) == "binary":
+        _lines(ax, run, ["reward", "signal_frac"], "reward and held-out accuracy", "fraction of samples")
+        if run.evals:
+            ax.plot([e["step"] for e in run.evals], [e["heldout_acc"] for e in run.evals], "o-", color="black",
+                    label="held-out accuracy", lw=1.2, ms=3)
+        ax.set_ylim(0, 1.02)
+        ax.legend(fontsize=7, loc="best")
+        return
     _band(ax, run, "reward")
-    _lines(ax, run, ["reward", "solve_rate"], "reward and held-out accuracy", "reward")
+    _lines(ax, run, ["reward", "reward/p50"], "reward and held-out accuracy", "reward")
     if run.evals:
         twin = ax.twinx()
         twin.plot([e["step"] for e in run.evals], [e["heldout_acc"] for e in run.evals], "o-", color="black",

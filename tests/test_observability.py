@@ -122,6 +122,37 @@ def test_report_memory_panel_from_gpu_metrics(tmp_path):
     assert rows["memory in train (GiB, max)"] == "peak 50.00, allocated 20.00"
 
 
+def test_time_axis_fits_the_steady_state():
+    # the demo: step 1 pays the engines' warm-up (15.8 s), then ~0.2 s steps with one 0.9 s spike
+    steps = [15.8, 0.21, 0.19, 0.2, 0.22, 0.9, 0.2, 0.18]
+    top, warm = report.time_axis(steps)
+    assert warm == 1  # only step 1 is marked warm-up
+    assert top == pytest.approx(1.15 * 0.22)  # the spike (4.5x the median) is cut, not scaled to
+    assert report.time_axis([3.0, 2.5, 0.2, 0.2, 0.2]) == (pytest.approx(0.23), 2)  # two warm-up steps
+    assert report.time_axis([1.0, 1.1, 0.9]) == (pytest.approx(1.265), 0)  # no warm-up: all steps fit
+    assert report.time_axis([]) == (1.0, 0) and report.time_axis([5.0]) == (pytest.approx(5.75), 0)
+
+
+def test_reward_panel_by_reward_kind(tmp_path):
+    def panel(rows):
+        (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+        run = report.load(tmp_path)
+        ax = next(a for a in report.figure(run).axes if a.get_title() == "reward and held-out accuracy")
+        return report.reward_kind(run), ax
+    step = {"time/generate": 0.1, "time/train": 0.1}
+    binary = [{"step": i, "reward": 0.25 * i, "signal_frac": 0.5, "reward/p10": 0.0, "reward/p50": float(i > 2),
+               "reward/p90": 1.0, **step} for i in (1, 2, 3)] + [{"step": 3, "heldout_acc": 0.4}]
+    kind, ax = panel(binary)
+    assert kind == "binary" and ax.get_ylim()[1] == pytest.approx(1.02)
+    assert [line.get_label() for line in ax.lines] == ["reward", "signal_frac", "held-out accuracy"]
+    assert not ax.collections  # no 0-1 band that says nothing
+    continuous = [{"step": i, "reward": 0.3 + 0.1 * i, "reward/p10": 0.1, "reward/p50": 0.35, "reward/p90": 0.9,
+                   **step} for i in (1, 2, 3)]
+    kind, ax = panel(continuous)
+    assert kind == "continuous" and len(ax.collections) == 1  # the p10-p90 band
+    assert [line.get_label() for line in ax.lines] == ["reward", "reward/p50"]
+
+
 # --- canaries (pure) ---------------------------------------------------------------------------
 def _step(**kw):
     base = {"time/generate": 1.0, "time/train": 1.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0,
