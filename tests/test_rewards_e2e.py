@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from test_train_e2e import train_cli
 
 HERE = Path(__file__).parent
@@ -38,6 +40,7 @@ def test_misbehaving_reward_is_isolated_and_the_run_goes_on(tmp_path, monkeypatc
     assert "reward function raised on prompt '2+2='" in out.stdout + out.stderr
 
 
+@pytest.mark.devices(2)
 def test_dynamic_sampling_two_ranks(tmp_path):
     """8 groups per step across 2 ranks: the groups trained on all carry signal (so every kept
     sample has a non-zero GRPO advantage) and number 8 unless the round cap was hit; both ranks ran
