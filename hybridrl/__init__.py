@@ -26,5 +26,9 @@ def train(config: Config | str | None = None, overrides: dict | None = None) -> 
     config = config or Config()
     env.setup(verbose=config.log.verbose)  # before torch/vLLM/DeepSpeed are imported by the loop
     preflight.check(config)  # a missing file or a bad reward module fails now, not after the imports
+    from . import launch
     from .loop import train as _train
-    return _train(config)
+    try:
+        return _train(config)
+    finally:
+        launch.forget_world()  # RANK/MASTER_* of the world of one: gone, as before the call

@@ -179,8 +179,9 @@ def estimate(a: AlgoConfig, rewards: torch.Tensor, batch: Batch) -> tuple[torch.
     return adv, returns, metrics
 
 
-def has_signal(adv: torch.Tensor) -> torch.Tensor:
-    """[B] bool: the samples whose advantage is not 0 (on some token)."""
+def nonzero_advantage(adv: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the samples whose advantage is not 0 (on some token): those that carry a policy
+    gradient. (dapo.mixed_groups is the group-level question asked before advantages exist.)"""
     return adv != 0 if adv.dim() == 1 else (adv != 0).any(dim=1)
 
 

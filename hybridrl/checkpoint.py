@@ -52,7 +52,7 @@ import torch.distributed as dist
 import yaml
 
 from . import faults, launch
-from .config import Config, UserError, to_dict
+from .config import Config, UserError, to_dict, torch_dtype
 
 log = logging.getLogger("hybridrl")
 DS_TAG = "ds"
@@ -328,7 +328,6 @@ class Resume:
 
     def restore(self, trainer, rollout, sampler, probe, run, hand_off, critic=None) -> tuple[int, float | None]:
         """Load everything saved after step N; returns (N, held-out accuracy before training)."""
-        from . import progress
         trainer.load_checkpoint(str(self.path), DS_TAG)
         if critic:
             critic.load_checkpoint(str(self.path))
@@ -340,11 +339,7 @@ class Resume:
         sampler.cursor = self.state["cursor"]
         history = self.state["history"]
         evals = [r["heldout_acc"] for r in self.records if "heldout_acc" in r]  # incl. the one after the save
-        run.first_acc, run.last_acc = history.get("acc_before"), evals[-1] if evals else history.get("last_acc")
-        for sink in run.sinks:
-            if isinstance(sink, progress.JsonlSink):  # RunLog opened metrics.jsonl afresh: put the history back
-                for r in self.records:
-                    sink.write(r)
+        run.resume(self.records, history.get("acc_before"), evals[-1] if evals else history.get("last_acc"))
         set_rng_state(mine["rng"])  # last: the engine start, hand-off and probe above draw from it
         return self.step, history.get("acc_before")
 
@@ -412,7 +407,7 @@ def export(src: str | Path, out: str | Path) -> Path:
             raise UserError(f"{src}: no complete checkpoint under {ckpt_root(cfg, src)}")
         ck = found[0]
     cfg = yaml.safe_load((ck / "config.yaml").read_text())
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg["model"]["dtype"]]
+    dtype = torch_dtype(cfg["model"]["dtype"])
     state = get_fp32_state_dict_from_zero_checkpoint(str(ck), tag=DS_TAG)
     state = {k.removeprefix("hf."): v for k, v in state.items()}  # the trainer wraps the HF model as .hf
     hf_cfg = AutoConfig.from_pretrained(ck / "hf", trust_remote_code=cfg["model"]["trust_remote_code"])

@@ -132,7 +132,7 @@ class Collector:
         raw = torch.tensor([r for g in seen for r in g.raw])
         counts = self.scorer.counts()
         terms = [k for k in counts if k.startswith("reward/")]
-        no_signal = sum(not bool(dapo.has_signal(g.rewards[None])) for g in seen)
+        no_signal = sum(not bool(dapo.mixed_groups(g.rewards[None])) for g in seen)
         lengths = [len(s.token_ids) for s in samples]
         sums = launch.all_sum([len(samples), float(shaped.sum()), float((raw >= 1).sum()), sum(lengths),
                                sum(not s.finished for s in samples), float((shaped - raw).sum()), dropped,

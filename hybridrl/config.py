@@ -392,6 +392,13 @@ def validate(cfg: Config) -> None:
             raise ConfigError(msg)
 
 
+def torch_dtype(name: str):
+    """model.dtype's torch.dtype (a resolved name, not 'auto'). torch is imported here, not at the
+    top: the CLI reads the config before anything heavy is imported."""
+    import torch
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
 def _fraction_or_auto(value: str) -> bool:
     try:
         return value == "auto" or 0 < float(value) <= 1

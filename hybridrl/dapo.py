@@ -11,7 +11,7 @@ from typing import Callable, Iterable
 import torch
 
 
-def has_signal(rewards: torch.Tensor) -> torch.Tensor:
+def mixed_groups(rewards: torch.Tensor) -> torch.Tensor:
     """[P, n] rewards -> [P] bool: groups whose rewards are not all equal (all-equal groups get a
     zero advantage under GRPO/RLOO/Dr.GRPO, so they carry no gradient; DAPO eq. 11's constraint
     0 < |{correct}| < G, generalised to any reward)."""
@@ -52,7 +52,7 @@ def fill(rounds: Iterable[torch.Tensor], target: int, max_rounds: int, *, dynami
     kept: list[tuple[int, int]] = []
     r, per_rank = 0, [0] * world_size
     for r, R in enumerate(rounds, 1):
-        signal = has_signal(R) if dynamic else torch.ones(len(R), dtype=torch.bool)  # [P]
+        signal = mixed_groups(R) if dynamic else torch.ones(len(R), dtype=torch.bool)  # [P]
         kept += [(r - 1, g) for g in signal.nonzero().flatten().tolist()]
         one_hot = [0.0] * world_size
         one_hot[rank] = float(len(kept))

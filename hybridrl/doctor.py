@@ -82,12 +82,12 @@ import json, os
 from deepspeed.accelerator import get_accelerator
 acc = get_accelerator()
 ops = {}
-names = ["FusedAdamBuilder"] + (["ShareMemCommBuilder"] if acc.device_name() == "cpu" else [])
-for name in names:  # the ops hybridrl.env.build_ops builds; see there
+names = __OPS__ + (__CPU_OPS__ if acc.device_name() == "cpu" else [])
+for name in names:  # the ops hybridrl.env.build_ops builds
     b = acc.create_op_builder(name)
     ops[name] = None if b is None else {"dir": b.NAME, "compatible": bool(b.is_compatible(verbose=False))}
 print("DOCTOR " + json.dumps({"accelerator": acc.device_name(), "ops": ops}))
-"""
+""".replace("__OPS__", repr(env.DEEPSPEED_OPS)).replace("__CPU_OPS__", repr(env.DEEPSPEED_CPU_OPS))
 
 
 def _torch_rows() -> tuple[list[dict], dict]:

@@ -82,13 +82,19 @@ def deepspeed_arch_list(value: str) -> str:
     return ";".join(out)
 
 
+# DeepSpeed's JIT ops a run loads (build_ops builds them, `hybridrl doctor` checks them): FusedAdam
+# everywhere, and on CPU the shared-memory collectives DeepSpeed's CPU accelerator uses
+DEEPSPEED_OPS = ["FusedAdamBuilder"]
+DEEPSPEED_CPU_OPS = ["ShareMemCommBuilder"]
+
+
 def build_ops() -> None:
     """Build DeepSpeed's JIT ops now, into TORCH_EXTENSIONS_DIR, so the first run does not
     spend 1-3 minutes compiling (the setup calls this: `python -m hybridrl.env`)."""
     setup()
     from deepspeed.accelerator import get_accelerator
 
-    names = ["FusedAdamBuilder"] + (["ShareMemCommBuilder"] if os.environ.get("DS_ACCELERATOR") == "cpu" else [])
+    names = DEEPSPEED_OPS + (DEEPSPEED_CPU_OPS if os.environ.get("DS_ACCELERATOR") == "cpu" else [])
     for name in names:
         builder = get_accelerator().create_op_builder(name)
         if builder is not None and builder.is_compatible():

@@ -162,6 +162,18 @@ def _real_stderr():
 #   enospc raise OSError(ENOSPC) at that point instead (for filesystems a test cannot fill safely)
 _FAULT = os.environ.get("HYBRIDRL_TEST_FAULT", "")
 FILL_NAME = "test-disk-filler"
+# and faults in the data, counted by the code they concern (read here, the one place that reads
+# test variables):
+#   HYBRIDRL_TEST_CORRUPT_HAND_OFF=<n>  the n-th hand-off sends its first tensor shifted by 1 (sync.push_weights)
+#   HYBRIDRL_TEST_NAN_AT_STEP=<n>       optimizer step n gets a NaN loss (Trainer.step)
+_INJECT_AT = {kind: int(os.environ[var]) for kind, var in (("corrupt_hand_off", "HYBRIDRL_TEST_CORRUPT_HAND_OFF"),
+                                                           ("nan_loss", "HYBRIDRL_TEST_NAN_AT_STEP"))
+              if os.environ.get(var)}
+
+
+def injected(kind: str, count: int) -> bool:
+    """Whether the test-only fault `kind` ('corrupt_hand_off', 'nan_loss') fires at this count."""
+    return _INJECT_AT.get(kind) == count
 
 
 def _inject(step: int, phase: str, where: Path | None = None) -> None:

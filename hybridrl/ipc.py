@@ -70,8 +70,9 @@ def on_device(handle, index: int):
     return fn, tuple(args)
 
 
-@dataclass(eq=False)  # identity: slots are compared with `in`
-class _Slot:
+@dataclass(eq=False)  # identity: buckets are compared with `in`
+class _Bucket:
+    """One staging buffer of the hand-off and what has been packed into it."""
     buf: torch.Tensor  # [bucket bytes] uint8, shared by handle
     used: int = 0
     items: list = field(default_factory=list)  # (name, dtype, shape, total, part_offset, offset, nbytes)
@@ -146,21 +147,21 @@ class BucketSender:
     def _stream(self, named_tensors, sock, future) -> None:
         import zmq
 
-        slots: list[_Slot] = []  # the (at most N_BUCKETS) buffers of this hand-off
-        in_flight: list[_Slot] = []  # sent, not yet acknowledged, oldest first
+        slots: list[_Bucket] = []  # the (at most N_BUCKETS) buffers of this hand-off
+        in_flight: list[_Bucket] = []  # sent, not yet acknowledged, oldest first
 
         def send(data: bytes) -> None:
             self._wait(sock, zmq.POLLOUT, future, "did not connect or stopped reading")
             sock.send(data, zmq.NOBLOCK)
 
-        def wait_ack() -> _Slot:
+        def wait_ack() -> _Bucket:
             self._wait(sock, zmq.POLLIN, future, "acknowledged nothing")
             sock.recv()
             slot = in_flight.pop(0)
             slot.items, slot.used = [], 0
             return slot
 
-        def flush(slot: _Slot, once: bool = False) -> None:
+        def flush(slot: _Bucket, once: bool = False) -> None:
             if self.cuda:
                 torch.cuda.current_stream().synchronize()  # the copies into the bucket have landed
             msg = {"slot": id(slot), "items": slot.items, "once": once,
@@ -170,21 +171,21 @@ class BucketSender:
             in_flight.append(slot)
             self.stats["messages"] += 1
 
-        def idle_slot() -> _Slot:
+        def idle_slot() -> _Bucket:
             for s in slots:
                 if s not in in_flight:
                     return s
             if len(slots) < N_BUCKETS:
-                slots.append(_Slot(self._new_buffer(self.bucket_bytes)))
+                slots.append(_Bucket(self._new_buffer(self.bucket_bytes)))
                 return slots[-1]
             return wait_ack()  # the oldest bucket comes back
 
-        def put(slot: _Slot, name: str, t: torch.Tensor, data: torch.Tensor, done: int, n: int) -> None:
+        def put(slot: _Bucket, name: str, t: torch.Tensor, data: torch.Tensor, done: int, n: int) -> None:
             slot.buf[slot.used: slot.used + n].copy_(data[done: done + n], non_blocking=True)
             slot.items.append((name, t.dtype, tuple(t.shape), data.numel(), done, slot.used, n))
             slot.used = -(-(slot.used + n) // ALIGN) * ALIGN  # the next tensor starts aligned
 
-        current: _Slot | None = None
+        current: _Bucket | None = None
         for name, t in named_tensors:
             data = _bytes(t)  # [nbytes] uint8
             self.stats["tensors"] += 1
@@ -192,7 +193,7 @@ class BucketSender:
             if self.bucket_bytes == 0:  # one parameter per message, each in its own buffer
                 while len(in_flight) >= N_BUCKETS:
                     wait_ack()
-                slot = _Slot(self._new_buffer(max(data.numel(), 1)))
+                slot = _Bucket(self._new_buffer(max(data.numel(), 1)))
                 put(slot, name, t, data, 0, data.numel())
                 flush(slot, once=True)
                 continue

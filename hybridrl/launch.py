@@ -34,8 +34,12 @@ class World:
         return self.rank == 0
 
 
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+_before_world_of_one: dict[str, str | None] | None = None  # what init_distributed found, to put back
+
+
 def under_launcher() -> bool:
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR"))
+    return all(k in os.environ for k in LAUNCHER_VARS[:4])
 
 
 def _free_port() -> int:
@@ -48,7 +52,9 @@ def init_distributed(timeout_s: float = 0) -> World:
     """Join (or create) the process group both engines share. vLLM's external_launcher and
     DeepSpeed both need it to exist before they are built. `timeout_s` > 0 bounds every
     collective (torch's default otherwise: 30 min gloo, 10 min NCCL)."""
-    if not under_launcher():  # notebook / plain python: a world of one
+    global _before_world_of_one
+    if not under_launcher():  # notebook / plain python: a world of one (forget_world undoes the variables)
+        _before_world_of_one = {k: os.environ.get(k) for k in LAUNCHER_VARS}
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     rank, size, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
@@ -60,6 +66,23 @@ def init_distributed(timeout_s: float = 0) -> World:
         dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=rank, world_size=size,
                                 timeout=timedelta(seconds=timeout_s) if timeout_s else None)
     return World(rank, size, local, device)
+
+
+def forget_world() -> None:
+    """Put back the variables init_distributed set for a world of one (vLLM's external launcher
+    reads them while the engine is built, so they live as long as the run). Left behind, they would
+    make a later `hybridrl train` started from this process (a notebook's shell cell, a test) take
+    itself for a launched rank and fail to bind the port. The process group stays: DeepSpeed keeps
+    references to it, and the next init_distributed reuses it. A no-op under a launcher."""
+    global _before_world_of_one
+    if _before_world_of_one is None:
+        return
+    for k, v in _before_world_of_one.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    _before_world_of_one = None
 
 
 def all_sum(values: list[float]) -> list[float]:

@@ -18,7 +18,7 @@ from . import algo, checkpoint, data, engine_cycle, env, faults, launch, rewards
 from .batch import Batch
 from .canaries import distribution_metrics
 from .collect import Collector
-from .config import Config, ConfigError
+from .config import Config, ConfigError, torch_dtype
 from .critic import Critic
 from .progress import Phases, RunLog
 from .reference import Reference
@@ -54,9 +54,9 @@ def train(cfg: Config) -> dict:
     scorer.run_dir = run.dir  # where reward_dead_letter.jsonl goes
     saver = checkpoint.Saver(cfg, run.dir, world, tokenizer)
 
-    trainer = Trainer(cfg, model_path, device=world.device, dtype=_dtype(cfg.model.dtype),
+    trainer = Trainer(cfg, model_path, device=world.device, dtype=torch_dtype(cfg.model.dtype),
                       attn_implementation=cfg.model.attn_implementation)
-    engine_kw = dict(device=world.device, dtype=_dtype(cfg.model.dtype),
+    engine_kw = dict(device=world.device, dtype=torch_dtype(cfg.model.dtype),
                      attn_implementation=cfg.model.attn_implementation)
     ref = Reference.load(cfg, model_path, **engine_kw)  # None (nothing loaded) when algo.kl_coef == 0
     critic = Critic(cfg, model_path, **engine_kw) if cfg.algo.advantage == "gae" else None
@@ -137,7 +137,7 @@ def train(cfg: Config) -> dict:
                     batch.values = critic.values(batch)
             batch.advantages, batch.returns, adv_metrics = algo.estimate(cfg.algo, R, batch)  # [P * n] or [P * n, T]
             batch.advantages[ro.masked] = 0.0  # overlong-filtered samples and a filler group carry no gradient
-            signal = algo.has_signal(batch.advantages)  # [P * n] bool
+            signal = algo.nonzero_advantage(batch.advantages)  # [P * n] bool
             # 3. train on the samples that carry a gradient (equal-reward groups have A == 0, but
             # with the KL in the loss every unmasked sample still has one)
             skip = cfg.algo.skip_zero_advantage and not (cfg.algo.kl_coef and cfg.algo.kl_in == "loss")
@@ -220,10 +220,6 @@ def resolve(cfg: Config, on_cpu: bool) -> tuple[Config, str]:
         from pathlib import Path
         path = str(Path(__file__).parent / "demo_model")
     return replace(cfg, model=replace(m, dtype=dtype, attn_implementation=attn)), path
-
-
-def _dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def seed_everything(seed: int) -> None:

@@ -192,6 +192,15 @@ class RunLog:
             if cfg.log.wandb:
                 self.sinks.append(WandbSink(cfg, self.dir))
 
+    def resume(self, records: list[dict], acc_before: float | None, last_acc: float | None) -> None:
+        """Continue a resumed run's log: its accuracies so far, and the records of metrics.jsonl up
+        to the checkpoint (this RunLog opened the file afresh, so they are written back first)."""
+        self.first_acc, self.last_acc = acc_before, last_acc
+        for sink in self.sinks:
+            if isinstance(sink, JsonlSink):
+                for r in records:
+                    sink.write(r)
+
     def eval(self, step: int, acc: float, sampled: dict | None = None) -> None:
         """acc: greedy held-out accuracy (logged as heldout_acc and eval/pass@1); sampled:
         eval/mean@n and eval/n_samples when log.eval_n > 0."""

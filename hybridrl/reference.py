@@ -20,7 +20,7 @@ import torch
 
 from .batch import Batch, micro_batches, per_token
 from .config import Config
-from .trainer import _TokenLogprobs, from_pretrained, plan_micro_batches
+from .trainer import TokenLogprobs, from_pretrained, plan_micro_batches
 
 
 def ds_config(cfg: Config, bf16: bool, cuda: bool) -> dict:
@@ -55,7 +55,7 @@ class Reference:
         hf.eval().requires_grad_(False)
         kernels = cfg.train.kernels
         provider = {"auto": "triton" if cuda else "torch", "liger": "torch"}.get(kernels, kernels)
-        self.module = _TokenLogprobs(hf, provider, cfg.train.logprob_chunk)
+        self.module = TokenLogprobs(hf, provider, cfg.train.logprob_chunk)
         self.sharded = cfg.train.zero_stage == 3
         self._host = []
         if self.sharded:  # the head's weight is used by this module's forward, not by lm_head's

@@ -177,7 +177,8 @@ _VERB = {"error": "raised", "timeout": "timed out", "crash": "killed its worker"
 
 
 @dataclass
-class _Slot:
+class _Worker:
+    """One reward worker process, its pipe and the task it runs."""
     proc: Any
     conn: Any
     ready: bool = False
@@ -318,13 +319,13 @@ class Scorer:
         self._done(task, rows)
 
     # --- the pool -----------------------------------------------------------------------------
-    def _start(self) -> _Slot:
+    def _start(self) -> _Worker:
         parent, child = self._ctx.Pipe()
         proc = self._ctx.Process(target=_worker, args=(child, self.cfg.fn, self.cfg.format_pattern), daemon=True,
                                  name="hybridrl-reward")
         proc.start()
         child.close()
-        return _Slot(proc, parent)
+        return _Worker(proc, parent)
 
     def _replace(self, i: int) -> None:
         """Kill slot i's worker (hung or dead) and start a fresh one in its place."""
@@ -365,7 +366,7 @@ class Scorer:
                 s.key, s.deadline = task.key, time.monotonic() + self.cfg.timeout_s
                 self.running[task.key] = task
 
-    def _message(self, s: _Slot, msg: tuple) -> None:
+    def _message(self, s: _Worker, msg: tuple) -> None:
         if msg[0] == "ready":
             s.ready = True
             return

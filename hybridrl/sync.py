@@ -10,10 +10,10 @@ and around what, is engine_cycle.py's business.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 
+from . import faults
 from .batch import Batch
 from .rollout import Rollout
 from .trainer import Trainer
@@ -26,7 +26,6 @@ class StaleWeightsError(RuntimeError):
     """vLLM's weights do not match the trainer's after a hand-off."""
 
 
-_CORRUPT_AT = os.environ.get("HYBRIDRL_TEST_CORRUPT_HAND_OFF")  # tests: garble one tensor of this hand-off
 _hand_offs = 0
 
 
@@ -36,7 +35,7 @@ def push_weights(trainer: Trainer, rollout: Rollout, bucket_mb: int) -> None:
     global _hand_offs
     _hand_offs += 1
     named = trainer.named_parameters_for_sync(bucket_mb << 20)
-    if _CORRUPT_AT and _hand_offs == int(_CORRUPT_AT):
+    if faults.injected("corrupt_hand_off", _hand_offs):  # tests only
         named = _garbled(named)
     rollout.update_weights(named)
 

@@ -11,7 +11,6 @@ that predict completion tokens go through `kernels.logprob` with the head's weig
 from __future__ import annotations
 
 import logging
-import os
 from typing import Iterator
 
 import deepspeed
@@ -23,6 +22,7 @@ from kernels.liger_loss import liger_ppo_loss
 from kernels.logprob import logprob_entropy
 from kernels.ppo_loss import TIS_LEVELS, fused_logprob_ppo_loss
 
+from . import faults
 from .batch import Batch, micro_batches, per_token
 from .canaries import distribution_metrics
 from .config import Config, ConfigError, UserError
@@ -31,11 +31,11 @@ from .launch import all_max, all_sum
 log = logging.getLogger("hybridrl")
 # attention implementations that read packed samples from position_ids (transformers' masking_utils)
 PACKABLE_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
-_NAN_AT = os.environ.get("HYBRIDRL_TEST_NAN_AT_STEP")  # tests inject a NaN loss at this optimizer step
 
 
-class _TokenLogprobs(nn.Module):
-    """HF causal LM -> log-prob and entropy of the masked tokens, through the fused kernel."""
+class TokenLogprobs(nn.Module):
+    """HF causal LM -> log-prob and entropy of the masked tokens, through the fused kernel. The
+    trainer's engine wraps it; the reference policy (reference.py) scores with it too."""
 
     def __init__(self, hf: nn.Module, provider: str, chunk: int, max_len: int | None = None):
         super().__init__()
@@ -222,7 +222,7 @@ class Trainer:
         if cfg.train.packing == "on" and not self.packing:
             log.info("train.packing: not with kernels=%s / attention %s / %s; using padded rows",
                      provider, attn_implementation, type(hf).__name__)
-        module = _TokenLogprobs(hf, provider, cfg.train.logprob_chunk, cfg.rollout.max_new_tokens)
+        module = TokenLogprobs(hf, provider, cfg.train.logprob_chunk, cfg.rollout.max_new_tokens)
         self.zero3 = cfg.train.zero_stage == 3
         if self.zero3:  # the head's weight is used by this module's forward, not by lm_head's
             deepspeed.zero.register_external_parameter(module, hf.get_output_embeddings().weight)
@@ -295,7 +295,7 @@ class Trainer:
                         tis_cap=a.tis_cap or None, tis_level=a.tis_level, entropy_coef=a.entropy_coef, agg=a.loss_agg,
                         normalizer=norm))
                     # DeepSpeed averages gradients over ranks; the normaliser is already global
-                    if _NAN_AT and int(self.engine.global_steps) + 1 == int(_NAN_AT):  # tests only
+                    if faults.injected("nan_loss", int(self.engine.global_steps) + 1):  # tests only
                         loss = loss * float("nan")
                     self.engine.backward(loss * (0.0 if dummy else world), scale_wrt_gas=False)
                     if dummy:

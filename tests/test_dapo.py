@@ -4,9 +4,9 @@ import torch
 from hybridrl import dapo
 
 
-def test_has_signal():
+def test_mixed_groups():
     R = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.5, 0.2]])
-    assert dapo.has_signal(R).tolist() == [True, False, False, True]
+    assert dapo.mixed_groups(R).tolist() == [True, False, False, True]
 
 
 def test_fill_drops_flat_groups_and_refills():

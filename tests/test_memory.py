@@ -4,6 +4,7 @@ checker and toggle, the planner's arithmetic, the bucketed shared-memory transpo
 DeepSpeed's offload/reload of the training states, and a checkpoint saved from offloaded states
 (real DeepSpeed)."""
 import multiprocessing as mp
+import os
 from pathlib import Path
 
 import pytest
@@ -315,15 +316,15 @@ def test_bucketed_shared_memory_hand_off_is_bitwise():
 
 # --- DeepSpeed's offload and reload of the training states ------------------------------------
 @pytest.fixture
-def world_of_one(monkeypatch):
-    """torch.distributed in this process, its variables undone afterwards: a later subprocess
-    that inherited MASTER_PORT would take itself for a launched rank and fail to bind it. The
-    group itself stays (DeepSpeed keeps references to it)."""
+def world_of_one():
+    """torch.distributed in this process; its variables are gone afterwards (launch.forget_world),
+    so a later test's subprocess is not taken for a launched rank."""
     from hybridrl import launch
-    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                           MASTER_PORT=str(launch._free_port())).items():
-        monkeypatch.setenv(key, value)
+    before = {k: os.environ.get(k) for k in launch.LAUNCHER_VARS}
     launch.init_distributed()
+    yield
+    launch.forget_world()
+    assert {k: os.environ.get(k) for k in launch.LAUNCHER_VARS} == before
 
 
 @pytest.mark.parametrize("zero", [2, 3])

@@ -1,7 +1,7 @@
 """Packed micro-batches (train.packing) give the padded layout's log-probs, loss and gradients.
 
 The trainer's own `_forward` and `logprobs` run on a tiny Qwen2 (sdpa, float32) through its
-`_TokenLogprobs` module, with no DeepSpeed in between, once packed and once padded. Rows have
+`TokenLogprobs` module, with no DeepSpeed in between, once packed and once padded. Rows have
 different lengths, so the padded layout computes padding and the packed one does not; a packed
 row whose samples attended to each other (e.g. transformers not seeing the packing because a KV
 cache was passed) is off by ~1 nat, far outside float32 tolerance.
@@ -12,7 +12,7 @@ import transformers
 
 from hybridrl.batch import Batch, micro_batches
 from hybridrl.config import Config
-from hybridrl.trainer import Trainer, _TokenLogprobs
+from hybridrl.trainer import Trainer, TokenLogprobs
 
 V = 40
 
@@ -38,7 +38,7 @@ def trainer(packing: bool) -> Trainer:
     """The real Trainer's log-prob paths, with the module itself standing in for DeepSpeed's engine."""
     t = Trainer.__new__(Trainer)
     t.cfg, t.device, t.packing = Config(), torch.device("cpu"), packing
-    t.engine = _TokenLogprobs(tiny_model(), "torch", chunk=7, max_len=5)  # odd chunk: spans samples
+    t.engine = TokenLogprobs(tiny_model(), "torch", chunk=7, max_len=5)  # odd chunk: spans samples
     return t
 
 

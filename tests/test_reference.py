@@ -43,7 +43,7 @@ from hybridrl import config, launch
 from hybridrl.batch import Batch, micro_batches, per_token
 from hybridrl.critic import Critic
 from hybridrl.reference import Reference
-from hybridrl.trainer import Trainer, _TokenLogprobs, ds_config, from_pretrained
+from hybridrl.trainer import Trainer, TokenLogprobs, ds_config, from_pretrained
 
 DEMO = sys.argv[1]
 world = launch.init_distributed()
@@ -76,7 +76,7 @@ batch = Batch.from_rows([torch.randint(3, 12, (5,), generator=g).tolist() for _ 
                         [torch.randint(3, 12, (4,), generator=g).tolist() for _ in range(rows)],
                         [[-1.0] * 4] * rows, [1.0] * rows)
 sharded = ref.logprobs(batch, 0.7)  # [B, T]
-plain = _TokenLogprobs(AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32), "torch",
+plain = TokenLogprobs(AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32), "torch",
                        cfg.train.logprob_chunk)  # the whole model, unpartitioned
 with torch.no_grad():
     whole = per_token(lambda mb: plain(mb.tokens, mb.attention_mask(), mb.loss_mask, 0.7)[0], batch,

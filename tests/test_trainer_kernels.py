@@ -4,7 +4,7 @@ import pytest
 import torch
 import transformers
 
-from hybridrl.trainer import _TokenLogprobs
+from hybridrl.trainer import TokenLogprobs
 
 
 def tiny_model(seed=0):
@@ -27,7 +27,7 @@ def rows():
 
 def loss_and_grads(provider, agg, off_policy, normalizer_scale=1.0, row_idx=None):
     model = tiny_model()
-    module = _TokenLogprobs(model, provider, chunk=16, max_len=5)
+    module = TokenLogprobs(model, provider, chunk=16, max_len=5)
     tokens, attn, mask = rows()
     # an older policy: current log-probs shifted by a fixed (row, position) pattern, ratios 0.7..1.4
     shift = 0.07 * (torch.arange(4 * 8).view(4, 8) % 11 - 5).float()  # [rows, T-1]
@@ -77,5 +77,5 @@ def test_models_that_transform_their_logits_are_refused_with_a_clear_error(attr,
     model = tiny_model()
     setattr(model.config, attr, value)
     with pytest.raises(UserError, match=f"applies {attr}={value} to its logits.*use a model without it") as e:
-        _TokenLogprobs(model, "torch", chunk=16)
+        TokenLogprobs(model, "torch", chunk=16)
     assert "\n" not in str(e.value)
