@@ -14,10 +14,9 @@ from __future__ import annotations
 import inspect
 import json
 import sys
+import textwrap
 import typing
 from typing import Optional
-
-import textwrap
 
 import typer
 import typer.core
@@ -74,7 +73,8 @@ def _leaf_params() -> list[inspect.Parameter]:
         default = f.default if f.default is not C.dataclasses.MISSING else f.default_factory()
         kind = str if typing.get_origin(tp) is typing.Literal or tp is list else tp
         flags = [f"--{key}/--{group}.no_{name}"] if kind is bool else [f"--{key}"]
-        opt = typer.Option(None, *flags, help=f"{f.metadata['help']} [default: {default}]",
+        shown = str(default).lower() if kind is bool else default
+        opt = typer.Option(None, *flags, help=f"{f.metadata['help']} [default: {shown}]",
                            rich_help_panel=group, show_default=False)
         params.append(inspect.Parameter(_param_name(key), inspect.Parameter.KEYWORD_ONLY,
                                         default=opt, annotation=Optional[kind]))
@@ -197,15 +197,17 @@ class _PlainHelp(typer.core.TyperCommand):
             formatter.write_paragraph()
             formatter.write(f"{group}:\n")
             for p in params:
-                formatter.write(f"  {_option_line(p, ctx)}\n")
+                formatter.write(f"  {_option_line(p)}\n")
                 if p.help:
                     formatter.write(textwrap.fill(p.help, width, initial_indent=" " * 6,
                                                   subsequent_indent=" " * 6, break_on_hyphens=False) + "\n")
 
 
-def _option_line(p, ctx) -> str:
+def _option_line(p) -> str:
     """`--train.lr FLOAT`, `--log.progress [true|false]`, `--algo.loss_agg [token_mean|...]`."""
     names = ", ".join(sorted(p.opts, key=len))
+    if p.multiple:  # --set
+        return f"{names} GROUP.FIELD=VALUE"
     if p.is_flag:
         return f"{names} [true|false]" if p.secondary_opts else names
     key = (p.name or "").replace("__", ".")
