@@ -102,8 +102,9 @@ def _train(**kw) -> None:
         if cfg.ckpt.resume and not cfg_file:  # a resumed run keeps its own config; the command line overrides it
             from .checkpoint import saved_config
             cfg = C.load(saved_config(cfg), overrides)
-        from . import env, preflight
+        from . import env, logs, preflight
         env.setup(verbose=cfg.log.verbose)  # still before torch/vLLM/DeepSpeed are imported
+        logs.quiet_stdout()
         preflight.check(cfg, nproc)  # paths, the reward module, settings: in a second, not after the imports
     except C.UserError as e:
         _fail(str(e))

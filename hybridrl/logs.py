@@ -18,6 +18,9 @@ Two layers, because some lines come from where Python's logging in this process 
   DeepSpeed's logger at WARNING, known-harmless lines (`HARMLESS`) dropped from what reaches
   Python's last-resort handler (torch's loggers) and DeepSpeed's, and transformers' "Loading
   weights" bar (its download bars stay: a 7B download needs one).
+
+And one print: DeepSpeed's "op built successfully" on every start, dropped from the CLI's stdout
+(`quiet_stdout`; a notebook's stdout is left alone).
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ HARMLESS = [
     r"Reset SSM cache type",
     r"DeepSpeed .* built successfully",  # a JIT op loaded from the cache
 ]
+PRINTS = re.compile(r"DeepSpeed \S+ built successfully\n?")  # whole print() texts, on stdout
 _HARMLESS = re.compile("|".join(HARMLESS))
 LIBRARIES = r"(vllm|torch|deepspeed|transformers|triton|huggingface_hub)(\.|$)"
 
@@ -114,6 +118,34 @@ def quiet_python(verbose: bool) -> None:
         deepspeed_log.setLevel(logging.WARNING)
     if "transformers" in sys.modules:  # imported by now when loop.train calls env.setup
         _hide_loading_bar()
+
+
+class QuietStdout:
+    """A stdout without the library prints PRINTS matches. print() writes its text, then the
+    newline: a matching text is dropped with the newline after it; everything else (the TTY
+    progress line's carriage returns included) passes through unchanged."""
+
+    def __init__(self, stream):
+        self._stream, self._eat_newline = stream, False
+
+    def write(self, text: str) -> int:
+        if self._eat_newline and text == "\n":
+            self._eat_newline = False
+            return len(text)
+        self._eat_newline = False
+        if PRINTS.fullmatch(text):
+            self._eat_newline = not text.endswith("\n")
+            return len(text)
+        return self._stream.write(text)
+
+    def __getattr__(self, name):  # isatty, flush, fileno, encoding...: the stream's own
+        return getattr(self._stream, name)
+
+
+def quiet_stdout() -> None:
+    """The CLI's process: drop PRINTS from sys.stdout (not with log.verbose)."""
+    if not _verbose and not isinstance(sys.stdout, QuietStdout):
+        sys.stdout = QuietStdout(sys.stdout)
 
 
 def _hide_loading_bar() -> None:

@@ -81,3 +81,15 @@ def test_harmless_lines_are_recognised():
     assert not f.filter(record("libtcmalloc is not found in LD_PRELOAD. For best performance, ..."))
     assert not f.filter(record("CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding"))
     assert f.filter(record("vLLM rejected prompt 3 of this batch (70 tokens), dropped"))
+
+
+def test_quiet_stdout_drops_only_the_known_prints():
+    import io
+    out = io.StringIO()
+    quiet = logs.QuietStdout(out)
+    print("DeepSpeed deepspeed.ops.comm.deepspeed_shm_comm_op built successfully", file=quiet)
+    print("step    1/3  reward 0.250", file=quiet)
+    quiet.write("\r\033[Kstep    2/3")  # the TTY's live line
+    print("", file=quiet)
+    assert out.getvalue() == "step    1/3  reward 0.250\n\r\033[Kstep    2/3\n"
+    assert quiet.getvalue() == out.getvalue()  # everything else is the stream's own

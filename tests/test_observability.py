@@ -64,14 +64,15 @@ def test_demo_run_writes_the_metrics(demo_run):
 
 def test_demo_run_console_is_quiet(demo_run):
     """What a newcomer sees before the first step line: hybridrl's own lines (host memory, the
-    CPU sleep note) and none of the ~30 lines vLLM, DeepSpeed and torch print on a healthy run
+    CPU sleep note; 2 lines on the CPU machine) and none of the ~30 lines vLLM, DeepSpeed and torch print on a healthy run
     (NUMA binding, LD_PRELOAD advice, set_num_threads, FutureWarnings, Triton, load bars);
     `--log.verbose` shows those (logs.py)."""
     lines = (demo_run.parent / "console.txt").read_text().splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("step "))
     assert first <= 5, lines[:first]
     text = "\n".join(lines)
-    for noise in ("NUMA binding", "LD_PRELOAD", "set_num_threads", "FutureWarning", "Triton", "Loading "):
+    for noise in ("NUMA binding", "LD_PRELOAD", "set_num_threads", "FutureWarning", "Triton", "Loading ",
+                  "built successfully"):
         assert noise not in text, noise
 
 
