@@ -19,8 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean, median
 
-from .progress import PHASES  # the loop's order
-
 
 @dataclass
 class Run:
@@ -59,6 +57,9 @@ def load(run_dir: str | Path) -> Run:
 
 
 def phase_names(run: Run) -> list[str]:
+    """The phases a run timed, in the loop's order (progress.PHASES)."""
+    from .progress import PHASES  # here, not at the top: progress imports torch, `report` alone needs none
+
     seen = {k.split("/", 1)[1] for r in run.steps for k in r if k.startswith("time/")}
     return [p for p in PHASES if p in seen] + sorted(seen - set(PHASES))  # a phase added since: last
 
