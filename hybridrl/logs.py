@@ -16,8 +16,9 @@ Two layers, because some lines come from where Python's logging in this process 
   FutureWarning/DeprecationWarning. A variable the user set is never changed.
 - in this process (`quiet_python`): the same warning categories from the libraries' modules,
   DeepSpeed's logger at WARNING, known-harmless lines (`HARMLESS`) dropped from what reaches
-  Python's last-resort handler (torch's loggers) and DeepSpeed's, and transformers' "Loading
-  weights" bar (its download bars stay: a 7B download needs one).
+  Python's last-resort handler (torch's loggers), DeepSpeed's handler and vLLM's (for a user who
+  set VLLM_LOGGING_LEVEL=WARNING), and transformers' "Loading weights" bar (its download bars
+  stay: a 7B download needs one).
 
 And one print: DeepSpeed's "op built successfully" on every start, dropped from the CLI's stdout
 (`quiet_stdout`; a notebook's stdout is left alone).
@@ -26,7 +27,6 @@ And one print: DeepSpeed's "op built successfully" on every start, dropped from 
 from __future__ import annotations
 
 import logging
-import os
 import re
 import sys
 import warnings
@@ -102,8 +102,8 @@ def quiet_python(verbose: bool) -> None:
     _verbose = verbose
     deepspeed_log = logging.getLogger("DeepSpeed")
     if verbose:
-        logging.lastResort.removeFilter(_FILTER)
-        deepspeed_log.removeFilter(_FILTER)
+        for filtered in (logging.lastResort, deepspeed_log, *logging.getLogger("vllm").handlers):
+            filtered.removeFilter(_FILTER)
         if _warning_filters is not None:
             warnings.filters[:] = _warning_filters
             _warning_filters = None
@@ -116,7 +116,10 @@ def quiet_python(verbose: bool) -> None:
     deepspeed_log.addFilter(_FILTER)  # DeepSpeed logs through its own handler
     if deepspeed_log.level < logging.WARNING:
         deepspeed_log.setLevel(logging.WARNING)
-    if "transformers" in sys.modules:  # imported by now when loop.train calls env.setup
+    # imported by now when loop.train calls env.setup again
+    for handler in logging.getLogger("vllm").handlers:  # vLLM's own (VLLM_CONFIGURE_LOGGING=1)
+        handler.addFilter(_FILTER)
+    if "transformers" in sys.modules:
         _hide_loading_bar()
 
 

