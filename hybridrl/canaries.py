@@ -142,7 +142,8 @@ def _slow(c: Canaries, step: int, m: dict) -> str | None:
         worst = max((key for key in m if key.startswith("time/")), key=m.__getitem__)
         return (f"steps now take {t:.2f}s (median of the last {k}), {t / base:.1f}x the median {base:.2f}s of "
                 f"the {len(times) - k} before, for {c.slow_streak} steps (longest phase now: "
-                f"{worst.split('/', 1)[1]} {m[worst]:.2f}s)")
+                f"{worst.split('/', 1)[1]} {m[worst]:.2f}s): another job on this machine, a growing cache "
+                f"or a slower reward function")
     return None
 
 
