@@ -12,6 +12,12 @@ from hybridrl import logs
 from hybridrl.cli import bool_words
 
 
+def fresh_shell() -> dict:
+    """This process's environment without the quiet variables conftest's env.setup put in it, as
+    a user's shell has it: the CLI must set them itself."""
+    return {k: v for k, v in os.environ.items() if k not in logs.ENV_QUIET}
+
+
 def hybridrl(*args, env=None):
     return subprocess.run([sys.executable, "-m", "hybridrl", *args], capture_output=True, text=True, timeout=120,
                           env={**os.environ, **(env or {})})
@@ -103,7 +109,7 @@ def test_verbose_shows_what_quiet_hides(tmp_path):
     out = subprocess.run([sys.executable, "-m", "hybridrl", "train", "--steps", "1", "--train.prompts_per_step", "4",
                           "--rollout.n", "2", "--log.eval_size", "8", "--log.verbose", "--ckpt.every", "0",
                           "--log.run_dir", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                         text=True, timeout=600)
+                         text=True, timeout=600, env=fresh_shell())
     assert out.returncode == 0, out.stdout[-4000:]
     for line in ("LD_PRELOAD", "set_num_threads", "built successfully", "Loading weights"):
         assert line in out.stdout, line

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hybridrl import config as C
-from hybridrl import doctor, report
+from hybridrl import doctor, logs, report
 from hybridrl.canaries import Canaries, distribution_metrics
 from hybridrl.launch import World
 from hybridrl.progress import RunLog
@@ -31,7 +31,8 @@ def demo_run(tmp_path_factory):
     cmd = [sys.executable, "-m", "hybridrl", "train", "--steps", str(STEPS), "--train.prompts_per_step", "4",
            "--rollout.n", "4", "--log.eval_every", "2", "--log.eval_size", "16", "--log.tensorboard",
            "--log.run_dir", str(run_dir)]
-    out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    env = {k: v for k, v in os.environ.items() if k not in logs.ENV_QUIET}  # as a shell has it: the CLI quiets
+    out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stdout[-8000:]
     (run_dir.parent / "console.txt").write_text(out.stdout)  # stdout and stderr as a terminal shows them
     return run_dir
