@@ -10,7 +10,9 @@ warning to the console and to metrics.jsonl as `{"step", "warning"}`.
 The thresholds follow the seeds' tuning guide: more than 30% of tokens clipped means the
 sampling policy has drifted from the trained one (stale sync or a kernel mismatch); a 20% step
 time creep is the cheapest early signal of KV-cache fragmentation or a slow verifier; a jump in
-the trainer-vs-vLLM log-prob gap after a hand-off is a bug, not noise.
+the trainer-vs-vLLM log-prob gap after a hand-off is a bug, not noise; more than half of a step's
+completions cut at `rollout.max_new_tokens` means the length limit, not the policy, shapes the
+rewards.
 
 `distribution_metrics(...)` turns per-sample lists into flat `name/p10`, `/p50`, `/p90` floats.
 """
@@ -67,6 +69,7 @@ class Thresholds:
     # after a slow-step warning, stay quiet this many steps: on a shared or noisy machine single
     # slow steps come and go, and a warning every few steps would drown the others
     slow_cooldown: int = 20
+    truncated_frac: float = 0.5  # completions cut at rollout.max_new_tokens (no EOS / stop string)
 
 
 class Canaries:
@@ -78,6 +81,7 @@ class Canaries:
         self.gaps: deque[float] = deque(maxlen=self.t.window)
         self.active: set[str] = set()
         self.fired_at: dict[str, int] = {}
+        self.fired: dict[str, int] = {}  # how often each warning fired (the run's summary counts them)
 
     def check(self, step: int, m: dict) -> list[str]:
         """The warnings that start at this step (each as one line of text)."""
@@ -99,6 +103,7 @@ class Canaries:
                 if name == "slow_step" and last is not None and step - last < self.t.slow_cooldown:
                     continue
                 self.fired_at[name] = step
+                self.fired[name] = self.fired.get(name, 0) + 1
                 fired.append(f"step {step}: {msg}")
         return fired
 
@@ -159,5 +164,14 @@ def _reward_errors(c: Canaries, step: int, m: dict) -> str | None:
     return None
 
 
-CHECKS = {"clip": _clip, "slow_step": _slow, "logp_gap": _gap, "nonfinite": _nonfinite,
+def _truncated(c: Canaries, step: int, m: dict) -> str | None:
+    frac = m.get("truncated_frac")
+    if _finite(frac) and frac > c.t.truncated_frac:
+        return (f"{frac:.0%} of this step's completions hit rollout.max_new_tokens before an EOS or stop string: "
+                f"the rewards judge cut-off answers; raise rollout.max_new_tokens (or mask them: "
+                f"algo.overlong_filter)")
+    return None
+
+
+CHECKS = {"clip": _clip, "truncated": _truncated, "slow_step": _slow, "logp_gap": _gap, "nonfinite": _nonfinite,
           "reward_errors": _reward_errors}

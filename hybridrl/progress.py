@@ -111,6 +111,10 @@ class TensorBoardSink:
     def warning(self, step: int, text: str) -> None:
         self.w.add_text("warnings", text, step)
 
+    def samples(self, step: int, rows: list[dict]) -> None:
+        self.w.add_text("samples", "\n\n".join(f"**prompt** {r['prompt']}\n\n**completion** {r['completion']}\n\n"
+                                                f"**reward** {r['reward']:g}" for r in rows), step)
+
     def close(self, summary: dict) -> None:
         self.w.add_text("summary", "\n\n".join(f"{k}: {v}" for k, v in summary.items()))
         self.w.close()
@@ -156,13 +160,20 @@ class WandbSink:
     def warning(self, step: int, text: str) -> None:
         self.run.log({"warning": text}, step=step)
 
+    def samples(self, step: int, rows: list[dict]) -> None:
+        import wandb
+        table = wandb.Table(columns=["step", "prompt", "completion", "answer", "reward"],
+                            data=[[step, r["prompt"], r["completion"], r["answer"], r["reward"]] for r in rows])
+        self.run.log({"samples": table}, step=step)
+
     def close(self, summary: dict) -> None:
         self.run.summary.update(summary)
         self.run.finish()
 
 
 class RunLog:
-    def __init__(self, cfg: Config, world):
+    def __init__(self, cfg: Config, world, recipe: list[str] | None = None):
+        """recipe: the lines recipe.describe wrote, printed now and kept atop config.yaml."""
         self.main = world.main
         self.dir = _run_dir(cfg, self.main)
         self.tty = sys.stdout.isatty()
@@ -178,14 +189,35 @@ class RunLog:
         self.canaries = Canaries()
         self.warnings: list[str] = []
         self.sinks: list = []
+        self.counts: dict[str, float] = {}  # data/* row counts, for the summary
         if self.main:
             self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            header = "".join(f"# {line}\n" for line in recipe or [])
+            (self.dir / "config.yaml").write_text(header + yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            if recipe:
+                print("\n".join(recipe), flush=True)
             self.sinks.append(JsonlSink(self.dir / "metrics.jsonl"))
             if cfg.log.tensorboard:
                 self.sinks.append(TensorBoardSink(self.dir / "tensorboard"))
             if cfg.log.wandb:
                 self.sinks.append(WandbSink(cfg, self.dir))
+
+    def data(self, counts: dict[str, float]) -> None:
+        """Rows kept and dropped (data/*), logged at step 0 and in the summary."""
+        self.counts = dict(counts)
+        for s in self.sinks:
+            s.scalars(0, self.counts)
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        """A few held-out prompts, completions and rewards: samples.jsonl and the sinks that show text."""
+        if not self.main or not rows:
+            return
+        with open(self.dir / "samples.jsonl", "a") as f:
+            for r in rows:
+                f.write(json.dumps({"step": step, **r}) + "\n")
+        for s in self.sinks:
+            if hasattr(s, "samples"):
+                s.samples(step, rows)
 
     def eval(self, step: int, acc: float, sampled: dict | None = None) -> None:
         """acc: greedy held-out accuracy (logged as heldout_acc and eval/pass@1); sampled:
@@ -197,7 +229,7 @@ class RunLog:
             self.first_sampled = self.last_sampled
         for s in self.sinks:
             s.scalars(step, {"heldout_acc": acc, "eval/pass@1": acc, **self.last_sampled})
-        mean = f"  mean@{self.eval_n} {sampled['eval/mean@n']:6.1%}" if sampled else ""
+        mean = f"  mean@{self.eval_n} {sampled['eval/mean@n']:6.1%}" if "eval/mean@n" in self.last_sampled else ""
         self._line(f"step {step:>4}/{self.total}  held-out accuracy {acc:6.1%}{mean}", force=True)
 
     def step(self, step: int, m: dict) -> None:
@@ -231,12 +263,13 @@ class RunLog:
     def close(self, summary: dict) -> None:
         if not self.main:
             return
-        summary = {**summary, "warnings": len(self.warnings)}
+        summary = {**summary, **self.counts, "warnings": len(self.warnings),
+                   "truncation_warnings": self.canaries.fired.get("truncated", 0)}
         for s in self.sinks:
             s.close(summary)
         before, after = summary["heldout_acc_before"], summary["heldout_acc_after"]
         acc = "n/a (no held-out split: set data.heldout_path)" if before is None else f"{before:.1%} -> {after:.1%}"
-        if self.last_sampled:
+        if "eval/mean@n" in self.last_sampled:
             first = self.first_sampled.get("eval/mean@n")
             acc += (f" (pass@1), mean@{self.eval_n} {'' if first is None else f'{first:.1%} -> '}"
                     f"{self.last_sampled['eval/mean@n']:.1%}")
