@@ -313,13 +313,29 @@ def coerce(key: str, value: Any) -> Any:
                 raise ValueError("must be an integer")
             return tp(float(value)) if tp is int and isinstance(value, str) and "e" in value.lower() else tp(value)
         if tp is list or origin is list:
-            if isinstance(value, str):
+            if isinstance(value, str):  # '[a, b]' as YAML, else comma-separated items, each YAML or as written
                 import yaml
-                value = yaml.safe_load(value if value.startswith("[") else f"[{value}]")
+                if value.startswith("["):
+                    try:
+                        return list(yaml.safe_load(value))
+                    except yaml.YAMLError as e:
+                        raise ValueError(f"not a YAML list ({e.problem})") from None
+                return [_scalar(item) for item in value.split(",")] if value else []
             return list(value)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{key}={value!r}: {e}") from None
     return value
+
+
+def _scalar(text: str) -> Any:
+    """A list item from the command line: a number or a word as YAML reads it ('0.9' -> 0.9),
+    else the text itself (a stop string like '!' or '</answer>')."""
+    import yaml
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return value if isinstance(value, (int, float, str)) and not isinstance(value, bool) else text
 
 
 def apply(cfg: Config, overrides: dict[str, Any], source: str | dict[str, str] = "flag") -> Config:

@@ -154,7 +154,7 @@ def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | Non
     params = f"{info.params / 1e6:.2f}M parameters" if info.params else "parameters not counted"
     positions = f", {info.max_positions} positions" if info.max_positions else ""
     sched = t.lr_schedule + (f" to {t.min_lr_ratio:g}x" if t.lr_schedule != "constant" else "")
-    warm = f", {t.warmup_steps} warm-up steps" if t.warmup_steps else ""
+    warm = f", {t.warmup_steps} warm-up step{'s' * (t.warmup_steps != 1)}" if t.warmup_steps else ""
     epochs = f" ({t.data_epochs:g} pass{'es' if t.data_epochs != 1 else ''} over {n_prompts} prompts)" \
         if t.data_epochs and n_prompts is not None else ""
     limit = f"stop after {t.max_minutes:g} min" if t.max_minutes else "no time limit"
@@ -179,8 +179,9 @@ def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | Non
         if key in cfg.sources or value != default(key):
             src = cfg.sources.get(key, "auto" if default(key) == "auto" else "code")
             changed.setdefault(src, []).append(f"{key}={_fmt(value)}")
-    if changed:
-        lines.append("  set by   " + "; ".join(f"{src}: {', '.join(keys)}" for src, keys in changed.items()))
-    else:
+    order = ["flag", "YAML", "code"]
+    for src in sorted(changed, key=lambda k: order.index(k) if k in order else len(order)):
+        lines.append(f"  {'set by' if len(lines) == 4 else '':8} {src}: {', '.join(changed[src])}")
+    if not changed:
         lines.append("  set by   the defaults (the demo recipe)")
     return lines

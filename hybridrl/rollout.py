@@ -120,7 +120,7 @@ class Rollout:
         """rollout.stop: vLLM matches stop strings on the detokenised text, so only then does it
         detokenise. The completion's tokens run to the one that completed the stop string (its
         text is kept, as an EOS token is): what vLLM sampled is what the trainer scores."""
-        stop = list(self.cfg.rollout.stop)
+        stop = [str(s) for s in self.cfg.rollout.stop]
         return dict(stop=stop, include_stop_str_in_output=True, detokenize=True) if stop else dict(detokenize=False)
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

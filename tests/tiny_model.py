@@ -59,7 +59,7 @@ def build(dest, *, logits: dict[str, float] | None = None, max_positions: int = 
     tok = tokenizer()
     torch.manual_seed(seed)
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
                       tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                       bos_token_id=None, torch_dtype="float32")
     model = Qwen2ForCausalLM(cfg).float()
