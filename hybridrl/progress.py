@@ -190,6 +190,7 @@ class RunLog:
         self.warnings: list[str] = []
         self.sinks: list = []
         self.counts: dict[str, float] = {}  # data/* row counts, for the summary
+        self._unlogged: dict[str, float] = {}  # ... and for the first step's record
         if self.main:
             self.dir.mkdir(parents=True, exist_ok=True)
             header = "".join(f"# {line}\n" for line in recipe or [])
@@ -203,10 +204,9 @@ class RunLog:
                 self.sinks.append(WandbSink(cfg, self.dir))
 
     def data(self, counts: dict[str, float]) -> None:
-        """Rows kept and dropped (data/*), logged at step 0 and in the summary."""
+        """Rows kept and dropped (data/*): logged with the first step's metrics and in the summary."""
         self.counts = dict(counts)
-        for s in self.sinks:
-            s.scalars(0, self.counts)
+        self._unlogged = dict(counts)
 
     def samples(self, step: int, rows: list[dict]) -> None:
         """A few held-out prompts, completions and rewards: samples.jsonl and the sinks that show text."""
@@ -235,6 +235,8 @@ class RunLog:
     def step(self, step: int, m: dict) -> None:
         if not self.main:
             return
+        if self._unlogged:
+            m, self._unlogged = {**m, **self._unlogged}, {}
         for s in self.sinks:
             s.scalars(step, m)
         acc = "  --  " if self.last_acc is None else f"{self.last_acc:6.1%}"

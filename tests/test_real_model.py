@@ -190,7 +190,7 @@ def test_real_model_trains_chat_rows_with_schedule_stop_and_canary(tiny, tmp_pat
     assert any("rollout.max_new_tokens" in w for w in warnings)
     summary = recs[-1]["summary"]
     assert summary["truncation_warnings"] >= 1
-    assert (summary["data/prompts"], summary["data/too_long"], summary["data/malformed"]) == (12, 1, 1)
+    assert steps[0]["data/prompts"] == 12 and (summary["data/prompts"], summary["data/too_long"], summary["data/malformed"]) == (12, 1, 1)
     assert summary["heldout_acc_after"] == 1.0 and summary["eval/mean_reward"] == 1.0
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {0, 3} and all(s["completion"] == "!" for s in samples)
