@@ -61,8 +61,8 @@ class RolloutConfig:
         "engine-core process, weights sent through train.sync_bucket_mb staging buckets shared by handle (CUDA IPC "
         "on GPU, shared memory on CPU).")
     kv_cache_mb: int = knob(0, "KV cache size in MiB; 0 = auto: on CPU 64 for the demo, for other models the step's "
-                            "sequences x context x the model's KV bytes per token, at most half the free RAM; on GPU (with gpu_memory_utilization=auto) "
-                            "2 x what the step's sequences need at full length, at least 1 GiB. More is mapped and "
+                            "sequences x context x the model's KV bytes per token, at most half the free RAM; on GPU "
+                            "(with gpu_memory_utilization=auto) 2 x what the step's sequences need at full length, at least 1 GiB. More is mapped and "
                             "unmapped at every wake and sleep for nothing; vLLM queues what does not fit.")
     enable_prefix_caching: bool = knob(True, "Reuse a prompt's KV cache across its n samples.")
     enforce_eager: bool = knob(True, "Skip graph capture/compilation (fast start; best for small models and CPU).")
@@ -211,7 +211,8 @@ class DataConfig:
 @dataclass
 class LogConfig:
     run_dir: str = knob("runs/{time}", "Where metrics.jsonl, the config and checkpoints go.")
-    eval_every: int = knob(100, "Held-out greedy evaluation every N steps (0 = only at start and end; other models: 50).")
+    eval_every: int = knob(100, "Held-out greedy evaluation every N steps (0 = only at start and end; other "
+                           "models: 50).")
     eval_every_s: float = knob(0.0, "Also evaluate once this many seconds have passed since the last evaluation (0 = off).")
     eval_size: int = knob(256, "Held-out prompts evaluated (0 = all).")
     eval_n: int = knob(0, "Also sample this many completions per held-out prompt and log their mean accuracy "

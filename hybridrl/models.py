@@ -57,7 +57,8 @@ def _one_line(e: BaseException) -> str:
 
 def _looks_like_path(name: str) -> bool:
     """A hub name is 'name' or 'org/name'; anything else is meant as a directory."""
-    return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith("/") or os.sep != "/" and os.sep in name
+    return (name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith("/")
+            or os.sep in name.replace("/", ""))
 
 
 def _check_hub(name: str) -> None:

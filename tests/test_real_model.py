@@ -64,7 +64,8 @@ def test_yaml_and_flags_win_over_the_recipe(tiny, tmp_path):
     assert "YAML: rollout.n=4, rollout.max_new_tokens=64, train.steps=7\n" in text
     # the demo keeps its recipe (the config's defaults)
     demo = recipe.resolve(C.load(), models.inspect("demo"), on_cpu=True)
-    assert (demo.rollout.max_new_tokens, demo.train.lr, demo.train.max_minutes, demo.rollout.kv_cache_mb) == (4, 5e-5, 8, 0)
+    r, t = demo.rollout, demo.train
+    assert (r.max_new_tokens, t.lr, t.max_minutes, r.kv_cache_mb, t.steps) == (4, 5e-5, 8, 0, 1200)
     assert "the demo's" in recipe.describe(demo, models.inspect("demo"), on_cpu=True)[0]
 
 
@@ -190,7 +191,8 @@ def test_real_model_trains_chat_rows_with_schedule_stop_and_canary(tiny, tmp_pat
     assert any("rollout.max_new_tokens" in w for w in warnings)
     summary = recs[-1]["summary"]
     assert summary["truncation_warnings"] >= 1
-    assert steps[0]["data/prompts"] == 12 and (summary["data/prompts"], summary["data/too_long"], summary["data/malformed"]) == (12, 1, 1)
+    assert steps[0]["data/prompts"] == 12
+    assert (summary["data/prompts"], summary["data/too_long"], summary["data/malformed"]) == (12, 1, 1)
     assert summary["heldout_acc_after"] == 1.0 and summary["eval/mean_reward"] == 1.0
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert {s["step"] for s in samples} == {0, 3} and all(s["completion"] == "!" for s in samples)
