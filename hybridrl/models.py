@@ -69,7 +69,12 @@ def _check_hub(name: str) -> None:
 
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
     try:
-        hf_hub_download(name, "config.json")
+        reachable = offline or _hub_reachable()  # huggingface_hub would retry for ~30 s, printing each try
+        if not reachable:  # the cache alone, for this lookup and every load after it
+            import huggingface_hub.constants
+            os.environ["HF_HUB_OFFLINE"] = "1"
+            huggingface_hub.constants.HF_HUB_OFFLINE = True
+        hf_hub_download(name, "config.json", local_files_only=not reachable)
     except HFValidationError:
         raise ModelError(f"model.path {name!r}: no such directory, and not a valid hub name; "
                          "pass a model directory or a hub name like Qwen/Qwen2.5-0.5B-Instruct") from None
@@ -86,6 +91,20 @@ def _check_hub(name: str) -> None:
     except OSError as e:  # network errors that huggingface_hub does not wrap
         raise ModelError(f"model.path {name!r}: no such directory, and the hub lookup failed ({_one_line(e)}); "
                          f"download it first (`huggingface-cli download {name}`) or pass its directory") from None
+
+
+def _hub_reachable(timeout_s: float = 3.0) -> bool:
+    """One TCP connection to the hub's host: no network fails here in milliseconds (a DNS error)
+    or in timeout_s, instead of in huggingface_hub's five retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout_s).close()
+        return True
+    except OSError:
+        return False
 
 
 @functools.lru_cache(maxsize=8)
