@@ -132,13 +132,19 @@ def _free_ram() -> int:
 
 
 def set_steps(cfg: Config, n_prompts: int) -> Config:
-    """train.data_epochs > 0: train.steps = ceil(epochs x prompts / prompts_per_step)."""
+    """train.data_epochs > 0: train.steps = ceil(epochs x prompts / prompts_per_step). When both
+    are set, a flag beats YAML (a resumed run's config.yaml holds both; `--steps N` extends it)."""
     t = cfg.train
     if not t.data_epochs:
         return cfg
-    if explicit(cfg, "train.steps") and explicit(cfg, "train.data_epochs"):
-        raise ConfigError(f"train.steps={t.steps} and train.data_epochs={t.data_epochs} are both set; set one")
     steps = max(1, math.ceil(t.data_epochs * n_prompts / t.prompts_per_step))
+    if explicit(cfg, "train.steps") and explicit(cfg, "train.data_epochs"):
+        rank = {"flag": 2, "YAML": 1}
+        by_steps, by_epochs = (rank.get(cfg.sources.get(k, ""), 0) for k in ("train.steps", "train.data_epochs"))
+        if by_steps > by_epochs or t.steps == steps:
+            return cfg
+        if by_steps == by_epochs:
+            raise ConfigError(f"train.steps={t.steps} and train.data_epochs={t.data_epochs} are both set; set one")
     return _set(cfg, "train.steps", steps, "train.data_epochs")
 
 

@@ -69,7 +69,7 @@ def test_yaml_and_flags_win_over_the_recipe(tiny, tmp_path):
     assert "the demo's" in recipe.describe(demo, models.inspect("demo"), on_cpu=True)[0]
 
 
-def test_context_fits_the_model(tiny):
+def test_context_fits_the_model(tmp_path):
     info = models.ModelInfo("m", "m", "Qwen2ForCausalLM", 0, 320, max_positions=1024, kv_values_per_token=128)
     cfg = recipe.resolve(C.load(None, {"model.path": "m"}), info, on_cpu=False)
     # 512 + 1024 > 1024 positions: both unset, so 1:2 -> 341 + 683
@@ -80,6 +80,11 @@ def test_context_fits_the_model(tiny):
         recipe.resolve(C.load(None, {"model.path": "m", "rollout.max_model_len": 4096}), info, on_cpu=False)
     with pytest.raises(C.ConfigError, match="both set"):
         recipe.set_steps(C.load(None, {"model.path": "m", "train.steps": 3, "train.data_epochs": 2}), 10)
+    # a resumed run's config.yaml holds both (as YAML): they agree, or --steps extends the run
+    saved = tmp_path / "config.yaml"
+    saved.write_text("model: {path: m}\ntrain: {steps: 2, data_epochs: 1, prompts_per_step: 8}\n")
+    assert recipe.set_steps(C.load(saved), 10).train.steps == 2
+    assert recipe.set_steps(C.load(saved, {"train.steps": 5}), 10).train.steps == 5
 
 
 def test_truncation_canary_fires_once_per_crossing():
