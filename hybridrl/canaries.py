@@ -14,7 +14,9 @@ time creep is the cheapest early signal of KV-cache fragmentation or a slow veri
 the trainer-vs-vLLM log-prob gap after a hand-off is a bug, not noise. The step-time canary waits
 for a *sustained* creep (the recent median above the baseline for two recent-windows in a row)
 and ignores steps under a minimum absolute time: on a shared machine a 0.15 s step wobbles by
-1.2-1.3x for a few steps at a time, and a warning for that would teach users to ignore warnings.
+1.2-1.3x for a few steps at a time, and a warning for that would teach users to ignore warnings;
+more than half of a step's completions cut at `rollout.max_new_tokens` means the length limit,
+not the policy, shapes the rewards.
 
 `distribution_metrics(...)` turns per-sample lists into flat `name/p10`, `/p50`, `/p90` floats.
 """
@@ -80,6 +82,7 @@ class Thresholds:
     # after a slow-step warning, stay quiet this many steps: on a shared or noisy machine single
     # slow steps come and go, and a warning every few steps would drown the others
     slow_cooldown: int = 50
+    truncated_frac: float = 0.5  # completions cut at rollout.max_new_tokens (no EOS / stop string)
 
 
 class Canaries:
@@ -92,6 +95,7 @@ class Canaries:
         self.slow_streak = 0  # consecutive steps whose recent median was slow (see _slow)
         self.active: set[str] = set()
         self.fired_at: dict[str, int] = {}
+        self.fired: dict[str, int] = {}  # how often each warning fired (the run's summary counts them)
 
     def check(self, step: int, m: dict) -> list[str]:
         """The warnings that start at this step (each as one line of text)."""
@@ -113,6 +117,7 @@ class Canaries:
                 if name == "slow_step" and last is not None and step - last < self.t.slow_cooldown:
                     continue
                 self.fired_at[name] = step
+                self.fired[name] = self.fired.get(name, 0) + 1
                 fired.append(f"step {step}: {msg}")
         return fired
 
@@ -177,5 +182,14 @@ def _reward_errors(c: Canaries, step: int, m: dict) -> str | None:
     return None
 
 
-CHECKS = {"clip": _clip, "slow_step": _slow, "logp_gap": _gap, "nonfinite": _nonfinite,
+def _truncated(c: Canaries, step: int, m: dict) -> str | None:
+    frac = m.get("truncated_frac")
+    if _finite(frac) and frac > c.t.truncated_frac:
+        return (f"{frac:.0%} of this step's completions hit rollout.max_new_tokens before an EOS or stop string: "
+                f"the rewards judge cut-off answers; raise rollout.max_new_tokens (or mask them: "
+                f"algo.overlong_filter)")
+    return None
+
+
+CHECKS = {"clip": _clip, "truncated": _truncated, "slow_step": _slow, "logp_gap": _gap, "nonfinite": _nonfinite,
           "reward_errors": _reward_errors}

@@ -22,6 +22,7 @@ import typer
 import typer.core
 
 from . import config as C
+from .recipe import REAL
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   help="hybridrl: colocated vLLM + DeepSpeed RL trainer for LLMs.")
@@ -73,7 +74,8 @@ def _leaf_params() -> list[inspect.Parameter]:
         default = f.default if f.default is not C.dataclasses.MISSING else f.default_factory()
         kind = str if typing.get_origin(tp) is typing.Literal or tp is list else tp
         flags = [f"--{key}/--{group}.no_{name}"] if kind is bool else [f"--{key}"]
-        shown = str(default).lower() if kind is bool else default
+        shown = (f"demo {default}, other models {REAL[key]}" if key in REAL
+                 else str(default).lower() if kind is bool else default)
         opt = typer.Option(None, *flags, help=f"{f.metadata['help']} [default: {shown}]",
                            rich_help_panel=group, show_default=False)
         params.append(inspect.Parameter(_param_name(key), inspect.Parameter.KEYWORD_ONLY,
@@ -106,6 +108,8 @@ def _train(**kw) -> None:
         env.setup(verbose=cfg.log.verbose)  # still before torch/vLLM/DeepSpeed are imported
         logs.quiet_stdout()
         preflight.check(cfg, nproc)  # paths, the reward module, settings: in a second, not after the imports
+        from . import models
+        models.inspect(cfg.model.path, cfg.model.trust_remote_code)  # a bad model.path: one line, before any engine
     except C.UserError as e:
         _fail(str(e))
 
@@ -234,6 +238,42 @@ def export(run_dir: str = typer.Argument(..., help="A run directory (its newest 
     except C.UserError as e:
         _fail(str(e))
     typer.echo(f"wrote {out} from {ck}")
+
+
+@app.command("eval")
+def evaluate(target: str = typer.Argument(..., help="A run directory (its newest checkpoint), a model directory or a "
+                                                  "hub name."),
+             data: Optional[str] = typer.Option(None, "--data", help="Held-out prompts (sets data.heldout_path; "
+                                                "default: the run's held-out split)."),
+             reward: Optional[str] = typer.Option(None, "--reward", help="Reward (reward.fn; default: the run's)."),
+             config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML file (default: the run's "
+                                                  "config.yaml)."),
+             sets: Optional[list[str]] = typer.Option(None, "--set", help="Dotted override, repeatable: --set "
+                                                      "log.eval_n=8")) -> None:
+    """Evaluate a run's newest checkpoint or a model on held-out prompts, as training's evaluation does
+    (greedy accuracy at log.eval_threshold, mean reward; mean@n with log.eval_n); prints one line and a JSON one."""
+    from pathlib import Path
+    from . import evaluate as E
+    overrides: dict[str, typing.Any] = {}
+    for item in sets or []:
+        key, eq, value = item.partition("=")
+        if not eq:
+            _fail(f"--set {item!r}: use --set group.field=value")
+        overrides[key.strip()] = value
+    if data:
+        overrides["data.heldout_path"] = data
+    if reward:
+        overrides["reward.fn"] = reward
+    run_dir = Path(target).is_dir() and not (Path(target) / "config.json").exists()
+    try:
+        if config is None and run_dir and (Path(target) / "config.yaml").exists():
+            config = str(Path(target) / "config.yaml")
+        if not run_dir:
+            overrides.setdefault("model.path", target)
+        cfg = C.load(config, overrides)
+        E.run(target, cfg)
+    except C.UserError as e:
+        _fail(str(e))
 
 
 @app.command("version")

@@ -2,7 +2,9 @@
 
 Every field has help text (shown by `hybridrl train --help`, grouped by section) and a default
 that runs on the embedded demo. YAML files and dotted overrides (`algo.clip_high=0.28`) are
-applied on top; an unknown key is an error that names the closest valid key.
+applied on top; an unknown key is an error that names the closest valid key. Which keys were set
+(and by what: YAML or flag) is kept in `Config.sources`, so that for a model other than the demo
+the real-model recipe (recipe.py) fills only the rest.
 """
 
 from __future__ import annotations
@@ -38,9 +40,15 @@ class ModelConfig:
 class RolloutConfig:
     n: int = knob(8, "Samples generated per prompt (the GRPO group size).")
     temperature: float = knob(1.0, "Sampling temperature; the trainer scores log-probs at the same temperature.")
-    top_p: float = knob(1.0, "Nucleus sampling.")
-    max_new_tokens: int = knob(4, "Longest completion, in tokens.")
-    max_model_len: int = knob(64, "vLLM context length (prompt + completion).")
+    top_p: float = knob(1.0, "Nucleus sampling. Only 1.0 trains: vLLM's log-probs are renormalised over the nucleus, "
+                        "the trainer's are not, so the ratios and the probe would be biased.")
+    top_k: int = knob(0, "Top-k sampling (0 = off). Refused for training, like top_p < 1.")
+    min_p: float = knob(0.0, "Min-p sampling (0 = off). Refused for training, like top_p < 1.")
+    stop: list = knob([], "Stop strings: a completion ends at the first one (kept in the completion, as an EOS would "
+                      "be), e.g. ['</answer>']. Also used by the held-out evaluation.")
+    max_new_tokens: int = knob(4, "Longest completion, in tokens (demo recipe; other models: 1024).")
+    max_model_len: int = knob(64, "vLLM context length (demo recipe; other models: data.max_prompt_len + "
+                              "rollout.max_new_tokens, at most the model's max_position_embeddings).")
     tensor_parallel_size: int = knob(1, "vLLM tensor-parallel size. Only 1 is built: every rank runs its own engine on "
                                      "its own prompts and seed (use more ranks, --nproc, for throughput).")
     gpu_memory_utilization: str = knob(
@@ -52,8 +60,9 @@ class RolloutConfig:
         "inprocess", "inprocess: vLLM runs inside each rank, weights passed by reference; outofprocess: vLLM's own "
         "engine-core process, weights sent through train.sync_bucket_mb staging buckets shared by handle (CUDA IPC "
         "on GPU, shared memory on CPU).")
-    kv_cache_mb: int = knob(0, "KV cache size in MiB; 0 = auto: 64 on CPU, on GPU (with gpu_memory_utilization=auto) "
-                            "2 x what the step's sequences need at full length, at least 1 GiB. More is mapped and "
+    kv_cache_mb: int = knob(0, "KV cache size in MiB; 0 = auto: on CPU 64 for the demo, for other models the step's "
+                            "sequences x context x the model's KV bytes per token, at most half the free RAM; on GPU "
+                            "(with gpu_memory_utilization=auto) 2 x what the step's sequences need at full length, at least 1 GiB. More is mapped and "
                             "unmapped at every wake and sleep for nothing; vLLM queues what does not fit.")
     enable_prefix_caching: bool = knob(True, "Reuse a prompt's KV cache across its n samples.")
     enforce_eager: bool = knob(True, "Skip graph capture/compilation (fast start; best for small models and CPU).")
@@ -71,13 +80,21 @@ class TrainConfig:
     # 1e-4 with 50 warm-up steps -> 50%, and 1e-4 without warm-up falls below the start (Adam's first
     # sign-like steps on a noisy gradient wreck a barely trained model). At lr 3e-5, 16 prompts/step beat 64
     # (54% vs 30%): at this size a step costs mostly fixed overhead, so more, smaller steps learn faster.
-    steps: int = knob(1200, "Number of RL steps (rollout + update). The demo takes ~4 min on 2 CPU cores.")
-    max_minutes: float = knob(8.0, "Stop after this much wall time after engine start (0 = no limit).")
-    prompts_per_step: int = knob(16, "Prompts per step across all ranks (each yields rollout.n samples).")
-    lr: float = knob(5e-5, "AdamW learning rate.")
+    steps: int = knob(1200, "Number of RL steps (rollout + update). The demo takes ~4 min on 2 CPU cores. Other "
+                      "models: from train.data_epochs unless set.")
+    data_epochs: float = knob(0.0, "Passes over the training prompts: train.steps = ceil(data_epochs x prompts / "
+                              "prompts_per_step) (0 = use train.steps; other models' recipe: 1, one pass).")
+    max_minutes: float = knob(8.0, "Stop after this much wall time after engine start (0 = no limit; other models: 0).")
+    prompts_per_step: int = knob(16, "Prompts per step across all ranks (each yields rollout.n samples; other "
+                                 "models: 64).")
+    lr: float = knob(5e-5, "AdamW learning rate (demo recipe; other models: 1e-6, the range of GRPO on 0.5B-7B).")
     weight_decay: float = knob(0.0, "AdamW weight decay.")
     betas: list = knob([0.9, 0.99], "AdamW betas.")
-    warmup_steps: int = knob(0, "Linear learning-rate warm-up steps.")
+    warmup_steps: int = knob(0, "Linear learning-rate warm-up steps (from 0 to train.lr).")
+    lr_schedule: Literal["constant", "cosine", "linear"] = knob(
+        "constant", "Learning rate after the warm-up: constant, or a cosine / linear decay to lr x min_lr_ratio at "
+        "the last step.")
+    min_lr_ratio: float = knob(0.0, "Where cosine / linear decay ends, as a fraction of train.lr.")
     grad_clip: float = knob(1.0, "Gradient-norm clip (0 = off).")
     zero_stage: int = knob(2, "DeepSpeed ZeRO stage (2 or 3).")
     epochs: int = knob(1, "Passes over each rollout batch (PPO epochs).")
@@ -177,7 +194,11 @@ class DataConfig:
     heldout_path: str = knob("", "Held-out prompts for evaluation (default: the demo's held-out split, or none).")
     prompt_key: str = knob("prompt", "Column holding the prompt text.")
     answer_key: str = knob("answer", "Column holding the reference answer passed to the reward.")
-    max_prompt_len: int = knob(48, "Prompts longer than this many tokens are dropped (counted).")
+    max_prompt_len: int = knob(48, "Prompts longer than this many tokens are dropped (counted; demo recipe; other "
+                               "models: 512).")
+    messages_key: str = knob("messages", "Column of chat-format rows: a list of {role, content} turns (system, "
+                             "user, ...), rendered with the tokenizer's chat template; used when a row has no "
+                             "data.prompt_key. A trailing assistant turn is left out (the model writes it).")
     chat_template: Literal["auto", "on", "off"] = knob(
         "auto", "Wrap prompts in the tokenizer's chat template (auto = if the tokenizer has one).")
     split: str = knob("train", "Split of data.path when it is a saved datasets.DatasetDict.")
@@ -190,12 +211,17 @@ class DataConfig:
 @dataclass
 class LogConfig:
     run_dir: str = knob("runs/{time}", "Where metrics.jsonl, the config and checkpoints go.")
-    eval_every: int = knob(100, "Held-out greedy evaluation every N steps (0 = only at start and end).")
+    eval_every: int = knob(100, "Held-out greedy evaluation every N steps (0 = only at start and end; other "
+                           "models: 50).")
     eval_every_s: float = knob(0.0, "Also evaluate once this many seconds have passed since the last evaluation (0 = off).")
     eval_size: int = knob(256, "Held-out prompts evaluated (0 = all).")
     eval_n: int = knob(0, "Also sample this many completions per held-out prompt and log their mean accuracy "
                        "as eval/mean@n (0 = off; greedy pass@1 is always logged).")
     eval_temperature: float = knob(1.0, "Sampling temperature of the eval_n samples.")
+    eval_threshold: float = knob(1.0, "A held-out completion counts as correct (accuracy, pass@1, mean@n) when its "
+                                 "reward is >= this; eval/mean_reward is logged too, for continuous rewards.")
+    eval_samples: int = knob(4, "Prompts, completions and rewards written to samples.jsonl (and the TensorBoard/W&B "
+                             "sinks) at every evaluation (0 = off).")
     progress: bool = knob(True, "Print a live progress line.")
     verbose: bool = knob(False, "Show everything vLLM, DeepSpeed, torch and transformers print (their info lines, "
                          "harmless warnings, load bars); off: only their errors and hybridrl's own lines.")
@@ -225,9 +251,12 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     log: LogConfig = field(default_factory=LogConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
+    # 'group.field' -> 'YAML' or 'flag' for every key set explicitly (by load / apply): the recipe
+    # fills only the others. Not a config group: not in to_dict, config.yaml or the CLI.
+    sources: dict = field(default_factory=dict, repr=False, compare=False)
 
 
-GROUPS = [f.name for f in dataclasses.fields(Config)]
+GROUPS = [f.name for f in dataclasses.fields(Config) if f.name != "sources"]
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")  # algo.ADVANTAGES' names (config stays torch-free)
 
 
@@ -244,6 +273,8 @@ def leaves(cfg_cls=Config) -> dict[str, dataclasses.Field]:
     """All 'group.field' names with their dataclass fields."""
     out = {}
     for g in dataclasses.fields(cfg_cls):
+        if g.name == "sources":
+            continue
         for f in dataclasses.fields(typing.get_type_hints(cfg_cls)[g.name]):
             out[f"{g.name}.{f.name}"] = f
     return out
@@ -285,25 +316,44 @@ def coerce(key: str, value: Any) -> Any:
                 raise ValueError("must be an integer")
             return tp(float(value)) if tp is int and isinstance(value, str) and "e" in value.lower() else tp(value)
         if tp is list or origin is list:
-            if isinstance(value, str):
+            if isinstance(value, str):  # '[a, b]' as YAML, else comma-separated items, each YAML or as written
                 import yaml
-                value = yaml.safe_load(value if value.startswith("[") else f"[{value}]")
+                if value.startswith("["):
+                    try:
+                        return list(yaml.safe_load(value))
+                    except yaml.YAMLError as e:
+                        raise ValueError(f"not a YAML list ({e.problem})") from None
+                return [_scalar(item) for item in value.split(",")] if value else []
             return list(value)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"{key}={value!r}: {e}") from None
     return value
 
 
-def apply(cfg: Config, overrides: dict[str, Any]) -> Config:
-    """Set dotted keys on a copy of `cfg`; unknown keys name the closest valid one."""
-    cfg = dataclasses.replace(cfg, **{g: dataclasses.replace(getattr(cfg, g)) for g in GROUPS})
+def _scalar(text: str) -> Any:
+    """A list item from the command line: a number or a word as YAML reads it ('0.9' -> 0.9),
+    else the text itself (a stop string like '!' or '</answer>')."""
+    import yaml
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    return value if isinstance(value, (int, float, str)) and not isinstance(value, bool) else text
+
+
+def apply(cfg: Config, overrides: dict[str, Any], source: str | dict[str, str] = "flag") -> Config:
+    """Set dotted keys on a copy of `cfg`, recording in `sources` what set them (`source`, or a
+    source per key); unknown keys name the closest valid one."""
+    cfg = dataclasses.replace(cfg, sources=dict(cfg.sources),
+                              **{g: dataclasses.replace(getattr(cfg, g)) for g in GROUPS})
     valid = leaves()
     for key, value in overrides.items():
         if key not in valid:
             raise ConfigError(f"unknown config key '{key}'; did you mean '{_closest(key)}'?")
         group, name = key.split(".", 1)
         setattr(getattr(cfg, group), name, coerce(key, value))
-    validate(cfg)
+        cfg.sources[key] = source if isinstance(source, str) else source[key]
+    validate(cfg, lengths=cfg.model.path == "demo")  # other models: once the recipe has set the lengths
     return cfg
 
 
@@ -332,18 +382,27 @@ def load(path: str | Path | None = None, overrides: dict[str, Any] | None = None
     for key in tree:
         if key in GROUPS:
             raise ConfigError(f"'{key}' in {path} must be a mapping of its fields, e.g. {key}: {{...}}")
+    sources = {**{k: "YAML" for k in tree}, **{k: "flag" for k in overrides or {}}}
     tree.update(overrides or {})
-    return apply(Config(), tree)
+    return apply(Config(), tree, sources)
 
 
 def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
+    return {g: dataclasses.asdict(getattr(cfg, g)) for g in GROUPS}
 
 
-def validate(cfg: Config) -> None:
-    """Cross-field checks with the fix in the message."""
+def validate(cfg: Config, lengths: bool = True) -> None:
+    """Cross-field checks with the fix in the message. `lengths=False` leaves out the checks of
+    the lengths the recipe has yet to set (recipe.resolve runs them all)."""
     t, r = cfg.train, cfg.rollout
-    checks = [
+    length_checks = [
+        (cfg.data.max_prompt_len + r.max_new_tokens <= r.max_model_len,
+         f"data.max_prompt_len + rollout.max_new_tokens must fit rollout.max_model_len "
+         f"({cfg.data.max_prompt_len} + {r.max_new_tokens} > {r.max_model_len}): raise rollout.max_model_len"),
+        (0 <= cfg.algo.overlong_buffer <= r.max_new_tokens,
+         f"algo.overlong_buffer must be in [0, rollout.max_new_tokens={r.max_new_tokens}]"),
+    ]
+    checks = length_checks * lengths + [
         (t.zero_stage in (2, 3), "train.zero_stage must be 2 or 3"),
         (r.n >= 1, "rollout.n must be >= 1"),
         (t.prompts_per_step >= 1, "train.prompts_per_step must be >= 1"),
@@ -351,9 +410,6 @@ def validate(cfg: Config) -> None:
         (0 <= cfg.algo.clip_low < 1 and cfg.algo.clip_high >= 0, "algo.clip_low must be in [0, 1), clip_high >= 0"),
         (cfg.algo.dual_clip == 0 or cfg.algo.dual_clip > 1, "algo.dual_clip must be 0 (off) or > 1"),
         (r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
-        (cfg.data.max_prompt_len + r.max_new_tokens <= r.max_model_len,
-         f"data.max_prompt_len + rollout.max_new_tokens must fit rollout.max_model_len "
-         f"({cfg.data.max_prompt_len} + {r.max_new_tokens} > {r.max_model_len}): raise rollout.max_model_len"),
         (cfg.ckpt.every >= 0 and cfg.ckpt.keep >= 1, "ckpt.every must be >= 0 and ckpt.keep >= 1"),
         (cfg.algo.kl_coef >= 0, "algo.kl_coef must be >= 0 (0 = no reference model)"),
         (cfg.algo.advantage in ADVANTAGES,
@@ -384,8 +440,14 @@ def validate(cfg: Config) -> None:
         (t.watchdog_s == 0 or t.watchdog_s >= 5, "train.watchdog_s must be 0 (off) or >= 5 seconds"),
         (cfg.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
         (cfg.algo.dynamic_sampling_max_rounds >= 1, "algo.dynamic_sampling_max_rounds must be >= 1"),
-        (0 <= cfg.algo.overlong_buffer <= r.max_new_tokens,
-         f"algo.overlong_buffer must be in [0, rollout.max_new_tokens={r.max_new_tokens}]"),
+        (t.data_epochs >= 0 and 0 <= t.min_lr_ratio <= 1 and t.warmup_steps >= 0,
+         "train.data_epochs and train.warmup_steps must be >= 0, train.min_lr_ratio in [0, 1]"),
+        # vLLM's processed log-probs of a truncated distribution are renormalised over what is kept; the
+        # trainer scores the full softmax, so every ratio, TIS weight and the probe would be off
+        (r.top_p == 1.0 and r.top_k in (0, -1) and r.min_p == 0.0,
+         f"rollout.top_p={r.top_p}, top_k={r.top_k}, min_p={r.min_p}: vLLM renormalises its log-probs over the "
+         "tokens these keep, the trainer scores the full distribution, so the ratios and the probe would be biased; "
+         "train with top_p=1, top_k=0, min_p=0 (temperature alone)"),
     ]
     for ok, msg in checks:
         if not ok:

@@ -27,8 +27,8 @@ from . import algo
 from .batch import Batch, per_token
 from .config import Config, UserError
 from .launch import all_sum
-from .trainer import (ds_config, from_pretrained, load_engine_checkpoint, offload_engine_states, plan_micro_batches,
-                      reload_engine_states)
+from .trainer import (ds_config, from_pretrained, load_engine_checkpoint, lr_scheduler, offload_engine_states,
+                      plan_micro_batches, reload_engine_states)
 
 TAG = "critic"  # its DeepSpeed checkpoint's directory inside a hybridrl checkpoint
 
@@ -60,7 +60,8 @@ class Critic:
         if cfg.model.gradient_checkpointing:
             base.gradient_checkpointing_enable()
         model = _ValueModel(base)  # under ZeRO-3 the new head is partitioned by deepspeed.initialize
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf)
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf,
+                                               lr_scheduler=lr_scheduler(own))
         self.offload()
 
     def _plan(self, rows: Batch | None) -> list[torch.Tensor | None]:

@@ -4,7 +4,11 @@ hand out seeded batches.
 Formats: .jsonl (one object per line), .json (a list of objects, or JSON lines as `datasets`'
 `to_json` writes them), .parquet, .csv (with a header row), and a directory written by
 `datasets`' `save_to_disk`: a Dataset, or a DatasetDict whose split `data.split` (held out:
-`data.heldout_split`) is read. Columns are `data.prompt_key` and `data.answer_key`.
+`data.heldout_split`) is read. Columns are `data.prompt_key` and `data.answer_key`; a row
+without a prompt may be in chat format instead: `data.messages_key` holds a list of
+{"role", "content"} turns (system, user, ...) as in Hugging Face chat datasets, rendered with the
+tokenizer's chat template; a trailing assistant turn is left out, and the reward sees the last
+user turn as the prompt.
 
 Readers never judge a row; `encode` does, in one place: a malformed row (bad JSON, not an
 object, a missing key, a prompt that is not a non-empty string) fails with its location
@@ -142,10 +146,39 @@ def load_rows(cfg: DataConfig, split: str) -> list[Row]:
 
 
 # --- rows -> prompts -----------------------------------------------------------------------------
+def _turns(row: dict, cfg: DataConfig) -> list[dict] | None:
+    """A chat-format row's turns up to the last non-assistant one; None for a plain-prompt row."""
+    if cfg.prompt_key in row or cfg.messages_key not in row:
+        return None
+    turns = list(row[cfg.messages_key] or [])
+    while turns and isinstance(turns[-1], dict) and turns[-1].get("role") == "assistant":
+        turns.pop()  # the reference reply of a chat dataset: the model writes its own
+    return turns
+
+
+def _chat_problem(turns: list, cfg: DataConfig) -> str:
+    if not turns or not all(isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str)
+                            for t in turns):
+        return (f"'{cfg.messages_key}' must be a list of {{\"role\": ..., \"content\": \"...\"}} turns with at least "
+                "one before the assistant's")
+    if not any(t["role"] == "user" and t["content"] for t in turns):
+        return f"'{cfg.messages_key}' has no non-empty user turn"
+    return ""
+
+
 def _problem(row: Any, cfg: DataConfig) -> str:
     """What is wrong with a parsed row ('' if nothing)."""
     if not isinstance(row, dict):
         return f"expected an object with a '{cfg.prompt_key}' field, got {type(row).__name__}"
+    turns = _turns(row, cfg)
+    if turns is not None:
+        if cfg.answer_key and cfg.answer_key not in row:
+            return f"no '{cfg.answer_key}' field (has {sorted(map(str, row))}); set data.answer_key"
+        return _chat_problem(turns, cfg) or (f"'{cfg.answer_key}' is null" if cfg.answer_key and
+                                             row[cfg.answer_key] is None else "")
+    if cfg.prompt_key not in row:
+        return (f"no '{cfg.prompt_key}' field (has {sorted(map(str, row))}); set data.prompt_key (or give chat turns "
+                f"in '{cfg.messages_key}': data.messages_key)")
     for key, knob in ((cfg.prompt_key, "prompt_key"), (cfg.answer_key, "answer_key")):
         if key and key not in row:
             return f"no '{key}' field (has {sorted(map(str, row))}); set data.{knob}"
@@ -177,11 +210,19 @@ def encode(rows: list[Row], tokenizer, cfg: DataConfig, source: str) -> tuple[li
             malformed += 1
             first = first or f"{row.where}: {problem}"
             continue
-        text = row.value[cfg.prompt_key]
-        if use_template:
+        turns = _turns(row.value, cfg)
+        if turns is not None:  # chat format: always through the template
+            if not has_template:
+                raise DataError(f"{row.where}: chat-format rows ('{cfg.messages_key}') need a tokenizer with a chat "
+                                "template; set tokenizer.chat_template or give plain prompts")
+            text = [t["content"] for t in turns if t["role"] == "user"][-1]
+            ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=False)
+        elif use_template:
+            text = row.value[cfg.prompt_key]
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                 tokenize=True, return_dict=False)
         else:
+            text = row.value[cfg.prompt_key]
             ids = tokenizer(text)["input_ids"]
         if len(ids) > cfg.max_prompt_len:
             too_long += 1

@@ -1,7 +1,10 @@
 """Process environment that must be set before torch/vLLM/DeepSpeed are imported.
 
-Caches go under $HYBRIDRL_CACHE_DIR (the Makefile points it into the work tree; default a temp
-dir), never ~/.cache, so a fresh machine builds what it needs in a place the setup controls.
+Build and compile caches (DeepSpeed's JIT ops, vLLM's, Triton's, Inductor's) go under
+$HYBRIDRL_CACHE_DIR (the Makefile points it into the work tree; default a temp dir), so a fresh
+machine builds what it needs in a place the setup controls. The user's Hugging Face home
+(HF_HOME: their token, their downloaded models) is left alone: redirecting it would hide the
+token of gated models and download every model again.
 The libraries' console output is quiet unless `log.verbose` (logs.py).
 """
 
@@ -42,7 +45,6 @@ def setup(verbose: bool | None = None) -> None:
         "VLLM_CACHE_ROOT": root / "vllm",
         "TRITON_CACHE_DIR": root / "triton",
         "TORCHINDUCTOR_CACHE_DIR": root / "inductor",
-        "HF_HOME": root / "huggingface",
         "MPLCONFIGDIR": root / "matplotlib",  # `hybridrl report`'s font cache
         "WANDB_CACHE_DIR": root / "wandb",  # artifacts and staging of log.wandb runs
         "WANDB_DATA_DIR": root / "wandb",

