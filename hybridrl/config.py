@@ -174,8 +174,10 @@ class AlgoConfig:
 @dataclass
 class RewardConfig:
     fn: str = knob("arithmetic", "Reward: comma-separated terms NAME[:WEIGHT], each a built-in (arithmetic, "
-                   "exact_match, math_verify, format) or module:function with fn(prompt, completion, answer) -> float "
-                   "(async def too; batched if fn.batched), e.g. math_verify:1.0,format:0.1.")
+                   "exact_match, math_verify, format), module:function with fn(prompt, completion, answer) -> float "
+                   "(async def too; batched if fn.batched), or rm:PATH (a sequence-classification reward model scored "
+                   "on the device), e.g. math_verify:1.0,format:0.1 or arithmetic,rm:/models/rm:0.5.")
+    rm_batch_size: int = knob(32, "Texts per forward of an rm:PATH reward model.")
     on_error: Literal["zero", "raise"] = knob("zero", "A reward function that raises, hangs past timeout_s or kills "
                                               "its worker scores 0 (counted, dead-lettered) or stops the run.")
     workers: int = knob(-1, "Reward worker processes (0 = in this process, no timeout for plain functions; "
@@ -411,6 +413,7 @@ def validate(cfg: Config) -> None:
         (t.probe_tol >= 0, "train.probe_tol must be >= 0 (0 = by dtype)"),
         (t.watchdog_s == 0 or t.watchdog_s >= 5, "train.watchdog_s must be 0 (off) or >= 5 seconds"),
         (cfg.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
+        (cfg.reward.rm_batch_size >= 1, "reward.rm_batch_size must be >= 1"),
         (cfg.algo.dynamic_sampling_max_rounds >= 1, "algo.dynamic_sampling_max_rounds must be >= 1"),
         (0 <= cfg.algo.overlong_buffer <= r.max_new_tokens,
          f"algo.overlong_buffer must be in [0, rollout.max_new_tokens={r.max_new_tokens}]"),
