@@ -220,7 +220,7 @@ def _cispo(logp, old, adv, tok, hp):
     """CISPO (MiniMax-M1, 2025): L_t = -sg[clip(r_t, 1 - eps_low, 1 + eps_high)] * A * log pi_t.
     No token's gradient is zeroed: the clip bounds its weight, not its presence (the paper's
     motivation: PPO's clip drops the rare tokens that open reflective branches). The bounds are
-    algo.cispo_clip_low/high (defaults 1 and 4: no lower bound, upper 5 as TRL and Liger use)."""
+    algo.cispo_clip_low/high (defaults 1 and 4: no lower bound, upper 5 as Liger's documentation suggests)."""
     w = _token_ratio(logp, old, tok).detach().clamp(1.0 - hp["cispo_clip_low"], 1.0 + hp["cispo_clip_high"])
     return -w * adv * logp
 
