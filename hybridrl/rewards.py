@@ -71,8 +71,8 @@ def parse_spec(spec: str) -> list[tuple[str, float]]:
         except ValueError:  # 'mymod:score': the last part is a function name, not a weight
             name, weight = text, 1.0
         if not name or (name not in BUILTIN and ":" not in name) or name == "rm:":
-            raise ConfigError(f"reward.fn={spec!r}: term {text!r} is neither a built-in ({', '.join(BUILTIN)}), "
-                              f"module:function nor rm:PATH; terms look like 'math_verify:1.0,format:0.1'")
+            raise ConfigError(f"reward.fn={spec!r}: term {text!r} is neither a built-in ({', '.join(BUILTIN)}) "
+                              f"nor module:function nor rm:PATH; terms look like 'math_verify:1.0,format:0.1'")
         terms.append((name, weight))
     return terms
 
