@@ -129,8 +129,8 @@ class AlgoConfig:
     dual_clip: float = knob(0.0, "Dual-clip constant c > 1 for negative advantages (0 = off; ppo/gspo/gspo_token).")
     cispo_clip_low: float = knob(1.0, "CISPO: the IS weight is clipped below at 1 - this (1 = no lower bound, as in "
                                  "MiniMax-M1).")
-    cispo_clip_high: float = knob(4.0, "CISPO: the IS weight is clipped above at 1 + this (4: the bound 5 Liger-Kernel's "
-                                  "documentation suggests).")
+    cispo_clip_high: float = knob(4.0, "CISPO: the IS weight is clipped above at 1 + this (4: the bound 5 that "
+                                  "Liger-Kernel's documentation suggests).")
     kl_coef: float = knob(0.0, "Weight beta of the KL to the reference policy (0 = no reference model is loaded).")
     kl_type: Literal["k1", "k2", "k3"] = knob("k3", "KL estimator (Schulman's k1 = log ratio, k2, k3); k1 is the usual "
                                               "choice with algo.kl_in=reward.")
