@@ -19,8 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean, median
 
+# the loop's order (engine_cycle.py: sleep ... wake_kv)
 PHASES = ["generate", "sleep", "reload", "reward", "reward_model", "old_logprob", "ref_logprob", "values", "train",
-          "critic", "offload", "wake_weights", "sync", "wake_kv", "probe"]  # the loop's order (engine_cycle.py: sleep ... wake_kv)
+          "critic", "offload", "wake_weights", "sync", "wake_kv", "probe"]
 
 
 @dataclass
