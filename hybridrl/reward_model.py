@@ -9,7 +9,9 @@ its logit, which transformers pools at the last non-padding token. Texts are sco
 
 Memory: like the reference under ZeRO-2 (reference.py), its weights live in host memory (pinned
 on a GPU) and are copied to the device for the phase only, then dropped; nothing is copied back.
-On CPU the moves are no-ops.
+On CPU the moves are no-ops. The phase runs before vLLM sleeps (dynamic sampling needs the
+rewards to decide on another round), so on a GPU the copy must fit beside vLLM's planned memory,
+in `rollout.memory_margin_mb`.
 
 Departures: the RM re-tokenizes the text with its own tokenizer (an RM usually has another
 vocabulary than the policy, so the policy's token ids are not reused); the text is the user's
