@@ -26,8 +26,8 @@ from .memory import host_memory
 
 # every phase a step times, in the order the loop runs them (engine_cycle.py: sleep ... wake_kv);
 # `hybridrl report` stacks them in this order
-PHASES = ("generate", "sleep", "reload", "reward", "reward_model", "old_logprob", "ref_logprob", "values", "train", "critic",
-          "offload", "wake_weights", "sync", "wake_kv", "probe")
+PHASES = ("generate", "sleep", "reload", "reward", "reward_model", "old_logprob", "ref_logprob", "values", "train",
+          "critic", "offload", "wake_weights", "sync", "wake_kv", "probe")
 
 
 class Phases(dict):
