@@ -10,7 +10,9 @@ generating the others (rewards.py: a slow verifier runs beside generation, not a
   all-reduced counts, so all ranks run the same number of rounds;
 - DAPO overlong filtering (`algo.overlong_filter`): samples cut off at the length limit are
   marked `masked` (no gradient).
-Prompts vLLM refuses are dropped and counted (`dropped_prompts`).
+Prompts vLLM refuses are dropped and counted (`dropped_prompts`). With `env.cls` each sample is a
+multi-turn episode (multiturn.py): the reward functions score its final assistant message, and the
+environment's own rewards are added.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import dapo, launch
-from .config import Config, UserError
+from . import dapo, launch, multiturn
+from .config import Config, UserError, completion_budget
 from .data import Prompt, Sampler
 from .progress import Phases
 from .rewards import Scorer
@@ -53,12 +55,17 @@ class Collector:
                  sampler: Sampler, world):
         self.cfg, self.rollout, self.scorer, self.tokenizer = cfg, rollout, scorer, tokenizer
         self.prompts, self.sampler, self.world = prompts, sampler, world
+        self.episodes = multiturn.Episodes(cfg, rollout, tokenizer, rank=world.rank, run_dir=scorer.run_dir) \
+            if cfg.env.cls else None  # multi-turn: an environment between assistant turns
 
     def batch(self, step: int, phases: Phases) -> Rollouts:
         cfg, a, world = self.cfg, self.cfg.algo, self.world
         target, n = cfg.train.prompts_per_step, cfg.rollout.n
         self.scorer.step = step
         self.scorer.counts()  # start this step's error counts from zero (the held-out eval's are in the dead-letter file)
+        if self.episodes:
+            self.episodes.step = step
+            self.episodes.counts()
         seen: list[list[_Group]] = []  # every round's scored groups
         rejected = []
 
@@ -94,8 +101,10 @@ class Collector:
         batch = [self.prompts[i] for i in index]
         pending: dict[int, list[Sample | None]] = {i: [None] * n for i in range(len(batch))}
         with phases("generate"):  # vLLM is awake: the hand-off (or engine start) woke it
-            gen = self.rollout.generate([p.ids for p in batch], n, temperature=cfg.rollout.temperature,
-                                        top_p=cfg.rollout.top_p, max_tokens=cfg.rollout.max_new_tokens)
+            kw = dict(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                      max_tokens=cfg.rollout.max_new_tokens)
+            gen = self.episodes.generate(batch, n, index, **kw) if self.episodes else \
+                self.rollout.generate([p.ids for p in batch], n, **kw)
             for i in gen.rejected:
                 del pending[i]
             for finished in gen:
@@ -116,14 +125,15 @@ class Collector:
         groups = []
         for i, samples in pending.items():
             raw = scores[(i, None)] if self.scorer.batched else [scores[(i, j)][0] for j in range(n)]
+            raw = [r + s.env_reward for r, s in zip(raw, samples)]  # 0 without an environment
             lengths = torch.tensor([len(s.token_ids) for s in samples])
-            shaped = torch.tensor(raw) + dapo.overlong_penalty(lengths, cfg.rollout.max_new_tokens,
+            shaped = torch.tensor(raw) + dapo.overlong_penalty(lengths, completion_budget(cfg),
                                                                cfg.algo.overlong_buffer, cfg.algo.overlong_penalty)
             groups.append(_Group(batch[i], samples, raw, shaped))
         return groups, len(gen.rejected)
 
-    def _text(self, s: Sample) -> str:
-        return self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+    def _text(self, s: Sample) -> str:  # an episode's final assistant message
+        return self.tokenizer.decode(multiturn.last_turn(s.token_ids, s.loss_mask), skip_special_tokens=True)
 
     def _metrics(self, seen: list[_Group], kept: list[_Group], dropped: int, plan: dapo.Fill) -> dict:
         """Over every sample generated this step (all rounds), summed over ranks."""
@@ -145,6 +155,9 @@ class Collector:
         out.update({k: v / num for k, v in zip(terms, sums[11:])})  # per-term means
         if self.cfg.algo.overlong_buffer:
             out["overlong_penalty"] = sums[5] / num
+        if self.episodes:  # turns, tokens by role, truncations, tool calls / errors / timeouts / latency
+            c = self.episodes.counts()
+            out.update(multiturn.metrics(dict(zip(multiturn.COUNTS, launch.all_sum([c[k] for k in multiturn.COUNTS])))))
         if self.cfg.algo.dynamic_sampling:
             out.update(ds_rounds=plan.rounds, ds_groups_kept=sums[9], ds_groups_dropped=sums[10],
                        ds_cap_hits=float(plan.cap_hit))

@@ -125,7 +125,8 @@ def train(cfg: Config) -> dict:
             # 2. the sampling policy's, the reference's and the critic's view; advantages
             R = ro.rewards  # [P, n]
             batch = Batch.from_rows([p.ids for p in src], [s.token_ids for s in samples],
-                                    [s.logprobs for s in samples], [0.0] * len(samples))
+                                    [s.logprobs for s in samples], [0.0] * len(samples),
+                                    [s.loss_mask for s in samples])  # multi-turn: environment tokens carry no loss
             if trainer.needs_old_logprobs:  # several updates per rollout, TIS, KL in the reward
                 with phases("old_logprob"):
                     batch.logp_old = trainer.logprobs(batch, cfg.rollout.temperature)
