@@ -132,6 +132,20 @@ class Collector:
             groups.append(_Group(batch[i], samples, raw, shaped))
         return groups, len(gen.rejected)
 
+    def greedy(self, prompts: list[Prompt]) -> tuple[list[str], list[float]]:
+        """The held-out evaluation's greedy completions, one per prompt, and the environment's rewards
+        (0 without one). With an environment each is a whole episode, scored on its final message."""
+        if not prompts:
+            return [], []
+        if not self.episodes:
+            outs = self.rollout.greedy([p.ids for p in prompts], self.cfg.rollout.max_new_tokens)
+            return self.tokenizer.batch_decode(outs, skip_special_tokens=True), [0.0] * len(prompts)
+        gen = self.episodes.generate(prompts, 1, temperature=0.0, top_p=1.0, max_tokens=self.cfg.rollout.max_new_tokens)
+        got = {s.prompt_idx: s for finished in gen for s in finished}
+        self.episodes.counts()  # training's metrics count training's episodes
+        return [self._text(got[i]) if i in got else "" for i in range(len(prompts))], \
+            [got[i].env_reward if i in got else 0.0 for i in range(len(prompts))]
+
     def _text(self, s: Sample) -> str:  # an episode's final assistant message
         return self.tokenizer.decode(multiturn.last_turn(s.token_ids, s.loss_mask), skip_special_tokens=True)
 

@@ -17,7 +17,7 @@ once per episode (so `self` is the episode's state). Either method may be `async
 
 The episode's reward is the sum of its steps' rewards plus the `reward.fn` terms on the final
 assistant message (`--reward.fn none` for the environment's reward alone). Guards (multiturn.py):
-each call runs under `env.tool_timeout_s` (+1 s); one that raises or hangs ends its episode,
+each call runs under 2 x `env.tool_timeout_s` + 5 s; one that raises or hangs ends its episode,
 counted (`env/errors`, `env/timeouts`) and dead-lettered. Sync methods run in a thread of their own,
 so a hung one is abandoned, never joined: the run goes on (a tool that can spin a CPU forever
 should run its work in a subprocess).

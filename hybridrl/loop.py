@@ -80,9 +80,9 @@ def train(cfg: Config) -> dict:
         faults.progress(step, "eval")
         rollout.wake(["kv_cache"])
         shard = heldout[mine]
-        outs = rollout.greedy([p.ids for p in shard], cfg.rollout.max_new_tokens) if shard else []
-        texts = tokenizer.batch_decode(outs, skip_special_tokens=True)
+        texts, env_rewards = collector.greedy(shard)  # with an environment: greedy episodes, their final messages
         scores = scorer.score([p.text for p in shard], texts, [p.answer for p in shard], {"eval_step": step})
+        scores = [s + r for s, r in zip(scores, env_rewards)]
         correct = launch.all_sum([sum(s >= 1.0 for s in scores), len(scores)])
         acc = correct[0] / max(correct[1], 1)
         sampled = {}

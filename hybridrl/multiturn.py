@@ -44,11 +44,16 @@ COUNTS = ("env/episodes", "env/turns", "env/assistant_tokens", "env/env_tokens",
 
 
 def render_turn(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of an environment turn as the chat template renders it after an assistant
-    message, up to the next assistant turn's header (add_generation_prompt): the text between the
-    end of the assistant's EOS and the end of the rendering of [user, assistant, *messages],
-    tokenized alone. What the template writes after EOS (Qwen's newline) belongs to this turn:
-    the model stopped at EOS and never produced it."""
+    """Token ids of an environment turn (`turn_text`, tokenized alone)."""
+    return tokenizer(turn_text(tokenizer, messages), add_special_tokens=False)["input_ids"]
+
+
+def turn_text(tokenizer, messages: list[dict]) -> str:
+    """An environment turn as the chat template renders it after an assistant message, up to the
+    next assistant turn's header (add_generation_prompt): the text between the end of the
+    assistant's EOS and the end of the rendering of [user, assistant, *messages]. What the
+    template writes after EOS (Qwen's newline) belongs to this turn: the model stopped at EOS and
+    never produced it."""
     base = [{"role": "user", "content": _A}, {"role": "assistant", "content": _B}]
     before = tokenizer.apply_chat_template(base, tokenize=False)
     full = tokenizer.apply_chat_template(base + messages, tokenize=False, add_generation_prompt=True)
@@ -60,7 +65,7 @@ def render_turn(tokenizer, messages: list[dict]) -> list[int]:
         raise UserError("the tokenizer's chat template renders earlier messages differently once an environment "
                         "turn follows them, so turns cannot be appended token by token; use a template whose "
                         "rendering of a conversation extends its rendering of every prefix")
-    return tokenizer(full[cut:], add_special_tokens=False)["input_ids"]
+    return full[cut:]
 
 
 def last_turn(ids: list[int], mask: list[int] | None) -> list[int]:
@@ -105,8 +110,9 @@ class Episodes:
         self.env_cls = envs.load(cfg.env.cls)
         self.runner = envs.Runner()
         self.budget = completion_budget(cfg)
-        # a ToolEnv's tools stop at tool_timeout_s and report it; the guard around the whole call comes later
-        self.timeout = 1.5 * cfg.env.tool_timeout_s + 1.0
+        # a ToolEnv's tools stop at tool_timeout_s and report it; the guard around the whole call comes
+        # later, with room for a loaded machine's scheduling stalls (seconds were seen with 2 cores at load 12)
+        self.timeout = 2 * cfg.env.tool_timeout_s + 5.0
         self.step: int | None = None  # stamped into dead-letter entries
         self._counts = dict.fromkeys(COUNTS, 0.0)
         self._dead_letter = None
