@@ -133,7 +133,7 @@ class Episodes:
         """n episodes per prompt (`data.Prompt`s; `index`: their dataset rows, for reset and the
         dead letter). The returned Generation yields each episode as one Sample when it ends."""
         index = index if index is not None else list(range(len(prompts)))
-        eps, first = [], []
+        eps = []
         for i, p in enumerate(prompts):
             for j in range(n):
                 env = self.env_cls()
@@ -141,8 +141,10 @@ class Episodes:
                     env.tool_timeout_s = self.cfg.env.tool_timeout_s
                 eps.append(_Episode(i, j, env, p.ids, index[i]))
         rows = [{"prompt": prompts[e.i].text, "answer": prompts[e.i].answer, "index": index[e.i]} for e in eps]
-        resets = [self._call(e, "reset", getattr(e.env, "reset", None), row) for e, row in zip(eps, rows)]
-        for e, (ok, messages) in zip(eps, resets):
+        futures = [self.runner.submit(e.env.reset, row, timeout=self.timeout) if hasattr(e.env, "reset") else None
+                   for e, row in zip(eps, rows)]  # all at once: they run concurrently
+        for e, fut in zip(eps, futures):
+            ok, messages = self._result(e, "reset", fut)
             if not ok:
                 e.prompt = None
             elif messages is not None:
@@ -159,12 +161,12 @@ class Episodes:
         rejected.update({served[k].i: why for k, why in gen.rejected.items()})
         return _Run(self, gen, served, rejected)
 
-    def _call(self, e: _Episode, what: str, fn, *args) -> tuple[bool, Any]:
-        """(True, result) or (False, None) after counting and dead-lettering a failure."""
-        if fn is None:
+    def _result(self, e: _Episode, what: str, fut) -> tuple[bool, Any]:
+        """(True, the call's result) or (False, None) after counting and dead-lettering a failure."""
+        if fut is None:
             return True, None
         try:
-            return True, self.runner.submit(fn, *args, timeout=self.timeout).result()
+            return True, fut.result()
         except TimeoutError:
             self._fail(e, "timeout", f"env.{what} returned nothing within {self.timeout:.1f} s")
         except Exception as ex:  # noqa: BLE001 (user code)
