@@ -1,8 +1,8 @@
 """Build the tool-use demo: a tiny model that knows how to call a calculator but not when to.
 
-Task: three-digit addition ("123+456=" -> "579"), which a 0.9M-parameter model does badly by
-itself, with `examples/calculator_env.py:Calc` as the environment. What this script does:
-  1. a character-level tokenizer (pad, bos, eos, 0-9, '+', '=') plus the call format's pieces as
+Task: multiplying a three-digit by a two-digit number ("123*45=" -> "5535"), which a 0.9M-parameter
+model cannot learn to do by itself in a warm-up this short, with `examples/calculator_env.py:Calc` as the environment. What this script does:
+  1. a character-level tokenizer (pad, bos, eos, 0-9, '+', '*', '=') plus the call format's pieces as
      whole tokens: <tool_call>, '{"name":"calculator","arguments":{"expression":"', '"}}',
      </tool_call>, <tool_response>, </tool_response> (not special: decoding keeps them, so ToolEnv
      reads Hermes calls), and a chat template (user text; assistant text + eos; a tool message in
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_demo_model import QWEN2_PRETOKENIZE_REGEX, save_tokenizer  # noqa: E402
 
 SPECIAL = ["<pad>", "<bos>", "<eos>"]
-CHARS = list("0123456789+=")
+CHARS = list("0123456789+*=")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PREFIX, SUFFIX = '{"name":"calculator","arguments":{"expression":"', '"}}'
 RESP_OPEN, RESP_CLOSE = "<tool_response>", "</tool_response>"
@@ -66,10 +66,10 @@ def build_tokenizer():
 
 
 def splits() -> tuple[list[dict], list[dict]]:
-    """20,000 three-digit pairs in a fixed order (a SHA-256 ranking); the first 256 are held out."""
-    pairs = sorted(((a, b) for a in range(100, 1000, 3) for b in range(100, 1000, 7)),
-                   key=lambda p: hashlib.sha256(f"tool-demo:{p[0]}+{p[1]}".encode()).hexdigest())[:20_000]
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
+    """20,000 (three-digit, two-digit) pairs in a fixed order (a SHA-256 ranking); the first 256 are held out."""
+    pairs = sorted(((a, b) for a in range(100, 1000) for b in range(10, 100)),
+                   key=lambda p: hashlib.sha256(f"tool-demo:{p[0]}*{p[1]}".encode()).hexdigest())[:20_000]
+    rows = [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a, b in pairs]
     return rows[NUM_HELDOUT:], rows[:NUM_HELDOUT]
 
 
@@ -95,7 +95,7 @@ def example(tok, row: dict, call: bool) -> tuple[list[int], list[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", type=Path, default=Path("runs/tool_demo"))
-    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()

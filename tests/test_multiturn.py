@@ -120,6 +120,25 @@ def test_calculator_example():
     assert asyncio.run(env.step("The answer is 8189."))[:3] == (None, 0.0, True)
 
 
+def test_tool_demo_format_round_trips():
+    """The tool demo's tokenizer (examples/make_tool_demo_model.py): a call the model writes decodes
+    (special tokens skipped, as multiturn.py decodes) to a Hermes call Calc runs, and the tool turn
+    renders as <tool_response>...</tool_response>, as its warm-up saw it."""
+    sys.path.insert(0, str(HERE.parent / "examples"))
+    from make_tool_demo_model import TEMPLATE as DEMO_TEMPLATE, build_tokenizer, example
+    from calculator_env import Calc
+    tok = build_tokenizer()
+    tok.chat_template = DEMO_TEMPLATE
+    ids, mask = example(tok, {"prompt": "123*45=", "answer": "5535"}, call=True)
+    call = ids[mask.index(1): ids.index(tok.eos_token_id) + 1]
+    assert len(call) == 11 and call[-1] == tok.eos_token_id
+    obs, _, done, info = asyncio.run(Calc().step(tok.decode(call, skip_special_tokens=True)))
+    assert obs == [{"role": "tool", "content": "5535"}] and not done and info["tools/calls"] == 1
+    turn = multiturn.render_turn(tok, obs)
+    assert ids[len(tok("123*45=")["input_ids"]) + len(call):][: len(turn)] == turn
+    assert mask == [0] * 8 + [1] * 11 + [0] * len(turn) + [1] * 5  # <bos> 123*45= | call | response | 5535 eos
+
+
 def test_environment_turn_is_rendered_alone():
     """Qwen's template: the tool turn starts with the newline the template writes after <|im_end|>
     (the model stopped at <|im_end|>), groups consecutive tool messages and ends with the next
