@@ -131,7 +131,8 @@ class Episodes:
     def generate(self, prompts: list, n: int, index: list[int] | None = None, *, temperature: float,
                  top_p: float, max_tokens: int, seed: int | None = None) -> "_Run":
         """n episodes per prompt (`data.Prompt`s; `index`: their dataset rows, for reset and the
-        dead letter). The returned Generation yields each episode as one Sample when it ends."""
+        dead letter). Iterating the result yields each episode as one Sample when it ends (after each
+        engine step, like Rollout.generate's Generation); `.rejected` names the prompts dropped."""
         index = index if index is not None else list(range(len(prompts)))
         eps = []
         for i, p in enumerate(prompts):
@@ -186,10 +187,9 @@ class Episodes:
         if self._dead_letter is None:
             self._dead_letter = open(Path(self.run_dir) / "env_dead_letter.jsonl", "a")
         text = self.tokenizer.decode((e.prompt or []) + e.ids, skip_special_tokens=False)
-        self._dead_letter.write(json.dumps({"step": self.step, "rank": self.rank, "prompt_index": e.row, "sample": e.j,
-                                            "turn": e.turns,
-                                            "kind": kind, "error": error, **extra, "transcript": text},
-                                           default=str) + "\n")
+        entry = {"step": self.step, "rank": self.rank, "prompt_index": e.row, "sample": e.j, "turn": e.turns,
+                 "kind": kind, "error": error, **extra, "transcript": text}
+        self._dead_letter.write(json.dumps(entry, default=str) + "\n")
         self._dead_letter.flush()
 
 
