@@ -1,7 +1,8 @@
 """Build the tool-use demo: a tiny model that knows how to call a calculator but not when to.
 
 Task: multiplying a three-digit by a two-digit number ("123*45=" -> "5535"), which a 0.9M-parameter
-model cannot learn to do by itself in a warm-up this short, with `examples/calculator_env.py:Calc` as the environment. What this script does:
+model cannot learn to do by itself in a warm-up this short, with `examples/calculator_env.py:Calc`
+as the environment. What this script does:
   1. a character-level tokenizer (pad, bos, eos, 0-9, '+', '*', '=') plus the call format's pieces as
      whole tokens: <tool_call>, '{"name":"calculator","arguments":{"expression":"', '"}}',
      </tool_call>, <tool_response>, </tool_response> (not special: decoding keeps them, so ToolEnv
