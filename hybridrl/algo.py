@@ -96,11 +96,12 @@ def token_rewards(seq_rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tenso
 
 
 def discounted_returns(r: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
-    """G_t = r_t + gamma * G_{t+1} along each row's completion, 0 elsewhere: [B, T]."""
+    """G_t = r_t + gamma * G_{t+1} along each row's completion, 0 elsewhere: [B, T]. t + 1 is the
+    next masked token: a multi-turn episode's environment tokens are skipped, not steps."""
     out, g = torch.zeros_like(r), torch.zeros(r.shape[0], dtype=r.dtype)
     for t in reversed(range(r.shape[1])):
-        g = torch.where(mask[:, t], r[:, t] + gamma * g, 0.0)
-        out[:, t] = g
+        g = torch.where(mask[:, t], r[:, t] + gamma * g, g)  # carried across unmasked tokens
+        out[:, t] = torch.where(mask[:, t], g, 0.0)
     return out
 
 
@@ -143,16 +144,18 @@ def gae(x: Experience) -> tuple[torch.Tensor, torch.Tensor]:
 
     delta_t = r_t + gamma * V_{t+1} - V_t (V after the last token = 0); A_t = delta_t + gamma *
     lambda * A_{t+1}; returns R_t = A_t + V_t (the critic's target). r_t is the sample's reward on
-    its last token minus the KL penalty. The advantages are then whitened over the global batch
-    (OpenRLHF and verl do the same); the returns are not. ([B, T], [B, T])
+    its last token minus the KL penalty. t + 1 is the next masked token (a multi-turn episode's
+    environment tokens are not steps: verl's multi-turn GAE does the same). The advantages are then
+    whitened over the global batch (OpenRLHF and verl do the same); the returns are not. ([B, T], [B, T])
     """
     r = token_rewards(x.rewards.flatten(), x.mask, x.kl)  # [B, T]
     v = torch.where(x.mask, x.values.float(), 0.0)  # [B, T]
-    adv, last = torch.zeros_like(v), torch.zeros(v.shape[0])
-    for t in reversed(range(v.shape[1])):
-        nxt = v[:, t + 1] if t + 1 < v.shape[1] else torch.zeros_like(last)  # 0 after a row's last token
-        last = torch.where(x.mask[:, t], r[:, t] + x.gamma * nxt - v[:, t] + x.gamma * x.lam * last, 0.0)
-        adv[:, t] = last
+    adv, last, nxt = torch.zeros_like(v), torch.zeros(v.shape[0]), torch.zeros(v.shape[0])
+    for t in reversed(range(v.shape[1])):  # nxt, last: of the next masked token (0 after a row's last)
+        m = x.mask[:, t]
+        a = r[:, t] + x.gamma * nxt - v[:, t] + x.gamma * x.lam * last
+        last, nxt = torch.where(m, a, last), torch.where(m, v[:, t], nxt)  # environment tokens are skipped
+        adv[:, t] = torch.where(m, a, 0.0)
     return whiten(adv, x.mask), adv + v
 
 

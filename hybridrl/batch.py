@@ -1,7 +1,8 @@
 """The one batch type that flows from rollout to trainer: padded token rows plus per-row data.
 
 Position t of a row holds token t; `loss_mask[b, t]` marks completion tokens, whose log-prob
-log p(tokens[b, t] | tokens[b, :t]) the trainer computes. Rows are right-padded, so position
+log p(tokens[b, t] | tokens[b, :t]) the trainer computes (in a multi-turn episode only the
+assistant's: environment tokens inside the completion are context, like the prompt). Rows are right-padded, so position
 ids are 0..len-1 in both engines. `Batch.packed()` lays the rows end to end without padding
 (`train.packing`: on by default with flash-attention).
 """
@@ -26,7 +27,7 @@ class Packed(NamedTuple):
 class Batch:
     tokens: torch.Tensor  # [B, T] long, prompt + completion, right-padded with 0
     lengths: torch.Tensor  # [B] long, real tokens per row
-    loss_mask: torch.Tensor  # [B, T] bool, True on completion tokens
+    loss_mask: torch.Tensor  # [B, T] bool, True on completion tokens that carry loss (not environment turns)
     advantages: torch.Tensor  # [B] float, one per sequence (broadcast over its tokens), or [B, T] per token
     logp_rollout: torch.Tensor  # [B, T] float, vLLM's log-prob of each completion token
     logp_old: torch.Tensor | None = None  # [B, T] float, trainer log-probs before this update
@@ -36,7 +37,10 @@ class Batch:
 
     @classmethod
     def from_rows(cls, prompts: list[list[int]], completions: list[list[int]],
-                  rollout_logprobs: list[list[float]], advantages: list[float]) -> "Batch":
+                  rollout_logprobs: list[list[float]], advantages: list[float],
+                  completion_masks: list[list[int] | None] | None = None) -> "Batch":
+        """`completion_masks[b]`: 1 on the completion tokens that carry loss (a multi-turn episode's
+        assistant tokens), 0 on context inside it (environment tokens); None = all of them."""
         rows = [p + c for p, c in zip(prompts, completions)]
         B, T = len(rows), max(len(r) for r in rows)
         tokens = torch.zeros(B, T, dtype=torch.long)
@@ -44,8 +48,10 @@ class Batch:
         logp = torch.zeros(B, T)
         for b, (p, c, lp) in enumerate(zip(prompts, completions, rollout_logprobs)):
             tokens[b, : len(p) + len(c)] = torch.tensor(p + c)
-            mask[b, len(p): len(p) + len(c)] = True
+            m = completion_masks[b] if completion_masks else None
+            mask[b, len(p): len(p) + len(c)] = True if m is None else torch.tensor(m, dtype=torch.bool)
             logp[b, len(p): len(p) + len(c)] = torch.tensor(lp, dtype=torch.float32)
+        logp[~mask] = 0.0  # environment tokens' placeholders
         return cls(tokens, torch.tensor([len(r) for r in rows]), mask,
                    torch.tensor(advantages, dtype=torch.float32), logp)
 

@@ -12,7 +12,9 @@ generating the others (rewards.py: a slow verifier runs beside generation, not a
   all-reduced counts, so all ranks run the same number of rounds;
 - DAPO overlong filtering (`algo.overlong_filter`): samples cut off at the length limit are
   marked `masked` (no gradient).
-Prompts vLLM refuses are dropped and counted (`dropped_prompts`).
+Prompts vLLM refuses are dropped and counted (`dropped_prompts`). With `env.cls` each sample is a
+multi-turn episode (multiturn.py): the reward functions score its final assistant message, and the
+environment's own rewards are added.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import dapo, launch
-from .config import Config, UserError
+from . import dapo, launch, multiturn
+from .config import Config, UserError, completion_budget
 from .data import Prompt, Sampler
 from .progress import Phases
 from .reward_model import RewardModel
@@ -60,6 +62,8 @@ class Collector:
             path, device=world.device, dtype=getattr(torch, cfg.model.dtype), batch_size=cfg.reward.rm_batch_size,
             trust_remote_code=cfg.model.trust_remote_code)) for path, weight in model_terms(cfg.reward.fn)]
         self.model_sums = {name: 0.0 for name, _, _ in self.models}  # this step's sum of each RM's scores
+        self.episodes = multiturn.Episodes(cfg, rollout, tokenizer, rank=world.rank, run_dir=scorer.run_dir) \
+            if cfg.env.cls else None  # multi-turn: an environment between assistant turns
 
     def batch(self, step: int, phases: Phases) -> Rollouts:
         cfg, a, world = self.cfg, self.cfg.algo, self.world
@@ -67,6 +71,9 @@ class Collector:
         self.scorer.step = step
         self.scorer.counts()  # start this step's error counts from zero (the held-out eval's are in the dead-letter file)
         self.model_sums = dict.fromkeys(self.model_sums, 0.0)
+        if self.episodes:
+            self.episodes.step = step
+            self.episodes.counts()
         seen: list[list[_Group]] = []  # every round's scored groups
         rejected = []
 
@@ -102,8 +109,10 @@ class Collector:
         batch = [self.prompts[i] for i in index]
         pending: dict[int, list[Sample | None]] = {i: [None] * n for i in range(len(batch))}
         with phases("generate"):  # vLLM is awake: the hand-off (or engine start) woke it
-            gen = self.rollout.generate([p.ids for p in batch], n, temperature=cfg.rollout.temperature,
-                                        top_p=cfg.rollout.top_p, max_tokens=cfg.rollout.max_new_tokens)
+            kw = dict(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
+                      max_tokens=cfg.rollout.max_new_tokens)
+            gen = self.episodes.generate(batch, n, index, **kw) if self.episodes else \
+                self.rollout.generate([p.ids for p in batch], n, **kw)
             for i in gen.rejected:
                 del pending[i]
             for finished in gen:
@@ -129,8 +138,9 @@ class Collector:
         groups = []
         for i, samples in pending.items():
             raw = raws[i]
+            raw = [x + s.env_reward for x, s in zip(raw, samples)]  # 0 without an environment
             lengths = torch.tensor([len(s.token_ids) for s in samples])
-            shaped = torch.tensor(raw) + dapo.overlong_penalty(lengths, cfg.rollout.max_new_tokens,
+            shaped = torch.tensor(raw) + dapo.overlong_penalty(lengths, completion_budget(cfg),
                                                                cfg.algo.overlong_buffer, cfg.algo.overlong_penalty)
             groups.append(_Group(batch[i], samples, raw, shaped))
         return groups, len(gen.rejected)
@@ -147,8 +157,22 @@ class Collector:
                 raws[i][j] += weight * v
                 self.model_sums[name] += v
 
-    def _text(self, s: Sample) -> str:
-        return self.tokenizer.decode(s.token_ids, skip_special_tokens=True)
+    def greedy(self, prompts: list[Prompt]) -> tuple[list[str], list[float]]:
+        """The held-out evaluation's greedy completions, one per prompt, and the environment's rewards
+        (0 without one). With an environment each is a whole episode, scored on its final message."""
+        if not prompts:
+            return [], []
+        if not self.episodes:
+            outs = self.rollout.greedy([p.ids for p in prompts], self.cfg.rollout.max_new_tokens)
+            return self.tokenizer.batch_decode(outs, skip_special_tokens=True), [0.0] * len(prompts)
+        gen = self.episodes.generate(prompts, 1, temperature=0.0, top_p=1.0, max_tokens=self.cfg.rollout.max_new_tokens)
+        got = {s.prompt_idx: s for finished in gen for s in finished}
+        self.episodes.counts()  # training's metrics count training's episodes
+        return [self._text(got[i]) if i in got else "" for i in range(len(prompts))], \
+            [got[i].env_reward if i in got else 0.0 for i in range(len(prompts))]
+
+    def _text(self, s: Sample) -> str:  # an episode's final assistant message
+        return self.tokenizer.decode(multiturn.last_turn(s.token_ids, s.loss_mask), skip_special_tokens=True)
 
     def _metrics(self, seen: list[_Group], kept: list[_Group], dropped: int, plan: dapo.Fill) -> dict:
         """Over every sample generated this step (all rounds), summed over ranks."""
@@ -170,6 +194,9 @@ class Collector:
         out.update({k: v / num for k, v in zip(terms, sums[11:])})  # per-term means
         if self.cfg.algo.overlong_buffer:
             out["overlong_penalty"] = sums[5] / num
+        if self.episodes:  # turns, tokens by role, truncations, tool calls / errors / timeouts / latency
+            c = self.episodes.counts()
+            out.update(multiturn.metrics(dict(zip(multiturn.COUNTS, launch.all_sum([c[k] for k in multiturn.COUNTS])))))
         if self.cfg.algo.dynamic_sampling:
             out.update(ds_rounds=plan.rounds, ds_groups_kept=sums[9], ds_groups_dropped=sums[10],
                        ds_cap_hits=float(plan.cap_hit))

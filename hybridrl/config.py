@@ -226,6 +226,20 @@ class DataConfig:
 
 
 @dataclass
+class EnvConfig:
+    cls: str = knob("", "Multi-turn rollouts: an environment class, module:Class (see hybridrl/envs.py; ToolEnv runs "
+                    "Python tools the model calls as <tool_call>{json}</tool_call>). '' = single-turn.")
+    max_turns: int = knob(4, "Most assistant turns per episode; an episode still going after them ends, counted "
+                          "(env/truncated_turns).")
+    max_tokens: int = knob(0, "Token budget of an episode's completion: assistant and environment tokens together "
+                           "(0 = rollout.max_new_tokens x env.max_turns). rollout.max_new_tokens bounds each "
+                           "assistant turn. An episode that would exceed it, or rollout.max_model_len, ends, counted "
+                           "(env/truncated_length).")
+    tool_timeout_s: float = knob(10.0, "Seconds a tool call (ToolEnv) or an environment's reset/step may take; past "
+                                 "it the call is abandoned, counted and dead-lettered, and the run goes on.")
+
+
+@dataclass
 class LogConfig:
     run_dir: str = knob("runs/{time}", "Where metrics.jsonl, the config and checkpoints go.")
     eval_every: int = knob(100, "Held-out greedy evaluation every N steps (0 = only at start and end; other "
@@ -266,6 +280,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     log: LogConfig = field(default_factory=LogConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     # 'group.field' -> 'YAML' or 'flag' for every key set explicitly (by load / apply): the recipe
@@ -481,6 +496,10 @@ def validate(cfg: Config, lengths: bool = True) -> None:
          f"rollout.top_p={r.top_p}, top_k={r.top_k}, min_p={r.min_p}: vLLM renormalises its log-probs over the "
          "tokens these keep, the trainer scores the full distribution, so the ratios and the probe would be biased; "
          "train with top_p=1, top_k=0, min_p=0 (temperature alone)"),
+        (cfg.env.max_turns >= 1 and cfg.env.max_tokens >= 0 and cfg.env.tool_timeout_s > 0,
+         "env.max_turns must be >= 1, env.max_tokens >= 0 (0 = auto) and env.tool_timeout_s > 0"),
+        (0 <= cfg.algo.overlong_buffer <= r.max_new_tokens,
+         f"algo.overlong_buffer must be in [0, rollout.max_new_tokens={r.max_new_tokens}]"),
     ]
     for ok, msg in checks:
         if not ok:
@@ -499,3 +518,11 @@ def _fraction_or_auto(value: str) -> bool:
         return value == "auto" or 0 < float(value) <= 1
     except ValueError:
         return False
+
+
+def completion_budget(cfg: Config) -> int:
+    """Most tokens in one sample's completion: rollout.max_new_tokens, or with an environment its
+    episode budget (assistant and environment tokens together)."""
+    if not cfg.env.cls:
+        return cfg.rollout.max_new_tokens
+    return cfg.env.max_tokens or cfg.rollout.max_new_tokens * cfg.env.max_turns

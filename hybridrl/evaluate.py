@@ -17,13 +17,20 @@ from pathlib import Path
 from . import launch
 
 
-def heldout_eval(cfg, rollout, scorer, tokenizer, heldout: list, world, step: int) -> tuple[float, dict, list[dict]]:
-    """(accuracy, {eval/mean_reward, eval/mean@n, eval/n_samples}, a few sample rows of this rank)."""
+def heldout_eval(cfg, rollout, scorer, tokenizer, heldout: list, world, step: int,
+                 greedy=None) -> tuple[float, dict, list[dict]]:
+    """(accuracy, {eval/mean_reward, eval/mean@n, eval/n_samples}, a few sample rows of this rank).
+    greedy(prompts) -> (texts, environment rewards): the collector's, whose greedy completions are
+    whole episodes when an environment is set; by default vLLM's greedy single answers."""
     shard = heldout[world.rank::world.size]
     thr = cfg.log.eval_threshold
-    outs = rollout.greedy([p.ids for p in shard], cfg.rollout.max_new_tokens) if shard else []
-    texts = tokenizer.batch_decode(outs, skip_special_tokens=True)
+    if greedy:
+        texts, env_rewards = greedy(shard)
+    else:
+        outs = rollout.greedy([p.ids for p in shard], cfg.rollout.max_new_tokens) if shard else []
+        texts, env_rewards = tokenizer.batch_decode(outs, skip_special_tokens=True), [0.0] * len(shard)
     scores = scorer.score([p.text for p in shard], texts, [p.answer for p in shard], {"eval_step": step})
+    scores = [s + r for s, r in zip(scores, env_rewards)]
     sums = launch.all_sum([sum(s >= thr for s in scores), float(sum(scores)), len(scores)])
     acc = sums[0] / max(sums[2], 1)
     extra = {"eval/mean_reward": sums[1] / max(sums[2], 1)}

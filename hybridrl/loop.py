@@ -82,7 +82,8 @@ def train(cfg: Config) -> dict:
             return None
         faults.progress(step, "eval")
         rollout.wake(["kv_cache"])
-        acc, extra, rows = heldout_eval(cfg, rollout, scorer, tokenizer, heldout, world, step)
+        acc, extra, rows = heldout_eval(cfg, rollout, scorer, tokenizer, heldout, world, step,
+                                         greedy=collector.greedy)
         run.samples(step, rows)  # samples.jsonl
         run.eval(step, acc, extra)
         return acc
@@ -113,7 +114,8 @@ def train(cfg: Config) -> dict:
             # 2. the sampling policy's, the reference's and the critic's view; advantages
             R = ro.rewards  # [P, n]
             batch = Batch.from_rows([p.ids for p in src], [s.token_ids for s in samples],
-                                    [s.logprobs for s in samples], [0.0] * len(samples))
+                                    [s.logprobs for s in samples], [0.0] * len(samples),
+                                    [s.loss_mask for s in samples])  # multi-turn: environment tokens carry no loss
             if trainer.needs_old_logprobs:  # several updates per rollout, TIS, KL in the reward
                 with phases("old_logprob"):
                     batch.logp_old = trainer.logprobs(batch, cfg.rollout.temperature)

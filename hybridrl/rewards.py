@@ -61,7 +61,10 @@ def batched(fn: Callable) -> Callable:
 
 # --- the spec: terms and weights --------------------------------------------------------------
 def parse_spec(spec: str) -> list[tuple[str, float]]:
-    """'math_verify:1.0,mymod:score:0.5' -> [('math_verify', 1.0), ('mymod:score', 0.5)]."""
+    """'math_verify:1.0,mymod:score:0.5' -> [('math_verify', 1.0), ('mymod:score', 0.5)]; 'none' -> []
+    (an environment's rewards alone, env.cls)."""
+    if spec.strip().lower() in ("none", ""):
+        return []
     terms = []
     for raw in spec.split(","):
         text = raw.strip()
@@ -132,6 +135,8 @@ def evaluate(terms: list[Term], prompt: str, completions: list[str], answer: str
     """Each term's value for each completion of one prompt: [len(completions)][len(terms)].
     Raises whatever a term raises (or asyncio.TimeoutError for an async term past timeout_s)."""
     k = len(completions)
+    if not terms:
+        return [[] for _ in completions]
     columns = []
     for t in terms:
         if t.batched:

@@ -28,6 +28,10 @@ class Sample:
     logprobs: list[float]  # vLLM's log-prob of each completion token (after temperature)
     finished: bool  # stopped on EOS / stop token rather than on the length limit
     sample_idx: int = 0  # which of the prompt's n samples
+    # multi-turn episodes (multiturn.py): 1 on the assistant's tokens, 0 on the environment's, whose
+    # logprobs are 0.0 placeholders; None = every token is the model's (single turn)
+    loss_mask: list[int] | None = None
+    env_reward: float = 0.0  # the environment's rewards, summed over the episode's turns
 
 
 @dataclass
@@ -36,6 +40,21 @@ class Generation:
     llm: LLM
     requests: dict[str, tuple[int, int]]  # request id -> (prompt index, sample index)
     rejected: dict[int, str]  # prompt index -> why vLLM refused it
+    params: SamplingParams | None = None  # what generate() was asked for, for extend()
+    seed: int | None = None
+    tag: str = ""  # this generation's prefix of the request ids
+
+    def extend(self, i: int, j: int, ids: list[int], max_tokens: int, turn: int) -> None:
+        """Queue one more request for (prompt i, sample j) while this generation is being iterated:
+        a multi-turn episode's next assistant turn, continuing from `ids` (the prefix cache holds
+        their KV). Raises vllm_compat.REJECTED if the engine will not serve it."""
+        own = self.params.clone()
+        own.max_tokens = max_tokens
+        if self.seed is not None:
+            own.seed = self.seed + 1_000_003 * turn + i * 1_009 + j
+        rid = f"{self.tag}-{i}-{j}-t{turn}"
+        vllm_compat.add_request(self.llm, rid, ids, own)
+        self.requests[rid] = (i, j)
 
     def __iter__(self) -> Iterator[list[Sample]]:
         for outs in vllm_compat.step_finished(self.llm):
@@ -101,7 +120,7 @@ class Rollout:
         params = SamplingParams(n=1, temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                                 logprobs=0, stop_token_ids=[self.eos], **self._stop())
         self._calls += 1
-        gen = Generation(self.llm, {}, {})
+        gen = Generation(self.llm, {}, {}, params, seed, str(self._calls))
         for i, ids in enumerate(prompts):
             try:
                 for j in range(n):

@@ -27,7 +27,7 @@ from kernels.ppo_loss import fused_logprob_ppo_loss, importance_ratio, importanc
 from . import faults
 from .batch import Batch, micro_batches, per_token
 from .canaries import distribution_metrics
-from .config import Config, ConfigError, UserError
+from .config import Config, ConfigError, UserError, completion_budget
 from .launch import all_max, all_sum
 
 log = logging.getLogger("hybridrl")
@@ -261,7 +261,7 @@ class Trainer:
         if cfg.train.packing == "on" and not self.packing:
             log.info("train.packing: not with kernels=%s / attention %s / %s; using padded rows",
                      provider, attn_implementation, type(hf).__name__)
-        module = TokenLogprobs(hf, provider, cfg.train.logprob_chunk, cfg.rollout.max_new_tokens)
+        module = TokenLogprobs(hf, provider, cfg.train.logprob_chunk, completion_budget(cfg))
         self.zero3 = cfg.train.zero_stage == 3
         if self.zero3:  # the head's weight is used by this module's forward, not by lm_head's
             deepspeed.zero.register_external_parameter(module, hf.get_output_embeddings().weight)
@@ -292,7 +292,7 @@ class Trainer:
         n_tok = batch.loss_mask.sum(1) if batch else torch.zeros(0)  # [B] completion tokens per row
         local = {"token_mean": n_tok.sum(), "seq_mean_token_mean": (n_tok > 0).sum(),
                  # Dr.GRPO: a constant per sequence (the generation budget), not the batch's longest
-                 "seq_mean_token_sum_norm": len(n_tok) * self.cfg.rollout.max_new_tokens}[self.cfg.algo.loss_agg]
+                 "seq_mean_token_sum_norm": len(n_tok) * completion_budget(self.cfg)}[self.cfg.algo.loss_agg]
         return max(all_sum([float(local)])[0], 1.0)
 
     @property

@@ -1,0 +1,65 @@
+"""Environments the multi-turn tests load by name (env.cls=envs_for_tests:...), for the demo model's
+vocabulary (digits, '+', '=') and the chat template `TEMPLATE` (tests/test_multiturn.py)."""
+import time
+
+from hybridrl.envs import ToolEnv
+
+# user and tool messages as they are, an assistant message then EOS; a tool message ends with '='
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}{{ eos_token }}"
+            "{% elif m.role == 'tool' %}{{ m.content }}={% else %}{{ m.content }}{% endif %}{% endfor %}")
+
+
+class ThreeTurns:
+    """Two observations ('1+1', then '2+2'), then done after the third assistant turn with reward 1."""
+
+    def reset(self, row):
+        self.turn = 0
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, text):
+        self.turn += 1
+        if self.turn == 3:
+            return None, 1.0, True
+        return [{"role": "tool", "content": f"{self.turn}+{self.turn}"}], 0.0, False
+
+
+def hang() -> str:
+    """Never returns in time."""
+    time.sleep(30)
+    return "1"
+
+
+def big() -> str:
+    """Returns far more than max_output_chars."""
+    return "1" * 5000
+
+
+def boom(x: int) -> str:
+    """Raises."""
+    raise RuntimeError("boom")
+
+
+def add(a: int, b: int) -> int:
+    """Adds two integers."""
+    return a + b
+
+
+class Faulty(ToolEnv):
+    """Whatever the model writes, turn k makes SCRIPT[k]'s call: a hanging tool, a malformed call,
+    a huge result, a tool that raises, a good call, then a final answer."""
+    tools = [hang, big, boom, add]
+    max_output_chars = 4
+    SCRIPT = ['<tool_call>{"name": "hang", "arguments": {}}</tool_call>',
+              '<tool_call>{"name": "add", "arguments": ',
+              '<tool_call>{"name": "big", "arguments": {}}</tool_call>',
+              '<tool_call>{"name": "boom", "arguments": {"x": 1}}</tool_call>',
+              '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>',
+              "5"]
+
+    def reset(self, row):
+        self.turn = 0
+        return super().reset(row)
+
+    async def step(self, text):
+        self.turn += 1
+        return await super().step(self.SCRIPT[min(self.turn, len(self.SCRIPT)) - 1])
