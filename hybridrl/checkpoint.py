@@ -179,7 +179,9 @@ class Saver:
         if problem is None:
             try:
                 faults.progress(step, "save", self.root)
-                trainer.engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
+                # LoRA: the adapter and its optimizer state; the frozen base is model.path's
+                trainer.engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False,
+                                               exclude_frozen_parameters=trainer.peft is not None)
                 if critic:  # PPO's value model: its own DeepSpeed checkpoint, critic/
                     critic.save_checkpoint(str(tmp))
                 _save_torch({"rng": rng_state(), "probe_last": probe.last}, tmp / f"rank-{self.world.rank}.pt")
@@ -240,7 +242,7 @@ class Saver:
         kept = complete_checkpoints(self.root)[:1] if self.root.exists() else []
         if kept:
             return sum(json.loads((kept[0] / MANIFEST).read_text())["files"].values())
-        params = list(trainer.hf.parameters())
+        params = [p for p in trainer.hf.parameters() if p.requires_grad or trainer.peft is None]
         return sum(getattr(p, "ds_numel", p.numel()) * (p.element_size() + 12) for p in params)
 
     def _tell(self, step: int, problem: str, need: int, final: bool) -> None:

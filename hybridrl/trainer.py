@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 from typing import Iterator
 
 import deepspeed
@@ -23,6 +24,7 @@ from kernels.liger_loss import liger_ppo_loss
 from kernels.logprob import logprob_entropy
 from kernels.ppo_loss import TIS_LEVELS, fused_logprob_ppo_loss
 
+from . import lora
 from .batch import Batch, micro_batches, per_token
 from .canaries import distribution_metrics
 from .config import Config, ConfigError, UserError
@@ -139,10 +141,13 @@ def reload_engine_states(engine) -> None:
         engine.reload_states(non_blocking=False)
 
 
-def load_engine_checkpoint(engine, path: str, tag: str, device: torch.device) -> None:
+def load_engine_checkpoint(engine, path: str, tag: str, device: torch.device, strict: bool = True) -> None:
     """Params, optimizer and LR schedule of a DeepSpeed engine as saved (any ZeRO stage); on CPU
-    with the Adam step product rebuilt (below). The policy and the critic both load this way."""
-    _, client = engine.load_checkpoint(path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    with the Adam step product rebuilt (below). The policy and the critic both load this way.
+    `strict=False`: the checkpoint holds the trainable parameters only (LoRA: the adapter; the
+    frozen base comes from model.path)."""
+    _, client = engine.load_checkpoint(path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True,
+                                       load_module_strict=strict)
     if client is None:
         raise RuntimeError(f"DeepSpeed found no checkpoint '{tag}' in {path}")
     if device.type == "cpu":
@@ -208,8 +213,12 @@ class Trainer:
         conf = ds_config(cfg, dtype == torch.bfloat16)
         hf = from_pretrained(AutoModelForCausalLM, model_path, conf, dtype=dtype,
                              attn_implementation=attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
+        # LoRA: the adapter is injected into `hf` in place; only its parameters train (see lora.py)
+        self.peft = lora.attach(hf, cfg.model) if cfg.model.lora_rank else None
         if cfg.model.gradient_checkpointing:
             hf.gradient_checkpointing_enable()
+            if self.peft is not None:  # frozen embeddings: checkpointed blocks need an input that requires grad
+                hf.enable_input_require_grads()
         provider = cfg.train.kernels if cfg.train.kernels != "auto" else "torch"  # see config's train.kernels
         if provider == "liger" and (cfg.algo.dual_clip or cfg.algo.tis_cap or cfg.algo.entropy_coef):
             raise ConfigError("train.kernels=liger supports the clipped surrogate only: set algo.dual_clip, "
@@ -226,7 +235,8 @@ class Trainer:
         self.zero3 = cfg.train.zero_stage == 3
         if self.zero3:  # the head's weight is used by this module's forward, not by lm_head's
             deepspeed.zero.register_external_parameter(module, hf.get_output_embeddings().weight)
-        self.engine, *_ = deepspeed.initialize(model=module, model_parameters=hf.parameters(), config=conf)
+        self.engine, *_ = deepspeed.initialize(model=module, config=conf,
+                                               model_parameters=[p for p in hf.parameters() if p.requires_grad])
         self.hf = hf
 
     # --- log-probs ----------------------------------------------------------------------------
@@ -245,6 +255,12 @@ class Trainer:
     def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
         """Trainer log-probs of every masked token, laid out like `batch.loss_mask`: [B, T]."""
         return per_token(lambda mb: self._forward(mb, temperature)[0], batch, self._plan(batch), self.device)
+
+    @contextmanager
+    def adapter_disabled(self):
+        """LoRA: the base model (the adapter bypassed) inside the block: the free KL reference."""
+        with self.peft.disable_adapter():
+            yield
 
     # --- update -------------------------------------------------------------------------------
     def _normalizer(self, batch: Batch | None) -> float:
@@ -271,9 +287,11 @@ class Trainer:
         gen = torch.Generator().manual_seed(t.seed + int(self.engine.global_steps))
         skipped = self.engine.skipped_steps
         sums: dict[str, float] = {}
-        n_updates = 0
         ratios, rollout_ratios = [], []  # per token: pi/pi_old, and trainer/vLLM (~1 when the engines agree)
         is_ratios = []  # per token: the importance ratio TIS caps, pi_old/pi_vllm at algo.tis_level
+        n_updates = 0
+        if self.peft is not None:
+            lora.set_dropout(self.hf, True)  # the adapter's dropout, while updating only
         for _ in range(t.epochs):
             perm = torch.randperm(len(batch), generator=gen) if t.minibatches > 1 else torch.arange(len(batch))
             for mb_rows in torch.tensor_split(perm, t.minibatches):  # same count on every rank
@@ -317,6 +335,8 @@ class Trainer:
                 n_updates += 1
                 grad_norm = self.engine.get_global_grad_norm()
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + (float(grad_norm) if grad_norm is not None else 0.0)
+        if self.peft is not None:
+            lora.set_dropout(self.hf, False)
         w = max(sums.pop("_w", 0.0), 1.0)
         per_update = ("grad_norm", "loss")
         out = {k: v / w for k, v in sums.items() if k not in (*per_update, "logp_gap_max")}
@@ -336,15 +356,18 @@ class Trainer:
     # --- checkpoints ----------------------------------------------------------------------------
     def load_checkpoint(self, path: str, tag: str) -> None:
         """Params, optimizer and LR schedule as DeepSpeed saved them (any ZeRO stage)."""
-        load_engine_checkpoint(self.engine, path, tag, self.device)
+        load_engine_checkpoint(self.engine, path, tag, self.device, strict=self.peft is None)
 
     # --- hand-off and memory ------------------------------------------------------------------
     def named_parameters_for_sync(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) pairs. ZeRO-3 gathers `bucket_bytes` of parameters at a time
         (one collective per bucket, not per parameter) and frees each bucket once the consumer
         moves past it, so a full copy of the model never exists at once. Lazy: consume it once,
-        on every rank, in the same order."""
+        on every rank, in the same order. LoRA: the adapter's parameters only, named as in a PEFT
+        adapter file (lora.sync_name); the frozen base never changes, and vLLM keeps its own."""
         named = list(self.hf.named_parameters())
+        if self.peft is not None:
+            named = [(lora.sync_name(n), p) for n, p in named if lora.is_adapter(n)]
         if not self.zero3:
             yield from ((n, p.detach()) for n, p in named)
             return
