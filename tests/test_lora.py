@@ -187,3 +187,15 @@ def test_lora_out_of_process_and_zero3_two_ranks(tmp_path):
         _, steps, _ = train_cli(tmp_path / name, *LORA, *extra)
         for s in steps:
             assert s["probe_gap"] <= 1e-4 and s["sync/bytes"] == ADAPTER_BYTES, (name, s)
+
+
+@pytest.mark.slow
+def test_lora_demo_run_learns(tmp_path):
+    """The demo with a rank-16 adapter (base frozen) at lr 3e-4: held-out accuracy rises clearly
+    (21.9% -> 54.7% at step 300 in the README's run; full fine-tuning reaches 44.5-53.5%)."""
+    _, steps, summary = train_cli(tmp_path / "run", "--steps", "300", "--train.prompts_per_step", "16",
+                                  "--rollout.n", "8", "--model.lora_rank", "16", "--train.lr", "3e-4",
+                                  "--log.eval_size", "256", "--train.max_minutes", "0")
+    before, after = summary["heldout_acc_before"], summary["heldout_acc_after"]
+    assert before == 0.21875 and after >= before + 0.15, (before, after)
+    assert all(s["sync/bytes"] == ADAPTER_BYTES for s in steps)
