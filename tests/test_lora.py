@@ -28,6 +28,29 @@ def _demo() -> Path:
     return Path(hybridrl.__file__).parent / "demo_model"
 
 
+def test_config_sleep_level_and_bad_targets_say_what_to_change():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hybridrl import config, engine_cycle, lora
+    cfg = config.load(overrides={"model.lora_rank": 16})
+    assert engine_cycle.keep_base_weights(cfg, main=False).rollout.sleep_level == 1  # 2 would discard the base
+    assert engine_cycle.keep_base_weights(config.load(), main=False).rollout.sleep_level == 2  # no LoRA: unchanged
+    with pytest.raises(config.ConfigError, match="model.lora_rank=600"):
+        config.load(overrides={"model.lora_rank": 600})
+    with pytest.raises(config.ConfigError, match="lora_dropout"):
+        config.load(overrides={"model.lora_rank": 8, "model.lora_dropout": 1.0})
+    hf = AutoModelForCausalLM.from_pretrained(_demo(), dtype=torch.float32)
+    bad = config.load(overrides={"model.lora_rank": 8, "model.lora_target_modules": "q_proj,query_key_value"})
+    with pytest.raises(config.UserError, match=r"\['query_key_value'\] name no linear layer.*--model.lora_target_modules"):
+        lora.attach(hf, bad.model)
+    peft_model = lora.attach(hf, cfg.model)
+    trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
+    assert len(trainable) == 56 and all(lora.is_adapter(n) for n in trainable)  # the base is frozen
+    assert lora.sync_name("model.layers.0.mlp.up_proj.lora_B.default.weight") == \
+        "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"  # what a PEFT adapter file (and vLLM) calls it
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return _resume_pair(tmp_path_factory.mktemp("lora"), *LORA)
