@@ -222,3 +222,15 @@ def test_lora_demo_run_learns(tmp_path):
     before, after = summary["heldout_acc_before"], summary["heldout_acc_after"]
     assert before == 0.21875 and after >= before + 0.15, (before, after)
     assert all(s["sync/bytes"] == ADAPTER_BYTES for s in steps)
+
+
+@pytest.mark.slow
+def test_resume_and_export_with_zero3_on_two_ranks(tmp_path):
+    """ZeRO-3 partitions the adapter and its optimizer state over 2 ranks: the adapter-only
+    checkpoint resumes bit-exactly and zero_to_fp32 consolidates it into an exportable adapter."""
+    runs = _resume_pair(tmp_path, *LORA, "--nproc", "2", "--train.zero_stage", "3")
+    _assert_same_steps(runs)
+    out = tmp_path / "adapter"
+    res = subprocess.run([sys.executable, "-m", "hybridrl", "export", str(runs["part"]), str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and (out / "adapter_model.safetensors").exists(), res.stderr[-3000:]
