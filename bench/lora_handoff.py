@@ -54,9 +54,9 @@ def generate_cost(model: str, rank: int, repeats: int = 7) -> dict:
     from hybridrl.tasks import arithmetic
     env.setup()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=64, seed=0,
-              **vllm_compat.engine_kwargs(on_cpu=True, kv_cache_bytes=64 << 20, gpu_memory_utilization=None,
-                                          out_of_process=False, lora_rank=rank) | {"distributed_executor_backend": None})
+    kw = vllm_compat.engine_kwargs(on_cpu=True, kv_cache_bytes=64 << 20, gpu_memory_utilization=None, lora_rank=rank)
+    kw["distributed_executor_backend"] = None  # one engine in this process, no torch.distributed group
+    llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=64, seed=0, **kw)
     cfg = ModelConfig(lora_rank=rank)
     from transformers import AutoConfig
     hf = AutoConfig.from_pretrained(model)

@@ -36,7 +36,8 @@ class ModelConfig:
                           "frozen), only the adapter is handed to vLLM, and the KL reference is the base model (the "
                           "trainer's own, adapter disabled: no second model).")
     lora_alpha: float = knob(32.0, "LoRA alpha: the adapter's output is scaled by lora_alpha / lora_rank.")
-    lora_dropout: float = knob(0.0, "Dropout on the adapter's input while training (log-probs are computed without it).")
+    lora_dropout: float = knob(0.0, "Dropout on the adapter's input while training (log-probs are computed "
+                               "without it).")
     lora_target_modules: list = knob(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                                      "Module names (suffixes) that get an adapter: the attention and MLP projections "
                                      "of Llama/Qwen/Mistral-style models by default.")
@@ -68,8 +69,8 @@ class RolloutConfig:
     sleep_level: int = knob(2, "vLLM sleep level between rollouts on GPU. 2 (default): weights discarded, since every "
                             "hand-off rewrites them all anyway (measured on an H100 at 0.5B: sleep 21 ms vs 1.5 s for "
                             "level 1, which copies the weights to pinned host memory, one copy per rank); 1: weights "
-                            "kept in host memory (for hand-offs that send only part of the weights: with model.lora_rank "
-                            "> 0, 2 becomes 1); 0: no sleep, vLLM keeps its memory.")
+                            "kept in host memory (for hand-offs that send only part of the weights: with "
+                            "model.lora_rank > 0, 2 becomes 1); 0: no sleep, vLLM keeps its memory.")
 
 
 @dataclass

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-from contextlib import contextmanager
 from typing import Iterator
 
 import deepspeed
@@ -256,11 +255,10 @@ class Trainer:
         """Trainer log-probs of every masked token, laid out like `batch.loss_mask`: [B, T]."""
         return per_token(lambda mb: self._forward(mb, temperature)[0], batch, self._plan(batch), self.device)
 
-    @contextmanager
     def adapter_disabled(self):
-        """LoRA: the base model (the adapter bypassed) inside the block: the free KL reference."""
-        with self.peft.disable_adapter():
-            yield
+        """LoRA: a context in which the model is the base model (peft bypasses the adapter): the
+        free KL reference."""
+        return self.peft.disable_adapter()
 
     # --- update -------------------------------------------------------------------------------
     def _normalizer(self, batch: Batch | None) -> float:

@@ -42,7 +42,7 @@ def test_config_sleep_level_and_bad_targets_say_what_to_change():
         config.load(overrides={"model.lora_rank": 8, "model.lora_dropout": 1.0})
     hf = AutoModelForCausalLM.from_pretrained(_demo(), dtype=torch.float32)
     bad = config.load(overrides={"model.lora_rank": 8, "model.lora_target_modules": "q_proj,query_key_value"})
-    with pytest.raises(config.UserError, match=r"\['query_key_value'\] name no linear layer.*--model.lora_target_modules"):
+    with pytest.raises(config.UserError, match=r"\['query_key_value'\] name no linear layer.*lora_target_modules"):
         lora.attach(hf, bad.model)
     peft_model = lora.attach(hf, cfg.model)
     trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
