@@ -179,7 +179,9 @@ class Saver:
         if problem is None:
             try:
                 faults.progress(step, "save", self.root)
-                trainer.engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False)
+                # LoRA: the adapter and its optimizer state; the frozen base is model.path's
+                trainer.engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False,
+                                               exclude_frozen_parameters=trainer.peft is not None)
                 if critic:  # PPO's value model: its own DeepSpeed checkpoint, critic/
                     critic.save_checkpoint(str(tmp))
                 _save_torch({"rng": rng_state(), "probe_last": probe.last}, tmp / f"rank-{self.world.rank}.pt")
@@ -240,7 +242,7 @@ class Saver:
         kept = complete_checkpoints(self.root)[:1] if self.root.exists() else []
         if kept:
             return sum(json.loads((kept[0] / MANIFEST).read_text())["files"].values())
-        params = list(trainer.hf.parameters())
+        params = [p for p in trainer.hf.parameters() if p.requires_grad or trainer.peft is None]
         return sum(getattr(p, "ds_numel", p.numel()) * (p.element_size() + 12) for p in params)
 
     def _tell(self, step: int, problem: str, need: int, final: bool) -> None:
@@ -390,9 +392,11 @@ class StopSignals:
 
 
 # --- export -------------------------------------------------------------------------------------
-def export(src: str | Path, out: str | Path) -> Path:
+def export(src: str | Path, out: str | Path, merged: bool = False) -> Path:
     """A Hugging Face model directory from the newest complete checkpoint of run `src` (or from
-    checkpoint `src` itself). DeepSpeed's zero_to_fp32 consolidates ZeRO-2 and ZeRO-3 shards."""
+    checkpoint `src` itself). DeepSpeed's zero_to_fp32 consolidates ZeRO-2 and ZeRO-3 shards.
+    A LoRA run's checkpoint holds the adapter only: `out` gets it in PEFT's format (and, with
+    `merged`, `out/merged` the base model with the adapter merged in); see export_adapter."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -410,6 +414,12 @@ def export(src: str | Path, out: str | Path) -> Path:
     dtype = torch_dtype(cfg["model"]["dtype"])
     state = get_fp32_state_dict_from_zero_checkpoint(str(ck), tag=DS_TAG)
     state = {k.removeprefix("hf."): v for k, v in state.items()}  # the trainer wraps the HF model as .hf
+    if cfg["model"].get("lora_rank"):
+        export_adapter(ck, cfg, state, Path(out), merged, dtype)
+        return ck
+    if merged:
+        raise UserError(f"{ck}: --merged is for LoRA runs (model.lora_rank > 0); this run trained every weight, "
+                        "so the export is already the whole model: drop --merged")
     hf_cfg = AutoConfig.from_pretrained(ck / "hf", trust_remote_code=cfg["model"]["trust_remote_code"])
     model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32,
                                              trust_remote_code=cfg["model"]["trust_remote_code"])
@@ -423,3 +433,33 @@ def export(src: str | Path, out: str | Path) -> Path:
     if (ck / "hf" / "generation_config.json").exists():
         shutil.copy(ck / "hf" / "generation_config.json", out / "generation_config.json")
     return ck
+
+
+def export_adapter(ck: Path, cfg: dict, state: dict, out: Path, merged: bool, dtype: torch.dtype) -> None:
+    """The adapter of a LoRA run in PEFT's format (adapter_config.json, adapter_model.safetensors:
+    `PeftModel.from_pretrained(base, out)` and vLLM's `LoRARequest(..., out)` load it) plus the
+    tokenizer; with `merged`, `out/merged` holds base + adapter merged, a plain model directory.
+    The base model is model.path, which the run read its frozen weights from."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import lora
+    from .config import ModelConfig
+
+    m = ModelConfig(**cfg["model"])
+    base = str(Path(__file__).parent / "demo_model") if m.path == "demo" else m.path
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, trust_remote_code=m.trust_remote_code)
+    peft_model = lora.attach(model, m)
+    adapter = {n for n, _ in model.named_parameters() if lora.is_adapter(n)}
+    if set(state) != adapter:
+        raise RuntimeError(f"{ck}: the checkpoint's adapter does not match model.lora_* of its config: missing "
+                           f"{sorted(adapter - set(state))[:5]}, unexpected {sorted(set(state) - adapter)[:5]}")
+    model.load_state_dict(state, strict=False)
+    peft_model.to(dtype).save_pretrained(out, safe_serialization=True)
+    tokenizer = AutoTokenizer.from_pretrained(ck / "hf")
+    tokenizer.save_pretrained(out)
+    if merged:
+        full = peft_model.merge_and_unload()
+        full.save_pretrained(out / "merged", safe_serialization=True)
+        tokenizer.save_pretrained(out / "merged")
+        if (ck / "hf" / "generation_config.json").exists():
+            shutil.copy(ck / "hf" / "generation_config.json", out / "merged" / "generation_config.json")

@@ -230,14 +230,21 @@ app.command("train", cls=_PlainHelp)(_build_train_command())
 
 @app.command("export")
 def export(run_dir: str = typer.Argument(..., help="A run directory (its newest complete checkpoint) or one checkpoint."),
-           out: str = typer.Option(..., "--out", help="The Hugging Face model directory to write.")) -> None:
-    """Write a Hugging Face model directory (config, safetensors, tokenizer) from a run's checkpoint."""
+           out_arg: Optional[str] = typer.Argument(None, metavar="[OUT]", help="The directory to write (or --out)."),
+           out: Optional[str] = typer.Option(None, "--out", help="The directory to write."),
+           merged: bool = typer.Option(False, "--merged", help="LoRA runs: also write OUT/merged, the base model "
+                                       "with the adapter merged in (a plain model directory).")) -> None:
+    """Write a Hugging Face model directory (config, safetensors, tokenizer) from a run's checkpoint;
+    for a LoRA run, the adapter in PEFT's format (and with --merged, OUT/merged)."""
     from . import checkpoint
+    out = out or out_arg
+    if not out:
+        _fail("hybridrl export RUN_DIR OUT: name the directory to write (or --out OUT)")
     try:
-        ck = checkpoint.export(run_dir, out)
+        ck = checkpoint.export(run_dir, out, merged=merged)
     except C.UserError as e:
         _fail(str(e))
-    typer.echo(f"wrote {out} from {ck}")
+    typer.echo(f"wrote {out}{' and ' + str(out) + '/merged' if merged else ''} from {ck}")
 
 
 @app.command("eval")

@@ -34,6 +34,15 @@ class ModelConfig:
     attn_implementation: str = knob("auto", "transformers attention: auto = flash_attention_2 if installed on GPU, else sdpa.")
     gradient_checkpointing: bool = knob(False, "Recompute activations in backward to save trainer memory.")
     trust_remote_code: bool = knob(False, "Allow custom modelling code from the model directory.")
+    lora_rank: int = knob(0, "LoRA rank r (0 = off: full fine-tuning). On: only the adapter trains (the base weights are "
+                          "frozen), only the adapter is handed to vLLM, and the KL reference is the base model (the "
+                          "trainer's own, adapter disabled: no second model).")
+    lora_alpha: float = knob(32.0, "LoRA alpha: the adapter's output is scaled by lora_alpha / lora_rank.")
+    lora_dropout: float = knob(0.0, "Dropout on the adapter's input while training (log-probs are computed "
+                               "without it).")
+    lora_target_modules: list = knob(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                     "Module names (suffixes) that get an adapter: the attention and MLP projections "
+                                     "of Llama/Qwen/Mistral-style models by default.")
 
 
 @dataclass
@@ -69,8 +78,8 @@ class RolloutConfig:
     sleep_level: int = knob(2, "vLLM sleep level between rollouts on GPU. 2 (default): weights discarded, since every "
                             "hand-off rewrites them all anyway (measured on an H100 at 0.5B: sleep 21 ms vs 1.5 s for "
                             "level 1, which copies the weights to pinned host memory, one copy per rank); 1: weights "
-                            "kept in host memory (for hand-offs that send only part of the weights); 0: no sleep, vLLM "
-                            "keeps its memory.")
+                            "kept in host memory (for hand-offs that send only part of the weights: with "
+                            "model.lora_rank > 0, 2 becomes 1); 0: no sleep, vLLM keeps its memory.")
 
 
 @dataclass
@@ -484,6 +493,12 @@ def validate(cfg: Config, lengths: bool = True) -> None:
          "model.dtype=float16 is not supported: the trainer configures no loss scaling, so small gradients would "
          "underflow to zero; use model.dtype=bfloat16 (or float32)"),
         (t.probe_tol >= 0, "train.probe_tol must be >= 0 (0 = by dtype)"),
+        (0 <= cfg.model.lora_rank <= 512, f"model.lora_rank={cfg.model.lora_rank}: use 0 (off) or a rank in 1..512 "
+         "(the largest vLLM serves)"),
+        (not cfg.model.lora_rank or (cfg.model.lora_alpha > 0 and 0 <= cfg.model.lora_dropout < 1
+                                     and len(cfg.model.lora_target_modules) > 0),
+         "with model.lora_rank > 0: model.lora_alpha must be > 0, model.lora_dropout in [0, 1) and "
+         "model.lora_target_modules non-empty"),
         (t.watchdog_s == 0 or t.watchdog_s >= 5, "train.watchdog_s must be 0 (off) or >= 5 seconds"),
         (cfg.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
         (cfg.reward.rm_batch_size >= 1, "reward.rm_batch_size must be >= 1"),

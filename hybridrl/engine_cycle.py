@@ -10,7 +10,8 @@ weights wake before its KV cache, so the two engines' peaks never overlap (wakin
 trainer still holds memory is the most reported colocation OOM: NeMo-RL#191, vllm#15254). The KV
 cache wakes only after the hand-off: waking it restores nothing of the weights, so weights
 synced before it cannot be overwritten by a stale CPU copy (TRL#5312). Every hand-off sends all
-parameters, which is what a level-2 sleep (weights discarded) requires; `Rollout.wake` refuses to
+parameters, which is what a level-2 sleep (weights discarded) requires (with LoRA it sends the
+whole adapter, and vLLM sleeps at level 1, keeping its base weights: `keep_base_weights`); `Rollout.wake` refuses to
 wake the KV cache over discarded weights. Expandable segments are off while vLLM's pool is touched
 (memory.py). On CPU the sleep, wake, offload and allocator verbs are no-ops; the order is the same.
 """
@@ -30,8 +31,9 @@ def _phase(phases, name: str):
     return phases(name) if phases is not None else nullcontext()
 
 
-def hand_off(trainer, rollout, phases, *, cfg: Config, cuda: bool, critic=None) -> None:
-    """Trainer -> vLLM, leaving vLLM awake and ready to generate."""
+def hand_off(trainer, rollout, phases, *, cfg: Config, cuda: bool, critic=None) -> dict:
+    """Trainer -> vLLM, leaving vLLM awake and ready to generate. Returns what was handed over
+    (sync/tensors, sync/bytes: with LoRA, the adapter's only)."""
     with _phase(phases, "offload"):
         if cfg.train.offload_states != "off":  # plan_rollout decided (on GPU with the planner)
             trainer.offload()  # optimizer states, fp32 master weights, gradients
@@ -41,12 +43,13 @@ def hand_off(trainer, rollout, phases, *, cfg: Config, cuda: bool, critic=None) 
         with _phase(phases, "wake_weights"):
             rollout.wake(["weights"])
         with _phase(phases, "sync"):
-            sync.push_weights(trainer, rollout, cfg.train.sync_bucket_mb)
+            sent = sync.push_weights(trainer, rollout, cfg.train.sync_bucket_mb)
             if cfg.train.offload_params:
                 trainer.offload(params=True)  # the hand-off has read them; back at reload
             memory.empty_cache(cuda)  # gather and staging buffers go back before the KV cache comes
         with _phase(phases, "wake_kv"):
             rollout.wake(["kv_cache"])
+    return sent
 
 
 def release(trainer, rollout, phases, *, cfg: Config, critic=None) -> None:
@@ -67,13 +70,27 @@ def check(cfg: Config, cuda: bool) -> None:
         memory.check_alloc_conf(os.environ, cfg, can_toggle=memory.can_toggle())
 
 
+def keep_base_weights(cfg: Config, main: bool) -> Config:
+    """LoRA hands vLLM the adapter only, so vLLM must keep its base weights while it sleeps: a
+    level-2 sleep (the default) discards them and nothing would bring them back. Level 1 keeps
+    them in host memory (one pinned copy per rank)."""
+    if not cfg.model.lora_rank or cfg.rollout.sleep_level != 2:
+        return cfg
+    if main:
+        print("note: model.lora_rank > 0: rollout.sleep_level 2 -> 1 (only the adapter is handed to vLLM, so its "
+              "base weights must survive its sleep; level 2 would discard them)", flush=True)
+    return replace(cfg, rollout=replace(cfg.rollout, sleep_level=1))
+
+
 def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, world_size: int = 1) -> Config:
     """Size vLLM before it is built, as it will run, and decide where the trainer's states live
     while it generates. With rollout.gpu_memory_utilization=auto (GPU): measure the device with
     the trainer's states on it and offloaded, plan (memory.plan: weights, a KV cache for the
     step's sequences, activations), keep the states on the device if they fit beside vLLM, print
     the plan. Returns the config with the decisions filled in (a utilization, rollout.kv_cache_mb,
-    train.offload_states on/off). The critic always leaves: it takes no part in generating."""
+    train.offload_states on/off). The critic always leaves: it takes no part in generating.
+    With LoRA, vLLM's sleep keeps its base weights (keep_base_weights)."""
+    cfg = keep_base_weights(cfg, main)
     if critic is not None:
         critic.offload()
     per_rank = launch.all_gather(memory.host_memory())

@@ -63,7 +63,7 @@ def train(cfg: Config) -> dict:
                       attn_implementation=cfg.model.attn_implementation)
     engine_kw = dict(device=world.device, dtype=torch_dtype(cfg.model.dtype),
                      attn_implementation=cfg.model.attn_implementation)
-    ref = Reference.load(cfg, model_path, **engine_kw)  # None (nothing loaded) when algo.kl_coef == 0
+    ref = Reference.load(cfg, model_path, trainer=trainer, **engine_kw)  # None when kl_coef == 0; LoRA: the base
     critic = Critic(cfg, model_path, **engine_kw) if cfg.algo.advantage == "gae" else None
     cfg = engine_cycle.plan_rollout(cfg, trainer, cuda=not on_cpu, main=world.main, critic=critic,
                                      world_size=world.size)  # vLLM's memory, where the trainer's states live
@@ -88,11 +88,11 @@ def train(cfg: Config) -> dict:
         run.eval(step, acc, extra)
         return acc
 
-    def hand_off(phases: Phases | None = None) -> None:
+    def hand_off(phases: Phases | None = None) -> dict:
         """Trainer -> vLLM: offload trainer, wake weights, hand-off, free staging, wake KV cache.
         The order, and why, lives in engine_cycle.py (vLLM's sleep and the trainer's reload,
         after generating, too)."""
-        engine_cycle.hand_off(trainer, rollout, phases, cfg=cfg, cuda=not on_cpu, critic=critic)
+        return engine_cycle.hand_off(trainer, rollout, phases, cfg=cfg, cuda=not on_cpu, critic=critic)
 
     start = time.perf_counter()  # engines are up: the clock of train.max_minutes starts here
     if resumed:  # weights (handed to vLLM and probed), optimizer, data cursor, RNG, history
@@ -141,7 +141,7 @@ def train(cfg: Config) -> dict:
                     metrics.update(critic.step(batch))
             metrics.update(adv_metrics)
             # 4. hand the new weights to vLLM
-            hand_off(phases)
+            metrics.update(hand_off(phases))  # sync/bytes, sync/tensors
             if cfg.train.probe_every and step % cfg.train.probe_every == 0:
                 with phases("probe"):
                     metrics.update(probe(trainer, rollout, step))

@@ -8,7 +8,10 @@ on a GPU (`offload_param`, as OpenRLHF's reference does): one copy of the weight
 per rank. Under ZeRO-2 (whose policy is replicated anyway) it is a plain module, its weights in
 pinned CPU memory, copied to the device (non-blocking) for the phase and dropped after it; nothing
 is copied back, since they never change. On CPU those moves are no-ops. `Reference.load` returns
-None when algo.kl_coef == 0: no reference model is loaded at all.
+None when algo.kl_coef == 0: no reference model is loaded at all. With LoRA (model.lora_rank > 0)
+the reference is the base model, which the trainer already holds: `BaseModelReference` runs the
+trainer's own model with the adapter disabled, so nothing is loaded either (unless algo.ref_path
+names another model).
 """
 
 from __future__ import annotations
@@ -36,10 +39,13 @@ def ds_config(cfg: Config, bf16: bool, cuda: bool) -> dict:
 class Reference:
     @staticmethod
     def load(cfg: Config, model_path: str, *, device: torch.device, dtype: torch.dtype,
-             attn_implementation: str) -> "Reference | None":
-        """The reference model, or None when algo.kl_coef == 0 (nothing is loaded)."""
+             attn_implementation: str, trainer=None) -> "Reference | BaseModelReference | None":
+        """The reference model, or None when algo.kl_coef == 0 (nothing is loaded); with LoRA the
+        trainer's base model (`trainer`, adapter disabled: nothing is loaded)."""
         if cfg.algo.kl_coef == 0:
             return None
+        if cfg.model.lora_rank and not cfg.algo.ref_path and trainer is not None:
+            return BaseModelReference(trainer)
         return Reference(cfg, cfg.algo.ref_path or model_path, device=device, dtype=dtype,
                          attn_implementation=attn_implementation)
 
@@ -82,3 +88,18 @@ class Reference:
                              batch, groups, self.device)
         finally:
             self._place(torch.device("cpu"))
+
+
+class BaseModelReference:
+    """LoRA's reference policy for free: the trainer's model with its adapter disabled is the base
+    model, i.e. the initial policy (B = 0 at the start). It holds no parameters of its own; under
+    ZeRO-3 it gathers the trainer's shards like any trainer forward."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    @torch.no_grad()
+    def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
+        """Base-model log-probs of every completion token at the sampling temperature: [B, T]."""
+        with self.trainer.adapter_disabled():
+            return self.trainer.logprobs(batch, temperature)

