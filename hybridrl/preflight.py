@@ -48,8 +48,8 @@ def _data_file(key: str, path: str) -> None:
 
 
 def _model_paths(cfg: Config) -> list[tuple[str, str]]:
-    pairs = [("model.path", cfg.model.path), ("algo.ref_path", cfg.algo.ref_path),
-             ("algo.critic_path", cfg.algo.critic_path)]
+    # model.path itself: models.inspect, right after (it also reads config.json and the tokenizer)
+    pairs = [("algo.ref_path", cfg.algo.ref_path), ("algo.critic_path", cfg.algo.critic_path)]
     return [(k, v) for k, v in pairs if v and v != "demo"]
 
 

@@ -56,7 +56,7 @@ def test_help_at_80_columns_shows_whole_option_names():
     (["--log.progress", "false", "--algo.skip_zero_advantage", "false", "--data", "missing.jsonl"],
      "error: data.path=missing.jsonl: no such file"),
     (["--reward", "no_such_module:score"], "error: reward.fn='no_such_module:score': cannot import"),
-    (["--model", "./no_such_dir"], "error: model.path=./no_such_dir: not a model directory"),
+    (["--model", "./no_such_dir"], "error: model.path ./no_such_dir: no such directory"),
     (["--log.progress", "maybe"], "error: --log.progress maybe: a boolean takes true or false"),
     (["--nproc", "3"], "error: train.prompts_per_step=16 must be divisible by the 3 ranks"),
 ])
