@@ -58,12 +58,14 @@ QWEN2_PRETOKENIZE_REGEX = (
 )
 
 
-def build_tokenizer():
+def build_tokenizer(chars: list[str] = CHARS, pieces: tuple[str, ...] = ()):
+    """The character-level tokenizer (`chars` after the special tokens; `pieces`: extra multi-character
+    tokens, as the tool demo's call markers)."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
     from tokenizers import pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + CHARS)}
+    vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + list(chars))}
     # No unk token: a character outside the vocab is dropped, never mapped to a token the
     # model has not seen (prompts are built by the task, so this does not happen).
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, continuing_subword_prefix="",
@@ -78,6 +80,7 @@ def build_tokenizer():
         single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
     )
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in pieces])
     assert SPECIAL_TOKENS[2] == arithmetic.EOS_TEXT
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",

@@ -31,9 +31,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from make_demo_model import QWEN2_PRETOKENIZE_REGEX, save_tokenizer  # noqa: E402
+import make_demo_model  # noqa: E402
+from make_demo_model import save_tokenizer  # noqa: E402
 
-SPECIAL = ["<pad>", "<bos>", "<eos>"]
 CHARS = list("0123456789+*=")
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PREFIX, SUFFIX = '{"name":"calculator","arguments":{"expression":"', '"}}'
@@ -47,23 +47,7 @@ NUM_HELDOUT = 256
 
 
 def build_tokenizer():
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {t: i for i, t in enumerate(SPECIAL + CHARS)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, continuing_subword_prefix="",
-                               end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A $B",
-                                                       special_tokens=[("<bos>", 1)])
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in PIECES])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                   model_max_length=64)
+    return make_demo_model.build_tokenizer(CHARS, tuple(PIECES))
 
 
 def splits() -> tuple[list[dict], list[dict]]:

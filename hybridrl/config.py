@@ -521,6 +521,19 @@ def validate(cfg: Config, lengths: bool = True) -> None:
             raise ConfigError(msg)
 
 
+def import_spec(key: str, spec: str, name: str, what: str = "attribute"):
+    """`name` ('module:attr', from the setting `key`=`spec`) -> the object; a one-line ConfigError
+    naming the fix when the module does not import or lacks the attribute."""
+    import importlib
+    module, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ImportError as e:
+        raise ConfigError(f"{key}={spec!r}: cannot import {module!r} ({e}); is it on PYTHONPATH?") from None
+    except AttributeError:
+        raise ConfigError(f"{key}={spec!r}: module {module!r} has no {what} {attr!r}") from None
+
+
 def torch_dtype(name: str):
     """model.dtype's torch.dtype (a resolved name, not 'auto'). torch is imported here, not at the
     top: the CLI reads the config before anything heavy is imported."""

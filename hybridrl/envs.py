@@ -30,7 +30,6 @@ stay exactly what the model saw and sampled.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
 import re
@@ -38,7 +37,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .config import ConfigError
+from .config import ConfigError, import_spec
 
 # the counters an environment's info may report (anything else is ignored); summed over episodes and ranks
 COUNTS = ("tools/calls", "tools/errors", "tools/timeouts", "tools/malformed", "tools/truncated", "tools/latency_s")
@@ -49,12 +48,7 @@ def load(spec: str) -> type:
     module, sep, attr = spec.partition(":")
     if not sep or not module or not attr:
         raise ConfigError(f"env.cls={spec!r}: expected module:Class, e.g. mytools:Calc")
-    try:
-        cls = getattr(importlib.import_module(module), attr)
-    except ImportError as e:
-        raise ConfigError(f"env.cls={spec!r}: cannot import {module!r} ({e}); is it on PYTHONPATH?") from None
-    except AttributeError:
-        raise ConfigError(f"env.cls={spec!r}: module {module!r} has no attribute {attr!r}") from None
+    cls = import_spec("env.cls", spec, spec)
     if not (isinstance(cls, type) and callable(getattr(cls, "step", None))):
         raise ConfigError(f"env.cls={spec!r}: {attr} must be a class with a step(assistant_text) method")
     return cls

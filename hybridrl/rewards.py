@@ -27,7 +27,6 @@ the call, and uses min(4, CPUs) workers for anything else: math_verify and user 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import json
 import logging
@@ -42,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import verifiers
-from .config import ConfigError, RewardConfig, UserError
+from .config import ConfigError, RewardConfig, UserError, import_spec
 
 log = logging.getLogger("hybridrl")
 
@@ -90,13 +89,7 @@ class Term:
 
 
 def _import(name: str, spec: str) -> Callable:
-    module, _, attr = name.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), attr)
-    except ImportError as e:
-        raise ConfigError(f"reward.fn={spec!r}: cannot import {module!r} ({e}); is it on PYTHONPATH?") from None
-    except AttributeError:
-        raise ConfigError(f"reward.fn={spec!r}: module {module!r} has no function {attr!r}") from None
+    fn = import_spec("reward.fn", spec, name, "function")
     if not callable(fn):
         raise ConfigError(f"reward.fn={spec!r}: {name} is not callable")
     return fn

@@ -340,6 +340,7 @@ class Trainer:
         sums: dict[str, float] = {}
         ratios, rollout_ratios = [], []  # per token: pi/pi_old, and trainer/vLLM (~1 when the engines agree)
         is_ratios = []  # per token: the importance ratio TIS caps (or IS masks), pi_old/pi_vllm at algo.tis_level
+        n_updates = 0
         if self.peft is not None:
             lora.set_dropout(self.hf, True)  # the adapter's dropout, while updating only
         for _ in range(t.epochs):
