@@ -99,7 +99,8 @@ class TrainConfig:
     lr: float = knob(5e-5, "AdamW learning rate (demo recipe; other models: 1e-6, the range of GRPO on 0.5B-7B).")
     weight_decay: float = knob(0.0, "AdamW weight decay.")
     betas: list = knob([0.9, 0.99], "AdamW betas.")
-    warmup_steps: int = knob(0, "Linear learning-rate warm-up steps (from 0 to train.lr).")
+    warmup_steps: int = knob(0, "Linear learning-rate warm-up over this many optimizer updates: lr / warmup_steps, "
+                             "2 lr / warmup_steps, ..., lr.")
     lr_schedule: Literal["constant", "cosine", "linear"] = knob(
         "constant", "Learning rate after the warm-up: constant, or a cosine / linear decay to lr x min_lr_ratio at "
         "the last step.")
