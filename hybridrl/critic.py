@@ -20,15 +20,14 @@ from pathlib import Path
 
 import deepspeed
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from . import algo
 from .batch import Batch, per_token
 from .config import Config, UserError
 from .launch import all_sum
-from .trainer import (ds_config, from_pretrained, load_engine_checkpoint, lr_scheduler, offload_engine_states,
-                      plan_micro_batches, reload_engine_states)
+from .trainer import (ds_config, from_pretrained, load_engine_checkpoint, lr_scheduler, minibatch_updates,
+                      offload_engine_states, plan_micro_batches, reload_engine_states)
 
 TAG = "critic"  # its DeepSpeed checkpoint's directory inside a hybridrl checkpoint
 
@@ -79,34 +78,22 @@ class Critic:
     def step(self, batch: Batch) -> dict[str, float]:
         """epochs x minibatches updates on the clipped value loss against batch.returns, from the
         old values batch.values; then the states leave the device. Returns mean metrics."""
-        t = self.cfg.train
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        gen = torch.Generator().manual_seed(t.seed + int(self.engine.global_steps))
-        sums, n_updates = {}, 0
-        for _ in range(t.epochs):
-            perm = torch.randperm(len(batch), generator=gen) if t.minibatches > 1 else torch.arange(len(batch))
-            for mb_rows in torch.tensor_split(perm, t.minibatches):  # same count on every rank
-                mini = batch.select(mb_rows) if len(mb_rows) else None
-                norm = max(all_sum([float(mini.loss_mask.sum()) if mini else 0.0])[0], 1.0)
-                for idx in self._plan(mini):
-                    dummy = idx is None  # keeps this rank in step with the others' collectives
-                    m = (batch.select(torch.tensor([0])) if dummy else mini.select(idx)).to(self.device)
-                    sel = m.loss_mask
-                    loss, metrics = algo.value_loss(self._forward(m), m.values[sel], m.returns[sel],
-                                                    clip=self.cfg.algo.value_clip, normalizer=norm)
-                    # DeepSpeed averages gradients over ranks; the normaliser is already global
-                    self.engine.backward(loss * (0.0 if dummy else world), scale_wrt_gas=False)
-                    if dummy:
-                        continue
-                    w = float(sel.sum())
-                    sums["value_loss"] = sums.get("value_loss", 0.0) + float(loss.detach())
-                    for k, v in metrics.items():
-                        sums[k] = sums.get(k, 0.0) + float(v) * w
-                    sums["_w"] = sums.get("_w", 0.0) + w
-                self.engine.step()
-                n_updates += 1
-                grad_norm = self.engine.get_global_grad_norm()
-                sums["critic_grad_norm"] = sums.get("critic_grad_norm", 0.0) + float(grad_norm or 0.0)
+        sums, grad_norms = {}, []
+        for m, norm, scale in minibatch_updates(self.engine, batch, self.cfg.train, self._plan, _token_count,
+                                                self.device, grad_norms):
+            sel = m.loss_mask
+            loss, metrics = algo.value_loss(self._forward(m), m.values[sel], m.returns[sel],
+                                            clip=self.cfg.algo.value_clip, normalizer=norm)
+            self.engine.backward(loss * scale, scale_wrt_gas=False)
+            if not scale:  # a dummy micro-batch
+                continue
+            w = float(sel.sum())
+            sums["value_loss"] = sums.get("value_loss", 0.0) + float(loss.detach())
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * w
+            sums["_w"] = sums.get("_w", 0.0) + w
+        n_updates = len(grad_norms)
+        sums["critic_grad_norm"] = sum(grad_norms)
         self.offload()
         w = max(sums.pop("_w", 0.0), 1.0)
         per_update = ("value_loss", "critic_grad_norm")
@@ -142,3 +129,8 @@ class Critic:
     def reload(self) -> None:
         if self.device.type == "cuda":
             reload_engine_states(self.engine)
+
+
+def _token_count(mini: Batch | None) -> float:
+    """The value loss's normaliser: the minibatch's completion tokens over all ranks."""
+    return max(all_sum([float(mini.loss_mask.sum()) if mini else 0.0])[0], 1.0)

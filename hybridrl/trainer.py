@@ -161,6 +161,29 @@ def plan_micro_batches(rows: Batch | None, max_tokens: int, packed: bool = False
     return groups + [None] * (max(int(all_max(len(groups))), 1) - len(groups))
 
 
+def minibatch_updates(engine, batch: Batch, t, plan, normalizer, device, grad_norms: list[float]):
+    """The update skeleton the policy and the critic share: t.epochs passes over `batch` in
+    t.minibatches shuffled minibatches (the same count on every rank), each cut into the micro-batches
+    `plan` gives. Yields (micro-batch on `device`, its minibatch's normaliser, backward scale): the
+    caller backpropagates loss * scale, which is 0 for a dummy micro-batch (it only keeps this rank in
+    step with the others' collectives) and the world size otherwise (DeepSpeed averages gradients over
+    ranks; the normaliser is already global). After each minibatch: the optimizer step, its gradient
+    norm appended to `grad_norms`."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    gen = torch.Generator().manual_seed(t.seed + int(engine.global_steps))
+    for _ in range(t.epochs):
+        perm = torch.randperm(len(batch), generator=gen) if t.minibatches > 1 else torch.arange(len(batch))
+        for mb_rows in torch.tensor_split(perm, t.minibatches):
+            mini = batch.select(mb_rows) if len(mb_rows) else None
+            norm = normalizer(mini)
+            for idx in plan(mini):
+                m = batch.select(torch.tensor([0])) if idx is None else mini.select(idx)
+                yield m.to(device), norm, 0.0 if idx is None else float(world)
+            engine.step()
+            grad_norm = engine.get_global_grad_norm()
+            grad_norms.append(float(grad_norm) if grad_norm is not None else 0.0)
+
+
 def offload_engine_states(engine, include: list[str] | None = None) -> None:
     """DeepSpeed's offload_states to host memory (pinned on CUDA): `include` names OffloadStateTypeEnum
     members (optim_states, hp_params, lp_params, lp_grads, contiguous_grad_buffer; None = all).
@@ -333,55 +356,44 @@ class Trainer:
         """epochs x minibatches optimizer steps on one rollout batch (batch.logp_old set by the
         caller when `needs_old_logprobs`); returns mean metrics."""
         t, a, temp = self.cfg.train, self.cfg.algo, self.cfg.rollout.temperature
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        gen = torch.Generator().manual_seed(t.seed + int(self.engine.global_steps))
         skipped = self.engine.skipped_steps
         lr = float(self.engine.get_lr()[0])  # this step's first update's (the scheduler steps after each)
         sums: dict[str, float] = {}
         ratios, rollout_ratios = [], []  # per token: pi/pi_old, and trainer/vLLM (~1 when the engines agree)
         is_ratios = []  # per token: the importance ratio TIS caps (or IS masks), pi_old/pi_vllm at algo.tis_level
-        n_updates = 0
+        grad_norms: list[float] = []  # one per update
         if self.peft is not None:
             lora.set_dropout(self.hf, True)  # the adapter's dropout, while updating only
-        for _ in range(t.epochs):
-            perm = torch.randperm(len(batch), generator=gen) if t.minibatches > 1 else torch.arange(len(batch))
-            for mb_rows in torch.tensor_split(perm, t.minibatches):  # same count on every rank
-                mini = batch.select(mb_rows) if len(mb_rows) else None
-                norm = self._normalizer(mini)
-                for idx in self._plan(mini):
-                    dummy = idx is None  # keeps this rank in step with the others' collectives
-                    m = (batch.select(torch.tensor([0])) if dummy else mini.select(idx)).to(self.device)
-                    sel = m.loss_mask
-                    seq_ids = torch.arange(len(m), device=self.device)[:, None].expand_as(sel)[sel]  # [N]
-                    loss, metrics, logp, _ = self._forward(m, temp, loss=dict(
-                        logp_old=None if m.logp_old is None else m.logp_old[sel],  # None: on-policy, ratio 1
-                        advantages=m.advantages[sel] if m.advantages.dim() == 2 else m.advantages[seq_ids],  # [N]
-                        mask=torch.ones(len(seq_ids), device=self.device),
-                        logp_ref=None if m.logp_ref is None else m.logp_ref[sel],  # logs kl_mean whenever given
-                        seq_ids=seq_ids, logp_rollout=m.logp_rollout[sel] if self.importance_correction else None,
-                        normalizer=norm, **self.loss_knobs()))
-                    # DeepSpeed averages gradients over ranks; the normaliser is already global
-                    if faults.injected("nan_loss", int(self.engine.global_steps) + 1):  # tests only
-                        loss = loss * float("nan")
-                    self.engine.backward(loss * (0.0 if dummy else world), scale_wrt_gas=False)
-                    if dummy:
-                        continue
-                    w = float(sel.sum())
-                    diff = logp - m.logp_rollout[sel]  # [N] trainer vs vLLM on the sampled tokens
-                    gap = diff.abs()
-                    old = logp if m.logp_old is None else m.logp_old[sel]  # None: on-policy, ratio 1
-                    ratios.append((logp - old).clamp(-20, 20).exp())
-                    rollout_ratios.append(diff.clamp(-20, 20).exp())
-                    is_ratios.append(importance_ratio(old, m.logp_rollout[sel], seq_ids, a.tis_level))  # [N]
-                    sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())  # micro losses sum to the minibatch's
-                    for k, v in {**metrics, "logp_gap_mean": gap.mean() if w else 0.0}.items():
-                        sums[k] = sums.get(k, 0.0) + float(v) * w
-                    sums["_w"] = sums.get("_w", 0.0) + w
-                    sums["logp_gap_max"] = max(sums.get("logp_gap_max", 0.0), float(gap.max()) if w else 0.0)
-                self.engine.step()
-                n_updates += 1
-                grad_norm = self.engine.get_global_grad_norm()
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + (float(grad_norm) if grad_norm is not None else 0.0)
+        for m, norm, scale in minibatch_updates(self.engine, batch, t, self._plan, self._normalizer, self.device,
+                                                grad_norms):
+            sel = m.loss_mask
+            seq_ids = torch.arange(len(m), device=self.device)[:, None].expand_as(sel)[sel]  # [N]
+            loss, metrics, logp, _ = self._forward(m, temp, loss=dict(
+                logp_old=None if m.logp_old is None else m.logp_old[sel],  # None: on-policy, ratio 1
+                advantages=m.advantages[sel] if m.advantages.dim() == 2 else m.advantages[seq_ids],  # [N]
+                mask=torch.ones(len(seq_ids), device=self.device),
+                logp_ref=None if m.logp_ref is None else m.logp_ref[sel],  # logs kl_mean whenever given
+                seq_ids=seq_ids, logp_rollout=m.logp_rollout[sel] if self.importance_correction else None,
+                normalizer=norm, **self.loss_knobs()))
+            if faults.injected("nan_loss", int(self.engine.global_steps) + 1):  # tests only
+                loss = loss * float("nan")
+            self.engine.backward(loss * scale, scale_wrt_gas=False)
+            if not scale:  # a dummy micro-batch
+                continue
+            w = float(sel.sum())
+            diff = logp - m.logp_rollout[sel]  # [N] trainer vs vLLM on the sampled tokens
+            gap = diff.abs()
+            old = logp if m.logp_old is None else m.logp_old[sel]  # None: on-policy, ratio 1
+            ratios.append((logp - old).clamp(-20, 20).exp())
+            rollout_ratios.append(diff.clamp(-20, 20).exp())
+            is_ratios.append(importance_ratio(old, m.logp_rollout[sel], seq_ids, a.tis_level))  # [N]
+            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())  # micro losses sum to the minibatch's
+            for k, v in {**metrics, "logp_gap_mean": gap.mean() if w else 0.0}.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * w
+            sums["_w"] = sums.get("_w", 0.0) + w
+            sums["logp_gap_max"] = max(sums.get("logp_gap_max", 0.0), float(gap.max()) if w else 0.0)
+        n_updates = len(grad_norms)
+        sums["grad_norm"] = sum(grad_norms)
         if self.peft is not None:
             lora.set_dropout(self.hf, False)
         w = max(sums.pop("_w", 0.0), 1.0)
