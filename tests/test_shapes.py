@@ -3,13 +3,9 @@
 The big shapes are built by bench/scale.py and bench/peers.py; here the tiny one, in seconds."""
 
 import json
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import shapes  # noqa: E402
+from bench import shapes
 
 
 def test_tiny_shape_builds_and_its_tokenizer_round_trips(tmp_path):
