@@ -30,7 +30,7 @@ def demo_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("obs") / "run"
     cmd = [sys.executable, "-m", "hybridrl", "train", "--steps", str(STEPS), "--train.prompts_per_step", "4",
            "--rollout.n", "4", "--log.eval_every", "2", "--log.eval_size", "16", "--log.tensorboard",
-           "--log.run_dir", str(run_dir)]
+           "--train.probe_every", "1", "--log.run_dir", str(run_dir)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     return run_dir
