@@ -138,7 +138,7 @@ def loop_run(sets: list[str], out: Path) -> dict:
 def summarize(steps: list[dict], wall_s: float) -> dict:
     """Medians over the steps after the first (the first pays one-off costs: lazy inits, page faults)."""
     warm = steps[1:] or steps
-    phases = sorted({k for r in warm for k in r if k.startswith("time/")}, key=lambda k: -warm[-1].get(k, 0))
+    phases = sorted({k for r in steps for k in r if k.startswith("time/")}, key=lambda k: -warm[-1].get(k, 0))
     walls = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steps, steps[1:])]
     peaks = sorted({k for r in steps for k in r if k.startswith("host/") and k.endswith("/peak_gb")})
     return {"phases": {k[5:]: statistics.median(r.get(k, 0.0) for r in warm) for k in phases},
@@ -148,6 +148,9 @@ def summarize(steps: list[dict], wall_s: float) -> dict:
             "resp_len": statistics.median(r.get("response_len/p50", r.get("response_len_p50", 0)) for r in warm),
             "peak_gb": {k[5:-8]: max(r.get(k, 0.0) for r in steps) for k in peaks},
             "probe_gap": max((r["probe_gap"] for r in steps if "probe_gap" in r), default=None),
+            # the probe runs after the first hand-off and then every train.probe_every steps: its cost
+            # per step is what it takes when it runs, spread over that many steps
+            "probe_s": statistics.median([r["time/probe"] for r in steps if "time/probe" in r] or [0.0]),
             "n_steps": len(steps), "wall_s": wall_s}
 
 
@@ -164,6 +167,22 @@ def _child(part: str, sets: list[str], batches: int) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+BYTES_PER_PARAM = 40  # float32, one rank: 5.3 GiB peak at 134M; at 0.5B 18.7 GiB before the first step
+
+
+def check_memory(params: int) -> None:
+    """Stop before starting when the run would not fit in the memory available now."""
+    need = params * BYTES_PER_PARAM
+    try:
+        avail = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemAvailable"))
+    except (OSError, StopIteration):
+        return
+    if need > avail:
+        raise SystemExit(f"this shape needs ~{need / 2 ** 30:.1f} GiB of host memory in float32 (trainer states, "
+                         f"vLLM's weights and their packed copies) and {avail / 2 ** 30:.1f} GiB is available: "
+                         f"free memory or pick a smaller --shape")
+
+
 def report(args, loop: dict, alone: dict, hf: dict) -> str:
     lines = [f"hybridrl at the {args.shape} shape ({args.params / 1e6:.0f}M parameters): {args.prompts} prompts x "
              f"{args.n} samples x {args.tokens} tokens per step, {loop['n_steps']} steps, medians after the first",
@@ -171,6 +190,8 @@ def report(args, loop: dict, alone: dict, hf: dict) -> str:
              f"{'phase':<14}{'s':>9}{'% of step':>11}{'peak RSS GiB':>14}"]
     step = loop["step_s"]
     for name, sec in loop["phases"].items():
+        if name == "probe":
+            sec = loop["probe_s"] / args.probe_every  # amortised (see summarize)
         peak = loop["peak_gb"].get(name)
         lines.append(f"{name:<14}{sec:>9.3f}{sec / step:>11.1%}{(f'{peak:.2f}' if peak else ''):>14}")
     lines.append(f"{'step (wall)':<14}{step:>9.3f}{1:>11.0%}")
@@ -179,11 +200,12 @@ def report(args, loop: dict, alone: dict, hf: dict) -> str:
                        ("standalone LLM.generate", alone["llm"]), ("transformers generate", hf["hf"])):
         lines.append(f"{name:<34}{rate:>9.0f}{rate / alone['llm']:>14.2f}x")
     hand = sum(v for k, v in loop["phases"].items() if k in HAND_OFF)
-    probe = loop["phases"].get("probe", 0.0)
+    probe = loop["probe_s"] / args.probe_every
     ratio = loop["tok_s"] / alone["llm"]
     gap = f", largest probe gap {loop['probe_gap']:.1e}" if loop["probe_gap"] is not None else ""
     lines += ["", f"train tok/s {loop['train_tok_s']:.0f}; median completion length {loop['resp_len']:.0f} of "
-              f"{args.tokens}{gap}",
+              f"{args.tokens}{gap}; the probe takes {loop['probe_s']:.2f} s when it runs (the first hand-off, then "
+              f"every {args.probe_every} steps: {probe:.2f} s per step above)",
               f"targets: rollout {ratio:.2f}x standalone LLM.generate (>= 0.95: {'met' if ratio >= 0.95 else 'NOT met'}); "
               f"hand-off {hand / step:.1%} + probe {probe / step:.1%} = {(hand + probe) / step:.1%} of the step "
               f"(<= 2%: {'met' if (hand + probe) / step <= 0.02 else 'NOT met'})"]
@@ -215,6 +237,8 @@ def main() -> None:
     try:
         sets = workload(args, out)
         args.params = shapes.n_params(shapes.build(args.shape))
+        args.probe_every = max(1, int(_cfg(sets).train.probe_every))
+        check_memory(args.params)
         loop = loop_run(sets, out)
         shutil.rmtree(out / "ckpt", ignore_errors=True)
         alone = _child("standalone", sets, args.batches)
