@@ -51,3 +51,20 @@ def test_prompts_file(tmp_path):
 def test_unknown_shape_names_the_choices(tmp_path):
     with pytest.raises(SystemExit, match="choose tiny, 134m, 0.5b, 1.5b"):
         shapes.build("7b", tmp_path)
+
+
+@pytest.mark.slow
+def test_scale_bench_prints_its_table_at_the_tiny_shape(tmp_path):
+    """bench/scale.py end to end (the loop, vLLM alone, transformers generate) on the tiny shape."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "bench" / "scale.py"), "--shape", "tiny", "--steps", "3",
+                          "--prompts", "2", "--n", "4", "--tokens", "16", "--batches", "2", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert "median completion length 16 of 16" in out.stdout  # random weights: full-length completions
+    assert "targets: rollout" in out.stdout and "standalone LLM.generate" in out.stdout
