@@ -250,7 +250,8 @@ def report(args, results: dict) -> str:
     lines = [f"hybridrl vs TRL {TRL.split('==')[1]} GRPOTrainer, workload {args.workload}: {w['prompts']} prompts x "
              f"{w['n']} samples x {w['tokens']} tokens per step, {args.steps or w['steps']} steps, medians after "
              f"{w['warmup']} warm-up", shapes.describe_machine(), "",
-             f"{'trainer':<26}{'s/step':>9}{'steps/s vs TRL best':>21}{'rollout tok/s':>15}{'held-out':>14}  phases (s)"]
+             f"{'trainer':<26}{'s/step':>9}{'steps/s vs TRL best':>21}{'rollout tok/s':>15}{'held-out':>14}"
+             "  phases (s)"]
     for name, r in results.items():
         ratio = f"{best['step_s'] / r['step_s']:.2f}x" if best else ""
         acc = f"{r['acc0']:.1%}->{r['acc']:.1%}" if r.get("acc") is not None else "n/a"

@@ -126,7 +126,8 @@ def hf_generate(sets: list[str], batches_n: int) -> dict:
 
 def loop_run(sets: list[str], out: Path) -> dict:
     run_dir = out / "run"
-    cmd = [sys.executable, "-m", "hybridrl", "train", "--log.run_dir", str(run_dir), *sum((["--set", s] for s in sets), [])]
+    cmd = [sys.executable, "-m", "hybridrl", "train", "--log.run_dir", str(run_dir),
+           *sum((["--set", s] for s in sets), [])]
     t = time.perf_counter()
     res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
     if res.returncode:
@@ -206,7 +207,8 @@ def report(args, loop: dict, alone: dict, hf: dict) -> str:
     lines += ["", f"train tok/s {loop['train_tok_s']:.0f}; median completion length {loop['resp_len']:.0f} of "
               f"{args.tokens}{gap}; the probe takes {loop['probe_s']:.2f} s when it runs (the first hand-off, then "
               f"every {args.probe_every} steps: {probe:.2f} s per step above)",
-              f"targets: rollout {ratio:.2f}x standalone LLM.generate (>= 0.95: {'met' if ratio >= 0.95 else 'NOT met'}); "
+              f"targets: rollout {ratio:.2f}x standalone LLM.generate "
+              f"(>= 0.95: {'met' if ratio >= 0.95 else 'NOT met'}); "
               f"hand-off {hand / step:.1%} + probe {probe / step:.1%} = {(hand + probe) / step:.1%} of the step "
               f"(<= 2%: {'met' if (hand + probe) / step <= 0.02 else 'NOT met'})"]
     return "\n".join(lines)
@@ -221,7 +223,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="completion length")
     ap.add_argument("--prompt-len", type=int, default=64, help="longest prompt (ours are ~25 tokens)")
     ap.add_argument("--batches", type=int, default=4, help="standalone batches (the first is not counted)")
-    ap.add_argument("--hf-batches", type=int, default=2, help="transformers generate batches (the first is not counted)")
+    ap.add_argument("--hf-batches", type=int, default=2,
+                    help="transformers generate batches (the first is not counted)")
     ap.add_argument("--set", action="append", default=[], help="config override, e.g. train.probe_every=0")
     ap.add_argument("--out", default="", help="keep the run here (default: a temporary directory, removed)")
     ap.add_argument("--part", choices=["standalone", "hf"], help=argparse.SUPPRESS)
