@@ -72,7 +72,7 @@ def train(cfg: Config) -> dict:
     probe = sync.Probe([p.ids + tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                         for p in (heldout or prompts)[:8]],
                       cfg.train.probe_tol or sync.PROBE[cfg.model.dtype][1], cfg.train.probe_action,
-                      stat=sync.PROBE[cfg.model.dtype][0])
+                      stat=sync.PROBE[cfg.model.dtype][0], every=cfg.train.probe_every)
     collector = Collector(cfg, rollout, scorer, tokenizer, prompts, sampler, world)
 
     def evaluate(step: int) -> float | None:
@@ -142,7 +142,7 @@ def train(cfg: Config) -> dict:
             metrics.update(adv_metrics)
             # 4. hand the new weights to vLLM
             metrics.update(hand_off(phases))  # sync/bytes, sync/tensors
-            if cfg.train.probe_every and step % cfg.train.probe_every == 0:
+            if probe.due(step, metrics):  # the first hand-off, every train.probe_every, and on drift
                 with phases("probe"):
                     metrics.update(probe(trainer, rollout, step))
 

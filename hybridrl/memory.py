@@ -236,9 +236,8 @@ def utilization(value: str) -> float | None:
 
 
 # --- host memory ---------------------------------------------------------------------------------
-def host_memory() -> tuple[float, float]:
-    """This process's resident host memory now and its peak so far, in bytes (Linux's VmRSS and
-    VmHWM; page-cache pages of memory-mapped checkpoints included). (0, 0) where unknown."""
+def _proc_status() -> tuple[float, float]:
+    """Linux's VmRSS and VmHWM of this process, in bytes; (0, 0) where unknown."""
     found = {}
     try:
         with open("/proc/self/status") as f:
@@ -250,6 +249,33 @@ def host_memory() -> tuple[float, float]:
         pass
     rss = found.get("VmRSS", 0.0)
     return rss, max(rss, found.get("VmHWM", 0.0))  # the kernel's high-water mark can lag its counters
+
+
+_earlier_peak = 0.0  # the high-water mark as it stood before its last reset (reset_peak)
+
+
+def host_memory() -> tuple[float, float]:
+    """This process's resident host memory now and its peak so far, in bytes (Linux's VmRSS and
+    VmHWM; page-cache pages of memory-mapped checkpoints included). (0, 0) where unknown."""
+    rss, hwm = _proc_status()
+    return rss, max(hwm, _earlier_peak)
+
+
+def reset_peak() -> None:
+    """Start a new high-water mark, so that `peak_since_reset()` is one phase's own peak (Linux:
+    writing 5 to /proc/self/clear_refs; a no-op elsewhere). host_memory()'s peak is unaffected."""
+    global _earlier_peak
+    _earlier_peak = host_memory()[1]
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def peak_since_reset() -> float:
+    """The most resident host memory since the last reset_peak() (or the start), in bytes."""
+    return _proc_status()[1]
 
 
 def describe_host(per_rank: list[tuple[float, float]]) -> str:

@@ -21,7 +21,7 @@ from . import faults
 from .canaries import Canaries
 from .config import Config, ConfigError, to_dict
 from .launch import from_main
-from .memory import host_memory
+from .memory import host_memory, peak_since_reset, reset_peak
 
 
 # every phase a step times, in the order the loop runs them (engine_cycle.py: sleep ... wake_kv);
@@ -39,7 +39,8 @@ class Phases(dict):
     processes): the numbers that show which role holds memory when. The loop times every part
     of a step as a phase (PHASES), so the step metrics carry the memory after each. On every
     device it records this process's host memory: `host/rss_gb` (the most resident at the end of
-    any phase of the step) and `host/peak_gb` (the process's peak so far)."""
+    any phase of the step), `host/peak_gb` (the process's peak so far) and `host/<phase>/peak_gb`
+    (the peak during that phase: the kernel's high-water mark is reset as each phase begins)."""
 
     def __init__(self, step: int | None = None):
         super().__init__()
@@ -54,12 +55,15 @@ class Phases(dict):
             faults.progress(self.step, name)
         if self._cuda:
             torch.cuda.reset_peak_memory_stats()
+        reset_peak()
         t = time.perf_counter()
         try:
             yield
         finally:
             self[name] = self.get(name, 0.0) + time.perf_counter() - t
             rss, peak = host_memory()
+            self.memory[f"host/{name}/peak_gb"] = max(self.memory.get(f"host/{name}/peak_gb", 0.0),
+                                                      peak_since_reset() * 2.0 ** -30)
             self.memory["host/rss_gb"] = max(self.memory.get("host/rss_gb", 0.0), rss * 2.0 ** -30)
             self.memory["host/peak_gb"] = max(self.memory["host/rss_gb"], peak * 2.0 ** -30)
             if self._cuda:

