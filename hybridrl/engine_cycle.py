@@ -31,7 +31,7 @@ def _phase(phases, name: str):
     return phases(name) if phases is not None else nullcontext()
 
 
-def hand_off(trainer, rollout, phases, *, cfg: Config, cuda: bool, critic=None) -> dict:
+def hand_off(trainer, rollout, phases=None, *, cfg: Config, cuda: bool, critic=None) -> dict:
     """Trainer -> vLLM, leaving vLLM awake and ready to generate. Returns what was handed over
     (sync/tensors, sync/bytes: with LoRA, the adapter's only)."""
     with _phase(phases, "offload"):

@@ -49,6 +49,28 @@ def heldout_eval(cfg, rollout, scorer, tokenizer, heldout: list, world, step: in
     return acc, extra, rows
 
 
+class Evaluator:
+    """The loop's held-out evaluation: `evaluator(step)` wakes vLLM's KV cache, evaluates (greedy
+    episodes through the collector when an environment is set), logs the accuracy and a few
+    samples (samples.jsonl); returns the accuracy, None without a held-out split."""
+
+    def __init__(self, cfg, rollout, scorer, tokenizer, heldout: list, world, run, collector):
+        self.cfg, self.rollout, self.scorer, self.tokenizer = cfg, rollout, scorer, tokenizer
+        self.heldout, self.world, self.run, self.collector = heldout, world, run, collector
+
+    def __call__(self, step: int) -> float | None:
+        if not self.heldout:
+            return None
+        from . import faults
+        faults.progress(step, "eval")
+        self.rollout.wake(["kv_cache"])
+        acc, extra, rows = heldout_eval(self.cfg, self.rollout, self.scorer, self.tokenizer, self.heldout,
+                                        self.world, step, greedy=self.collector.greedy)
+        self.run.samples(step, rows)
+        self.run.eval(step, acc, extra)
+        return acc
+
+
 def run(target: str, cfg) -> dict:
     """`hybridrl eval`: load the model (a run directory's newest checkpoint, exported to a temporary
     HF directory, or a model directory / hub name), build vLLM alone and evaluate once."""

@@ -7,6 +7,7 @@ here and nowhere else.
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import time
@@ -20,7 +21,7 @@ from .canaries import distribution_metrics
 from .collect import Collector
 from .config import Config, ConfigError, torch_dtype
 from .critic import Critic
-from .evaluate import heldout_eval
+from .evaluate import Evaluator
 from .progress import Phases, RunLog
 from .reference import Reference
 from .rollout import Rollout
@@ -75,24 +76,9 @@ def train(cfg: Config) -> dict:
                       stat=sync.PROBE[cfg.model.dtype][0], every=cfg.train.probe_every)
     collector = Collector(cfg, rollout, scorer, tokenizer, prompts, sampler, world)
 
-    def evaluate(step: int) -> float | None:
-        """Held-out accuracy (reward >= log.eval_threshold) and mean reward, prompts sharded over
-        ranks (evaluate.py, also `hybridrl eval`); None without a split."""
-        if not heldout:
-            return None
-        faults.progress(step, "eval")
-        rollout.wake(["kv_cache"])
-        acc, extra, rows = heldout_eval(cfg, rollout, scorer, tokenizer, heldout, world, step,
-                                         greedy=collector.greedy)
-        run.samples(step, rows)  # samples.jsonl
-        run.eval(step, acc, extra)
-        return acc
-
-    def hand_off(phases: Phases | None = None) -> dict:
-        """Trainer -> vLLM: offload trainer, wake weights, hand-off, free staging, wake KV cache.
-        The order, and why, lives in engine_cycle.py (vLLM's sleep and the trainer's reload,
-        after generating, too)."""
-        return engine_cycle.hand_off(trainer, rollout, phases, cfg=cfg, cuda=not on_cpu, critic=critic)
+    evaluate = Evaluator(cfg, rollout, scorer, tokenizer, heldout, world, run, collector)  # held-out split
+    # trainer -> vLLM: offload, wake weights, hand-off, wake KV cache (the order, and why: engine_cycle.py)
+    hand_off = functools.partial(engine_cycle.hand_off, trainer, rollout, cfg=cfg, cuda=not on_cpu, critic=critic)
 
     start = time.perf_counter()  # engines are up: the clock of train.max_minutes starts here
     if resumed:  # weights (handed to vLLM and probed), optimizer, data cursor, RNG, history
@@ -146,15 +132,8 @@ def train(cfg: Config) -> dict:
                 with phases("probe"):
                     metrics.update(probe(trainer, rollout, step))
 
-            n_train = launch.all_sum([int(batch.lengths.sum()), float(signal.sum()), signal.numel()])
             metrics.update(ro.metrics)  # reward, solve_rate, reward_errors/timeouts, dropped_prompts, ds_*
-            metrics.update(
-                signal_frac=n_train[1] / n_train[2],
-                rollout_tok_s=ro.metrics["rollout_tokens"] / max(phases["generate"], 1e-9),
-                train_tok_s=n_train[0] / max(phases["train"], 1e-9), elapsed_s=time.perf_counter() - start,
-                **{f"time/{k}": v for k, v in phases.items()})
-            metrics.update(phases.memory)  # mem/<phase>/*_gb after every phase: CUDA only
-            metrics.update(distribution_metrics(response_len=[len(s.token_ids) for s in samples], reward=R))
+            metrics.update(step_metrics(ro, batch, signal, phases, samples, time.perf_counter() - start))
             run.step(step, metrics)
             now = time.perf_counter()
             if step != cfg.train.steps and ((cfg.log.eval_every and step % cfg.log.eval_every == 0) or (
@@ -185,6 +164,18 @@ def train(cfg: Config) -> dict:
     scorer.close()
     rollout.close()
     return summary
+
+
+def step_metrics(ro, batch: Batch, signal: torch.Tensor, phases: Phases, samples: list, elapsed_s: float) -> dict:
+    """What a step logs beside the trainer's and the collector's metrics: throughput, the share of
+    samples with a gradient (over all ranks), the phases' times and memory, distributions."""
+    n_train = launch.all_sum([int(batch.lengths.sum()), float(signal.sum()), signal.numel()])
+    return dict(signal_frac=n_train[1] / n_train[2],
+                rollout_tok_s=ro.metrics["rollout_tokens"] / max(phases["generate"], 1e-9),
+                train_tok_s=n_train[0] / max(phases["train"], 1e-9), elapsed_s=elapsed_s,
+                **{f"time/{k}": v for k, v in phases.items()},
+                **phases.memory,  # mem/<phase>/*_gb after every phase: CUDA only
+                **distribution_metrics(response_len=[len(s.token_ids) for s in samples], reward=ro.rewards))
 
 
 def resolve(cfg: Config, on_cpu: bool) -> tuple[Config, str]:
