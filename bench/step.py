@@ -23,18 +23,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _prompt_batches(cfg, steps: int):
-    """The prompt batches the loop sees (same data order as loop.train at rank 0)."""
-    from transformers import AutoTokenizer
-
-    from hybridrl import data, loop
-    cfg, path = loop.resolve(cfg, on_cpu=True)
-    tok = AutoTokenizer.from_pretrained(path)
-    prompts, _ = data.encode(data.load_rows(cfg.data, "train"), tok, cfg.data, cfg.data.path)
-    sampler = data.Sampler(len(prompts), cfg.train.seed)
-    return cfg, path, tok, [[prompts[i].ids for i in sampler.next(cfg.train.prompts_per_step)] for _ in range(steps)]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from scale import prompt_batches  # noqa: E402  (the loop's prompt batches: one home, bench/scale.py)
 
 
 def standalone(cfg, steps: int) -> dict:
@@ -42,7 +32,7 @@ def standalone(cfg, steps: int) -> dict:
     from hybridrl import launch
     from hybridrl.rollout import Rollout
     launch.init_distributed()
-    cfg, path, tok, batches = _prompt_batches(cfg, steps)
+    cfg, path, tok, batches = prompt_batches(cfg, steps)
     ro = Rollout(cfg, path, on_cpu=True, eos_token_id=tok.eos_token_id, rank=0)
     rates = []
     for prompts in batches:
@@ -57,7 +47,7 @@ def standalone(cfg, steps: int) -> dict:
 def hf_generate(cfg, steps: int) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
-    cfg, path, tok, batches = _prompt_batches(cfg, steps)
+    cfg, path, tok, batches = prompt_batches(cfg, steps)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     tok.padding_side = "left"
     rates = []
