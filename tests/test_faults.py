@@ -194,7 +194,8 @@ def test_only_io_errors_while_saving_are_survived(tmp_path, capsys, error, handl
         (Path(path) / "ds").mkdir(parents=True)  # a partial shard directory
         raise error
 
-    trainer = SimpleNamespace(engine=SimpleNamespace(save_checkpoint=save_checkpoint), hf=torch.nn.Linear(4, 4))
+    trainer = SimpleNamespace(engine=SimpleNamespace(save_checkpoint=save_checkpoint), hf=torch.nn.Linear(4, 4),
+                              peft=None)
     cfg = config.load(None, {"ckpt.dir": str(tmp_path / "ck")})
     saver = checkpoint.Saver(cfg, tmp_path, World(0, 1, 0, torch.device("cpu")), tokenizer=None)
     args = (1, trainer, SimpleNamespace(cursor=0), SimpleNamespace(last=None), {})

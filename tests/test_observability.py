@@ -64,13 +64,18 @@ def test_demo_run_writes_the_metrics(demo_run):
 
 
 def test_demo_run_console_is_quiet(demo_run):
-    """What a newcomer sees before the first step line: hybridrl's own lines (host memory, the
-    CPU sleep note; 2 lines on the CPU machine) and none of the ~30 lines vLLM, DeepSpeed and torch print on a healthy run
-    (NUMA binding, LD_PRELOAD advice, set_num_threads, FutureWarnings, Triton, load bars);
-    `--log.verbose` shows those (logs.py)."""
+    """What a newcomer sees before the first step line: the recipe (its header and indented lines),
+    hybridrl's own lines (host memory, the CPU sleep note; 2 lines on the CPU machine) and none of
+    the ~30 lines vLLM, DeepSpeed and torch print on a healthy run (NUMA binding, LD_PRELOAD advice,
+    set_num_threads, FutureWarnings, Triton, load bars); `--log.verbose` shows those (logs.py)."""
     lines = (demo_run.parent / "console.txt").read_text().splitlines()
     first = next(i for i, line in enumerate(lines) if line.startswith("step "))
-    assert first <= 5, lines[:first]
+    before = lines[:first]
+    start = next(i for i, line in enumerate(before) if line.startswith("recipe: "))
+    end = next((i for i in range(start + 1, len(before)) if not before[i].startswith("  ")), len(before))
+    assert 3 <= end - start <= 8, before  # the recipe: a few lines
+    others = before[:start] + before[end:]
+    assert len(others) <= 3, others
     text = "\n".join(lines)
     for noise in ("NUMA binding", "LD_PRELOAD", "set_num_threads", "FutureWarning", "Triton", "Loading ",
                   "built successfully"):

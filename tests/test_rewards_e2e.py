@@ -75,9 +75,13 @@ DROP_SCRIPT = textwrap.dedent('''
     from transformers import AutoTokenizer
 
     world = launch.init_distributed()
-    cfg, path = resolve(apply(Config(), {"train.prompts_per_step": 4, "rollout.n": 8}), True)
+    cfg, path = resolve(apply(Config(), {"train.prompts_per_step": 5, "rollout.n": 8}), True)
     tok = AutoTokenizer.from_pretrained(path)
-    ok = [Prompt(t, tok(t)["input_ids"], str(eval(t[:-1]))) for t in ("1+2=", "3+4=")]
+    ok = [Prompt(t, tok(t)["input_ids"], str(eval(t[:-1]))) for t in ("12+34=", "25+25=")]
+    # a prompt one token short of max_model_len: its 8 samples end after one token, while the
+    # others are still generating (vLLM finishes a prompt's n samples together)
+    ids = tok("1+2=")["input_ids"]
+    ok.append(Prompt("near", ids[:1] + [5] * (cfg.rollout.max_model_len - len(ids) - 1) + ids[1:], "3"))
     too_long = Prompt("long", [5] * (cfg.rollout.max_model_len + 6), "0")  # past max_model_len
     bad_token = Prompt("bad", [5, len(tok) + 1000], "0")  # outside the vocabulary
     rollout = Rollout(cfg, path, on_cpu=True, eos_token_id=tok.eos_token_id, rank=0)
@@ -85,7 +89,7 @@ DROP_SCRIPT = textwrap.dedent('''
     while_generating = []  # at each submit: were other requests still in the engine?
     submit = scorer.submit
     scorer.submit = lambda *a: (while_generating.append(rollout.llm.llm_engine.has_unfinished_requests()), submit(*a))
-    ro = Collector(cfg, rollout, scorer, tok, ok + [too_long, bad_token], Sampler(4, 0), world).batch(1, Phases())
+    ro = Collector(cfg, rollout, scorer, tok, ok + [too_long, bad_token], Sampler(5, 0), world).batch(1, Phases())
     try:  # an error that is not the engine's validation (here a TypeError inside it) is not a rejection
         rollout.generate([[5, "x"]], 1, temperature=1.0, top_p=1.0, max_tokens=2)
         raised = None
@@ -104,8 +108,8 @@ def test_prompt_vllm_rejects_is_dropped_and_counted_and_samples_scored_as_they_f
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
-    # 2 of 4 prompts served, 8 samples each; every sample scored on its own, and some of them while
+    # 3 of 5 prompts served, 8 samples each; every sample scored on its own, and some of them while
     # the engine still had others to generate (the scorer does not wait for the batch)
-    assert json.loads(line[7:]) == {"prompts": ["1+2=", "3+4="], "samples": 16, "shape": [2, 8], "dropped": 2,
-                                    "submits": 16, "early": True, "raised": "TypeError"}
+    assert json.loads(line[7:]) == {"prompts": ["12+34=", "25+25=", "near"], "samples": 24, "shape": [3, 8],
+                                    "dropped": 2, "submits": 24, "early": True, "raised": "TypeError"}
     assert "vLLM rejected prompt" in out.stderr + out.stdout and "out of vocabulary" in out.stderr + out.stdout
