@@ -25,8 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from . import dapo, launch, multiturn
-from .config import Config, UserError, completion_budget
+from .config import Config, UserError, completion_budget, torch_dtype
 from .data import Prompt, Sampler
+from .evaluate import single_turn_greedy
 from .progress import Phases
 from .reward_model import RewardModel
 from .rewards import Scorer, model_terms
@@ -59,7 +60,7 @@ class Collector:
         self.cfg, self.rollout, self.scorer, self.tokenizer = cfg, rollout, scorer, tokenizer
         self.prompts, self.sampler, self.world = prompts, sampler, world
         self.models = [(f"rm:{path}", weight, RewardModel(
-            path, device=world.device, dtype=getattr(torch, cfg.model.dtype), batch_size=cfg.reward.rm_batch_size,
+            path, device=world.device, dtype=torch_dtype(cfg.model.dtype), batch_size=cfg.reward.rm_batch_size,
             trust_remote_code=cfg.model.trust_remote_code)) for path, weight in model_terms(cfg.reward.fn)]
         self.model_sums = {name: 0.0 for name, _, _ in self.models}  # this step's sum of each RM's scores
         self.episodes = multiturn.Episodes(cfg, rollout, tokenizer, rank=world.rank, run_dir=scorer.run_dir) \
@@ -163,8 +164,7 @@ class Collector:
         if not prompts:
             return [], []
         if not self.episodes:
-            outs = self.rollout.greedy([p.ids for p in prompts], self.cfg.rollout.max_new_tokens)
-            return self.tokenizer.batch_decode(outs, skip_special_tokens=True), [0.0] * len(prompts)
+            return single_turn_greedy(self.rollout, self.tokenizer, prompts, self.cfg.rollout.max_new_tokens)
         gen = self.episodes.generate(prompts, 1, temperature=0.0, top_p=1.0, max_tokens=self.cfg.rollout.max_new_tokens)
         got = {s.prompt_idx: s for finished in gen for s in finished}
         self.episodes.counts()  # training's metrics count training's episodes

@@ -10,11 +10,18 @@ at log.eval_temperature, with their own seeds so training's sampling stream is u
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 from pathlib import Path
 
 from . import launch
+
+
+def single_turn_greedy(rollout, tokenizer, prompts: list, max_tokens: int) -> tuple[list[str], list[float]]:
+    """vLLM's greedy answers to `prompts`, decoded, and their environment rewards (none: 0)."""
+    outs = rollout.greedy([p.ids for p in prompts], max_tokens) if prompts else []
+    return tokenizer.batch_decode(outs, skip_special_tokens=True), [0.0] * len(prompts)
 
 
 def heldout_eval(cfg, rollout, scorer, tokenizer, heldout: list, world, step: int,
@@ -24,11 +31,8 @@ def heldout_eval(cfg, rollout, scorer, tokenizer, heldout: list, world, step: in
     whole episodes when an environment is set; by default vLLM's greedy single answers."""
     shard = heldout[world.rank::world.size]
     thr = cfg.log.eval_threshold
-    if greedy:
-        texts, env_rewards = greedy(shard)
-    else:
-        outs = rollout.greedy([p.ids for p in shard], cfg.rollout.max_new_tokens) if shard else []
-        texts, env_rewards = tokenizer.batch_decode(outs, skip_special_tokens=True), [0.0] * len(shard)
+    texts, env_rewards = (greedy or functools.partial(single_turn_greedy, rollout, tokenizer,
+                                                      max_tokens=cfg.rollout.max_new_tokens))(shard)
     scores = scorer.score([p.text for p in shard], texts, [p.answer for p in shard], {"eval_step": step})
     scores = [s + r for s, r in zip(scores, env_rewards)]
     sums = launch.all_sum([sum(s >= thr for s in scores), float(sum(scores)), len(scores)])
