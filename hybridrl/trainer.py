@@ -29,6 +29,7 @@ from .batch import Batch, micro_batches, per_token
 from .canaries import distribution_metrics
 from .config import Config, ConfigError, UserError, completion_budget
 from .launch import all_max, all_sum
+from .memory import trim_host_heap
 
 log = logging.getLogger("hybridrl")
 # attention implementations that read packed samples from position_ids (transformers' masking_utils)
@@ -250,18 +251,8 @@ def from_pretrained(auto_cls, path: str, conf: dict, **kw) -> nn.Module:
     finally:
         unset_hf_deepspeed_config()  # scoped: later loads (and vLLM's) are not partitioned
         del keep
-    _trim_host_heap()
+    trim_host_heap()
     return model
-
-
-def _trim_host_heap() -> None:
-    """Hand freed heap pages back to the OS (glibc's malloc_trim): loading layer by layer leaves
-    many freed gather buffers that glibc otherwise keeps, as resident memory, in its arenas."""
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 class Trainer:

@@ -68,8 +68,10 @@ def _torch_log_softmax(h, w, b, inv_t: float, ws: Workspace):
     z = ws.get("lp", c, V, _compute_dtype(w.dtype), h.device)  # [c, V]
     if z.dtype == w.dtype:
         torch.mm(h, w.t(), out=z) if b is None else torch.addmm(b, h, w.t(), out=z)
-    else:  # bf16/fp16 GEMM, fp32 softmax
-        z.copy_(F.linear(h, w, b))
+    else:  # bf16/fp16 GEMM into a reused buffer, fp32 softmax
+        zl = ws.get("z_low", c, V, w.dtype, h.device)
+        torch.mm(h, w.t(), out=zl) if b is None else torch.addmm(b, h, w.t(), out=zl)
+        z.copy_(zl)
     if inv_t != 1.0:
         z.mul_(inv_t)
     # in place on CPU (ATen's row kernel reads a row before writing it); CUDA allocations are cheap
@@ -260,16 +262,21 @@ def new_grads(h, w, b, need):
             torch.zeros(w.shape[0], device=w.device, dtype=acc) if need[2] and b is not None else None)
 
 
-def accumulate_grads(g, h_c, w, dh_c, dw, db):
-    """dH[chunk] = g @ W (written), dW += g^T @ h and db += sum g (accumulated over chunks)."""
-    g_mm = g if g.dtype == w.dtype else g.to(w.dtype)  # [c, V] in the matmul dtype
+def accumulate_grads(g, h_c, w, dh_c, dw, db, ws: Workspace | None = None):
+    """dH[chunk] = g @ W (written), dW += g^T @ h and db += sum g (accumulated over chunks).
+    bf16/fp16 weights: the low-precision copies of g and of the chunk's dW go to `ws`'s buffers,
+    reused across chunks (fresh [c, V] and [V, d] tensors cost page faults on CPU)."""
+    def low(name, rows, cols):
+        return torch.empty(rows, cols, dtype=w.dtype, device=w.device) if ws is None else \
+            ws.get(name, rows, cols, w.dtype, w.device)
+    g_mm = g if g.dtype == w.dtype else low("g_low", *g.shape).copy_(g)  # [c, V] in the matmul dtype
     if dh_c is not None:
         torch.mm(g_mm, w, out=dh_c)  # [c, d]
     if dw is not None:
         if dw.dtype == g_mm.dtype:
             dw.addmm_(g_mm.t(), h_c)  # [V, d]; addmm_ adds, it never overwrites earlier chunks
         else:
-            dw.add_(g_mm.t() @ h_c)
+            dw.add_(torch.mm(g_mm.t(), h_c, out=low("dw_low", *dw.shape)))
     if db is not None:
         db.add_(g.sum(0))
 
@@ -281,7 +288,7 @@ def chunked_backward(grad_logits, h, w, b, y, inv_t, aux, ent, g_logp, g_ent, ch
         sl = slice(i, i + chunk)
         g = grad_logits(h[sl], w, b, y[sl], inv_t, None if aux is None else aux[sl], ent[sl],
                         g_logp[sl], None if g_ent is None else g_ent[sl], None, ws)
-        accumulate_grads(g, h[sl], w, None if dh is None else dh[sl], dw, db)
+        accumulate_grads(g, h[sl], w, None if dh is None else dh[sl], dw, db, ws)
     return dh, dw, db
 
 

@@ -402,7 +402,7 @@ class _FusedLogprobLoss(torch.autograd.Function):
                 g_lp = masked_upstream(torch.zeros_like(logp) if g_lp is None else g_lp, valid[sl])
                 g = grad_logits(hidden[sl], w, b, targets[sl], inv_t, aux, ent, g_lp,
                                 masked_upstream(g_ent, valid[sl]), state, ws)  # [c, V]
-                accumulate_grads(g, hidden[sl], w, None if dh is None else dh[sl], dw, db)
+                accumulate_grads(g, hidden[sl], w, None if dh is None else dh[sl], dw, db, ws)
         ctx.save_for_backward(dh, dw, db)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         logp, ent = torch.cat(logps), torch.cat(ents)
@@ -411,7 +411,9 @@ class _FusedLogprobLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_loss, _g_logp, _g_ent):
-        grads = [None if g is None else (g * g_loss).to(dt)
+        # to the parameter's dtype first, then scaled: one [V, d] tensor, not two (g_loss is the
+        # engine's loss scale, 1 on one rank)
+        grads = [None if g is None else g.to(dt).mul_(g_loss.to(dt)) if g.dtype != dt else g * g_loss
                  for g, dt in zip(ctx.saved_tensors, ctx.dtypes)]
         return (*grads, None, None, None, None, None, None)
 
