@@ -159,14 +159,12 @@ def describe_machine() -> str:
     import time
     from importlib.metadata import PackageNotFoundError, version
 
-    cpu, flags = platform.processor(), set()
+    from hybridrl.env import cpu_flags
+
+    cpu, flags = platform.processor(), cpu_flags()
     try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
     bf16 = ", ".join(f for f in ("avx512_bf16", "amx_bf16") if f in flags) or "no bf16 instructions"

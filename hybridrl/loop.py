@@ -194,19 +194,9 @@ def resolve(cfg: Config, on_cpu: bool) -> tuple[Config, str]:
                 attn = "flash_attention_2"
             except ImportError:
                 pass
-    if on_cpu and dtype != "float32" and not _fast_bf16():
+    if on_cpu and dtype != "float32" and not env.fast_bf16():
         log.warning("model.dtype=%s on a CPU without AMX-BF16 or AVX512-BF16: slower than float32 here", dtype)
     return replace(cfg, model=replace(m, dtype=dtype, attn_implementation=attn)), models.local_path(m.path)
-
-
-def _fast_bf16() -> bool:
-    """The CPU multiplies bfloat16 natively (AMX or AVX512-BF16: ~6x float32's GEMM speed on the
-    2-core bench machine); elsewhere torch emulates it, slower than float32."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return " amx_bf16" in flags or " avx512_bf16" in flags
 
 
 def seed_everything(seed: int) -> None:
