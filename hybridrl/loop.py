@@ -185,9 +185,9 @@ def resolve(cfg: Config, on_cpu: bool) -> tuple[Config, str]:
     # the demo (0.86M parameters) in float32 everywhere: free at its size, and vLLM and the trainer then
     # agree to 1e-5 (in bfloat16 its probe gap was 0.15 on an H100)
     dtype = m.dtype if m.dtype != "auto" else ("float32" if on_cpu or m.path == "demo" else "bfloat16")
-    attn = m.attn_implementation
-    if attn == "auto":
-        attn = "sdpa"
+    attn, sources = m.attn_implementation, cfg.sources
+    if attn == "auto":  # recipe.resolve may still pick eager (short contexts in bfloat16 on CPU)
+        attn, sources = "sdpa", {**cfg.sources, "model.attn_implementation": "auto"}
         if not on_cpu:
             try:
                 import flash_attn  # noqa: F401
@@ -196,7 +196,8 @@ def resolve(cfg: Config, on_cpu: bool) -> tuple[Config, str]:
                 pass
     if on_cpu and dtype != "float32" and not env.fast_bf16():
         log.warning("model.dtype=%s on a CPU without AMX-BF16 or AVX512-BF16: slower than float32 here", dtype)
-    return replace(cfg, model=replace(m, dtype=dtype, attn_implementation=attn)), models.local_path(m.path)
+    return replace(cfg, sources=sources, model=replace(m, dtype=dtype, attn_implementation=attn)), \
+        models.local_path(m.path)
 
 
 def seed_everything(seed: int) -> None:

@@ -41,6 +41,7 @@ class ModelInfo:
     vocab: int
     max_positions: int  # max_position_embeddings (0 = not stated)
     kv_values_per_token: int  # K and V entries per token over all layers: x dtype bytes = KV cache bytes per token
+    attn_heads: int = 0  # query heads summed over the layers (0 = not known): the size of eager attention's scores
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         return self.kv_values_per_token * (4 if dtype == "float32" else 2)
@@ -151,10 +152,14 @@ def inspect(name: str, trust_remote_code: bool = False) -> ModelInfo:
         kv_values = kv_bytes_per_token(text, 1)
     except (AttributeError, TypeError, ZeroDivisionError):  # an unusual attention layout: the KV size is then a guess
         kv_values = 0
+    try:
+        attn_heads = int(text.num_hidden_layers) * int(text.num_attention_heads)
+    except (AttributeError, TypeError, ValueError):
+        attn_heads = 0
     return ModelInfo(name=name, path=path, arch=arch, params=_count_params(config, trust_remote_code),
                      vocab=int(getattr(text, "vocab_size", 0) or len(tok)),
                      max_positions=int(getattr(text, "max_position_embeddings", 0) or 0),
-                     kv_values_per_token=kv_values)
+                     kv_values_per_token=kv_values, attn_heads=attn_heads)
 
 
 def _servable(name: str, archs: list[str], model_type: str) -> str:

