@@ -31,7 +31,8 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
         "auto", "Weight/compute dtype for both engines; auto = float32 on CPU, bfloat16 on GPU. float16 is refused: "
         "the trainer has no loss scaling, so small gradients would underflow to zero.")
-    attn_implementation: str = knob("auto", "transformers attention: auto = flash_attention_2 if installed on GPU, else sdpa.")
+    attn_implementation: str = knob("auto", "transformers attention: auto = flash_attention_2 if installed on GPU; "
+                                     "on CPU in bfloat16 eager while its saved scores fit 2 GiB (faster there), else sdpa.")
     gradient_checkpointing: bool = knob(False, "Recompute activations in backward to save trainer memory.")
     trust_remote_code: bool = knob(False, "Allow custom modelling code from the model directory.")
     lora_rank: int = knob(0, "LoRA rank r (0 = off: full fine-tuning). On: only the adapter trains (the base weights are "
