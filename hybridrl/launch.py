@@ -85,6 +85,11 @@ def forget_world() -> None:
     _before_world_of_one = None
 
 
+def world_size() -> int:
+    """Ranks in the process group (1 before it exists)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def all_sum(values: list[float]) -> list[float]:
     """Element-wise sum over ranks (a no-op in a world of one)."""
     t = torch.tensor(values, dtype=torch.float64)

@@ -17,7 +17,6 @@ from typing import Iterator
 
 import deepspeed
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from kernels.liger_loss import liger_ppo_loss
@@ -28,7 +27,7 @@ from . import faults, lora
 from .batch import Batch, micro_batches, per_token
 from .canaries import distribution_metrics
 from .config import Config, ConfigError, UserError, completion_budget
-from .launch import all_max, all_sum
+from .launch import all_max, all_sum, world_size
 from .memory import trim_host_heap
 
 log = logging.getLogger("hybridrl")
@@ -122,7 +121,7 @@ def ds_config(cfg: Config, bf16: bool) -> dict:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
-    if t.zero_stage != 3 and (dist.get_world_size() if dist.is_initialized() else 1) == 1:
+    if t.zero_stage != 3 and world_size() == 1:
         # one rank: DeepSpeed's default "mean" divides the whole gradient by 1 after every backward
         # (0.25 s a step at 0.5B on CPU); "sum" is the same gradient without it (ZeRO-3 rejects "sum")
         conf["gradient_allreduce_op"] = "sum"
@@ -174,7 +173,7 @@ def minibatch_updates(engine, batch: Batch, t, plan, normalizer, device, grad_no
     step with the others' collectives) and the world size otherwise (DeepSpeed averages gradients over
     ranks; the normaliser is already global). After each minibatch: the optimizer step, its gradient
     norm appended to `grad_norms`."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    world = world_size()
     gen = torch.Generator().manual_seed(t.seed + int(engine.global_steps))
     for _ in range(t.epochs):
         perm = torch.randperm(len(batch), generator=gen) if t.minibatches > 1 else torch.arange(len(batch))
@@ -442,7 +441,7 @@ class Trainer:
         inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
         if any(inner.state.values()):
             return 0
-        world = dist.get_world_size() if dist.is_initialized() else 1
+        world = world_size()
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in self.hf.parameters() if p.requires_grad)
         return 8 * trainable // world
 

