@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -301,17 +302,23 @@ def main() -> None:
         return
     if args.workload != "demo":  # both trainers hold about the same: float32 states and vLLM's copies
         scale.check_memory(shapes.n_params(shapes.build(args.workload)))
+    # the runs' checkpoints and outputs reach GBs at 0.5B: a temporary folder goes when the table is printed
     out = Path(args.out or tempfile.mkdtemp(prefix="hybridrl-peers-"))
     out.mkdir(parents=True, exist_ok=True)
     results, only = {}, args.only.split(",")
-    for name, run in (("hybridrl", lambda: run_hybridrl(args, out)),
-                      ("TRL transformers generate", lambda: run_trl(args, "generate", out)),
-                      ("TRL vLLM colocate", lambda: run_trl(args, "vllm", out))):
-        key = {"hybridrl": "hybridrl", "TRL transformers generate": "trl-generate", "TRL vLLM colocate": "trl-vllm"}
-        if key[name] in only:
-            results[name] = run()
-            print(f"{name}: {results[name]['step_s']:.3f} s/step", file=sys.stderr, flush=True)
-    print(report(args, results))
+    try:
+        for name, run in (("hybridrl", lambda: run_hybridrl(args, out)),
+                          ("TRL transformers generate", lambda: run_trl(args, "generate", out)),
+                          ("TRL vLLM colocate", lambda: run_trl(args, "vllm", out))):
+            key = {"hybridrl": "hybridrl", "TRL transformers generate": "trl-generate",
+                   "TRL vLLM colocate": "trl-vllm"}
+            if key[name] in only:
+                results[name] = run()
+                print(f"{name}: {results[name]['step_s']:.3f} s/step", file=sys.stderr, flush=True)
+        print(report(args, results))
+    finally:
+        if not args.out:
+            shutil.rmtree(out, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -72,6 +73,7 @@ def loop_run(args) -> dict:
            "--log.run_dir", str(run_dir), *sum((["--set", s] for s in args.set), [])]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(run_dir, ignore_errors=True)
     steps = [r for r in rows if "reward" in r][3:]  # skip warm-up steps
     phases = sorted({k for r in steps for k in r if k.startswith("time/")})
     med = {k[5:]: statistics.median(r[k] for r in steps) for k in phases}
