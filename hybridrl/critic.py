@@ -22,10 +22,10 @@ import deepspeed
 import torch
 from torch import nn
 
-from . import algo
+from . import algo, zero_step
 from .batch import Batch, per_token
 from .config import Config, UserError
-from .launch import all_sum
+from .launch import all_sum, world_size
 from .trainer import (ds_config, from_pretrained, load_engine_checkpoint, lr_scheduler, minibatch_updates,
                       offload_engine_states, plan_micro_batches, reload_engine_states)
 
@@ -61,6 +61,7 @@ class Critic:
         model = _ValueModel(base)  # under ZeRO-3 the new head is partitioned by deepspeed.initialize
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf,
                                                lr_scheduler=lr_scheduler(own))
+        zero_step.install(self.engine.optimizer, world_size())
         self.offload()
 
     def _plan(self, rows: Batch | None) -> list[torch.Tensor | None]:
