@@ -4,7 +4,8 @@ Position t of a row holds token t; `loss_mask[b, t]` marks completion tokens, wh
 log p(tokens[b, t] | tokens[b, :t]) the trainer computes (in a multi-turn episode only the
 assistant's: environment tokens inside the completion are context, like the prompt). Rows are right-padded, so position
 ids are 0..len-1 in both engines. `Batch.packed()` lays the rows end to end without padding
-(`train.packing`: on by default with flash-attention).
+(`train.packing`: on by default with flash-attention). `Batch.shared()` lays them out as their distinct
+prompts plus each row's completion (`train.share_prompt`: a group's prompt is computed once).
 """
 
 from __future__ import annotations
@@ -21,6 +22,19 @@ class Packed(NamedTuple):
     position_ids: torch.Tensor  # [1, L] long, 0..len-1 within each sample
     loss_mask: torch.Tensor  # [1, L] bool
     seq_ids: torch.Tensor  # [1, L] long, the batch row each token came from
+
+
+class Shared(NamedTuple):
+    """A batch's rows as their distinct prompts, each computed once, and every row's completion,
+    which attends to its prompt through a KV cache. Position j of a completion row predicts
+    `completions[:, j]`: j = 0 from the prompt's last token, j >= 1 from completion token j - 1."""
+    prompts: torch.Tensor  # [G, P] long, right-padded
+    prompt_lens: torch.Tensor  # [G] long
+    group: torch.Tensor  # [B] long, the row's prompt
+    completions: torch.Tensor  # [B, C] long, the tokens after the prompt, right-padded
+    attention_mask: torch.Tensor  # [B, P + C] long: the row's prompt's real tokens, then its completion's
+    position_ids: torch.Tensor  # [B, C] long, the row's prompt length + 0..C-1
+    loss_mask: torch.Tensor  # [B, C] bool, completion positions that carry loss
 
 
 @dataclass
@@ -86,6 +100,46 @@ class Batch:
         rows = torch.arange(B, device=real.device)[:, None].expand(B, T)
         return Packed(*(x[real][None] for x in (self.tokens, pos, self.loss_mask, rows)))  # each [1, L]
 
+    def prompt_lengths(self) -> torch.Tensor:
+        """[B] the tokens before each row's first loss token (0 for a row without one)."""
+        return torch.where(self.loss_mask.any(1), self.loss_mask.int().argmax(1), 0)
+
+    def prompt_groups(self) -> list[list[int]] | None:
+        """Rows grouped by identical prompt (the tokens before the first loss token), groups in order
+        of first appearance; None if a row has no prompt or no loss token."""
+        lens = self.prompt_lengths()
+        if not bool((lens > 0).all()):
+            return None
+        groups: dict[tuple, list[int]] = {}
+        for b, n in enumerate(lens.tolist()):
+            groups.setdefault(tuple(self.tokens[b, :n].tolist()), []).append(b)
+        return list(groups.values())
+
+    def shared(self) -> Shared | None:
+        """The shared-prompt layout (see Shared); None if a row has no prompt or no loss token. The
+        loss tokens come out in the same order as the padded layout's (row-major), so per-token
+        inputs built from `loss_mask` line up with either layout."""
+        groups = self.prompt_groups()
+        if groups is None:
+            return None
+        lens, dev = self.prompt_lengths(), self.tokens.device
+        first = torch.tensor([g[0] for g in groups], device=dev)
+        group = torch.empty(len(self), dtype=torch.long, device=dev)
+        for g, rows in enumerate(groups):
+            group[rows] = g
+        P, plen = int(lens.max()), lens[first]  # [G]
+        clen = self.lengths - lens  # [B]
+        C = int(clen.max())
+        P_idx, C_idx = torch.arange(P, device=dev), torch.arange(C, device=dev)
+        prompt_mask = P_idx[None] < plen[:, None]  # [G, P]
+        prompts = torch.where(prompt_mask, self.tokens[first, :P] if self.tokens.shape[1] >= P else 0, 0)
+        src = (lens[:, None] + C_idx[None]).clamp(max=self.tokens.shape[1] - 1)  # [B, C] positions in the row
+        comp_mask = C_idx[None] < clen[:, None]  # [B, C]
+        completions = torch.where(comp_mask, self.tokens.gather(1, src), 0)
+        loss = self.loss_mask.gather(1, src) & comp_mask
+        attn = torch.cat([prompt_mask[group], comp_mask], 1).long()
+        return Shared(prompts, plen, group, completions, attn, lens[:, None] + C_idx[None], loss)
+
 
 def micro_batches(lengths: torch.Tensor, max_tokens: int, packed: bool = False) -> list[torch.Tensor]:
     """Split rows into groups whose size fits `max_tokens`: rows x longest row when padded,
@@ -107,6 +161,27 @@ def micro_batches(lengths: torch.Tensor, max_tokens: int, packed: bool = False) 
     if current:
         groups.append(torch.tensor(current))
     return groups
+
+
+def shared_micro_batches(batch: Batch, max_tokens: int) -> list[torch.Tensor]:
+    """Micro-batches that keep a prompt's rows together, so the prompt is computed once for all of
+    them: rows in group order while (prompts x longest prompt) + (rows x longest completion) fits
+    `max_tokens`; a group that does not fit is cut, and the next micro-batch computes its prompt again."""
+    groups = batch.prompt_groups() or [[b] for b in range(len(batch))]
+    plen = batch.prompt_lengths().tolist()
+    comp = (batch.lengths - batch.prompt_lengths()).tolist()
+    out, current, n_groups, P, C = [], [], 0, 0, 0
+    for rows in groups:
+        for k, b in enumerate(rows):
+            g, p, c = n_groups + (k == 0), max(P, plen[b]), max(C, comp[b])
+            if current and g * p + (len(current) + 1) * c > max_tokens:
+                out.append(torch.tensor(current))
+                current, g, p, c = [], 1, plen[b], comp[b]  # the group's prompt again
+            current.append(b)
+            n_groups, P, C = g, p, c
+    if current:
+        out.append(torch.tensor(current))
+    return out
 
 
 def per_token(forward, batch: Batch, groups: list[torch.Tensor | None], device) -> torch.Tensor:

@@ -117,6 +117,10 @@ class TrainConfig:
         "auto", "Lay each micro-batch's samples end to end in one row (position ids restart per sample) instead of "
         "right-padded rows; same loss either way. auto = on with flash-attention (varlen: no padding computed), off "
         "with sdpa/eager, whose packed row costs a full masked L x L attention (2.1x slower at 128 demo rows on CPU).")
+    share_prompt: Literal["auto", "on", "off"] = knob(
+        "auto", "Compute each prompt once for its rollout.n samples in the trainer's forward and backward (its KV "
+        "cache, gathered to the samples; the same loss and gradients). auto = on with sdpa/eager attention, "
+        "unpacked rows, ZeRO-1/2 and no gradient checkpointing.")
     kernels: Literal["auto", "triton", "torch", "liger", "naive"] = knob(
         "auto", "Log-prob/loss provider: auto = chunked torch (cuBLAS on CUDA); triton = the fused Triton kernels; "
         "liger = Liger-Kernel's fused "

@@ -24,7 +24,7 @@ from kernels.logprob import logprob_entropy
 from kernels.ppo_loss import fused_logprob_ppo_loss, importance_ratio, importance_weights
 
 from . import faults, lora, zero_step
-from .batch import Batch, micro_batches, per_token
+from .batch import Batch, Shared, micro_batches, per_token, shared_micro_batches
 from .canaries import distribution_metrics
 from .config import Config, ConfigError, UserError, completion_budget
 from .launch import all_max, all_sum, world_size
@@ -49,31 +49,53 @@ class TokenLogprobs(nn.Module):
                                 "supported yet; use a model without it")
 
     def forward(self, tokens, attention_mask, loss_mask, temperature: float, loss: dict | None = None,
-                position_ids=None):
+                position_ids=None, shared: dict | None = None):
         """Without `loss`: (logp [N], entropy [N]) of the masked tokens. With `loss` (ppo_loss's
         per-token tensors and knobs): (loss, metrics, logp, entropy) from the fused kernel, which
         produces the logits' gradient in the same pass. Packed rows (`Batch.packed()`) come with
-        position_ids and attention_mask=None."""
-        # use_cache=False: a KV cache is useless here, and transformers only looks for packed
-        # sequences in position_ids when there is none (masking_utils._preprocess_mask_arguments)
-        hidden = self.hf.base_model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids,
-                                    use_cache=False).last_hidden_state
-        sel = loss_mask[:, 1:]  # [B, T-1]: position t predicts token t+1
-        h = hidden[:, :-1][sel]  # [N, d]
-        y = tokens[:, 1:][sel]  # [N]
+        position_ids and attention_mask=None; the shared-prompt layout (`Batch.shared()`, as a dict)
+        comes alone, tokens, attention_mask and loss_mask None."""
+        if shared is not None:
+            s = Shared(**shared)
+            hidden, sel, targets = self._shared_hidden(s), s.loss_mask, s.completions  # [B, C, d], [B, C], [B, C]
+        else:
+            # use_cache=False: a KV cache is useless here, and transformers only looks for packed
+            # sequences in position_ids when there is none (masking_utils._preprocess_mask_arguments)
+            hidden = self.hf.base_model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids,
+                                        use_cache=False).last_hidden_state[:, :-1]
+            sel, targets = loss_mask[:, 1:], tokens[:, 1:]  # [B, T-1]: position t predicts token t+1
+        h = hidden[sel]  # [N, d]
+        y = targets[sel]  # [N]
         head = self.hf.get_output_embeddings()
         if self.provider == "liger" and loss is not None:
-            return self._liger(hidden[:, :-1], head, tokens[:, 1:], sel, h, y, temperature, loss)
+            return self._liger(hidden, head, targets, sel, h, y, temperature, loss)
         kw = dict(temperature=temperature, bias=head.bias, chunk_size=self.chunk,
                   provider="torch" if self.provider == "liger" else self.provider)
         if loss is None:
             return logprob_entropy(h, head.weight, y, **kw)
         return fused_logprob_ppo_loss(h, head.weight, y, **kw, **loss)
 
+    def _shared_hidden(self, s: Shared) -> torch.Tensor:
+        """[B, C, d] hidden states that predict each row's completion tokens, its prompt computed once
+        per group: the distinct prompts run first and keep their KV cache (with its autograd graph),
+        which is gathered to the rows and extended by the completions; the prompt's last hidden
+        state predicts the first completion token. Backward sums each prompt's gradient over its rows:
+        the same loss and gradients as running every row whole, for 1/rows of the prompt's compute."""
+        body = self.hf.base_model
+        P = s.prompts.shape[1]
+        prompt_mask = (torch.arange(P, device=s.prompts.device)[None] < s.prompt_lens[:, None]).long()
+        out = body(input_ids=s.prompts, attention_mask=prompt_mask, use_cache=True)
+        cache = out.past_key_values
+        cache.batch_select_indices(s.group)  # [G, ...] -> [B, ...]: an index, differentiable
+        comp = body(input_ids=s.completions, attention_mask=s.attention_mask, position_ids=s.position_ids,
+                    past_key_values=cache, use_cache=True).last_hidden_state  # [B, C, d]
+        last = out.last_hidden_state[torch.arange(len(s.prompts), device=comp.device), s.prompt_lens - 1]  # [G, d]
+        return torch.cat([last[s.group][:, None], comp[:, :-1]], 1)
+
     def _liger(self, hidden, head, targets, sel, h, y, temperature, loss):
-        """Liger's fused GRPO loss on whole rows (it takes [B, T, d]); our per-token inputs are
-        scattered back to rows. logp is computed first without grad: for the metrics, and for the
-        IS weight when the pass is on-policy (logp_old None)."""
+        """Liger's fused GRPO loss on whole rows (it takes [B, T, d]: the positions that predict a next
+        token); our per-token inputs are scattered back to rows. logp is computed first without grad:
+        for the metrics, and for the IS weight when the pass is on-policy (logp_old None)."""
         seq_ids = loss["seq_ids"]
         with torch.no_grad():
             logp, entropy = logprob_entropy(h, head.weight, y, temperature, head.bias, provider="torch")
@@ -160,11 +182,18 @@ def lr_scheduler(cfg: Config):
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def plan_micro_batches(rows: Batch | None, max_tokens: int, packed: bool = False) -> list[torch.Tensor | None]:
+def plan_micro_batches(rows: Batch | None, max_tokens: int, packed: bool = False,
+                       shared: bool = False) -> list[torch.Tensor | None]:
     """Micro-batches of `rows`, padded with None (a zero-weight dummy) up to the largest count on
     any rank: under ZeRO-3 every forward gathers parameters collectively, so ranks with different
-    counts would hang. The policy and the critic both plan this way."""
-    groups = micro_batches(rows.lengths, max_tokens, packed) if rows else []
+    counts would hang. The policy and the critic both plan this way. `shared`: a prompt's rows
+    stay together (the shared-prompt layout)."""
+    if not rows:
+        groups = []
+    elif shared:
+        groups = shared_micro_batches(rows, max_tokens)
+    else:
+        groups = micro_batches(rows.lengths, max_tokens, packed)
     # at least one: an update whose minibatch is empty on every rank still needs a (zero) backward,
     # or DeepSpeed's step finds no gradients
     return groups + [None] * (max(int(all_max(len(groups))), 1) - len(groups))
@@ -263,6 +292,32 @@ def from_pretrained(auto_cls, path: str, conf: dict, **kw) -> nn.Module:
     return model
 
 
+def share_prompt(cfg: Config, hf: nn.Module, provider: str, attn_implementation: str, packing: bool) -> bool:
+    """train.share_prompt: compute a group's prompt once for its rollout.n rows (TokenLogprobs._shared_hidden).
+    It needs a transformers model whose KV cache grows by concatenation (no sliding window), sdpa or eager
+    attention (their masks take a padded prompt followed by the completion; flash-attention's unpadding
+    assumes left padding), our own loss kernels (Liger takes whole rows), no packing and no gradient
+    checkpointing (which turns the cache off). auto: also not under ZeRO-3, not yet measured there."""
+    want = cfg.train.share_prompt
+    if want == "off":
+        return False
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+    try:
+        plain = all(type(layer) is DynamicLayer for layer in DynamicCache(config=hf.config).layers)
+    except Exception:  # a config transformers' cache cannot read: not a standard decoder
+        plain = False
+    why = [reason for reason, bad in (
+        (f"kernels={provider}", provider == "liger"), (f"attention {attn_implementation}", attn_implementation not in
+                                                       ("sdpa", "eager")),
+        ("packing", packing), ("gradient checkpointing", cfg.model.gradient_checkpointing),
+        (f"{type(hf).__name__} (not transformers' own, or a sliding-window cache)",
+         not plain or not type(hf).__module__.startswith("transformers.")),
+        ("ZeRO-3 (auto)", want == "auto" and cfg.train.zero_stage == 3)) if bad]
+    if why and want == "on":
+        log.info("train.share_prompt: not with %s; every row computes its own prompt", ", ".join(why))
+    return not why
+
+
 class Trainer:
     def __init__(self, cfg: Config, model_path: str, *, device: torch.device, dtype: torch.dtype,
                  attn_implementation: str):
@@ -290,6 +345,7 @@ class Trainer:
         if cfg.train.packing == "on" and not self.packing:
             log.info("train.packing: not with kernels=%s / attention %s / %s; using padded rows",
                      provider, attn_implementation, type(hf).__name__)
+        self.share_prompt = share_prompt(cfg, hf, provider, attn_implementation, self.packing)
         module = TokenLogprobs(hf, provider, cfg.train.logprob_chunk, completion_budget(cfg))
         self.zero3 = cfg.train.zero_stage == 3
         if self.zero3:  # the head's weight is used by this module's forward, not by lm_head's
@@ -306,10 +362,14 @@ class Trainer:
         if self.packing:  # one row, no padding computed
             p = mb.packed()
             return self.engine(p.tokens, None, p.loss_mask, temperature, loss, position_ids=p.position_ids)
+        if self.share_prompt:  # each distinct prompt computed once, when rows share one
+            s = mb.shared()
+            if s is not None and len(s.prompts) < len(mb):
+                return self.engine(None, None, None, temperature, loss, shared=s._asdict())
         return self.engine(mb.tokens, mb.attention_mask(), mb.loss_mask, temperature, loss)
 
     def _plan(self, rows: Batch | None) -> list[torch.Tensor | None]:
-        return plan_micro_batches(rows, self.cfg.train.max_tokens_per_micro_batch, self.packing)
+        return plan_micro_batches(rows, self.cfg.train.max_tokens_per_micro_batch, self.packing, self.share_prompt)
 
     @torch.no_grad()
     def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
