@@ -21,9 +21,9 @@ from itertools import chain
 import deepspeed
 import torch
 
-from .batch import Batch, micro_batches, per_token
+from .batch import Batch, micro_batches, per_token, shared_micro_batches
 from .config import Config
-from .trainer import TokenLogprobs, from_pretrained, plan_micro_batches
+from .trainer import TokenLogprobs, from_pretrained, module_inputs, plan_micro_batches, share_prompt
 
 
 def ds_config(cfg: Config, bf16: bool, cuda: bool) -> dict:
@@ -63,6 +63,9 @@ class Reference:
         provider = {"auto": "triton" if cuda else "torch", "liger": "torch"}.get(kernels, kernels)
         self.module = TokenLogprobs(hf, provider, cfg.train.logprob_chunk)
         self.sharded = cfg.train.zero_stage == 3
+        # the policy's shared-prompt layout (and so, at step 1, exactly the policy's log-probs)
+        self.share = share_prompt(cfg, hf, "liger" if kernels == "liger" else provider, attn_implementation,
+                                  packing=False)
         self._host = []
         if self.sharded:  # the head's weight is used by this module's forward, not by lm_head's
             deepspeed.zero.register_external_parameter(self.module, hf.get_output_embeddings().weight)
@@ -81,11 +84,15 @@ class Reference:
         """Reference log-probs of every completion token at the sampling temperature: [B, T]."""
         budget = self.cfg.train.max_tokens_per_micro_batch
         # sharded: every rank runs as many forwards as the busiest (each gathers collectively)
-        groups = plan_micro_batches(batch, budget) if self.sharded else micro_batches(batch.lengths, budget)
+        groups = plan_micro_batches(batch, budget, shared=self.share) if self.sharded else \
+            (shared_micro_batches(batch, budget) if self.share else micro_batches(batch.lengths, budget))
+
+        def forward(mb):
+            args, kw = module_inputs(mb, False, self.share)
+            return self.module(*args, temperature, **kw)[0]
         self._place(self.device)
         try:
-            return per_token(lambda mb: self.module(mb.tokens, mb.attention_mask(), mb.loss_mask, temperature)[0],
-                             batch, groups, self.device)
+            return per_token(forward, batch, groups, self.device)
         finally:
             self._place(torch.device("cpu"))
 

@@ -318,6 +318,20 @@ def share_prompt(cfg: Config, hf: nn.Module, provider: str, attn_implementation:
     return not why
 
 
+def module_inputs(mb: Batch, packing: bool, share: bool) -> tuple[tuple, dict]:
+    """TokenLogprobs' (tokens, attention_mask, loss_mask) and keyword inputs for a micro-batch: packed
+    (one row, no padding computed), shared-prompt (each distinct prompt computed once, when rows share
+    one), or right-padded rows. The policy and the reference lay their micro-batches out alike."""
+    if packing:
+        p = mb.packed()
+        return (p.tokens, None, p.loss_mask), dict(position_ids=p.position_ids)
+    if share:
+        s = mb.shared()
+        if s is not None and len(s.prompts) < len(mb):
+            return (None, None, None), dict(shared=s._asdict())
+    return (mb.tokens, mb.attention_mask(), mb.loss_mask), {}
+
+
 class Trainer:
     def __init__(self, cfg: Config, model_path: str, *, device: torch.device, dtype: torch.dtype,
                  attn_implementation: str):
@@ -359,14 +373,8 @@ class Trainer:
     def _forward(self, mb: Batch, temperature: float, loss: dict | None = None):
         """Log-probs (and the loss) of mb's masked tokens, in the order of `mb.loss_mask`'s True
         entries whether packed or padded."""
-        if self.packing:  # one row, no padding computed
-            p = mb.packed()
-            return self.engine(p.tokens, None, p.loss_mask, temperature, loss, position_ids=p.position_ids)
-        if self.share_prompt:  # each distinct prompt computed once, when rows share one
-            s = mb.shared()
-            if s is not None and len(s.prompts) < len(mb):
-                return self.engine(None, None, None, temperature, loss, shared=s._asdict())
-        return self.engine(mb.tokens, mb.attention_mask(), mb.loss_mask, temperature, loss)
+        args, kw = module_inputs(mb, self.packing, self.share_prompt)
+        return self.engine(*args, temperature, loss, **kw)
 
     def _plan(self, rows: Batch | None) -> list[torch.Tensor | None]:
         return plan_micro_batches(rows, self.cfg.train.max_tokens_per_micro_batch, self.packing, self.share_prompt)

@@ -37,7 +37,7 @@ def rows() -> Batch:
 def trainer(packing: bool) -> Trainer:
     """The real Trainer's log-prob paths, with the module itself standing in for DeepSpeed's engine."""
     t = Trainer.__new__(Trainer)
-    t.cfg, t.device, t.packing = Config(), torch.device("cpu"), packing
+    t.cfg, t.device, t.packing, t.share_prompt = Config(), torch.device("cpu"), packing, False
     t.engine = TokenLogprobs(tiny_model(), "torch", chunk=7, max_len=5)  # odd chunk: spans samples
     return t
 
