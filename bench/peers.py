@@ -36,6 +36,10 @@ What had to change in TRL to run on this CPU (each is set in `trl_run`):
   - vllm_importance_sampling_correction=False: TRL's default recomputes every rollout's log-probs
     with the trainer for a vLLM/trainer mismatch correction that hybridrl leaves off by default
     (algo.tis_cap=0); off, TRL's step is shorter and the comparison harder for hybridrl.
+What is left as TRL ships it: GRPOConfig's gradient_checkpointing=True (TRL's default for GRPO,
+unlike transformers' TrainingArguments): its backward recomputes each layer's forward, about a third
+more training compute; hybridrl's model.gradient_checkpointing is off by default. The table's header
+says which was used; --peer-grad-ckpt off runs TRL without it.
 Held-out accuracy (the demo only): greedy, on the demo's 256-prompt held-out split, after training.
 Targets (issue 15): hybridrl >= 1.5x TRL's faster mode in steps/s on the demo, >= 2x at 134M and 0.5B.
 """
@@ -192,7 +196,8 @@ def trl_run(args) -> dict:
         weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0, max_steps=steps,
         logging_steps=1, report_to="none", save_strategy="no", seed=0, dataloader_num_workers=0,
         use_vllm=args.mode == "vllm", vllm_mode="colocate", vllm_max_model_length=ctx,
-        vllm_enable_sleep_mode=False, vllm_importance_sampling_correction=False, disable_tqdm=True)
+        vllm_enable_sleep_mode=False, vllm_importance_sampling_correction=False, disable_tqdm=True,
+        gradient_checkpointing=args.peer_grad_ckpt == "on")
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=Dataset.from_list(rows),
                           callbacks=[Clock(), Lengths()])
     acc0 = _heldout_acc(trainer.model, AutoTokenizer.from_pretrained(model), w["tokens"]) \
@@ -249,7 +254,7 @@ def _heldout_acc(model, tok, max_tokens: int) -> float:
 def run_trl(args, mode: str, out: Path) -> dict:
     py = peers_venv()
     cmd = [str(py), __file__, "--part", "trl", "--mode", mode, "--workload", args.workload, "--out", str(out),
-           "--dtype", args.dtype,
+           "--dtype", args.dtype, "--peer-grad-ckpt", args.peer_grad_ckpt,
            *(["--steps", str(args.steps)] if args.steps else []), *sum((["--set", s] for s in args.set), [])]
     env = {**scale._env(), "HYBRIDRL_HOST_HEAP": args.peer_host_heap}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -264,7 +269,8 @@ def report(args, results: dict) -> str:
     best = min(peers.values(), key=lambda r: r["step_s"]) if peers else None
     lines = [f"hybridrl vs TRL {TRL.split('==')[1]} GRPOTrainer, workload {args.workload}: {w['prompts']} prompts x "
              f"{w['n']} samples x {w['tokens']} tokens per step, {args.dtype}, {args.steps or w['steps']} steps, "
-             f"medians after {w['warmup']} warm-up; TRL's host heap: {args.peer_host_heap}",
+             f"medians after {w['warmup']} warm-up; TRL's host heap: {args.peer_host_heap}; TRL's gradient "
+             f"checkpointing: {args.peer_grad_ckpt}",
              shapes.describe_machine(), "",
              f"{'trainer':<26}{'s/step':>9}{'steps/s vs TRL best':>21}{'rollout tok/s':>15}{'held-out':>14}"
              "  phases (s)"]
@@ -290,6 +296,8 @@ def main() -> None:
     ap.add_argument("--peer-host-heap", default="keep", choices=["keep", "default"],
                     help="TRL's process: keep = hybridrl's CPU host-heap setting, as hybridrl runs (the strict "
                     "comparison); default = glibc as a TRL user has it")
+    ap.add_argument("--peer-grad-ckpt", default="on", choices=["on", "off"],
+                    help="TRL's gradient_checkpointing: on = its GRPO default; off = no recomputation, as hybridrl runs")
     ap.add_argument("--steps", type=int, default=0, help="steps per trainer (default: the workload's)")
     ap.add_argument("--only", default="hybridrl,trl-generate,trl-vllm", help="which trainers, comma-separated")
     ap.add_argument("--set", action="append", default=[], help="hybridrl config override (the workload's model "

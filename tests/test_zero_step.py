@@ -12,7 +12,11 @@ from hybridrl.trainer import ds_config
 
 def engine(dtype: torch.dtype, fused: bool):
     import deepspeed
+    from deepspeed.utils import groups
 
+    # DeepSpeed caches its clone of the world group; an earlier test's engines (vLLM's teardown in
+    # test_vllm_compat) can leave it unregistered in torch, and initialize would then fail on it
+    groups._release_process_group_references()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 3000)).to(dtype)  # > 1 chunk of grads
     cfg = config.load(None, {"train.lr": 1e-3, "train.grad_clip": 0.5})  # the norm is above 0.5: clipped
@@ -61,7 +65,10 @@ def test_one_pass_norm_matches_deepspeeds_step(world_of_one, dtype):
                                                                      for p in eng.module.parameters()])
     (ds_norm, exact, ds_weights), (our_norm, exact2, our_weights) = steps[False], steps[True]
     assert exact == exact2 and exact > 0.5  # the same gradient, and it is clipped
-    assert abs(our_norm - exact) <= 1e-6 * exact  # float64 sums of float32 dot products
+    # float64 sums of float32 dot products over 1M-element chunks: each dot's float32 accumulation
+    # (its order is the CPU's BLAS's) is off by up to ~1e-5 relative (3.9e-6 seen on an AMD EPYC in
+    # bfloat16, < 1e-6 on an Intel Xeon); DeepSpeed's own norm is checked to 1e-3 below
+    assert abs(our_norm - exact) <= 1e-5 * exact
     assert abs(ds_norm - exact) <= 1e-3 * exact  # DeepSpeed's float32 vector_norm, a little further off
     tol = 1e-6 if dtype == torch.float32 else 1e-2  # the clip factor differs in its last bits; bf16 rounds it
     for a, b in zip(ds_weights, our_weights):
