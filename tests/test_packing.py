@@ -71,24 +71,22 @@ def test_packed_logprobs_equal_padded():
     assert float(padded[batch.loss_mask].abs().min()) > 0  # every completion token was scored
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
-@pytest.mark.parametrize("tis_level", [None, "token", "sequence"])
-def test_packed_loss_and_gradients_equal_padded(agg, tis_level):
-    batch = rows()
-    batch.logp_old = trainer(False).logprobs(batch, 1.0) + 0.05 * batch.loss_mask  # off-policy: ratio 0.95
+def loss_and_grads(t: Trainer, batch: Batch, tis_level: str | None, agg: str):
+    """The trainer's fused loss on `batch` (off-policy: batch.logp_old set; dual clip, entropy bonus, TIS
+    at `tis_level`), backpropagated: (loss, logp, {parameter: gradient})."""
     sel = batch.loss_mask
     seq_ids = torch.arange(len(batch))[:, None].expand_as(sel)[sel]  # [N], as Trainer.step builds it
-    results = {}
-    for packing in (False, True):
-        t = trainer(packing)
-        loss, metrics, logp, entropy = t._forward(batch, 1.0, loss=dict(
-            logp_old=batch.logp_old[sel], advantages=batch.advantages[seq_ids], mask=torch.ones(len(seq_ids)),
-            seq_ids=seq_ids, logp_rollout=batch.logp_rollout[sel] if tis_level else None,
-            eps_low=0.2, eps_high=0.28, dual_clip=3.0, tis_cap=2.0 if tis_level else None,
-            tis_level=tis_level or "token", entropy_coef=0.01, agg=agg, normalizer=7.0))
-        loss.backward()
-        results[packing] = loss.detach(), logp, {n: p.grad.clone() for n, p in t.engine.named_parameters()}
-    (ref_loss, ref_logp, ref_grads), (loss, logp, grads) = results[False], results[True]
+    loss, metrics, logp, entropy = t._forward(batch, 1.0, loss=dict(
+        logp_old=batch.logp_old[sel], advantages=batch.advantages[seq_ids], mask=torch.ones(len(seq_ids)),
+        seq_ids=seq_ids, logp_rollout=batch.logp_rollout[sel] if tis_level else None,
+        eps_low=0.2, eps_high=0.28, dual_clip=3.0, tis_cap=2.0 if tis_level else None,
+        tis_level=tis_level or "token", entropy_coef=0.01, agg=agg, normalizer=7.0))
+    loss.backward()
+    return loss.detach(), logp, {n: p.grad.clone() for n, p in t.engine.named_parameters()}
+
+
+def assert_same_loss_and_grads(ref, got) -> None:
+    (ref_loss, ref_logp, ref_grads), (loss, logp, grads) = ref, got
     assert float(ref_loss) != 0.0
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-5)
@@ -96,3 +94,11 @@ def test_packed_loss_and_gradients_equal_padded(agg, tis_level):
     for name, g in ref_grads.items():
         assert float(g.abs().max()) > 0, name
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"])
+@pytest.mark.parametrize("tis_level", [None, "token", "sequence"])
+def test_packed_loss_and_gradients_equal_padded(agg, tis_level):
+    batch = rows()
+    batch.logp_old = trainer(False).logprobs(batch, 1.0) + 0.05 * batch.loss_mask  # off-policy: ratio 0.95
+    assert_same_loss_and_grads(*(loss_and_grads(trainer(packing), batch, tis_level, agg) for packing in (False, True)))

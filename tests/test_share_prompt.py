@@ -13,7 +13,7 @@ import torch
 from hybridrl.batch import Batch, shared_micro_batches
 from hybridrl.config import Config
 from hybridrl.trainer import Trainer, TokenLogprobs
-from test_packing import V, tiny_model
+from test_packing import V, assert_same_loss_and_grads, loss_and_grads, tiny_model
 
 
 def rows() -> Batch:
@@ -85,23 +85,5 @@ def test_shared_layout_is_checked_by_the_logprobs():
 def test_shared_loss_and_gradients_equal_padded(attn, tis_level):
     batch = rows()
     batch.logp_old = trainer(False, attn).logprobs(batch, 1.0) + 0.05 * batch.loss_mask
-    sel = batch.loss_mask
-    seq_ids = torch.arange(len(batch))[:, None].expand_as(sel)[sel]
-    results = {}
-    for share in (False, True):
-        t = trainer(share, attn)
-        loss, metrics, logp, entropy = t._forward(batch, 1.0, loss=dict(
-            logp_old=batch.logp_old[sel], advantages=batch.advantages[seq_ids], mask=torch.ones(len(seq_ids)),
-            seq_ids=seq_ids, logp_rollout=batch.logp_rollout[sel] if tis_level else None,
-            eps_low=0.2, eps_high=0.28, dual_clip=3.0, tis_cap=2.0 if tis_level else None,
-            tis_level=tis_level or "token", entropy_coef=0.01, agg="token_mean", normalizer=7.0))
-        loss.backward()
-        results[share] = loss.detach(), logp, {n: p.grad.clone() for n, p in t.engine.named_parameters()}
-    (ref_loss, ref_logp, ref_grads), (loss, logp, grads) = results[False], results[True]
-    assert float(ref_loss) != 0.0
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(logp, ref_logp, rtol=0, atol=1e-5)
-    assert len(grads) == len(ref_grads)
-    for name, g in ref_grads.items():
-        assert float(g.abs().max()) > 0, name
-        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_loss_and_grads(*(loss_and_grads(trainer(share, attn), batch, tis_level, "token_mean")
+                                 for share in (False, True)))
