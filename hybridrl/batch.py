@@ -104,10 +104,11 @@ class Batch:
         """[B] the tokens before each row's first loss token (0 for a row without one)."""
         return torch.where(self.loss_mask.any(1), self.loss_mask.int().argmax(1), 0)
 
-    def prompt_groups(self) -> list[list[int]] | None:
+    def prompt_groups(self, lens: torch.Tensor | None = None) -> list[list[int]] | None:
         """Rows grouped by identical prompt (the tokens before the first loss token), groups in order
-        of first appearance; None if a row has no prompt or no loss token."""
-        lens = self.prompt_lengths()
+        of first appearance; None if a row has no prompt or no loss token. `lens`: prompt_lengths(),
+        if the caller has it."""
+        lens = self.prompt_lengths() if lens is None else lens
         if not bool((lens > 0).all()):
             return None
         groups: dict[tuple, list[int]] = {}
@@ -119,10 +120,10 @@ class Batch:
         """The shared-prompt layout (see Shared); None if a row has no prompt or no loss token. The
         loss tokens come out in the same order as the padded layout's (row-major), so per-token
         inputs built from `loss_mask` line up with either layout."""
-        groups = self.prompt_groups()
+        lens, dev = self.prompt_lengths(), self.tokens.device
+        groups = self.prompt_groups(lens)
         if groups is None:
             return None
-        lens, dev = self.prompt_lengths(), self.tokens.device
         first = torch.tensor([g[0] for g in groups], device=dev)
         group = torch.empty(len(self), dtype=torch.long, device=dev)
         for g, rows in enumerate(groups):
@@ -132,7 +133,7 @@ class Batch:
         C = int(clen.max())
         P_idx, C_idx = torch.arange(P, device=dev), torch.arange(C, device=dev)
         prompt_mask = P_idx[None] < plen[:, None]  # [G, P]
-        prompts = torch.where(prompt_mask, self.tokens[first, :P] if self.tokens.shape[1] >= P else 0, 0)
+        prompts = torch.where(prompt_mask, self.tokens[first, :P], 0)  # P < T: every row has a loss token
         src = (lens[:, None] + C_idx[None]).clamp(max=self.tokens.shape[1] - 1)  # [B, C] positions in the row
         comp_mask = C_idx[None] < clen[:, None]  # [B, C]
         completions = torch.where(comp_mask, self.tokens.gather(1, src), 0)
@@ -167,9 +168,9 @@ def shared_micro_batches(batch: Batch, max_tokens: int) -> list[torch.Tensor]:
     """Micro-batches that keep a prompt's rows together, so the prompt is computed once for all of
     them: rows in group order while (prompts x longest prompt) + (rows x longest completion) fits
     `max_tokens`; a group that does not fit is cut, and the next micro-batch computes its prompt again."""
-    groups = batch.prompt_groups() or [[b] for b in range(len(batch))]
-    plen = batch.prompt_lengths().tolist()
-    comp = (batch.lengths - batch.prompt_lengths()).tolist()
+    lens = batch.prompt_lengths()
+    groups = batch.prompt_groups(lens) or [[b] for b in range(len(batch))]
+    plen, comp = lens.tolist(), (batch.lengths - lens).tolist()
     out, current, n_groups, P, C = [], [], 0, 0, 0
     for rows in groups:
         for k, b in enumerate(rows):

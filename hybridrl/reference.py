@@ -84,8 +84,10 @@ class Reference:
         """Reference log-probs of every completion token at the sampling temperature: [B, T]."""
         budget = self.cfg.train.max_tokens_per_micro_batch
         # sharded: every rank runs as many forwards as the busiest (each gathers collectively)
-        groups = plan_micro_batches(batch, budget, shared=self.share) if self.sharded else \
-            (shared_micro_batches(batch, budget) if self.share else micro_batches(batch.lengths, budget))
+        if self.sharded:
+            groups = plan_micro_batches(batch, budget, shared=self.share)
+        else:
+            groups = shared_micro_batches(batch, budget) if self.share else micro_batches(batch.lengths, budget)
 
         def forward(mb):
             args, kw = module_inputs(mb, False, self.share)

@@ -307,12 +307,14 @@ def share_prompt(cfg: Config, hf: nn.Module, provider: str, attn_implementation:
     except Exception:  # a config transformers' cache cannot read: not a standard decoder
         plain = False
     why = [reason for reason, bad in (
-        (f"kernels={provider}", provider == "liger"), (f"attention {attn_implementation}", attn_implementation not in
-                                                       ("sdpa", "eager")),
-        ("packing", packing), ("gradient checkpointing", cfg.model.gradient_checkpointing),
+        (f"kernels={provider}", provider == "liger"),
+        (f"attention {attn_implementation}", attn_implementation not in ("sdpa", "eager")),
+        ("packing", packing),
+        ("gradient checkpointing", cfg.model.gradient_checkpointing),
         (f"{type(hf).__name__} (not transformers' own, or a sliding-window cache)",
          not plain or not type(hf).__module__.startswith("transformers.")),
-        ("ZeRO-3 (auto)", want == "auto" and cfg.train.zero_stage == 3)) if bad]
+        ("ZeRO-3 (auto)", want == "auto" and cfg.train.zero_stage == 3),
+    ) if bad]
     if why and want == "on":
         log.info("train.share_prompt: not with %s; every row computes its own prompt", ", ".join(why))
     return not why
