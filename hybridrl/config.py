@@ -189,6 +189,12 @@ class AlgoConfig:
         "it is 0) or mask (IcePop: the weight is 0 for tokens/sequences whose ratio leaves "
         "[algo.is_mask_low, algo.is_mask_high]).")
     tis_cap: float = knob(0.0, "Truncated importance-sampling cap against vLLM log-probs (0 = off).")
+    old_logprobs: Literal["auto", "trainer", "rollout"] = knob(
+        "auto", "Where pi_old comes from when a rollout feeds several updates (train.epochs x train.minibatches > 1) "
+        "or the KL sits in the reward: trainer = one more trainer forward over the batch before the first update; "
+        "rollout = vLLM's log-probs of the sampled tokens, free (verl's bypass mode). auto = rollout in float32, "
+        "where the two agree to ~1e-6 (the probe checks it), unless importance correction or the KL in the reward "
+        "needs the trainer's; trainer otherwise.")
     tis_level: Literal["token", "sequence", "geometric"] = knob(
         "token", "IS weight (tis or mask) per token, per sequence (exp of the summed log-ratio, shared by its "
         "tokens), or geometric (exp of the mean log-ratio: length-normalised).")
@@ -470,6 +476,9 @@ def validate(cfg: Config, lengths: bool = True) -> None:
          f"{cfg.algo.is_mask_high})"),
         (cfg.algo.tis_cap == 0 or cfg.algo.is_correction == "tis",
          "algo.tis_cap truncates the weight, algo.is_correction=mask masks it: set algo.tis_cap 0 with mask"),
+        (cfg.algo.old_logprobs != "rollout" or not (cfg.algo.tis_cap or cfg.algo.is_correction == "mask"),
+         "algo.old_logprobs=rollout makes the importance weight pi_old / pi_vllm 1: use algo.old_logprobs trainer "
+         "(or auto) with TIS or masked IS"),
         (r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
         (cfg.ckpt.every >= 0 and cfg.ckpt.keep >= 1, "ckpt.every must be >= 0 and ckpt.keep >= 1"),
         (cfg.algo.kl_coef >= 0, "algo.kl_coef must be >= 0 (0 = no reference model)"),

