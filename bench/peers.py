@@ -97,7 +97,8 @@ def hybridrl_sets(args, out: Path) -> list[str]:
     w = WORKLOADS[args.workload]
     steps = args.steps or w["steps"]
     if args.workload == "demo":
-        return [f"train.steps={steps}", "log.eval_every=0", "log.progress=false", "ckpt.every=0",
+        return [f"train.steps={steps}", f"train.prompts_per_step={w['prompts']}", f"rollout.n={w['n']}",
+                "train.minibatches=1", "log.eval_every=0", "log.progress=false", "ckpt.every=0",
                 f"ckpt.dir={out}/ckpt", "train.max_minutes=0", f"model.dtype={args.dtype}", *args.set]
     ns = argparse.Namespace(shape=args.workload, prompts=w["prompts"], n=w["n"], tokens=w["tokens"], steps=steps,
                             prompt_len=64, set=[f"model.dtype={args.dtype}", *args.set])

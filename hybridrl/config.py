@@ -87,17 +87,18 @@ class RolloutConfig:
 
 @dataclass
 class TrainConfig:
-    # The demo recipe, chosen by measurement on the 2-core CPU machine (bench/demo_curve.py; single seeds,
-    # held-out accuracy after 2.5 min from 21.9%): lr 3e-5 -> 54%, 5e-5 -> 64%, 7e-5 -> 56%,
-    # 1e-4 with 50 warm-up steps -> 50%, and 1e-4 without warm-up falls below the start (Adam's first
-    # sign-like steps on a noisy gradient wreck a barely trained model). At lr 3e-5, 16 prompts/step beat 64
-    # (54% vs 30%): at this size a step costs mostly fixed overhead, so more, smaller steps learn faster.
-    steps: int = knob(1200, "Number of RL steps (rollout + update). The demo takes ~4 min on 2 CPU cores. Other "
+    # The demo recipe, chosen by measurement on the 2-core CPU machine (bench/demo_curve.py, held-out accuracy
+    # from 21.9%). lr: 3e-5 -> 54%, 5e-5 -> 64%, 7e-5 -> 56% after 2.5 min (single seeds); 1e-4 with 50 warm-up
+    # steps -> 50%, without warm-up it falls below the start (Adam's first sign-like steps on a noisy gradient
+    # wreck a barely trained model). Batch: time to 75% (10 s evaluations, 2026-11-25): 16 prompts, one update
+    # per rollout: 140 s (3 seeds); 32 prompts in two minibatches of 16: 101 s (2 seeds); 32 in four: 122 s;
+    # 32 in two, two epochs: 150 s; 8 or 16 prompts in one update learn less per second than either.
+    steps: int = knob(600, "Number of RL steps (rollout + update). The demo takes ~2.5 min on 2 CPU cores. Other "
                       "models: from train.data_epochs unless set.")
     data_epochs: float = knob(0.0, "Passes over the training prompts: train.steps = ceil(data_epochs x prompts / "
                               "prompts_per_step) (0 = use train.steps; other models' recipe: 1, one pass).")
     max_minutes: float = knob(8.0, "Stop after this much wall time after engine start (0 = no limit; other models: 0).")
-    prompts_per_step: int = knob(16, "Prompts per step across all ranks (each yields rollout.n samples; other "
+    prompts_per_step: int = knob(32, "Prompts per step across all ranks (each yields rollout.n samples; other "
                                  "models: 64).")
     lr: float = knob(5e-5, "AdamW learning rate (demo recipe; other models: 1e-6, the range of GRPO on 0.5B-7B).")
     weight_decay: float = knob(0.0, "AdamW weight decay.")
@@ -111,7 +112,8 @@ class TrainConfig:
     grad_clip: float = knob(1.0, "Gradient-norm clip (0 = off).")
     zero_stage: int = knob(2, "DeepSpeed ZeRO stage (2 or 3).")
     epochs: int = knob(1, "Passes over each rollout batch (PPO epochs).")
-    minibatches: int = knob(1, "Optimizer steps per epoch; > 1 makes later steps off-policy (ratio != 1).")
+    minibatches: int = knob(2, "Optimizer steps per epoch; > 1 makes later steps off-policy (ratio != 1). Demo "
+                            "recipe: 2; other models: 1.")
     max_tokens_per_micro_batch: int = knob(8192, "Token budget of one forward/backward; micro-batches accumulate.")
     packing: Literal["auto", "on", "off"] = knob(
         "auto", "Lay each micro-batch's samples end to end in one row (position ids restart per sample) instead of "

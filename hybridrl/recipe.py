@@ -1,7 +1,8 @@
 """Recipes: the defaults a run gets for the settings it does not set.
 
 The config's defaults are the demo's recipe, tuned on the 0.86M demo model (4-token completions,
-lr 5e-5, an 8-minute cap, a 64-token context, a 64 MiB CPU KV cache, evaluation every 100 steps).
+lr 5e-5, 32 prompts a step in two updates, an 8-minute cap, a 64-token context, a 64 MiB CPU KV
+cache, evaluation every 100 steps).
 Any other model gets the real-model recipe below instead, taken from what the peers ship for
 GRPO on chat and math tasks (OpenRLHF: 1024 completion tokens; verl: 512 prompt tokens; lr 1e-6
 for 0.5B-7B models; no wall-time cap), with the context derived from the lengths and checked
@@ -25,6 +26,7 @@ REAL = {  # the real-model recipe: key -> value where the demo's default would b
     "train.lr": 1e-6,
     "train.max_minutes": 0.0,  # no cap: a real run ends after its steps / epochs
     "train.prompts_per_step": 64,  # x rollout.n (8) = 512 sequences per step
+    "train.minibatches": 1,  # one update per rollout: on-policy, and no pi_old pass in 16-bit
     "train.data_epochs": 1.0,  # one pass over the prompts (sets train.steps once the data is read)
     "log.eval_every": 50,
 }

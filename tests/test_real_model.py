@@ -38,6 +38,7 @@ def test_real_model_gets_the_real_recipe(tiny):
     r, t, d = cfg.rollout, cfg.train, cfg.data
     assert (r.max_new_tokens, d.max_prompt_len, r.max_model_len) == (1024, 512, 1536)
     assert (t.lr, t.max_minutes, t.prompts_per_step, r.n, t.data_epochs, cfg.log.eval_every) == (1e-6, 0, 64, 8, 1, 50)
+    assert t.minibatches == 1
     # 64 prompts x 8 samples x 12 blocks of 128 tokens, plus vLLM's own block, x 512 B = 384.06 -> 385 MiB,
     # under half of 8 GiB
     assert r.kv_cache_mb == 385
@@ -67,7 +68,8 @@ def test_yaml_and_flags_win_over_the_recipe(tiny, tmp_path):
     # the demo keeps its recipe (the config's defaults)
     demo = recipe.resolve(C.load(), models.inspect("demo"), on_cpu=True)
     r, t = demo.rollout, demo.train
-    assert (r.max_new_tokens, t.lr, t.max_minutes, r.kv_cache_mb, t.steps) == (4, 5e-5, 8, 0, 1200)
+    assert (r.max_new_tokens, t.lr, t.max_minutes, r.kv_cache_mb, t.steps) == (4, 5e-5, 8, 0, 600)
+    assert (t.prompts_per_step, t.minibatches) == (32, 2)
     assert "the demo's" in recipe.describe(demo, models.inspect("demo"), on_cpu=True)[0]
 
 
