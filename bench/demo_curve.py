@@ -2,6 +2,7 @@
 
     python bench/demo_curve.py                    # 3 seeds x 2.5 minutes, the default recipe
     python bench/demo_curve.py --seeds 0 --minutes 2 --set train.lr=3e-5
+    python bench/demo_curve.py --reuse --out runs/demo_curve   # the table again, from the runs made
 
 Each seed is a full `hybridrl train` run (its own process, engines started fresh) with a wall
 budget of --minutes counted from engine start, evaluating the fixed 256-prompt held-out split
@@ -26,7 +27,8 @@ def run_seed(seed: int, args) -> dict:
            "--train.max_minutes", str(args.minutes), "--log.eval_every", "0",
            "--log.eval_every_s", str(args.eval_every_s), "--log.run_dir", str(run_dir),
            *sum((["--set", s] for s in args.set), [])]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if not (args.reuse and (run_dir / "metrics.jsonl").exists()):
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     curve, elapsed = [], 0.0
     for r in rows:  # an evaluation follows the step record it belongs to
@@ -46,7 +48,8 @@ def time_to(curve, target: float):
 
 def acc_at(curve, t: float) -> float:
     """Accuracy of the last evaluation at or before time t."""
-    return max((acc for s, acc in curve if s <= t + 1e-9), default=curve[0][1]) if curve else 0.0
+    before = [acc for s, acc in curve if s <= t + 1e-9]
+    return before[-1] if before else (curve[0][1] if curve else 0.0)
 
 
 def main() -> None:
@@ -59,6 +62,8 @@ def main() -> None:
     ap.add_argument("--eval-every-s", type=float, default=10.0)
     ap.add_argument("--set", action="append", default=[], help="config override, e.g. train.lr=3e-5")
     ap.add_argument("--out", default="runs/demo_curve")
+    ap.add_argument("--reuse", action="store_true", help="tabulate the seeds already run under --out instead of "
+                    "running them again")
     args = ap.parse_args()
 
     results = {}
@@ -82,7 +87,7 @@ def main() -> None:
     phases = {k: statistics.mean(results[s]["phases"][k] for s in args.seeds) for k in results[args.seeds[0]]["phases"]}
     total = sum(phases.values())
     print("\nseconds per step by phase (median per seed, mean over seeds): " +
-          ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in phases.items()) + f"; total {total * 1000:.0f} ms")
+          ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in phases.items() if v >= 5e-4) + f"; total {total * 1000:.0f} ms")
     reached = [time_to(results[s]["curve"], 0.75) for s in args.seeds]
     mean75 = f"{statistics.mean(reached):.0f} s" if None not in reached else "not reached by every seed"
     print(f"mean final accuracy {statistics.mean(finals):.1%}; mean time to 75%: {mean75} (target <= 120 s)")
