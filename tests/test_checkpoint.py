@@ -175,7 +175,8 @@ def test_nonfinite_loss_skips_the_update_and_is_counted(tmp_path, monkeypatch):
     """A NaN loss (injected at optimizer step 2 by a test-only variable) leaves the weights as they
     were: vLLM's probe log-probs do not move at that step (probe_delta 0), and training goes on."""
     monkeypatch.setenv("HYBRIDRL_TEST_NAN_AT_STEP", "2")
-    _, records, _ = train_cli(tmp_path / "run", "--steps", "3", "--train.prompts_per_step", "8", "--rollout.n", "4")
+    _, records, _ = train_cli(tmp_path / "run", "--steps", "3", "--train.prompts_per_step", "8", "--rollout.n", "4",
+                              "--train.minibatches", "1")  # one optimizer step per RL step: step 2 is update 2
     s = _steps(records)
     assert [s[i]["nonfinite_steps"] for i in (1, 2, 3)] == [0, 1, 0]
     assert s[2]["probe_delta"] == 0.0 and s[2]["probe_gap"] <= 1e-4  # weights untouched, vLLM still in sync

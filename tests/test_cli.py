@@ -58,7 +58,7 @@ def test_help_at_80_columns_shows_whole_option_names():
     (["--reward", "no_such_module:score"], "error: reward.fn='no_such_module:score': cannot import"),
     (["--model", "./no_such_dir"], "error: model.path ./no_such_dir: no such directory"),
     (["--log.progress", "maybe"], "error: --log.progress maybe: a boolean takes true or false"),
-    (["--nproc", "3"], "error: train.prompts_per_step=16 must be divisible by the 3 ranks"),
+    (["--nproc", "3"], "error: train.prompts_per_step=32 must be divisible by the 3 ranks"),
 ])
 def test_bad_input_fails_fast_in_one_line(args, message):
     t0 = time.perf_counter()

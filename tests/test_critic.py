@@ -16,7 +16,8 @@ def test_two_rank_ppo_with_critic_completes_three_steps(tmp_path):
     # a small token budget gives several, unequal micro-batch counts per rank: the critic's ZeRO-3
     # gathers must line up like the policy's
     _, steps, summary = train_cli(tmp_path / "run", "--nproc", "2", "--train.zero_stage", "3",
-                                  "--algo.advantage", "gae", "--train.max_tokens_per_micro_batch", "40")
+                                  "--algo.advantage", "gae", "--train.max_tokens_per_micro_batch", "40",
+                                  "--train.minibatches", "1")  # step 1's values: the untrained head's
     assert [s["step"] for s in steps] == [1, 2, 3]
     for s in steps:
         assert math.isfinite(s["value_loss"]) and s["value_loss"] >= 0.0
@@ -37,8 +38,9 @@ KEYS = ("loss", "reward", "grad_norm", "entropy_mean", "rollout_tokens", "value_
 @pytest.mark.cpu_only("bit-identical resumes rest on deterministic CPU kernels")
 @pytest.mark.parametrize("nproc,zero", [(1, 2), pytest.param(2, 2, marks=pytest.mark.slow), (2, 3)])
 def test_resume_with_critic_and_reference_is_exact(tmp_path, nproc, zero):
+    # one update per rollout: step 1's KL is exactly 0 (with two minibatches the second's policy has moved)
     runs = _resume_pair(tmp_path, "--algo.advantage", "gae", "--algo.kl_coef", "0.05", "--nproc", str(nproc),
-                        "--train.zero_stage", str(zero))
+                        "--train.zero_stage", str(zero), "--train.minibatches", "1")
     a, b = runs["a"], runs["b2"]
     assert sorted(b) == list(range(1, N + 1))
     for s in range(1, N + 1):

@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent('''
     import torch
     from hybridrl import env
     env.setup()
-    from hybridrl import launch
+    from hybridrl import engine_cycle, launch
     from hybridrl.batch import Batch
     from hybridrl.config import Config, apply
     from hybridrl.critic import Critic
@@ -42,15 +42,7 @@ SCRIPT = textwrap.dedent('''
                             [s.logprobs for s in samples], adv)
     trainer = Trainer(cfg, path, device=world.device, dtype=torch.float32, attn_implementation="sdpa")
     out = {}
-    # pi_old from vLLM (algo.old_logprobs auto, float32): the trainer's own within 1e-4, and the step's vLLM gap is
-    # measured before its first update only (the second minibatch's policy has moved; that is not drift)
-    old = trainer.old_logprobs(batch)
-    out["old_is_rollout"] = bool(torch.equal(old, batch.logp_rollout))
-    out["old_vs_trainer"] = float((old - trainer.logprobs(batch, 1.0))[batch.loss_mask].abs().max())
-    batch.logp_old = old
-    m = trainer.step(batch)
-    out["rollout_old"] = {"gap_max": m["logp_gap_max"], "ratio_max": m["ratio_max"]}
-    # masked IS next, while the trainer still holds the weights vLLM sampled with (one update of drift: ratios ~1 but for the shift)
+    # masked IS first, while the trainer still holds the weights vLLM sampled with (ratios ~1 but for the shift)
     losses = {"ppo+mask": {"algo.is_correction": "mask"}, "ppo": {}, "gspo": {"algo.policy_loss": "gspo"},
               "gspo_token": {"algo.policy_loss": "gspo_token"}, "cispo": {"algo.policy_loss": "cispo"}}
     for name, over in losses.items():
@@ -76,6 +68,19 @@ SCRIPT = textwrap.dedent('''
     one.values = critic.values(one)
     one.returns = torch.where(one.loss_mask, 1.0, 0.0)
     out["critic_one_row"] = critic.step(one)["value_loss"]
+    # pi_old from vLLM (algo.old_logprobs auto, float32), on a batch sampled with the trained weights handed over:
+    # the trainer's own within 1e-4, and the step's vLLM gap is measured before its first update only (the
+    # second minibatch's policy has moved; that is not drift)
+    engine_cycle.hand_off(trainer, rollout, cfg=cfg, cuda=False)
+    gen = rollout.generate(prompts, 4, temperature=1.0, top_p=1.0, max_tokens=4)
+    fresh = sorted((s for done in gen for s in done), key=lambda s: (s.prompt_idx, s.sample_idx))
+    b = Batch.from_rows([prompts[s.prompt_idx] for s in fresh], [s.token_ids for s in fresh],
+                        [s.logprobs for s in fresh], adv[:len(fresh)])
+    b.logp_old = trainer.old_logprobs(b)
+    out["old_is_rollout"] = bool(torch.equal(b.logp_old, b.logp_rollout))
+    out["old_vs_trainer"] = float((b.logp_old - trainer.logprobs(b, 1.0))[b.loss_mask].abs().max())
+    m = trainer.step(b)
+    out["rollout_old"] = {"gap_max": m["logp_gap_max"], "ratio_max": m["ratio_max"]}
     print("RESULT", json.dumps(out))
 ''')
 
