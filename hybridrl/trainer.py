@@ -443,6 +443,7 @@ class Trainer:
         ratios, rollout_ratios = [], []  # per token: pi/pi_old, and trainer/vLLM (~1 when the engines agree)
         is_ratios = []  # per token: the importance ratio TIS caps (or IS masks), pi_old/pi_vllm at algo.tis_level
         grad_norms: list[float] = []  # one per update
+        gap_sum, gap_n, gap_max = 0.0, 0.0, 0.0  # |trainer - vLLM| on the sampled tokens, before the first update
         if self.peft is not None:
             lora.set_dropout(self.hf, True)  # the adapter's dropout, while updating only
         for m, norm, scale in minibatch_updates(self.engine, batch, t, self._plan, self._normalizer, self.device,
@@ -466,11 +467,9 @@ class Trainer:
             ratios.append((logp - old).clamp(-20, 20).exp())
             if not grad_norms:  # no update yet: the trainer holds the weights vLLM sampled with, so the gap is
                 diff = logp - m.logp_rollout[sel]  # [N] the hand-off's alone (later minibatches' add the update's)
-                gap = diff.abs()
                 rollout_ratios.append(diff.clamp(-20, 20).exp())
-                sums["_gw"] = sums.get("_gw", 0.0) + w
-                sums["logp_gap_mean"] = sums.get("logp_gap_mean", 0.0) + float(gap.sum())
-                sums["logp_gap_max"] = max(sums.get("logp_gap_max", 0.0), float(gap.max()) if w else 0.0)
+                gap_sum, gap_n = gap_sum + float(diff.abs().sum()), gap_n + w
+                gap_max = max(gap_max, float(diff.abs().max()) if w else 0.0)
             is_ratios.append(importance_ratio(old, m.logp_rollout[sel], seq_ids, a.tis_level))  # [N]
             sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())  # micro losses sum to the minibatch's
             for k, v in metrics.items():
@@ -481,12 +480,10 @@ class Trainer:
         if self.peft is not None:
             lora.set_dropout(self.hf, False)
         w = max(sums.pop("_w", 0.0), 1.0)
-        sums["logp_gap_mean"] = sums.get("logp_gap_mean", 0.0) / max(sums.pop("_gw", 0.0), 1.0)
         per_update = ("grad_norm", "loss")
-        out = {k: v / w for k, v in sums.items() if k not in (*per_update, "logp_gap_max", "logp_gap_mean")}
-        out["logp_gap_mean"] = sums["logp_gap_mean"]
+        out = {k: v / w for k, v in sums.items() if k not in per_update}
         out.update({k: sums.get(k, 0.0) / max(n_updates, 1) for k in per_update})
-        out["logp_gap_max"] = sums.get("logp_gap_max", 0.0)
+        out.update(logp_gap_mean=gap_sum / max(gap_n, 1.0), logp_gap_max=gap_max)
         out["lr"] = lr
         out.update(distribution_metrics(ratio=torch.cat(ratios) if ratios else [],
                                         rollout_ratio=torch.cat(rollout_ratios) if rollout_ratios else []))
