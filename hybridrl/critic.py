@@ -118,7 +118,7 @@ class Critic:
             raise UserError(f"{path} holds no critic (it was saved without algo.advantage=gae); resume it with "
                             "the run's own algo.advantage, or start a new run")
         self.reload()
-        load_engine_checkpoint(self.engine, path, TAG, self.device)
+        load_engine_checkpoint(self.engine, path, TAG)
         self.offload()
 
     # --- memory ------------------------------------------------------------------------------

@@ -217,6 +217,7 @@ def minibatch_updates(engine, batch: Batch, t, plan, normalizer, device, grad_no
             for idx in plan(mini):
                 m = batch.select(torch.tensor([0])) if idx is None else mini.select(idx)
                 yield m.to(device), norm, 0.0 if idx is None else float(world)
+            fresh_cpu_adam_powers(engine)
             engine.step()
             grad_norm = engine.get_global_grad_norm()
             grad_norms.append(float(grad_norm) if grad_norm is not None else 0.0)
@@ -239,34 +240,34 @@ def reload_engine_states(engine) -> None:
         engine.reload_states(non_blocking=False)
 
 
-def load_engine_checkpoint(engine, path: str, tag: str, device: torch.device, strict: bool = True) -> None:
-    """Params, optimizer and LR schedule of a DeepSpeed engine as saved (any ZeRO stage); on CPU
-    with the Adam step product rebuilt (below). The policy and the critic both load this way.
+def load_engine_checkpoint(engine, path: str, tag: str, strict: bool = True) -> None:
+    """Params, optimizer and LR schedule of a DeepSpeed engine as saved (any ZeRO stage). The policy
+    and the critic both load this way (their CPU Adam steps resume exactly: fresh_cpu_adam_powers).
     `strict=False`: the checkpoint holds the trainable parameters only (LoRA: the adapter; the
     frozen base comes from model.path)."""
     _, client = engine.load_checkpoint(path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True,
                                        load_module_strict=strict)
     if client is None:
         raise RuntimeError(f"DeepSpeed found no checkpoint '{tag}' in {path}")
-    if device.type == "cpu":
-        replay_cpu_adam_steps(engine)
 
 
-def replay_cpu_adam_steps(engine) -> None:
-    """DeepSpeed's CPU FusedAdam keeps beta^t as a running float product inside its C++ op
-    (IncrementStep in csrc/includes/cpu_adam.h), outside any state_dict. A fresh process
-    computes pow(beta, t) instead, which differs in the last bit and so would every update
-    after a resume. Replaying steps 1..t on a one-element dummy rebuilds the same product.
-    (The critic's engine needs it too.)"""
-    opt = engine.optimizer.optimizer  # ZeRO's wrapper -> DeepSpeed's FusedAdam
+def fresh_cpu_adam_powers(engine) -> None:
+    """DeepSpeed's CPU FusedAdam keeps beta^t inside its C++ op (IncrementStep in
+    csrc/includes/cpu_adam.h), outside any state_dict, in one object per process that every engine
+    here shares (the policy and the critic). It advances it as a running product while the step
+    grows by one and recomputes pow(beta, t) otherwise, so its bits depend on the order in which
+    the engines stepped since the process started: a resumed process, or a critic interleaving two
+    minibatch steps with the policy's, would not reproduce them. A step on a one-element dummy with
+    other betas just before each real step makes the op take pow(beta, t) afresh: every update
+    then depends on its step number alone, the same after a resume. (One scalar update; no-op
+    where the optimizer is not this op.)"""
+    opt = getattr(engine.optimizer, "optimizer", None)  # ZeRO's wrapper -> DeepSpeed's FusedAdam
     if not hasattr(opt, "multi_tensor_adam"):
         return
-    steps = [int(s["step"]) for s in opt.state.values() if "step" in s]
     group = opt.param_groups[0]
     dummy = [[torch.zeros(1)] for _ in range(4)]  # grad, param, exp_avg, exp_avg_sq
-    for t in range(1, max(steps, default=0) + 1):
-        opt.multi_tensor_adam(1, opt._dummy_overflow_buf, dummy, group["lr"], *group["betas"], group["eps"], t,
-                              opt.adam_w_mode, 1, group["weight_decay"])  # 1: chunk size, unused on CPU
+    opt.multi_tensor_adam(1, opt._dummy_overflow_buf, dummy, group["lr"], -1.0, -1.0, group["eps"], 1,
+                          opt.adam_w_mode, 1, group["weight_decay"])  # betas -1: never a real run's; 1: chunk, unused
 
 
 def from_pretrained(auto_cls, path: str, conf: dict, **kw) -> nn.Module:
@@ -500,7 +501,7 @@ class Trainer:
     # --- checkpoints ----------------------------------------------------------------------------
     def load_checkpoint(self, path: str, tag: str) -> None:
         """Params, optimizer and LR schedule as DeepSpeed saved them (any ZeRO stage)."""
-        load_engine_checkpoint(self.engine, path, tag, self.device, strict=self.peft is None)
+        load_engine_checkpoint(self.engine, path, tag, strict=self.peft is None)
 
     # --- hand-off and memory ------------------------------------------------------------------
     def named_parameters_for_sync(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
