@@ -256,7 +256,8 @@ def run_trl(args, mode: str, out: Path) -> dict:
     py = peers_venv()
     cmd = [str(py), __file__, "--part", "trl", "--mode", mode, "--workload", args.workload, "--out", str(out),
            "--dtype", args.dtype, "--peer-grad-ckpt", args.peer_grad_ckpt,
-           *(["--steps", str(args.steps)] if args.steps else []), *sum((["--set", s] for s in args.set), [])]
+           *(["--steps", str(args.steps)] if args.steps else []),
+           *(["--prompts", str(args.prompts)] if args.prompts else []), *sum((["--set", s] for s in args.set), [])]
     env = {**scale._env(), "HYBRIDRL_HOST_HEAP": args.peer_host_heap}
     res = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if res.returncode:
@@ -300,6 +301,7 @@ def main() -> None:
     ap.add_argument("--peer-grad-ckpt", default="on", choices=["on", "off"],
                     help="TRL's gradient_checkpointing: on = its GRPO default; off = no recomputation, as hybridrl runs")
     ap.add_argument("--steps", type=int, default=0, help="steps per trainer (default: the workload's)")
+    ap.add_argument("--prompts", type=int, default=0, help="prompts per step (default: the workload's)")
     ap.add_argument("--only", default="hybridrl,trl-generate,trl-vllm", help="which trainers, comma-separated")
     ap.add_argument("--set", action="append", default=[], help="hybridrl config override (the workload's model "
                     "and lengths apply to TRL too)")
@@ -307,6 +309,8 @@ def main() -> None:
     ap.add_argument("--part", choices=["trl"], help=argparse.SUPPRESS)
     ap.add_argument("--mode", choices=["generate", "vllm"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.prompts:
+        WORKLOADS[args.workload] = dict(WORKLOADS[args.workload], prompts=args.prompts)
     from hybridrl import env
     env.setup()
     if args.part:
