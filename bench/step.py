@@ -76,7 +76,7 @@ def loop_run(args) -> dict:
     shutil.rmtree(run_dir, ignore_errors=True)
     steps = [r for r in rows if "reward" in r][3:]  # skip warm-up steps
     phases = sorted({k for r in steps for k in r if k.startswith("time/")})
-    med = {k[5:]: statistics.median(r[k] for r in steps) for k in phases}
+    med = {k[5:]: statistics.median(r.get(k, 0.0) for r in steps) for k in phases}  # probe: every 20 steps
     return {"phases": med, "tok_s": statistics.median(r["rollout_tok_s"] for r in steps),
             "train_tok_s": statistics.median(r["train_tok_s"] for r in steps),
             "step_s": statistics.median(sum(r[k] for k in phases) for r in steps)}
