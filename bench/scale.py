@@ -63,11 +63,14 @@ def _cfg(sets: list[str]):
 
 
 def prompt_batches(cfg, steps: int):
-    """The prompt batches the loop sees at rank 0 (its data order), as token ids."""
+    """The prompt batches the loop sees at rank 0 (its data order), as token ids, and the config as
+    the loop resolves it (its recipe too: vLLM compiled from 50M parameters, the KV cache sized for
+    the step), so a standalone engine built from it has the loop's settings."""
     from transformers import AutoTokenizer
 
-    from hybridrl import data, loop
+    from hybridrl import data, loop, models, recipe
     cfg, path = loop.resolve(cfg, on_cpu=True)
+    cfg = recipe.resolve(cfg, models.inspect(path), on_cpu=True)
     tok = AutoTokenizer.from_pretrained(path)
     prompts, _ = data.encode(data.load_rows(cfg.data, "train"), tok, cfg.data, cfg.data.path)
     sampler = data.Sampler(len(prompts), cfg.train.seed)

@@ -79,7 +79,7 @@ def loop_run(args) -> dict:
     med = {k[5:]: statistics.median(r.get(k, 0.0) for r in steps) for k in phases}  # probe: every 20 steps
     return {"phases": med, "tok_s": statistics.median(r["rollout_tok_s"] for r in steps),
             "train_tok_s": statistics.median(r["train_tok_s"] for r in steps),
-            "step_s": statistics.median(sum(r[k] for k in phases) for r in steps)}
+            "step_s": statistics.median(sum(r.get(k, 0.0) for k in phases) for r in steps)}
 
 
 def _child(part: str, args) -> dict:
