@@ -259,11 +259,11 @@ def fresh_cpu_adam_powers(engine) -> None:
     the engines stepped since the process started: a resumed process, or a critic interleaving two
     minibatch steps with the policy's, would not reproduce them. A step on a one-element dummy with
     other betas just before each real step makes the op take pow(beta, t) afresh: every update
-    then depends on its step number alone, the same after a resume. (One scalar update; no-op
-    where the optimizer is not this op.)"""
+    then depends on its step number alone, the same after a resume. (One scalar update; a no-op
+    where the optimizer is not this op, as on CUDA.)"""
     opt = getattr(engine.optimizer, "optimizer", None)  # ZeRO's wrapper -> DeepSpeed's FusedAdam
-    if not hasattr(opt, "multi_tensor_adam"):
-        return
+    if not hasattr(opt, "multi_tensor_adam") or opt._dummy_overflow_buf.device.type != "cpu":
+        return  # CUDA's FusedAdam has the same attribute, but its kernel takes beta^t from the step each call
     group = opt.param_groups[0]
     dummy = [[torch.zeros(1)] for _ in range(4)]  # grad, param, exp_avg, exp_avg_sq
     opt.multi_tensor_adam(1, opt._dummy_overflow_buf, dummy, group["lr"], -1.0, -1.0, group["eps"], 1,
