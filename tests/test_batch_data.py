@@ -13,7 +13,6 @@ def test_batch_layout():
     assert sub.tokens.shape == (1, 5) and float(sub.advantages[0]) == 1.0
 
 
-
 def test_from_rows_matches_a_row_by_row_build():
     """from_rows fills its tensors in one pass; a row-by-row build of the same layout is its
     reference: random lengths (empty completions too), with and without environment-token masks."""
@@ -36,6 +35,7 @@ def test_from_rows_matches_a_row_by_row_build():
                 mask[r, len(p) + j], logp[r, len(p) + j] = on, lp[j] if on else 0.0
         assert torch.equal(b.tokens, tokens) and torch.equal(b.loss_mask, mask) and torch.equal(b.logp_rollout, logp)
         assert b.lengths.tolist() == [len(p) + len(c) for p, c in zip(P, C)] and b.lengths.dtype == torch.long
+
 
 def test_micro_batches_respect_token_budget():
     lengths = torch.tensor([10, 3, 7, 7, 2, 9])

@@ -115,7 +115,6 @@ def test_cpu_attention_eager_only_for_short_bf16_contexts():
         recipe.describe(recipe.resolve(cfg, info, on_cpu=True, free_ram=8 << 30), info, on_cpu=True))
 
 
-
 def test_bfloat16_on_a_cpu_without_amx_warns(monkeypatch, caplog):
     """bfloat16 on CPU without AMX-BF16 warns, AVX512-BF16 or not (on an Intel Xeon with it alone a
     bfloat16 GEMM ran half float32's speed); with AMX, or in float32, nothing is said."""
@@ -129,6 +128,7 @@ def test_bfloat16_on_a_cpu_without_amx_warns(monkeypatch, caplog):
 
     assert warned({"avx512f", "avx512_bf16"}, "bfloat16") and warned({"avx512f"}, "bfloat16")
     assert not warned({"avx512_bf16", "amx_bf16"}, "bfloat16") and not warned({"avx512_bf16"}, "float32")
+
 
 def test_cpu_compiles_the_rollout_engine_of_a_real_size_model():
     """rollout.enforce_eager on CPU: False (vLLM's compiled decoder) from recipe.COMPILE_MIN_PARAMS on,
