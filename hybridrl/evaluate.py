@@ -92,7 +92,8 @@ def run(target: str, cfg) -> dict:
             model_dir = tmp
         cfg, path = loop.resolve(cfg, on_cpu)
         info = models.inspect(model_dir or cfg.model.path, cfg.model.trust_remote_code)
-        cfg = recipe.resolve(cfg, info, on_cpu=on_cpu, world_size=world.size)
+        cfg = recipe.resolve(cfg, info, on_cpu=on_cpu, world_size=world.size,
+                             fast_bf16=on_cpu and not launch.all_max(float(not env.fast_bf16())))
         path = model_dir or path
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)

@@ -38,7 +38,8 @@ def train(cfg: Config) -> dict:
     engine_cycle.check(cfg, cuda=not on_cpu)  # allocator settings that would break vLLM's sleep mode
     cfg, model_path = resolve(cfg, on_cpu)
     info = models.inspect(cfg.model.path, cfg.model.trust_remote_code)  # a bad model: one line, before any engine
-    cfg = recipe.resolve(cfg, info, on_cpu=on_cpu, world_size=world.size)  # the demo's, or real-model defaults
+    cfg = recipe.resolve(cfg, info, on_cpu=on_cpu, world_size=world.size,  # the demo's, or real-model defaults
+                         fast_bf16=on_cpu and not launch.all_max(float(not env.fast_bf16())))  # every rank's CPU
     seed_everything(cfg.train.seed + world.rank)
     if cfg.train.prompts_per_step % world.size:
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by "
@@ -186,8 +187,10 @@ def resolve(cfg: Config, on_cpu: bool) -> tuple[Config, str]:
     # agree to 1e-5 (in bfloat16 its probe gap was 0.15 on an H100)
     dtype = m.dtype if m.dtype != "auto" else ("float32" if on_cpu or m.path == "demo" else "bfloat16")
     attn, sources = m.attn_implementation, cfg.sources
+    if m.dtype == "auto":  # recipe.resolve may still pick bfloat16 (a real-size model on CPUs with AMX-BF16)
+        sources = {**sources, "model.dtype": "auto"}
     if attn == "auto":  # recipe.resolve may still pick eager (short contexts in bfloat16 on CPU)
-        attn, sources = "sdpa", {**cfg.sources, "model.attn_implementation": "auto"}
+        attn, sources = "sdpa", {**sources, "model.attn_implementation": "auto"}
         if not on_cpu:
             try:
                 import flash_attn  # noqa: F401
