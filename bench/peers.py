@@ -156,9 +156,8 @@ def trl_run(args) -> dict:
         sets = dict(s.split("=", 1) for s in hybridrl_sets(args, out))
         model, lr, ctx = sets["model.path"], float(sets["train.lr"]), int(sets["rollout.max_model_len"])
         kv_mb = int(sets["rollout.kv_cache_mb"])
-        from hybridrl import config, loop, models, recipe
-        cfg, path = loop.resolve(config.load(None, sets), on_cpu=True)
-        eager = recipe.resolve(cfg, models.inspect(path), on_cpu=True).rollout.enforce_eager  # as hybridrl decides
+        from hybridrl import config, loop
+        eager = loop.configure(config.load(None, sets), on_cpu=True)[0].rollout.enforce_eager  # as hybridrl decides
         rows = [json.loads(line) for line in Path(sets["data.path"]).read_text().splitlines()]
         reward = shapes.hash_rewards
     if args.mode == "vllm":

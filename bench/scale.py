@@ -68,9 +68,8 @@ def prompt_batches(cfg, steps: int):
     the step), so a standalone engine built from it has the loop's settings."""
     from transformers import AutoTokenizer
 
-    from hybridrl import data, loop, models, recipe
-    cfg, path = loop.resolve(cfg, on_cpu=True)
-    cfg = recipe.resolve(cfg, models.inspect(path), on_cpu=True)
+    from hybridrl import data, loop
+    cfg, path, _ = loop.configure(cfg, on_cpu=True)
     tok = AutoTokenizer.from_pretrained(path)
     prompts, _ = data.encode(data.load_rows(cfg.data, "train"), tok, cfg.data, cfg.data.path)
     sampler = data.Sampler(len(prompts), cfg.train.seed)

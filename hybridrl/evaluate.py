@@ -78,7 +78,7 @@ class Evaluator:
 def run(target: str, cfg) -> dict:
     """`hybridrl eval`: load the model (a run directory's newest checkpoint, exported to a temporary
     HF directory, or a model directory / hub name), build vLLM alone and evaluate once."""
-    from . import checkpoint, data, env, loop, models, recipe, rewards
+    from . import checkpoint, data, env, loop, recipe, rewards
     from .config import UserError
     from .rollout import Rollout
 
@@ -90,11 +90,7 @@ def run(target: str, cfg) -> dict:
         if Path(target).is_dir() and not (Path(target) / "config.json").exists():  # a run directory
             checkpoint.export(target, tmp)
             model_dir = tmp
-        cfg, path = loop.resolve(cfg, on_cpu)
-        info = models.inspect(model_dir or cfg.model.path, cfg.model.trust_remote_code)
-        cfg = recipe.resolve(cfg, info, on_cpu=on_cpu, world_size=world.size,
-                             fast_bf16=on_cpu and not launch.all_max(float(not env.fast_bf16())))
-        path = model_dir or path
+        cfg, path, _ = loop.configure(cfg, on_cpu, world.size, model_dir)
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
         heldout, dropped = data.encode(data.load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")

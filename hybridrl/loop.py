@@ -36,10 +36,7 @@ def train(cfg: Config) -> dict:
     world = launch.init_distributed(timeout_s=2 * cfg.train.watchdog_s)
     on_cpu = world.device.type == "cpu"
     engine_cycle.check(cfg, cuda=not on_cpu)  # allocator settings that would break vLLM's sleep mode
-    cfg, model_path = resolve(cfg, on_cpu)
-    info = models.inspect(cfg.model.path, cfg.model.trust_remote_code)  # a bad model: one line, before any engine
-    cfg = recipe.resolve(cfg, info, on_cpu=on_cpu, world_size=world.size,  # the demo's, or real-model defaults
-                         fast_bf16=on_cpu and not launch.all_max(float(not env.fast_bf16())))  # every rank's CPU
+    cfg, model_path, info = configure(cfg, on_cpu, world.size)  # the demo's recipe, or real-model defaults
     seed_everything(cfg.train.seed + world.rank)
     if cfg.train.prompts_per_step % world.size:
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by "
@@ -177,6 +174,20 @@ def step_metrics(ro, batch: Batch, signal: torch.Tensor, phases: Phases, samples
                 **{f"time/{k}": v for k, v in phases.items()},
                 **phases.memory,  # mem/<phase>/*_gb after every phase: CUDA only
                 **distribution_metrics(response_len=[len(s.token_ids) for s in samples], reward=ro.rewards))
+
+
+def configure(cfg: Config, on_cpu: bool, world_size: int = 1,
+              model_dir: str | None = None) -> tuple[Config, str, models.ModelInfo]:
+    """The config a run uses: this machine's 'auto' settings (`resolve`), then the recipe for the
+    model (`models.inspect`: a bad model fails here, in one line, before any engine starts), with
+    bfloat16 on CPU only where every rank's CPU has AMX-BF16. `model_dir`: where the model's files
+    are when not at model.path (`hybridrl eval` of a run's exported checkpoint).
+    Returns (config, model directory, model info)."""
+    cfg, path = resolve(cfg, on_cpu)
+    info = models.inspect(model_dir or cfg.model.path, cfg.model.trust_remote_code)
+    fast_bf16 = on_cpu and not launch.all_max(float(not env.fast_bf16()))
+    cfg = recipe.resolve(cfg, info, on_cpu=on_cpu, world_size=world_size, fast_bf16=fast_bf16)
+    return cfg, model_dir or path, info
 
 
 def resolve(cfg: Config, on_cpu: bool) -> tuple[Config, str]:

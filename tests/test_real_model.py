@@ -292,3 +292,14 @@ def test_cpu_dtype_auto_is_bfloat16_for_a_real_size_model_with_amx():
     assert resolved(big, True, **{"model.dtype": "float32"}).model.dtype == "float32"  # set: kept
     demo = recipe.resolve(loop.resolve(C.load(), on_cpu=True)[0], models.inspect("demo"), on_cpu=True, fast_bf16=True)
     assert demo.model.dtype == "float32"
+
+
+def test_configure_picks_bfloat16_only_where_the_cpu_has_amx(tiny, monkeypatch):
+    """loop.configure (what `hybridrl train`, `hybridrl eval` and the benches resolve a config with)
+    passes env.fast_bf16 to the recipe: with AMX-BF16 a real-size model gets bfloat16, without it float32."""
+    from hybridrl import env
+    monkeypatch.setattr(recipe, "COMPILE_MIN_PARAMS", 0)  # the tiny model counts as real-size here
+    for flags, dtype in (({"avx512_bf16", "amx_bf16"}, "bfloat16"), ({"avx512_bf16"}, "float32")):
+        monkeypatch.setattr(env, "cpu_flags", lambda: set(flags))
+        cfg, path, info = loop.configure(C.load(None, {"model.path": str(tiny)}), on_cpu=True)
+        assert (cfg.model.dtype, Path(path), info.vocab) == (dtype, tiny, 320)
