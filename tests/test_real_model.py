@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hybridrl import config as C
 from hybridrl import loop, models, recipe
@@ -294,7 +295,7 @@ def test_cpu_dtype_auto_is_bfloat16_for_a_real_size_model_with_amx():
     assert demo.model.dtype == "float32"
 
 
-def test_configure_picks_bfloat16_only_where_the_cpu_has_amx(tiny, monkeypatch):
+def test_configure_picks_bfloat16_only_where_the_cpu_has_amx(tiny, monkeypatch, tmp_path):
     """loop.configure (what `hybridrl train`, `hybridrl eval` and the benches resolve a config with)
     passes env.fast_bf16 to the recipe: with AMX-BF16 a real-size model gets bfloat16, without it float32."""
     from hybridrl import env
@@ -303,3 +304,10 @@ def test_configure_picks_bfloat16_only_where_the_cpu_has_amx(tiny, monkeypatch):
         monkeypatch.setattr(env, "cpu_flags", lambda: set(flags))
         cfg, path, info = loop.configure(C.load(None, {"model.path": str(tiny)}), on_cpu=True)
         assert (cfg.model.dtype, Path(path), info.vocab) == (dtype, tiny, 320)
+    # a checkpoint's config.yaml holds the dtype its run resolved (checkpoint.Saver writes the resolved
+    # config): resumed on a CPU without AMX, the run goes on in bfloat16, as its weights were saved
+    monkeypatch.setattr(env, "cpu_flags", lambda: {"avx512_bf16", "amx_bf16"})
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump(C.to_dict(loop.configure(C.load(None, {"model.path": str(tiny)}), on_cpu=True)[0])))
+    monkeypatch.setattr(env, "cpu_flags", lambda: {"avx512_bf16"})
+    assert loop.configure(C.load(saved, {}), on_cpu=True)[0].model.dtype == "bfloat16"
