@@ -120,13 +120,18 @@ def test_fused_fully_masked(provider):
 
 
 def test_fused_upstream_scale_and_no_grad():
-    (hidden, weight, b, targets), data, extras = batch(device="cpu")
-    args = (hidden, weight, targets, data["logp_old"], data["advantages"], data["mask"], 1.0, b)
-    loss, *_ = fused_logprob_ppo_loss(*args, chunk_size=8)
-    g1 = torch.autograd.grad(loss, [hidden])[0]
-    loss, *_ = fused_logprob_ppo_loss(*args, chunk_size=8)
-    g3 = torch.autograd.grad(3.0 * loss, [hidden])[0]
-    torch.testing.assert_close(g3, 3 * g1)
+    """The engine's loss scale reaches dH and dW (the backward skips its multiply only at exactly 1)."""
+    for dtype in (torch.bfloat16, torch.float32):
+        (hidden, weight, b, targets), data, extras = batch(dtype=dtype, device="cpu")
+        args = (hidden, weight, targets, data["logp_old"], data["advantages"], data["mask"], 1.0, b)
+        loss, *_ = fused_logprob_ppo_loss(*args, chunk_size=8)
+        g1 = torch.autograd.grad(loss, [hidden, weight])
+        loss, *_ = fused_logprob_ppo_loss(*args, chunk_size=8)
+        g3 = torch.autograd.grad(3.0 * loss, [hidden, weight])
+        for a, c in zip(g1, g3):
+            assert a.dtype == dtype and a.abs().max() > 0
+            torch.testing.assert_close(c.float(), 3 * a.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1.3e-6,
+                                       atol=0 if dtype == torch.bfloat16 else 1e-5)
     with torch.no_grad():
         loss2, _, logp, _ = fused_logprob_ppo_loss(*args)
     torch.testing.assert_close(loss2, loss.detach())
@@ -151,3 +156,4 @@ def test_fused_computes_logits_once_per_chunk(monkeypatch):
     logp, ent = logprob_entropy(hidden, weight, targets, 1.0, b, provider="torch", chunk_size=8)
     (logp.sum() + ent.sum()).backward()
     assert len(calls) == 10
+
