@@ -23,7 +23,8 @@ import torch
 
 from .batch import Batch, micro_batches, per_token, shared_micro_batches
 from .config import Config
-from .trainer import TokenLogprobs, from_pretrained, module_inputs, plan_micro_batches, share_prompt
+from .policy import TokenLogprobs, module_inputs, share_prompt
+from .trainer import from_pretrained, plan_micro_batches
 
 
 def ds_config(cfg: Config, bf16: bool, cuda: bool) -> dict:

@@ -12,7 +12,8 @@ import transformers
 
 from hybridrl.batch import Batch, micro_batches
 from hybridrl.config import Config
-from hybridrl.trainer import Trainer, TokenLogprobs
+from hybridrl.policy import TokenLogprobs
+from hybridrl.trainer import Trainer
 
 V = 40
 

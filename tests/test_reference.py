@@ -21,8 +21,10 @@ def test_no_reference_model_is_loaded_when_beta_is_zero():
 @pytest.mark.slow
 @pytest.mark.parametrize("advantage", ["grpo", "reinforce_pp"])
 def test_kl_in_the_reward_is_zero_at_step_one_then_grows(tmp_path, advantage):
+    # one update per step: kl_mean is the loss's KL of the policy being updated, averaged over the step's
+    # updates, and a second minibatch (the demo's default) would see a policy the first one moved
     _, steps, _ = train_cli(tmp_path / "run", "--steps", "4", "--algo.kl_coef", "0.1", "--algo.kl_in", "reward",
-                            "--algo.kl_type", "k1", "--algo.advantage", advantage)
+                            "--algo.kl_type", "k1", "--algo.advantage", advantage, "--train.minibatches", "1")
     # the trainer's log-probs of the sampling policy (old_logprob) against the reference's: the same
     # weights and kernels at step 1, so every KL_t is exactly 0
     assert steps[0]["kl_reward"] == 0.0 and steps[0]["kl_mean"] == 0.0
@@ -43,7 +45,8 @@ from hybridrl import config, launch
 from hybridrl.batch import Batch, micro_batches, per_token
 from hybridrl.critic import Critic
 from hybridrl.reference import Reference
-from hybridrl.trainer import Trainer, TokenLogprobs, ds_config, from_pretrained
+from hybridrl.policy import TokenLogprobs
+from hybridrl.trainer import Trainer, ds_config, from_pretrained
 
 DEMO = sys.argv[1]
 world = launch.init_distributed()

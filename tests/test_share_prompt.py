@@ -12,7 +12,8 @@ import torch
 
 from hybridrl.batch import Batch, shared_micro_batches
 from hybridrl.config import Config
-from hybridrl.trainer import Trainer, TokenLogprobs
+from hybridrl.policy import TokenLogprobs
+from hybridrl.trainer import Trainer
 from test_packing import V, assert_same_loss_and_grads, loss_and_grads, tiny_model
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 import transformers
 
-from hybridrl.trainer import TokenLogprobs
+from hybridrl.policy import TokenLogprobs
 from kernels.ppo_loss import _LOSS_DEFAULTS
 
 
