@@ -236,12 +236,12 @@ def export(run_dir: str = typer.Argument(..., help="A run directory (its newest 
                                        "with the adapter merged in (a plain model directory).")) -> None:
     """Write a Hugging Face model directory (config, safetensors, tokenizer) from a run's checkpoint;
     for a LoRA run, the adapter in PEFT's format (and with --merged, OUT/merged)."""
-    from . import checkpoint
+    from . import export as hf_export
     out = out or out_arg
     if not out:
         _fail("hybridrl export RUN_DIR OUT: name the directory to write (or --out OUT)")
     try:
-        ck = checkpoint.export(run_dir, out, merged=merged)
+        ck = hf_export.export(run_dir, out, merged=merged)
     except C.UserError as e:
         _fail(str(e))
     typer.echo(f"wrote {out}{' and ' + str(out) + '/merged' if merged else ''} from {ck}")

@@ -78,7 +78,7 @@ class Evaluator:
 def run(target: str, cfg) -> dict:
     """`hybridrl eval`: load the model (a run directory's newest checkpoint, exported to a temporary
     HF directory, or a model directory / hub name), build vLLM alone and evaluate once."""
-    from . import checkpoint, data, env, loop, recipe, rewards
+    from . import data, env, export, loop, recipe, rewards
     from .config import UserError
     from .rollout import Rollout
 
@@ -88,7 +88,7 @@ def run(target: str, cfg) -> dict:
     with tempfile.TemporaryDirectory(prefix="hybridrl-eval-") as tmp:
         model_dir = None
         if Path(target).is_dir() and not (Path(target) / "config.json").exists():  # a run directory
-            checkpoint.export(target, tmp)
+            export.export(target, tmp)
             model_dir = tmp
         cfg, path, _ = loop.configure(cfg, on_cpu, world.size, model_dir)
         from transformers import AutoTokenizer

@@ -1,0 +1,88 @@
+"""`hybridrl export`: a Hugging Face model directory from a run's checkpoint (checkpoint.py's layout).
+DeepSpeed's zero_to_fp32 consolidates the ZeRO-2/3 shards; a LoRA run's checkpoint becomes an adapter
+in PEFT's format (and, asked for, the base model with it merged in).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import yaml
+
+from .checkpoint import DS_TAG, ckpt_root, complete_checkpoints, is_complete
+from .config import Config, UserError, torch_dtype
+
+
+def export(src: str | Path, out: str | Path, merged: bool = False) -> Path:
+    """A Hugging Face model directory from the newest complete checkpoint of run `src` (or from
+    checkpoint `src` itself). DeepSpeed's zero_to_fp32 consolidates ZeRO-2 and ZeRO-3 shards.
+    A LoRA run's checkpoint holds the adapter only: `out` gets it in PEFT's format (and, with
+    `merged`, `out/merged` the base model with the adapter merged in); see export_adapter."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    src, out = Path(src), Path(out)
+    if is_complete(src):
+        ck = src
+    else:
+        from .config import load
+        cfg = load(src / "config.yaml") if (src / "config.yaml").exists() else Config()
+        found = complete_checkpoints(ckpt_root(cfg, src))
+        if not found:
+            raise UserError(f"{src}: no complete checkpoint under {ckpt_root(cfg, src)}")
+        ck = found[0]
+    cfg = yaml.safe_load((ck / "config.yaml").read_text())
+    dtype = torch_dtype(cfg["model"]["dtype"])
+    state = get_fp32_state_dict_from_zero_checkpoint(str(ck), tag=DS_TAG)
+    state = {k.removeprefix("hf."): v for k, v in state.items()}  # the trainer wraps the HF model as .hf
+    if cfg["model"].get("lora_rank"):
+        export_adapter(ck, cfg, state, Path(out), merged, dtype)
+        return ck
+    if merged:
+        raise UserError(f"{ck}: --merged is for LoRA runs (model.lora_rank > 0); this run trained every weight, "
+                        "so the export is already the whole model: drop --merged")
+    hf_cfg = AutoConfig.from_pretrained(ck / "hf", trust_remote_code=cfg["model"]["trust_remote_code"])
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32,
+                                             trust_remote_code=cfg["model"]["trust_remote_code"])
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = {k for k in missing if getattr(hf_cfg, "tie_word_embeddings", False) and "lm_head" in k}
+    if set(missing) - tied or unexpected:
+        raise RuntimeError(f"{ck}: checkpoint does not match the model: missing {sorted(set(missing) - tied)[:5]}, "
+                           f"unexpected {sorted(unexpected)[:5]}")
+    model.to(dtype).save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(ck / "hf").save_pretrained(out)
+    if (ck / "hf" / "generation_config.json").exists():
+        shutil.copy(ck / "hf" / "generation_config.json", out / "generation_config.json")
+    return ck
+
+
+def export_adapter(ck: Path, cfg: dict, state: dict, out: Path, merged: bool, dtype: torch.dtype) -> None:
+    """The adapter of a LoRA run in PEFT's format (adapter_config.json, adapter_model.safetensors:
+    `PeftModel.from_pretrained(base, out)` and vLLM's `LoRARequest(..., out)` load it) plus the
+    tokenizer; with `merged`, `out/merged` holds base + adapter merged, a plain model directory.
+    The base model is model.path, which the run read its frozen weights from."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import lora
+    from .config import ModelConfig
+
+    m = ModelConfig(**cfg["model"])
+    base = str(Path(__file__).parent / "demo_model") if m.path == "demo" else m.path
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, trust_remote_code=m.trust_remote_code)
+    peft_model = lora.attach(model, m)
+    adapter = {n for n, _ in model.named_parameters() if lora.is_adapter(n)}
+    if set(state) != adapter:
+        raise RuntimeError(f"{ck}: the checkpoint's adapter does not match model.lora_* of its config: missing "
+                           f"{sorted(adapter - set(state))[:5]}, unexpected {sorted(set(state) - adapter)[:5]}")
+    model.load_state_dict(state, strict=False)
+    peft_model.to(dtype).save_pretrained(out, safe_serialization=True)
+    tokenizer = AutoTokenizer.from_pretrained(ck / "hf")
+    tokenizer.save_pretrained(out)
+    if merged:
+        full = peft_model.merge_and_unload()
+        full.save_pretrained(out / "merged", safe_serialization=True)
+        tokenizer.save_pretrained(out / "merged")
+        if (ck / "hf" / "generation_config.json").exists():
+            shutil.copy(ck / "hf" / "generation_config.json", out / "merged" / "generation_config.json")
