@@ -415,8 +415,13 @@ class _FusedLogprobLoss(torch.autograd.Function):
         # engine's loss scale, 1 on one rank: on CPU, where reading it costs no device sync, a scale
         # of 1 skips the multiply, 66 ms of the [151936, 896] head's gradient at the 0.5B shape)
         one = g_loss.device.type == "cpu" and float(g_loss) == 1.0
-        grads = [None if g is None else g.to(dt) if one else g.to(dt).mul_(g_loss.to(dt)) if g.dtype != dt
-                 else g * g_loss for g, dt in zip(ctx.saved_tensors, ctx.dtypes)]
+        grads = []
+        for g, dt in zip(ctx.saved_tensors, ctx.dtypes):
+            if g is not None and one:
+                g = g.to(dt)
+            elif g is not None:
+                g = g.to(dt).mul_(g_loss.to(dt)) if g.dtype != dt else g * g_loss
+            grads.append(g)
         return (*grads, None, None, None, None, None, None)
 
 

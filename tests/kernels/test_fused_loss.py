@@ -132,7 +132,7 @@ def test_fused_upstream_scale_and_no_grad():
             assert a.dtype == dtype and a.abs().max() > 0
             torch.testing.assert_close(c.float(), 3 * a.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1.3e-6,
                                        atol=0 if dtype == torch.bfloat16 else 1e-5)
-    with torch.no_grad():
+    with torch.no_grad():  # the float32 batch, the loop's last
         loss2, _, logp, _ = fused_logprob_ppo_loss(*args)
     torch.testing.assert_close(loss2, loss.detach())
     torch.testing.assert_close(logp, logprob_entropy(hidden, weight, targets, 1.0, b)[0].detach())
@@ -156,4 +156,3 @@ def test_fused_computes_logits_once_per_chunk(monkeypatch):
     logp, ent = logprob_entropy(hidden, weight, targets, 1.0, b, provider="torch", chunk_size=8)
     (logp.sum() + ent.sum()).backward()
     assert len(calls) == 10
-
