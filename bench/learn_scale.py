@@ -4,11 +4,11 @@
     python bench/learn_scale.py --dtypes bfloat16 --steps 250
 
 A random-initialised model learns nothing from RL: nothing in it generalises, so a reward has no
-structure to amplify. This bench first gives bench/shapes.py's 134M model (SmolLM2-135M's body,
-its 49,152-token BPE vocabulary trained here) a skill to start from: a supervised warm-up on the
-demo's addition task (train split only), in bfloat16 autocast with float32 weights, stopped once
-greedy accuracy on 64 held-out prompts reaches --start-acc
-(330 steps, ~12 minutes on 2 cores). Then one `hybridrl train` run per dtype on that model (GRPO, the built-in arithmetic reward, 16 prompts x 8
+structure to amplify. This bench first gives bench/shapes.py's 134M model (SmolLM2-135M's body, its
+49,152-token BPE vocabulary trained here) a skill to start from: a supervised warm-up on the demo's
+addition task (train split only), in bfloat16 autocast with float32 weights, stopped once greedy
+accuracy on 64 held-out prompts reaches --start-acc (330 steps, ~12 minutes on 2 cores). Then one
+`hybridrl train` run per dtype on that model (GRPO, the built-in arithmetic reward, 16 prompts x 8
 samples of <= 4 tokens, one update per rollout, lr --lr), each evaluating greedy accuracy on the
 demo's full 256-prompt held-out split every 25 steps. Prints held-out accuracy, reward and entropy
 per window of 25 steps, side by side for the dtypes, and seconds per step by phase. At 134M the
