@@ -109,7 +109,8 @@ def train(model: Path, dtype: str, args) -> list[dict]:
     with open(run_dir / "output.log", "w") as log:
         if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode:
             tail = (run_dir / "output.log").read_text().strip().splitlines()[-1:]
-            raise SystemExit(f"hybridrl train ({dtype}) failed: {tail[0] if tail else '?'} (all of it: {run_dir}/output.log)")
+            raise SystemExit(f"hybridrl train ({dtype}) failed: {tail[0] if tail else '?'} "
+                             f"(all of it: {run_dir}/output.log)")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -120,11 +121,12 @@ def table(runs: dict[str, list[dict]], steps: int) -> str:
         for rows in runs.values():
             acc = next((r["heldout_acc"] for r in rows if r.get("step") == start and "heldout_acc" in r), None)
             window = [r for r in rows if "reward" in r and start < r["step"] <= start + 25]
-            rew = f"{statistics.mean(r['reward'] for r in window):.3f}" if window and start < steps else ""
-            ent = f"{statistics.mean(r['entropy_mean'] for r in window):.3f}" if window and start < steps else ""
+            rew = f"{statistics.mean(r['reward'] for r in window):.3f}" if window else ""
+            ent = f"{statistics.mean(r['entropy_mean'] for r in window):.3f}" if window else ""
             cells += f"{(f'{acc:.1%}' if acc is not None else ''):>19}{rew:>9}{ent:>9}"
         lines.append(f"{start:<9}" + cells)
-    lines.append("(held-out: greedy, the demo's 256 prompts, at that step; reward and entropy: mean of the 25 steps after it)")
+    lines.append("(held-out: greedy, the demo's 256 prompts, at that step; "
+                 "reward and entropy: mean of the 25 steps after it)")
     for d, rows in runs.items():
         steps_ = [r for r in rows if "reward" in r]
         phases = {k: statistics.median(r[k] for r in steps_ if k in r)
