@@ -23,15 +23,17 @@ CHUNK = 1 << 20  # elements per float32 dot product: a 4 MiB buffer, reused
 
 
 def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """sqrt(sum of squares) of all gradients, in float64; inf or NaN if any entry is."""
-    total = torch.zeros((), dtype=torch.float64)
+    """sqrt(sum of squares) of all gradients, in float64; inf or NaN if any entry is. Computed on
+    the gradients' device (a GPU's gradients never cross to the host; one sync, by the caller)."""
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
     buf = None
     for g in grads:
         flat = g.detach().reshape(-1)
         for c in flat.split(CHUNK):
             if c.dtype != torch.float32:
                 if buf is None or buf.numel() < c.numel():
-                    buf = torch.empty(max(c.numel(), min(CHUNK, flat.numel())), dtype=torch.float32)
+                    buf = torch.empty(max(c.numel(), min(CHUNK, flat.numel())), dtype=torch.float32, device=device)
                 c = buf[:c.numel()].copy_(c)
             total += torch.dot(c, c).double()
     return total.sqrt()

@@ -29,7 +29,8 @@ def engine(dtype: torch.dtype, fused: bool):
 
 def backward(eng, nan: bool = False) -> None:
     torch.manual_seed(1)
-    x = torch.randn(8, 64, dtype=next(eng.module.parameters()).dtype)
+    w = next(eng.module.parameters())
+    x = torch.randn(8, 64, dtype=w.dtype).to(w.device)  # DeepSpeed moved the model to the GPU, if any
     loss = eng(x).float().pow(2).mean() * 100
     if nan:
         loss = loss + (eng.module[0].bias * float("nan")).sum()
@@ -92,3 +93,12 @@ def test_left_alone_where_it_was_not_measured(world_of_one):
     eng = engine(torch.float32, False)
     assert zero_step.install(eng.optimizer, 2) is False  # several ranks: DeepSpeed's all-reduced checks
     assert zero_step.install(object(), 1) is False  # not DeepSpeed's ZeRO-1/2 optimizer (ZeRO-3, ...)
+
+
+def test_norm_stays_on_the_gradients_device():
+    """A GPU's gradients are summed on the GPU: the accumulator and the float32 buffer follow the
+    gradients' device (here 'meta', which any host tensor mixed in would refuse)."""
+    grads = [torch.empty(3000, dtype=torch.bfloat16, device="meta"), torch.empty(10, device="meta")]
+    assert zero_step.grad_norm(grads).device.type == "meta"
+    g = [torch.tensor([3.0, 4.0], dtype=torch.bfloat16), torch.tensor([12.0])]
+    assert float(zero_step.grad_norm(g)) == 13.0
