@@ -144,12 +144,19 @@ def share_prompt(cfg: Config, hf: nn.Module, provider: str, attn_implementation:
 def module_inputs(mb: Batch, packing: bool, share: bool) -> tuple[tuple, dict]:
     """TokenLogprobs' (tokens, attention_mask, loss_mask) and keyword inputs for a micro-batch: packed
     (one row, no padding computed), shared-prompt (each distinct prompt computed once, when rows share
-    one), or right-padded rows. The policy and the reference lay their micro-batches out alike."""
+    one), or right-padded rows. The policy and the reference lay their micro-batches out alike.
+    The packed and shared layouts are built on the host and moved once: built on a GPU, their
+    Python loops over rows would wait on the device at every row."""
+    if not (packing or share):
+        return (mb.tokens, mb.attention_mask(), mb.loss_mask), {}
+    dev, host = mb.tokens.device, mb.to("cpu")  # on a CPU run, the same tensors
+
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dev, non_blocking=True)
     if packing:
-        p = mb.packed()
-        return (p.tokens, None, p.loss_mask), dict(position_ids=p.position_ids)
-    if share:
-        s = mb.shared()
-        if s is not None and len(s.prompts) < len(mb):
-            return (None, None, None), dict(shared=s._asdict())
+        p = host.packed()
+        return (move(p.tokens), None, move(p.loss_mask)), dict(position_ids=move(p.position_ids))
+    s = host.shared()
+    if s is not None and len(s.prompts) < len(mb):
+        return (None, None, None), dict(shared={k: move(v) for k, v in s._asdict().items()})
     return (mb.tokens, mb.attention_mask(), mb.loss_mask), {}
