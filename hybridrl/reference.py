@@ -61,7 +61,9 @@ class Reference:
                              trust_remote_code=cfg.model.trust_remote_code)
         hf.eval().requires_grad_(False)
         kernels = cfg.train.kernels
-        provider = {"auto": "triton" if cuda else "torch", "liger": "torch"}.get(kernels, kernels)
+        # as the trainer picks (train.kernels auto = chunked torch): at step 1 the reference's log-probs
+        # are the policy's to the bit, so the KL starts at 0
+        provider = {"auto": "torch", "liger": "torch"}.get(kernels, kernels)
         self.module = TokenLogprobs(hf, provider, cfg.train.logprob_chunk)
         self.sharded = cfg.train.zero_stage == 3
         # the policy's shared-prompt layout (and so, at step 1, exactly the policy's log-probs)
