@@ -16,7 +16,7 @@ def test_gpu_check_without_cuda_lists_every_claim_unmeasured(tmp_path):
                                                                             **_env()})
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    sys.path.insert(0, str(ROOT / "bench"))
+    sys.path.append(str(ROOT / "bench"))  # last: bench/kernels.py must not shadow the kernels package
     import gpu_check
     claims = [c for name, (_, cs) in gpu_check.CLAIMS.items() if name != "stack" for c, _ in cs]
     unmeasured = [r["claim"] for r in rows if r["verdict"] == "unmeasured"]
