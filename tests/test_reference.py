@@ -26,8 +26,10 @@ def test_kl_in_the_reward_is_zero_at_step_one_then_grows(tmp_path, advantage):
     _, steps, _ = train_cli(tmp_path / "run", "--steps", "4", "--algo.kl_coef", "0.1", "--algo.kl_in", "reward",
                             "--algo.kl_type", "k1", "--algo.advantage", advantage, "--train.minibatches", "1")
     # the trainer's log-probs of the sampling policy (old_logprob) against the reference's: the same
-    # weights and kernels at step 1, so every KL_t is exactly 0
-    assert steps[0]["kl_reward"] == 0.0 and steps[0]["kl_mean"] == 0.0
+    # weights and kernels at step 1, so every KL_t is exactly 0. kl_mean is the loss's: its log-probs
+    # come through the fused loss, another path than the no-grad one; equal to the bit on an Intel
+    # Xeon, -2.2e-8 on an AMD EPYC
+    assert steps[0]["kl_reward"] == 0.0 and abs(steps[0]["kl_mean"]) <= 1e-7
     assert all(s["time/old_logprob"] > 0 and s["time/ref_logprob"] > 0 for s in steps)
     assert all(s["kl_mean"] > 1e-6 for s in steps[1:])
     # k1 can be negative per token; its batch mean is positive once the policy moved
