@@ -147,16 +147,15 @@ def module_inputs(mb: Batch, packing: bool, share: bool) -> tuple[tuple, dict]:
     one), or right-padded rows. The policy and the reference lay their micro-batches out alike.
     The packed and shared layouts are built on the host and moved once: built on a GPU, their
     Python loops over rows would wait on the device at every row."""
-    if not (packing or share):
-        return (mb.tokens, mb.attention_mask(), mb.loss_mask), {}
-    dev, host = mb.tokens.device, mb.to("cpu")  # on a CPU run, the same tensors
+    if packing or share:
+        dev, host = mb.tokens.device, mb.to("cpu")  # on a CPU run, the same tensors
 
-    def move(t: torch.Tensor) -> torch.Tensor:
-        return t.to(dev, non_blocking=True)
-    if packing:
-        p = host.packed()
-        return (move(p.tokens), None, move(p.loss_mask)), dict(position_ids=move(p.position_ids))
-    s = host.shared()
-    if s is not None and len(s.prompts) < len(mb):
-        return (None, None, None), dict(shared={k: move(v) for k, v in s._asdict().items()})
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dev, non_blocking=True)
+        if packing:
+            p = host.packed()
+            return (move(p.tokens), None, move(p.loss_mask)), dict(position_ids=move(p.position_ids))
+        s = host.shared()
+        if s is not None and len(s.prompts) < len(mb):
+            return (None, None, None), dict(shared={k: move(v) for k, v in s._asdict().items()})
     return (mb.tokens, mb.attention_mask(), mb.loss_mask), {}
