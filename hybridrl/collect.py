@@ -24,13 +24,13 @@ from dataclasses import dataclass
 
 import torch
 
-from . import dapo, launch, multiturn
-from .config import Config, UserError, completion_budget, torch_dtype
+from . import dapo, launch, multiturn, reward_model
+from .config import Config, UserError, completion_budget
 from .data import Prompt, Sampler
 from .evaluate import single_turn_greedy
 from .progress import Phases
 from .reward_model import RewardModel
-from .rewards import Scorer, model_terms
+from .rewards import Scorer
 from .rollout import Rollout, Sample
 
 log = logging.getLogger("hybridrl")
@@ -56,12 +56,11 @@ class _Group:
 
 class Collector:
     def __init__(self, cfg: Config, rollout: Rollout, scorer: Scorer, tokenizer, prompts: list[Prompt],
-                 sampler: Sampler, world):
+                 sampler: Sampler, world, models: list[tuple[str, float, RewardModel]] | None = None):
         self.cfg, self.rollout, self.scorer, self.tokenizer = cfg, rollout, scorer, tokenizer
         self.prompts, self.sampler, self.world = prompts, sampler, world
-        self.models = [(f"rm:{path}", weight, RewardModel(
-            path, device=world.device, dtype=torch_dtype(cfg.model.dtype), batch_size=cfg.reward.rm_batch_size,
-            trust_remote_code=cfg.model.trust_remote_code)) for path, weight in model_terms(cfg.reward.fn)]
+        # (name, weight, model) per rm: term; the loop loads them before vLLM is planned
+        self.models = reward_model.load_all(cfg, world.device) if models is None else models
         self.model_sums = {name: 0.0 for name, _, _ in self.models}  # this step's sum of each RM's scores
         self.episodes = multiturn.Episodes(cfg, rollout, tokenizer, rank=world.rank, run_dir=scorer.run_dir) \
             if cfg.env.cls else None  # multi-turn: an environment between assistant turns

@@ -82,14 +82,16 @@ def keep_base_weights(cfg: Config, main: bool) -> Config:
     return replace(cfg, rollout=replace(cfg.rollout, sleep_level=1))
 
 
-def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, world_size: int = 1) -> Config:
+def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, world_size: int = 1,
+                 visitors: int = 0) -> Config:
     """Size vLLM before it is built, as it will run, and decide where the trainer's states live
     while it generates. With rollout.gpu_memory_utilization=auto (GPU): measure the device with
     the trainer's states on it and offloaded, plan (memory.plan: weights, a KV cache for the
     step's sequences, activations), keep the states on the device if they fit beside vLLM, print
     the plan. Returns the config with the decisions filled in (a utilization, rollout.kv_cache_mb,
     train.offload_states on/off). The critic always leaves: it takes no part in generating.
-    With LoRA, vLLM's sleep keeps its base weights (keep_base_weights)."""
+    With LoRA, vLLM's sleep keeps its base weights (keep_base_weights). `visitors`: device bytes
+    of the reward models, which score while vLLM is awake; the plan keeps them free."""
     cfg = keep_base_weights(cfg, main)
     if critic is not None:
         critic.offload()
@@ -113,7 +115,7 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     trainer.offload()
     free_offloaded, total = memory.free_memory()
     plan = memory.plan(total, free_kept, free_offloaded, margin=r.memory_margin_mb << 20, weights=weights,
-                       need=need, offload=t.offload_states)
+                       need=need, offload=t.offload_states, visitors=visitors)
     if not plan.offload:
         trainer.reload()
     if main:

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from . import algo, checkpoint, data, engine_cycle, env, faults, launch, models, recipe, rewards, sync
+from . import algo, checkpoint, data, engine_cycle, env, faults, launch, models, recipe, reward_model, rewards, sync
 from .batch import Batch
 from .canaries import distribution_metrics
 from .collect import Collector
@@ -64,15 +64,16 @@ def train(cfg: Config) -> dict:
                      attn_implementation=cfg.model.attn_implementation)
     ref = Reference.load(cfg, model_path, trainer=trainer, **engine_kw)  # None when kl_coef == 0; LoRA: the base
     critic = Critic(cfg, model_path, **engine_kw) if cfg.algo.advantage == "gae" else None
-    cfg = engine_cycle.plan_rollout(cfg, trainer, cuda=not on_cpu, main=world.main, critic=critic,
-                                     world_size=world.size)  # vLLM's memory, where the trainer's states live
+    reward_models = reward_model.load_all(cfg, world.device)  # rm: terms; they score while vLLM is awake
+    cfg = engine_cycle.plan_rollout(cfg, trainer, cuda=not on_cpu, main=world.main, critic=critic, world_size=world.size,
+                                     visitors=sum(m.nbytes for _, _, m in reward_models))  # vLLM's memory, the states'
     rollout = Rollout(cfg, model_path, on_cpu=on_cpu, eos_token_id=tokenizer.eos_token_id, rank=world.rank,
                       local_rank=world.local_rank)
     probe = sync.Probe([p.ids + tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                         for p in (heldout or prompts)[:8]],
                       cfg.train.probe_tol or sync.PROBE[cfg.model.dtype][1], cfg.train.probe_action,
                       stat=sync.PROBE[cfg.model.dtype][0], every=cfg.train.probe_every)
-    collector = Collector(cfg, rollout, scorer, tokenizer, prompts, sampler, world)
+    collector = Collector(cfg, rollout, scorer, tokenizer, prompts, sampler, world, reward_models)
 
     evaluate = Evaluator(cfg, rollout, scorer, tokenizer, heldout, world, run, collector)  # held-out split
     # trainer -> vLLM: offload, wake weights, hand-off, wake KV cache (the order, and why: engine_cycle.py)

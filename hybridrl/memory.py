@@ -182,6 +182,7 @@ class Plan:
     activations: int  # reserved for vLLM's forward passes and sampler
     offload: bool  # the trainer's states leave the device while vLLM generates
     need: int  # the KV cache the step needs (kv < need: vLLM queues sequences)
+    visitors: int = 0  # models copied to the device while vLLM is awake (reward models), kept back too
 
     @property
     def budget(self) -> int:  # what vLLM may use
@@ -195,14 +196,15 @@ class Plan:
         where = "after the trainer offloads its states" if self.offload else "with the trainer's states kept on it"
         short = f" (less than the {self.need / GIB:.2f} GiB the step needs: vLLM will queue sequences)" \
             if self.kv < self.need else ""
+        visitors = f", reward models {self.visitors / GIB:.2f} GiB" if self.visitors else ""
         return (f"memory plan: device {self.total / GIB:.1f} GiB, free {where} {self.free / GIB:.1f} GiB, margin "
-                f"{self.margin / GIB:.1f} GiB -> vLLM {self.budget / GIB:.1f} GiB "
+                f"{self.margin / GIB:.1f} GiB{visitors} -> vLLM {self.budget / GIB:.1f} GiB "
                 f"(rollout.gpu_memory_utilization={self.utilization:.3f}): weights {self.weights / GIB:.2f} GiB, "
                 f"KV cache {self.kv / GIB:.2f} GiB{short}, activations {self.activations / GIB:.2f} GiB")
 
 
 def plan(total: int, free_kept: int, free_offloaded: int, *, margin: int, weights: int, need: int,
-         offload: str = "auto") -> Plan:
+         offload: str = "auto", visitors: int = 0) -> Plan:
     """Size vLLM for one step and decide whether the trainer must offload (pure; hand-tested).
 
     vLLM gets its weights, a KV cache of `need` (kv_cache_need) and an activation reserve of
@@ -210,23 +212,27 @@ def plan(total: int, free_kept: int, free_offloaded: int, *, margin: int, weight
     gradients stay on the device while vLLM generates when that fits beside them
     (`offload="auto"`; free_kept is measured with them on the device), which saves moving them
     out and back every step; otherwise they leave (free_offloaded). If even then the whole KV
-    cache does not fit, it shrinks to what is free; below 10% of the weights the plan is refused."""
-    act = GIB + weights // 10
-    if offload != "on" and free_kept - margin >= weights + need + act:
-        return Plan(total, free_kept, margin, weights, need, act, False, need)
+    cache does not fit, it shrinks to what is free; below 10% of the weights the plan is refused.
+    `visitors`: bytes of models that come onto the device while vLLM is awake (reward models,
+    scored before vLLM sleeps), kept back beside the margin."""
+    act = (1 << 30) + weights // 10  # bytes, an int (GIB is a float, for printing)
+    kept = margin + visitors
+    beside = f"a {margin / GIB:.2f} GiB margin" + (f" and {visitors / GIB:.2f} GiB of reward models" if visitors else "")
+    if offload != "on" and free_kept - kept >= weights + need + act:
+        return Plan(total, free_kept, margin, weights, need, act, False, need, visitors)
     if offload == "off":
         raise ConfigError(
             f"with the trainer's states on the device {free_kept / GIB:.2f} GiB of {total / GIB:.2f} GiB are free: too "
             f"little for vLLM's {weights / GIB:.2f} GiB of weights, {need / GIB:.2f} GiB of KV cache and "
-            f"{act / GIB:.2f} GiB of activations beside a {margin / GIB:.2f} GiB margin; set train.offload_states auto")
-    room = free_offloaded - margin - weights - act
+            f"{act / GIB:.2f} GiB of activations beside {beside}; set train.offload_states auto")
+    room = free_offloaded - kept - weights - act
     if room < weights // 10:
         raise ConfigError(
-            f"after the trainer offloads, {free_offloaded / GIB:.2f} GiB of {total / GIB:.2f} GiB are free; less the "
-            f"margin of {margin / GIB:.2f} GiB that leaves too little for vLLM's {weights / GIB:.2f} GiB of weights, "
+            f"after the trainer offloads, {free_offloaded / GIB:.2f} GiB of {total / GIB:.2f} GiB are free; less "
+            f"{beside} that leaves too little for vLLM's {weights / GIB:.2f} GiB of weights, "
             f"{act / GIB:.2f} GiB of activations and a KV cache: lower rollout.memory_margin_mb, set "
             "train.offload_params true, or use a smaller model or more ranks (ZeRO-3)")
-    return Plan(total, free_offloaded, margin, weights, min(need, room), act, True, need)
+    return Plan(total, free_offloaded, margin, weights, min(need, room), act, True, need, visitors)
 
 
 def free_memory() -> tuple[int, int]:

@@ -10,8 +10,9 @@ its logit, which transformers pools at the last non-padding token. Texts are sco
 Memory: like the reference under ZeRO-2 (reference.py), its weights live in host memory (pinned
 on a GPU) and are copied to the device for the phase only, then dropped; nothing is copied back.
 On CPU the moves are no-ops. The phase runs before vLLM sleeps (dynamic sampling needs the
-rewards to decide on another round), so on a GPU the copy must fit beside vLLM's planned memory,
-in `rollout.memory_margin_mb`.
+rewards to decide on another round), so on a GPU the copy must fit beside vLLM: the memory plan
+keeps its bytes free on top of `rollout.memory_margin_mb` (`load_all` runs before the plan), and its
+activations come out of that margin.
 
 Departures: the RM re-tokenizes the text with its own tokenizer (an RM usually has another
 vocabulary than the policy, so the policy's token ids are not reused); the text is the user's
@@ -26,7 +27,8 @@ from itertools import chain
 
 import torch
 
-from .config import ConfigError
+from .config import Config, ConfigError, torch_dtype
+from .rewards import model_terms
 
 
 class RewardModel:
@@ -59,6 +61,11 @@ class RewardModel:
         self._host = [(t, t.data.pin_memory() if cuda else t.data)
                       for t in chain(self.model.parameters(), self.model.buffers())]
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of its weights and buffers while it scores (the memory plan counts them)."""
+        return sum(host.numel() * host.element_size() for _, host in self._host)
+
     def text(self, prompt: str, completion: str) -> str:
         if self.chat:
             return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt},
@@ -84,3 +91,12 @@ class RewardModel:
             return out
         finally:
             self._place(torch.device("cpu"))
+
+
+def load_all(cfg: Config, device: torch.device) -> list[tuple[str, float, RewardModel]]:
+    """The `rm:PATH[:WEIGHT]` terms of reward.fn as (name, weight, model), loaded into host memory;
+    built before vLLM is planned, so that the plan keeps room for them (engine_cycle.plan_rollout)."""
+    return [(f"rm:{path}", weight, RewardModel(path, device=device, dtype=torch_dtype(cfg.model.dtype),
+                                               batch_size=cfg.reward.rm_batch_size,
+                                               trust_remote_code=cfg.model.trust_remote_code))
+            for path, weight in model_terms(cfg.reward.fn)]

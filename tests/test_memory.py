@@ -238,6 +238,12 @@ def test_plan_rollout_fills_auto(monkeypatch, capsys):
     budget = weights + GIB + GIB + weights // 10
     assert out.rollout.gpu_memory_utilization == str(int(budget / (24 * GIB) * 1e4) / 1e4)
     assert "memory plan: device 24.0 GiB" in capsys.readouterr().out
+    # 19 GiB of reward models score while vLLM is awake: 1 + 19 > 20 - 2 with the states kept, so they
+    # leave, and the KV cache shrinks to what is left (in whole MiB: this path once failed on a float)
+    frees = iter([(20 * GIB, 24 * GIB), (22 * GIB, 24 * GIB)])
+    out = engine_cycle.plan_rollout(cfg, trainer, cuda=True, main=True, visitors=19 * GIB)
+    assert out.train.offload_states == "on"
+    assert out.rollout.kv_cache_mb == (22 * GIB - 20 * GIB - weights - GIB - weights // 10) >> 20
     # CPU, or a fraction the user set: offload as asked, nothing measured
     events.clear()
     assert engine_cycle.plan_rollout(cfg, trainer, cuda=False, main=True).train.offload_states == "on"

@@ -9,8 +9,10 @@ import pytest
 import torch
 import transformers
 
+from hybridrl import config, memory
 from hybridrl.config import ConfigError, RewardConfig
-from hybridrl.reward_model import RewardModel
+from hybridrl.memory import GIB
+from hybridrl.reward_model import RewardModel, load_all
 from hybridrl.rewards import Scorer, load_terms, model_terms, parse_spec
 from hybridrl.tasks.arithmetic import DEMO_MODEL_DIR
 from test_train_e2e import train_cli
@@ -39,6 +41,30 @@ def test_scores_match_transformers_forward(tmp_path):
         want = [float(model(**tok(p + c, return_tensors="pt")).logits[0, 0]) for p, c in zip(prompts, completions)]
     assert got == pytest.approx(want, abs=1e-5)
     assert len(set(round(v, 4) for v in got)) == len(got)  # a random model tells the texts apart
+
+
+def test_the_memory_plan_keeps_room_for_reward_models(tmp_path):
+    """An RM is copied to the device while vLLM is awake (it scores before vLLM sleeps): the plan
+    counts its bytes beside the margin: every parameter and buffer, as they are held."""
+    path = make_rm(tmp_path / "rm")
+    cfg = config.load(None, {"reward.fn": f"arithmetic,rm:{path}:0.5", "model.dtype": "bfloat16"})
+    (name, weight, rm), = load_all(cfg, torch.device("cpu"))
+    assert name == f"rm:{path}" and weight == 0.5
+    params = sum(t.numel() for t in rm.model.parameters())
+    buffers = sum(t.numel() * t.element_size() for t in rm.model.buffers())  # rotary's inv_freq stays float32
+    assert rm.model.dtype == torch.bfloat16 and rm.nbytes == 2 * params + buffers and 0 < buffers <= 64
+    # 80 GiB device, 70 free with the trainer's states on it, 76 offloaded; margin 2, weights 14,
+    # KV 20 -> activations 2.4: 36.4 + 2 <= 70 keeps the states; 36.4 + 2 + 32 (an RM) > 70 does not
+    base = dict(margin=2 * GIB, weights=14 * GIB, need=20 * GIB)
+    assert not memory.plan(80 * GIB, 70 * GIB, 76 * GIB, **base).offload
+    p = memory.plan(80 * GIB, 70 * GIB, 76 * GIB, **base, visitors=32 * GIB)
+    assert p.offload and p.kv == 20 * GIB and p.visitors == 32 * GIB
+    assert "reward models 32.00 GiB" in p.describe()
+    # offloaded, the KV cache gives way: 76 - 2 - 40 - 14 - 2.4 = 17.6 GiB left for it
+    p = memory.plan(80 * GIB, 70 * GIB, 76 * GIB, **base, visitors=40 * GIB)
+    assert p.kv == 76 * GIB - 2 * GIB - 40 * GIB - 14 * GIB - (GIB + 14 * GIB // 10)
+    with pytest.raises(ConfigError, match="and 58.00 GiB of reward models"):
+        memory.plan(80 * GIB, 70 * GIB, 76 * GIB, **base, visitors=58 * GIB)
 
 
 def test_spec_and_bad_models(tmp_path):
