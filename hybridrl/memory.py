@@ -33,7 +33,7 @@ from typing import Mapping
 
 from .config import Config, ConfigError
 
-GIB = 2.0 ** 30
+GIB = 1 << 30  # bytes: sizes stay ints (printing divides by it)
 # torch reads the first of these that is set (the accelerator-neutral name wins)
 ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 TRAINING_DEFAULT = "expandable_segments:True"
@@ -215,7 +215,7 @@ def plan(total: int, free_kept: int, free_offloaded: int, *, margin: int, weight
     cache does not fit, it shrinks to what is free; below 10% of the weights the plan is refused.
     `visitors`: bytes of models that come onto the device while vLLM is awake (reward models,
     scored before vLLM sleeps), kept back beside the margin."""
-    act = (1 << 30) + weights // 10  # bytes, an int (GIB is a float, for printing)
+    act = GIB + weights // 10
     kept = margin + visitors
     beside = f"a {margin / GIB:.2f} GiB margin" + (f" and {visitors / GIB:.2f} GiB of reward models" if visitors else "")
     if offload != "on" and free_kept - kept >= weights + need + act:
