@@ -536,8 +536,6 @@ def validate(cfg: Config, lengths: bool = True) -> None:
          "train with top_p=1, top_k=0, min_p=0 (temperature alone)"),
         (cfg.env.max_turns >= 1 and cfg.env.max_tokens >= 0 and cfg.env.tool_timeout_s > 0,
          "env.max_turns must be >= 1, env.max_tokens >= 0 (0 = auto) and env.tool_timeout_s > 0"),
-        (0 <= cfg.algo.overlong_buffer <= r.max_new_tokens,
-         f"algo.overlong_buffer must be in [0, rollout.max_new_tokens={r.max_new_tokens}]"),
     ]
     for ok, msg in checks:
         if not ok:

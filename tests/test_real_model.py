@@ -85,6 +85,14 @@ def test_context_fits_the_model(tmp_path):
     assert (cfg.data.max_prompt_len, cfg.rollout.max_model_len) == (24, 1024)
     with pytest.raises(C.ConfigError, match="max_position_embeddings=1024"):
         recipe.resolve(C.load(None, {"model.path": "m", "rollout.max_model_len": 4096}), info, on_cpu=False)
+    # DAPO's overlong buffer is checked against the completion length the recipe sets (1024 here), not
+    # the demo's 4 tokens that C.load sees before it
+    cfg = recipe.resolve(C.load(None, {"model.path": "m", "algo.overlong_buffer": 256}), info, on_cpu=False)
+    assert (cfg.algo.overlong_buffer, cfg.rollout.max_new_tokens) == (256, 683)
+    with pytest.raises(C.ConfigError, match=r"overlong_buffer must be in \[0, rollout.max_new_tokens=683\]"):
+        recipe.resolve(C.load(None, {"model.path": "m", "algo.overlong_buffer": 700}), info, on_cpu=False)
+    with pytest.raises(C.ConfigError, match=r"overlong_buffer must be in \[0, rollout.max_new_tokens=4\]"):
+        C.load(None, {"algo.overlong_buffer": 5})  # the demo's lengths are known at load
     with pytest.raises(C.ConfigError, match="both set"):
         recipe.set_steps(C.load(None, {"model.path": "m", "train.steps": 3, "train.data_epochs": 2}), 10)
     # a resumed run's config.yaml holds both (as YAML): they agree, or --steps extends the run
