@@ -136,8 +136,8 @@ def share_prompt(cfg: Config, hf: nn.Module, provider: str, attn_implementation:
          not plain or not type(hf).__module__.startswith("transformers.")),
         ("ZeRO-3 (auto)", want == "auto" and cfg.train.zero_stage == 3),
     ) if bad]
-    if why and want == "on":
-        log.info("train.share_prompt: not with %s; every row computes its own prompt", ", ".join(why))
+    if why and want == "on":  # asked for by name: say why it is not done
+        log.warning("train.share_prompt=on: not with %s; every row computes its own prompt", ", ".join(why))
     return not why
 
 
