@@ -42,6 +42,11 @@ more training compute; hybridrl's model.gradient_checkpointing is off by default
 says which was used; --peer-grad-ckpt off runs TRL without it.
 Held-out accuracy (the demo only): greedy, on the demo's 256-prompt held-out split, after training.
 Targets (issue 15): hybridrl >= 1.5x TRL's faster mode in steps/s on the demo, >= 2x at 134M and 0.5B.
+At 134M and 0.5B the table ends with a ceiling: the step's matmul work (bench/shapes.py's count)
+at the rate our training phase and our generation ran it, and the rate the target would need of our
+training phase, each against this CPU's GEMM peak. That peak is measured just before each trainer
+runs (column `GEMM before`): a shared 2-core machine's speed drifts by tens of percent over the
+minutes between rows, and the column shows by how much.
 """
 
 from __future__ import annotations
@@ -100,8 +105,9 @@ def hybridrl_sets(args, out: Path) -> list[str]:
         return [f"train.steps={steps}", f"train.prompts_per_step={w['prompts']}", f"rollout.n={w['n']}",
                 "train.minibatches=1", "log.eval_every=0", "log.progress=false", "ckpt.every=0",
                 f"ckpt.dir={out}/ckpt", "train.max_minutes=0", f"model.dtype={args.dtype}", *args.set]
+    # prompts once per group, as `auto` has it at these shapes, set by name so that the run warns if it cannot
     ns = argparse.Namespace(shape=args.workload, prompts=w["prompts"], n=w["n"], tokens=w["tokens"], steps=steps,
-                            prompt_len=64, set=[f"model.dtype={args.dtype}", *args.set])
+                            prompt_len=64, set=[f"model.dtype={args.dtype}", "train.share_prompt=on", *args.set])
     return scale.workload(ns, out)
 
 
@@ -122,7 +128,12 @@ def run_hybridrl(args, out: Path) -> dict:
     summary = rows[-1].get("summary", {})
     return {"step_s": statistics.median(walls), "phases": phases,
             "tok_s": statistics.median(r["rollout_tok_s"] for r in warm),
-            "acc": summary.get("heldout_acc_after"), "acc0": summary.get("heldout_acc_before"), "steps": len(steps)}
+            "acc": summary.get("heldout_acc_after"), "acc0": summary.get("heldout_acc_before"), "steps": len(steps),
+            # the rows' tokens (prompt + completion) and the completions', for ceiling()
+            "row_tokens": statistics.median(r["train_tok_s"] * r["time/train"] for r in warm),
+            "completion_tokens": statistics.median(r["rollout_tokens"] for r in warm),
+            "shared_prompt": dict(s.split("=", 1) for s in sets).get("train.share_prompt") == "on"
+                             and "train.share_prompt=on: not with" not in res.stdout}
 
 
 def _demo_rows(split: str) -> list[dict]:
@@ -264,6 +275,50 @@ def run_trl(args, mode: str, out: Path) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+def ceiling(args, ours: dict, best: dict, target: float, peak: float) -> list[str]:
+    """How far the target is, in the step's matmul work (bench/shapes.py's count): the rate our
+    training phase and our generation ran it at, and the rate the target would need of our training
+    phase with our other phases as measured, each against this CPU's GEMM peak (`peak`, GFLOP/s)."""
+    w, shape = WORKLOADS[args.workload], args.workload
+    comp = ours["completion_tokens"]
+    prompt = (ours["row_tokens"] - comp) / (w["n"] if ours["shared_prompt"] else 1)  # as the trainer computes them
+    train = shapes.matmul_flops(shape, prompt + comp, comp, passes=3)  # forward and backward
+    gen = shapes.matmul_flops(shape, (ours["row_tokens"] - comp) / w["n"] + comp, comp)  # each prompt once
+    ph = ours["phases"]
+    rate = train / ph["train"] / 1e9
+    need_step = best["step_s"] / target
+    others = ours["step_s"] - ph["train"]  # every phase but training, as measured
+    lines = [f"\nceiling: the step's matmul work against this CPU's GEMM peak ({peak:.0f} GFLOP/s: the best of the "
+             f"MLP's and the LM head's GEMMs over 1024 tokens, {args.dtype}, {torch_threads()} threads, just before our run)",
+             f"  our training phase: {train / 1e12:.2f} TFLOP (forward and backward; {prompt + comp:.0f} tokens "
+             f"through the body, prompts {'once per group' if ours['shared_prompt'] else 'in every row'}; "
+             f"{comp:.0f} through the LM head) in {ph['train']:.1f} s = {rate:.0f} GFLOP/s, {rate / peak:.0%} of "
+             f"the peak",
+             f"  our generation: {gen / 1e12:.2f} TFLOP at least (each prompt once, every sampled token) in "
+             f"{ph['generate']:.1f} s = {gen / ph['generate'] / 1e9:.0f} GFLOP/s, "
+             f"{gen / ph['generate'] / 1e9 / peak:.0%} of the peak (the same vLLM as TRL's colocate mode)"]
+    if need_step <= others:
+        lines.append(f"  {target}x needs a step <= {need_step:.1f} s: our phases other than training already take "
+                     f"{others:.1f} s")
+    else:
+        need = train / (need_step - others) / 1e9
+        lines.append(f"  {target}x needs a step <= {need_step:.1f} s: with our other phases as measured ({others:.1f} s), "
+                     f"training in {need_step - others:.1f} s = {need:.0f} GFLOP/s, {need / rate - 1:+.0%} on ours, "
+                     f"{need / peak:.0%} of the peak" + (" (beyond it)" if need > peak else ""))
+    return lines
+
+
+def torch_threads() -> int:
+    import torch
+    return torch.get_num_threads()
+
+
+def probe_shape(args) -> str:
+    """The shape whose GEMMs probe the machine's speed before each trainer runs (the demo's are too
+    small to be a machine's rate)."""
+    return "134m" if args.workload == "demo" else args.workload
+
+
 def report(args, results: dict) -> str:
     w = WORKLOADS[args.workload]
     peers = {k: v for k, v in results.items() if k.startswith("TRL")}
@@ -274,17 +329,25 @@ def report(args, results: dict) -> str:
              f"checkpointing: {args.peer_grad_ckpt}",
              shapes.describe_machine(), "",
              f"{'trainer':<26}{'s/step':>9}{'steps/s vs TRL best':>21}{'rollout tok/s':>15}{'held-out':>14}"
-             "  phases (s)"]
+             f"{'GEMM before':>13}  phases (s)"]
     for name, r in results.items():
         ratio = f"{best['step_s'] / r['step_s']:.2f}x" if best else ""
         acc = f"{r['acc0']:.1%}->{r['acc']:.1%}" if r.get("acc") is not None else "n/a"
         ph = ", ".join(f"{k} {v:.3f}" for k, v in sorted(r["phases"].items(), key=lambda kv: -kv[1]) if v >= 5e-4)
-        lines.append(f"{name:<26}{r['step_s']:>9.3f}{ratio:>21}{r['tok_s']:>15.0f}{acc:>14}  {ph}")
+        gemm = f"{r['gemm_before']:.0f}" if r.get("gemm_before") else "n/a"
+        lines.append(f"{name:<26}{r['step_s']:>9.3f}{ratio:>21}{r['tok_s']:>15.0f}{acc:>14}{gemm:>13}  {ph}")
+    probes = [r["gemm_before"] for r in results.values() if r.get("gemm_before")]
+    if len(probes) > 1:
+        lines.append(f"GEMM before: this CPU's GEMM peak in GFLOP/s just before each trainer ran ({probe_shape(args)}'s "
+                     f"MLP and LM head, {args.dtype}): {min(probes):.0f} to {max(probes):.0f}, {max(probes) / min(probes) - 1:.0%} "
+                     "apart, the machine's own drift between rows")
     if best and "hybridrl" in results:
         target = 1.5 if args.workload == "demo" else 2.0
         got = best["step_s"] / results["hybridrl"]["step_s"]
         lines.append(f"\ntarget: hybridrl >= {target}x TRL's faster mode in steps/s: {got:.2f}x "
                      f"({'met' if got >= target else 'NOT met'})")
+        if args.workload != "demo" and results["hybridrl"].get("gemm_before"):
+            lines += ceiling(args, results["hybridrl"], best, target, results["hybridrl"]["gemm_before"])
     return "\n".join(lines)
 
 
@@ -328,7 +391,8 @@ def main() -> None:
             key = {"hybridrl": "hybridrl", "TRL transformers generate": "trl-generate",
                    "TRL vLLM colocate": "trl-vllm"}
             if key[name] in only:
-                results[name] = run()
+                gemm = shapes.gemm_peak(probe_shape(args), args.dtype)  # how fast the machine is just now
+                results[name] = {**run(), "gemm_before": gemm}
                 print(f"{name}: {results[name]['step_s']:.3f} s/step", file=sys.stderr, flush=True)
         print(report(args, results))
     finally:

@@ -152,6 +152,47 @@ def n_params(path: Path) -> int:
     return total
 
 
+def matmul_params(shape: str) -> tuple[int, int]:
+    """(the decoder layers' linear weights, the LM head's) of a shape: the weights each token's
+    forward multiplies by (norms and biases left out: under 0.2% of the parameters)."""
+    s = SHAPES[shape]
+    h, ff = s["hidden_size"], s["intermediate_size"]
+    kv = h // s["num_attention_heads"] * s["num_key_value_heads"]  # K's and V's width (grouped-query)
+    return s["num_hidden_layers"] * (2 * h * h + 2 * h * kv + 3 * h * ff), h * s["vocab_size"]
+
+
+def matmul_flops(shape: str, body_tokens: float, head_tokens: float, passes: int = 1) -> float:
+    """Multiply-add FLOPs (2 per weight per token) of `passes` forward-sized passes: the body over
+    `body_tokens`, the LM head over `head_tokens` (a forward and its backward are 3 passes).
+    Attention's scores are left out: under 2% at the workloads' 128-token contexts."""
+    body, head = matmul_params(shape)
+    return 2.0 * passes * (body * body_tokens + head * head_tokens)
+
+
+def gemm_peak(shape: str, dtype: str = "float32", tokens: int = 1024, reps: int = 10) -> float:
+    """This CPU's best rate, in GFLOP/s, on a training step's GEMMs at this shape, as the trainer
+    runs them (F.linear, torch's threads): the MLP's up and down projections over `tokens` rows,
+    the up projection's weight gradient and a 16k-wide slice of the LM head, the fastest of `reps`
+    runs each after a warm-up. A shared 2-core machine's rate drifts by tens of percent from one
+    minute to the next: a peak of the moment, not a constant."""
+    import time
+
+    import torch
+    s = SHAPES[shape]
+    h, ff = s["hidden_size"], s["intermediate_size"]
+    best = 0.0
+    head = min(s["vocab_size"], 16384)
+    for m, k, n in ((tokens, h, ff), (tokens, ff, h), (ff, tokens, h), (tokens, h, head)):  # [m, k] by [k, n]
+        x = torch.randn(m, k, dtype=getattr(torch, dtype))
+        w = torch.randn(n, k, dtype=x.dtype)
+        torch.nn.functional.linear(x, w)
+        for _ in range(reps):
+            t = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            best = max(best, 2.0 * m * k * n / (time.perf_counter() - t) / 1e9)
+    return best
+
+
 def describe_machine() -> str:
     """One line for a table's header: when, which CPU (and whether it has bf16 instructions), how
     busy the machine was, and the stack's versions."""

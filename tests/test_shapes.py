@@ -68,3 +68,39 @@ def test_scale_bench_prints_its_table_at_the_tiny_shape(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "median completion length 16 of 16" in out.stdout  # random weights: full-length completions
     assert "targets: rollout" in out.stdout and "standalone LLM.generate" in out.stdout
+
+
+def test_matmul_count_is_the_models_weights_and_the_ceiling_reads_it():
+    """bench/peers.py's ceiling: the matmul work per token, checked against the tiny model's
+    parameters; then the line that says whether 2x is within the CPU's GEMM rate, on figures by hand."""
+    import argparse
+
+    from bench import peers
+
+    body, head = shapes.matmul_params("tiny")
+    # 2 layers x (q, o: 128x128; k, v: 128x64; gate, up, down: 128x256); the head: the tied 4096 x 128 embedding
+    assert (body, head) == (2 * (2 * 128 * 128 + 2 * 128 * 64 + 3 * 128 * 256), 4096 * 128) == (294_912, 524_288)
+    assert 820_352 - body - head == 5 * 128 + 2 * (128 + 64 + 64)  # the rest: 5 norms, q/k/v biases
+    assert shapes.matmul_flops("tiny", 10, 4, passes=3) == 6 * (294_912 * 10 + 524_288 * 4)
+
+    # 134M: 30 x (2 x 576^2 + 2 x 576 x 192 + 3 x 576 x 1536) = 106,168,320 body weights, 576 x 49,152 head
+    # 32 rows of 40 prompt + 64 completion tokens; prompts once per group of 8: 160 + 2048 body tokens
+    ours = {"step_s": 30.0, "phases": {"train": 18.0, "generate": 11.0}, "row_tokens": 32 * 104,
+            "completion_tokens": 2048, "shared_prompt": True}
+    flops = 6 * (106_168_320 * 2208 + 576 * 49_152 * 2048)  # 1.754e12
+    text = "\n".join(peers.ceiling(argparse.Namespace(workload="134m", dtype="float32"), ours, {"step_s": 50.0},
+                                   2.0, peak=150.0))
+    assert f"{flops / 1e12:.2f} TFLOP" in text and "2208 tokens through the body, prompts once per group" in text
+    assert f"in 18.0 s = {flops / 18e9:.0f} GFLOP/s, 65% of the peak" in text  # 97.5 of 150 GFLOP/s
+    # 2x of 50 s: a 25 s step; the other phases take 30 - 18 = 12 s, so training needs 13 s = 135 GFLOP/s,
+    # 18/13 - 1 = +38% on ours, 90% of the peak
+    assert "training in 13.0 s = 135 GFLOP/s, +38% on ours, 90% of the peak\n" in text + "\n"
+    assert "(beyond it)" in "\n".join(peers.ceiling(argparse.Namespace(workload="134m", dtype="float32"), ours,
+                                                      {"step_s": 50.0}, 2.0, peak=120.0))
+    assert shapes.gemm_peak("tiny", reps=2) > 0
+    # the table: each row's GEMM probe, their spread, and the ceiling at our row's probe
+    args = argparse.Namespace(workload="134m", dtype="float32", steps=0, peer_host_heap="keep", peer_grad_ckpt="on")
+    trl = {"step_s": 50.0, "phases": {"train": 40.0}, "tok_s": 100.0, "gemm_before": 120.0}
+    table = peers.report(args, {"hybridrl": {**ours, "tok_s": 180.0, "gemm_before": 150.0}, "TRL vLLM colocate": trl})
+    assert "1.67x" in table and "(NOT met)" in table and "120 to 150, 25% apart" in table
+    assert "training in 13.0 s = 135 GFLOP/s, +38% on ours, 90% of the peak" in table
