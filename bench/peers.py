@@ -281,9 +281,10 @@ def ceiling(args, ours: dict, best: dict, target: float, peak: float) -> list[st
     phase with our other phases as measured, each against this CPU's GEMM peak (`peak`, GFLOP/s)."""
     w, shape = WORKLOADS[args.workload], args.workload
     comp = ours["completion_tokens"]
-    prompt = (ours["row_tokens"] - comp) / (w["n"] if ours["shared_prompt"] else 1)  # as the trainer computes them
+    once = (ours["row_tokens"] - comp) / w["n"]  # the step's prompt tokens, each prompt once
+    prompt = once if ours["shared_prompt"] else once * w["n"]  # as the trainer computes them
     train = shapes.matmul_flops(shape, prompt + comp, comp, passes=3)  # forward and backward
-    gen = shapes.matmul_flops(shape, (ours["row_tokens"] - comp) / w["n"] + comp, comp)  # each prompt once
+    gen = shapes.matmul_flops(shape, once + comp, comp)
     ph = ours["phases"]
     rate = train / ph["train"] / 1e9
     need_step = best["step_s"] / target
