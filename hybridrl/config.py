@@ -75,6 +75,9 @@ class RolloutConfig:
                             "sequences x context (in 128-token blocks) x the model's KV bytes per token, at most half the free RAM; on GPU "
                             "(with gpu_memory_utilization=auto) 2 x what the step's sequences need at full length, at least 1 GiB. More is mapped and "
                             "unmapped at every wake and sleep for nothing; vLLM queues what does not fit.")
+    max_num_seqs: int = knob(0, "Sequences vLLM runs at once. 0 = auto: on GPU the step's sequences per rank (vLLM's "
+                             "sampler keeps a float32 logits row for each: its default of 1024 on an 80 GB GPU is 0.6 GiB "
+                             "at a 152k vocabulary, and the memory plan reserves it); on CPU vLLM's default.")
     enable_prefix_caching: bool = knob(True, "Reuse a prompt's KV cache across its n samples.")
     enforce_eager: bool = knob(True, "Skip graph capture/compilation (fast start; best for small models). On CPU a "
                                "model of 50M parameters or more gets False unless set: vLLM's compiled decoder, "
@@ -504,8 +507,8 @@ def validate(cfg: Config, lengths: bool = True) -> None:
         (r.sleep_level in (0, 1, 2), "rollout.sleep_level must be 0 (off), 1 or 2"),
         (_fraction_or_auto(r.gpu_memory_utilization),
          f"rollout.gpu_memory_utilization={r.gpu_memory_utilization!r}: use auto or a fraction in (0, 1]"),
-        (r.memory_margin_mb >= 0 and t.sync_bucket_mb >= 0 and r.kv_cache_mb >= 0,
-         "rollout.memory_margin_mb, rollout.kv_cache_mb and train.sync_bucket_mb must be >= 0"),
+        (r.memory_margin_mb >= 0 and t.sync_bucket_mb >= 0 and r.kv_cache_mb >= 0 and r.max_num_seqs >= 0,
+         "rollout.memory_margin_mb, rollout.kv_cache_mb, rollout.max_num_seqs and train.sync_bucket_mb must be >= 0"),
         (not (t.offload_params and t.probe_every), "train.offload_params needs train.probe_every=0: the probe's "
          "trainer forward runs after the hand-off, when the parameters would be off the device"),
         (r.tensor_parallel_size == 1,

@@ -89,7 +89,7 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     the trainer's states on it and offloaded, plan (memory.plan: weights, a KV cache for the
     step's sequences, activations), keep the states on the device if they fit beside vLLM, print
     the plan. Returns the config with the decisions filled in (a utilization, rollout.kv_cache_mb,
-    train.offload_states on/off). The critic always leaves: it takes no part in generating.
+    train.offload_states on/off; on GPU rollout.max_num_seqs, the step's sequences per rank). The critic always leaves: it takes no part in generating.
     With LoRA, vLLM's sleep keeps its base weights (keep_base_weights). `visitors`: device bytes
     of the reward models, which score while vLLM is awake; the plan keeps them free."""
     cfg = keep_base_weights(cfg, main)
@@ -99,6 +99,9 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     if main:
         print(memory.describe_host(per_rank), flush=True)
     t, r = cfg.train, cfg.rollout
+    if cuda and not r.max_num_seqs:  # vLLM runs the step's sequences at once, and no more (memory.sampler_bytes)
+        r = replace(r, max_num_seqs=memory.step_seqs(cfg, world_size))
+        cfg = replace(cfg, rollout=r)
     if not cuda or r.gpu_memory_utilization != "auto":  # the user sized vLLM (or CPU: rollout.kv_cache_mb)
         offload = "off" if t.offload_states == "off" else "on"
         if offload == "on":
@@ -115,7 +118,8 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     trainer.offload()
     free_offloaded, total = memory.free_memory()
     plan = memory.plan(total, free_kept, free_offloaded, margin=r.memory_margin_mb << 20, weights=weights,
-                       need=need, offload=t.offload_states, visitors=visitors)
+                       need=need, offload=t.offload_states, visitors=visitors,
+                       sampler=memory.sampler_bytes(r.max_num_seqs, hf.config.vocab_size))
     if not plan.offload:
         trainer.reload()
     if main:

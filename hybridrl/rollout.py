@@ -84,6 +84,7 @@ class Rollout:
         # LoRA: vLLM serves its base weights plus the adapter each hand-off replaces (lora.py)
         self.adapter = lora.spec(cfg.model) if cfg.model.lora_rank else None
         self.lora_request = None  # set by the first adapter hand-off; before it, adapter == base (B = 0)
+        vllm_compat.exact_float32(cuda=self.cuda, dtype=cfg.model.dtype)
         with memory.vllm_pool(self.cuda), vllm_compat.engine_env(out_of_process=self.out_of_process,
                                                                  local_rank=local_rank, cuda=self.cuda):
             self.llm = LLM(
@@ -98,7 +99,7 @@ class Rollout:
                 **vllm_compat.engine_kwargs(on_cpu=on_cpu, kv_cache_bytes=r.kv_cache_mb << 20,
                                             gpu_memory_utilization=memory.utilization(r.gpu_memory_utilization),
                                             sleep_mode=r.sleep_level > 0, out_of_process=self.out_of_process,
-                                            lora_rank=cfg.model.lora_rank),
+                                            lora_rank=cfg.model.lora_rank, max_num_seqs=r.max_num_seqs),
             )
         self.sender = ipc.BucketSender(cfg.train.sync_bucket_mb << 20, cuda=self.cuda) if self.out_of_process else None
         self.digest = False  # tests: the out-of-process receiver returns a sha256 of every tensor it rebuilt

@@ -201,6 +201,14 @@ def test_plan_arithmetic():
         memory.plan(80 * GIB, 10 * GIB, 18 * GIB, margin=2 * GIB, weights=14 * GIB, need=20 * GIB)
     with pytest.raises(ConfigError, match="set train.offload_states auto"):
         memory.plan(80 * GIB, 10 * GIB, 60 * GIB, margin=2 * GIB, weights=14 * GIB, need=20 * GIB, offload="off")
+    # vLLM's sampler at its default 1024 sequences, Qwen2.5's 151936 tokens: 1024 * 151936 * 4 bytes
+    # = 0.58 GiB (the H100's planner check: the engine used 0.60 GiB over a plan without it); 64
+    # sequences, the step's: 37 MiB, on top of the 1.1 GiB of activations
+    assert memory.sampler_bytes(1024, 151936) == 622329856
+    p = memory.plan(80 * GIB, 70 * GIB, 76 * GIB, margin=2 * GIB, weights=1 * GIB, need=2 * GIB,
+                    sampler=memory.sampler_bytes(64, 151936))
+    assert p.activations == GIB + GIB // 10 + 38895616 and p.budget == 3 * GIB + p.activations
+    assert "activations 1.14 GiB (sampler 0.04)" in p.describe()
 
 
 def test_kv_cache_need():
@@ -227,15 +235,18 @@ def test_plan_rollout_fills_auto(monkeypatch, capsys):
     monkeypatch.setattr(memory, "free_memory", lambda: next(frees))
     trainer = FakeTrainer(events)
     trainer.hf = torch.nn.Linear(1024, 1024)  # 1024 * 1024 + 1024 fp32 params, ~4 MiB
-    trainer.hf.config = type("C", (), dict(num_attention_heads=2, num_hidden_layers=2, hidden_size=64))()
+    trainer.hf.config = type("C", (), dict(num_attention_heads=2, num_hidden_layers=2, hidden_size=64,
+                                           vocab_size=1000))()
     trainer.hf.dtype = torch.float32
     trainer.pending_state_bytes = lambda: 2 * GIB  # Adam's moments, created at the first step
     out = engine_cycle.plan_rollout(cfg, trainer, cuda=True, main=True)
     # measured with the states on, then offloaded, then (they fit) reloaded
     assert events == [("trainer.offload", False), ("trainer.reload",)]
     assert out.train.offload_states == "off" and out.rollout.kv_cache_mb == 1024
+    # vLLM runs the step's 32 prompts x 8 samples at once: its sampler's 256 float32 rows are planned
+    assert out.rollout.max_num_seqs == 256
     weights = (1024 * 1024 + 1024) * 4
-    budget = weights + GIB + GIB + weights // 10
+    budget = weights + GIB + GIB + weights // 10 + 256 * 1000 * 4
     assert out.rollout.gpu_memory_utilization == str(int(budget / (24 * GIB) * 1e4) / 1e4)
     assert "memory plan: device 24.0 GiB" in capsys.readouterr().out
     # 19 GiB of reward models score while vLLM is awake: 1 + 19 > 20 - 2 with the states kept, so they
@@ -243,13 +254,16 @@ def test_plan_rollout_fills_auto(monkeypatch, capsys):
     frees = iter([(20 * GIB, 24 * GIB), (22 * GIB, 24 * GIB)])
     out = engine_cycle.plan_rollout(cfg, trainer, cuda=True, main=True, visitors=19 * GIB)
     assert out.train.offload_states == "on"
-    assert out.rollout.kv_cache_mb == (22 * GIB - 20 * GIB - weights - GIB - weights // 10) >> 20
-    # CPU, or a fraction the user set: offload as asked, nothing measured
+    assert out.rollout.kv_cache_mb == (22 * GIB - 20 * GIB - weights - GIB - weights // 10 - 256 * 1000 * 4) >> 20
+    # CPU, or a fraction the user set: offload as asked, nothing measured; vLLM's default sequences on CPU
     events.clear()
-    assert engine_cycle.plan_rollout(cfg, trainer, cuda=False, main=True).train.offload_states == "on"
-    fixed = config.load(None, {"rollout.gpu_memory_utilization": "0.6", "train.offload_states": "off"})
+    out = engine_cycle.plan_rollout(cfg, trainer, cuda=False, main=True)
+    assert out.train.offload_states == "on" and out.rollout.max_num_seqs == 0
+    fixed = config.load(None, {"rollout.gpu_memory_utilization": "0.6", "train.offload_states": "off",
+                               "rollout.max_num_seqs": 100})
     out = engine_cycle.plan_rollout(fixed, trainer, cuda=True, main=True)
     assert out.rollout.gpu_memory_utilization == "0.6" and out.train.offload_states == "off"
+    assert out.rollout.max_num_seqs == 100  # set by the user: kept
     assert events == [("trainer.offload", False)]  # only the CPU call offloaded
     with pytest.raises(ConfigError, match="sleep_level=0 set a fraction"):
         engine_cycle.plan_rollout(config.load(None, {"rollout.sleep_level": 0}), trainer, cuda=True, main=True)
@@ -451,6 +465,24 @@ def test_engine_env_per_mode(monkeypatch):
     assert "distributed_executor_backend" not in kw
     kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, sleep_mode=False)
     assert kw["distributed_executor_backend"] == "external_launcher" and not kw["enable_sleep_mode"]
+    assert "max_num_seqs" not in kw  # 0: vLLM's default
+    kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, max_num_seqs=64)
+    assert kw["max_num_seqs"] == 64
+
+
+def test_float32_engine_on_a_gpu_computes_attention_in_ieee(monkeypatch):
+    """vLLM's float32 attention on a GPU is Triton's, in TF32 unless Triton's default is IEEE (the
+    demo's probe gap was 0.018 on an H100): set for float32 on CUDA only, and never over the user's."""
+    import os
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    for cuda, dtype in ((False, "float32"), (True, "bfloat16")):
+        vllm_compat.exact_float32(cuda=cuda, dtype=dtype)
+        assert "TRITON_F32_DEFAULT" not in os.environ
+    vllm_compat.exact_float32(cuda=True, dtype="float32")
+    assert os.environ["TRITON_F32_DEFAULT"] == "ieee"
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")
+    vllm_compat.exact_float32(cuda=True, dtype="float32")
+    assert os.environ["TRITON_F32_DEFAULT"] == "tf32x3"
 
 
 @pytest.mark.parametrize("zero", [2, 3])
