@@ -278,6 +278,8 @@ def evaluate(target: str = typer.Argument(..., help="A run directory (its newest
         if not run_dir:
             overrides.setdefault("model.path", target)
         cfg = C.load(config, overrides)
+        from . import preflight
+        preflight.reward_named(cfg)
         E.run(target, cfg)
     except C.UserError as e:
         _fail(str(e))

@@ -222,7 +222,8 @@ class AlgoConfig:
 
 @dataclass
 class RewardConfig:
-    fn: str = knob("arithmetic", "Reward: comma-separated terms NAME[:WEIGHT], each a built-in (arithmetic, "
+    fn: str = knob("arithmetic", "Reward: comma-separated terms NAME[:WEIGHT], each a built-in (arithmetic, the "
+                   "demo's verifier and the default, which a run on other data must name to keep; "
                    "exact_match, math_verify, format), module:function with fn(prompt, completion, answer) -> float "
                    "(async def too; batched if fn.batched), or rm:PATH (a sequence-classification reward model scored "
                    "on the device), e.g. math_verify:1.0,format:0.1 or arithmetic,rm:/models/rm:0.5.")

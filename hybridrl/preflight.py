@@ -27,10 +27,23 @@ def check(cfg: Config, nproc: int = 1) -> None:
     if resume and resume != "auto" and not Path(resume).exists():
         raise ConfigError(f"ckpt.resume={resume}: no such run directory or checkpoint (use 'auto' to continue the "
                           f"newest run under log.run_dir, or a directory that `hybridrl train` wrote)")
+    reward_named(cfg)
     rewards.load_terms(cfg.reward.fn, cfg.reward.format_pattern)  # imports a user module: its errors show now
     if nproc > 1 and cfg.train.prompts_per_step % nproc:
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by the {nproc} "
                           f"ranks of --nproc {nproc}")
+
+
+def reward_named(cfg: Config) -> None:
+    """The default reward, `arithmetic`, is the demo's verifier: with the user's prompts it would score
+    whatever their answers are against sums, and train on that without a word. As TRL and OpenRLHF do,
+    a run on other data names its reward (in YAML, by flag, or changed by a script)."""
+    key, given = next(((k, p) for k, p in _data_paths(cfg)), (None, None))
+    named = "reward.fn" in cfg.sources or cfg.reward.fn != "arithmetic"
+    if key and not named:
+        raise ConfigError(f"{key}={given} needs a reward: the default reward.fn=arithmetic is the demo's verifier; "
+                          "name one, e.g. --reward math_verify, --reward exact_match or --reward mymodule:score "
+                          "(--reward arithmetic keeps it)")
 
 
 def _data_paths(cfg: Config) -> list[tuple[str, str]]:

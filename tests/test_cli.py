@@ -18,6 +18,9 @@ def fresh_shell() -> dict:
     return {k: v for k, v in os.environ.items() if k not in logs.ENV_QUIET}
 
 
+USER_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "noisy_demo_steps.json")  # any data file
+
+
 def hybridrl(*args, env=None):
     return subprocess.run([sys.executable, "-m", "hybridrl", *args], capture_output=True, text=True, timeout=120,
                           env={**os.environ, **(env or {})})
@@ -56,6 +59,9 @@ def test_help_at_80_columns_shows_whole_option_names():
     (["--log.progress", "false", "--algo.skip_zero_advantage", "false", "--data", "missing.jsonl"],
      "error: data.path=missing.jsonl: no such file"),
     (["--reward", "no_such_module:score"], "error: reward.fn='no_such_module:score': cannot import"),
+    # the user's data with the demo's verifier as the reward, by default: refused, naming the flag
+    (["--data", USER_DATA], f"error: data.path={USER_DATA} needs a reward: the default reward.fn=arithmetic is the "
+                            "demo's verifier; name one, e.g. --reward math_verify"),
     (["--model", "./no_such_dir"], "error: model.path ./no_such_dir: no such directory"),
     (["--log.progress", "maybe"], "error: --log.progress maybe: a boolean takes true or false"),
     (["--nproc", "3"], "error: train.prompts_per_step=32 must be divisible by the 3 ranks"),

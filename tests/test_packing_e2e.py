@@ -28,7 +28,7 @@ def test_packing_matches_padding_with_real_engines(tmp_path):
     runs = {}
     for packing in ("on", "off"):
         out, steps, summary = train_cli(
-            tmp_path / packing, "--train.packing", packing, "--data", str(tmp_path / "ds"),
+            tmp_path / packing, "--train.packing", packing, "--data", str(tmp_path / "ds"), "--reward", "arithmetic",
             "--data.heldout_path", str(tmp_path / "ds"),
             "--data.on_error", "skip", "--train.max_tokens_per_micro_batch", "40", "--algo.tis_cap", "2",
             "--algo.tis_level", "sequence", "--log.eval_n", str(EVAL_N), "--log.eval_temperature", "1.0")

@@ -75,7 +75,8 @@ def test_user_data_reward_module_and_bad_rows(tmp_path, monkeypatch):
 def test_bad_input_fails_fast_with_the_fix(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\nnot json\n')
-    cmd = [sys.executable, "-m", "hybridrl", "train", "--data", str(bad), "--log.run_dir", str(tmp_path / "r")]
+    cmd = [sys.executable, "-m", "hybridrl", "train", "--data", str(bad), "--reward", "arithmetic", "--log.run_dir",
+           str(tmp_path / "r")]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "bad.jsonl:2: not valid JSON" in out.stderr
     out = subprocess.run([*cmd[:4], "--reward", "nosuchmodule:f"], capture_output=True, text=True, timeout=300)
