@@ -96,7 +96,8 @@ CLAIMS: dict[str, tuple[int, list[tuple[str, str]]]] = {
     ]),
     "oop": (420, [("hand-off, out of process (CUDA IPC buckets): demo / 0.5B (s)", "completes, probe passes")]),
     "critic": (300, [("PPO with a critic (gae) + checkpoints on GPU", "completes")]),
-    "variants": (420, [("0.5B: the planner's choices vs the previous plan, side by side", "reported")]),
+    "variants": (480, [("0.5B: the planner's choices vs the previous plan, and CUDA graphs vs eager, side by side",
+                        "reported")]),
 }
 
 
@@ -625,13 +626,15 @@ def check_critic(cuda: bool) -> None:
 
 
 def check_variants(cuda: bool) -> None:
-    """What the hybrid overhead is made of: a KV cache of the whole free device vs one sized to the
-    step's sequences, vLLM sleeping or not, the trainer offloading or not."""
+    """Choices side by side at 0.5B: this plan vs the previous one (a KV cache of the whole free device,
+    the trainer offloading, level 1), and vLLM's CUDA graphs (rollout.enforce_eager false) vs eager
+    decoding, which left generation at 86% of the step on the H100 (2026-11-26)."""
     half_b = _half_b_args(half_b_model()) + ["--steps", "10"]
     runs = {
         "0.5B, this plan (KV for the step, states kept, level 2)": half_b,
         "0.5B, the previous plan (KV = whole free device, states offloaded, level 1)": half_b + [
             "--rollout.gpu_memory_utilization", "0.9", "--train.offload_states", "on", "--rollout.sleep_level", "1"],
+        "0.5B, this plan with CUDA graphs (rollout.enforce_eager false)": half_b + ["--rollout.no_enforce_eager"],
     }
     out = []
     for name, args in runs.items():
@@ -644,9 +647,10 @@ def check_variants(cuda: bool) -> None:
         step = sum(ph.values())
         over = sum(ph.get(k, 0) for k in HYBRID)
         s = r["summary"]
-        out.append(f"{name}: {step * 1e3:.0f} ms/step, overhead {over / step:.1%} (" + ", ".join(
-            f"{k} {ph.get(k, 0) * 1e3:.0f}" for k in HYBRID) + f" ms); held-out {s.get('heldout_acc_before')} -> "
-            f"{s.get('heldout_acc_after')}")
+        out.append(f"{name}: {step * 1e3:.0f} ms/step, rollout {_med(r['steps'], 'rollout_tok_s', 2):.0f} tok/s, "
+                   f"overhead {over / step:.1%} (" + ", ".join(f"{k} {ph.get(k, 0) * 1e3:.0f}" for k in HYBRID) +
+                   f" ms); probe gap mean {max(x.get('probe_gap_mean', 0) for x in r['steps']):.3g}; held-out "
+                   f"{s.get('heldout_acc_before')} -> {s.get('heldout_acc_after')}")
         row(f"variant {name}", out[-1], "reported", "info", phases=ph)
 
 
