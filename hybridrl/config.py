@@ -75,9 +75,10 @@ class RolloutConfig:
                             "sequences x context (in 128-token blocks) x the model's KV bytes per token, at most half the free RAM; on GPU "
                             "(with gpu_memory_utilization=auto) 2 x what the step's sequences need at full length, at least 1 GiB. More is mapped and "
                             "unmapped at every wake and sleep for nothing; vLLM queues what does not fit.")
-    max_num_seqs: int = knob(0, "Sequences vLLM runs at once. 0 = auto: on GPU the step's sequences per rank (vLLM's "
-                             "sampler keeps a float32 logits row for each: its default of 1024 on an 80 GB GPU is 0.6 GiB "
-                             "at a 152k vocabulary, and the memory plan reserves it); on CPU vLLM's default.")
+    max_num_seqs: int = knob(0, "Sequences vLLM runs at once. 0 = auto: on GPU a rank's step or held-out evaluation, "
+                             "whichever is more (vLLM's sampler keeps a float32 logits row for each: its default of 1024 "
+                             "on an 80 GB GPU is 0.6 GiB at a 152k vocabulary; the memory plan reserves them); on CPU "
+                             "vLLM's default.")
     enable_prefix_caching: bool = knob(True, "Reuse a prompt's KV cache across its n samples.")
     enforce_eager: bool = knob(True, "Skip graph capture/compilation (fast start; best for small models). On CPU a "
                                "model of 50M parameters or more gets False unless set: vLLM's compiled decoder, "

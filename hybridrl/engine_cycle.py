@@ -89,7 +89,7 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     the trainer's states on it and offloaded, plan (memory.plan: weights, a KV cache for the
     step's sequences, activations), keep the states on the device if they fit beside vLLM, print
     the plan. Returns the config with the decisions filled in (a utilization, rollout.kv_cache_mb,
-    train.offload_states on/off; on GPU rollout.max_num_seqs, the step's sequences per rank). The critic always leaves: it takes no part in generating.
+    train.offload_states on/off; on GPU rollout.max_num_seqs, memory.engine_seqs). The critic always leaves: it takes no part in generating.
     With LoRA, vLLM's sleep keeps its base weights (keep_base_weights). `visitors`: device bytes
     of the reward models, which score while vLLM is awake; the plan keeps them free."""
     cfg = keep_base_weights(cfg, main)
@@ -99,8 +99,8 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     if main:
         print(memory.describe_host(per_rank), flush=True)
     t, r = cfg.train, cfg.rollout
-    if cuda and not r.max_num_seqs:  # vLLM runs the step's sequences at once, and no more (memory.sampler_bytes)
-        r = replace(r, max_num_seqs=memory.step_seqs(cfg, world_size))
+    if cuda and not r.max_num_seqs:  # vLLM runs a step's or an evaluation's sequences at once (memory.sampler_bytes)
+        r = replace(r, max_num_seqs=memory.engine_seqs(cfg, world_size))
         cfg = replace(cfg, rollout=r)
     if not cuda or r.gpu_memory_utilization != "auto":  # the user sized vLLM (or CPU: rollout.kv_cache_mb)
         offload = "off" if t.offload_states == "off" else "on"

@@ -166,6 +166,14 @@ def step_seqs(cfg: Config, world_size: int) -> int:
     return -(-cfg.train.prompts_per_step // world_size) * cfg.rollout.n
 
 
+def engine_seqs(cfg: Config, world_size: int) -> int:
+    """rollout.max_num_seqs auto (GPU): enough for a rank's step and its share of the held-out
+    evaluation at once (log.eval_size prompts x log.eval_n samples, or one greedy each); with
+    log.eval_size 0 (all of it, counted later) vLLM's default on an 80 GB GPU, 1024."""
+    eval_seqs = -(-cfg.log.eval_size // world_size) * max(1, cfg.log.eval_n) if cfg.log.eval_size else 1024
+    return max(step_seqs(cfg, world_size), eval_seqs)
+
+
 def sampler_bytes(seqs: int, vocab: int) -> int:
     """vLLM's sampler: a float32 logits row per sequence it runs at once (max_num_seqs). Its
     default of 1024 on an 80 GB GPU, at Qwen2.5's 151936 tokens, is 0.58 GiB: on an H100 the

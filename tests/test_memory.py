@@ -224,6 +224,16 @@ def test_kv_cache_need():
     assert memory.kv_cache_need(small, qwen, 1, 2) == memory.KV_MIN
 
 
+def test_engine_seqs_cover_the_step_and_the_evaluation():
+    # a rank's step: 64 prompts x 8 over 8 ranks = 64; its evaluation: 256 / 8 = 32 greedy, x4 with eval_n 4
+    cfg = config.load(None, {"train.prompts_per_step": 64, "rollout.n": 8})
+    assert memory.step_seqs(cfg, 8) == 64 and memory.engine_seqs(cfg, 8) == 64
+    cfg = config.load(None, {"train.prompts_per_step": 64, "rollout.n": 8, "log.eval_n": 4})
+    assert memory.engine_seqs(cfg, 8) == 128
+    # every held-out prompt (counted later): vLLM's default on an 80 GB GPU
+    assert memory.engine_seqs(config.load(None, {"log.eval_size": 0}), 1) == 1024
+
+
 def test_plan_rollout_fills_auto(monkeypatch, capsys):
     """The planner's caller, with the device's free memory given: 24 GiB device, 20 GiB free with
     the trainer's states (18 once Adam's moments exist), 22 once they leave; a 4 MiB model needs
@@ -243,7 +253,8 @@ def test_plan_rollout_fills_auto(monkeypatch, capsys):
     # measured with the states on, then offloaded, then (they fit) reloaded
     assert events == [("trainer.offload", False), ("trainer.reload",)]
     assert out.train.offload_states == "off" and out.rollout.kv_cache_mb == 1024
-    # vLLM runs the step's 32 prompts x 8 samples at once: its sampler's 256 float32 rows are planned
+    # vLLM runs the step's 32 prompts x 8 samples (or the 256 held-out prompts) at once: its sampler's 256
+    # float32 rows are planned
     assert out.rollout.max_num_seqs == 256
     weights = (1024 * 1024 + 1024) * 4
     budget = weights + GIB + GIB + weights // 10 + 256 * 1000 * 4
