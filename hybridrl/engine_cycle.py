@@ -119,7 +119,7 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     free_offloaded, total = memory.free_memory()
     plan = memory.plan(total, free_kept, free_offloaded, margin=r.memory_margin_mb << 20, weights=weights,
                        need=need, offload=t.offload_states, visitors=visitors,
-                       sampler=memory.sampler_bytes(r.max_num_seqs, hf.config.vocab_size))
+                       sampler=memory.sampler_bytes(r.max_num_seqs, memory.vocab_size(hf.config)))
     if not plan.offload:
         trainer.reload()
     if main:

@@ -174,6 +174,11 @@ def engine_seqs(cfg: Config, world_size: int) -> int:
     return max(step_seqs(cfg, world_size), eval_seqs)
 
 
+def vocab_size(hf_config) -> int:
+    """The tokens the LM head scores: the config's vocab_size, or its text model's (multimodal configs)."""
+    return getattr(hf_config, "vocab_size", None) or hf_config.get_text_config().vocab_size
+
+
 def sampler_bytes(seqs: int, vocab: int) -> int:
     """vLLM's sampler: a float32 logits row per sequence it runs at once (max_num_seqs). Its
     default of 1024 on an 80 GB GPU, at Qwen2.5's 151936 tokens, is 0.58 GiB: on an H100 the

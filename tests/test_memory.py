@@ -209,6 +209,10 @@ def test_plan_arithmetic():
                     sampler=memory.sampler_bytes(64, 151936))
     assert p.activations == GIB + GIB // 10 + 38895616 and p.budget == 3 * GIB + p.activations
     assert "activations 1.14 GiB (sampler 0.04)" in p.describe()
+    import transformers
+    assert memory.vocab_size(transformers.Qwen2Config(vocab_size=151936)) == 151936
+    vl = transformers.AutoConfig.for_model("qwen2_5_vl", text_config={"vocab_size": 151936})
+    assert memory.vocab_size(vl) == 151936  # the text model's, from a multimodal config
 
 
 def test_kv_cache_need():
