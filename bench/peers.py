@@ -112,6 +112,7 @@ def hybridrl_sets(args, out: Path) -> list[str]:
 
 
 def run_hybridrl(args, out: Path) -> dict:
+    from hybridrl.policy import SHARE_PROMPT_REFUSED
     sets = hybridrl_sets(args, out)
     run_dir = out / "hybridrl"
     cmd = [sys.executable, "-m", "hybridrl", "train", "--log.run_dir", str(run_dir),
@@ -133,7 +134,7 @@ def run_hybridrl(args, out: Path) -> dict:
             "row_tokens": statistics.median(r["train_tok_s"] * r["time/train"] for r in warm),
             "completion_tokens": statistics.median(r["rollout_tokens"] for r in warm),
             "shared_prompt": dict(s.split("=", 1) for s in sets).get("train.share_prompt") == "on"
-                             and "train.share_prompt=on: not with" not in res.stdout}
+                             and SHARE_PROMPT_REFUSED not in res.stdout}
 
 
 def _demo_rows(split: str) -> list[dict]:

@@ -89,7 +89,8 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     the trainer's states on it and offloaded, plan (memory.plan: weights, a KV cache for the
     step's sequences, activations), keep the states on the device if they fit beside vLLM, print
     the plan. Returns the config with the decisions filled in (a utilization, rollout.kv_cache_mb,
-    train.offload_states on/off; on GPU rollout.max_num_seqs, memory.engine_seqs). The critic always leaves: it takes no part in generating.
+    train.offload_states on/off; on GPU rollout.max_num_seqs, memory.engine_seqs). The critic
+    always leaves: it takes no part in generating.
     With LoRA, vLLM's sleep keeps its base weights (keep_base_weights). `visitors`: device bytes
     of the reward models, which score while vLLM is awake; the plan keeps them free."""
     cfg = keep_base_weights(cfg, main)

@@ -23,6 +23,8 @@ from .batch import Batch, Shared
 from .config import Config, UserError
 
 log = logging.getLogger("hybridrl")
+# the warning when train.share_prompt=on cannot be honoured (bench/peers.py reads it from the run's output)
+SHARE_PROMPT_REFUSED = "train.share_prompt=on: not with"
 # attention implementations that read packed samples from position_ids (transformers' masking_utils)
 PACKABLE_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 
@@ -137,7 +139,7 @@ def share_prompt(cfg: Config, hf: nn.Module, provider: str, attn_implementation:
         ("ZeRO-3 (auto)", want == "auto" and cfg.train.zero_stage == 3),
     ) if bad]
     if why and want == "on":  # asked for by name: say why it is not done
-        log.warning("train.share_prompt=on: not with %s; every row computes its own prompt", ", ".join(why))
+        log.warning(SHARE_PROMPT_REFUSED + " %s; every row computes its own prompt", ", ".join(why))
     return not why
 
 

@@ -38,9 +38,9 @@ def reward_named(cfg: Config) -> None:
     """The default reward, `arithmetic`, is the demo's verifier: with the user's prompts it would score
     whatever their answers are against sums, and train on that without a word. As TRL and OpenRLHF do,
     a run on other data names its reward (in YAML, by flag, or changed by a script)."""
-    key, given = next(((k, p) for k, p in _data_paths(cfg)), (None, None))
-    named = "reward.fn" in cfg.sources or cfg.reward.fn != "arithmetic"
-    if key and not named:
+    paths = _data_paths(cfg)
+    if paths and "reward.fn" not in cfg.sources and cfg.reward.fn == "arithmetic":
+        key, given = paths[0]
         raise ConfigError(f"{key}={given} needs a reward: the default reward.fn=arithmetic is the demo's verifier; "
                           "name one, e.g. --reward math_verify, --reward exact_match or --reward mymodule:score "
                           "(--reward arithmetic keeps it)")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from . import memory
 from .config import Config, ConfigError, leaves, validate
 from .models import ModelInfo
 
@@ -80,8 +81,7 @@ def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
     if on_cpu and not demo:
         cfg = _cpu_dtype(cfg, info, fast_bf16)  # before the KV cache, whose bytes per token it sets
     if on_cpu and not explicit(cfg, "rollout.kv_cache_mb"):
-        seqs = -(-cfg.train.prompts_per_step // world_size) * cfg.rollout.n
-        mb = cpu_kv_mb(seqs, cfg.rollout.max_model_len, info.kv_bytes_per_token(cfg.model.dtype),
+        mb = cpu_kv_mb(memory.step_seqs(cfg, world_size), cfg.rollout.max_model_len, info.kv_bytes_per_token(cfg.model.dtype),
                        _free_ram() if free_ram is None else free_ram, world_size)
         cfg = _set(cfg, "rollout.kv_cache_mb", mb, "the demo's recipe" if demo else "real-model recipe")
     if demo:
