@@ -1,0 +1,141 @@
+"""The GPU memory planner on CPU, with the device's free memory given: its arithmetic
+(memory.plan: the KV cache, activations and vLLM's sampler against what is free with the trainer's
+states on the device and off it), the step's KV need and sequence count, and the caller that fills
+the auto knobs (engine_cycle.plan_rollout)."""
+import pytest
+import torch
+
+from hybridrl import config, engine_cycle, memory
+from hybridrl.config import ConfigError
+
+GIB = 1 << 30
+
+
+class Recorder:
+    """A trainer that records the planner's offload and reload calls."""
+
+    def __init__(self, events):
+        self.events = events
+
+    def offload(self, params=False):
+        self.events.append(("trainer.offload", params))
+
+    def reload(self):
+        self.events.append(("trainer.reload",))
+
+
+def test_plan_arithmetic():
+    # 80 GiB device; 70 GiB free with the trainer's states on it, 76 GiB once they leave; margin 2,
+    # weights 1, the step's KV cache 2: activations 1 + 0.1 = 1.1; 1 + 2 + 1.1 = 4.1 <= 70 - 2, so
+    # the states stay (no offload every step) and vLLM gets exactly 4.1 GiB = 0.05125 of the device
+    p = memory.plan(80 * GIB, 70 * GIB, 76 * GIB, margin=2 * GIB, weights=1 * GIB, need=2 * GIB)
+    assert not p.offload and p.kv == 2 * GIB and p.activations == GIB + GIB // 10
+    assert p.budget == 4 * GIB + GIB // 10 and p.utilization == pytest.approx(4.1 / 80)
+    assert "with the trainer's states kept on it 70.0 GiB" in p.describe() and "KV cache 2.00 GiB" in p.describe()
+    # the same with offload forced on: measured after offloading, same budget
+    p = memory.plan(80 * GIB, 0, 76 * GIB, margin=2 * GIB, weights=1 * GIB, need=2 * GIB, offload="on")
+    assert p.offload and p.free == 76 * GIB and p.kv == 2 * GIB
+    # 14 GiB of weights (7B bf16), a 20 GiB KV cache: activations 2.4; 36.4 > 10 - 2 with the
+    # states on the device, <= 60 - 2 without: the states must leave
+    p = memory.plan(80 * GIB, 10 * GIB, 60 * GIB, margin=2 * GIB, weights=14 * GIB, need=20 * GIB)
+    assert p.offload and p.kv == 20 * GIB
+    # only 20 GiB free even offloaded: the KV cache shrinks to 20 - 2 - 14 - 2.4 = 1.6 GiB and says so
+    p = memory.plan(80 * GIB, 10 * GIB, 20 * GIB, margin=2 * GIB, weights=14 * GIB, need=20 * GIB)
+    assert p.offload and p.kv == 20 * GIB - 2 * GIB - 14 * GIB - (GIB + 14 * GIB // 10)
+    assert "less than the 20.00 GiB the step needs" in p.describe()
+    # 18 GiB free offloaded: 18 - 2 - 14 - 2.4 < 1.4 (10% of the weights) -> refused with the knobs to turn
+    with pytest.raises(ConfigError, match="lower rollout.memory_margin_mb"):
+        memory.plan(80 * GIB, 10 * GIB, 18 * GIB, margin=2 * GIB, weights=14 * GIB, need=20 * GIB)
+    with pytest.raises(ConfigError, match="set train.offload_states auto"):
+        memory.plan(80 * GIB, 10 * GIB, 60 * GIB, margin=2 * GIB, weights=14 * GIB, need=20 * GIB, offload="off")
+    # vLLM's sampler at its default 1024 sequences, Qwen2.5's 151936 tokens: 1024 * 151936 * 4 bytes
+    # = 0.58 GiB (the H100's planner check: the engine used 0.60 GiB over a plan without it); 64
+    # sequences, the step's: 37 MiB, on top of the 1.1 GiB of activations
+    assert memory.sampler_bytes(1024, 151936) == 622329856
+    p = memory.plan(80 * GIB, 70 * GIB, 76 * GIB, margin=2 * GIB, weights=1 * GIB, need=2 * GIB,
+                    sampler=memory.sampler_bytes(64, 151936))
+    assert p.activations == GIB + GIB // 10 + 38895616 and p.budget == 3 * GIB + p.activations
+    assert "activations 1.14 GiB (sampler 0.04)" in p.describe()
+    import transformers
+    assert memory.vocab_size(transformers.Qwen2Config(vocab_size=151936)) == 151936
+    vl = transformers.AutoConfig.for_model("qwen2_5_vl", text_config={"vocab_size": 151936})
+    assert memory.vocab_size(vl) == 151936  # the text model's, from a multimodal config
+
+
+def test_kv_cache_need():
+    import transformers
+    # Qwen2.5-0.5B: 24 layers, 2 KV heads of 64 -> 2 * 24 * 2 * 64 * 2 bytes = 12 KiB per bf16 token
+    qwen = transformers.Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                                    num_key_value_heads=2)
+    assert memory.kv_bytes_per_token(qwen, 2) == 12288
+    # 64 prompts x 8 samples over 8 ranks = 64 sequences of 4096 tokens: 64 * 4096 * 12 KiB = 3 GiB, x2
+    cfg = config.load(None, {"train.prompts_per_step": 64, "rollout.n": 8, "rollout.max_model_len": 4096})
+    assert memory.kv_cache_need(cfg, qwen, 8, 2) == 6 * GIB
+    small = config.load(None, {})  # the demo's step needs a few MiB: at least 1 GiB
+    assert memory.kv_cache_need(small, qwen, 1, 2) == memory.KV_MIN
+
+
+def test_engine_seqs_cover_the_step_and_the_evaluation():
+    # a rank's step: 64 prompts x 8 over 8 ranks = 64; its evaluation: 256 / 8 = 32 greedy, x4 with eval_n 4
+    cfg = config.load(None, {"train.prompts_per_step": 64, "rollout.n": 8})
+    assert memory.step_seqs(cfg, 8) == 64 and memory.engine_seqs(cfg, 8) == 64
+    cfg = config.load(None, {"train.prompts_per_step": 64, "rollout.n": 8, "log.eval_n": 4})
+    assert memory.engine_seqs(cfg, 8) == 128
+    # every held-out prompt (counted later): vLLM's default on an 80 GB GPU
+    assert memory.engine_seqs(config.load(None, {"log.eval_size": 0}), 1) == 1024
+
+
+def test_plan_rollout_fills_auto(monkeypatch, capsys):
+    """The planner's caller, with the device's free memory given: 24 GiB device, 20 GiB free with
+    the trainer's states (18 once Adam's moments exist), 22 once they leave; a 4 MiB model needs
+    the 1 GiB minimum KV cache, so the states stay."""
+    events = []
+    cfg = config.load(None, {"rollout.memory_margin_mb": 1024})
+    assert cfg.rollout.gpu_memory_utilization == "auto" and cfg.train.offload_states == "auto"
+    frees = iter([(20 * GIB, 24 * GIB), (22 * GIB, 24 * GIB)])
+    monkeypatch.setattr(memory, "free_memory", lambda: next(frees))
+    trainer = Recorder(events)
+    trainer.hf = torch.nn.Linear(1024, 1024)  # 1024 * 1024 + 1024 fp32 params, ~4 MiB
+    trainer.hf.config = type("C", (), dict(num_attention_heads=2, num_hidden_layers=2, hidden_size=64,
+                                           vocab_size=1000))()
+    trainer.hf.dtype = torch.float32
+    trainer.pending_state_bytes = lambda: 2 * GIB  # Adam's moments, created at the first step
+    out = engine_cycle.plan_rollout(cfg, trainer, cuda=True, main=True)
+    # measured with the states on, then offloaded, then (they fit) reloaded
+    assert events == [("trainer.offload", False), ("trainer.reload",)]
+    assert out.train.offload_states == "off" and out.rollout.kv_cache_mb == 1024
+    # vLLM runs the step's 32 prompts x 8 samples (or the 256 held-out prompts) at once: its sampler's 256
+    # float32 rows are planned
+    assert out.rollout.max_num_seqs == 256
+    weights = (1024 * 1024 + 1024) * 4
+    budget = weights + GIB + GIB + weights // 10 + 256 * 1000 * 4
+    assert out.rollout.gpu_memory_utilization == str(int(budget / (24 * GIB) * 1e4) / 1e4)
+    assert "memory plan: device 24.0 GiB" in capsys.readouterr().out
+    # 19 GiB of reward models score while vLLM is awake: 1 + 19 > 20 - 2 with the states kept, so they
+    # leave, and the KV cache shrinks to what is left (in whole MiB: this path once failed on a float)
+    frees = iter([(20 * GIB, 24 * GIB), (22 * GIB, 24 * GIB)])
+    out = engine_cycle.plan_rollout(cfg, trainer, cuda=True, main=True, visitors=19 * GIB)
+    assert out.train.offload_states == "on"
+    assert out.rollout.kv_cache_mb == (22 * GIB - 20 * GIB - weights - GIB - weights // 10 - 256 * 1000 * 4) >> 20
+    # CPU, or a fraction the user set: offload as asked, nothing measured; vLLM's default sequences on CPU
+    events.clear()
+    out = engine_cycle.plan_rollout(cfg, trainer, cuda=False, main=True)
+    assert out.train.offload_states == "on" and out.rollout.max_num_seqs == 0
+    fixed = config.load(None, {"rollout.gpu_memory_utilization": "0.6", "train.offload_states": "off",
+                               "rollout.max_num_seqs": 100})
+    out = engine_cycle.plan_rollout(fixed, trainer, cuda=True, main=True)
+    assert out.rollout.gpu_memory_utilization == "0.6" and out.train.offload_states == "off"
+    assert out.rollout.max_num_seqs == 100  # set by the user: kept
+    assert events == [("trainer.offload", False)]  # only the CPU call offloaded
+    with pytest.raises(ConfigError, match="sleep_level=0 set a fraction"):
+        engine_cycle.plan_rollout(config.load(None, {"rollout.sleep_level": 0}), trainer, cuda=True, main=True)
+
+
+def test_gpu_memory_utilization_knob():
+    assert config.load(None, {"rollout.gpu_memory_utilization": 0.7}).rollout.gpu_memory_utilization == "0.7"
+    assert memory.utilization("0.7") == 0.7 and memory.utilization("auto") is None
+    for bad in ("x", 0, 1.5):
+        with pytest.raises(ConfigError, match="use auto or a fraction"):
+            config.load(None, {"rollout.gpu_memory_utilization": bad})
+    with pytest.raises(ConfigError, match="probe_every=0"):
+        config.load(None, {"train.offload_params": True})
