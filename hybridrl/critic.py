@@ -10,12 +10,17 @@ no device memory while vLLM generates; on CPU that is a no-op.
 
 V(s_t) for completion token t is read from the hidden state that predicts token t (position t-1),
 so values line up with the policy's log-probs ([B, T], like Batch.loss_mask). It starts from the
-policy's weights (or `algo.critic_path`) with a zero value head: V = 0 before the first update.
+policy's weights with a zero value head: V = 0 before the first update. `algo.critic_path` starts it
+from another model of the policy's vocabulary instead; when that model has a trained one-output head
+(a reward model or a critic saved by transformers, OpenRLHF or TRL: `trained_head`), the value head
+starts from it, as OpenRLHF initialises its critic from a reward model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import logging
 from pathlib import Path
 
 import deepspeed
@@ -24,12 +29,17 @@ from torch import nn
 
 from . import algo, zero_step
 from .batch import Batch, per_token
-from .config import Config, UserError
+from .config import Config, ConfigError, UserError
 from .launch import all_sum, world_size
 from .trainer import (ds_config, from_pretrained, load_engine_checkpoint, lr_scheduler, minibatch_updates,
                       offload_engine_states, plan_micro_batches, reload_engine_states)
 
 TAG = "critic"  # its DeepSpeed checkpoint's directory inside a hybridrl checkpoint
+log = logging.getLogger("hybridrl")
+# where a one-output head sits in a saved model: transformers' sequence/token classification models
+# (`score`; `classifier` in some architectures), OpenRLHF's reward model and critic (`value_head`),
+# TRL's AutoModelForCausalLMWithValueHead (`v_head.summary`)
+HEAD_NAMES = ("score", "value_head", "v_head.summary", "classifier")
 
 
 class _ValueModel(nn.Module):
@@ -59,6 +69,13 @@ class Critic:
         if cfg.model.gradient_checkpointing:
             base.gradient_checkpointing_enable()
         model = _ValueModel(base)  # under ZeRO-3 the new head is partitioned by deepspeed.initialize
+        if cfg.algo.critic_path:
+            _check_vocabulary(cfg.algo.critic_path, base, model_path, cfg.model.trust_remote_code)
+            head = trained_head(cfg.algo.critic_path, base.config.hidden_size)
+            if head is not None:
+                model.head.load_state_dict({k: v.to(model.head.weight.dtype) for k, v in head.items()})
+                if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                    print(f"critic: value head from the trained head in {cfg.algo.critic_path}")
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf,
                                                lr_scheduler=lr_scheduler(own))
         zero_step.install(self.engine.optimizer, world_size())
@@ -135,3 +152,67 @@ class Critic:
 def _token_count(mini: Batch | None) -> float:
     """The value loss's normaliser: the minibatch's completion tokens over all ranks."""
     return max(all_sum([float(mini.loss_mask.sum()) if mini else 0.0])[0], 1.0)
+
+
+def _files(path: str, name: str) -> Path | None:
+    """`name` in the model directory `path`, or in the hub cache for a hub name (from_pretrained has
+    fetched the model just before); None if the model has no such file."""
+    if Path(path).expanduser().is_dir():
+        f = Path(path).expanduser() / name
+        return f if f.exists() else None
+    from transformers.utils import cached_file
+    found = cached_file(path, name, _raise_exceptions_for_missing_entries=False,
+                        _raise_exceptions_for_connection_errors=False)
+    return Path(found) if found else None
+
+
+def trained_head(path: str, hidden_size: int) -> dict[str, torch.Tensor] | None:
+    """The one-output head saved with the model at `path` ({"weight": [1, H], "bias": [1]}, a zero
+    bias where it has none), read from its safetensors without loading the model; None when it has
+    none (a causal LM or a bare base model: the value head starts at zero). A classification model
+    whose head cannot be read, or has more than one output, is refused."""
+    from safetensors import safe_open
+
+    index = _files(path, "model.safetensors.index.json")
+    if index is not None:
+        shards = json.loads(index.read_text())["weight_map"]
+        where = {k: index.parent / v for k, v in shards.items()}
+    else:
+        single = _files(path, "model.safetensors")
+        where = {}
+        if single is not None:
+            with safe_open(str(single), "pt") as f:
+                where = {k: single for k in f.keys()}
+    name = next((n for n in HEAD_NAMES if f"{n}.weight" in where), None)
+    if name is None:
+        conf = _files(path, "config.json")
+        archs = json.loads(conf.read_text()).get("architectures") or [] if conf else []
+        if any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in archs):
+            raise ConfigError(f"algo.critic_path={path}: a {archs[0]} whose head could not be read (no "
+                              f"{' / '.join(n + '.weight' for n in HEAD_NAMES)} in model.safetensors); save it with "
+                              "save_pretrained(safe_serialization=True)")
+        return None
+    with safe_open(str(where[f"{name}.weight"]), "pt") as f:
+        weight = f.get_tensor(f"{name}.weight")
+    if tuple(weight.shape) != (1, hidden_size):
+        raise ConfigError(f"algo.critic_path={path}: its head {name}.weight has shape {tuple(weight.shape)}; a value "
+                          f"head has one output over the {hidden_size} hidden features (num_labels=1)")
+    bias = torch.zeros(1, dtype=weight.dtype)
+    if f"{name}.bias" in where:
+        with safe_open(str(where[f"{name}.bias"]), "pt") as f:
+            bias = f.get_tensor(f"{name}.bias").reshape(1)
+    log.info("critic: value head from %s (%s.weight)", path, name)
+    return {"weight": weight, "bias": bias}
+
+
+def _check_vocabulary(path: str, base: nn.Module, model_path: str, trust_remote_code: bool) -> None:
+    """The critic reads the policy's token ids: a model with fewer embedding rows than the policy's
+    vocabulary would fail on the first token past its end, mid-run."""
+    from transformers import AutoConfig
+
+    from .memory import vocab_size
+    policy = vocab_size(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code))
+    rows = base.get_input_embeddings().num_embeddings
+    if rows < policy:
+        raise ConfigError(f"algo.critic_path={path} embeds {rows} tokens, the policy's vocabulary has {policy}: the "
+                          "critic reads the policy's tokens, so give a model with the policy's tokenizer")

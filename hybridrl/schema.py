@@ -181,8 +181,9 @@ class AlgoConfig:
     gamma: float = knob(1.0, "Discount factor of the per-token returns (gae, reinforce_pp).")
     gae_lambda: float = knob(0.95, "GAE lambda: 1 = Monte-Carlo returns minus the value, 0 = one-step TD.")
     critic_lr: float = knob(1e-4, "Learning rate of the critic (algo.advantage=gae).")
-    critic_path: str = knob("", "Critic initialisation: a HF model directory whose base model gets a new value head "
-                            "(default: the policy's model.path).")
+    critic_path: str = knob("", "Critic initialisation (default: the policy's model.path, value head at zero): a HF "
+                            "model with the policy's tokenizer; a reward model's or saved critic's one-output head "
+                            "(score, value_head, v_head.summary) starts the value head.")
     value_clip: float = knob(0.2, "PPO value clipping: new values may move at most this far from the old ones in the "
                              "critic's loss (0 = off).")
     entropy_coef: float = knob(0.0, "Entropy bonus weight.")
