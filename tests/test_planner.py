@@ -7,21 +7,9 @@ import torch
 
 from hybridrl import config, engine_cycle, memory
 from hybridrl.config import ConfigError
+from test_memory import FakeTrainer  # records the planner's offload and reload calls
 
 GIB = 1 << 30
-
-
-class Recorder:
-    """A trainer that records the planner's offload and reload calls."""
-
-    def __init__(self, events):
-        self.events = events
-
-    def offload(self, params=False):
-        self.events.append(("trainer.offload", params))
-
-    def reload(self):
-        self.events.append(("trainer.reload",))
 
 
 def test_plan_arithmetic():
@@ -94,7 +82,7 @@ def test_plan_rollout_fills_auto(monkeypatch, capsys):
     assert cfg.rollout.gpu_memory_utilization == "auto" and cfg.train.offload_states == "auto"
     frees = iter([(20 * GIB, 24 * GIB), (22 * GIB, 24 * GIB)])
     monkeypatch.setattr(memory, "free_memory", lambda: next(frees))
-    trainer = Recorder(events)
+    trainer = FakeTrainer(events)
     trainer.hf = torch.nn.Linear(1024, 1024)  # 1024 * 1024 + 1024 fp32 params, ~4 MiB
     trainer.hf.config = type("C", (), dict(num_attention_heads=2, num_hidden_layers=2, hidden_size=64,
                                            vocab_size=1000))()
