@@ -233,18 +233,25 @@ def export(run_dir: str = typer.Argument(..., help="A run directory (its newest 
            out_arg: Optional[str] = typer.Argument(None, metavar="[OUT]", help="The directory to write (or --out)."),
            out: Optional[str] = typer.Option(None, "--out", help="The directory to write."),
            merged: bool = typer.Option(False, "--merged", help="LoRA runs: also write OUT/merged, the base model "
-                                       "with the adapter merged in (a plain model directory).")) -> None:
+                                       "with the adapter merged in (a plain model directory)."),
+           critic: bool = typer.Option(False, "--critic", help="PPO runs (algo.advantage=gae): write the critic "
+                                       "instead, a token-classification model with one label (--algo.critic_path "
+                                       "starts a run's critic from it).")) -> None:
     """Write a Hugging Face model directory (config, safetensors, tokenizer) from a run's checkpoint;
-    for a LoRA run, the adapter in PEFT's format (and with --merged, OUT/merged)."""
+    for a LoRA run, the adapter in PEFT's format (and with --merged, OUT/merged); with --critic, the
+    critic."""
     from . import export as hf_export
     out = out or out_arg
     if not out:
         _fail("hybridrl export RUN_DIR OUT: name the directory to write (or --out OUT)")
+    if critic and merged:
+        _fail("hybridrl export: --merged is for a LoRA policy, --critic for the critic: give one of them")
     try:
-        ck = hf_export.export(run_dir, out, merged=merged)
+        ck = hf_export.export_critic(run_dir, out) if critic else hf_export.export(run_dir, out, merged=merged)
     except C.UserError as e:
         _fail(str(e))
-    typer.echo(f"wrote {out}{' and ' + str(out) + '/merged' if merged else ''} from {ck}")
+    what = "the critic to " if critic else ""
+    typer.echo(f"wrote {what}{out}{' and ' + str(out) + '/merged' if merged else ''} from {ck}")
 
 
 @app.command("eval")

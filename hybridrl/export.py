@@ -15,6 +15,19 @@ from .checkpoint import DS_TAG, ckpt_root, complete_checkpoints, is_complete
 from .config import Config, UserError, torch_dtype
 
 
+def checkpoint_of(src: str | Path) -> Path:
+    """Checkpoint `src` itself, or the newest complete checkpoint of run directory `src`."""
+    src = Path(src)
+    if is_complete(src):
+        return src
+    from .config import load
+    cfg = load(src / "config.yaml") if (src / "config.yaml").exists() else Config()
+    found = complete_checkpoints(ckpt_root(cfg, src))
+    if not found:
+        raise UserError(f"{src}: no complete checkpoint under {ckpt_root(cfg, src)}")
+    return found[0]
+
+
 def export(src: str | Path, out: str | Path, merged: bool = False) -> Path:
     """A Hugging Face model directory from the newest complete checkpoint of run `src` (or from
     checkpoint `src` itself). DeepSpeed's zero_to_fp32 consolidates ZeRO-2 and ZeRO-3 shards.
@@ -23,16 +36,7 @@ def export(src: str | Path, out: str | Path, merged: bool = False) -> Path:
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    src, out = Path(src), Path(out)
-    if is_complete(src):
-        ck = src
-    else:
-        from .config import load
-        cfg = load(src / "config.yaml") if (src / "config.yaml").exists() else Config()
-        found = complete_checkpoints(ckpt_root(cfg, src))
-        if not found:
-            raise UserError(f"{src}: no complete checkpoint under {ckpt_root(cfg, src)}")
-        ck = found[0]
+    ck, out = checkpoint_of(src), Path(out)
     cfg = yaml.safe_load((ck / "config.yaml").read_text())
     dtype = torch_dtype(cfg["model"]["dtype"])
     state = get_fp32_state_dict_from_zero_checkpoint(str(ck), tag=DS_TAG)
@@ -86,3 +90,44 @@ def export_adapter(ck: Path, cfg: dict, state: dict, out: Path, merged: bool, dt
         tokenizer.save_pretrained(out / "merged")
         if (ck / "hf" / "generation_config.json").exists():
             shutil.copy(ck / "hf" / "generation_config.json", out / "merged" / "generation_config.json")
+
+
+def export_critic(src: str | Path, out: str | Path) -> Path:
+    """The critic of a PPO run (algo.advantage=gae) from its newest complete checkpoint (or
+    checkpoint `src`): a token-classification model with one label (`AutoModelForTokenClassification`,
+    as verl saves its critic), whose logit at each position is the critic's value of the state there;
+    `--algo.critic_path OUT` starts a later run's critic from it, value head included. Its base model
+    is the one the run's critic started from (algo.critic_path, else the policy's)."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    from torch import nn
+    from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
+
+    from .critic import TAG
+
+    ck, out = checkpoint_of(src), Path(out)
+    if not (ck / TAG).is_dir():
+        raise UserError(f"{ck}: no critic in this checkpoint (the run did not use algo.advantage=gae); export the "
+                        "policy without --critic")
+    cfg = yaml.safe_load((ck / "config.yaml").read_text())
+    remote = cfg["model"]["trust_remote_code"]
+    base = cfg["algo"].get("critic_path") or ck / "hf"
+    try:
+        hf_cfg = AutoConfig.from_pretrained(base, num_labels=1, trust_remote_code=remote)
+        model = AutoModelForTokenClassification.from_config(hf_cfg, dtype=torch.float32, trust_remote_code=remote)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{ck}: cannot build a token-classification model of the critic's base {base} "
+                        f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+    head = next(n for n, m in model.named_children() if isinstance(m, nn.Linear) and m.out_features == 1)
+    state = get_fp32_state_dict_from_zero_checkpoint(str(ck), tag=TAG)
+    mapped = {f"{model.base_model_prefix}.{k.removeprefix('base.')}" if k.startswith("base.") else
+              f"{head}.{k.removeprefix('head.')}": v for k, v in state.items()}
+    if getattr(model, head).bias is None:  # a head without a bias: only a zero one can be dropped
+        if mapped.pop(f"{head}.bias").abs().max() > 0:
+            raise UserError(f"{ck}: the critic's value head has a bias, {type(model).__name__}.{head} has none")
+    missing, unexpected = model.load_state_dict(mapped, strict=False)
+    if missing or unexpected:
+        raise RuntimeError(f"{ck}: the critic does not match {type(model).__name__}: missing {sorted(missing)[:5]}, "
+                           f"unexpected {sorted(unexpected)[:5]}")
+    model.to(torch_dtype(cfg["model"]["dtype"])).save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(ck / "hf").save_pretrained(out)
+    return ck

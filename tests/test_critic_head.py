@@ -3,6 +3,8 @@ one-output head (transformers' `score`, OpenRLHF's `value_head`, TRL's `v_head.s
 first values are that model's per-token scores; a model without one starts at zero; a head with
 several outputs, an unreadable one, or a vocabulary smaller than the policy's is refused at start.
 Real DeepSpeed engines on the demo's shapes."""
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import hybridrl
 from hybridrl import config
 from hybridrl.batch import Batch
 from hybridrl.config import ConfigError
+from test_train_e2e import train_cli
 
 DEMO = str(Path(hybridrl.__file__).parent / "demo_model")
 
@@ -92,3 +95,46 @@ def test_bad_heads_and_vocabularies_refused(tmp_path, world_of_one):
     reward_model(tmp_path / "small", vocab=10)  # the demo's vocabulary has 15 tokens
     with pytest.raises(ConfigError, match="embeds 10 tokens, the policy's vocabulary has 15"):
         critic_of(str(tmp_path / "small"))
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """A 2-step PPO run of the demo and its critic exported (before any test sets up a world in
+    this process: the CLI's ranks would take its address)."""
+    tmp = tmp_path_factory.mktemp("critic")
+    train_cli(tmp / "run", "--algo.advantage", "gae", "--steps", "2", "--train.minibatches", "1",
+              "--algo.critic_lr", "1e-2")  # a large step: the head and the base move visibly
+    res = subprocess.run([sys.executable, "-m", "hybridrl", "export", str(tmp / "run"), str(tmp / "critic"),
+                          "--critic"], capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "wrote the critic to" in res.stdout
+    return tmp
+
+
+def test_exported_critic_is_its_values_and_starts_the_next_run(exported, world_of_one):
+    """`hybridrl export RUN OUT --critic`: a token-classification model whose logits are the trained
+    critic's values (its DeepSpeed module state in the checkpoint, read without hybridrl), and
+    `--algo.critic_path OUT` starts a critic with those same values."""
+    import torch.nn.functional as F
+    from transformers import AutoModel, AutoModelForTokenClassification
+
+    run, out = exported / "run", exported / "critic"
+    module = torch.load(run / "checkpoints" / "step-2" / "critic" / "mp_rank_00_model_states.pt",
+                        weights_only=False)["module"]  # the critic as DeepSpeed saved it
+    assert module["head.weight"].abs().max() > 1e-3  # trained: no longer the zero head
+    b = batch()
+    base = AutoModel.from_pretrained(DEMO).eval()
+    base.load_state_dict({k.removeprefix("base."): v for k, v in module.items() if k.startswith("base.")})
+    with torch.no_grad():
+        hidden = base(input_ids=b.tokens, attention_mask=b.attention_mask()).last_hidden_state
+        want = F.linear(hidden, module["head.weight"], module["head.bias"]).squeeze(-1)[:, :-1][b.loss_mask[:, 1:]]
+        got = AutoModelForTokenClassification.from_pretrained(out).eval()(
+            input_ids=b.tokens, attention_mask=b.attention_mask()).logits.squeeze(-1)[:, :-1][b.loss_mask[:, 1:]]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(critic_of(str(out)).values(b)[b.loss_mask], want, rtol=1e-5, atol=1e-5)
+
+
+def test_export_refuses_critic_with_merged(exported, tmp_path):
+    res = subprocess.run([sys.executable, "-m", "hybridrl", "export", str(exported / "run"), str(tmp_path / "x"),
+                          "--critic", "--merged"], capture_output=True, text=True, timeout=600)
+    assert res.returncode != 0 and "give one of them" in res.stderr + res.stdout
