@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from pathlib import Path
 
 import deepspeed
@@ -35,7 +34,6 @@ from .trainer import (ds_config, from_pretrained, load_engine_checkpoint, lr_sch
                       offload_engine_states, plan_micro_batches, reload_engine_states)
 
 TAG = "critic"  # its DeepSpeed checkpoint's directory inside a hybridrl checkpoint
-log = logging.getLogger("hybridrl")
 # where a one-output head sits in a saved model: transformers' sequence/token classification models
 # (`score`; `classifier` in some architectures), OpenRLHF's reward model and critic (`value_head`),
 # TRL's AutoModelForCausalLMWithValueHead (`v_head.summary`)
@@ -201,7 +199,6 @@ def trained_head(path: str, hidden_size: int) -> dict[str, torch.Tensor] | None:
     if f"{name}.bias" in where:
         with safe_open(str(where[f"{name}.bias"]), "pt") as f:
             bias = f.get_tensor(f"{name}.bias").reshape(1)
-    log.info("critic: value head from %s (%s.weight)", path, name)
     return {"weight": weight, "bias": bias}
 
 
