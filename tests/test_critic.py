@@ -1,7 +1,8 @@
 """PPO with a critic (`algo.advantage=gae`) and the reference-policy KL, with the real engines
 through the CLI: a 2-rank ZeRO-3 run on the demo, and a resume that repeats the uninterrupted run
 bit for bit with the critic's own checkpoint (and a reference model) in play, at 1 rank ZeRO-2 with two
-minibatches and 2 ranks ZeRO-3 (sharded reference) in the default suite."""
+minibatches and 2 ranks ZeRO-3 (sharded reference) in the default suite, whose critic is then exported
+(`hybridrl export --critic`, the shards consolidated)."""
 import json
 import math
 
@@ -56,3 +57,20 @@ def test_resume_with_critic_and_reference_is_exact(tmp_path, nproc, zero, miniba
     assert all(a[s]["time/ref_logprob"] > 0 for s in a)
     manifest = json.loads((runs["part"] / "checkpoints" / f"step-{K + 1}" / "complete.json").read_text())
     assert any(f.startswith("critic/") for f in manifest["files"])
+    if zero == 3:  # the critic's two ranks' shards, consolidated by `export --critic` into a model transformers loads
+        _assert_critic_exports(runs["part"], runs["part"].parent / "critic-hf")
+
+
+def _assert_critic_exports(run, out):
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import AutoModelForTokenClassification
+    res = subprocess.run([sys.executable, "-m", "hybridrl", "export", str(run), str(out), "--critic"],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    model = AutoModelForTokenClassification.from_pretrained(out).eval()  # every key matched (export checks)
+    assert model.config.num_labels == 1 and model.score.weight.abs().max() > 0  # the trained head, not zeros
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 5, 6, 7, 10, 11]])).logits).all()
