@@ -184,7 +184,7 @@ def trained_head(path: str, hidden_size: int) -> dict[str, torch.Tensor] | None:
     name = next((n for n in HEAD_NAMES if f"{n}.weight" in where), None)
     if name is None:
         conf = _files(path, "config.json")
-        archs = json.loads(conf.read_text()).get("architectures") or [] if conf else []
+        archs = (json.loads(conf.read_text()).get("architectures") or []) if conf else []
         if any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in archs):
             raise ConfigError(f"algo.critic_path={path}: a {archs[0]} whose head could not be read (no "
                               f"{' / '.join(n + '.weight' for n in HEAD_NAMES)} in model.safetensors); save it with "
