@@ -132,7 +132,8 @@ def check_kernels(cuda: bool) -> None:
     import torch
 
     from kernels.logprob import logprob_entropy_reference
-    from kernels.ppo_loss import fused_logprob_ppo_loss, ppo_loss
+    from kernels.fused_loss import fused_logprob_ppo_loss
+    from kernels.ppo_loss import ppo_loss
     h, w, y, old, adv, mask = kb._inputs(n, d, v, torch.bfloat16, "cuda")
     loss_kw = dict(eps_low=0.2, eps_high=0.28, agg="token_mean")
 

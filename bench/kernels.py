@@ -51,7 +51,8 @@ def _step_fn(provider, chunk_size):
     import torch
 
     from kernels.logprob import logprob_entropy
-    from kernels.ppo_loss import fused_logprob_ppo_loss, ppo_loss
+    from kernels.fused_loss import fused_logprob_ppo_loss
+    from kernels.ppo_loss import ppo_loss
 
     def unfused(impl):
         def step(h, w, y, old, adv, mask):

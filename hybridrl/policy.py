@@ -15,9 +15,10 @@ import logging
 import torch
 from torch import nn
 
+from kernels.fused_loss import fused_logprob_ppo_loss
 from kernels.liger_loss import liger_ppo_loss
 from kernels.logprob import logprob_entropy
-from kernels.ppo_loss import fused_logprob_ppo_loss, importance_weights
+from kernels.ppo_loss import importance_weights
 
 from .batch import Batch, Shared
 from .config import Config, UserError

@@ -13,7 +13,7 @@ Providers:
 Departures: targets < 0 (e.g. -100) mark ignored positions: logp and entropy are 0 there and
 no gradient flows from them. Outputs are fp32 (fp64 for fp64 inputs, so gradcheck works).
 The chunk engine (`chunked_forward`, `chunked_backward`, `accumulate_grads`) is shared with
-`kernels.ppo_loss.fused_logprob_ppo_loss`, which produces dlogits already in the forward pass.
+`kernels.fused_loss.fused_logprob_ppo_loss`, which produces dlogits already in the forward pass.
 Used as `logp, ent = logprob_entropy(h, lm_head.weight, targets, temperature)`.
 """
 from __future__ import annotations

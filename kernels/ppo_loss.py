@@ -28,23 +28,12 @@ loss 0 rather than NaN; logp_old=None means on-policy (logp_old = logp.detach(),
 metrics are token means over this micro-batch; an IS weight multiplies the policy term only, not
 the KL or entropy terms, and masked tokens stay in the normaliser.
 
-`fused_logprob_ppo_loss` runs LM head + log-prob + loss per token chunk and produces dlogits in
-the forward pass (6*N*V*d FLOPs instead of 8*N*V*d), using `kernels.logprob`'s chunk engine:
-the loss is a sum of per-token terms with weights fixed before the pass, so each chunk's
-dloss/dlogp is known as soon as its logp is. A sequence-level quantity of the current policy
-(GSPO's ratio; a sequence IS weight on-policy) needs all of a sequence's log-probs, so then the
-chunks are cut at sequence boundaries (a sequence longer than the chunk gets a chunk of its own).
-The torch backend keeps the chunk's softmax for the dlogits; the Triton forward kernel writes the
-chunk's logits for the dlogits kernel to reuse.
+The fused LM-head + log-prob + loss pass over these functions is `kernels.fused_loss`.
 """
 from __future__ import annotations
 
-import inspect
-
 import torch
 
-from kernels.logprob import (BACKENDS, Workspace, accumulate_grads, logprob_entropy_reference,
-                             masked_upstream, new_grads, resolve)
 
 
 def _k1(d):
@@ -230,7 +219,7 @@ SEQUENCE_LOSSES = ("gspo", "gspo_token")  # need a whole sequence's current log-
 _METRIC_RATIO = {"ppo": _token_ratio, "gspo": _seq_ratio, "gspo_token": _seq_ratio, "cispo": _token_ratio}
 
 
-def _prepare(logp_old, advantages, mask, seq_ids, logp_rollout, logp_ref, *, agg, normalizer, dtype, hp):
+def prepare_tokens(logp_old, advantages, mask, seq_ids, logp_rollout, logp_ref, *, agg, normalizer, dtype, hp):
     """Everything per token that does not depend on logp: detached, zero at masked tokens."""
     m = mask.bool()
 
@@ -246,7 +235,7 @@ def _prepare(logp_old, advantages, mask, seq_ids, logp_rollout, logp_ref, *, agg
     return tok
 
 
-def _token_losses(logp, entropy, tok, **hp):
+def token_losses(logp, entropy, tok, **hp):
     """Per-token contributions [n] with aggregation weights applied; their sum is the loss."""
     m = tok["mask"]
     logp = torch.where(m, logp, 0.0)  # [n]
@@ -266,7 +255,7 @@ def _token_losses(logp, entropy, tok, **hp):
 
 
 @torch.no_grad()
-def _metrics(logp, entropy, tok, **hp):
+def loss_metrics(logp, entropy, tok, **hp):
     """Token means over this micro-batch's unmasked tokens, as detached 0-d tensors.
 
     ratio_*: the ratio the loss clips (per token; GSPO's sequence ratio on each of its tokens).
@@ -307,7 +296,7 @@ def _metrics(logp, entropy, tok, **hp):
     return out
 
 
-def _check(hp, agg, logp_ref, entropy_given):
+def check_hparams(hp, agg, logp_ref, entropy_given):
     for name, table, key in (("agg", AGGREGATORS, agg), ("kl_type", KL_ESTIMATORS, hp["kl_type"]),
                              ("tis_level", IS_LEVELS, hp["tis_level"]),
                              ("policy_loss", POLICY_LOSSES, hp["policy_loss"]),
@@ -343,117 +332,9 @@ def ppo_loss(logp, logp_old, advantages, mask, *, seq_ids=None, logp_rollout=Non
               cispo_clip_low=cispo_clip_low, cispo_clip_high=cispo_clip_high, is_correction=is_correction,
               tis_cap=tis_cap, tis_level=tis_level, is_mask_low=is_mask_low, is_mask_high=is_mask_high,
               kl_coef=kl_coef, kl_type=kl_type, entropy_coef=entropy_coef)
-    _check(hp, agg, logp_ref, entropy is not None)
+    check_hparams(hp, agg, logp_ref, entropy is not None)
     logp_old = logp.detach() if logp_old is None else logp_old
-    tok = _prepare(logp_old, advantages, mask, seq_ids, logp_rollout, logp_ref, agg=agg, normalizer=normalizer,
+    tok = prepare_tokens(logp_old, advantages, mask, seq_ids, logp_rollout, logp_ref, agg=agg, normalizer=normalizer,
                    dtype=torch.promote_types(logp.dtype, torch.float32), hp=hp)
-    loss = _token_losses(logp, entropy, tok, **hp).sum()
-    return loss, _metrics(logp.detach(), None if entropy is None else entropy.detach(), tok, **hp)
-
-
-# ppo_loss's keyword arguments and defaults, minus `entropy` (the fused pass computes it)
-_LOSS_DEFAULTS = {k: p.default for k, p in inspect.signature(ppo_loss).parameters.items()
-                  if p.kind is inspect.Parameter.KEYWORD_ONLY and k != "entropy"}
-_DATA = ("seq_ids", "logp_rollout", "logp_ref", "agg", "normalizer")  # the rest are hyperparameters
-
-
-def chunks(n, chunk, seq_ids=None):
-    """Token slices of at most `chunk` tokens; with seq_ids, cut only at sequence ends (a sequence
-    longer than `chunk` gets one slice of its own). A sequence's tokens must be contiguous."""
-    if seq_ids is None:
-        return [slice(i, min(i + chunk, n)) for i in range(0, n, chunk)]
-    new = torch.ones(n, dtype=torch.bool, device=seq_ids.device)
-    new[1:] = seq_ids[1:] != seq_ids[:-1]
-    ends = new.nonzero().flatten().tolist()[1:] + [n]  # where each sequence ends (exclusive)
-    if n and len(ends) != torch.unique(seq_ids).numel():
-        raise ValueError("seq_ids: a sequence's tokens must be contiguous")
-    out, lo, last = [], 0, 0
-    for end in ends:
-        if end - lo > chunk and last > lo:
-            out.append(slice(lo, last))
-            lo = last
-        last = end
-    return out + ([slice(lo, n)] if lo < n else [])
-
-
-class _FusedLogprobLoss(torch.autograd.Function):
-    """Forward computes the loss AND dH, dW, db chunk by chunk; backward only scales them."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, provider, slices, token_loss, grad_on):
-        stats, grad_logits = BACKENDS[provider]
-        w = weight.to(hidden.dtype)
-        b = None if bias is None else bias.to(hidden.dtype)
-        # needs_input_grad is True even under no_grad(); grad_on keeps evaluation at 2*N*V*d
-        inv_t, need = 1.0 / temperature, tuple(n and grad_on for n in ctx.needs_input_grad[:3])
-        dh, dw, db = new_grads(hidden, w, b, need)
-        loss = torch.zeros((), device=hidden.device, dtype=torch.promote_types(hidden.dtype, torch.float32))
-        valid, logps, ents, ws = targets >= 0, [], [], Workspace()
-        for sl in slices:
-            logp, ent, aux, state = stats(hidden[sl], w, b, targets[sl], inv_t, any(need), ws)
-            with torch.enable_grad():  # dloss/dlogp, dloss/dH per token: O(chunk) autograd
-                lp, en = logp.detach().requires_grad_(), ent.detach().requires_grad_()
-                part = token_loss(lp, en, sl).sum()
-                g_lp, g_ent = torch.autograd.grad(part, (lp, en), allow_unused=True)
-            loss += part.detach()
-            logps.append(logp)
-            ents.append(ent)
-            if any(need):
-                g_lp = masked_upstream(torch.zeros_like(logp) if g_lp is None else g_lp, valid[sl])
-                g = grad_logits(hidden[sl], w, b, targets[sl], inv_t, aux, ent, g_lp,
-                                masked_upstream(g_ent, valid[sl]), state, ws)  # [c, V]
-                accumulate_grads(g, hidden[sl], w, None if dh is None else dh[sl], dw, db, ws)
-        ctx.save_for_backward(dh, dw, db)
-        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        logp, ent = torch.cat(logps), torch.cat(ents)
-        ctx.mark_non_differentiable(logp, ent)
-        return loss, logp, ent
-
-    @staticmethod
-    def backward(ctx, g_loss, _g_logp, _g_ent):
-        # to the parameter's dtype first, then scaled: one [V, d] tensor, not two (g_loss is the
-        # engine's loss scale, 1 on one rank: on CPU, where reading it costs no device sync, a scale
-        # of 1 skips the multiply, 66 ms of the [151936, 896] head's gradient at the 0.5B shape)
-        one = g_loss.device.type == "cpu" and float(g_loss) == 1.0
-        grads = []
-        for g, dt in zip(ctx.saved_tensors, ctx.dtypes):
-            if g is not None and one:
-                g = g.to(dt)
-            elif g is not None:
-                g = g.to(dt).mul_(g_loss.to(dt)) if g.dtype != dt else g * g_loss
-            grads.append(g)
-        return (*grads, None, None, None, None, None, None)
-
-
-def fused_logprob_ppo_loss(hidden, weight, targets, logp_old, advantages, mask, temperature=1.0,
-                           bias=None, *, provider="auto", chunk_size=None, **loss_kwargs):
-    """`ppo_loss(*logprob_entropy(...))` in one pass per token chunk.
-
-    Same arguments as `logprob_entropy` plus `ppo_loss`'s (`entropy` is computed here).
-    Returns (loss, metrics, logp, entropy); logp and entropy are detached (for logging only).
-    """
-    if provider == "naive":
-        logp, ent = logprob_entropy_reference(hidden, weight, targets, temperature, bias)
-        loss, metrics = ppo_loss(logp, logp_old, advantages, mask, entropy=ent, **loss_kwargs)
-        return loss, metrics, logp.detach(), ent.detach()
-    unknown = set(loss_kwargs) - set(_LOSS_DEFAULTS)
-    if unknown:
-        raise TypeError(f"unexpected loss arguments {sorted(unknown)}")
-    hp = {**_LOSS_DEFAULTS, **loss_kwargs}
-    data = {k: hp.pop(k) for k in _DATA}
-    _check(hp, data["agg"], data["logp_ref"], True)
-    provider, chunk = resolve(provider, hidden, chunk_size, weight.shape[0])
-    tok = _prepare(logp_old, advantages, mask, **data, dtype=torch.promote_types(hidden.dtype, torch.float32),
-                   hp=hp)
-    # the current policy's sequence-level quantities need whole sequences per chunk
-    whole = hp["policy_loss"] in SEQUENCE_LOSSES or (tok["is_w"] is None and data["logp_rollout"] is not None
-                                                    and hp["tis_level"] != "token")
-    slices = chunks(hidden.shape[0], chunk, data["seq_ids"] if whole else None)
-
-    def token_loss(logp, ent, sl):
-        part = {k: v[sl] if isinstance(v, torch.Tensor) else v for k, v in tok.items()}
-        return _token_losses(logp, ent, part, **hp)
-
-    loss, logp, ent = _FusedLogprobLoss.apply(hidden, weight, bias, targets, float(temperature),
-                                              provider, slices, token_loss, torch.is_grad_enabled())
-    return loss, _metrics(logp, ent, tok, **hp), logp, ent
+    loss = token_losses(logp, entropy, tok, **hp).sum()
+    return loss, loss_metrics(logp.detach(), None if entropy is None else entropy.detach(), tok, **hp)

@@ -5,7 +5,7 @@ import torch
 import transformers
 
 from hybridrl.policy import TokenLogprobs
-from kernels.ppo_loss import _LOSS_DEFAULTS
+from kernels.fused_loss import _LOSS_DEFAULTS
 
 
 def tiny_model(seed=0):

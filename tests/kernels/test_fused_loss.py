@@ -4,7 +4,8 @@ import torch
 from test_logprob import DEVICE, PROVIDERS, make
 
 from kernels.logprob import logprob_entropy, logprob_entropy_reference
-from kernels.ppo_loss import AGGREGATORS, fused_logprob_ppo_loss, loss_normalizer, ppo_loss
+from kernels.fused_loss import fused_logprob_ppo_loss
+from kernels.ppo_loss import AGGREGATORS, loss_normalizer, ppo_loss
 
 N, D, V = 37, 29, 75
 
