@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from test_train_e2e import train_cli
+from test_train_e2e import export_cli, train_cli
 
 FAST = ["--train.prompts_per_step", "8", "--rollout.n", "4", "--log.eval_every", "0", "--log.eval_size", "16",
         "--train.probe_every", "0"]
@@ -48,9 +48,8 @@ def test_resume_is_exact_with_zero3_and_two_ranks(tmp_path, nproc, zero):
     runs = _resume_pair(tmp_path, "--nproc", str(nproc), "--train.zero_stage", str(zero))
     _assert_same_steps(runs)
     out = tmp_path / "hf"  # DeepSpeed's zero_to_fp32 consolidates the shards; every key must match the model
-    res = subprocess.run([sys.executable, "-m", "hybridrl", "export", str(runs["part"]), "--out", str(out)],
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and (out / "model.safetensors").exists(), res.stderr[-3000:]
+    export_cli(runs["part"], out)
+    assert (out / "model.safetensors").exists()
 
 
 def _assert_same_steps(runs):
@@ -104,9 +103,7 @@ def test_export_loads_in_transformers_with_the_trainers_logits(runs, tmp_path):
     """The exported model's logits equal those of the trainer's weights (DeepSpeed's own module
     state in the checkpoint, loaded without hybridrl), and vLLM loads it."""
     out = tmp_path / "hf"
-    cmd = [sys.executable, "-m", "hybridrl", "export", str(runs["full"]), "--out", str(out)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    export_cli(runs["full"], out)
     assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {p.name for p in out.iterdir()}
     script = f"""
 import torch, json

