@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import deepspeed
@@ -69,7 +70,7 @@ class Critic:
         model = _ValueModel(base)  # under ZeRO-3 the new head is partitioned by deepspeed.initialize
         if cfg.algo.critic_path:
             _check_vocabulary(cfg.algo.critic_path, base, model_path, cfg.model.trust_remote_code)
-            head = trained_head(cfg.algo.critic_path, base.config.hidden_size)
+            head = trained_head(cfg.algo.critic_path, base.config.hidden_size, base.config.architectures or ())
             if head is not None:
                 model.head.load_state_dict({k: v.to(model.head.weight.dtype) for k, v in head.items()})
                 if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
@@ -164,11 +165,12 @@ def _files(path: str, name: str) -> Path | None:
     return Path(found) if found else None
 
 
-def trained_head(path: str, hidden_size: int) -> dict[str, torch.Tensor] | None:
+def trained_head(path: str, hidden_size: int, architectures: Sequence[str] = ()) -> dict[str, torch.Tensor] | None:
     """The one-output head saved with the model at `path` ({"weight": [1, H], "bias": [1]}, a zero
     bias where it has none), read from its safetensors without loading the model; None when it has
     none (a causal LM or a bare base model: the value head starts at zero). A classification model
-    whose head cannot be read, or has more than one output, is refused."""
+    (by its config's `architectures`) whose head cannot be read, or a head with more than one
+    output, is refused."""
     from safetensors import safe_open
 
     index = _files(path, "model.safetensors.index.json")
@@ -183,8 +185,7 @@ def trained_head(path: str, hidden_size: int) -> dict[str, torch.Tensor] | None:
                 where = {k: single for k in f.keys()}
     name = next((n for n in HEAD_NAMES if f"{n}.weight" in where), None)
     if name is None:
-        conf = _files(path, "config.json")
-        archs = (json.loads(conf.read_text()).get("architectures") or []) if conf else []
+        archs = list(architectures)
         if any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in archs):
             raise ConfigError(f"algo.critic_path={path}: a {archs[0]} whose head could not be read (no "
                               f"{' / '.join(n + '.weight' for n in HEAD_NAMES)} in model.safetensors); save it with "

@@ -89,7 +89,7 @@ def test_bad_heads_and_vocabularies_refused(tmp_path, world_of_one):
     del tensors["score.weight"]
     save_file(tensors, tmp_path / "bin" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ConfigError, match="safe_serialization=True"):
-        trained_head(str(tmp_path / "bin"), 128)
+        trained_head(str(tmp_path / "bin"), 128, ["Qwen2ForSequenceClassification"])
     reward_model(tmp_path / "small", vocab=10)  # the demo's vocabulary has 15 tokens
     with pytest.raises(ConfigError, match="embeds 10 tokens, the policy's vocabulary has 15"):
         critic_of(str(tmp_path / "small"))
