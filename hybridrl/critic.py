@@ -185,9 +185,8 @@ def trained_head(path: str, hidden_size: int, architectures: Sequence[str] = ())
                 where = {k: single for k in f.keys()}
     name = next((n for n in HEAD_NAMES if f"{n}.weight" in where), None)
     if name is None:
-        archs = list(architectures)
-        if any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in archs):
-            raise ConfigError(f"algo.critic_path={path}: a {archs[0]} whose head could not be read (no "
+        if any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in architectures):
+            raise ConfigError(f"algo.critic_path={path}: a {architectures[0]} whose head could not be read (no "
                               f"{' / '.join(n + '.weight' for n in HEAD_NAMES)} in model.safetensors); save it with "
                               "save_pretrained(safe_serialization=True)")
         return None
