@@ -2,8 +2,8 @@
 
     from kernels import logprob_entropy, ppo_loss, fused_logprob_ppo_loss
 """
-from kernels.logprob import logprob_entropy, logprob_entropy_reference
 from kernels.fused_loss import fused_logprob_ppo_loss
+from kernels.logprob import logprob_entropy, logprob_entropy_reference
 from kernels.ppo_loss import (AGGREGATORS, IS_CORRECTIONS, IS_LEVELS, KL_ESTIMATORS, POLICY_LOSSES,
                               importance_ratio, importance_weights, loss_normalizer, ppo_loss)
 
