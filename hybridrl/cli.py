@@ -83,7 +83,9 @@ def _leaf_params() -> list[inspect.Parameter]:
     return params
 
 
-def _train(**kw) -> None:
+def _config_of(kw: dict) -> tuple[C.Config, dict]:
+    """The config of `--config`, `--set`, the shortcuts and every `--group.field` in `kw` (train's
+    and plan's options), and the launcher's options."""
     cfg_file = kw.pop("config")
     sets = kw.pop("set") or []
     launch_opts = {k: kw.pop(k) for k in LAUNCH}
@@ -98,12 +100,20 @@ def _train(**kw) -> None:
             overrides[key] = kw.pop(short)
         kw.pop(short, None)
     overrides.update({k.replace("__", "."): v for k, v in kw.items() if v is not None})
-    nproc = launch_opts["nproc"]
     try:
         cfg = C.load(cfg_file, overrides)
         if cfg.ckpt.resume and not cfg_file:  # a resumed run keeps its own config; the command line overrides it
             from .checkpoint import saved_config
             cfg = C.load(saved_config(cfg), overrides)
+    except C.UserError as e:
+        _fail(str(e))
+    return cfg, launch_opts
+
+
+def _train(**kw) -> None:
+    cfg, launch_opts = _config_of(kw)
+    nproc = launch_opts["nproc"]
+    try:
         from . import env, logs, preflight
         env.setup(verbose=cfg.log.verbose)  # still before torch/vLLM/DeepSpeed are imported
         logs.quiet_stdout()
@@ -226,6 +236,40 @@ def _option_line(p) -> str:
 
 
 app.command("train", cls=_PlainHelp)(_build_train_command())
+
+
+def _build_plan_command():
+    extra = [
+        inspect.Parameter("gpu_mem_gib", inspect.Parameter.KEYWORD_ONLY, annotation=float, default=typer.Option(
+            0.0, "--gpu-mem-gib", help="Memory of one GPU in GiB (default: an 80 GB H100 as CUDA reports it, 79.2).",
+            rich_help_panel="launch")),
+        inspect.Parameter("host_mem_gib", inspect.Parameter.KEYWORD_ONLY, annotation=float, default=typer.Option(
+            0.0, "--host-mem-gib", help="Host memory of one node in GiB (default 2048, a DGX H100's).",
+            rich_help_panel="launch")),
+    ]
+
+    def plan(**kw):
+        """The memory plan of a run, as a dry run on any machine: every phase's memory per GPU and the
+        node's pinned host memory, from the model's config.json alone (no weights, no GPU), with the
+        settings the plan chooses for what is left unset. Exit 2 with the fix if it cannot fit."""
+        from . import plan as P
+        gpu = kw.pop("gpu_mem_gib") or P.DEFAULT_GPU_GIB
+        host = kw.pop("host_mem_gib") or P.DEFAULT_HOST_GIB
+        cfg, launch_opts = _config_of(kw)
+        try:
+            nnodes = int(str(launch_opts["nnodes"]).split(":")[-1])
+            cfg, mem, lines = P.dry_run(cfg, nproc=launch_opts["nproc"], nnodes=nnodes, gpu_gib=gpu, host_gib=host)
+        except C.UserError as e:
+            _fail(str(e))
+        typer.echo("\n".join(lines))
+        typer.echo(mem.table(cfg.model.path))
+
+    params = [p for p in _build_train_command().__signature__.parameters.values() if p.name != "resume"]
+    plan.__signature__ = inspect.Signature(params + extra)
+    return plan
+
+
+app.command("plan", cls=_PlainHelp)(_build_plan_command())
 
 
 @app.command("export")

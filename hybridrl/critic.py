@@ -140,8 +140,10 @@ class Critic:
     # --- memory ------------------------------------------------------------------------------
     def offload(self) -> None:
         """Parameters and optimizer states to CPU between its phases (GPU only)."""
-        if self.device.type == "cuda":
-            offload_engine_states(self.engine)  # all of it: the critic takes no part in the hand-off
+        # all of it: the critic takes no part in the hand-off (with the optimizer in host memory,
+        # train.optimizer_offload, DeepSpeed keeps its states there and moves nothing else)
+        if self.device.type == "cuda" and self.cfg.train.optimizer_offload != "on":
+            offload_engine_states(self.engine)
 
     def reload(self) -> None:
         if self.device.type == "cuda":

@@ -116,8 +116,10 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     need = (r.kv_cache_mb << 20) or memory.kv_cache_need(cfg, hf.config, world_size, hf.dtype.itemsize)
     # with the states kept, what is free now less the Adam moments the first step will add
     free_kept = memory.free_memory()[0] - trainer.pending_state_bytes() if t.offload_states != "on" else 0
-    trainer.offload()
+    trainer.offload(params=t.offload_params)  # measured as it will run: the parameters leave too when set
     free_offloaded, total = memory.free_memory()
+    # one plan for every rank: what the fullest device has free (ranks differ by their neighbours' use)
+    free_kept, free_offloaded = (int(-launch.all_max(-free)) for free in (free_kept, free_offloaded))
     plan = memory.plan(total, free_kept, free_offloaded, margin=r.memory_margin_mb << 20, weights=weights,
                        need=need, offload=t.offload_states, visitors=visitors,
                        sampler=memory.sampler_bytes(r.max_num_seqs, memory.vocab_size(hf.config)))

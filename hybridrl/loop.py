@@ -15,7 +15,8 @@ import time
 import numpy as np
 import torch
 
-from . import algo, checkpoint, data, engine_cycle, env, faults, launch, models, recipe, reward_model, rewards, sync
+from . import (algo, checkpoint, data, engine_cycle, env, faults, launch, memory, models, plan, recipe, reward_model,
+               rewards, sync)
 from .batch import Batch
 from .canaries import distribution_metrics
 from .collect import Collector
@@ -37,6 +38,7 @@ def train(cfg: Config) -> dict:
     on_cpu = world.device.type == "cpu"
     engine_cycle.check(cfg, cuda=not on_cpu)  # allocator settings that would break vLLM's sleep mode
     cfg, model_path, info = configure(cfg, on_cpu, world.size)  # the demo's recipe, or real-model defaults
+    cfg = plan_memory(cfg, model_path, world, on_cpu)  # every phase on the device; what the user left unset
     seed_everything(cfg.train.seed + world.rank)
     if cfg.train.prompts_per_step % world.size:
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by "
@@ -194,13 +196,9 @@ def configure(cfg: Config, on_cpu: bool, world_size: int = 1,
 def resolve(cfg: Config, on_cpu: bool) -> tuple[Config, str]:
     """Fill the 'auto' settings for this machine; returns the config and the model directory."""
     from dataclasses import replace
+    cfg = recipe.auto_dtype(cfg, on_cpu)
     m = cfg.model
-    # the demo (0.86M parameters) in float32 everywhere: free at its size, and vLLM and the trainer then
-    # agree to 1e-5 (in bfloat16 its probe gap was 0.15 on an H100)
-    dtype = m.dtype if m.dtype != "auto" else ("float32" if on_cpu or m.path == "demo" else "bfloat16")
     attn, sources = m.attn_implementation, cfg.sources
-    if m.dtype == "auto":  # recipe.resolve may still pick bfloat16 (a real-size model on CPUs with AMX-BF16)
-        sources = {**sources, "model.dtype": "auto"}
     if attn == "auto":  # recipe.resolve may still pick eager (short contexts in bfloat16 on CPU)
         attn, sources = "sdpa", {**sources, "model.attn_implementation": "auto"}
         if not on_cpu:
@@ -209,11 +207,22 @@ def resolve(cfg: Config, on_cpu: bool) -> tuple[Config, str]:
                 attn = "flash_attention_2"
             except ImportError:
                 pass
-    if on_cpu and dtype != "float32" and not env.fast_bf16():
+    if on_cpu and m.dtype != "float32" and not env.fast_bf16():
         log.warning("model.dtype=%s on a CPU without AMX-BF16: often slower than float32 (its GEMMs ran 0.5x "
-                    "to 2.2x float32's on CPUs with AVX512-BF16 alone); compare with --model.dtype float32", dtype)
-    return replace(cfg, sources=sources, model=replace(m, dtype=dtype, attn_implementation=attn)), \
+                    "to 2.2x float32's on CPUs with AVX512-BF16 alone); compare with --model.dtype float32", m.dtype)
+    return replace(cfg, sources=sources, model=replace(m, attn_implementation=attn)), \
         models.local_path(m.path)
+
+
+def plan_memory(cfg: Config, model_path: str, world, on_cpu: bool) -> Config:
+    """The memory plan (plan.py) before any engine starts, from what the fullest rank has free:
+    its choices go into the config, a run that cannot fit stops here in one line."""
+    budget, host = memory.plan_budget(cuda=not on_cpu)
+    cfg, mem = plan.fit(cfg, model_path, world=world.size, local=memory.local_ranks(),
+                        device=int(-launch.all_max(-budget)), host=host, on_cpu=on_cpu)
+    if mem is not None and world.main:
+        print(plan.summary(mem) if on_cpu else mem.table(cfg.model.path), flush=True)
+    return cfg
 
 
 def seed_everything(seed: int) -> None:

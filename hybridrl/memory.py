@@ -256,8 +256,8 @@ def plan(total: int, free_kept: int, free_offloaded: int, *, margin: int, weight
         raise ConfigError(
             f"after the trainer offloads, {free_offloaded / GIB:.2f} GiB of {total / GIB:.2f} GiB are free; less "
             f"{beside} that leaves too little for vLLM's {weights / GIB:.2f} GiB of weights, "
-            f"{act / GIB:.2f} GiB of activations and a KV cache: lower rollout.memory_margin_mb, set "
-            "train.offload_params true, or use a smaller model or more ranks (ZeRO-3)")
+            f"{act / GIB:.2f} GiB of activations and a KV cache: lower rollout.memory_margin_mb, "
+            "set rollout.tensor_parallel_size, or use more ranks with train.zero_stage 3 (`hybridrl plan` shows the table)")
     return Plan(total, free_offloaded, margin, weights, min(need, room), act, True, need, visitors, sampler)
 
 
@@ -267,6 +267,32 @@ def free_memory() -> tuple[int, int]:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return torch.cuda.mem_get_info()
+
+
+def meminfo(key: str) -> int:
+    """A field of /proc/meminfo in bytes (MemTotal, MemAvailable); 0 where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def local_ranks() -> int:
+    """Ranks on this node (torchrun's LOCAL_WORLD_SIZE; 1 outside a launcher)."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def plan_budget(cuda: bool) -> tuple[int, int]:
+    """(bytes one rank's plan may use, the node's host memory), measured before any engine: a GPU's
+    free memory, or on CPU this node's available memory shared by its ranks."""
+    host = meminfo("MemTotal")
+    if cuda:
+        return free_memory()[0], host
+    return (meminfo("MemAvailable") or host) // local_ranks(), host
 
 
 def utilization(value: str) -> float | None:

@@ -84,6 +84,10 @@ def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
         mb = cpu_kv_mb(memory.step_seqs(cfg, world_size), cfg.rollout.max_model_len, info.kv_bytes_per_token(cfg.model.dtype),
                        _free_ram() if free_ram is None else free_ram, world_size)
         cfg = _set(cfg, "rollout.kv_cache_mb", mb, "the demo's recipe" if demo else "real-model recipe")
+    if not on_cpu and not explicit(cfg, "rollout.enforce_eager") and not cfg.model.lora_rank:
+        # decoding is most of a step on a GPU, and eager decoding launches every kernel of every layer
+        # for each token; peers (verl, OpenRLHF, TRL) decode with CUDA graphs by default
+        cfg = _set(cfg, "rollout.enforce_eager", False, "auto: CUDA graphs on GPU")
     if demo:
         validate(cfg)
         return cfg
@@ -92,6 +96,19 @@ def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
         cfg = _cpu_compile(cfg, info)
     validate(cfg)
     return cfg
+
+
+def auto_dtype(cfg: Config, on_cpu: bool) -> Config:
+    """model.dtype=auto: bfloat16 on a GPU, float32 on CPU (where _cpu_dtype may still pick bfloat16
+    for a real-size model on CPUs with AMX-BF16; the source "auto" marks it). The demo (0.86M
+    parameters) is float32 everywhere: free at its size, and vLLM and the trainer then agree to 1e-5
+    (in bfloat16 its probe gap was 0.15 on an H100)."""
+    m = cfg.model
+    if m.dtype != "auto":
+        return cfg
+    dtype = "float32" if on_cpu or m.path == "demo" else "bfloat16"
+    return dataclasses.replace(cfg, sources={**cfg.sources, "model.dtype": "auto"},
+                               model=dataclasses.replace(m, dtype=dtype))
 
 
 def _cpu_dtype(cfg: Config, info: ModelInfo, fast_bf16: bool) -> Config:

@@ -99,7 +99,8 @@ class Rollout:
                 **vllm_compat.engine_kwargs(on_cpu=on_cpu, kv_cache_bytes=r.kv_cache_mb << 20,
                                             gpu_memory_utilization=memory.utilization(r.gpu_memory_utilization),
                                             sleep_mode=r.sleep_level > 0, out_of_process=self.out_of_process,
-                                            lora_rank=cfg.model.lora_rank, max_num_seqs=r.max_num_seqs),
+                                            lora_rank=cfg.model.lora_rank, max_num_seqs=r.max_num_seqs,
+                                            enforce_eager=r.enforce_eager),
             )
         self.sender = ipc.BucketSender(cfg.train.sync_bucket_mb << 20, cuda=self.cuda) if self.out_of_process else None
         self.digest = False  # tests: the out-of-process receiver returns a sha256 of every tensor it rebuilt

@@ -29,7 +29,9 @@ class ModelConfig:
         "the trainer has no loss scaling, so small gradients would underflow to zero.")
     attn_implementation: str = knob("auto", "transformers attention: auto = flash_attention_2 if installed on GPU; "
                                      "on CPU in bfloat16 eager while its saved scores fit 2 GiB (faster there), else sdpa.")
-    gradient_checkpointing: bool = knob(False, "Recompute activations in backward to save trainer memory.")
+    gradient_checkpointing: bool = knob(False, "Recompute activations in backward to save trainer memory. Unset on a "
+                                        "GPU, the memory plan turns it on when a micro-batch's activations would not "
+                                        "fit (`hybridrl plan` shows why).")
     trust_remote_code: bool = knob(False, "Allow custom modelling code from the model directory.")
     lora_rank: int = knob(0, "LoRA rank r (0 = off: full fine-tuning). On: only the adapter trains (the base weights are "
                           "frozen), only the adapter is handed to vLLM, and the KL reference is the base model (the "
@@ -75,9 +77,10 @@ class RolloutConfig:
                              "on an 80 GB GPU is 0.6 GiB at a 152k vocabulary; the memory plan reserves them); on CPU "
                              "vLLM's default.")
     enable_prefix_caching: bool = knob(True, "Reuse a prompt's KV cache across its n samples.")
-    enforce_eager: bool = knob(True, "Skip graph capture/compilation (fast start; best for small models). On CPU a "
-                               "model of 50M parameters or more gets False unless set: vLLM's compiled decoder, "
-                               "~27% faster at 134M for ~30 s more at start.")
+    enforce_eager: bool = knob(True, "Skip graph capture/compilation. Unset: False on GPUs (vLLM decodes with CUDA "
+                               "graphs, captured for batches up to rollout.max_num_seqs, their memory in the plan; "
+                               "LoRA engines stay eager); on CPU False for a model of 50M parameters or more "
+                               "(vLLM's compiled decoder), True for smaller ones (fast start).")
     sleep_level: int = knob(2, "vLLM sleep level between rollouts on GPU. 2 (default): weights discarded, since every "
                             "hand-off rewrites them all anyway (measured on an H100 at 0.5B: sleep 21 ms vs 1.5 s for "
                             "level 1, which copies the weights to pinned host memory, one copy per rank); 1: weights "
@@ -110,11 +113,14 @@ class TrainConfig:
         "the last step.")
     min_lr_ratio: float = knob(0.0, "Where cosine / linear decay ends, as a fraction of train.lr.")
     grad_clip: float = knob(1.0, "Gradient-norm clip (0 = off).")
-    zero_stage: int = knob(2, "DeepSpeed ZeRO stage (2 or 3).")
+    zero_stage: int = knob(2, "DeepSpeed ZeRO stage (2 or 3). Unset on GPUs, the memory plan picks 3 when ZeRO-2's "
+                           "replicated parameters do not fit.")
     epochs: int = knob(1, "Passes over each rollout batch (PPO epochs).")
     minibatches: int = knob(2, "Optimizer steps per epoch; > 1 makes later steps off-policy (ratio != 1). Demo "
                             "recipe: 2; other models: 1.")
-    max_tokens_per_micro_batch: int = knob(8192, "Token budget of one forward/backward; micro-batches accumulate.")
+    max_tokens_per_micro_batch: int = knob(8192, "Token budget of one forward/backward; micro-batches accumulate. "
+                                           "Unset on GPUs, the memory plan halves it (down to 1024 tokens or one "
+                                           "full-length sequence) while its activations do not fit.")
     packing: Literal["auto", "on", "off"] = knob(
         "auto", "Lay each micro-batch's samples end to end in one row (position ids restart per sample) instead of "
         "right-padded rows; same loss either way. auto = on with flash-attention (varlen: no padding computed), off "
@@ -138,6 +144,13 @@ class TrainConfig:
     offload_params: bool = knob(False, "GPU only: also move the trainer's parameters off the device while vLLM "
                                 "generates (after the hand-off); optimizer states, fp32 master weights and gradients "
                                 "always move.")
+    optimizer_offload: Literal["auto", "on", "off"] = knob(
+        "auto", "Keep the fp32 master weights and Adam's moments in host memory and run the optimizer step there "
+        "(DeepSpeed ZeRO-Offload, offload_optimizer: cpu; OpenRLHF's --adam_offload, verl's optimizer_offload). "
+        "auto = on when the memory plan finds the states do not fit the GPU otherwise (off on CPU).")
+    param_offload: Literal["auto", "on", "off"] = knob(
+        "auto", "ZeRO-3 only: keep the parameters' shards in host memory, gathered to the device layer by layer "
+        "(DeepSpeed offload_param: cpu). auto = on when the memory plan finds nothing else fits (off on CPU).")
     probe_every: int = knob(20, "Check vLLM vs trainer log-probs on a probe batch after the first hand-off, every N "
                             "steps, and at once when a training batch's own vLLM-vs-trainer gap (logp_gap_max in "
                             "float32, logp_gap_mean in 16-bit) exceeds train.probe_tol (0 = off). The probe is two "

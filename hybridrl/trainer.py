@@ -51,11 +51,16 @@ def ds_config(cfg: Config, bf16: bool) -> dict:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
+    cuda = torch.cuda.is_available()
+    if t.optimizer_offload == "on":  # ZeRO-Offload: fp32 master, moments and the Adam step in host memory
+        conf["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
+    if t.param_offload == "on" and t.zero_stage == 3:  # the shards too, gathered layer by layer
+        conf["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": cuda}
     if t.zero_stage != 3 and world_size() == 1:
         # one rank: DeepSpeed's default "mean" divides the whole gradient by 1 after every backward
         # (0.25 s a step at 0.5B on CPU); "sum" is the same gradient without it (ZeRO-3 rejects "sum")
         conf["gradient_allreduce_op"] = "sum"
-        if not torch.cuda.is_available():
+        if not cuda:
             # contiguous gradients copy each gradient into one buffer as backward produces it, against
             # fragmentation of device memory; on one CPU rank that copy is all they do (0.58 s a step
             # at 0.5B) and the step's own flattening (0.14 s) does the same job
@@ -231,6 +236,8 @@ class Trainer:
         self.share_prompt = share_prompt(cfg, hf, provider, attn_implementation, self.packing)
         module = TokenLogprobs(hf, provider, cfg.train.logprob_chunk, completion_budget(cfg))
         self.zero3 = cfg.train.zero_stage == 3
+        self.host_optimizer = cfg.train.optimizer_offload == "on"  # DeepSpeed's offload_optimizer (ds_config)
+        self.host_params = self.zero3 and cfg.train.param_offload == "on"
         if self.zero3:  # the head's weight is used by this module's forward, not by lm_head's
             deepspeed.zero.register_external_parameter(module, hf.get_output_embeddings().weight)
         self.engine, *_ = deepspeed.initialize(model=module, config=conf, lr_scheduler=lr_scheduler(cfg),
@@ -395,7 +402,7 @@ class Trainer:
         """Device bytes the optimizer will still allocate: DeepSpeed's Adam creates its two fp32
         moments (of this rank's ZeRO partition) at the first step, after vLLM is planned."""
         inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
-        if any(inner.state.values()):
+        if self.host_optimizer or any(inner.state.values()):
             return 0
         world = world_size()
         trainable = sum(getattr(p, "ds_numel", p.numel()) for p in self.hf.parameters() if p.requires_grad)
@@ -406,8 +413,12 @@ class Trainer:
         weights, gradients (and ZeRO-3's contiguous gradient buffer); with `params`, the
         parameters too (the loop does that after the hand-off, which reads them). DeepSpeed's
         own optimizer is required (ds_config sets it). GPU only: on CPU there is nowhere to go."""
-        if self.device.type == "cuda":
+        if self.device.type != "cuda":
+            return
+        if not self.host_optimizer:
             self._offload_states(params)
+        elif params and not self.host_params:  # ZeRO-Offload: the states already live in host memory
+            offload_engine_states(self.engine, ["lp_params"])
 
     def reload(self) -> None:
         if self.device.type == "cuda":

@@ -33,7 +33,7 @@ def _accepts(fn, name: str) -> bool:
 
 def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: float | None,
                   sleep_mode: bool = True, out_of_process: bool = False, lora_rank: int = 0,
-                  max_num_seqs: int = 0) -> dict:
+                  max_num_seqs: int = 0, enforce_eager: bool = True) -> dict:
     """Keyword arguments for `LLM(...)` that depend on the platform, the mode or vLLM's version."""
     from vllm.engine.arg_utils import EngineArgs
 
@@ -67,6 +67,11 @@ def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: 
         kw["enable_sleep_mode"] = sleep_mode
         if kv_cache_bytes and "kv_cache_memory_bytes" in fields:  # planned (or set): not the whole budget
             kw["kv_cache_memory_bytes"] = kv_cache_bytes
+        if not enforce_eager and max_num_seqs and "compilation_config" in fields:
+            # graphs only for the batch sizes this engine can run: each captured size costs capture
+            # time at start and memory in the graph pool (plan.graph_bytes counts it)
+            from .plan import capture_sizes
+            kw["compilation_config"] = {"cudagraph_capture_sizes": capture_sizes(max_num_seqs)}
     return kw
 
 

@@ -1,0 +1,221 @@
+"""The memory plan (hybridrl/plan.py): its arithmetic against figures worked out by hand for two
+real shapes, the choices it makes for what the user left unset, its refusals, `hybridrl plan`
+and the shipped 8xH100 recipes. Pure arithmetic on config.json: no engine starts here."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridrl import config, plan, recipe
+from hybridrl.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 1 << 30
+H100 = int(plan.DEFAULT_GPU_GIB * GIB)
+NODE = int(plan.DEFAULT_HOST_GIB * GIB)
+
+
+def shape(name: str) -> plan.Shape:
+    return plan.Shape.from_config(plan.read_config(name))
+
+
+def gpu_config(model: str, world: int, **over) -> config.Config:
+    """A run's config as `hybridrl train` resolves it on a GPU (the real-model recipe)."""
+    cfg = recipe.auto_dtype(config.load(None, {"model.path": model, **over}), on_cpu=False)
+    conf = plan.read_config(model)
+    return recipe.resolve(cfg, plan.info_of(model, conf, plan.Shape.from_config(conf)), on_cpu=False,
+                          world_size=world)
+
+
+def test_shape_of_qwen25_7b_by_hand():
+    s = shape("Qwen/Qwen2.5-7B-Instruct")
+    # config.json: hidden 3584, MLP 18944, 28 layers, 28 query / 4 KV heads of 128, vocabulary 152064, untied
+    layer = (3584 * 3584 * 2  # q_proj, o_proj
+             + 2 * 3584 * 512  # k_proj, v_proj (4 KV heads x 128)
+             + 3584 + 2 * 512  # q/k/v biases (Qwen2)
+             + 3 * 3584 * 18944  # gate, up, down
+             + 2 * 3584)  # two RMSNorms
+    assert s.layer_params == layer == 233_057_792
+    assert s.params == 2 * 152064 * 3584 + 28 * layer + 3584 == 7_615_616_512  # Qwen's model card: 7.61B
+    # per token and layer, bfloat16: (6 x 2 + 8) x hidden + 2 x 2 x KV width + 4 x 2 x MLP width
+    assert s.layer_activations(2) == 20 * 3584 + 4 * 512 + 8 * 18944 == 225_280
+
+
+def test_params_match_transformers_for_shipped_configs():
+    """The plan's count against transformers' own model, built on the meta device (no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    for name in ("qwen2.5-0.5b", "qwen2.5-7b", "llama-3.1-8b"):
+        conf = AutoConfig.from_pretrained(str(plan.CONFIGS / f"{name}.json"))
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(conf)
+        assert plan.Shape.from_config(json.loads((plan.CONFIGS / f"{name}.json").read_text())).params == \
+            sum(p.numel() for p in model.parameters()), name
+
+
+def test_plan_of_7b_on_8_gpus_by_hand():
+    """Qwen2.5-7B at the real-model defaults on 8 x 80 GB: ZeRO-2, bfloat16, micro-batches of 4096
+    tokens (the plan's choice), every term worked out from the config."""
+    cfg = gpu_config("Qwen/Qwen2.5-7B-Instruct", 8)
+    cfg, p = plan.decide(cfg, shape("Qwen/Qwen2.5-7B-Instruct"), device=H100, host=NODE, world=8, local=8,
+                         on_cpu=False)
+    P, layer = 7_615_616_512, 233_057_792
+    params = P * 2  # bf16, replicated under ZeRO-2
+    grads = P * 2 // 8 + 500_000_000 * 2  # this rank's partition + DeepSpeed's reduce bucket
+    states = 12 * P // 8  # fp32 master + two Adam moments, partitioned
+    tokens = 4096
+    saved = tokens * ((4 + 2) * 3584 + 28 * 225_280)  # embedding/final norm + 28 layers
+    backward = tokens * 225_280 + layer * 2  # one layer's activation and weight gradients
+    head = 1024 * 152064 * (2 + 8)  # a 1024-token chunk of logits, not the full [tokens, vocab]
+    reserve = 2048 << 20
+    train = params + grads + states + saved + backward + head + reserve
+    assert p.total("train") == train == 60_577_036_416  # 56.4 GiB
+    assert p.rows["activations"]["train"] == saved + backward + head
+    # generating: vLLM's weights, its KV cache for 64 sequences of 1536 tokens (x 2 headroom), its
+    # activations (1 GiB + 10% of the weights + the sampler's rows), CUDA graphs, the trainer kept
+    kv = 2 * (64 * 1536 * (2 * 28 * 512 * 2))
+    vllm_act = GIB + params // 10 + 64 * 152064 * 4
+    assert p.rows["vLLM KV cache"]["generate"] == kv
+    assert p.rows["vLLM activations"]["generate"] == vllm_act
+    assert p.total("generate") == params + kv + vllm_act + p.rows["CUDA graphs"]["generate"] + params + grads \
+        + states + reserve
+    assert p.fits and p.peak[0] == "generate"
+    assert cfg.train.max_tokens_per_micro_batch == 4096 and cfg.sources["train.max_tokens_per_micro_batch"] == \
+        "memory plan"
+    assert not cfg.model.gradient_checkpointing and cfg.train.zero_stage == 2
+    assert "train.max_tokens_per_micro_batch=4096" in p.table()
+
+
+def test_plan_of_05b_zero3_with_checkpointing_by_hand():
+    """Qwen2.5-0.5B on 2 GPUs, ZeRO-3 and gradient checkpointing as set, a KL reference and a critic."""
+    cfg = gpu_config("Qwen/Qwen2.5-0.5B", 2, **{"train.zero_stage": 3, "model.gradient_checkpointing": True,
+                                                 "algo.kl_coef": 0.01, "algo.advantage": "gae",
+                                                 "train.max_tokens_per_micro_batch": 2048})
+    s = shape("Qwen/Qwen2.5-0.5B")
+    k = plan.knobs(cfg, s, world=2, local=2, on_cpu=False)
+    p = plan.build(s, k, device=H100, host=NODE)
+    P = 494_032_768  # tied embeddings: one 151936 x 896 matrix
+    assert s.params == P
+    layer_act = 20 * 896 + 4 * 128 + 8 * 4864  # 56,352 bytes per token
+    layer = s.layer_params
+    act = 2048 * ((4 + 2) * 896 + 24 * 2 * 896 + layer_act)  # each layer's input, one layer recomputed
+    act += 2048 * layer_act + layer * 2 + 1024 * 151936 * 10
+    assert p.rows["activations"]["train"] == act
+    assert p.rows["trainer params"]["train"] == P * 2 // 2  # ZeRO-3: a shard
+    assert p.rows["trainer grads"]["train"] == P * 2 // 2 + P * 2  # the model is smaller than the reduce bucket
+    assert p.rows["reference"]["reference"] == 2 * layer * 2  # ZeRO-3: gathered a layer at a time
+    critic_P = P  # tied: no separate LM head to leave out
+    assert p.rows["critic"]["train"] == critic_P * 2 // 2 + critic_P * 2 // 2 + critic_P * 2 + 12 * critic_P // 2
+    assert p.pinned["reference"] == P * 2 // 2 * 2  # its shards, one copy per node
+
+
+def test_plan_respects_what_the_user_set():
+    s = shape("Qwen/Qwen2.5-7B-Instruct")
+    cfg = gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **{"model.gradient_checkpointing": True})
+    cfg, p = plan.decide(cfg, s, device=H100, host=NODE, world=8, local=8, on_cpu=False)
+    assert cfg.train.max_tokens_per_micro_batch == 8192 and not p.choices  # fits with checkpointing: nothing to do
+    cfg = gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **{"train.max_tokens_per_micro_batch": 8192})
+    cfg, p = plan.decide(cfg, s, device=H100, host=NODE, world=8, local=8, on_cpu=False)
+    assert cfg.model.gradient_checkpointing and cfg.sources["model.gradient_checkpointing"] == "memory plan"
+    pinned = {"model.gradient_checkpointing": False, "train.max_tokens_per_micro_batch": 8192, "train.zero_stage": 2,
+              "train.optimizer_offload": "off", "train.param_offload": "off"}
+    with pytest.raises(ConfigError, match="no setting fits: phase train needs .*set model.gradient_checkpointing true, "
+                                          "a smaller train.max_tokens_per_micro_batch, train.zero_stage 3, train.optimizer_offload on, or"):
+        plan.decide(gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **pinned), s, device=H100, host=NODE, world=8, local=8,
+                    on_cpu=False)
+
+
+def test_big_models_plan_with_tensor_parallel_or_offload_and_72b_on_one_gpu_is_refused():
+    s = shape("Qwen/Qwen2.5-32B-Instruct")
+    cfg, p = plan.decide(gpu_config("Qwen/Qwen2.5-32B-Instruct", 8), s, device=H100, host=NODE, world=8, local=8,
+                         on_cpu=False)
+    assert p.fits and cfg.rollout.tensor_parallel_size == 2 and cfg.train.optimizer_offload == "on"
+    assert p.rows["vLLM weights"]["generate"] == s.params * 2 // 2
+    with pytest.raises(ConfigError, match=r"vLLM's weights alone are 135\.4 GiB.*rollout.tensor_parallel_size 2"):
+        plan.decide(gpu_config("Qwen/Qwen2.5-72B-Instruct", 1), shape("Qwen/Qwen2.5-72B-Instruct"), device=80 * GIB,
+                    host=NODE, world=1, local=1, on_cpu=False)
+    with pytest.raises(ConfigError, match="pinned host memory"):  # 72B's optimizer in 256 GiB of host memory
+        plan.decide(gpu_config("Qwen/Qwen2.5-72B-Instruct", 8), shape("Qwen/Qwen2.5-72B-Instruct"), device=H100,
+                    host=256 * GIB, world=8, local=8, on_cpu=False)
+
+
+def test_cpu_runs_are_checked_not_decided():
+    cfg = recipe.auto_dtype(config.load(None, {}), on_cpu=True)
+    s = shape("demo")
+    cfg2, p = plan.decide(cfg, s, device=20 * GIB, host=24 * GIB, world=1, local=1, on_cpu=True)
+    assert cfg2 is cfg and p.fits and all(v["train"] for k, v in p.rows.items() if k.startswith("vLLM"))
+    with pytest.raises(ConfigError, match="GiB of host memory per rank"):
+        plan.decide(cfg, shape("Qwen/Qwen2.5-72B-Instruct"), device=20 * GIB, host=24 * GIB, world=1, local=1,
+                    on_cpu=True)
+
+
+def test_cuda_graph_sizes_are_bounded_by_max_num_seqs():
+    assert plan.capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert plan.capture_sizes(3) == [1, 2]
+    assert max(plan.capture_sizes(4096)) == plan.GRAPH_SIZES_MAX
+    from hybridrl import vllm_compat
+    kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=1 << 30, gpu_memory_utilization=0.5,
+                                   max_num_seqs=20, enforce_eager=False)
+    assert kw["compilation_config"] == {"cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
+    assert "compilation_config" not in vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0,
+                                                                 gpu_memory_utilization=0.5, max_num_seqs=20)
+
+
+def test_gpus_decode_with_cuda_graphs_unless_set():
+    assert not gpu_config("Qwen/Qwen2.5-7B-Instruct", 8).rollout.enforce_eager
+    assert gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **{"rollout.enforce_eager": True}).rollout.enforce_eager
+    assert gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **{"model.lora_rank": 8}).rollout.enforce_eager
+
+
+def test_optimizer_and_param_offload_reach_deepspeed():
+    from hybridrl.trainer import ds_config
+    cfg = config.load(None, {"train.optimizer_offload": "on", "train.param_offload": "on", "train.zero_stage": 3})
+    zero = ds_config(cfg, bf16=True)["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
+    zero = ds_config(config.load(None, {"train.optimizer_offload": "auto"}), bf16=True)["zero_optimization"]
+    assert "offload_optimizer" not in zero and "offload_param" not in zero
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-7b-8xh100", "qwen2.5-14b-8xh100", "qwen2.5-32b-8xh100",
+                                  "qwen2.5-72b-8xh100"])
+def test_recipes_fit_8xh100(name):
+    """`hybridrl plan --config examples/recipes/NAME.yaml --nproc 8`, in process."""
+    cfg = config.load(str(ROOT / "examples" / "recipes" / f"{name}.yaml"), {})
+    cfg, p, lines = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
+    assert p.fits, p.table()
+    assert p.peak[1] <= H100 and p.pinned_total <= 0.9 * NODE
+    assert cfg.rollout.sleep_level == 2 and not cfg.rollout.enforce_eager
+
+
+def hybridrl(*args, timeout=120):
+    return subprocess.run([sys.executable, "-m", "hybridrl", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_plan_command_prints_the_7b_table_and_refuses_72b_on_one_gpu():
+    out = hybridrl("plan", "--model", "Qwen/Qwen2.5-7B-Instruct", "--nproc", "8")
+    assert out.returncode == 0, out.stderr
+    assert "memory plan per GPU: 79.2 GiB; 8 rank(s), ZeRO-2" in out.stdout and "(fits)" in out.stdout
+    assert "memory plan: train.max_tokens_per_micro_batch=4096" in out.stdout  # the recipe says who chose it
+    out = hybridrl("plan", "--model", "Qwen/Qwen2.5-72B-Instruct", "--nproc", "1", "--gpu-mem-gib", "80")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "rollout.tensor_parallel_size 2" in out.stderr
+
+
+def test_a_run_that_cannot_fit_stops_before_any_engine(tmp_path):
+    """On CPU the plan checks the node's memory: a 72B config (with the demo's tokenizer, no weights)
+    stops `hybridrl train` in one line, before DeepSpeed or vLLM are built."""
+    model = tmp_path / "big"
+    model.mkdir()
+    demo = ROOT / "hybridrl" / "demo_model"
+    for f in demo.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            (model / f.name).write_bytes(f.read_bytes())
+    (model / "config.json").write_text((plan.CONFIGS / "qwen2.5-72b.json").read_text())
+    out = hybridrl("train", "--model", str(model), "--data", "demo", "--reward", "arithmetic", "--log.run_dir",
+                   str(tmp_path / "run"))
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "GiB of host memory per rank" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run").exists()
