@@ -377,6 +377,6 @@ def test_recipe_loads_every_key():
     for key, value in tree.items():
         group, name = key.split(".")
         assert getattr(getattr(cfg, group), name) == C.coerce(key, value), key
-    assert cfg.train.zero_stage == 3 and cfg.model.dtype == "bfloat16"
+    assert cfg.model.dtype == "bfloat16"  # the ZeRO stage is the memory plan's (tests/test_plan.py)
     assert cfg.train.prompts_per_step % 8 == 0  # divisible by the 8 ranks
     assert os.path.basename(cfg.model.path) == "Qwen2.5-7B-Instruct"

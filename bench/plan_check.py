@@ -1,0 +1,128 @@
+"""The memory plan's training phase against the trainer's measured peak, on CPU.
+
+    python bench/plan_check.py                         # 134m and 0.5b, checkpointing off/on, ZeRO-2/3, 1 and 2 ranks
+    python bench/plan_check.py --shapes 134m --ranks 1 --tokens 1024
+
+Each row is one process group (torch.distributed.run for 2 ranks) that builds the real trainer
+(DeepSpeed ZeRO, the shape's random weights from bench/shapes.py) and runs two updates on one
+micro-batch of --tokens tokens (the first creates Adam's moments). On CPU every term of the plan
+lives in host memory, so the measured figure is rank 0's resident-memory high-water mark during
+the second update, less what the process held before the model was loaded (torch, DeepSpeed and
+transformers imported); the plan's figure is its `train` column less the reserve (plan.build on
+the same settings). The weights are random: only their shapes matter here.
+Results: the table, and bench/results/plan_check-<cpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT / "bench"))  # after the project: bench/kernels.py must not shadow the kernels package
+
+
+def worker(args) -> None:
+    """One rank: build the trainer, two updates, print rank 0's figures as JSON."""
+    import torch
+
+    from hybridrl import config, launch, memory
+    from hybridrl.batch import Batch
+    from hybridrl.trainer import Trainer  # DeepSpeed and transformers imported: not the plan's to count
+
+    world = launch.init_distributed()
+    base = memory.host_memory()[0]
+    dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
+    cfg = config.load(None, {"model.gradient_checkpointing": args.ckpt, "train.zero_stage": args.zero,
+                             "train.max_tokens_per_micro_batch": args.tokens, "train.minibatches": 1,
+                             "model.dtype": args.dtype, "train.lr": 1e-6})
+    trainer = Trainer(cfg, args.model, device=torch.device("cpu"), dtype=dtype, attn_implementation="sdpa")
+    rows, length = 4, args.tokens // 4  # one micro-batch of exactly --tokens tokens
+    g = torch.Generator().manual_seed(world.rank)
+    vocab = trainer.hf.config.vocab_size
+    prompts = [torch.randint(0, vocab, (length // 2,), generator=g).tolist() for _ in range(rows)]
+    completions = [torch.randint(0, vocab, (length - length // 2,), generator=g).tolist() for _ in range(rows)]
+    batch = Batch.from_rows(prompts, completions, [[-1.0] * len(c) for c in completions], [1.0, -1.0, 0.5, -0.5])
+    batch.logp_old = None
+    trainer.step(batch)  # Adam's moments exist from here on
+    memory.reset_peak()
+    trainer.step(batch)
+    peak = memory.peak_since_reset()
+    if world.main:
+        print("RESULT " + json.dumps({"peak": peak - base}), flush=True)
+
+
+def measure(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtype: str) -> float:
+    cmd = [sys.executable, __file__, "--worker", "--model", shape_dir, "--zero", str(zero), "--tokens", str(tokens),
+           "--dtype", dtype] + (["--ckpt"] if ckpt else [])
+    if ranks > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
+               str(29500 + os.getpid() % 1000)] + cmd[1:]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
+    if out.returncode or not lines:
+        raise RuntimeError(out.stdout[-2000:] + out.stderr[-3000:])
+    return json.loads(lines[-1][7:])["peak"]
+
+
+def planned(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtype: str) -> int:
+    from hybridrl import config, plan
+    cfg = config.load(None, {"model.gradient_checkpointing": ckpt, "train.zero_stage": zero, "model.dtype": dtype,
+                             "train.max_tokens_per_micro_batch": tokens, "rollout.max_model_len": tokens // 4})
+    shape = plan.Shape.from_config(plan.read_config(shape_dir))
+    k = plan.knobs(cfg, shape, world=ranks, local=ranks, on_cpu=True)
+    p = plan.build(shape, k, device=1 << 50, host=1 << 50)
+    vllm = sum(v for name, row in p.rows.items() if name.startswith("vLLM") for v in [row.get("train", 0)])
+    return p.total("train") - vllm  # the trainer's part: no vLLM engine in this process
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--model", default="")
+    ap.add_argument("--zero", type=int, default=2)
+    ap.add_argument("--ckpt", action="store_true")
+    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--dtype", default="")
+    ap.add_argument("--shapes", default="134m,0.5b")
+    ap.add_argument("--ranks", default="1,2")
+    ap.add_argument("--zeros", default="2,3")
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    from hybridrl import env
+    import shapes
+    dtype = args.dtype or ("bfloat16" if env.fast_bf16() else "float32")
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    print(f"trainer peak on CPU vs the plan: {cpu}, {dtype}, one micro-batch of {args.tokens} tokens, "
+          f"{date.today()}")
+    print(f"{'shape':>6} {'ranks':>5} {'ZeRO':>4} {'ckpt':>5} {'plan GiB':>9} {'measured GiB':>13} {'measured/plan':>14}")
+    results = []
+    for name in args.shapes.split(","):
+        path = str(shapes.build(name))
+        for ranks in map(int, args.ranks.split(",")):
+            for zero in map(int, args.zeros.split(",")):
+                for ckpt in (False, True):
+                    p = planned(path, ranks, zero, ckpt, args.tokens, dtype)
+                    m = measure(path, ranks, zero, ckpt, args.tokens, dtype)
+                    results.append(dict(shape=name, ranks=ranks, zero=zero, ckpt=ckpt, plan=p, measured=m))
+                    print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {p / 2**30:>9.2f} "
+                          f"{m / 2**30:>13.2f} {m / p:>14.2f}", flush=True)
+    out = ROOT / "bench" / "results" / f"plan_check-{'amx' if env.fast_bf16() else 'cpu'}.json"
+    out.write_text(json.dumps(dict(cpu=cpu, dtype=dtype, tokens=args.tokens, date=str(date.today()),
+                                   rows=results), indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
