@@ -104,8 +104,9 @@ def deepspeed_arch_list(value: str) -> str:
 
 
 # DeepSpeed's JIT ops a run loads (build_ops builds them, `hybridrl doctor` checks them): FusedAdam
-# everywhere, and on CPU the shared-memory collectives DeepSpeed's CPU accelerator uses
-DEEPSPEED_OPS = ["FusedAdamBuilder"]
+# everywhere, CPUAdam for the optimizer in host memory (train.optimizer_offload, which the memory
+# plan may turn on), and on CPU the shared-memory collectives DeepSpeed's CPU accelerator uses
+DEEPSPEED_OPS = ["FusedAdamBuilder", "CPUAdamBuilder"]
 DEEPSPEED_CPU_OPS = ["ShareMemCommBuilder"]
 
 

