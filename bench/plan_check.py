@@ -1,14 +1,15 @@
 """The memory plan's training phase against the trainer's measured peak, on CPU.
 
-    python bench/plan_check.py                         # 134m and 0.5b, checkpointing off/on, ZeRO-2/3, 1 and 2 ranks
-    python bench/plan_check.py --shapes 134m --ranks 1 --tokens 1024
+    python bench/plan_check.py                         # 134m and 0.5b, checkpointing off/on, 1 rank ZeRO-2, 2 ranks ZeRO-3
+    python bench/plan_check.py --shapes 134m --runs 1:2,1:3,2:2,2:3 --tokens 1024
 
 Each row is one process group (torch.distributed.run for 2 ranks) that builds the real trainer
 (DeepSpeed ZeRO, the shape's random weights from bench/shapes.py) and runs two updates on one
 micro-batch of --tokens tokens (the first creates Adam's moments). On CPU every term of the plan
 lives in host memory, so the measured figure is rank 0's resident-memory high-water mark during
 the second update, less what the process held before the model was loaded (torch, DeepSpeed and
-transformers imported); the plan's figure is its `train` column less the reserve (plan.build on
+transformers imported), with glibc's default heap (HYBRIDRL_HOST_HEAP=default: freed tensors go
+back to the system, so resident memory follows live tensors); the plan's figure is its `train` column less the reserve (plan.build on
 the same settings). The weights are random: only their shapes matter here.
 Results: the table, and bench/results/plan_check-<cpu>.json.
 """
@@ -65,7 +66,8 @@ def measure(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtyp
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                str(29500 + os.getpid() % 1000)] + cmd[1:]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT)
+    env = {**os.environ, "HYBRIDRL_HOST_HEAP": "default"}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT, env=env)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
         raise RuntimeError(out.stdout[-2000:] + out.stderr[-3000:])
@@ -92,8 +94,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--dtype", default="")
     ap.add_argument("--shapes", default="134m,0.5b")
-    ap.add_argument("--ranks", default="1,2")
-    ap.add_argument("--zeros", default="2,3")
+    ap.add_argument("--runs", default="1:2,2:3", help="ranks:zero_stage pairs")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
@@ -111,14 +112,13 @@ def main() -> None:
     results = []
     for name in args.shapes.split(","):
         path = str(shapes.build(name))
-        for ranks in map(int, args.ranks.split(",")):
-            for zero in map(int, args.zeros.split(",")):
-                for ckpt in (False, True):
-                    p = planned(path, ranks, zero, ckpt, args.tokens, dtype)
-                    m = measure(path, ranks, zero, ckpt, args.tokens, dtype)
-                    results.append(dict(shape=name, ranks=ranks, zero=zero, ckpt=ckpt, plan=p, measured=m))
-                    print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {p / 2**30:>9.2f} "
-                          f"{m / 2**30:>13.2f} {m / p:>14.2f}", flush=True)
+        for ranks, zero in (map(int, run.split(":")) for run in args.runs.split(",")):
+            for ckpt in (False, True):
+                p = planned(path, ranks, zero, ckpt, args.tokens, dtype)
+                m = measure(path, ranks, zero, ckpt, args.tokens, dtype)
+                results.append(dict(shape=name, ranks=ranks, zero=zero, ckpt=ckpt, plan=p, measured=m))
+                print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {p / 2**30:>9.2f} "
+                      f"{m / 2**30:>13.2f} {m / p:>14.2f}", flush=True)
     out = ROOT / "bench" / "results" / f"plan_check-{'amx' if env.fast_bf16() else 'cpu'}.json"
     out.write_text(json.dumps(dict(cpu=cpu, dtype=dtype, tokens=args.tokens, date=str(date.today()),
                                    rows=results), indent=1) + "\n")

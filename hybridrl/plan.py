@@ -14,7 +14,8 @@ What each term is (per GPU rank; P parameters, T of them trained, b bytes per we
 of the trainer's data parallelism, TP vLLM's tensor-parallel size):
 - trainer: parameters P b (ZeRO-3: / N), gradients T b / N plus DeepSpeed's reduce bucket, fp32
   master weights and Adam's two moments 12 T / N, and at the optimizer step a fp32 gradient
-  partition 4 T / N (after the backward has freed the activations); the optimizer offloaded:
+  partition and a flattened copy of the gradients (4 + b) T / N (after the backward has freed the
+  activations: on CPU at the 134M shape the step, not the backward, was the peak); the optimizer offloaded:
   the last three live in pinned host memory.
 - activations of one micro-batch of `train.max_tokens_per_micro_batch` tokens: per token and
   layer (6 b + 8) hidden + 2 b KV width + 4 b MLP width without gradient checkpointing (the 8:
@@ -246,7 +247,7 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
         params = 2 * shape.layer_params * b
     grads = T * b // N + min(REDUCE_BUCKET, T) * b
     states = 12 * T // N  # fp32 master weights + Adam's two moments, this rank's partition
-    step_grads = 4 * T // N  # the fp32 gradient partition the optimizer step builds
+    step_grads = (4 + b) * T // N  # the step's fp32 gradient partition and flattened low-precision copy
     if k.optimizer_offload:  # gradients go to the host partition as they are reduced: only the bucket stays
         grads, states, step_grads = min(REDUCE_BUCKET, T) * b, 0, 0
     tokens = k.mb_tokens
