@@ -68,3 +68,12 @@ def test_a_stage_cut_short_keeps_the_rows_it_printed(tmp_path):
     assert lease.run_stage(stage, 1.5, rows, tmp_path / "lease.log", argv=argv) == "cut"  # the call's time, not its own
     got = [json.loads(x) for x in (tmp_path / "lease.jsonl").read_text().splitlines()]
     assert [r["claim"] for r in got] == ["first", "slow: stage"] and got[1]["verdict"] == "cut"
+
+
+def test_gpu_check_variants_name_eager_decoding_now_that_graphs_are_the_gpu_default():
+    """CUDA graphs became the GPU default (recipe.resolve): a variant without --rollout.enforce_eager
+    decodes with graphs, so the 'eager' ones must ask for it or the check compares graphs with graphs."""
+    import gpu_run_checks
+    for name, args in gpu_run_checks.VARIANTS.items():
+        assert ("--rollout.enforce_eager" in args) == ("eager" in name), name
+    assert sum("--rollout.enforce_eager" not in a for a in gpu_run_checks.VARIANTS.values()) == 1
