@@ -52,8 +52,10 @@ class Stage:
 
 # in order of value: each stage's claim was left unverified by the last leases (docs/gpu.md)
 STAGES = [
-    Stage("prepare", 90, 30, True, "the 0.5B and 1.5B shapes' random weights and the checks' 0.5B model, into the cache"),
-    Stage("stack", 60, 10, False, "versions, the device, and whether scripts/gpu_bundle.sh's vLLM and DeepSpeed import"),
+    Stage("prepare", 90, 30, True, "the 0.5B and 1.5B shapes' random weights and the checks' 0.5B model, "
+          "into the cache"),
+    Stage("stack", 60, 10, False, "versions, the device, and whether scripts/gpu_bundle.sh's vLLM and DeepSpeed "
+          "import"),
     Stage("planner", 150, 100, True, "vLLM's footprint vs the plan (max_num_seqs and the sampler term; was +11.8%), "
           "a whole cycle at the plan"),
     Stage("demo_probe", 100, 45, True, "the demo in float32, 20 steps, probe every step: gap <= 1e-4 "
@@ -102,14 +104,14 @@ def calls() -> list[Call]:
     install = (f"bash {WHEELS}/install.sh $PWD/{WHEELS}/site 2>&1 | tail -3 && python3 -m hybridrl.env 2>&1 | tail -2 "
                "|| echo 'install FAILED: the stages below say what is missing'; ")
     return [
-        Call((f"{WHEELS}/site.part0", f"{WHEELS}/site.sha256", f"{WHEELS}/install.sh"), 60,
+        Call((f"{WHEELS}/site.part0", f"{WHEELS}/site.sha256", f"{WHEELS}/install.sh"), 90,
              ENV + "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; "
-                   "python3 bench/lease.py --stages prepare --left 50",
+                   "python3 bench/lease.py --stages prepare --left 80",
              "bundle part 1 of 2 and install.sh; builds the shapes' weights (no vLLM yet)"),
         Call((f"{WHEELS}/site.part1", deepspeed_sdist()), 240, ENV + install + checks(240),
-             "bundle part 2 and DeepSpeed's source (the smaller part); install.sh (unpack, DeepSpeed), python -m hybridrl.env (fused Adam); the stages in "
-             "order while time lasts"),
-        Call((), 300, ENV + checks(300), "the stages not done, in order, while time lasts; then give_back"),
+             "bundle part 2 and DeepSpeed's source (the smaller part); install.sh (unpack, DeepSpeed), "
+             "python -m hybridrl.env (fused Adam); the stages in order while time lasts"),
+        Call((), 270, ENV + checks(270), "the stages not done, in order, while time lasts; then give_back"),
     ]
 
 
@@ -136,8 +138,8 @@ def print_plan() -> int:
     for i, c in enumerate(cs, 1):
         sizes = [(ROOT / p).stat().st_size if (ROOT / p).exists() else None for p in c.carry]
         known = [s for s in sizes if s is not None]
-        mib = f"{sum(known) / 2**20:.1f} MiB carried + {tree / 2**20:.1f} MiB of tree" if known else "nothing carried" if not c.carry else \
-            "sizes unknown until the bundle is built"
+        mib = (f"{sum(known) / 2**20:.1f} MiB carried + {tree / 2**20:.1f} MiB of tree" if known else
+               "nothing carried" if not c.carry else "sizes unknown until the bundle is built")
         print(f"\ncall {i}: run(timeout_s={c.timeout_s}, carry={list(c.carry)})  # {mib}; {c.does}")
         print(f"  command: {c.command}")
         if len(c.command) > 2000:
@@ -263,9 +265,13 @@ def run(names: list[str], left: float, out: Path) -> int:
 
 
 # --- the stages (each in its own process: `--stage NAME`; rows via gpu_claims.row) -----------------
+_STAGE_END = time.perf_counter() + float(os.environ.get("LEASE_STAGE_S", 1e9))  # the runner kills the stage then
+
+
 def _seconds(default: float, margin: float = 10) -> float:
-    """A run's timeout inside the stage's: what LEASE_STAGE_S leaves, at most `default`."""
-    return max(10.0, min(default, float(os.environ.get("LEASE_STAGE_S", default + margin)) - margin))
+    """A run's timeout inside the stage: what the stage has left, less a margin for its rows, at most
+    `default`."""
+    return max(10.0, min(default, _STAGE_END - time.perf_counter() - margin))
 
 
 def stage_prepare(cuda: bool) -> None:
@@ -274,9 +280,11 @@ def stage_prepare(cuda: bool) -> None:
     for name in ("0.5b", "1.5b"):
         t = time.perf_counter()
         path = shapes.build(name)
-        row(f"prepare: the {name} shape's random weights (bench/shapes.py)", f"{path} ({time.perf_counter() - t:.0f} s)")
+        row(f"prepare: the {name} shape's random weights (bench/shapes.py)",
+            f"{path} ({time.perf_counter() - t:.0f} s)")
     t = time.perf_counter()
-    row("prepare: the checks' 0.5B model (gpu_claims.half_b_model)", f"{half_b_model()} ({time.perf_counter() - t:.0f} s)")
+    model = half_b_model()
+    row("prepare: the checks' 0.5B model (gpu_claims.half_b_model)", f"{model} ({time.perf_counter() - t:.0f} s)")
 
 
 def stage_stack(cuda: bool) -> None:

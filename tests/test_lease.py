@@ -54,7 +54,8 @@ def test_dry_run_writes_every_stage_to_out(tmp_path):
 
 def test_a_call_short_of_time_leaves_the_stage_for_the_next(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "bench" / "lease.py"), "--stages", "trainer_plan", "--left", "1",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=60, env=_no_cuda(), cwd=ROOT)
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=60, env=_no_cuda(),
+                          cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "lease.jsonl").read_text().splitlines()]
     assert [r["verdict"] for r in rows] == ["later"] and "next call" in rows[0]["value"]
