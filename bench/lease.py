@@ -420,7 +420,11 @@ def stage_decode7b(cuda: bool) -> None:
                 plan_gib={k: v / GIB for k, v in p.items()})
             continue
         # each engine in its own process: an in-process vLLM engine does not give all its memory back
-        subprocess.run([sys.executable, __file__, "--decode", mode], timeout=_seconds(110), cwd=ROOT)
+        try:
+            subprocess.run([sys.executable, __file__, "--decode", mode], timeout=_seconds(110), cwd=ROOT)
+        except subprocess.TimeoutExpired as e:
+            row(f"7B shape, dummy weights, {mode}: {DECODE_SEQS} x {DECODE_TOKENS} tokens", f"cut at {e.timeout:.0f} s",
+                "", "fail")
 
 
 def decode(mode: str) -> None:
@@ -430,7 +434,7 @@ def decode(mode: str) -> None:
     import torch
     from gpu_claims import row, verdict
 
-    from hybridrl import env, plan, vllm_compat
+    from hybridrl import env, memory, plan, vllm_compat
     engine._world()
     src = plan.shipped_config("qwen2.5-7b")
     model = env.cache_dir() / "lease-qwen2.5-7b-config"
@@ -442,8 +446,9 @@ def decode(mode: str) -> None:
                                    sleep_mode=False, max_num_seqs=DECODE_SEQS, enforce_eager=mode == "eager")
     before = engine._used()
     t = time.perf_counter()
-    llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
-              enforce_eager=mode == "eager", max_model_len=DECODE_PROMPT + DECODE_TOKENS + 64, **kw)
+    with memory.vllm_pool(True), vllm_compat.engine_env(out_of_process=False, local_rank=0, cuda=True):  # as Rollout
+        llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+                  enforce_eager=mode == "eager", max_model_len=DECODE_PROMPT + DECODE_TOKENS + 64, **kw)
     start_s = time.perf_counter() - t
     footprint = engine._used() - before
     planned = sum(p.values())
