@@ -235,7 +235,11 @@ def run(names: list[str], left: float, out: Path) -> int:
     done_file = env.cache_dir() / "lease" / "done"
     done_file.parent.mkdir(parents=True, exist_ok=True)
     done = set(done_file.read_text().split()) if done_file.exists() else set()
-    device = "CUDA" if cuda else "no CUDA (dry run)"
+    device = "no CUDA (dry run)"
+    if cuda:  # its name for the table's title, without initialising CUDA in this process
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True)
+        device = (smi.stdout.strip().splitlines() or ["CUDA"])[0]
     rows = Rows(out, device)
     log = out / "lease.log"
     end = time.perf_counter() + left
