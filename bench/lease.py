@@ -237,9 +237,12 @@ def run(names: list[str], left: float, out: Path) -> int:
     done = set(done_file.read_text().split()) if done_file.exists() else set()
     device = "no CUDA (dry run)"
     if cuda:  # its name for the table's title, without initialising CUDA in this process
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True)
-        device = (smi.stdout.strip().splitlines() or ["CUDA"])[0]
+        try:
+            smi = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                 text=True).stdout
+        except OSError:
+            smi = ""
+        device = (smi.strip().splitlines() or ["CUDA"])[0]
     rows = Rows(out, device)
     log = out / "lease.log"
     end = time.perf_counter() + left
