@@ -12,7 +12,7 @@ its own timeout (killed with its children when it runs over). Every row goes to 
 and $OUT/lease.md as soon as it is measured, so a stage cut short still returns what it had. A
 call starts no stage with fewer seconds left (--left) than the stage needs at least; the next call
 goes on from the first stage not finished (listed in $HYBRIDRL_CACHE_DIR/lease/done, which stays on
-the warm machine). Without CUDA the GPU stages record `skipped: no CUDA`; the plan side of the
+the warm machine; stages named with --stages run again). Without CUDA the GPU stages record `skipped: no CUDA`; the plan side of the
 trainer and 7B stages (hybridrl.plan's arithmetic) runs anywhere.
 
 The measurements are the GPU self-check's (bench/gpu_engine_checks.py, bench/gpu_run_checks.py,
@@ -165,6 +165,7 @@ class Rows:
     def __init__(self, out: Path, device: str):
         self.out, self.device, self.rows = out, device, []
         out.mkdir(parents=True, exist_ok=True)
+        (out / "lease.jsonl").write_text("")  # this run's rows only, as lease.md
         self.t0 = time.perf_counter()
         self.lock = threading.Lock()
 
@@ -227,7 +228,7 @@ def run_stage(stage: Stage, seconds: float, rows: Rows, log: Path, argv: list[st
     return "done"
 
 
-def run(names: list[str], left: float, out: Path) -> int:
+def run(names: list[str], left: float, out: Path, skip_done: bool = True) -> int:
     sys.path.insert(0, str(ROOT))
     from hybridrl import env
     env.setup()
@@ -247,7 +248,7 @@ def run(names: list[str], left: float, out: Path) -> int:
     log = out / "lease.log"
     end = time.perf_counter() + left
     for stage in (BY_NAME[n] for n in names):
-        if stage.name in done and cuda:
+        if stage.name in done and cuda and skip_done:
             continue
         if stage.cuda and not cuda:
             rows.add(stage.name, {"claim": f"{stage.name}: {stage.what}", "value": "skipped: no CUDA", "target": "",
@@ -485,7 +486,8 @@ STAGE_FUNCS = {"prepare": stage_prepare, "stack": stage_stack, "planner": stage_
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--plan", action="store_true", help="print the calls, their carry, timeouts and device-minutes")
-    ap.add_argument("--stages", default="", help=f"comma-separated, in this order: {', '.join(BY_NAME)} (default all)")
+    ap.add_argument("--stages", default="", help=f"comma-separated, in this order: {', '.join(BY_NAME)} (default: "
+                    "all not done yet on this machine; named ones run again)")
     ap.add_argument("--left", type=float, default=LEASE_S, help="seconds this call has left for the stages")
     ap.add_argument("--out", default=None, help="where the rows go (default $OUT, else .cache/lease/out)")
     ap.add_argument("--stage", help=argparse.SUPPRESS)
@@ -508,7 +510,7 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown stage(s) {', '.join(unknown)}; choose from {', '.join(BY_NAME)}")
     out = Path(a.out or os.environ.get("OUT") or ROOT / ".cache" / "lease" / "out")
-    return run([n for n in BY_NAME if n in names], a.left, out)
+    return run([n for n in BY_NAME if n in names], a.left, out, skip_done=not a.stages)
 
 
 if __name__ == "__main__":
