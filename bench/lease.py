@@ -12,8 +12,9 @@ its own timeout (killed with its children when it runs over). Every row goes to 
 and $OUT/lease.md as soon as it is measured, so a stage cut short still returns what it had. A
 call starts no stage with fewer seconds left (--left) than the stage needs at least; the next call
 goes on from the first stage not finished (listed in $HYBRIDRL_CACHE_DIR/lease/done, which stays on
-the warm machine; stages named with --stages run again). Without CUDA the GPU stages record `skipped: no CUDA`; the plan side of the
-trainer and 7B stages (hybridrl.plan's arithmetic) runs anywhere.
+the warm machine; stages named with --stages run again). Without CUDA the GPU stages record
+`skipped: no CUDA`; the plan side of the trainer and 7B stages (hybridrl.plan's arithmetic) runs
+anywhere.
 
 The measurements are the GPU self-check's (bench/gpu_engine_checks.py, bench/gpu_run_checks.py,
 what `make gpu-check` runs) and bench/plan_check.py's; this file orders them, sizes them to the
