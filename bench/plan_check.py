@@ -9,8 +9,11 @@ micro-batch of --tokens tokens (the first creates Adam's moments). On CPU every 
 lives in host memory, so the measured figure is rank 0's resident-memory high-water mark during
 the second update, less what the process held before the model was loaded (torch, DeepSpeed and
 transformers imported), with glibc's default heap (HYBRIDRL_HOST_HEAP=default: freed tensors go
-back to the system, so resident memory follows live tensors); the plan's figure is its `train` column less the reserve (plan.build on
-the same settings). The weights are random: only their shapes matter here.
+back to the system, so resident memory follows live tensors); the plan's figure is its `train`
+column less the reserve (plan.build on the same settings). The weights are random: only their
+shapes matter here. `measure(..., cuda=True)` and `planned(..., on_cpu=False)` are the same
+comparison on a GPU (bench/lease.py): the device's torch.cuda.max_memory_allocated during the
+second update against the GPU plan's train column.
 Results: the table, and bench/results/plan_check-<cpu>.json.
 """
 
@@ -39,12 +42,13 @@ def worker(args) -> None:
     from hybridrl.trainer import Trainer  # DeepSpeed and transformers imported: not the plan's to count
 
     world = launch.init_distributed()
-    base = memory.host_memory()[0]
+    device = world.device if args.cuda else torch.device("cpu")
+    base = torch.cuda.memory_allocated() if args.cuda else memory.host_memory()[0]
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     cfg = config.load(None, {"model.gradient_checkpointing": args.ckpt, "train.zero_stage": args.zero,
                              "train.max_tokens_per_micro_batch": args.tokens, "train.minibatches": 1,
                              "model.dtype": args.dtype, "train.lr": 1e-6})
-    trainer = Trainer(cfg, args.model, device=torch.device("cpu"), dtype=dtype, attn_implementation="sdpa")
+    trainer = Trainer(cfg, args.model, device=device, dtype=dtype, attn_implementation="sdpa")
     rows, length = 4, args.tokens // 4  # one micro-batch of exactly --tokens tokens
     g = torch.Generator().manual_seed(world.rank)
     vocab = trainer.hf.config.vocab_size
@@ -53,36 +57,48 @@ def worker(args) -> None:
     batch = Batch.from_rows(prompts, completions, [[-1.0] * len(c) for c in completions], [1.0, -1.0, 0.5, -0.5])
     batch.logp_old = None
     trainer.step(batch)  # Adam's moments exist from here on
-    memory.reset_peak()
-    trainer.step(batch)
-    peak = memory.peak_since_reset()
+    if args.cuda:  # on a GPU every term of the plan is device memory the allocator hands out
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        trainer.step(batch)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        memory.reset_peak()
+        trainer.step(batch)
+        peak = memory.peak_since_reset()
     if world.main:
         print("RESULT " + json.dumps({"peak": peak - base}), flush=True)
 
 
-def measure(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtype: str) -> float:
+def measure(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtype: str, cuda: bool = False,
+            timeout: float = 1800) -> float:
     cmd = [sys.executable, __file__, "--worker", "--model", shape_dir, "--zero", str(zero), "--tokens", str(tokens),
-           "--dtype", dtype] + (["--ckpt"] if ckpt else [])
+           "--dtype", dtype] + (["--ckpt"] if ckpt else []) + (["--cuda"] if cuda else [])
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                str(29500 + os.getpid() % 1000)] + cmd[1:]
     env = {**os.environ, "HYBRIDRL_HOST_HEAP": "default"}
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, cwd=ROOT, env=env)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
         raise RuntimeError(out.stdout[-2000:] + out.stderr[-3000:])
     return json.loads(lines[-1][7:])["peak"]
 
 
-def planned(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtype: str) -> int:
+TRAINER_ROWS = ("trainer params", "trainer grads", "fp32 master + Adam", "activations")
+
+
+def planned(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtype: str, on_cpu: bool = True) -> int:
+    """The plan's train column, the trainer's rows alone: no vLLM engine in the measured process, and
+    the reserve (rollout.memory_margin_mb) is not the allocator's."""
     from hybridrl import config, plan
     cfg = config.load(None, {"model.gradient_checkpointing": ckpt, "train.zero_stage": zero, "model.dtype": dtype,
                              "train.max_tokens_per_micro_batch": tokens, "rollout.max_model_len": tokens // 4})
     shape = plan.Shape.from_config(plan.read_config(shape_dir))
-    k = plan.knobs(cfg, shape, world=ranks, local=ranks, on_cpu=True)
+    k = plan.knobs(cfg, shape, world=ranks, local=ranks, on_cpu=on_cpu)
     p = plan.build(shape, k, device=1 << 50, host=1 << 50)
-    vllm = sum(v for name, row in p.rows.items() if name.startswith("vLLM") for v in [row.get("train", 0)])
-    return p.total("train") - vllm  # the trainer's part: no vLLM engine in this process
+    return sum(row.get("train", 0) for name, row in p.rows.items() if name in TRAINER_ROWS)
 
 
 def main() -> None:
@@ -91,6 +107,7 @@ def main() -> None:
     ap.add_argument("--model", default="")
     ap.add_argument("--zero", type=int, default=2)
     ap.add_argument("--ckpt", action="store_true")
+    ap.add_argument("--cuda", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--dtype", default="")
     ap.add_argument("--shapes", default="134m,0.5b")

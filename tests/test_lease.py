@@ -1,0 +1,80 @@
+"""bench/lease.py without a GPU: the plan of calls fits the lease, the dry run writes every stage's
+rows where the device tool fetches them from, and a stage cut short keeps the rows it printed."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT / "bench"))  # last: bench/kernels.py must not shadow the kernels package
+import lease  # noqa: E402
+
+
+def _no_cuda() -> dict:
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+
+
+def test_plan_of_calls_fits_the_lease_and_carries_one_part_a_call(capsys):
+    calls = lease.calls()
+    assert [c for c in calls[0].carry if "site.part" in c] == [".gpu_wheels/site.part0"]
+    assert [c for c in calls[1].carry if "site.part" in c] == [".gpu_wheels/site.part1"]
+    assert "install.sh" in calls[1].command and "python3 -m hybridrl.env" in calls[1].command
+    assert all(len(c.command) <= 2000 and c.timeout_s <= 600 for c in calls)  # the device tool's limits
+    assert sum(s for _, s in lease.budget(calls)) <= lease.LEASE_S
+    assert lease.print_plan() == 0
+    printed = capsys.readouterr().out
+    assert "call 3: run(timeout_s=" in printed and "give_back" in printed and "within 780 s" in printed
+
+
+def test_dry_run_writes_every_stage_to_out(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "lease.py"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env=_no_cuda(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "lease.jsonl").read_text().splitlines()]
+    assert {r["stage"] for r in rows} == set(lease.BY_NAME)
+    for s in lease.STAGES:
+        if s.cuda:
+            assert [r["value"] for r in rows if r["stage"] == s.name] == ["skipped: no CUDA"]
+    assert any(r["claim"] == "software stack" and "torch" in r["value"] for r in rows)
+    # the plan side runs anywhere: four trainer cases, checkpointing planned below no checkpointing
+    plans = {r["claim"].split(", ZeRO")[0]: r["data"]["plan_gib"] for r in rows if r["stage"] == "trainer_plan"
+             and "plan_gib" in r.get("data", {})}
+    assert len(plans) == 4
+    for shape in ("0.5b", "1.5b"):
+        on, off = (plans[f"trainer peak, {shape}, gradient checkpointing {x}"] for x in ("on", "off"))
+        assert 0 < on < off
+    decode = [r["data"]["plan_gib"] for r in rows if r["stage"] == "decode7b" and "plan_gib" in r.get("data", {})]
+    assert decode[0]["CUDA graphs"] == 0 < decode[1]["CUDA graphs"]
+    table = (tmp_path / "lease.md").read_text()
+    assert table.count("\n| ") == len(rows) + 1  # the header and one line a row
+    assert len(list(tmp_path.iterdir())) <= 8  # the device tool brings back at most 8 files
+
+
+def test_a_call_short_of_time_leaves_the_stage_for_the_next(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "lease.py"), "--stages", "trainer_plan", "--left", "1",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=60, env=_no_cuda(),
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [json.loads(x) for x in (tmp_path / "lease.jsonl").read_text().splitlines()]
+    assert [r["verdict"] for r in rows] == ["later"] and "next call" in rows[0]["value"]
+
+
+def test_a_stage_cut_short_keeps_the_rows_it_printed(tmp_path):
+    rows = lease.Rows(tmp_path, "test")
+    printed = 'ROW ' + json.dumps({"claim": "first", "value": "1", "target": "", "verdict": "info", "data": {}})
+    argv = [sys.executable, "-c", f"import time; print({printed!r}, flush=True); time.sleep(60)"]
+    stage = lease.Stage("slow", timeout=100, least=1, cuda=False, what="prints a row, then hangs")
+    assert lease.run_stage(stage, 1.5, rows, tmp_path / "lease.log", argv=argv) == "cut"  # the call's time, not its own
+    got = [json.loads(x) for x in (tmp_path / "lease.jsonl").read_text().splitlines()]
+    assert [r["claim"] for r in got] == ["first", "slow: stage"] and got[1]["verdict"] == "cut"
+
+
+def test_gpu_check_variants_name_eager_decoding_now_that_graphs_are_the_gpu_default():
+    """CUDA graphs became the GPU default (recipe.resolve): a variant without --rollout.enforce_eager
+    decodes with graphs, so the 'eager' ones must ask for it or the check compares graphs with graphs."""
+    import gpu_run_checks
+    for name, args in gpu_run_checks.VARIANTS.items():
+        assert ("--rollout.enforce_eager" in args) == ("eager" in name), name
+    assert sum("--rollout.enforce_eager" not in a for a in gpu_run_checks.VARIANTS.values()) == 1
