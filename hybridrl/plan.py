@@ -28,6 +28,8 @@ of the trainer's data parallelism, TP vLLM's tensor-parallel size):
   activations 1 GiB + 10% of the weights + the sampler's float32 logits rows, and with CUDA
   graphs their memory pool (an estimate: the largest captured batch's activations and a few
   MiB per captured size).
+- ZeRO-3: up to DeepSpeed's stage3_max_live_parameters (1e9) gathered while a forward or backward
+  runs, and the hand-off's bucket of gathered parameters.
 - reference: under ZeRO-2 a device copy of the weights for the phase (pinned in host memory
   between phases, one copy per rank); under ZeRO-3 its shard in pinned host memory, gathered a
   layer at a time. Critic: a second trainer of the same shape without the LM head.
@@ -50,6 +52,7 @@ from .config import Config, ConfigError
 GIB = memory.GIB
 MIB = memory.MIB
 REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements), which ds_config keeps
+STAGE3_LIVE = 1_000_000_000  # DeepSpeed's default stage3_max_live_parameters: gathered ZeRO-3 parameters kept
 GRAPH_SIZES_MAX = 512  # the largest batch vLLM captures a CUDA graph for
 CONFIGS = Path(__file__).parent / "model_configs"  # config.json of real models (no weights), for planning offline
 DEFAULT_GPU_GIB = 79.2  # an 80 GB H100 as CUDA reports it (torch.cuda.mem_get_info's total)
@@ -298,6 +301,8 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
         rows["activations"]["values"] = fwd_only
     if z3:
         row("hand-off bucket", k.bucket, ("hand-off",))
+        # forward and backward gather layers ahead and keep up to STAGE3_LIVE parameters gathered
+        row("ZeRO-3 gathered", min(STAGE3_LIVE, P) * b, ("reference", "values", "train") if not k.on_cpu else everywhere)
     row("reserve", k.reserve, everywhere)
     plan = MemoryPlan(device, host, rows, {}, k)
     over = plan.total("generate") - device
