@@ -298,7 +298,7 @@ class Resume:
         self.path, self.run_dir = Path(path), Path(run_dir)
         self.state = json.loads((self.path / "state.json").read_text())
         self.step = int(self.state["step"])
-        self.records: list[dict] = []  # metrics.jsonl up to this step, kept through RunLog's rewrite
+        self.records: list[dict] = []  # metrics.jsonl up to this step (its held-out accuracies)
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
             for line in metrics.read_text().splitlines():
@@ -341,7 +341,7 @@ class Resume:
         sampler.cursor = self.state["cursor"]
         history = self.state["history"]
         evals = [r["heldout_acc"] for r in self.records if "heldout_acc" in r]  # incl. the one after the save
-        run.resume(self.records, history.get("acc_before"), evals[-1] if evals else history.get("last_acc"))
+        run.resume(history.get("acc_before"), evals[-1] if evals else history.get("last_acc"))
         set_rng_state(mine["rng"])  # last: the engine start, hand-off and probe above draw from it
         return self.step, history.get("acc_before")
 
