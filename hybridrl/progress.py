@@ -216,6 +216,8 @@ class RunLog:
             if resume_step is not None:
                 for name in APPENDED:
                     keep_upto(self.dir / name, resume_step)
+            else:  # a fresh run in a used run dir starts its metrics afresh, as it always did
+                (self.dir / "metrics.jsonl").write_text("")
             self.sinks.append(JsonlSink(self.dir / "metrics.jsonl"))
             self._samples = Journal(self.dir / "samples.jsonl")
             if cfg.log.tensorboard:

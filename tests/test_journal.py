@@ -107,6 +107,8 @@ def test_a_full_disk_drops_rows_not_the_run(tmp_path, monkeypatch, caplog):
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ok = [json.loads(x) for x in lines if x.startswith("{") and x.endswith("}")]
     assert [r["step"] for r in ok if "step" in r] == [1, 3] and ok[-1]["summary"]["log_rows_dropped"] == 2
+    from hybridrl import report
+    assert [r["step"] for r in report.load(tmp_path / "run").steps] == [1, 3]  # the torn row is skipped
     said = [r.message for r in caplog.records if "No space left on device" in r.message]
     assert len(said) == 3  # once per file (metrics, samples, the dead letter), not once per row
 
