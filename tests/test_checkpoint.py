@@ -22,18 +22,38 @@ def _steps(records):
     return {r["step"]: r for r in records if "reward" in r}
 
 
-def _resume_pair(root, *extra):
-    """An uninterrupted run of N steps, and one stopped at K (`--steps K`) then resumed to N."""
+def _resume_pair(root, *extra, kill_while_resuming=False):
+    """An uninterrupted run of N steps, and one stopped at K (`--steps K`) then resumed to N
+    (`kill_while_resuming`: after a first resume killed as it starts its engines)."""
     full, part = root / "full", root / "part"
     _, a, _ = train_cli(full, *FAST, *extra, "--steps", str(N))
     _, b1, _ = train_cli(part, *FAST, *extra, "--steps", str(K), "--ckpt.every", "1", "--ckpt.keep", "2")
+    if kill_while_resuming:
+        _kill_while_resuming(part, *FAST, *extra, "--steps", str(N), "--resume", str(part))
     out, b2, summary = train_cli(part, *FAST, *extra, "--steps", str(N), "--resume", str(part))
     return dict(full=full, part=part, a=_steps(a), b1=_steps(b1), b2=_steps(b2), out=out, summary=summary)
 
 
+def _kill_while_resuming(run_dir, *args):
+    """issue 40 (1): metrics.jsonl was emptied as the resumed run's log opened and refilled only after
+    the engines, the checkpoint load and the probe; a kill -9 in between lost steps 1..K for good."""
+    before = _steps(json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines())
+    written = (run_dir / "config.yaml").stat().st_mtime_ns
+    proc = subprocess.Popen([sys.executable, "-m", "hybridrl", "train", *args, "--log.run_dir", str(run_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline and (run_dir / "config.yaml").stat().st_mtime_ns == written:
+        time.sleep(0.05)  # the run log writes config.yaml, then opens metrics.jsonl, then the engines start
+    time.sleep(1.0)
+    proc.kill()
+    proc.wait()
+    after = _steps(json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines())
+    assert after == before and sorted(after) == list(range(1, K + 1))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return _resume_pair(tmp_path_factory.mktemp("ckpt"))
+    return _resume_pair(tmp_path_factory.mktemp("ckpt"), kill_while_resuming=True)
 
 
 @pytest.mark.cpu_only("bit-identical resumes rest on deterministic CPU kernels")
