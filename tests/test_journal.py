@@ -5,7 +5,6 @@ import errno
 import json
 import os
 
-import pytest
 import torch
 
 from hybridrl import config as C
