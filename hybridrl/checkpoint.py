@@ -40,6 +40,7 @@ import json
 import logging
 import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -53,6 +54,7 @@ import yaml
 
 from . import faults, launch
 from .config import Config, UserError, to_dict
+from .journal import fsync_dir
 
 log = logging.getLogger("hybridrl")
 DS_TAG = "ds"
@@ -63,8 +65,22 @@ def ckpt_root(cfg: Config, run_dir: str | Path) -> Path:
     return Path(cfg.ckpt.dir.format(run_dir=run_dir))
 
 
+_NAME = re.compile(r"step-(\d+)(\.old)?")  # step-N.old: the step-N a re-save of step N moved aside
+
+
 def step_of(path: Path) -> int:
-    return int(path.name.split("-")[-1])
+    return int(_NAME.fullmatch(path.name).group(1))
+
+
+def _order(path: Path) -> tuple[int, int]:
+    """Newest save first: the save counter in the manifest (0 in checkpoints of earlier versions,
+    which are then ordered by step as they were). A run resumed from an earlier step saves a
+    branch whose steps are lower than the abandoned ones: its checkpoints are still the newest."""
+    try:
+        seq = int(json.loads((path / MANIFEST).read_text()).get("seq", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        seq = 0
+    return seq, step_of(path)
 
 
 # --- finding checkpoints ----------------------------------------------------------------------
@@ -78,8 +94,11 @@ def is_complete(path: Path) -> bool:
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
-    """The valid checkpoints under `root`, newest step first; invalid ones are named in the log."""
-    found = sorted((p for p in root.glob("step-*") if p.is_dir() and p.name[5:].isdigit()), key=step_of, reverse=True)
+    """The valid checkpoints under `root`, newest save first (`_order`); invalid ones are named in
+    the log. A step-N.old counts where step-N is missing (a crash while step N was re-saved)."""
+    found = [p for p in root.glob("step-*") if p.is_dir() and _NAME.fullmatch(p.name)
+             and not (p.name.endswith(".old") and is_complete(p.with_name(p.name[:-4])))]
+    found.sort(key=_order, reverse=True)
     good = []
     for p in found:
         if is_complete(p):
@@ -125,9 +144,30 @@ def saved_config(cfg: Config) -> Path | None:
     return found[0] / "config.yaml" if found else None
 
 
+def from_run_dir(cfg: Config, overrides: dict, where) -> Config:
+    """`cfg` as read from a run directory's or checkpoint's config.yaml (`where`), under today's
+    `overrides`. A run directory is code, like a pickle: it can name modules to import. So
+    model.trust_remote_code is never taken from it (only today's flags grant it), and the modules
+    its reward.fn / env.cls import are printed before anything imports them."""
+    if "model.trust_remote_code" not in overrides and cfg.model.trust_remote_code:
+        print(f"note: {where} was run with model.trust_remote_code true; a saved config does not grant it: "
+              "pass --model.trust_remote_code true if you trust that model's code", file=sys.stderr, flush=True)
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, trust_remote_code=False))
+    imports = [f"{key}={value}" for key, value in (("reward.fn", cfg.reward.fn), ("env.cls", cfg.env.cls))
+               if key not in overrides and value and any(":" in t and not t.startswith("rm:")
+                                                         for t in value.split(","))]
+    if imports:
+        print(f"note: {where} imports code: {', '.join(imports)} (override them to import something else)",
+              file=sys.stderr, flush=True)
+    return cfg
+
+
 # --- RNG ----------------------------------------------------------------------------------------
 def rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Plain tuples and tensors only, so that `load_rank_state` reads them with weights_only=True."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -135,7 +175,8 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, *rest = state["numpy"]  # keys: a tensor, or the ndarray of earlier versions' checkpoints
+    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -168,6 +209,7 @@ class Saver:
             try:
                 shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed at this step before
                 self.root.mkdir(parents=True, exist_ok=True)
+                _settle_aside(self.root)
                 free = shutil.disk_usage(self.root).free
                 if free < need:  # checked first: a write that fails half-way at > 1 rank can leave
                     problem = "not enough free space (checked before writing)"  # ranks in different collectives
@@ -195,6 +237,7 @@ class Saver:
                     if getattr(trainer.hf, "generation_config", None) is not None:
                         trainer.hf.generation_config.save_pretrained(tmp / "hf")
                     self.tokenizer.save_pretrained(tmp / "hf")
+                _fsync_tree(tmp, dirs=False)  # each rank its shards, before any older checkpoint can go
             except Exception as e:
                 if not is_io_error(e):  # a CUDA, NCCL or programming error is not a disk problem: it stops the run
                     raise
@@ -209,11 +252,16 @@ class Saver:
         if problem is None and main:
             try:
                 files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-                _write_atomic(tmp / MANIFEST, json.dumps({"step": step, "save_s": round(time.perf_counter() - t0, 3),
-                                                          "files": files}))
-                if final_dir.exists():  # the same step saved again (e.g. a resumed run stopped at once)
-                    shutil.rmtree(final_dir)
+                seq = 1 + max((_order(p)[0] for p in complete_checkpoints(self.root)), default=0)
+                _write_atomic(tmp / MANIFEST, json.dumps({"step": step, "seq": seq, "files": files,
+                                                          "save_s": round(time.perf_counter() - t0, 3)}))
+                _fsync_tree(tmp, files=False)
+                aside = self.root / f"step-{step}.old"
+                if final_dir.exists():  # the same step saved again (a resumed run stopped at once, a branch):
+                    os.rename(final_dir, aside)  # moved aside, not deleted, until the new one is in place
                 os.rename(tmp, final_dir)
+                fsync_dir(self.root)
+                shutil.rmtree(aside, ignore_errors=True)
             except OSError as e:
                 problem = str(e)
         problem = launch.from_main(problem)
@@ -228,10 +276,12 @@ class Saver:
         if main:
             try:
                 _write_atomic(self.root / "latest", final_dir.name)
-            except OSError as e:  # informational only: resume looks for the newest complete step-N
+            except OSError as e:  # informational only: resume looks for the newest complete save
                 log.warning("could not update %s: %s", self.root / "latest", e)
+            # the newest saves stay (this one first, whatever its step); everything is on disk by now
             for old in complete_checkpoints(self.root)[self.cfg.ckpt.keep:]:
-                shutil.rmtree(old, ignore_errors=True)
+                if old != final_dir:
+                    shutil.rmtree(old, ignore_errors=True)
         launch.barrier()
         self.last, self.unsaved = final_dir, None
         return final_dir
@@ -288,6 +338,31 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def _fsync_tree(root: Path, files: bool = True, dirs: bool = True) -> None:
+    """Flush what was written under `root` to the disk: a checkpoint is declared complete, and
+    older ones are deleted, only once a power loss can no longer take it back. A file is flushed by
+    whichever process syncs it, so each rank syncs every file it sees (its own among them)."""
+    for p in sorted(root.rglob("*"), reverse=True) + [root]:
+        if (p.is_dir() and dirs) or (p.is_file() and files and not p.is_symlink()):
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+
+def _settle_aside(root: Path) -> None:
+    """A crash while step N was re-saved can leave step-N.old: put it back where step-N is missing,
+    drop it where the new step-N is complete."""
+    for aside in root.glob("step-*.old"):
+        final = aside.with_name(aside.name[:-4])
+        if is_complete(final):
+            shutil.rmtree(aside, ignore_errors=True)
+        elif not final.exists():
+            os.rename(aside, final)
 
 
 # --- resuming -----------------------------------------------------------------------------------
@@ -298,7 +373,7 @@ class Resume:
         self.path, self.run_dir = Path(path), Path(run_dir)
         self.state = json.loads((self.path / "state.json").read_text())
         self.step = int(self.state["step"])
-        self.records: list[dict] = []  # metrics.jsonl up to this step, kept through RunLog's rewrite
+        self.records: list[dict] = []  # metrics.jsonl up to this step (its held-out accuracies)
         metrics = self.run_dir / "metrics.jsonl"
         if metrics.exists():
             for line in metrics.read_text().splitlines():
@@ -335,15 +410,34 @@ class Resume:
             critic.load_checkpoint(str(self.path))
         hand_off()  # the loaded weights to vLLM, as after any step
         probe(trainer, rollout, self.step)  # raises if vLLM and the trainer disagree
-        mine = torch.load(self.path / f"rank-{dist.get_rank() if dist.is_initialized() else 0}.pt",
-                          weights_only=False)
+        mine = load_rank_state(self.path / f"rank-{dist.get_rank() if dist.is_initialized() else 0}.pt")
         probe.last = mine["probe_last"]
         sampler.cursor = self.state["cursor"]
         history = self.state["history"]
         evals = [r["heldout_acc"] for r in self.records if "heldout_acc" in r]  # incl. the one after the save
-        run.resume(self.records, history.get("acc_before"), evals[-1] if evals else history.get("last_acc"))
+        run.resume(history.get("acc_before"), evals[-1] if evals else history.get("last_acc"))
         set_rng_state(mine["rng"])  # last: the engine start, hand-off and probe above draw from it
         return self.step, history.get("acc_before")
+
+
+def load_rank_state(path: Path) -> dict:
+    """A rank's RNG and probe state, read with torch.load(weights_only=True): a checkpoint cannot
+    run code through it. Earlier versions stored numpy's RNG keys as an ndarray; numpy's array
+    constructors are allowed for those (they build arrays, nothing else)."""
+    import pickle
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        pass
+    core = getattr(np, "_core", None) or np.core
+    allowed = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        why = next((x.strip() for x in str(e).splitlines() if "GLOBAL" in x), str(e).strip().splitlines()[0])
+        raise UserError(f"{path}: not a checkpoint this version can read safely ({why[:200]}); "
+                        "start a fresh run, or resume it with the hybridrl version that wrote it") from None
 
 
 # --- stopping on a signal -----------------------------------------------------------------------

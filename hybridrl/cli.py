@@ -103,8 +103,11 @@ def _config_of(kw: dict) -> tuple[C.Config, dict]:
     try:
         cfg = C.load(cfg_file, overrides)
         if cfg.ckpt.resume and not cfg_file:  # a resumed run keeps its own config; the command line overrides it
-            from .checkpoint import saved_config
-            cfg = C.load(saved_config(cfg), overrides)
+            from .checkpoint import from_run_dir, saved_config
+            saved = saved_config(cfg)
+            cfg = C.load(saved, overrides)
+            if saved is not None:
+                cfg = from_run_dir(cfg, overrides, saved)
     except C.UserError as e:
         _fail(str(e))
     return cfg, launch_opts
@@ -280,7 +283,10 @@ def export(run_dir: str = typer.Argument(..., help="A run directory (its newest 
                                        "with the adapter merged in (a plain model directory)."),
            critic: bool = typer.Option(False, "--critic", help="PPO runs (algo.advantage=gae): write the critic "
                                        "instead, a token-classification model with one label (--algo.critic_path "
-                                       "starts a run's critic from it).")) -> None:
+                                       "starts a run's critic from it)."),
+           trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's custom "
+                                                  "modelling code (never taken from the run's saved config).")
+           ) -> None:
     """Write a Hugging Face model directory (config, safetensors, tokenizer) from a run's checkpoint;
     for a LoRA run, the adapter in PEFT's format (and with --merged, OUT/merged); with --critic, the
     critic."""
@@ -291,7 +297,8 @@ def export(run_dir: str = typer.Argument(..., help="A run directory (its newest 
     if critic and merged:
         _fail("hybridrl export: --merged is for a LoRA policy, --critic for the critic: give one of them")
     try:
-        ck = hf_export.export_critic(run_dir, out) if critic else hf_export.export(run_dir, out, merged=merged)
+        ck = (hf_export.export_critic(run_dir, out, trust_remote_code) if critic else
+              hf_export.export(run_dir, out, merged=merged, trust_remote_code=trust_remote_code))
     except C.UserError as e:
         _fail(str(e))
     what = "the critic to " if critic else ""
@@ -324,11 +331,15 @@ def evaluate(target: str = typer.Argument(..., help="A run directory (its newest
         overrides["reward.fn"] = reward
     run_dir = Path(target).is_dir() and not (Path(target) / "config.json").exists()
     try:
-        if config is None and run_dir and (Path(target) / "config.yaml").exists():
+        adopted = config is None and run_dir and (Path(target) / "config.yaml").exists()
+        if adopted:
             config = str(Path(target) / "config.yaml")
         if not run_dir:
             overrides.setdefault("model.path", target)
         cfg = C.load(config, overrides)
+        if adopted:
+            from .checkpoint import from_run_dir
+            cfg = from_run_dir(cfg, overrides, config)
         from . import preflight
         preflight.reward_named(cfg)
         E.run(target, cfg)
@@ -375,8 +386,8 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="Print the checks 
 
 def main() -> None:
     from . import env
-    env.setup()  # caches and platform variables before anything imports torch/vLLM/DeepSpeed
     try:
+        env.setup()  # caches and platform variables before anything imports torch/vLLM/DeepSpeed
         args = bool_words(sys.argv[1:])
     except C.UserError as e:
         typer.secho(f"error: {e}", fg="red", err=True)

@@ -1,8 +1,11 @@
 """Process environment that must be set before torch/vLLM/DeepSpeed are imported.
 
 Build and compile caches (DeepSpeed's JIT ops, vLLM's, Triton's, Inductor's) go under
-$HYBRIDRL_CACHE_DIR (the Makefile points it into the work tree; default a temp dir), so a fresh
-machine builds what it needs in a place the setup controls. The user's Hugging Face home
+$HYBRIDRL_CACHE_DIR (the Makefile points it into the work tree; default ~/.cache/hybridrl), so a
+fresh machine builds what it needs in a place the setup controls. Later runs load and execute
+what is there, so the directory must be the user's own: it is created 0700, and one owned by
+another user or writable by others is refused (a shared /tmp default let one user plant code
+for the next). The user's Hugging Face home
 (HF_HOME: their token, their downloaded models) is left alone: redirecting it would hide the
 token of gated models and download every model again.
 The libraries' console output is quiet unless `log.verbose` (logs.py).
@@ -16,7 +19,32 @@ from pathlib import Path
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("HYBRIDRL_CACHE_DIR") or Path(tempfile.gettempdir()) / "hybridrl-cache")
+    """$HYBRIDRL_CACHE_DIR, else this user's: $XDG_CACHE_HOME/hybridrl (~/.cache/hybridrl)."""
+    if os.environ.get("HYBRIDRL_CACHE_DIR"):
+        return Path(os.environ["HYBRIDRL_CACHE_DIR"])
+    try:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except RuntimeError:  # no home directory: a per-user name in the temp dir (check_cache_dir guards it)
+        return Path(tempfile.gettempdir()) / f"hybridrl-cache-{os.getuid()}"
+    return base / "hybridrl"
+
+
+def check_cache_dir(root: Path) -> None:
+    """Create the cache directory (0700) or refuse it, in one line naming the fix, when another
+    user owns it or can write to it: the compiled code there runs in this user's processes."""
+    from .config import UserError  # no torch import
+
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = root.stat()
+    except OSError as e:
+        raise UserError(f"cache directory {root}: {e}; point HYBRIDRL_CACHE_DIR at a directory of your own") from None
+    if st.st_uid != os.getuid():
+        raise UserError(f"cache directory {root} belongs to another user (uid {st.st_uid}) and holds code that runs "
+                        "in your runs: point HYBRIDRL_CACHE_DIR at a directory of your own")
+    if st.st_mode & 0o022:
+        raise UserError(f"cache directory {root} is writable by other users (mode {st.st_mode & 0o777:o}) and holds "
+                        f"code that runs in your runs: chmod go-w {root} (or point HYBRIDRL_CACHE_DIR elsewhere)")
 
 
 def has_cuda() -> bool:
@@ -56,6 +84,7 @@ def setup(verbose: bool | None = None) -> None:
 
     _VERBOSE = _VERBOSE if verbose is None else verbose
     root = cache_dir()
+    check_cache_dir(root)
     defaults = {
         "TORCH_EXTENSIONS_DIR": root / "torch_extensions",  # DeepSpeed JIT ops
         "VLLM_CACHE_ROOT": root / "vllm",
@@ -125,4 +154,8 @@ def build_ops() -> None:
 
 
 if __name__ == "__main__":
-    build_ops()
+    from .config import UserError
+    try:
+        build_ops()
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from None

@@ -88,7 +88,7 @@ def run(target: str, cfg) -> dict:
     with tempfile.TemporaryDirectory(prefix="hybridrl-eval-") as tmp:
         model_dir = None
         if Path(target).is_dir() and not (Path(target) / "config.json").exists():  # a run directory
-            export.export(target, tmp)
+            export.export(target, tmp, trust_remote_code=cfg.model.trust_remote_code)  # today's flag
             model_dir = tmp
         cfg, path, _ = loop.configure(cfg, on_cpu, world.size, model_dir)
         from transformers import AutoTokenizer

@@ -28,11 +28,13 @@ def checkpoint_of(src: str | Path) -> Path:
     return found[0]
 
 
-def export(src: str | Path, out: str | Path, merged: bool = False) -> Path:
+def export(src: str | Path, out: str | Path, merged: bool = False, trust_remote_code: bool = False) -> Path:
     """A Hugging Face model directory from the newest complete checkpoint of run `src` (or from
     checkpoint `src` itself). DeepSpeed's zero_to_fp32 consolidates ZeRO-2 and ZeRO-3 shards.
     A LoRA run's checkpoint holds the adapter only: `out` gets it in PEFT's format (and, with
-    `merged`, `out/merged` the base model with the adapter merged in); see export_adapter."""
+    `merged`, `out/merged` the base model with the adapter merged in); see export_adapter.
+    `trust_remote_code` comes from today's command line, never from the checkpoint's config: a
+    run directory can be anyone's (checkpoint.from_run_dir)."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -42,14 +44,13 @@ def export(src: str | Path, out: str | Path, merged: bool = False) -> Path:
     state = get_fp32_state_dict_from_zero_checkpoint(str(ck), tag=DS_TAG)
     state = {k.removeprefix("hf."): v for k, v in state.items()}  # the trainer wraps the HF model as .hf
     if cfg["model"].get("lora_rank"):
-        export_adapter(ck, cfg, state, Path(out), merged, dtype)
+        export_adapter(ck, cfg, state, Path(out), merged, dtype, trust_remote_code)
         return ck
     if merged:
         raise UserError(f"{ck}: --merged is for LoRA runs (model.lora_rank > 0); this run trained every weight, "
                         "so the export is already the whole model: drop --merged")
-    hf_cfg = AutoConfig.from_pretrained(ck / "hf", trust_remote_code=cfg["model"]["trust_remote_code"])
-    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32,
-                                             trust_remote_code=cfg["model"]["trust_remote_code"])
+    hf_cfg = AutoConfig.from_pretrained(ck / "hf", trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, trust_remote_code=trust_remote_code)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if getattr(hf_cfg, "tie_word_embeddings", False) and "lm_head" in k}
     if set(missing) - tied or unexpected:
@@ -62,7 +63,8 @@ def export(src: str | Path, out: str | Path, merged: bool = False) -> Path:
     return ck
 
 
-def export_adapter(ck: Path, cfg: dict, state: dict, out: Path, merged: bool, dtype: torch.dtype) -> None:
+def export_adapter(ck: Path, cfg: dict, state: dict, out: Path, merged: bool, dtype: torch.dtype,
+                   trust_remote_code: bool = False) -> None:
     """The adapter of a LoRA run in PEFT's format (adapter_config.json, adapter_model.safetensors:
     `PeftModel.from_pretrained(base, out)` and vLLM's `LoRARequest(..., out)` load it) plus the
     tokenizer; with `merged`, `out/merged` holds base + adapter merged, a plain model directory.
@@ -72,7 +74,7 @@ def export_adapter(ck: Path, cfg: dict, state: dict, out: Path, merged: bool, dt
     from . import lora
     from .config import ModelConfig
 
-    m = ModelConfig(**cfg["model"])
+    m = ModelConfig(**{**cfg["model"], "trust_remote_code": trust_remote_code})
     base = str(Path(__file__).parent / "demo_model") if m.path == "demo" else m.path
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, trust_remote_code=m.trust_remote_code)
     peft_model = lora.attach(model, m)
@@ -92,7 +94,7 @@ def export_adapter(ck: Path, cfg: dict, state: dict, out: Path, merged: bool, dt
             shutil.copy(ck / "hf" / "generation_config.json", out / "merged" / "generation_config.json")
 
 
-def export_critic(src: str | Path, out: str | Path) -> Path:
+def export_critic(src: str | Path, out: str | Path, trust_remote_code: bool = False) -> Path:
     """The critic of a PPO run (algo.advantage=gae) from its newest complete checkpoint (or
     checkpoint `src`): a token-classification model with one label (`AutoModelForTokenClassification`,
     as verl saves its critic), whose logit at each position is the critic's value of the state there;
@@ -109,7 +111,7 @@ def export_critic(src: str | Path, out: str | Path) -> Path:
         raise UserError(f"{ck}: no critic in this checkpoint (the run did not use algo.advantage=gae); export the "
                         "policy without --critic")
     cfg = yaml.safe_load((ck / "config.yaml").read_text())
-    remote = cfg["model"]["trust_remote_code"]
+    remote = trust_remote_code  # today's flag, not the checkpoint's (see export)
     base = cfg["algo"].get("critic_path") or ck / "hf"
     try:
         hf_cfg = AutoConfig.from_pretrained(base, num_labels=1, trust_remote_code=remote)

@@ -27,7 +27,6 @@ do not depend on tool latencies (a run is reproducible from its seed when its to
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +34,7 @@ from typing import Any, Iterator
 
 from . import envs, vllm_compat
 from .config import Config, UserError, completion_budget
+from .journal import DEAD_LETTER_CAP, Journal
 from .rollout import Generation, Rollout, Sample
 
 log = logging.getLogger("hybridrl")
@@ -184,13 +184,12 @@ class Episodes:
     def _write(self, e: _Episode, kind: str, error: str, **extra) -> None:
         if self.run_dir is None:
             return
-        if self._dead_letter is None:
-            self._dead_letter = open(Path(self.run_dir) / "env_dead_letter.jsonl", "a")
+        if self._dead_letter is None:  # a full disk or the cap: counted, the run goes on (journal.py)
+            self._dead_letter = Journal(Path(self.run_dir) / "env_dead_letter.jsonl", DEAD_LETTER_CAP)
         text = self.tokenizer.decode((e.prompt or []) + e.ids, skip_special_tokens=False)
         entry = {"step": self.step, "rank": self.rank, "prompt_index": e.row, "sample": e.j, "turn": e.turns,
                  "kind": kind, "error": error, **extra, "transcript": text}
-        self._dead_letter.write(json.dumps(entry, default=str) + "\n")
-        self._dead_letter.flush()
+        self._dead_letter.write(entry)
 
 
 class _Run:

@@ -7,7 +7,6 @@ warnings (see canaries.py). `hybridrl report RUN_DIR` reads metrics.jsonl back i
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -20,6 +19,7 @@ import yaml
 from . import faults
 from .canaries import Canaries
 from .config import Config, ConfigError, to_dict
+from .journal import Journal, keep_upto
 from .launch import from_main
 from .memory import host_memory, peak_since_reset, reset_peak
 
@@ -83,14 +83,15 @@ def _run_dir(cfg: Config, main: bool) -> Path:
 
 # --- sinks: each takes scalars and warning text, keyed by step ---------------------------------
 class JsonlSink:
-    """One JSON object per line; `hybridrl report` and the tests read this file."""
+    """One JSON object per line; `hybridrl report` and the tests read this file. Appended to, never
+    truncated: a resumed run's earlier rows were trimmed to its checkpoint (RunLog), and a crash at
+    any point keeps every row written before it. A full disk drops rows (counted), not the run."""
 
     def __init__(self, path: Path):
-        self.file = open(path, "w")
+        self.file = Journal(path)
 
     def write(self, record: dict) -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()  # a crashed run keeps every step it finished
+        self.file.write(record)  # one unbuffered write: a crashed run keeps every step it finished
 
     def scalars(self, step: int, values: dict) -> None:
         self.write({"step": step, **values})
@@ -104,13 +105,14 @@ class JsonlSink:
 
 
 class TensorBoardSink:
-    def __init__(self, log_dir: Path):
+    def __init__(self, log_dir: Path, purge_step: int | None = None):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise ConfigError("log.tensorboard needs the tensorboard package: "
                               "pip install 'hybridrl[log]' (or set log.tensorboard false)") from None
-        self.w = SummaryWriter(log_dir=str(log_dir), flush_secs=10)
+        # purge_step: a resumed run hides the events its crashed predecessor logged after the checkpoint
+        self.w = SummaryWriter(log_dir=str(log_dir), flush_secs=10, purge_step=purge_step)
 
     def scalars(self, step: int, values: dict) -> None:
         for k, v in values.items():
@@ -180,9 +182,14 @@ class WandbSink:
         self.run.finish()
 
 
+APPENDED = ("metrics.jsonl", "samples.jsonl", "reward_dead_letter.jsonl", "env_dead_letter.jsonl")
+
+
 class RunLog:
-    def __init__(self, cfg: Config, world, recipe: list[str] | None = None):
-        """recipe: the lines recipe.describe wrote, printed now and kept atop config.yaml."""
+    def __init__(self, cfg: Config, world, recipe: list[str] | None = None, resume_step: int | None = None):
+        """recipe: the lines recipe.describe wrote, printed now and kept atop config.yaml.
+        resume_step: a resumed run's checkpoint step; the run dir's appended files keep their rows
+        up to it (the steps after it are about to be replayed) and the new rows are appended."""
         self.main = world.main
         self.dir = _run_dir(cfg, self.main)
         self.tty = sys.stdout.isatty()
@@ -206,20 +213,23 @@ class RunLog:
             (self.dir / "config.yaml").write_text(header + yaml.safe_dump(to_dict(cfg), sort_keys=False))
             if recipe:
                 print("\n".join(recipe), flush=True)
+            if resume_step is not None:
+                for name in APPENDED:
+                    keep_upto(self.dir / name, resume_step)
+            else:  # a fresh run in a used run dir starts its metrics afresh, as it always did
+                (self.dir / "metrics.jsonl").write_text("")
             self.sinks.append(JsonlSink(self.dir / "metrics.jsonl"))
+            self._samples = Journal(self.dir / "samples.jsonl")
             if cfg.log.tensorboard:
-                self.sinks.append(TensorBoardSink(self.dir / "tensorboard"))
+                self.sinks.append(TensorBoardSink(self.dir / "tensorboard",
+                                                  None if resume_step is None else resume_step + 1))
             if cfg.log.wandb:
                 self.sinks.append(WandbSink(cfg, self.dir))
 
-    def resume(self, records: list[dict], acc_before: float | None, last_acc: float | None) -> None:
-        """Continue a resumed run's log: its accuracies so far, and the records of metrics.jsonl up
-        to the checkpoint (this RunLog opened the file afresh, so they are written back first)."""
+    def resume(self, acc_before: float | None, last_acc: float | None) -> None:
+        """Continue a resumed run's log with its accuracies so far (its rows are in metrics.jsonl)."""
         self.first_acc, self.last_acc = acc_before, last_acc
-        for sink in self.sinks:
-            if isinstance(sink, JsonlSink):
-                for r in records:
-                    sink.write(r)
+
     def data(self, counts: dict[str, float]) -> None:
         """Rows kept and dropped (data/*): logged with the first step's metrics and in the summary."""
         self.counts = dict(counts)
@@ -229,9 +239,7 @@ class RunLog:
         """A few held-out prompts, completions and rewards: samples.jsonl and the sinks that show text."""
         if not self.main or not rows:
             return
-        with open(self.dir / "samples.jsonl", "a") as f:
-            for r in rows:
-                f.write(json.dumps({"step": step, **r}) + "\n")
+        self._samples.write(*({"step": step, **r} for r in rows))
         for s in self.sinks:
             if hasattr(s, "samples"):
                 s.samples(step, rows)
@@ -284,6 +292,12 @@ class RunLog:
             return
         summary = {**summary, **self.counts, "warnings": len(self.warnings),
                    "truncation_warnings": self.canaries.fired.get("truncated", 0)}
+        dropped = self._samples.dropped + sum(s.file.dropped for s in self.sinks if isinstance(s, JsonlSink))
+        if dropped:  # a full disk: the summary row itself may not get written, so say it here too
+            summary["log_rows_dropped"] = dropped
+            print(f"warning: {dropped} row(s) of metrics.jsonl / samples.jsonl could not be written (disk full?)",
+                  file=sys.stderr, flush=True)
+        self._samples.close()
         for s in self.sinks:
             s.close(summary)
         before, after = summary["heldout_acc_before"], summary["heldout_acc_after"]

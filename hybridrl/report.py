@@ -44,7 +44,10 @@ def load(run_dir: str | Path) -> Run:
     for line in path.read_text().splitlines():
         if not line.strip():
             continue
-        r = json.loads(line)  # Python's json reads the NaN/Infinity it wrote
+        try:
+            r = json.loads(line)  # Python's json reads the NaN/Infinity it wrote
+        except ValueError:  # a row cut short by a full disk or a crash (journal.py)
+            continue
         if "summary" in r:
             run.summary = r["summary"]
         elif "warning" in r:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 import multiprocessing as mp
 import os
@@ -42,6 +41,7 @@ from typing import Any, Callable
 
 from . import verifiers
 from .config import ConfigError, RewardConfig, UserError, import_spec
+from .journal import DEAD_LETTER_CAP, Journal
 
 log = logging.getLogger("hybridrl")
 
@@ -307,13 +307,11 @@ class Scorer:
                         _VERB[kind], task.prompt[:80], error)
         self.results[task.key] = [0.0] * n
         if self.run_dir is not None:
-            if self._dead_letter is None:
-                self._dead_letter = open(Path(self.run_dir) / "reward_dead_letter.jsonl", "a")
-            for c in task.completions:
-                self._dead_letter.write(json.dumps({"step": self.step, "rank": self.rank, **task.meta, "kind": kind,
-                                                    "error": error, "prompt": task.prompt, "completion": c,
-                                                    "answer": task.answer}) + "\n")
-            self._dead_letter.flush()
+            if self._dead_letter is None:  # a full disk or the cap: counted, the run goes on (journal.py)
+                self._dead_letter = Journal(Path(self.run_dir) / "reward_dead_letter.jsonl", DEAD_LETTER_CAP)
+            self._dead_letter.write(*({"step": self.step, "rank": self.rank, **task.meta, "kind": kind,
+                                       "error": error, "prompt": task.prompt, "completion": c,
+                                       "answer": task.answer} for c in task.completions))
 
     def _run_here(self, task: _Task) -> None:
         try:

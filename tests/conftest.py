@@ -1,10 +1,12 @@
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 
-# Caches go where the setup built them (the Makefile sets this), never ~/.cache.
-os.environ.setdefault("HYBRIDRL_CACHE_DIR", os.path.join(tempfile.gettempdir(), "hybridrl-cache"))
+# Caches go where the setup built them (the Makefile's .cache in the work tree), never ~/.cache and
+# never a directory other users can write to (env.check_cache_dir).
+os.environ.setdefault("HYBRIDRL_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache"))
 # The suite needs no hub: an empty Hugging Face home, offline (hybridrl itself never moves HF_HOME,
 # so a user's token and model cache stay where they are), and no test can reach the network.
 os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="hybridrl-test-hf-")

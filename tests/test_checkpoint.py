@@ -22,18 +22,38 @@ def _steps(records):
     return {r["step"]: r for r in records if "reward" in r}
 
 
-def _resume_pair(root, *extra):
-    """An uninterrupted run of N steps, and one stopped at K (`--steps K`) then resumed to N."""
+def _resume_pair(root, *extra, kill_while_resuming=False):
+    """An uninterrupted run of N steps, and one stopped at K (`--steps K`) then resumed to N
+    (`kill_while_resuming`: after a first resume killed as it starts its engines)."""
     full, part = root / "full", root / "part"
     _, a, _ = train_cli(full, *FAST, *extra, "--steps", str(N))
     _, b1, _ = train_cli(part, *FAST, *extra, "--steps", str(K), "--ckpt.every", "1", "--ckpt.keep", "2")
+    if kill_while_resuming:
+        _kill_while_resuming(part, *FAST, *extra, "--steps", str(N), "--resume", str(part))
     out, b2, summary = train_cli(part, *FAST, *extra, "--steps", str(N), "--resume", str(part))
     return dict(full=full, part=part, a=_steps(a), b1=_steps(b1), b2=_steps(b2), out=out, summary=summary)
 
 
+def _kill_while_resuming(run_dir, *args):
+    """issue 40 (1): metrics.jsonl was emptied as the resumed run's log opened and refilled only after
+    the engines, the checkpoint load and the probe; a kill -9 in between lost steps 1..K for good."""
+    before = _steps(json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines())
+    written = (run_dir / "config.yaml").stat().st_mtime_ns
+    proc = subprocess.Popen([sys.executable, "-m", "hybridrl", "train", *args, "--log.run_dir", str(run_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while proc.poll() is None and time.time() < deadline and (run_dir / "config.yaml").stat().st_mtime_ns == written:
+        time.sleep(0.05)  # the run log writes config.yaml, then opens metrics.jsonl, then the engines start
+    time.sleep(1.0)
+    proc.kill()
+    proc.wait()
+    after = _steps(json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines())
+    assert after == before and sorted(after) == list(range(1, K + 1))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    return _resume_pair(tmp_path_factory.mktemp("ckpt"))
+    return _resume_pair(tmp_path_factory.mktemp("ckpt"), kill_while_resuming=True)
 
 
 @pytest.mark.cpu_only("bit-identical resumes rest on deterministic CPU kernels")
@@ -178,3 +198,169 @@ def test_nonfinite_loss_skips_the_update_and_is_counted(tmp_path, monkeypatch):
     assert [s[i]["nonfinite_steps"] for i in (1, 2, 3)] == [0, 1, 0]
     assert s[2]["probe_delta"] == 0.0 and s[2]["probe_gap"] <= 1e-4  # weights untouched, vLLM still in sync
     assert s[3]["probe_delta"] > 1e-6 and s[3]["loss"] == s[3]["loss"]  # the next update is a normal one
+
+
+# --- the on-disk rules without engines (issue 40: rotation, re-saves, fsync, safe loading) ----------
+class _Fake:
+    """Just enough of a trainer for Saver.save: DeepSpeed's part writes one shard file."""
+
+    def __init__(self, path="", **kw):
+        self.__dict__.update(kw)
+
+    def save_checkpoint(self, d, tag, **kw):
+        os.makedirs(os.path.join(d, tag), exist_ok=True)
+        with open(os.path.join(d, tag, "mp_rank_00_model_states.pt"), "wb") as f:
+            f.write(b"shard")
+
+    def save_pretrained(self, d):
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            f.write("{}")
+
+
+def _saver(run_dir, **ckpt):
+    import torch
+
+    from hybridrl import checkpoint, config
+    from hybridrl.launch import World
+    cfg = config.load(overrides={"log.run_dir": str(run_dir), **{f"ckpt.{k}": v for k, v in ckpt.items()}})
+    saver = checkpoint.Saver(cfg, run_dir, World(0, 1, 0, torch.device("cpu")), _Fake())
+    trainer = _Fake(engine=_Fake(), peft=None, hf=_Fake(config=_Fake(), generation_config=None,
+                                                       parameters=lambda: [torch.zeros(4)]))
+    return cfg, lambda step: saver.save(step, trainer, _Fake(cursor=step), _Fake(last=None), {"elapsed_s": 1.0})
+
+
+def test_keep_rotates_by_save_order_and_resume_auto_follows_the_branch(tmp_path):
+    """issue 40 (2): --resume .../step-2 --steps 3 --ckpt.keep 1 deleted step-3 (just written) and kept
+    the abandoned step-4, which --resume auto then continued."""
+    from hybridrl import checkpoint, config
+    run = tmp_path / "run"
+    _, save = _saver(run, keep=2)
+    for step in (2, 4):  # a 4-step run saving every 2
+        save(step)
+    _, save = _saver(run, keep=1)  # resumed from step-2, stopped after step 3
+    assert save(3) == run / "checkpoints" / "step-3"
+    root = run / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-3"] and (root / "latest").read_text() == "step-3"
+    cfg = config.load(overrides={"log.run_dir": str(run), "ckpt.resume": "auto"})
+    assert checkpoint.locate(cfg) == (root / "step-3", run)
+    _, save = _saver(run, keep=2)  # with room for two, the branch's save is still the newest
+    save(4)
+    save(3)  # step 3 saved again, later: it is the newest save, step-4 the one before
+    assert [p.name for p in checkpoint.complete_checkpoints(root)] == ["step-3", "step-4"]
+
+
+def test_resaving_a_step_never_leaves_it_missing(tmp_path, monkeypatch):
+    """issue 40 (2): the old step-N was deleted before the new one was renamed in; a kill in between
+    left no step-N. Now it is moved aside, and a crash there leaves it findable and restored."""
+    from hybridrl import checkpoint, config
+    run = tmp_path / "run"
+    _, save = _saver(run, keep=2)
+    save(2)
+    real_rename = os.rename
+
+    def crash_after_moving_aside(src, dst):
+        real_rename(src, dst)
+        if str(dst).endswith(".old"):
+            raise KeyboardInterrupt  # the process dies here
+    monkeypatch.setattr(os, "rename", crash_after_moving_aside)
+    with pytest.raises(KeyboardInterrupt):
+        save(2)
+    monkeypatch.setattr(os, "rename", real_rename)
+    cfg = config.load(overrides={"log.run_dir": str(run), "ckpt.resume": "auto"})
+    found = checkpoint.locate(cfg)[0]
+    assert checkpoint.step_of(found) == 2 and checkpoint.is_complete(found)
+    save(3)  # the next save puts the aside copy back
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-2", "step-3"]
+
+
+def test_shards_and_directories_are_synced_before_older_checkpoints_go(tmp_path, monkeypatch):
+    """issue 40 (3): only complete.json and latest were fsync'd, yet older checkpoints were deleted
+    right after the rename."""
+    import shutil
+    run = tmp_path / "run"
+    _, save = _saver(run, keep=1)
+    save(1)
+    events, real_fsync, real_rmtree = [], os.fsync, shutil.rmtree
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def rmtree(path, *a, **kw):
+        events.append(("rm", str(path)))
+        real_rmtree(path, *a, **kw)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    new = save(2)
+    removed = events.index(("rm", str(run / "checkpoints" / "step-1")))
+    synced = {p for kind, p in events[:removed] if kind == "fsync"}
+    tmp = str(run / "checkpoints" / "tmp-step-2")
+    for f in new.rglob("*"):  # each file and directory while it was tmp-step-2 (the manifest as it was
+        was = str(f).replace(str(new), tmp)  # written, before its atomic rename), then the rename
+        assert {was, was + ".tmp"} & synced, f
+    assert str(run / "checkpoints") in synced
+
+
+def test_rank_state_loads_with_weights_only(tmp_path):
+    """issue 40 (9): rank-R.pt was read with weights_only=False, so a checkpoint could run code."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from hybridrl import checkpoint
+    from hybridrl.config import UserError
+    checkpoint._save_torch({"rng": checkpoint.rng_state(), "probe_last": torch.ones(2)}, tmp_path / "new.pt")
+    torch.load(tmp_path / "new.pt", weights_only=True)  # plain tuples and tensors now
+    old = {"rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+           "probe_last": None}
+    torch.save(old, tmp_path / "old.pt")  # an earlier version's: numpy's keys as an ndarray
+    x = np.random.rand()
+    checkpoint.set_rng_state(checkpoint.load_rank_state(tmp_path / "old.pt")["rng"])
+    assert np.random.rand() == x
+
+    class Planted:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+    torch.save({"rng": Planted()}, tmp_path / "evil.pt")
+    with pytest.raises(UserError, match="evil.pt: not a checkpoint this version can read safely"):
+        checkpoint.load_rank_state(tmp_path / "evil.pt")
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_a_saved_config_grants_no_remote_code_and_names_its_imports(tmp_path, capsys):
+    """issue 40 (9): resume and `hybridrl eval RUN` took trust_remote_code from the run's config."""
+    from hybridrl import checkpoint, config
+    cfg = config.load(overrides={"model.trust_remote_code": True, "reward.fn": "arithmetic,mymod:score",
+                                 "env.cls": "envs_for_tests:Echo"})
+    got = checkpoint.from_run_dir(cfg, {}, tmp_path / "config.yaml")
+    err = capsys.readouterr().err
+    assert got.model.trust_remote_code is False and "does not grant it" in err
+    assert "imports code: reward.fn=arithmetic,mymod:score, env.cls=envs_for_tests:Echo" in err
+    got = checkpoint.from_run_dir(cfg, {"model.trust_remote_code": True, "reward.fn": "x:y", "env.cls": ""}, "run")
+    assert got.model.trust_remote_code is True and "imports code" not in capsys.readouterr().err  # today's flags
+
+
+def test_export_takes_trust_remote_code_from_today_only(tmp_path, monkeypatch):
+    import deepspeed.utils.zero_to_fp32 as z
+    import transformers
+    import yaml
+
+    from hybridrl import config, export
+    ck = tmp_path / "step-1"
+    ck.mkdir()
+    (ck / "complete.json").write_text('{"files": {}}')
+    saved = config.to_dict(config.load(overrides={"model.trust_remote_code": True, "model.dtype": "float32"}))
+    (ck / "config.yaml").write_text(yaml.safe_dump(saved))
+    asked = []
+
+    def from_pretrained(path, **kw):
+        asked.append(kw["trust_remote_code"])
+        raise RuntimeError("stop here")
+    monkeypatch.setattr(z, "get_fp32_state_dict_from_zero_checkpoint", lambda *a, **kw: {})
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_pretrained)
+    for flag in (False, True):
+        with pytest.raises(RuntimeError, match="stop here"):
+            export.export(ck, tmp_path / "out", **({"trust_remote_code": True} if flag else {}))
+    assert asked == [False, True]  # the checkpoint's true was not taken; the command line's was

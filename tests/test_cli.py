@@ -119,3 +119,29 @@ def test_verbose_shows_what_quiet_hides(tmp_path):
     assert out.returncode == 0, out.stdout[-4000:]
     for line in ("LD_PRELOAD", "set_num_threads", "built successfully", "Loading weights"):
         assert line in out.stdout, line
+
+
+def test_the_cache_is_per_user_0700_and_refused_when_others_can_plant_code(tmp_path, monkeypatch):
+    """issue 40 (8): the default was /tmp/hybridrl-cache for every user, whose compiled ops later
+    runs load and execute."""
+    from hybridrl import env
+    monkeypatch.delenv("HYBRIDRL_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    root = env.cache_dir()
+    assert root == tmp_path / "xdg" / "hybridrl"
+    env.check_cache_dir(root)
+    assert root.stat().st_mode & 0o777 == 0o700
+    root.chmod(0o777)
+    with pytest.raises(C.UserError, match=f"writable by other users .*: chmod go-w {root}"):
+        env.check_cache_dir(root)
+    root.chmod(0o700)
+    monkeypatch.setattr(os, "getuid", lambda: root.stat().st_uid + 1)  # as another user sees it
+    with pytest.raises(C.UserError, match="belongs to another user .*point HYBRIDRL_CACHE_DIR at a directory of your own"):
+        env.check_cache_dir(root)
+    monkeypatch.undo()
+    shared = tmp_path / "shared"  # the CLI refuses it in one line, before anything is imported
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    out = subprocess.run([sys.executable, "-m", "hybridrl", "version"], capture_output=True, text=True,
+                         env={**os.environ, "HYBRIDRL_CACHE_DIR": str(shared)})
+    assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "chmod go-w" in out.stderr
