@@ -86,7 +86,7 @@ def measure(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtyp
     return json.loads(lines[-1][7:])["peak"]
 
 
-TRAINER_ROWS = ("trainer params", "trainer grads", "fp32 master + Adam", "activations")
+TRAINER_ROWS = ("trainer params", "trainer grads", "fp32 master + Adam", "activations", "ZeRO-3 gathered")
 
 
 def planned(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtype: str, on_cpu: bool = True) -> int:
