@@ -159,12 +159,13 @@ class AlgoConfig:
                           "gae (PPO with a critic: a value model trained alongside the policy).")
     policy_loss: Literal["ppo", "gspo", "gspo_token", "cispo"] = knob(
         "ppo", "Policy loss (docs/losses.md): ppo (clipped token ratio), gspo (sequence ratio exp(mean log-ratio), "
-        "sequence clipping; the paper clips at algo.clip_low 3e-4, clip_high 4e-4), gspo_token (GSPO's token "
-        "variant), cispo (clipped IS weight as a stop-gradient coefficient on log pi; algo.cispo_clip_low/high).")
+        "sequence clipping; its default clip range is the paper's, algo.clip_low 3e-4, clip_high 4e-4), gspo_token "
+        "(GSPO's token variant, the same clip range), cispo (clipped IS weight as a stop-gradient coefficient on log pi; algo.cispo_clip_low/high).")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = knob(
         "token_mean", "How token losses are reduced (DAPO token_mean, GRPO seq_mean_token_mean, Dr.GRPO sum_norm).")
-    clip_low: float = knob(0.2, "PPO clip epsilon below 1.")
-    clip_high: float = knob(0.28, "PPO clip epsilon above 1 (DAPO clip-higher).")
+    clip_low: float = knob(0.2, "Clip epsilon below 1 (ppo: 0.2; gspo/gspo_token unless set: 3e-4, the paper's).")
+    clip_high: float = knob(0.28, "Clip epsilon above 1 (ppo: 0.28, DAPO clip-higher; gspo/gspo_token unless set: "
+                            "4e-4).")
     dual_clip: float = knob(0.0, "Dual-clip constant c > 1 for negative advantages (0 = off; ppo/gspo/gspo_token).")
     cispo_clip_low: float = knob(1.0, "CISPO: the IS weight is clipped below at 1 - this (1 = no lower bound, as in "
                                  "MiniMax-M1).")
