@@ -242,11 +242,18 @@ def import_spec(key: str, spec: str, name: str, what: str = "attribute"):
     """`name` ('module:attr', from the setting `key`=`spec`) -> the object; a one-line ConfigError
     naming the fix when the module does not import or lacks the attribute."""
     import importlib
+    import os
+    import sys
     module, _, attr = name.partition(":")
+    # the working directory first, as `python -m` puts it (the `hybridrl` console script does not): a
+    # spec such as examples.calculator_env:Calc names a module under the directory the user runs from
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         return getattr(importlib.import_module(module), attr)
     except ImportError as e:
-        raise ConfigError(f"{key}={spec!r}: cannot import {module!r} ({e}); is it on PYTHONPATH?") from None
+        raise ConfigError(f"{key}={spec!r}: cannot import {module!r} ({e}); run from the directory that holds "
+                          "it, or put that directory on PYTHONPATH") from None
     except AttributeError:
         raise ConfigError(f"{key}={spec!r}: module {module!r} has no {what} {attr!r}") from None
 
