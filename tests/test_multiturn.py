@@ -388,10 +388,10 @@ def test_hung_sync_calls_leave_a_bounded_number_of_threads():
                 out.append(type(e).__name__)
         return out
 
-    before = threading.active_count()
+    before, already = threading.active_count(), envs.abandoned_threads()  # earlier tests' hung tools may still run
     got = asyncio.run(calls(envs.MAX_ABANDONED + 8))
-    assert got.count("TimeoutError") == envs.MAX_ABANDONED and got.count("RuntimeError") == 8
+    assert got.count("TimeoutError") == envs.MAX_ABANDONED - already and got.count("RuntimeError") == 8 + already
     assert threading.active_count() - before <= envs.MAX_ABANDONED
     release.set()
     time.sleep(0.2)
-    assert envs.abandoned_threads() == 0 and asyncio.run(calls(1)) == []  # room again: the call runs
+    assert envs.abandoned_threads() <= already and asyncio.run(calls(1)) == []  # room again: the call runs
