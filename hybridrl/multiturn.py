@@ -183,7 +183,7 @@ class Episodes:
         rows = [{"prompt": prompts[e.i].text, "answer": prompts[e.i].answer, "index": index[e.i]} for e in eps]
         futures = [self.runner.submit(e.env.reset, row, timeout=self.timeout) if hasattr(e.env, "reset") else None
                    for e, row in zip(eps, rows)]  # all at once: they run concurrently
-        deadline = time.monotonic() + self.timeout  # they run concurrently: one deadline for all
+        deadline = time.monotonic() + self.timeout + 1.0  # concurrent calls, one deadline (after their own)
         for e, fut in zip(eps, futures):
             ok, messages = self._result(e, "reset", fut, deadline)
             if not ok:
@@ -282,7 +282,7 @@ class _Run:
                     e.end = "length"
                     ended.append(e)
             futures = [o.runner.submit(e.env.step, text, timeout=o.timeout) for e, text in stepping]
-            deadline = time.monotonic() + o.timeout
+            deadline = time.monotonic() + o.timeout + 1.0  # each call's own timeout comes first
             for (e, _), fut in zip(stepping, futures):
                 if self._advance(e, fut, deadline):
                     ended.append(e)

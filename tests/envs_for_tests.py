@@ -78,7 +78,7 @@ class Misbehaving:
     async def step(self, text):
         self.turn += 1
         if self.p == "block":
-            time.sleep(3)  # a blocking call inside async def: the event loop stops with it
+            time.sleep(6)  # a blocking call inside async def: the event loop stops with it
         if self.p == "nan":
             return None, float("nan"), True
         if self.p == "info":
