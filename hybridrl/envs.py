@@ -85,8 +85,9 @@ class Runner:
 
 
 # sync calls abandoned at their timeout whose threads still run; at MAX_ABANDONED a sync call fails at once
-# instead of starting one more thread (a tool that hangs on every call would otherwise grow them without end)
-MAX_ABANDONED = 32
+# instead of starting one more thread (a tool that hangs on every call would otherwise grow them without end).
+# Room for several steps of episodes whose tool hangs for a while (each thread holds little but its stack).
+MAX_ABANDONED = 512
 _abandoned: set[threading.Thread] = set()
 _lock = threading.Lock()
 

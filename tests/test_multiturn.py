@@ -370,7 +370,7 @@ def test_tool_output_cannot_inject_control_tokens(tmp_path):
     eps.close()
 
 
-def test_hung_sync_calls_leave_a_bounded_number_of_threads():
+def test_hung_sync_calls_leave_a_bounded_number_of_threads(monkeypatch):
     """Each timed-out sync call leaves its thread running; past envs.MAX_ABANDONED of them a sync call
     fails at once instead of starting another (before: one more thread per call, without end)."""
     import threading
@@ -388,6 +388,7 @@ def test_hung_sync_calls_leave_a_bounded_number_of_threads():
                 out.append(type(e).__name__)
         return out
 
+    monkeypatch.setattr(envs, "MAX_ABANDONED", envs.abandoned_threads() + 16)  # the bound, small for the test
     before, already = threading.active_count(), envs.abandoned_threads()  # earlier tests' hung tools may still run
     got = asyncio.run(calls(envs.MAX_ABANDONED + 8))
     assert got.count("TimeoutError") == envs.MAX_ABANDONED - already and got.count("RuntimeError") == 8 + already
