@@ -20,6 +20,7 @@ environment's own rewards are added.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -153,7 +154,11 @@ class Collector:
         prompts = [batch[i].text for i, _ in keys]
         texts = [self._text(pending[i][j]) for i, j in keys]
         for name, weight, model in self.models:
-            for (i, j), v in zip(keys, model.score(prompts, texts)):
+            for (i, j), v, p, t in zip(keys, model.score(prompts, texts), prompts, texts):
+                if not math.isfinite(v):  # an error like a reward function's: this term scores 0, counted
+                    self.scorer.reject(p, t, batch[i].answer, f"reward model {name} scored {v}, not a finite number",
+                                       {"sample": j})
+                    continue
                 raws[i][j] += weight * v
                 self.model_sums[name] += v
 

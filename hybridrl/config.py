@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -154,6 +155,15 @@ def to_dict(cfg: Config) -> dict:
 def validate(cfg: Config, lengths: bool = True) -> None:
     """Cross-field checks with the fix in the message. `lengths=False` leaves out the checks of
     the lengths the recipe has yet to set (recipe.resolve runs them all)."""
+    for key, f in leaves().items():  # first each number's own range (schema.knob's `valid`), then across fields
+        spec = f.metadata.get("valid")
+        group, name = key.split(".")
+        value = getattr(getattr(cfg, group), name)
+        if spec and not in_range(value, spec):
+            allowed = spec if " or " in spec else "a finite number" + (
+                "" if spec == "finite" else f" {'in ' * (spec[0] in '[(')}{spec}")
+            why = f.metadata.get("why")
+            raise ConfigError(f"{key}={value!r}: must be {allowed}{f'; {why}' if why else ''}")
     t, r = cfg.train, cfg.rollout
     length_checks = [
         (cfg.data.max_prompt_len + r.max_new_tokens <= r.max_model_len,
@@ -163,32 +173,15 @@ def validate(cfg: Config, lengths: bool = True) -> None:
          f"algo.overlong_buffer must be in [0, rollout.max_new_tokens={r.max_new_tokens}]"),
     ]
     checks = length_checks * lengths + [
-        (t.zero_stage in (2, 3), "train.zero_stage must be 2 or 3"),
-        (r.n >= 1, "rollout.n must be >= 1"),
-        (t.prompts_per_step >= 1, "train.prompts_per_step must be >= 1"),
-        (t.minibatches >= 1 and t.epochs >= 1, "train.minibatches and train.epochs must be >= 1"),
-        (0 <= cfg.algo.clip_low < 1 and cfg.algo.clip_high >= 0, "algo.clip_low must be in [0, 1), clip_high >= 0"),
-        (cfg.algo.dual_clip == 0 or cfg.algo.dual_clip > 1, "algo.dual_clip must be 0 (off) or > 1"),
         (cfg.algo.dual_clip == 0 or cfg.algo.policy_loss != "cispo",
          "algo.dual_clip bounds a clipped surrogate, which algo.policy_loss=cispo has not: set algo.dual_clip 0"),
-        (cfg.algo.cispo_clip_low >= 0 and cfg.algo.cispo_clip_high >= 0,
-         "algo.cispo_clip_low and algo.cispo_clip_high must be >= 0"),
-        (0 <= cfg.algo.is_mask_low <= 1 <= cfg.algo.is_mask_high,
-         f"algo.is_mask_low must be in [0, 1] and algo.is_mask_high >= 1 (got {cfg.algo.is_mask_low}, "
-         f"{cfg.algo.is_mask_high})"),
         (cfg.algo.tis_cap == 0 or cfg.algo.is_correction == "tis",
          "algo.tis_cap truncates the weight, algo.is_correction=mask masks it: set algo.tis_cap 0 with mask"),
         (cfg.algo.old_logprobs != "rollout" or not (cfg.algo.tis_cap or cfg.algo.is_correction == "mask"),
          "algo.old_logprobs=rollout makes the importance weight pi_old / pi_vllm 1: use algo.old_logprobs trainer "
          "(or auto) with TIS or masked IS"),
-        (r.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1"),
-        (cfg.ckpt.every >= 0 and cfg.ckpt.keep >= 1, "ckpt.every must be >= 0 and ckpt.keep >= 1"),
-        (cfg.algo.kl_coef >= 0, "algo.kl_coef must be >= 0 (0 = no reference model)"),
         (cfg.algo.advantage in ADVANTAGES,
          f"algo.advantage={cfg.algo.advantage!r}: choose {', '.join(ADVANTAGES)}"),
-        (0 < cfg.algo.gamma <= 1 and 0 <= cfg.algo.gae_lambda <= 1,
-         "algo.gamma must be in (0, 1] and algo.gae_lambda in [0, 1]"),
-        (cfg.algo.critic_lr > 0 and cfg.algo.value_clip >= 0, "algo.critic_lr must be > 0 and algo.value_clip >= 0"),
         (t.kernels != "liger" or (cfg.algo.kl_coef == 0 and cfg.algo.advantage in ("grpo", "dr_grpo", "rloo")),
          "train.kernels=liger takes one advantage per sample and no KL: use train.kernels=auto with "
          "algo.kl_coef > 0 or algo.advantage reinforce_pp/gae"),
@@ -198,13 +191,8 @@ def validate(cfg: Config, lengths: bool = True) -> None:
             cfg.algo.loss_agg == "token_mean" and cfg.algo.cispo_clip_low >= 1),
          "train.kernels=liger's cispo has no lower bound and reduces by token mean: use algo.loss_agg token_mean "
          "and algo.cispo_clip_low 1, or train.kernels=auto"),
-        (cfg.log.eval_n >= 0 and cfg.log.eval_temperature > 0,
-         "log.eval_n must be >= 0 and log.eval_temperature > 0 (pass@1 is the greedy evaluation)"),
-        (r.sleep_level in (0, 1, 2), "rollout.sleep_level must be 0 (off), 1 or 2"),
         (_fraction_or_auto(r.gpu_memory_utilization),
          f"rollout.gpu_memory_utilization={r.gpu_memory_utilization!r}: use auto or a fraction in (0, 1]"),
-        (r.memory_margin_mb >= 0 and t.sync_bucket_mb >= 0 and r.kv_cache_mb >= 0 and r.max_num_seqs >= 0,
-         "rollout.memory_margin_mb, rollout.kv_cache_mb, rollout.max_num_seqs and train.sync_bucket_mb must be >= 0"),
         (not (t.offload_params and t.probe_every), "train.offload_params needs train.probe_every=0: the probe's "
          "trainer forward runs after the hand-off, when the parameters would be off the device"),
         (r.tensor_parallel_size == 1,
@@ -214,42 +202,58 @@ def validate(cfg: Config, lengths: bool = True) -> None:
         (cfg.model.dtype != "float16",
          "model.dtype=float16 is not supported: the trainer configures no loss scaling, so small gradients would "
          "underflow to zero; use model.dtype=bfloat16 (or float32)"),
-        (t.probe_tol >= 0, "train.probe_tol must be >= 0 (0 = by dtype)"),
-        (0 <= cfg.model.lora_rank <= 512, f"model.lora_rank={cfg.model.lora_rank}: use 0 (off) or a rank in 1..512 "
-         "(the largest vLLM serves)"),
         (not cfg.model.lora_rank or (cfg.model.lora_alpha > 0 and 0 <= cfg.model.lora_dropout < 1
                                      and len(cfg.model.lora_target_modules) > 0),
          "with model.lora_rank > 0: model.lora_alpha must be > 0, model.lora_dropout in [0, 1) and "
          "model.lora_target_modules non-empty"),
-        (t.watchdog_s == 0 or t.watchdog_s >= 5, "train.watchdog_s must be 0 (off) or >= 5 seconds"),
-        (cfg.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
-        (cfg.reward.rm_batch_size >= 1, "reward.rm_batch_size must be >= 1"),
-        (cfg.algo.dynamic_sampling_max_rounds >= 1, "algo.dynamic_sampling_max_rounds must be >= 1"),
-        (t.data_epochs >= 0 and 0 <= t.min_lr_ratio <= 1 and t.warmup_steps >= 0,
-         "train.data_epochs and train.warmup_steps must be >= 0, train.min_lr_ratio in [0, 1]"),
         # vLLM's processed log-probs of a truncated distribution are renormalised over what is kept; the
         # trainer scores the full softmax, so every ratio, TIS weight and the probe would be off
         (r.top_p == 1.0 and r.top_k in (0, -1) and r.min_p == 0.0,
          f"rollout.top_p={r.top_p}, top_k={r.top_k}, min_p={r.min_p}: vLLM renormalises its log-probs over the "
          "tokens these keep, the trainer scores the full distribution, so the ratios and the probe would be biased; "
          "train with top_p=1, top_k=0, min_p=0 (temperature alone)"),
-        (cfg.env.max_turns >= 1 and cfg.env.max_tokens >= 0 and cfg.env.tool_timeout_s > 0,
-         "env.max_turns must be >= 1, env.max_tokens >= 0 (0 = auto) and env.tool_timeout_s > 0"),
     ]
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
 
 
+def in_range(value, spec: str) -> bool:
+    """Whether a number is finite and satisfies a range `spec`: 'finite', '> 0', '>= 1', '[0, 1)', '(0, 1]',
+    or alternatives joined by ' or ' ('0 or >= 5', '2 or 3')."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return False
+    return any(_in_one(value, alt.strip()) for alt in spec.split(" or "))
+
+
+def _in_one(v: float, spec: str) -> bool:
+    if spec == "finite":
+        return True
+    if spec[0] in "[(":
+        lo, hi = (float(x) for x in spec[1:-1].split(","))
+        return (lo <= v if spec[0] == "[" else lo < v) and (v <= hi if spec[-1] == "]" else v < hi)
+    for op, test in ((">=", float.__ge__), ("<=", float.__le__), (">", float.__gt__), ("<", float.__lt__)):
+        if spec.startswith(op):
+            return test(float(v), float(spec[len(op):]))
+    return v == float(spec)
+
+
 def import_spec(key: str, spec: str, name: str, what: str = "attribute"):
     """`name` ('module:attr', from the setting `key`=`spec`) -> the object; a one-line ConfigError
     naming the fix when the module does not import or lacks the attribute."""
     import importlib
+    import os
+    import sys
     module, _, attr = name.partition(":")
+    # the working directory first, as `python -m` puts it (the `hybridrl` console script does not): a
+    # spec such as examples.calculator_env:Calc names a module under the directory the user runs from
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         return getattr(importlib.import_module(module), attr)
     except ImportError as e:
-        raise ConfigError(f"{key}={spec!r}: cannot import {module!r} ({e}); is it on PYTHONPATH?") from None
+        raise ConfigError(f"{key}={spec!r}: cannot import {module!r} ({e}); run from the directory that holds "
+                          "it, or put that directory on PYTHONPATH") from None
     except AttributeError:
         raise ConfigError(f"{key}={spec!r}: module {module!r} has no {what} {attr!r}") from None
 

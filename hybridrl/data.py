@@ -11,8 +11,9 @@ tokenizer's chat template; a trailing assistant turn is left out, and the reward
 user turn as the prompt.
 
 Readers never judge a row; `encode` does, in one place: a malformed row (bad JSON, not an
-object, a missing key, a prompt that is not a non-empty string) fails with its location
-(`file:line` for line formats, `file row i`, 0-based, for tables) and what to change, or with
+object, a missing key, a prompt that is not a non-empty string, bytes that are not UTF-8) fails
+with its location (`file:line` for line formats, `file row i`, 0-based, for tables) and what to
+change, or with
 `data.on_error=skip` is skipped, counted, and logged once with the first location. Prompts
 longer than `data.max_prompt_len` tokens are dropped and counted.
 """
@@ -20,8 +21,10 @@ longer than `data.max_prompt_len` tokens are dropped and counted.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,10 +53,26 @@ class Row:
 
 
 # --- readers: path -> rows (a broken file raises; a broken row is passed on with its problem) ----
+def _text(p: Path) -> str:
+    """The file as UTF-8 (a BOM dropped), bytes that are not UTF-8 kept as lone surrogates, so that
+    a reader can name the row that holds them (`_bad_utf8`) and data.on_error=skip can skip it."""
+    return p.read_bytes().decode("utf-8-sig", errors="surrogateescape")
+
+
+def _bad_utf8(text: str) -> str:
+    """'' or the problem of a row's text that holds bytes that are not UTF-8."""
+    m = re.search("[\udc80-\udcff]", text)
+    return "" if m is None else (f"not valid UTF-8 (byte 0x{ord(m.group()) - 0xdc00:02x} at character "
+                                 f"{m.start() + 1}); save the file as UTF-8")
+
+
 def _jsonl(p: Path) -> list[Row]:
     rows = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
+    for n, line in enumerate(_text(p).splitlines(), 1):
         if not line.strip():
+            continue
+        if _bad_utf8(line):
+            rows.append(Row(f"{p}:{n}", None, _bad_utf8(line)))
             continue
         try:
             rows.append(Row(f"{p}:{n}", json.loads(line)))
@@ -63,12 +82,17 @@ def _jsonl(p: Path) -> list[Row]:
 
 
 def _json(p: Path) -> list[Row]:
+    text = _text(p)
     try:
-        items = json.loads(p.read_text())
+        items = json.loads(text)
     except json.JSONDecodeError as e:
         if e.msg == "Extra data":  # several top-level values: JSON lines under a .json name
             return _jsonl(p)
         raise DataError(f"{p}:{e.lineno}: not valid JSON ({e.msg})") from None
+    bad = re.search("[\udc80-\udcff]", text)
+    if bad:  # one JSON document: no row to skip alone
+        line = text.count("\n", 0, bad.start()) + 1
+        raise DataError(f"{p}:{line}: {_bad_utf8(text.splitlines()[line - 1])}")
     if not isinstance(items, list):
         raise DataError(f"{p}: expected a JSON list of objects (or one object per line), got {type(items).__name__}")
     return [Row(f"{p} item {i}", r) for i, r in enumerate(items)]
@@ -85,15 +109,19 @@ def _parquet(p: Path) -> list[Row]:
 
 def _csv(p: Path) -> list[Row]:
     rows = []
-    with open(p, newline="") as f:
+    with io.StringIO(_text(p), newline="") as f:
         reader = csv.reader(f)
         try:
             header = next(reader, [])
+            if _bad_utf8(",".join(header)):
+                raise DataError(f"{p}:1: the header is {_bad_utf8(','.join(header))}")
             for fields in reader:  # line_num: the row's last line (a quoted field may span lines)
                 where = f"{p}:{reader.line_num}"
                 if not fields:
                     continue
-                if len(fields) != len(header):
+                if _bad_utf8(",".join(fields)):
+                    rows.append(Row(where, None, _bad_utf8(",".join(fields))))
+                elif len(fields) != len(header):
                     rows.append(Row(where, None, f"has {len(fields)} fields, the header has {len(header)}"))
                 else:
                     rows.append(Row(where, dict(zip(header, fields))))

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import math
 import os
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 
-from . import launch, memory, sync
-from .config import Config, ConfigError
+import torch
+
+from . import faults, launch, memory, sync, vllm_compat
+from .config import Config, ConfigError, UserError
 
 
 def _phase(phases, name: str):
@@ -130,3 +132,52 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     fraction = math.floor(plan.utilization * 1e4) / 1e4  # rounded down: never more than is free
     return replace(cfg, rollout=replace(r, gpu_memory_utilization=str(fraction), kv_cache_mb=plan.kv >> 20),
                    train=replace(t, offload_states="on" if plan.offload else "off"))
+
+
+class EngineFailure(UserError):
+    """The device ran out of memory, or vLLM's engine died, in a phase of the step (one line)."""
+
+
+# the phase an engine failure happened in -> who held the memory, and the knob that gives it more room
+_VLLM = ("vLLM", "raise rollout.memory_margin_mb or set rollout.gpu_memory_utilization to a smaller fraction "
+                 "(a smaller rollout.kv_cache_mb, rollout.max_num_seqs or prompts_per_step x rollout.n also help)")
+_TRAINER = ("the trainer", "lower train.max_tokens_per_micro_batch (or turn on model.gradient_checkpointing / "
+                           "train.offload_states on)")
+KNOBS = {"wake_weights": _VLLM, "wake_kv": _VLLM, "generate": _VLLM, "reward": _VLLM, "reward_model": _VLLM,
+         "sync": ("the hand-off", "lower train.sync_bucket_mb (or raise rollout.memory_margin_mb)"),
+         "probe": _VLLM, "eval": _VLLM, "offload": _TRAINER, "sleep": _VLLM, "reload": _TRAINER,
+         "old_logprob": _TRAINER, "ref_logprob": _TRAINER, "values": _TRAINER, "train": _TRAINER,
+         "critic": _TRAINER}
+
+
+def failure_line(e: BaseException, cfg: Config, step: int, phase: str) -> str | None:
+    """One line for a device out-of-memory or a dead vLLM engine: the phase, the memory plan and the
+    knob; None for any other error."""
+    r, t = cfg.rollout, cfg.train
+    plan = (f"the plan: rollout.gpu_memory_utilization={r.gpu_memory_utilization}, rollout.kv_cache_mb="
+            f"{r.kv_cache_mb}, rollout.memory_margin_mb={r.memory_margin_mb}, train.offload_states={t.offload_states}, "
+            f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch}")
+    who, knob = KNOBS.get(phase, ("the run", _VLLM[1] + "; or " + _TRAINER[1]))
+    where = f"step {step}, phase {phase}" if step else f"phase {phase}"
+    if isinstance(e, torch.OutOfMemoryError):
+        return f"out of device memory in {where} ({who}; {plan}): {knob}"
+    if isinstance(e, vllm_compat.ENGINE_DEAD):
+        return (f"vLLM's engine died in {where} (its own error is above; out of memory is the usual cause; "
+                f"{plan}): {_VLLM[1]}")
+    return None
+
+
+@contextmanager
+def failures(cfg: Config, rollout):
+    """Around the steps: a device out-of-memory or a dead vLLM engine becomes an EngineFailure naming the
+    phase, the plan and the knob, after the rollout side is closed (the hand-off's temporary directory
+    and vLLM's engine process go with it)."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, *vllm_compat.ENGINE_DEAD) as e:
+        line = failure_line(e, cfg, *faults.last)
+        try:
+            rollout.close()
+        except Exception:  # noqa: BLE001 (a dead engine may not close cleanly; the line matters more)
+            pass
+        raise EngineFailure(line) from e

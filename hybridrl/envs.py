@@ -20,7 +20,10 @@ assistant message (`--reward.fn none` for the environment's reward alone). Guard
 each call runs under 2 x `env.tool_timeout_s` + 5 s; one that raises or hangs ends its episode,
 counted (`env/errors`, `env/timeouts`) and dead-lettered. Sync methods run in a thread of their own,
 so a hung one is abandoned, never joined: the run goes on (a tool that can spin a CPU forever
-should run its work in a subprocess).
+should run its work in a subprocess); at most MAX_ABANDONED hung threads are left running, past
+which sync calls fail at once. An async method that blocks the event loop is abandoned with the
+loop. A reward that is not a finite number, a malformed `info`, or reset messages the chat
+template cannot render end their episode the same way.
 
 Departs from verl's agent loop / TRL's tool loop in one way: an environment turn is rendered on its
 own (multiturn.render_turn), never by re-rendering the whole conversation, so earlier token ids
@@ -68,14 +71,38 @@ class Runner:
     def submit(self, fn: Callable, *args, timeout: float):
         return asyncio.run_coroutine_threadsafe(call(fn, *args, timeout=timeout), self.loop)
 
+    def responsive(self, wait_s: float = 1.0) -> bool:
+        """Whether the loop still runs its callbacks (an async call that blocks it stops them all)."""
+        try:
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.loop).result(timeout=wait_s)
+            return True
+        except TimeoutError:
+            return False
+
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5)
 
 
+# sync calls abandoned at their timeout whose threads still run; at MAX_ABANDONED a sync call fails at once
+# instead of starting one more thread (a tool that hangs on every call would otherwise grow them without end).
+# Room for several steps of episodes whose tool hangs for a while (each thread holds little but its stack).
+MAX_ABANDONED = 512
+_abandoned: set[threading.Thread] = set()
+_lock = threading.Lock()
+
+
+def abandoned_threads() -> int:
+    """Threads of timed-out sync calls that are still running."""
+    with _lock:
+        _abandoned.difference_update([t for t in _abandoned if not t.is_alive()])
+        return len(_abandoned)
+
+
 async def call(fn: Callable, *args, timeout: float, **kwargs) -> Any:
     """Await fn(*args, **kwargs) for at most `timeout` s (asyncio.TimeoutError past it), from a
-    running loop; a sync fn runs in a daemon thread of its own, so a hung one costs that thread only."""
+    running loop; a sync fn runs in a daemon thread of its own, so a hung one costs that thread only,
+    and at most MAX_ABANDONED of them are left running (past that a sync call raises RuntimeError)."""
     if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
         return await asyncio.wait_for(fn(*args, **kwargs), timeout)
     loop = asyncio.get_running_loop()
@@ -95,8 +122,18 @@ async def call(fn: Callable, *args, timeout: float, **kwargs) -> Any:
         except RuntimeError:  # the loop closed while this call hung
             pass
 
-    threading.Thread(target=run, daemon=True, name="hybridrl-env-call").start()
-    return await asyncio.wait_for(fut, timeout)
+    if abandoned_threads() >= MAX_ABANDONED:
+        raise RuntimeError(f"{MAX_ABANDONED} earlier calls of sync tools/environments are still running past their "
+                           f"timeout, each in a thread; refusing to start more: make {getattr(fn, '__name__', fn)} "
+                           "return within env.tool_timeout_s, or run its work in a subprocess")
+    thread = threading.Thread(target=run, daemon=True, name="hybridrl-env-call")
+    thread.start()
+    try:
+        return await asyncio.wait_for(fut, timeout)
+    except (asyncio.TimeoutError, TimeoutError):
+        with _lock:
+            _abandoned.add(thread)
+        raise
 
 
 # --- the built-in tool-calling environment --------------------------------------------------------

@@ -38,9 +38,14 @@ _KEY = "hybridrl/progress/{}"
 _current: "Watchdog | None" = None
 
 
+last = (0, "start")  # (step, phase) the loop reached last: what an engine failure names
+
+
 def progress(step: int, phase: str, where: Path | None = None) -> None:
     """The loop reached `phase` of `step`: feeds the watchdog (if one runs) and test injections
     (`where`: the directory a 'fill' or 'enospc' fault concerns)."""
+    global last
+    last = (step, phase)
     if _current is not None:
         _current.beat(step, phase)
     if _FAULT:

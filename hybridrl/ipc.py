@@ -26,6 +26,7 @@ import time
 import pickle
 import shutil
 import tempfile
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
@@ -90,6 +91,8 @@ class BucketSender:
         self.bucket_bytes, self.cuda, self.timeout_s = bucket_bytes, cuda, timeout_s
         self.ctx = zmq.Context()
         self.dir = tempfile.mkdtemp(prefix="hybridrl-ipc-")
+        # removed at close, or at exit however the run ends (an out-of-memory, an engine that died)
+        weakref.finalize(self, shutil.rmtree, self.dir, True)
         self.count = itertools.count()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="hybridrl-handoff")
 

@@ -91,7 +91,8 @@ def train(cfg: Config) -> dict:
         done, acc_before = 0, evaluate(0)
     last_eval, step, stop_signal = start, done, 0
     watchdog = faults.Watchdog(cfg.train.watchdog_s, world.rank, world.size, run.dir)  # a stalled rank stops the run
-    with checkpoint.StopSignals(world.main) as stop, watchdog:  # SIGTERM/SIGINT: finish the step, save, exit
+    # SIGTERM/SIGINT: finish the step, save, exit; a device OOM or a dead vLLM engine: one line naming the phase
+    with checkpoint.StopSignals(world.main) as stop, watchdog, engine_cycle.failures(cfg, rollout):
         for step in range(done + 1, cfg.train.steps + 1):
             phases = Phases(step)
             # 1. rollout and rewards: n samples per prompt (this rank's share), each scored as it

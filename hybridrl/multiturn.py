@@ -28,6 +28,9 @@ do not depend on tool latencies (a run is reproducible from its seed when its to
 from __future__ import annotations
 
 import logging
+import math
+import re
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -44,8 +47,25 @@ COUNTS = ("env/episodes", "env/turns", "env/assistant_tokens", "env/env_tokens",
 
 
 def render_turn(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of an environment turn (`turn_text`, tokenized alone)."""
-    return tokenizer(turn_text(tokenizer, messages), add_special_tokens=False)["input_ids"]
+    """Token ids of an environment turn (`turn_text`, tokenized alone). The messages' contents are
+    tokenized without special-token parsing: a tool that echoes '<|im_end|>' (or whatever the
+    tokenizer's control tokens are) gives the model that text, never the control token, so it cannot
+    end a turn or forge a role header; the template's own markup keeps its special tokens."""
+    specials = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special]
+    contents = [m.get("content") if isinstance(m, dict) else None for m in messages]
+    if not any(isinstance(c, str) and s in c for c in contents for s in specials):
+        return tokenizer(turn_text(tokenizer, messages), add_special_tokens=False)["input_ids"]
+    marks = [f"\x00hybridrl-content-{k}\x00" for k in range(len(messages))]
+    masked = [{**m, "content": mark} if isinstance(c, str) else m for m, c, mark in zip(messages, contents, marks)]
+    pieces = re.split("(\x00hybridrl-content-\\d+\x00)", turn_text(tokenizer, masked))
+    ids = []
+    for piece in pieces:
+        if piece in marks:  # a content: text only
+            ids += tokenizer(contents[marks.index(piece)], add_special_tokens=False,
+                             split_special_tokens=True)["input_ids"]
+        elif piece:  # the template's markup
+            ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
+    return ids
 
 
 def turn_text(tokenizer, messages: list[dict]) -> str:
@@ -86,6 +106,25 @@ def metrics(c: dict[str, float]) -> dict[str, float]:
     out.update({"env/turns_per_episode": c["env/turns"] / eps, "tools/calls_per_episode": c["tools/calls"] / eps,
                 "tools/latency_ms": 1000 * c["tools/latency_s"] / calls})
     return out
+
+
+def _info(info) -> tuple[dict[str, float], list[dict]]:
+    """An env.step's info -> (its counts, finite numbers of envs.COUNTS' keys; its dead-letter entries).
+    Raises ValueError on anything else: the step counts as an error that ends its episode."""
+    if info is None:
+        return {}, []
+    if not isinstance(info, dict):
+        raise ValueError(f"info must be a dict, got {type(info).__name__}")
+    counts = {}
+    for k in envs.COUNTS:
+        v = info.get(k, 0)
+        if isinstance(v, (str, bytes)) or not math.isfinite(float(v)):
+            raise ValueError(f"info[{k!r}]={v!r:.80} is not a finite number")
+        counts[k] = float(v)
+    errors = info.get("errors", [])
+    if not (isinstance(errors, list) and all(isinstance(x, dict) for x in errors)):
+        raise ValueError("info['errors'] must be a list of dicts")
+    return counts, errors
 
 
 @dataclass
@@ -144,14 +183,13 @@ class Episodes:
         rows = [{"prompt": prompts[e.i].text, "answer": prompts[e.i].answer, "index": index[e.i]} for e in eps]
         futures = [self.runner.submit(e.env.reset, row, timeout=self.timeout) if hasattr(e.env, "reset") else None
                    for e, row in zip(eps, rows)]  # all at once: they run concurrently
+        deadline = time.monotonic() + self.timeout + 1.0  # concurrent calls, one deadline (after their own)
         for e, fut in zip(eps, futures):
-            ok, messages = self._result(e, "reset", fut)
+            ok, messages = self._result(e, "reset", fut, deadline)
             if not ok:
                 e.prompt = None
             elif messages is not None:
-                schemas = getattr(e.env, "schemas", None) or None
-                e.prompt = list(self.tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True,
-                                                                   tokenize=True, return_dict=False))
+                e.prompt = self._first_turn(e, messages)
         served = [e for e in eps if e.prompt is not None]
         for k, e in enumerate(served):
             e.k = k
@@ -162,12 +200,40 @@ class Episodes:
         rejected.update({served[k].i: why for k, why in gen.rejected.items()})
         return _Run(self, gen, served, rejected)
 
-    def _result(self, e: _Episode, what: str, fut) -> tuple[bool, Any]:
+    def _first_turn(self, e: _Episode, messages) -> list[int] | None:
+        """The prompt's token ids from reset's messages; None (the prompt is dropped, counted and
+        dead-lettered) when they are not a list of messages the chat template renders."""
+        try:
+            if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
+                raise TypeError(f"expected a list of {{role, content}} messages, got {messages!r:.200}")
+            schemas = getattr(e.env, "schemas", None) or None
+            return list(self.tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True,
+                                                           tokenize=True, return_dict=False))
+        except Exception as ex:  # noqa: BLE001 (user data)
+            self._fail(e, "error", f"env.reset's messages could not be rendered: {type(ex).__name__}: {ex}")
+            return None
+
+    def result(self, fut, deadline: float):
+        """fut's result, waiting until `deadline` at most (TimeoutError past it). Each call has its own
+        timeout inside the runner's event loop, but an async tool that blocks that loop (time.sleep in
+        an async def) stops those timeouts too: the blocked loop is then abandoned for a new one, and
+        its calls time out here."""
+        try:
+            return fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            fut.cancel()
+            if not self.runner.responsive():
+                log.warning("an environment call blocks the event loop of async tools (a blocking call in an async "
+                            "def?); its calls time out and a new loop takes over")
+                self.runner = envs.Runner()
+            raise
+
+    def _result(self, e: _Episode, what: str, fut, deadline: float) -> tuple[bool, Any]:
         """(True, the call's result) or (False, None) after counting and dead-lettering a failure."""
         if fut is None:
             return True, None
         try:
-            return True, fut.result()
+            return True, self.result(fut, deadline)
         except TimeoutError:
             self._fail(e, "timeout", f"env.{what} returned nothing within {self.timeout:.1f} s")
         except Exception as ex:  # noqa: BLE001 (user code)
@@ -215,18 +281,23 @@ class _Run:
                     e.end = "length"
                     ended.append(e)
             futures = [o.runner.submit(e.env.step, text, timeout=o.timeout) for e, text in stepping]
+            deadline = time.monotonic() + o.timeout + 1.0  # each call's own timeout comes first
             for (e, _), fut in zip(stepping, futures):
-                if self._advance(e, fut):
+                if self._advance(e, fut, deadline):
                     ended.append(e)
             yield [self._sample(e) for e in ended]
 
-    def _advance(self, e: _Episode, fut) -> bool:
+    def _advance(self, e: _Episode, fut, deadline: float) -> bool:
         """Apply one environment step; True if the episode ended."""
         o, cfg = self.o, self.o.cfg
         try:
-            out = fut.result()
+            out = o.result(fut, deadline)
             obs, reward, done, *rest = out
             info = rest[0] if rest else {}
+            counts, errors = _info(info)
+            if isinstance(reward, (str, bytes)) or not math.isfinite(float(reward)):
+                e.reward = 0.0  # an error like an exception: the episode scores 0
+                raise ValueError(f"the reward {reward!r:.80} is not a finite number")
             e.reward += float(reward)
         except TimeoutError:
             e.end = "timeout"
@@ -234,12 +305,12 @@ class _Run:
             return True
         except Exception as ex:  # noqa: BLE001 (user code, or a step that returned the wrong shape)
             e.end = "error"
-            o._fail(e, "error", f"env.step raised or returned something other than (observation, reward, done"
-                                f"[, info]): {type(ex).__name__}: {ex}")
+            o._fail(e, "error", f"env.step raised or returned something other than (observation, finite reward, "
+                                f"done[, info]): {type(ex).__name__}: {ex}")
             return True
-        for k in envs.COUNTS:
-            o._counts[k] += float((info or {}).get(k, 0))
-        for err in (info or {}).get("errors", []):
+        for k, v in counts.items():
+            o._counts[k] += v
+        for err in errors:
             o._write(e, err.get("kind", "error"), err.get("error", ""), **{k: v for k, v in err.items()
                                                                            if k not in ("kind", "error")})
         if done or obs is None:

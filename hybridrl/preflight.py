@@ -1,5 +1,5 @@
 """Checks that run before torch, vLLM and DeepSpeed are imported (~10 s on a small machine), so
-a wrong path, a reward module that does not import or settings that cannot work together fail in
+a wrong path, a reward or environment module that does not import or settings that cannot work together fail in
 about a second, with one line naming the fix.
 
     hybridrl train --data missing.jsonl   ->   error: data.path=missing.jsonl: no such file ...
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import data, rewards
+from . import data, envs, rewards
 from .config import Config, ConfigError
 
 
@@ -29,6 +29,8 @@ def check(cfg: Config, nproc: int = 1) -> None:
                           f"newest run under log.run_dir, or a directory that `hybridrl train` wrote)")
     reward_named(cfg)
     rewards.load_terms(cfg.reward.fn, cfg.reward.format_pattern)  # imports a user module: its errors show now
+    if cfg.env.cls:
+        envs.load(cfg.env.cls)  # likewise the environment's module (before: only once the engines had started)
     if nproc > 1 and cfg.train.prompts_per_step % nproc:
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by the {nproc} "
                           f"ranks of --nproc {nproc}")

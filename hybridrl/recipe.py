@@ -31,6 +31,15 @@ REAL = {  # the real-model recipe: key -> value where the demo's default would b
     "train.data_epochs": 1.0,  # one pass over the prompts (sets train.steps once the data is read)
     "log.eval_every": 50,
 }
+# each policy loss's own clip range, for the keys the user leaves unset (the schema's 0.2 / 0.28 are PPO's).
+# GSPO clips a length-normalised sequence ratio, which stays within ~1e-3 of 1 where PPO's token ratios
+# move by tenths: the paper (Zheng et al. 2025) and verl's GSPO recipe clip at 3e-4 / 4e-4. On the demo
+# (docs/losses.md) 0.2 / 0.28 left GSPO at 33.6% / 38.7% after 300 steps, 3e-4 / 4e-4 reached 49.2% / 53.5%.
+# cispo bounds its IS weight with its own keys (algo.cispo_clip_low/high), so clip_low/high do not apply.
+LOSS_CLIP = {
+    "gspo": {"algo.clip_low": 3e-4, "algo.clip_high": 4e-4},
+    "gspo_token": {"algo.clip_low": 3e-4, "algo.clip_high": 4e-4},  # the same sequence ratio on every token
+}
 DERIVED = ("rollout.max_model_len", "rollout.kv_cache_mb", "train.steps")  # filled from the model / the data
 CPU_KV_MIN_MB = 64  # the least CPU KV cache any run gets
 CPU_KV_BLOCK = 128  # tokens in a vLLM-cpu KV block (its default block size on CPU)
@@ -72,6 +81,7 @@ def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
     lengths and the model. On CPU every model gets a KV cache sized for the step. `fast_bf16`:
     every rank's CPU has AMX-BF16 (env.fast_bf16), where a real-size model computes in bfloat16."""
     demo = cfg.model.path == "demo"
+    cfg = loss_clip(cfg)
     for key, value in {} if demo else REAL.items():
         if key == "train.data_epochs" and explicit(cfg, "train.steps"):
             continue  # the user gave a step count
@@ -109,6 +119,14 @@ def auto_dtype(cfg: Config, on_cpu: bool) -> Config:
     dtype = "float32" if on_cpu or m.path == "demo" else "bfloat16"
     return dataclasses.replace(cfg, sources={**cfg.sources, "model.dtype": "auto"},
                                model=dataclasses.replace(m, dtype=dtype))
+
+
+def loss_clip(cfg: Config) -> Config:
+    """algo.clip_low / clip_high from the policy loss's own range (LOSS_CLIP) where the user set neither."""
+    for key, value in LOSS_CLIP.get(cfg.algo.policy_loss, {}).items():
+        if not explicit(cfg, key):
+            cfg = _set(cfg, key, value, f"algo.policy_loss={cfg.algo.policy_loss}'s clip range")
+    return cfg
 
 
 def _cpu_dtype(cfg: Config, info: ModelInfo, fast_bf16: bool) -> Config:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import logging
+import math
 import multiprocessing as mp
 import os
 import signal
@@ -136,15 +137,27 @@ def evaluate(terms: list[Term], prompt: str, completions: list[str], answer: str
             out = t.fn([prompt] * k, list(completions), [answer] * k)
             if t.is_async:
                 out = _run_async(out, timeout_s)
-            values = [float(v) for v in out]
+            values = [_number(t, v) for v in out]
             if len(values) != k:
                 raise ValueError(f"batched reward {t.name} returned {len(values)} values for {k} completions")
         elif t.is_async:
-            values = [float(_run_async(t.fn(prompt, c, answer), timeout_s)) for c in completions]
+            values = [_number(t, _run_async(t.fn(prompt, c, answer), timeout_s)) for c in completions]
         else:
-            values = [float(t.fn(prompt, c, answer)) for c in completions]
+            values = [_number(t, t.fn(prompt, c, answer)) for c in completions]
         columns.append(values)
     return [list(row) for row in zip(*columns)] if columns else [[] for _ in completions]
+
+
+def _number(term: Term, value) -> float:
+    """A term's value as a float; a NaN, an inf or a non-number is an error like an exception (one
+    NaN reward turns the step's advantages, loss and gradient into NaN, and every update is skipped)."""
+    try:
+        x = float(value) if not isinstance(value, (str, bytes)) and value is not None else math.nan
+    except (TypeError, ValueError):
+        x = math.nan
+    if not math.isfinite(x):
+        raise ValueError(f"reward {term.name} returned {value!r:.80}, not a finite number")
+    return x
 
 
 def _run_async(coro, timeout_s: float | None):
@@ -291,6 +304,13 @@ class Scorer:
         self.results[task.key] = [total(self.terms, r) for r in rows]
         for r in rows:
             self.term_sums = [s + v for s, v in zip(self.term_sums, r)]
+
+    def reject(self, prompt: str, completion: str, answer: str, error: str, meta: dict | None = None) -> None:
+        """A value scored outside this scorer that is not a number (a reward model's NaN): counted
+        and dead-lettered like a reward function's error (or raised, on_error=raise); the caller scores 0."""
+        task = _Task(None, prompt, [completion], answer, meta or {})
+        self._failed(task, "error", error)
+        self.results.pop(None, None)
 
     def _failed(self, task: _Task, kind: str, error: str, detail: str = "") -> None:
         """Score the task 0, count it, write it to the dead-letter file; or raise (on_error=raise)."""

@@ -115,9 +115,11 @@ class Probe:
         if self.last is not None:  # vLLM now vs at the last probe: > 0 proves the weights moved
             out["probe_delta"] = float((theirs - self.last).abs().max())
         self.last = theirs
-        if gap > self.tol:
+        if not gap <= self.tol:  # a NaN gap fails too: a non-finite weight or log-prob on either side
             msg = (f"step {step}: vLLM and trainer disagree on the probe batch by {gap:.2e} ({self.stat}, "
-                   f"> train.probe_tol={self.tol}): stale or partial weights after the hand-off")
+                   f"> train.probe_tol={self.tol}): stale or partial weights after the hand-off") if gap == gap else (
+                   f"step {step}: the probe batch's vLLM-vs-trainer gap is NaN: a weight or log-prob is not finite "
+                   f"on one side (look for inf/NaN in the last step's loss and grad_norm; lower train.lr)")
             if self.action == "error":
                 raise StaleWeightsError(msg)
             log.warning(msg)

@@ -423,3 +423,19 @@ def shutdown(llm: LLM | None = None) -> None:
         destroy_model_parallel()
     except Exception:  # best effort: nothing to release if construction failed
         pass
+
+
+def _engine_dead() -> tuple[type[BaseException], ...]:
+    """vLLM's error for an engine(-core) process that died (killed, crashed, out of memory) while a
+    request was in flight: EngineDeadError in the V1 engine; older releases had AsyncEngineDeadError."""
+    found = []
+    for module, name in (("vllm.v1.engine.exceptions", "EngineDeadError"),
+                         ("vllm.engine.async_llm_engine", "AsyncEngineDeadError")):
+        try:
+            found.append(getattr(__import__(module, fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
+
+
+ENGINE_DEAD = _engine_dead()

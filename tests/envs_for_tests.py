@@ -63,3 +63,26 @@ class Faulty(ToolEnv):
     async def step(self, text):
         self.turn += 1
         return await super().step(self.SCRIPT[min(self.turn, len(self.SCRIPT)) - 1])
+
+
+class Misbehaving:
+    """By prompt: reset returns a string ('r1') or a list of strings ('r2'); step blocks the event loop
+    ('block'), returns a NaN reward ('nan'), a malformed info ('info') or a tool message that spells the
+    EOS token ('echo', then done); any other prompt: done with reward 1."""
+
+    def reset(self, row):
+        self.p = row["prompt"]
+        self.turn = 0
+        return {"r1": "1+1=", "r2": ["1+1="]}.get(self.p, [{"role": "user", "content": "1+1="}])
+
+    async def step(self, text):
+        self.turn += 1
+        if self.p == "block":
+            time.sleep(6)  # a blocking call inside async def: the event loop stops with it
+        if self.p == "nan":
+            return None, float("nan"), True
+        if self.p == "info":
+            return [{"role": "tool", "content": "1"}], 0.0, False, ["not", "a", "dict"]
+        if self.p == "echo" and self.turn == 1:
+            return [{"role": "tool", "content": "1<eos>2"}], 0.0, False
+        return None, 1.0, True

@@ -40,3 +40,9 @@ async def async_batched_len(prompts, completions, answers):
 def bang(prompt: str, completion: str, answer: str) -> float:
     """1 for a completion that ends on the stop string '!' (tests/tiny_model.py's favourite token)."""
     return float(completion.endswith("!"))
+
+
+def not_a_number(prompt: str, completion: str, answer: str):
+    """NaN, inf, a string and None on four prompts (a verifier's 0/0, a judge's unparsed reply); else a match."""
+    bad = {"1+1=": float("nan"), "2+2=": float("inf"), "3+3=": "1.0", "4+4=": None}
+    return bad.get(prompt, float(completion.strip() == answer))

@@ -1,5 +1,8 @@
+import math
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -35,7 +38,7 @@ def test_unknown_key_names_closest():
 def test_bad_values_say_what_to_change():
     with pytest.raises(C.ConfigError, match="must be one of"):
         C.load(None, {"algo.loss_agg": "mean"})
-    with pytest.raises(C.ConfigError, match="zero_stage must be 2 or 3"):
+    with pytest.raises(C.ConfigError, match="train.zero_stage=1: must be 2 or 3"):
         C.load(None, {"train.zero_stage": 1})
     with pytest.raises(C.ConfigError, match="raise rollout.max_model_len"):
         C.load(None, {"rollout.max_model_len": 16, "data.max_prompt_len": 15})
@@ -80,3 +83,61 @@ def test_cli_help_shows_groups_and_rejects_typos():
     assert bad.returncode == 2 and "--algo.clip_high" in bad.stderr
     bad = run("--set", "algo.clip_hgh=0.3")
     assert bad.returncode == 2 and "did you mean 'algo.clip_high'" in bad.stderr
+
+
+NUMERIC = [k for k, f in C.leaves().items() if C._field_type(*k.split(".")) in (int, float)]
+
+
+def _outside(spec: str) -> list:
+    """Values a range spec excludes: just past each bound, and NaN / inf."""
+    cands = [math.nan, math.inf]
+    for alt in spec.split(" or "):
+        nums = [float(x) for x in re.findall(r"-?\d+(?:\.\d+)?(?:e-?\d+)?", alt)]
+        for x in nums:
+            cands += [x - 1, x - 0.5, x + 0.5, x + 1, x]
+    return [v for v in cands if not C.in_range(v, spec)]
+
+
+@pytest.mark.parametrize("key", NUMERIC)
+def test_every_numeric_knob_refuses_values_out_of_its_range(key):
+    """Each int/float knob declares its range (schema.knob's `valid`); its default is in it, and every
+    value outside it (past each bound, NaN, inf) is refused by the config, in one line naming the knob
+    and the range. Before: --train.lr -1, --train.max_minutes -1, --log.eval_size -5 were accepted."""
+    spec = C.leaves()[key].metadata.get("valid")
+    assert spec, f"{key} declares no range: add valid=... to its knob in schema.py"
+    group, name = key.split(".")
+    assert C.in_range(getattr(getattr(C.Config(), group), name), spec), key
+    is_int = C._field_type(group, name) is int
+    bad = [v for v in _outside(spec) if not is_int or (math.isfinite(v) and float(v).is_integer())]
+    assert bad, key
+    for v in bad:
+        with pytest.raises(C.ConfigError) as e:
+            C.load(None, {key: int(v) if is_int else v})
+        msg = str(e.value)
+        assert "\n" not in msg and key in msg, (key, v, msg)
+
+
+@pytest.mark.parametrize("over,words", [
+    ({"train.lr": -1}, "train.lr=-1.0: must be a finite number in (0, 1]"),
+    ({"train.max_minutes": -1}, "train.max_minutes=-1.0: must be a finite number >= 0"),
+    ({"log.eval_size": -5}, "log.eval_size=-5: must be a finite number >= 0"),
+    ({"rollout.temperature": 0}, "rollout.temperature=0.0: must be a finite number > 0; at 0 vLLM samples greedily"),
+    ({"train.lr": "nan"}, "train.lr=nan: must be a finite number"),
+])
+def test_the_issues_knobs_are_refused_by_name(over, words):
+    with pytest.raises(C.ConfigError) as e:
+        C.load(None, over)
+    assert words in str(e.value)
+
+
+def test_an_out_of_range_flag_fails_before_the_engines():
+    """The CLI refuses --train.lr -1 in one line, in about the time Python takes to start: before torch,
+    vLLM or DeepSpeed are imported (before: one step ran, then a StaleWeightsError blamed the hand-off)."""
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "hybridrl", "train", "--train.lr", "-1"], capture_output=True,
+                         text=True, timeout=120)
+    took = time.perf_counter() - t0
+    assert out.returncode != 0
+    err = [x for x in (out.stdout + out.stderr).splitlines() if x.strip()]
+    assert err == ["error: train.lr=-1.0: must be a finite number in (0, 1]"], err
+    assert took < 15, took  # ~1-2 s idle; a loaded 2-core machine is slower, an engine start is 20 s+

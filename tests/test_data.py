@@ -162,3 +162,25 @@ def test_chat_template_flag(tmp_path, tok):
         ids[flag] = prompts[0].ids
     assert ids["auto"] == ids["on"] == [1, 4, 5, 13, 6, 7, 14]  # <bos> 1 2 + 3 4 =
     assert ids["off"] == [1, 4, 5, 13, 6, 7]  # the plain tokenizer: no "="
+
+
+def test_bytes_that_are_not_utf8_name_the_file_and_line(tmp_path, tok):
+    """A line saved in Latin-1 ('é' as the byte 0xe9) among UTF-8 ones: an error naming the file, the line
+    and the byte, or with data.on_error=skip the row is skipped and counted. Before: a UnicodeDecodeError
+    traceback naming neither. A whole JSON document cannot skip one row: it fails with its line."""
+    good = json.dumps({"question": "1+1=", "label": 2}).encode()
+    bad = '{"question": "caf\u00e9 1+2=", "label": 3}'.encode("latin-1")
+    (tmp_path / "d.jsonl").write_bytes(b"\n".join([good, bad, good]) + b"\n")
+    with pytest.raises(data.DataError) as e:
+        load(tmp_path / "d.jsonl", tok)
+    assert str(e.value) == (f"{tmp_path / 'd.jsonl'}:2: not valid UTF-8 (byte 0xe9 at character 18); save the file "
+                            "as UTF-8 (data.on_error=skip skips malformed rows)")
+    prompts, dropped = load(tmp_path / "d.jsonl", tok, on_error="skip")
+    assert [p.text for p in prompts] == ["1+1=", "1+1="] and dropped["malformed"] == 1
+    (tmp_path / "d.csv").write_bytes(b"question,label\n1+1=,2\ncaf\xe9,3\n")
+    with pytest.raises(data.DataError, match=r"d.csv:3: not valid UTF-8 \(byte 0xe9"):
+        load(tmp_path / "d.csv", tok)
+    assert load(tmp_path / "d.csv", tok, on_error="skip")[1]["malformed"] == 1
+    (tmp_path / "d.json").write_bytes(b'[{"question": "1+1=", "label": 2},\n {"question": "caf\xe9", "label": 3}]')
+    with pytest.raises(data.DataError, match=r"d.json:2: not valid UTF-8 \(byte 0xe9 at character 19\)"):
+        load(tmp_path / "d.json", tok)

@@ -7,9 +7,9 @@ from hybridrl import config as C
 BAD = [
     ({"algo.policy_loss": "grpo"}, "algo.policy_loss='grpo': must be one of ppo, gspo, gspo_token, cispo"),
     ({"algo.policy_loss": "cispo", "algo.dual_clip": 3}, "cispo has not: set algo.dual_clip 0"),
-    ({"algo.cispo_clip_high": -1}, "algo.cispo_clip_low and algo.cispo_clip_high must be >= 0"),
-    ({"algo.is_correction": "mask", "algo.is_mask_low": 1.5}, "algo.is_mask_low must be in [0, 1]"),
-    ({"algo.is_correction": "mask", "algo.is_mask_high": 0.9}, "algo.is_mask_high >= 1"),
+    ({"algo.cispo_clip_high": -1}, "algo.cispo_clip_high=-1.0: must be a finite number >= 0"),
+    ({"algo.is_correction": "mask", "algo.is_mask_low": 1.5}, "algo.is_mask_low=1.5: must be a finite number in [0, 1]"),
+    ({"algo.is_correction": "mask", "algo.is_mask_high": 0.9}, "algo.is_mask_high=0.9: must be a finite number >= 1"),
     ({"algo.is_correction": "mask", "algo.tis_cap": 2}, "set algo.tis_cap 0 with mask"),
     ({"algo.tis_level": "seq"}, "must be one of token, sequence, geometric"),
     ({"train.kernels": "liger", "algo.policy_loss": "gspo_token"}, "use algo.policy_loss gspo or train.kernels=auto"),

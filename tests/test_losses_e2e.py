@@ -117,5 +117,7 @@ def test_learning_per_loss(tmp_path, loss):
                                   "--log.eval_size", "256", "--train.minibatches", "2", "--train.max_minutes", "0",
                                   *args, timeout=1800)
     assert summary["heldout_acc_before"] == 0.21875
+    # gspo, at its own clip range (3e-4 / 4e-4) since PPO's left it at 29.7% on an AMX Xeon: 21.9% -> 29.3% /
+    # 35.2% / 49.2% at steps 100 / 200 / 300 (seed 0, 2-core machine, 2026-11-27), 19 points above this bar
     assert summary["heldout_acc_after"] >= summary["heldout_acc_before"] + 0.08, summary
     assert all(s["loss"] == s["loss"] for s in steps)  # finite throughout

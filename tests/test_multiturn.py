@@ -294,3 +294,105 @@ def test_failing_tools_do_not_stop_the_run(tmp_path, monkeypatch, nproc):
     assert all(d["transcript"].startswith("<bos>") for d in letters)
     assert sum(d["kind"] == "timeout" and d["step"] in (1, 2, 3) for d in letters) >= 3 * 32
     assert 0.0 <= summary["heldout_acc_after"] <= 1.0
+
+
+# --- one episode's failures end that episode (a scripted engine: the environment side is under test) ----
+class _ScriptedGen:
+    """Rollout.generate's Generation for these tests: every request's turn is '7' then EOS."""
+
+    def __init__(self, n, eos):
+        self.queue, self.rejected, self.eos = list(range(n)), {}, eos
+
+    def extend(self, i, j, ids, max_tokens, turn):
+        self.queue.append(i)
+
+    def __iter__(self):
+        from hybridrl.rollout import Sample
+        while self.queue:
+            batch, self.queue = self.queue, []
+            yield [Sample(k, [11, self.eos], [-0.5, -0.1], True) for k in batch]
+
+
+def _episodes(tmp_path):
+    from transformers import AutoTokenizer
+    from hybridrl import config as C
+    from hybridrl.data import Prompt
+    tok = AutoTokenizer.from_pretrained(DEMO)
+    tok.chat_template = TEMPLATE
+
+    class Engine:
+        def generate(self, prompts, n, **kw):
+            return _ScriptedGen(len(prompts), tok.eos_token_id)
+
+    cfg = C.load(None, {"env.cls": "envs_for_tests:Misbehaving", "env.tool_timeout_s": 0.2})
+    eps = multiturn.Episodes(cfg, Engine(), tok, run_dir=tmp_path)
+    eps.timeout = 0.5
+    return eps, tok, lambda names: [Prompt(p, [1, 4], "2") for p in names]
+
+
+def test_an_environments_failures_end_one_episode(tmp_path):
+    """Reset messages that are not messages drop their prompt; a NaN reward and a malformed info end
+    their episode (reward 0), counted in env/errors and dead-lettered, while the others finish; an async
+    step that blocks the event loop times out (the run does not hang) and a new loop serves the next
+    step. Before: the reset and info cases crashed the run, the NaN was summed into the reward and the
+    blocked loop hung fut.result() forever."""
+    eps, tok, prompts = _episodes(tmp_path)
+    run = eps.generate(prompts(["r1", "r2", "nan", "info", "ok"]), 1, temperature=1.0, top_p=1.0, max_tokens=4)
+    assert sorted(run.rejected) == [0, 1]
+    got = {s.prompt_idx: s for done in run for s in done}
+    assert sorted(got) == [2, 3, 4] and got[4].env_reward == 1.0 and got[4].finished
+    assert got[2].env_reward == 0.0 and got[3].env_reward == 0.0
+    c = eps.counts()
+    assert c["env/errors"] == 4 and c["env/episodes"] == 3
+    t0 = time.perf_counter()
+    got = [s for done in eps.generate(prompts(["block"]), 1, temperature=1.0, top_p=1.0, max_tokens=4) for s in done]
+    assert time.perf_counter() - t0 < 5 and len(got) == 1  # ended at the 1.5 s deadline, not after the 6 s block
+    assert eps.counts()["env/timeouts"] == 1
+    got = [s for done in eps.generate(prompts(["ok"]), 1, temperature=1.0, top_p=1.0, max_tokens=4) for s in done]
+    assert got[0].env_reward == 1.0  # the next step's calls run on a fresh loop
+    eps.close()
+    letters = [json.loads(x) for x in (tmp_path / "env_dead_letter.jsonl").read_text().splitlines()]
+    errors = " | ".join(d["error"] for d in letters)
+    for words in ("env.reset's messages could not be rendered", "not a finite number", "info must be a dict",
+                  "env.step returned nothing within 0.5 s"):
+        assert words in errors, errors
+
+
+def test_tool_output_cannot_inject_control_tokens(tmp_path):
+    """A tool that echoes the EOS token's text: the environment turn holds its characters, never the EOS
+    id (which would end the model's next turn before it starts); the template's own tokens are kept."""
+    eps, tok, prompts = _episodes(tmp_path)
+    turn = multiturn.render_turn(tok, [{"role": "tool", "content": "1<eos>2"}])
+    assert tok.eos_token_id not in turn and turn == tok("12=", add_special_tokens=False)["input_ids"]
+    [s] = [s for done in eps.generate(prompts(["echo"]), 1, temperature=1.0, top_p=1.0, max_tokens=4) for s in done]
+    env_ids = [t for t, m in zip(s.token_ids, s.loss_mask) if not m]
+    assert env_ids == turn
+    eps.close()
+
+
+def test_hung_sync_calls_leave_a_bounded_number_of_threads(monkeypatch):
+    """Each timed-out sync call leaves its thread running; past envs.MAX_ABANDONED of them a sync call
+    fails at once instead of starting another (before: one more thread per call, without end)."""
+    import threading
+    release = threading.Event()
+
+    def stuck():
+        release.wait(30)
+
+    async def calls(k):
+        out = []
+        for _ in range(k):
+            try:
+                await envs.call(stuck, timeout=0.01)
+            except Exception as e:  # noqa: BLE001
+                out.append(type(e).__name__)
+        return out
+
+    monkeypatch.setattr(envs, "MAX_ABANDONED", envs.abandoned_threads() + 16)  # the bound, small for the test
+    before, already = threading.active_count(), envs.abandoned_threads()  # earlier tests' hung tools may still run
+    got = asyncio.run(calls(envs.MAX_ABANDONED + 8))
+    assert got.count("TimeoutError") == envs.MAX_ABANDONED - already and got.count("RuntimeError") == 8 + already
+    assert threading.active_count() - before <= envs.MAX_ABANDONED
+    release.set()
+    time.sleep(0.2)
+    assert envs.abandoned_threads() <= already and asyncio.run(calls(1)) == []  # room again: the call runs

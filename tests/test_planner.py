@@ -2,6 +2,8 @@
 (memory.plan: the KV cache, activations and vLLM's sampler against what is free with the trainer's
 states on the device and off it), the step's KV need and sequence count, and the caller that fills
 the auto knobs (engine_cycle.plan_rollout)."""
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -127,3 +129,44 @@ def test_gpu_memory_utilization_knob():
             config.load(None, {"rollout.gpu_memory_utilization": bad})
     with pytest.raises(ConfigError, match="probe_every=0"):
         config.load(None, {"train.offload_params": True})
+
+
+def test_an_oom_or_a_dead_engine_is_one_line_naming_the_phase_plan_and_knob(tmp_path):
+    """Injected on CPU: a device out-of-memory at wake (vLLM's side) or in train (the trainer's), and
+    vLLM's engine dying mid-generate, each become one line naming the step, the phase, the memory plan
+    and the knob, after the rollout side is closed; other errors pass through. The hand-off's temporary
+    directory goes at exit however the run ends. Before: a raw traceback and a leaked directory."""
+    from hybridrl import faults, ipc, vllm_compat
+
+    class Rollout:
+        closed = 0
+
+        def close(self):
+            self.closed += 1
+
+    cfg = config.load(None, {"rollout.memory_margin_mb": 1024})
+    cases = [(3, "wake_kv", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+              "out of device memory in step 3, phase wake_kv (vLLM; the plan: rollout.gpu_memory_utilization=auto"
+              ", rollout.kv_cache_mb=0, rollout.memory_margin_mb=1024", "raise rollout.memory_margin_mb"),
+             (5, "train", torch.OutOfMemoryError("CUDA out of memory"),
+              "out of device memory in step 5, phase train (the trainer;", "lower train.max_tokens_per_micro_batch")]
+    if vllm_compat.ENGINE_DEAD:
+        cases.append((4, "generate", vllm_compat.ENGINE_DEAD[0](), "vLLM's engine died in step 4, phase generate",
+                      "rollout.gpu_memory_utilization"))
+    for step, phase, error, head, knob in cases:
+        rollout = Rollout()
+        faults.progress(step, phase)
+        with pytest.raises(engine_cycle.EngineFailure) as e:
+            with engine_cycle.failures(cfg, rollout):
+                raise error
+        line = str(e.value)
+        assert line.startswith(head) and knob in line and "\n" not in line, line
+        assert isinstance(e.value, config.UserError) and rollout.closed == 1  # the CLI prints it as one line
+    with pytest.raises(KeyError):  # anything else is not an engine failure
+        with engine_cycle.failures(cfg, Rollout()):
+            raise KeyError("x")
+    sender = ipc.BucketSender(1 << 20, cuda=False)
+    where = Path(sender.dir)
+    assert where.is_dir()
+    del sender  # (the process exiting does the same: weakref.finalize runs at exit)
+    assert not where.exists()

@@ -76,6 +76,26 @@ def test_yaml_and_flags_win_over_the_recipe(tiny, tmp_path):
     assert "the demo's" in recipe.describe(demo, models.inspect("demo"), on_cpu=True)[0]
 
 
+def test_each_policy_loss_gets_its_own_clip_range():
+    """gspo / gspo_token clip their sequence ratio at the paper's 3e-4 / 4e-4 unless the user set a bound;
+    ppo keeps 0.2 / 0.28; the recipe names where the values came from. Before: gspo ran at PPO's range."""
+    info = models.inspect("demo")
+
+    def clip(**sets):
+        cfg = recipe.resolve(C.load(None, sets), info, on_cpu=True, free_ram=8 << 30)
+        return cfg, (cfg.algo.clip_low, cfg.algo.clip_high)
+
+    assert clip()[1] == (0.2, 0.28)
+    assert clip(**{"algo.policy_loss": "cispo"})[1] == (0.2, 0.28)  # cispo bounds its weight by cispo_clip_*
+    for loss in ("gspo", "gspo_token"):
+        cfg, got = clip(**{"algo.policy_loss": loss})
+        assert got == (3e-4, 4e-4), loss
+        text = "\n".join(recipe.describe(cfg, info, on_cpu=True))
+        assert f"algo.policy_loss={loss}'s clip range: algo.clip_low=0.0003, algo.clip_high=0.0004" in text
+    # a bound the user set wins; the other still comes from the loss
+    assert clip(**{"algo.policy_loss": "gspo", "algo.clip_high": 0.01})[1] == (3e-4, 0.01)
+
+
 def test_context_fits_the_model(tmp_path):
     info = models.ModelInfo("m", "m", "Qwen2ForCausalLM", 0, 320, max_positions=1024, kv_values_per_token=128)
     cfg = recipe.resolve(C.load(None, {"model.path": "m"}), info, on_cpu=False)

@@ -123,3 +123,22 @@ def test_on_error_raise_stops(tmp_path):
     s = Scorer(RewardConfig(fn="reward_fns:misbehave", workers=0, on_error="raise"))
     with pytest.raises(RewardError, match="verifier bug"):
         s.score(["2+2="], ["4"], ["4"])
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_non_finite_rewards_are_errors(tmp_path, workers):
+    """A NaN, an inf or a non-number from a reward function is an error like an exception: scored 0,
+    counted in reward_errors, dead-lettered with the value named. Before: NaN passed through float() and
+    made every update of the run skip (loss nan), with reward_errors 0."""
+    s = Scorer(RewardConfig(fn="reward_fns:not_a_number", workers=workers), tmp_path, rank=0)
+    scores = s.score(["1+1=", "2+2=", "3+3=", "4+4=", "5+5="], ["2", "4", "6", "8", "10"], ["2", "4", "6", "8", "10"])
+    assert scores == [0.0, 0.0, 0.0, 0.0, 1.0]
+    assert s.counts() == {"reward_errors": 4, "reward_timeouts": 0}
+    letters = [json.loads(x) for x in (tmp_path / "reward_dead_letter.jsonl").read_text().splitlines()]
+    assert [d["kind"] for d in letters] == ["error"] * 4
+    for d, shown in zip(letters, ["nan", "inf", "'1.0'", "None"]):
+        assert f"reward reward_fns:not_a_number returned {shown}, not a finite number" in d["error"], d
+    # a reward model's NaN (collect.py hands it to reject): counted and dead-lettered the same way
+    s.reject("6+6=", "12", "12", "reward model rm:/m scored nan, not a finite number", {"sample": 3})
+    assert s.counts()["reward_errors"] == 1 and s.wait() == {}
+    s.close()

@@ -24,3 +24,20 @@ def test_probe_statistic_follows_the_dtype_and_zero_turns_it_off():
     assert bf16.due(3, {"logp_gap_max": 0.9, "logp_gap_mean": 0.3})
     off = Probe([[1, 2]], tol=1e-4, action="error", every=0)
     assert not off.due(1, {"logp_gap_max": 1.0})  # offload_params: the trainer's weights are away
+
+
+def test_a_nan_probe_gap_fails_the_probe(monkeypatch):
+    """`gap > tol` is False for NaN, so a probe whose log-probs were NaN on one side passed; it must fail
+    (and name NaN). A finite gap within the bound still passes."""
+    import pytest
+    import torch
+    from hybridrl import sync
+    theirs = torch.tensor([-1.0, -2.0])
+    for diff, ok in ((torch.tensor([1e-6, 2e-6]), True), (torch.tensor([1e-6, math.nan]), False)):
+        monkeypatch.setattr(sync, "probe", lambda trainer, rollout, seqs, d=diff: (d, theirs))
+        p = Probe([[1, 2, 3]], tol=1e-4, action="error", stat="max", every=20)
+        if ok:
+            assert p(None, None, 1)["probe_gap"] < 1e-4
+        else:
+            with pytest.raises(sync.StaleWeightsError, match="gap is NaN"):
+                p(None, None, 1)
