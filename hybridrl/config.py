@@ -207,10 +207,14 @@ def validate(cfg: Config, lengths: bool = True) -> None:
          "rollout.memory_margin_mb, rollout.kv_cache_mb, rollout.max_num_seqs and train.sync_bucket_mb must be >= 0"),
         (not (t.offload_params and t.probe_every), "train.offload_params needs train.probe_every=0: the probe's "
          "trainer forward runs after the hand-off, when the parameters would be off the device"),
-        (r.tensor_parallel_size == 1,
-         f"rollout.tensor_parallel_size={r.tensor_parallel_size} is not built: each rank runs its own vLLM engine on "
-         "its own prompts and seed, and the ranks of one tensor-parallel group would need the same ones; use "
-         "rollout.tensor_parallel_size=1 (and more ranks, --nproc, for throughput)"),
+        (1 <= r.tensor_parallel_size <= 8, f"rollout.tensor_parallel_size={r.tensor_parallel_size}: use 1 to 8 "
+         "(consecutive ranks of one node share an engine)"),
+        (r.tensor_parallel_size == 1 or r.mode == "inprocess",
+         f"rollout.tensor_parallel_size={r.tensor_parallel_size} runs vLLM inside the ranks (its external launcher): "
+         "use rollout.mode=inprocess"),
+        (r.tensor_parallel_size == 1 or not cfg.model.lora_rank,
+         f"rollout.tensor_parallel_size={r.tensor_parallel_size} with model.lora_rank: the adapter hand-off into a "
+         "tensor-parallel engine is not built; use model.lora_rank=0 or rollout.tensor_parallel_size=1"),
         (cfg.model.dtype != "float16",
          "model.dtype=float16 is not supported: the trainer configures no loss scaling, so small gradients would "
          "underflow to zero; use model.dtype=bfloat16 (or float32)"),
