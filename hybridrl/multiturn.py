@@ -23,6 +23,9 @@ fails drops its prompt like a prompt vLLM refuses. The run goes on.
 The environment steps of one engine step are awaited before the engine steps again: a slow tool
 stalls generation for up to its timeout, but the order of requests, and so the sampled tokens,
 do not depend on tool latencies (a run is reproducible from its seed when its tools are).
+With rollout.tensor_parallel_size > 1 each rank steps the environments of its own episodes (their
+timeouts and failures included) and the group's ranks add all the next turns together, in rank
+order, before the engine steps again (rollout.Generation), so the group's engines never diverge.
 """
 
 from __future__ import annotations
