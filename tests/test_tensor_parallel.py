@@ -83,6 +83,7 @@ SMALL_EVAL = ["--log.eval_samples", "100", "--log.eval_n", "2"]
 
 
 @pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4 (make gpu-check lists TP's GPU rows)")
+@pytest.mark.devices(2)
 def test_two_ranks_share_one_engine(tmp_path):
     # ZeRO-3 with a small token budget: every hand-off gathers the shards bucket by bucket, each rank
     # hands full tensors, vLLM's TP loaders keep each rank's half
@@ -113,6 +114,7 @@ def test_two_ranks_share_one_engine(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.devices(2)
 def test_demo_learns_at_tp2(tmp_path):
     # test_demo_learns' run (250 steps) with two ranks sharing one engine: 8 prompts each
     _, steps, summary = train_cli(tmp_path / "run", *TP2, "--steps", "250", "--train.prompts_per_step", "16",
@@ -124,6 +126,7 @@ def test_demo_learns_at_tp2(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.cpu_only("bit-identical resumes rest on deterministic CPU kernels")
+@pytest.mark.devices(2)
 def test_resume_is_exact_at_tp2(tmp_path):
     from test_checkpoint import _assert_same_steps, _resume_pair
     _assert_same_steps(_resume_pair(tmp_path, *TP2))
@@ -131,6 +134,7 @@ def test_resume_is_exact_at_tp2(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.cpu_only("bit-identical resumes rest on deterministic CPU kernels")
+@pytest.mark.devices(2)
 def test_critic_and_reference_at_tp2(tmp_path):
     from test_checkpoint import _resume_pair
     runs = _resume_pair(tmp_path, *TP2, "--algo.advantage", "gae", "--algo.kl_coef", "0.05",
@@ -143,6 +147,7 @@ def test_critic_and_reference_at_tp2(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.devices(2)
 def test_tool_demo_completes_at_tp2(tmp_path, monkeypatch):
     # multi-turn: each rank steps its own episodes' tools, the group adds the next turns together
     out = subprocess.run([sys.executable, str(ROOT / "examples" / "make_tool_demo_model.py"), "--out",
@@ -181,6 +186,7 @@ def test_cpu_shared_memory_is_named_per_run(monkeypatch):
 
 @pytest.mark.slow
 @pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4")
+@pytest.mark.devices(2)
 def test_lora_at_tp2(tmp_path):
     # the full adapter from each rank; vLLM's TP LoRA layers keep each rank's slice of A or B
     _, steps, _ = train_cli(tmp_path / "run", *TP2, "--model.lora_rank", "8", "--train.lr", "3e-4")
