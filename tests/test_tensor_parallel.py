@@ -192,3 +192,23 @@ def test_lora_at_tp2(tmp_path):
     _, steps, _ = train_cli(tmp_path / "run", *TP2, "--model.lora_rank", "8", "--train.lr", "3e-4")
     assert all(s["probe_gap"] <= 1e-4 for s in steps), steps
     assert all(s["probe_delta"] > 1e-3 for s in steps[1:]), steps  # the adapter moved vLLM's log-probs
+
+
+@pytest.mark.slow
+@pytest.mark.devices(2)
+def test_two_nodes_one_rank_each_share_an_engine(tmp_path):
+    # 2 "nodes" x 1 rank on this machine, through the c10d rendezvous (torchrun's multi-node path);
+    # the run directory is shared, as a cluster's filesystem would be
+    from hybridrl.launch import _free_port
+    from test_train_e2e import SMALL
+    endpoint = f"127.0.0.1:{_free_port()}"
+    run_dir = tmp_path / "run"
+    procs = [subprocess.Popen([sys.executable, "-m", "hybridrl", "train", *SMALL, "--log.run_dir", str(run_dir),
+                               "--nproc", "1", "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", endpoint,
+                               "--rollout.tensor_parallel_size", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for node in (0, 1)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-3000:] for o in outs]
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "reward" in s]
+    assert [s["step"] for s in steps] == [1, 2, 3] and all(s["probe_gap"] <= 1e-4 for s in steps), steps
