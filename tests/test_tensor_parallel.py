@@ -212,3 +212,12 @@ def test_two_nodes_one_rank_each_share_an_engine(tmp_path):
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [s for s in steps if "reward" in s]
     assert [s["step"] for s in steps] == [1, 2, 3] and all(s["probe_gap"] <= 1e-4 for s in steps), steps
+
+
+@pytest.mark.slow
+@pytest.mark.devices(4)
+def test_two_groups_of_two(tmp_path):
+    # 4 ranks, engines on {0, 1} and {2, 3}: data parallel over the groups, each with its own seed
+    _, steps, _ = train_cli(tmp_path / "run", "--nproc", "4", "--rollout.tensor_parallel_size", "2")
+    for s in steps:
+        assert s["probe_gap"] <= 1e-4 and round(s["rollout_tokens"] / s["response_len"]) == 8 * 4, s
