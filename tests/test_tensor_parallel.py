@@ -221,3 +221,13 @@ def test_two_groups_of_two(tmp_path):
     _, steps, _ = train_cli(tmp_path / "run", "--nproc", "4", "--rollout.tensor_parallel_size", "2")
     for s in steps:
         assert s["probe_gap"] <= 1e-4 and round(s["rollout_tokens"] / s["response_len"]) == 8 * 4, s
+
+
+@pytest.mark.slow
+@pytest.mark.devices(2)
+def test_dynamic_sampling_at_tp2(tmp_path):
+    # the rounds are decided from all-reduced counts, so the group's ranks generate the same rounds together
+    _, steps, _ = train_cli(tmp_path / "run", *TP2, "--algo.dynamic_sampling")
+    for s in steps:
+        assert s["probe_gap"] <= 1e-4, s
+        assert round(s["rollout_tokens"] / s["response_len"]) == s["ds_rounds"] * 8 * 4, s  # every round's, once
