@@ -54,7 +54,7 @@ from gpu_claims import BENCH, CLAIMS, ROOT, UNMEASURED
 CHECKS = {"stack": engine.check_stack, "expandable": engine.check_expandable, "kernels": engine.check_kernels,
           "offload": engine.check_offload, "sleep": engine.check_sleep, "planner": engine.check_planner,
           "e2e": runs.check_e2e, "oop": runs.check_oop, "critic": runs.check_critic, "variants": runs.check_variants,
-          "paths": runs.check_paths}
+          "paths": runs.check_paths, "tp": runs.check_tp}
 
 
 # --- the driver ------------------------------------------------------------------------------------

@@ -70,6 +70,9 @@ CLAIMS: dict[str, tuple[int, list[tuple[str, str]]]] = {
                     for name in ("KL reference copy on the device (ZeRO-2)",
                                  "LoRA rank 8 (adapter hand-off, base model as KL reference)",
                                  "ZeRO-3 (zero.Init onto the device, gathered hand-off, sharded reference)")]),
+    # rollout.tensor_parallel_size: proven on CPU (2 ranks, shared memory); NCCL and CUDA graphs need >= 2 GPUs
+    "tp": (420, [(f"demo, 2 GPUs, tensor parallel 2 ({how}): greedy held-out acc vs TP 1, probe gap every hand-off",
+                  "acc equal, gap <= 1e-4") for how in ("NCCL, eager", "NCCL, CUDA graphs")]),
 }
 
 

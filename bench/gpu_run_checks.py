@@ -243,3 +243,28 @@ def check_paths(cuda: bool) -> None:
             f"{_med(steps, 'time/sync') * 1e3:.0f} ms", target,
             verdict(len(steps) == 4 and abs(kl1) <= 1e-6 and len(gaps) == 4 and gap <= 1e-4), kl=[s.get("kl_mean")
             for s in steps], gaps=gaps)
+
+
+def check_tp(cuda: bool) -> None:
+    """rollout.tensor_parallel_size 2 on two GPUs: one vLLM engine over NCCL per pair of ranks, eager and
+    with CUDA graphs. Unmeasured on a machine with one GPU (every machine here so far)."""
+    import torch
+    gpus = torch.cuda.device_count()
+    common = ["--nproc", "2", "--rollout.tensor_parallel_size", "2", "--steps", "3", "--train.probe_every", "1",
+              "--train.probe_action", "warn", "--train.max_minutes", "0", "--log.eval_every", "0", "--ckpt.every", "0"]
+    for (claim, target), extra in zip(CLAIMS["tp"][1], ([], ["--rollout.no_enforce_eager"])):
+        if gpus < 2:
+            row(claim, f"unmeasured (needs 2 GPUs, this machine has {gpus})", target, "unmeasured")
+            continue
+        base = _train(["--nproc", "2", "--steps", "1", "--train.max_minutes", "0", "--log.eval_every", "0",
+                       "--ckpt.every", "0"], 200)  # TP 1 on the same two ranks: its greedy accuracy before training
+        r = _train(common + extra, 300)
+        err = _failed(r) or (f"TP 1 run: {_failed(base)}" if base["rc"] != 0 else None)
+        if err:
+            row(claim, err, target, "fail", tail=r["tail"])
+            continue
+        gaps = [s["probe_gap"] for s in r["steps"] if "probe_gap" in s]
+        acc, acc1 = r["summary"].get("heldout_acc_before"), base["summary"].get("heldout_acc_before")
+        row(claim, f"acc {acc} vs TP 1 {acc1}; probe gap max {max(gaps, default=float('nan')):.3g} over "
+            f"{len(gaps)} hand-offs; {r['wall_s']:.0f} s for 3 steps", target,
+            verdict(acc == acc1 and len(gaps) == 3 and max(gaps) <= 1e-4), gaps=gaps)

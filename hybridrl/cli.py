@@ -127,7 +127,8 @@ def _train(**kw) -> None:
         _fail(str(e))
 
     from . import launch
-    if nproc > 1 and not launch.under_launcher():
+    multi_node = str(launch_opts["nnodes"]) != "1"  # one rank per node still goes through the rendezvous
+    if (nproc > 1 or multi_node) and not launch.under_launcher():
         argv = _strip_launch_flags(sys.argv[1:])
         raise typer.Exit(launch.spawn(nproc, argv, nnodes=launch_opts["nnodes"], node_rank=launch_opts["node_rank"],
                                       rdzv_endpoint=launch_opts["rdzv_endpoint"]))

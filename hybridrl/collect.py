@@ -165,9 +165,7 @@ class Collector:
     def greedy(self, prompts: list[Prompt]) -> tuple[list[str], list[float]]:
         """The held-out evaluation's greedy completions, one per prompt, and the environment's rewards
         (0 without one). With an environment each is a whole episode, scored on its final message."""
-        if not prompts:
-            return [], []
-        if not self.episodes:
+        if not self.episodes:  # no prompts: still asked (a tensor-parallel group's ranks generate together)
             return single_turn_greedy(self.rollout, self.tokenizer, prompts, self.cfg.rollout.max_new_tokens)
         gen = self.episodes.generate(prompts, 1, temperature=0.0, top_p=1.0, max_tokens=self.cfg.rollout.max_new_tokens)
         got = {s.prompt_idx: s for finished in gen for s in finished}

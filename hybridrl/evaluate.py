@@ -20,7 +20,7 @@ from . import launch
 
 def single_turn_greedy(rollout, tokenizer, prompts: list, max_tokens: int) -> tuple[list[str], list[float]]:
     """vLLM's greedy answers to `prompts`, decoded, and their environment rewards (none: 0)."""
-    outs = rollout.greedy([p.ids for p in prompts], max_tokens) if prompts else []
+    outs = rollout.greedy([p.ids for p in prompts], max_tokens)  # with no prompts too: a TP group asks together
     return tokenizer.batch_decode(outs, skip_special_tokens=True), [0.0] * len(prompts)
 
 
@@ -43,7 +43,7 @@ def heldout_eval(cfg, rollout, scorer, tokenizer, heldout: list, world, step: in
     if cfg.log.eval_n:
         gen = rollout.generate([p.ids for p in shard], cfg.log.eval_n, temperature=cfg.log.eval_temperature,
                                top_p=cfg.rollout.top_p, max_tokens=cfg.rollout.max_new_tokens,
-                               seed=cfg.train.seed + step) if shard else []
+                               seed=cfg.train.seed + step)  # an empty shard too (a TP group's ranks ask together)
         samples = [s for finished in gen for s in finished]
         texts = tokenizer.batch_decode([s.token_ids for s in samples], skip_special_tokens=True)
         src = [shard[s.prompt_idx] for s in samples]
@@ -100,7 +100,7 @@ def run(target: str, cfg) -> dict:
         if not on_cpu and cfg.rollout.gpu_memory_utilization == "auto":  # vLLM alone on the device
             cfg = recipe._set(cfg, "rollout.gpu_memory_utilization", "0.85", "hybridrl eval")
         rollout = Rollout(cfg, path, on_cpu=on_cpu, eos_token_id=tokenizer.eos_token_id, rank=world.rank,
-                          local_rank=world.local_rank)
+                          local_rank=world.local_rank, tp=launch.tp_groups(world, cfg.rollout.tensor_parallel_size))
         scorer = rewards.Scorer(cfg.reward, rank=world.rank)
         try:
             acc, extra, rows = heldout_eval(cfg, rollout, scorer, tokenizer, heldout, world, step=0)

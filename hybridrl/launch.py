@@ -85,6 +85,56 @@ def forget_world() -> None:
     _before_world_of_one = None
 
 
+def tp_group_of(rank: int, tp: int) -> tuple[int, int]:
+    """(index of the tensor-parallel group holding `rank`, its place in that group): groups are
+    runs of `tp` consecutive ranks, so a group sits on one node when tp divides the ranks per node."""
+    return rank // tp, rank % tp
+
+
+def own_slice(counts: list[int], member: int) -> slice:
+    """Where a group member's items lie in the concatenation of every member's, in member order
+    (`counts`: how many each member brought)."""
+    start = sum(counts[:member])
+    return slice(start, start + counts[member])
+
+
+@dataclass
+class TPGroup:
+    """The ranks that share one vLLM engine (rollout.tensor_parallel_size of them). vLLM's
+    external launcher runs the engine's scheduler on every rank of the group, and its model's
+    collectives expect each rank to step the same batch: every request goes to every rank's engine,
+    in the same order (`gather` them first), and each rank keeps its own outputs."""
+    index: int  # which group (data parallelism is over groups; the group's sampling seed)
+    member: int  # this rank's place in it
+    size: int
+    count: int  # groups in the world
+    pg: object = None  # the group's process group (None: a group of one)
+
+    def gather(self, value) -> list:
+        """Every member's `value`, in member order (a list of one in a group of one)."""
+        if self.size == 1:
+            return [value]
+        out = [None] * self.size
+        dist.all_gather_object(out, value, group=self.pg)
+        return out
+
+
+def tp_groups(world: World, tp: int) -> TPGroup:
+    """This rank's tensor-parallel group. Every rank creates every group (torch's new_group is
+    collective over the world), so all ranks call this, in the same order."""
+    if world.size % tp:
+        from .config import ConfigError
+        raise ConfigError(f"rollout.tensor_parallel_size={tp} must divide the {world.size} ranks: use "
+                          f"--nproc a multiple of {tp}")
+    index, member = tp_group_of(world.rank, tp)
+    pg = None
+    if tp > 1:
+        for g in range(world.size // tp):
+            made = dist.new_group(list(range(g * tp, (g + 1) * tp)))
+            pg = made if g == index else pg
+    return TPGroup(index, member, tp, world.size // tp, pg)
+
+
 def world_size() -> int:
     """Ranks in the process group (1 before it exists)."""
     return dist.get_world_size() if dist.is_initialized() else 1

@@ -43,6 +43,7 @@ def train(cfg: Config) -> dict:
     if cfg.train.prompts_per_step % world.size:
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by "
                           f"the {world.size} ranks")
+    tp = launch.tp_groups(world, cfg.rollout.tensor_parallel_size)  # every rank keeps its own prompts
 
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
@@ -71,7 +72,7 @@ def train(cfg: Config) -> dict:
     cfg = engine_cycle.plan_rollout(cfg, trainer, cuda=not on_cpu, main=world.main, critic=critic, world_size=world.size,
                                      visitors=sum(m.nbytes for _, _, m in reward_models))  # vLLM's memory, the states'
     rollout = Rollout(cfg, model_path, on_cpu=on_cpu, eos_token_id=tokenizer.eos_token_id, rank=world.rank,
-                      local_rank=world.local_rank)
+                      local_rank=world.local_rank, tp=tp)  # tp: the ranks that share its engine
     probe = sync.Probe([p.ids + tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                         for p in (heldout or prompts)[:8]],
                       cfg.train.probe_tol or sync.PROBE[cfg.model.dtype][1], cfg.train.probe_action,

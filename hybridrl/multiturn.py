@@ -23,6 +23,9 @@ fails drops its prompt like a prompt vLLM refuses. The run goes on.
 The environment steps of one engine step are awaited before the engine steps again: a slow tool
 stalls generation for up to its timeout, but the order of requests, and so the sampled tokens,
 do not depend on tool latencies (a run is reproducible from its seed when its tools are).
+With rollout.tensor_parallel_size > 1 each rank steps the environments of its own episodes (their
+timeouts and failures included) and the group's ranks add all the next turns together, in rank
+order, before the engine steps again (rollout.Generation), so the group's engines never diverge.
 """
 
 from __future__ import annotations
@@ -196,6 +199,7 @@ class Episodes:
         room = [min(max_tokens, self.budget, self.cfg.rollout.max_model_len - len(e.prompt)) for e in served]
         gen = self.rollout.generate([e.prompt for e in served], 1, temperature=temperature, top_p=top_p,
                                     max_tokens=max(1, min(room, default=1)), seed=seed)
+        gen.grows = True  # next turns are added while it runs (a tensor-parallel group gathers them)
         rejected = {e.i: "the environment's reset failed" for e in eps if e.prompt is None}
         rejected.update({served[k].i: why for k, why in gen.rejected.items()})
         return _Run(self, gen, served, rejected)
@@ -267,7 +271,7 @@ class _Run:
     def __iter__(self) -> Iterator[list[Sample]]:
         o = self.o
         for finished in self.gen:
-            ended, stepping = [], []
+            ended, stepping = self._lost(), []
             for s in finished:
                 e = self.eps[s.prompt_idx]
                 e.ids += s.token_ids
@@ -286,6 +290,21 @@ class _Run:
                 if self._advance(e, fut, deadline):
                     ended.append(e)
             yield [self._sample(e) for e in ended]
+        lost = self._lost()
+        if lost:
+            yield [self._sample(e) for e in lost]
+
+    def _lost(self) -> list[_Episode]:
+        """Episodes whose next turn the engine refused when a tensor-parallel group added it
+        (Generation.lost); alone, extend() raises at once (_advance)."""
+        out = []
+        for k, _, why in self.gen.lost:
+            e = self.eps[k]
+            e.end = "length"
+            self.o._write(e, "rejected", why)
+            out.append(e)
+        self.gen.lost = []
+        return out
 
     def _advance(self, e: _Episode, fut, deadline: float) -> bool:
         """Apply one environment step; True if the episode ended."""

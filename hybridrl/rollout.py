@@ -1,5 +1,13 @@
 """The rollout engine: one vLLM engine per rank, in process (default) or in vLLM's own
-engine-core process (`rollout.mode=outofprocess`).
+engine-core process (`rollout.mode=outofprocess`); or, with rollout.tensor_parallel_size > 1, one
+engine per tensor-parallel group of consecutive ranks (launch.TPGroup), in process.
+
+Tensor parallel: vLLM's external launcher runs the engine's scheduler on every rank of the group
+and the model's collectives expect the same batch on each, so every call gathers the group's
+requests (each rank's own prompts, in member order), every rank queues all of them in that order
+and steps its engine the same way, and each rank keeps the outputs of its own prompts. Requests
+added while a generation runs (multi-turn episodes' next turns) are queued by their rank and
+gathered after the engine step whose results decided them (Generation.extend).
 
 Verbs: `generate`, `greedy`, `prompt_logprobs`, `update_weights`, `wake`, `sleep`
 (the verl rollout verb set). It never imports the trainer; `sync.py` joins the two.
@@ -9,13 +17,13 @@ Prompts go in and out as token ids: no re-tokenisation, no detokenisation inside
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
 import torch
 from vllm import LLM, SamplingParams
 
-from . import ipc, lora, memory, vllm_compat
+from . import ipc, launch, lora, memory, vllm_compat
 from .config import Config
 
 log = logging.getLogger("hybridrl")
@@ -44,6 +52,11 @@ class Generation:
     seed: int | None = None
     tag: str = ""  # this generation's prefix of the request ids
     lora_request: object = None  # LoRA: the policy's adapter, for extend()'s requests too
+    tp: launch.TPGroup | None = None  # a tensor-parallel group: extend() queues, the group adds together
+    others: set = field(default_factory=set)  # request ids of the group's other ranks: stepped, not kept
+    grows: bool = False  # its caller extend()s it (multi-turn): a group gathers after the steps that finish requests
+    queued: list = field(default_factory=list)  # this rank's extend()s, not yet gathered
+    lost: list = field(default_factory=list)  # (prompt index, sample index, why): own extend()s vLLM refused
 
     def extend(self, i: int, j: int, ids: list[int], max_tokens: int, turn: int) -> None:
         """Queue one more request for (prompt i, sample j) while this generation is being iterated:
@@ -54,13 +67,45 @@ class Generation:
         if self.seed is not None:
             own.seed = self.seed + 1_000_003 * turn + i * 1_009 + j
         rid = f"{self.tag}-{i}-{j}-t{turn}"
+        if self.tp is not None:  # the group adds every rank's next turns together (_add_queued)
+            self.queued.append((rid, ids, own, i, j))
+            return
         vllm_compat.add_request(self.llm, rid, ids, own, self.lora_request)
         self.requests[rid] = (i, j)
 
+    def keep(self, rid: str, at: tuple[int, int | None], mine: bool) -> None:
+        """Map a queued request to (prompt index, sample index) if its outputs are this rank's."""
+        if mine:
+            self.requests[rid] = at
+        else:
+            self.others.add(rid)
+
+    def _add_queued(self) -> None:
+        """Tensor parallel: every rank's extend()s of the last engine step, in member order, on
+        every rank's engine. A refusal (the same on every rank) of one of this rank's is listed in
+        `lost`, for its caller to end that episode."""
+        for m, queued in enumerate(self.tp.gather(self.queued)):
+            for rid, ids, params, i, j in queued:
+                rid = f"m{m}-{rid}"
+                try:
+                    vllm_compat.add_request(self.llm, rid, ids, params, self.lora_request)
+                except vllm_compat.REJECTED as e:
+                    if m == self.tp.member:
+                        self.lost.append((i, j, str(e)))
+                    continue
+                self.keep(rid, (i, j), m == self.tp.member)
+        self.queued = []
+
     def __iter__(self) -> Iterator[list[Sample]]:
-        for outs in vllm_compat.step_finished(self.llm):
+        # a rank's next turns are decided by the outputs of the step that finished them, which every
+        # rank of a group sees: the group gathers them after each step that finished a request
+        refill = self._add_queued if self.tp is not None and self.grows else None
+        for outs in vllm_compat.step_finished(self.llm, refill):
             done = []
             for out in outs:
+                if out.request_id in self.others:
+                    self.others.discard(out.request_id)
+                    continue
                 i, j = self.requests.pop(out.request_id)
                 for c in out.outputs:  # one, or the prompt's n samples (a request with n > 1)
                     ids = list(c.token_ids)
@@ -71,9 +116,10 @@ class Generation:
 
 class Rollout:
     def __init__(self, cfg: Config, model_path: str, *, on_cpu: bool, eos_token_id: int, rank: int,
-                 local_rank: int = 0):
+                 local_rank: int = 0, tp: launch.TPGroup | None = None):
         r = cfg.rollout
         self.cfg = cfg
+        self.tp = tp if tp is not None and tp.size > 1 else None  # None: this rank's engine is its own
         self.eos = eos_token_id
         self.cuda = not on_cpu
         self.sleep_ok = vllm_compat.sleep_supported(on_cpu) and r.sleep_level > 0
@@ -90,7 +136,9 @@ class Rollout:
             self.llm = LLM(
                 model=model_path,
                 dtype=cfg.model.dtype,
-                seed=cfg.train.seed + rank,  # different samples on each data-parallel rank
+                # different samples on each data-parallel rank; the ranks of a tensor-parallel group
+                # sample together, with the group's seed
+                seed=cfg.train.seed + (tp.index if tp is not None else rank),
                 enforce_eager=r.enforce_eager,
                 max_model_len=r.max_model_len,
                 enable_prefix_caching=r.enable_prefix_caching,
@@ -100,7 +148,8 @@ class Rollout:
                                             gpu_memory_utilization=memory.utilization(r.gpu_memory_utilization),
                                             sleep_mode=r.sleep_level > 0, out_of_process=self.out_of_process,
                                             lora_rank=cfg.model.lora_rank, max_num_seqs=r.max_num_seqs,
-                                            enforce_eager=r.enforce_eager),
+                                            enforce_eager=r.enforce_eager,
+                                            tensor_parallel_size=r.tensor_parallel_size),
             )
         self.sender = ipc.BucketSender(cfg.train.sync_bucket_mb << 20, cuda=self.cuda) if self.out_of_process else None
         self.digest = False  # tests: the out-of-process receiver returns a sha256 of every tensor it rebuilt
@@ -110,9 +159,22 @@ class Rollout:
         self._calls = 0  # generate() calls, for unique request ids
 
     # --- generation ---------------------------------------------------------------------------
+    def _group(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+        """Tensor parallel: the group's prompts (every rank's, in member order) and how many each
+        rank brought; alone: `prompts` and [len(prompts)]."""
+        if self.tp is None:
+            return prompts, [len(prompts)]
+        per = self.tp.gather(prompts)
+        return [p for ps in per for p in ps], [len(ps) for ps in per]
+
     def _run(self, prompts: list[list[int]], params: SamplingParams):
-        return self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+        """vLLM's outputs for `prompts` (one call of LLM.generate, the group's in tensor parallel)."""
+        every, counts = self._group(prompts)
+        if not every:  # the whole group has nothing to ask (every rank knows it)
+            return []
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in every], params, use_tqdm=False,
                                  lora_request=self.lora_request)
+        return outs[launch.own_slice(counts, self.tp.member)] if self.tp else outs
 
     def generate(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
                  max_tokens: int, seed: int | None = None) -> "Generation":
@@ -132,23 +194,29 @@ class Rollout:
                                 max_tokens=max_tokens, logprobs=0, stop_token_ids=[self.eos],
                                 **self._stop())
         self._calls += 1
-        gen = Generation(self.llm, {}, {}, params, seed, str(self._calls), self.lora_request)
-        for i, ids in enumerate(prompts):
-            try:
-                if seed is None:
-                    rid = f"{self._calls}-{i}"
-                    vllm_compat.add_request(self.llm, rid, ids, params, self.lora_request)
-                    gen.requests[rid] = (i, None)
-                    continue
-                for j in range(n):  # with a seed: one request per sample, each with its own seed
-                    rid = f"{self._calls}-{i}-{j}"
-                    own = params.clone()
-                    own.seed = seed + i * n + j
-                    vllm_compat.add_request(self.llm, rid, ids, own, self.lora_request)
-                    gen.requests[rid] = (i, j)
-            except vllm_compat.REJECTED as e:  # only the first sample can be refused: the rest are the same
-                gen.rejected[i] = str(e)
-                log.warning("vLLM rejected prompt %d of this batch (%d tokens), dropped: %s", i, len(ids), e)
+        gen = Generation(self.llm, {}, {}, params, seed, str(self._calls), self.lora_request, self.tp)
+        # tensor parallel: every rank's prompts with its own settings (an episode's room differs by rank)
+        per = self.tp.gather((prompts, params, seed)) if self.tp else [(prompts, params, seed)]
+        for m, (some, params, seed) in enumerate(per):
+            mine = self.tp is None or m == self.tp.member
+            tag = f"{self._calls}" if self.tp is None else f"{self._calls}-m{m}"  # a group's ranks reuse indices
+            for i, ids in enumerate(some):
+                try:
+                    if seed is None:
+                        rid = f"{tag}-{i}"
+                        vllm_compat.add_request(self.llm, rid, ids, params, self.lora_request)
+                        gen.keep(rid, (i, None), mine)
+                        continue
+                    for j in range(n):  # with a seed: one request per sample, each with its own seed
+                        rid = f"{tag}-{i}-{j}"
+                        own = params.clone()
+                        own.seed = seed + i * n + j  # the rank's own prompt index: as with its own engine
+                        vllm_compat.add_request(self.llm, rid, ids, own, self.lora_request)
+                        gen.keep(rid, (i, j), mine)
+                except vllm_compat.REJECTED as e:  # only the first sample can be refused: the rest are the same
+                    if mine:
+                        gen.rejected[i] = str(e)
+                        log.warning("vLLM rejected prompt %d of this batch (%d tokens), dropped: %s", i, len(ids), e)
         return gen
 
     def _stop(self) -> dict:
@@ -159,6 +227,7 @@ class Rollout:
         return dict(stop=stop, include_stop_str_in_output=True, detokenize=True) if stop else dict(detokenize=False)
 
     def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        """Greedy completions (a tensor-parallel group's ranks call it together, with or without prompts)."""
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=[self.eos], **self._stop())
         return [list(o.outputs[0].token_ids) for o in self._run(prompts, params)]
 

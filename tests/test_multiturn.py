@@ -267,17 +267,21 @@ def test_three_turn_episode_mask_and_logprobs(tmp_path):
     assert m["env/assistant_tokens"] + m["env/env_tokens"] == m["rollout_tokens"]
 
 
-@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.slow)])  # 2 ranks: 60 s
-def test_failing_tools_do_not_stop_the_run(tmp_path, monkeypatch, nproc):
+@pytest.mark.parametrize("nproc,tp", [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow),  # 2 ranks: 60 s
+                                      pytest.param(2, 2, marks=pytest.mark.slow)])
+def test_failing_tools_do_not_stop_the_run(tmp_path, monkeypatch, nproc, tp):
     """Faulty at 1 and 2 ranks, 3 steps, sequence-level TIS: every episode meets a hanging tool (1 s
     timeout), a malformed call, a huge result and a tool that raises; all counted, dead-lettered
-    with their prompt and transcript, and the trainer still matches vLLM on the assistant tokens."""
+    with their prompt and transcript, and the trainer still matches vLLM on the assistant tokens.
+    At 2 ranks sharing one engine (tp 2) each rank's timeouts decide its own episodes' next turns,
+    which the group adds together: the counts are the same, not doubled."""
     from test_train_e2e import train_cli
     model = demo_with_template(tmp_path / "model")
     monkeypatch.setenv("PYTHONPATH", f"{HERE}:{os.environ.get('PYTHONPATH', '')}")
     out, steps, summary = train_cli(tmp_path / "run", "--model", str(model), "--env.cls", "envs_for_tests:Faulty",
                                     "--env.tool_timeout_s", "1", "--env.max_turns", "6", "--nproc", str(nproc),
-                                    "--algo.tis_cap", "2", "--algo.tis_level", "sequence")
+                                    "--algo.tis_cap", "2", "--algo.tis_level", "sequence",
+                                    "--rollout.tensor_parallel_size", str(tp))
     assert [s["step"] for s in steps] == [1, 2, 3]
     for s in steps:
         assert s["env/episodes"] == 8 * 4
