@@ -195,8 +195,6 @@ def validate(cfg: Config, lengths: bool = True) -> None:
          f"rollout.gpu_memory_utilization={r.gpu_memory_utilization!r}: use auto or a fraction in (0, 1]"),
         (not (t.offload_params and t.probe_every), "train.offload_params needs train.probe_every=0: the probe's "
          "trainer forward runs after the hand-off, when the parameters would be off the device"),
-        (1 <= r.tensor_parallel_size <= 8, f"rollout.tensor_parallel_size={r.tensor_parallel_size}: use 1 to 8 "
-         "(consecutive ranks of one node share an engine)"),
         (r.tensor_parallel_size == 1 or r.mode == "inprocess",
          f"rollout.tensor_parallel_size={r.tensor_parallel_size} runs vLLM inside the ranks (its external launcher): "
          "use rollout.mode=inprocess"),

@@ -48,7 +48,7 @@ def test_settings_not_built_are_refused_with_the_fix():
     # tensor parallelism: in process only (the external launcher), 1..8
     assert C.load(None, {"rollout.tensor_parallel_size": 2}).rollout.tensor_parallel_size == 2
     for over, fix in [({"rollout.mode": "outofprocess"}, "use rollout.mode=inprocess"),
-                      ({"rollout.tensor_parallel_size": 16}, "use 1 to 8")]:
+                      ({"rollout.tensor_parallel_size": 16}, r"in \[1, 8\]")]:
         with pytest.raises(C.ConfigError, match=fix) as e:
             C.load(None, {"rollout.tensor_parallel_size": 2, **over})
         assert "\n" not in str(e.value)
