@@ -114,7 +114,10 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
         raise ConfigError("rollout.gpu_memory_utilization=auto plans for vLLM sleeping while the trainer trains; with "
                           "rollout.sleep_level=0 set a fraction that leaves room for the trainer")
     hf = trainer.hf
-    weights = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in hf.parameters())
+    # a rank's engine holds its tensor-parallel shard of the weights; its KV share covers the group's
+    # sequences (tp x a rank's) at 1/tp of the heads: a rank's step at full width, as kv_cache_need counts
+    weights = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in hf.parameters()) \
+        // r.tensor_parallel_size
     need = (r.kv_cache_mb << 20) or memory.kv_cache_need(cfg, hf.config, world_size, hf.dtype.itemsize)
     # with the states kept, what is free now less the Adam moments the first step will add
     free_kept = memory.free_memory()[0] - trainer.pending_state_bytes() if t.offload_states != "on" else 0
