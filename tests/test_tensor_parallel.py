@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from hybridrl import launch, rollout as R, vllm_compat
+from test_tool_demo import tool_demo_cli
 from test_train_e2e import train_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -150,15 +151,8 @@ def test_critic_and_reference_at_tp2(tmp_path):
 @pytest.mark.devices(2)
 def test_tool_demo_completes_at_tp2(tmp_path, monkeypatch):
     # multi-turn: each rank steps its own episodes' tools, the group adds the next turns together
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "make_tool_demo_model.py"), "--out",
-                          str(tmp_path / "td")], capture_output=True, text=True, timeout=1800)
-    assert out.returncode == 0, out.stderr[-3000:]
-    monkeypatch.chdir(ROOT)  # the recipe names examples.calculator_env:Calc
-    _, steps, summary = train_cli(
-        tmp_path / "run", *TP2, "--config", str(ROOT / "examples" / "recipes" / "tool-demo.yaml"),
-        "--model", str(tmp_path / "td" / "model"), "--data", str(tmp_path / "td" / "train.jsonl"),
-        "--data.heldout_path", str(tmp_path / "td" / "heldout.jsonl"), "--steps", "3",
-        "--train.prompts_per_step", "8", "--rollout.n", "4", "--log.eval_size", "32", "--train.probe_every", "1")
+    _, steps, summary = tool_demo_cli(tmp_path, monkeypatch, *TP2, "--steps", "3", "--train.prompts_per_step", "8",
+                                      "--rollout.n", "4", "--log.eval_size", "32", "--train.probe_every", "1")
     assert [s["step"] for s in steps] == [1, 2, 3]
     for s in steps:
         assert s["env/episodes"] == 8 * 4, s  # every episode ended once, counted once
