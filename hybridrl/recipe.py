@@ -97,7 +97,7 @@ def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
     if not on_cpu and not explicit(cfg, "rollout.enforce_eager") and not cfg.model.lora_rank:
         # decoding is most of a step on a GPU, and eager decoding launches every kernel of every layer
         # for each token; peers (verl, OpenRLHF, TRL) decode with CUDA graphs by default
-        cfg = _set(cfg, "rollout.enforce_eager", False, "auto: CUDA graphs on GPU")
+        cfg = _set(cfg, "rollout.enforce_eager", False, "auto")
     if demo:
         validate(cfg)
         return cfg

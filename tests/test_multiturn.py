@@ -306,6 +306,7 @@ class _ScriptedGen:
 
     def __init__(self, n, eos):
         self.queue, self.rejected, self.eos = list(range(n)), {}, eos
+        self.lost = []  # a tensor-parallel group's refused late requests: none here
 
     def extend(self, i, j, ids, max_tokens, turn):
         self.queue.append(i)

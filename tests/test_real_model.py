@@ -174,7 +174,8 @@ def test_cpu_compiles_the_rollout_engine_of_a_real_size_model():
     assert eager(recipe.COMPILE_MIN_PARAMS - 1) is True  # the tests' tiny models: the fast start
     assert eager(134_000_000, **{"rollout.enforce_eager": True}) is True  # set: kept
     assert eager(134_000_000, **{"model.lora_rank": 8}) is True
-    assert eager(134_000_000, on_cpu=False) is True  # CUDA graphs: not measured yet (bench/gpu_check.py)
+    assert eager(134_000_000, on_cpu=False) is False  # a GPU decodes with CUDA graphs, any size
+    assert eager(1_000_000, on_cpu=False) is False
 
 
 def test_truncation_canary_fires_once_per_crossing():
