@@ -172,7 +172,6 @@ class Knobs:
     bucket: int  # hand-off bucket bytes (ZeRO-3 gathers)
     reserve: int
     on_cpu: bool
-    lora: bool = False
     offload_states: str = "auto"  # train.offload_states
 
 
@@ -357,7 +356,7 @@ def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp
                  critic=cfg.algo.advantage == "gae", sleep_level=r.sleep_level, graphs=not r.enforce_eager,
                  max_num_seqs=r.max_num_seqs or memory.engine_seqs(cfg, dp), kv=kv, kv_floor=floor, chunk=t.logprob_chunk,
                  bucket=t.sync_bucket_mb << 20, reserve=(r.memory_margin_mb << 20) if not on_cpu else 0,
-                 on_cpu=on_cpu, lora=bool(m.lora_rank), offload_states=t.offload_states)
+                 on_cpu=on_cpu, offload_states=t.offload_states)
 
 
 FREE = ("rollout.tensor_parallel_size", "model.gradient_checkpointing", "train.max_tokens_per_micro_batch",
