@@ -54,7 +54,7 @@ def acc_at(curve, t: float) -> float:
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from hybridrl import env
+    from hybridrl.run import environ as env
     env.setup()  # matplotlib's and the engines' caches go under the project's cache dir, not ~/.cache
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

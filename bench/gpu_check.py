@@ -105,7 +105,7 @@ def main() -> int:
     ap.add_argument("--fragment", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from hybridrl import env
+    from hybridrl.run import environ as env
     env.setup()
     cuda = env.has_cuda()
     if a.fragment:

@@ -31,14 +31,15 @@ def _timed(fn) -> float:
 
 
 def _config(overrides: dict):
-    from hybridrl import config
+    from hybridrl.run import config
     base = {"rollout.max_new_tokens": 64, "rollout.max_model_len": 512, "data.max_prompt_len": 48,
             "model.dtype": "bfloat16"}
     return config.load(None, {**base, **overrides})
 
 
 def _world():
-    from hybridrl import env, launch
+    from hybridrl.run import environ as env
+    from hybridrl.run import launch
     env.setup()
     return launch.init_distributed()
 
@@ -61,7 +62,8 @@ def check_stack(cuda: bool) -> None:
 
 
 def check_expandable(cuda: bool) -> None:
-    from hybridrl import env, memory
+    from hybridrl.run import environ as env
+    from hybridrl.cycle import memory
     env.setup()
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     row(CLAIMS["expandable"][1][0][0], conf or "(unset)", "expandable_segments:True",
@@ -131,9 +133,9 @@ def check_kernels(cuda: bool) -> None:
     # correctness at the same shape: bf16 Triton and torch vs the fp32 reference
     import torch
 
-    from kernels.logprob import logprob_entropy_reference
-    from kernels.fused_loss import fused_logprob_ppo_loss
-    from kernels.ppo_loss import ppo_loss
+    from hybridrl.kernels.logprob import logprob_entropy_reference
+    from hybridrl.kernels.fused_loss import fused_logprob_ppo_loss
+    from hybridrl.kernels.ppo_loss import ppo_loss
     h, w, y, old, adv, mask = kb._inputs(n, d, v, torch.bfloat16, "cuda")
     loss_kw = dict(eps_low=0.2, eps_high=0.28, agg="token_mean")
 
@@ -172,7 +174,7 @@ def check_kernels(cuda: bool) -> None:
 def _fixed_batch(n_rows: int, prompt_len: int, completion_len: int, vocab: int):
     import torch
 
-    from hybridrl.batch import Batch
+    from hybridrl.data.batch import Batch
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(n_rows)]
     completions = [torch.randint(3, vocab, (completion_len,), generator=g).tolist() for _ in range(n_rows)]
@@ -183,7 +185,7 @@ def _fixed_batch(n_rows: int, prompt_len: int, completion_len: int, vocab: int):
 def check_offload(cuda: bool) -> None:
     import torch
 
-    from hybridrl.trainer import Trainer
+    from hybridrl.engines.trainer import Trainer
     world = _world()
     model = half_b_model()
     batch = _fixed_batch(8, 32, 224, 151936)
@@ -238,7 +240,7 @@ def check_sleep(cuda: bool) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hybridrl.rollout import Rollout
+    from hybridrl.engines.rollout import Rollout
     world = _world()
     model = half_b_model()
     tok = AutoTokenizer.from_pretrained(model)
@@ -266,7 +268,7 @@ def check_sleep(cuda: bool) -> None:
         t_kv = _timed(lambda: rollout.wake(["kv_cache"]))
         again = rollout.greedy(prompts, 32)
         if level == 1:  # the two ways into vLLM's model: in place (vllm_compat's choice on CUDA) vs layerwise
-            from hybridrl import vllm_compat
+            from hybridrl.engines import vllm_compat
             w = vllm_compat._worker(rollout.llm)
             named = lambda: ((n, p.detach()) for n, p in source.named_parameters())  # noqa: E731
             t_in = min(_timed(lambda: w.model_runner.model.load_weights(named())) for _ in range(3))
@@ -294,10 +296,12 @@ def check_planner(cuda: bool) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from hybridrl import engine_cycle, sync
-    from hybridrl.batch import Batch
-    from hybridrl.rollout import Rollout
-    from hybridrl.trainer import Trainer
+    from hybridrl.cycle import engine_cycle
+
+    from hybridrl.cycle import sync
+    from hybridrl.data.batch import Batch
+    from hybridrl.engines.rollout import Rollout
+    from hybridrl.engines.trainer import Trainer
     world = _world()
     model = half_b_model()
     tok = AutoTokenizer.from_pretrained(model)

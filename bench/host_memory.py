@@ -83,15 +83,17 @@ def rank_main(local_rank: int, args, port: int, model: str, out_dir: str) -> Non
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.ranks),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     sys.path.insert(0, str(ROOT))
-    from hybridrl import env
+    from hybridrl.run import environ as env
     env.setup()
     sampler = Sampler()
     import torch
 
-    from hybridrl import config, launch
-    from hybridrl.batch import Batch
-    from hybridrl.reference import Reference
-    from hybridrl.trainer import Trainer
+    from hybridrl.run import config
+
+    from hybridrl.run import launch
+    from hybridrl.data.batch import Batch
+    from hybridrl.engines.reference import Reference
+    from hybridrl.engines.trainer import Trainer
 
     world = launch.init_distributed()
     sampler.stage("imports, process group")
@@ -107,7 +109,7 @@ def rank_main(local_rank: int, args, port: int, model: str, out_dir: str) -> Non
     sampler.stage("reference" if ref else "reference (off)")
     critic = None
     if args.critic:
-        from hybridrl.critic import Critic
+        from hybridrl.engines.critic import Critic
         critic = Critic(cfg, model, **kw)
         sampler.stage("critic")
     if not args.step:
@@ -170,7 +172,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT / "bench"))
     import tempfile
 
-    from hybridrl import env
+    from hybridrl.run import environ as env
     env.setup()
     model = args.model
     if model == "qwen0.5b":
@@ -180,7 +182,7 @@ def main() -> None:
         model = str(DEMO)
     import torch.multiprocessing as mp
 
-    from hybridrl.launch import _free_port
+    from hybridrl.run.launch import _free_port
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(rank_main, args=(args, _free_port(), model, out_dir), nprocs=args.ranks,
                            start_method="spawn")

@@ -50,9 +50,9 @@ def _step_fn(provider, chunk_size):
     """A closure running one forward+backward of `provider`."""
     import torch
 
-    from kernels.logprob import logprob_entropy
-    from kernels.fused_loss import fused_logprob_ppo_loss
-    from kernels.ppo_loss import ppo_loss
+    from hybridrl.kernels.logprob import logprob_entropy
+    from hybridrl.kernels.fused_loss import fused_logprob_ppo_loss
+    from hybridrl.kernels.ppo_loss import ppo_loss
 
     def unfused(impl):
         def step(h, w, y, old, adv, mask):

@@ -40,7 +40,7 @@ def _accuracy(model, tok, rows, encoded) -> float:
     import torch
     from make_demo_model import greedy_decode
 
-    from hybridrl.tasks import arithmetic
+    from hybridrl.data.tasks import arithmetic
 
     model.eval()
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -60,7 +60,7 @@ def warm_up(shape: str, start_acc: float, seed: int = 0) -> Path:
     from make_demo_model import encode_rows, sft_batch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hybridrl.tasks import arithmetic
+    from hybridrl.data.tasks import arithmetic
 
     src = shapes.build(shape)
     tok = AutoTokenizer.from_pretrained(src)
@@ -138,7 +138,7 @@ def table(runs: dict[str, list[dict]], steps: int) -> str:
 
 
 def main() -> None:
-    from hybridrl import env
+    from hybridrl.run import environ as env
     env.setup()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="134m", choices=[s for s in shapes.SHAPES if s != "tiny"])

@@ -13,7 +13,7 @@ and $OUT/lease.md as soon as it is measured, so a stage cut short still returns 
 call starts no stage with fewer seconds left (--left) than the stage needs at least; the next call
 goes on from the first stage not finished (listed in $HYBRIDRL_CACHE_DIR/lease/done, which stays on
 the warm machine; stages named with --stages run again). Without CUDA the GPU stages record
-`skipped: no CUDA`; the plan side of the trainer and 7B stages (hybridrl.plan's arithmetic) runs
+`skipped: no CUDA`; the plan side of the trainer and 7B stages (hybridrl.cycle.plan's arithmetic) runs
 anywhere.
 
 The measurements are the GPU self-check's (bench/gpu_engine_checks.py, bench/gpu_run_checks.py,
@@ -102,7 +102,7 @@ def calls() -> list[Call]:
     checks call's command passes lease.py the seconds its timeout leaves (bash's $SECONDS)."""
     def checks(timeout: int) -> str:  # 15 s kept back for the last rows and the transfer of $OUT
         return f"python3 bench/lease.py --left $(({timeout} - SECONDS - 15))"
-    install = (f"bash {WHEELS}/install.sh $PWD/{WHEELS}/site 2>&1 | tail -3 && python3 -m hybridrl.env 2>&1 | tail -2 "
+    install = (f"bash {WHEELS}/install.sh $PWD/{WHEELS}/site 2>&1 | tail -3 && python3 -m hybridrl.run.environ 2>&1 | tail -2 "
                "|| echo 'install FAILED: the stages below say what is missing'; ")
     return [
         Call((f"{WHEELS}/site.part0", f"{WHEELS}/site.sha256", f"{WHEELS}/install.sh"), 90,
@@ -111,7 +111,7 @@ def calls() -> list[Call]:
              "bundle part 1 of 2 and install.sh; builds the shapes' weights (no vLLM yet)"),
         Call((f"{WHEELS}/site.part1", deepspeed_sdist()), 240, ENV + install + checks(240),
              "bundle part 2 and DeepSpeed's source (the smaller part); install.sh (unpack, DeepSpeed), "
-             "python -m hybridrl.env (fused Adam); the stages in order while time lasts"),
+             "python -m hybridrl.run.environ (fused Adam); the stages in order while time lasts"),
         Call((), 270, ENV + checks(270), "the stages not done, in order, while time lasts; then give_back"),
     ]
 
@@ -231,7 +231,7 @@ def run_stage(stage: Stage, seconds: float, rows: Rows, log: Path, argv: list[st
 
 def run(names: list[str], left: float, out: Path, skip_done: bool = True) -> int:
     sys.path.insert(0, str(ROOT))
-    from hybridrl import env
+    from hybridrl.run import environ as env
     env.setup()
     cuda = env.has_cuda()
     done_file = env.cache_dir() / "lease" / "done"
@@ -409,7 +409,8 @@ def stage_critic(cuda: bool) -> None:
 
 def decode_plan(graphs: bool) -> dict[str, int]:
     """The plan's vLLM rows for the 7B-shape decode (bf16, one GPU, 64 sequences)."""
-    from hybridrl import memory, plan
+    from hybridrl.cycle import memory
+    from hybridrl.cycle import plan
     shape = plan.Shape.from_config(plan.read_config("qwen2.5-7b"))
     weights = shape.params * 2
     kv = DECODE_SEQS * (DECODE_PROMPT + DECODE_TOKENS) * 2 * shape.layers * shape.kv_dim * 2
@@ -443,7 +444,13 @@ def decode(mode: str) -> None:
     import torch
     from gpu_claims import row, verdict
 
-    from hybridrl import env, memory, plan, vllm_compat
+    from hybridrl.run import environ as env
+
+    from hybridrl.cycle import memory
+
+    from hybridrl.cycle import plan
+
+    from hybridrl.engines import vllm_compat
     engine._world()
     src = plan.shipped_config("qwen2.5-7b")
     model = env.cache_dir() / "lease-qwen2.5-7b-config"
@@ -499,7 +506,7 @@ def main() -> int:
     sys.path.insert(0, str(ROOT))
     sys.path.append(str(BENCH))  # after the project: bench/kernels.py must not shadow the kernels package
     if a.stage or a.decode:
-        from hybridrl import env
+        from hybridrl.run import environ as env
         env.setup()
         if a.decode:
             decode(a.decode)

@@ -128,7 +128,7 @@ def main() -> None:
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from hybridrl import env
+    from hybridrl.run import environ as env
     env.setup()
     cuda = env.has_cuda()
     model = args.model or ("qwen0.5b" if cuda else "demo")

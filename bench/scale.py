@@ -58,7 +58,7 @@ def workload(args, out: Path) -> list[str]:
 
 
 def _cfg(sets: list[str]):
-    from hybridrl import config
+    from hybridrl.run import config
     return config.load(None, dict(s.split("=", 1) for s in sets))
 
 
@@ -68,7 +68,9 @@ def prompt_batches(cfg, steps: int):
     the step), so a standalone engine built from it has the loop's settings."""
     from transformers import AutoTokenizer
 
-    from hybridrl import data, loop
+    from hybridrl.data import prompts as data
+
+    from hybridrl.run import loop
     cfg, path, _ = loop.configure(cfg, on_cpu=True)
     tok = AutoTokenizer.from_pretrained(path)
     prompts, _ = data.encode(data.load_rows(cfg.data, "train"), tok, cfg.data, cfg.data.path)
@@ -80,8 +82,8 @@ def standalone(sets: list[str], batches_n: int) -> dict:
     """vLLM alone with the loop's settings: hybridrl's Rollout.generate and LLM.generate, alternating."""
     from vllm import SamplingParams
 
-    from hybridrl import launch
-    from hybridrl.rollout import Rollout
+    from hybridrl.run import launch
+    from hybridrl.engines.rollout import Rollout
     launch.init_distributed()
     cfg, path, tok, batches = prompt_batches(_cfg(sets), batches_n)
     r = cfg.rollout
@@ -231,7 +233,7 @@ def main() -> None:
     ap.add_argument("--out", default="", help="keep the run here (default: a temporary directory, removed)")
     ap.add_argument("--part", choices=["standalone", "hf"], help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from hybridrl import env
+    from hybridrl.run import environ as env
     env.setup()
     if args.part:
         part = standalone if args.part == "standalone" else hf_generate

@@ -200,7 +200,7 @@ def describe_machine() -> str:
     import time
     from importlib.metadata import PackageNotFoundError, version
 
-    from hybridrl.env import cpu_flags
+    from hybridrl.run.environ import cpu_flags
 
     cpu, flags = platform.processor(), cpu_flags()
     try:
@@ -223,7 +223,7 @@ def describe_machine() -> str:
 
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from hybridrl import env
+    from hybridrl.run import environ as env
     env.setup()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="0.5b", choices=list(SHAPES))

@@ -29,9 +29,9 @@ from scale import prompt_batches  # noqa: E402  (the loop's prompt batches: one 
 
 
 def standalone(cfg, steps: int) -> dict:
-    """vLLM alone, built with the loop's settings (hybridrl.rollout.Rollout without a trainer)."""
-    from hybridrl import launch
-    from hybridrl.rollout import Rollout
+    """vLLM alone, built with the loop's settings (hybridrl.engines.rollout.Rollout without a trainer)."""
+    from hybridrl.run import launch
+    from hybridrl.engines.rollout import Rollout
     launch.init_distributed()
     cfg, path, tok, batches = prompt_batches(cfg, steps)
     ro = Rollout(cfg, path, on_cpu=True, eos_token_id=tok.eos_token_id, rank=0)
@@ -96,7 +96,8 @@ def main() -> None:
     ap.add_argument("--part", choices=["standalone", "hf"], help=argparse.SUPPRESS)
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from hybridrl import config, env
+    from hybridrl.run import config
+    from hybridrl.run import environ as env
     env.setup()
     if args.part:
         cfg = config.load(None, dict(s.split("=", 1) for s in args.set))

@@ -7,7 +7,7 @@ What it does:
   2. builds a tiny Qwen2ForCausalLM from a config (hidden 128, 4 heads of size 32: a head size
      vLLM's CPU attention supports), ~0.86M params, fp32;
   3. warms it up with supervised next-token loss on the TRAIN split of
-     `hybridrl.tasks.arithmetic` (loss on the answer and eos only), evaluating greedy held-out
+     `hybridrl.data.tasks.arithmetic` (loss on the answer and eos only), evaluating greedy held-out
      accuracy after every step, and STOPS at the first step where it lands in the 20-25% band.
      The point is a weak start (format learned, arithmetic partly) that RL can then improve.
      The held-out split is never trained on, so whatever it gets right it has generalised;
@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from hybridrl.tasks import arithmetic  # noqa: E402
+from hybridrl.data.tasks import arithmetic  # noqa: E402
 
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]  # ids 0, 1, 2
 CHARS = list("0123456789+=")  # ids 3..14

@@ -17,9 +17,9 @@ import inspect
 
 import torch
 
-from kernels.logprob import (BACKENDS, Workspace, accumulate_grads, logprob_entropy_reference,
+from hybridrl.kernels.logprob import (BACKENDS, Workspace, accumulate_grads, logprob_entropy_reference,
                              masked_upstream, new_grads, resolve)
-from kernels.ppo_loss import (SEQUENCE_LOSSES, check_hparams, loss_metrics, ppo_loss, prepare_tokens,
+from hybridrl.kernels.ppo_loss import (SEQUENCE_LOSSES, check_hparams, loss_metrics, ppo_loss, prepare_tokens,
                               token_losses)
 
 

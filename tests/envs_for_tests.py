@@ -2,7 +2,7 @@
 vocabulary (digits, '+', '=') and the chat template `TEMPLATE` (tests/test_multiturn.py)."""
 import time
 
-from hybridrl.envs import ToolEnv
+from hybridrl.data.envs import ToolEnv
 
 # user and tool messages as they are, an assistant message then EOS; a tool message ends with '='
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}{{ eos_token }}"

@@ -4,7 +4,7 @@ import asyncio
 import os
 import time
 
-from hybridrl.rewards import batched
+from hybridrl.data.rewards import batched
 
 
 def misbehave(prompt: str, completion: str, answer: str) -> float:

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from hybridrl.algo import advantages
-from kernels.ppo_loss import ppo_loss
+from hybridrl.algorithms.advantages import advantages
+from hybridrl.kernels.ppo_loss import ppo_loss
 
 
 def test_grpo_hand_derived():
@@ -60,8 +60,8 @@ def test_on_policy_ratio_is_one():
 
 
 # --- REINFORCE++ baseline, GAE, KL in the reward, the critic's loss ---------------------------------
-from hybridrl import algo  # noqa: E402
-from hybridrl.algo import ADVANTAGES, Experience  # noqa: E402
+from hybridrl.algorithms import advantages as algo  # noqa: E402
+from hybridrl.algorithms.advantages import ADVANTAGES, Experience  # noqa: E402
 
 
 def _mask(prompt_len: int, completion_lens: list[int]) -> torch.Tensor:
@@ -199,7 +199,7 @@ def test_reinforce_pp_normalises_over_every_rank(tmp_path):
 
 
 def test_estimator_names_match_the_config():
-    from hybridrl import config
+    from hybridrl.run import config
     assert tuple(ADVANTAGES) == config.ADVANTAGES
     with pytest.raises(config.ConfigError, match="choose grpo, dr_grpo, rloo, reinforce_pp, gae"):
         config.load(overrides={"algo.advantage": "ppo"})

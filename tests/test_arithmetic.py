@@ -1,4 +1,4 @@
-"""The demo task (`hybridrl.tasks.arithmetic`) and the shipped demo model. Fast, no vLLM.
+"""The demo task (`hybridrl.data.tasks.arithmetic`) and the shipped demo model. Fast, no vLLM.
 
 The vLLM side (same greedy accuracy, log-probs within 1e-5 of transformers) is checked by
 `python examples/make_demo_model.py --check-vllm`.
@@ -8,7 +8,7 @@ import hashlib
 
 import pytest
 
-from hybridrl.tasks import arithmetic
+from hybridrl.data.tasks import arithmetic
 
 # sha256 of the split's prompts joined by spaces, in load() order (first 16 hex digits)
 HELDOUT_DIGEST = "03766c11585d7a54"
@@ -63,7 +63,7 @@ def test_task_module_does_not_import_torch():
     import subprocess
     import sys
 
-    code = "import sys, hybridrl.tasks.arithmetic; assert 'torch' not in sys.modules"
+    code = "import sys, hybridrl.data.tasks.arithmetic; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -1,7 +1,7 @@
 import torch
 
-from hybridrl import data
-from hybridrl.batch import Batch, micro_batches
+from hybridrl.data import prompts as data
+from hybridrl.data.batch import Batch, micro_batches
 
 
 def test_batch_layout():

@@ -101,7 +101,9 @@ def test_checkpoint_layout_keep_and_latest(runs):
 def test_incomplete_or_truncated_checkpoint_is_never_loaded(runs, tmp_path):
     import shutil
 
-    from hybridrl import checkpoint, config
+    from hybridrl.run import checkpoint
+
+    from hybridrl.run import config
     root = tmp_path / "run" / "checkpoints"
     shutil.copytree(runs["part"] / "checkpoints", root)
     shutil.copytree(root / f"step-{N}", root / "tmp-step-9")  # a crash mid-save: never renamed
@@ -180,7 +182,7 @@ def test_signal_stops_after_a_checkpoint_and_resume_auto_continues(tmp_path, sig
     stopped = max(steps)
     assert f"stopped by {sig.name} after step {stopped}; checkpoint: {run_dir / 'checkpoints' / f'step-{stopped}'}" \
         in stdout
-    from hybridrl import checkpoint  # the step in progress when the signal came was finished and saved
+    from hybridrl.run import checkpoint  # the step in progress when the signal came was finished and saved
     ck = run_dir / "checkpoints" / f"step-{stopped}"
     assert checkpoint.is_complete(ck) and json.loads((ck / "state.json").read_text())["step"] == stopped
     _, records, summary = train_cli(run_dir, *FAST, "--steps", str(stopped + 1), "--resume", "auto")
@@ -221,8 +223,10 @@ class _Fake:
 def _saver(run_dir, **ckpt):
     import torch
 
-    from hybridrl import checkpoint, config
-    from hybridrl.launch import World
+    from hybridrl.run import checkpoint
+
+    from hybridrl.run import config
+    from hybridrl.run.launch import World
     cfg = config.load(overrides={"log.run_dir": str(run_dir), **{f"ckpt.{k}": v for k, v in ckpt.items()}})
     saver = checkpoint.Saver(cfg, run_dir, World(0, 1, 0, torch.device("cpu")), _Fake())
     trainer = _Fake(engine=_Fake(), peft=None, hf=_Fake(config=_Fake(), generation_config=None,
@@ -233,7 +237,8 @@ def _saver(run_dir, **ckpt):
 def test_keep_rotates_by_save_order_and_resume_auto_follows_the_branch(tmp_path):
     """issue 40 (2): --resume .../step-2 --steps 3 --ckpt.keep 1 deleted step-3 (just written) and kept
     the abandoned step-4, which --resume auto then continued."""
-    from hybridrl import checkpoint, config
+    from hybridrl.run import checkpoint
+    from hybridrl.run import config
     run = tmp_path / "run"
     _, save = _saver(run, keep=2)
     for step in (2, 4):  # a 4-step run saving every 2
@@ -253,7 +258,8 @@ def test_keep_rotates_by_save_order_and_resume_auto_follows_the_branch(tmp_path)
 def test_resaving_a_step_never_leaves_it_missing(tmp_path, monkeypatch):
     """issue 40 (2): the old step-N was deleted before the new one was renamed in; a kill in between
     left no step-N. Now it is moved aside, and a crash there leaves it findable and restored."""
-    from hybridrl import checkpoint, config
+    from hybridrl.run import checkpoint
+    from hybridrl.run import config
     run = tmp_path / "run"
     _, save = _saver(run, keep=2)
     save(2)
@@ -309,8 +315,8 @@ def test_rank_state_loads_with_weights_only(tmp_path):
     import numpy as np
     import torch
 
-    from hybridrl import checkpoint
-    from hybridrl.config import UserError
+    from hybridrl.run import checkpoint
+    from hybridrl.run.config import UserError
     checkpoint._save_torch({"rng": checkpoint.rng_state(), "probe_last": torch.ones(2)}, tmp_path / "new.pt")
     torch.load(tmp_path / "new.pt", weights_only=True)  # plain tuples and tensors now
     old = {"rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
@@ -331,7 +337,8 @@ def test_rank_state_loads_with_weights_only(tmp_path):
 
 def test_a_saved_config_grants_no_remote_code_and_names_its_imports(tmp_path, capsys):
     """issue 40 (9): resume and `hybridrl eval RUN` took trust_remote_code from the run's config."""
-    from hybridrl import checkpoint, config
+    from hybridrl.run import checkpoint
+    from hybridrl.run import config
     cfg = config.load(overrides={"model.trust_remote_code": True, "reward.fn": "arithmetic,mymod:score",
                                  "env.cls": "envs_for_tests:Echo"})
     got = checkpoint.from_run_dir(cfg, {}, tmp_path / "config.yaml")
@@ -347,7 +354,9 @@ def test_export_takes_trust_remote_code_from_today_only(tmp_path, monkeypatch):
     import transformers
     import yaml
 
-    from hybridrl import config, export
+    from hybridrl.run import config
+
+    from hybridrl.run import export
     ck = tmp_path / "step-1"
     ck.mkdir()
     (ck / "complete.json").write_text('{"files": {}}')

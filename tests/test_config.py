@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from hybridrl import config as C
-from hybridrl.cli import _strip_launch_flags
+from hybridrl.run import config as C
+from hybridrl.run.cli import _strip_launch_flags
 
 
 def test_defaults_validate():
@@ -142,3 +142,20 @@ def test_an_out_of_range_flag_fails_before_the_engines():
     err = [x for x in (out.stdout + out.stderr).splitlines() if x.strip()]
     assert err == ["error: train.lr=-1.0: must be a finite number in (0, 1]"], err
     assert took < 15, took  # ~1-2 s idle; a loaded 2-core machine is slower, an engine start is 20 s+
+
+
+def test_specs_saved_before_the_role_folders_still_resolve():
+    """A run directory written before the package was grouped into folders names the old flat
+    modules in its config (env.cls, reward.fn): resuming or evaluating it still imports them."""
+    from hybridrl.data.envs import ToolEnv
+    from hybridrl.data.tasks.arithmetic import DEMO_MODEL_DIR
+    assert C.import_spec("env.cls", "hybridrl.envs:ToolEnv", "hybridrl.envs:ToolEnv") is ToolEnv
+    assert C.import_spec("k", "s", "hybridrl.tasks.arithmetic:DEMO_MODEL_DIR") == DEMO_MODEL_DIR
+    assert C.import_spec("k", "s", "hybridrl.data.envs:ToolEnv") is ToolEnv  # today's name
+    assert DEMO_MODEL_DIR.is_dir() and sorted(C.MOVED) == sorted(set(C.MOVED))
+
+
+def test_every_module_moved_still_imports_under_its_new_name():
+    import importlib
+    for new in C.MOVED.values():
+        importlib.import_module(f"hybridrl.{new}")

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import hybridrl
-from hybridrl import config
-from hybridrl.batch import Batch
-from hybridrl.config import ConfigError
+from hybridrl.run import config
+from hybridrl.data.batch import Batch
+from hybridrl.run.config import ConfigError
 from test_train_e2e import export_cli, train_cli
 
 DEMO = str(Path(hybridrl.__file__).parent / "demo_model")
@@ -31,7 +31,7 @@ def reward_model(path: Path, num_labels: int = 1, vocab: int | None = None, seed
 
 
 def critic_of(path: str, zero: int = 2):
-    from hybridrl.critic import Critic
+    from hybridrl.engines.critic import Critic
     cfg = config.load(None, {"algo.advantage": "gae", "algo.critic_path": path, "train.zero_stage": zero})
     return Critic(cfg, DEMO, device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
 
@@ -59,7 +59,7 @@ def test_value_head_starts_from_a_reward_models_score(tmp_path, world_of_one, ze
 def test_other_trainers_head_names_and_bias(tmp_path, name):
     """OpenRLHF's reward model and critic save `value_head.weight`, TRL's value-head model
     `v_head.summary.weight` and `.bias`: read as the head, the bias kept (zero where absent)."""
-    from hybridrl.critic import trained_head
+    from hybridrl.engines.critic import trained_head
     reward_model(tmp_path / "rm")
     tensors = load_file(tmp_path / "rm" / "model.safetensors")
     weight = tensors.pop("score.weight")
@@ -73,14 +73,14 @@ def test_other_trainers_head_names_and_bias(tmp_path, name):
 
 
 def test_a_causal_lm_gives_the_zero_head(world_of_one):
-    from hybridrl.critic import trained_head
+    from hybridrl.engines.critic import trained_head
     assert trained_head(DEMO, 128) is None
     values = critic_of(DEMO).values(batch())
     assert torch.count_nonzero(values) == 0
 
 
 def test_bad_heads_and_vocabularies_refused(tmp_path, world_of_one):
-    from hybridrl.critic import trained_head
+    from hybridrl.engines.critic import trained_head
     reward_model(tmp_path / "two", num_labels=2)
     with pytest.raises(ConfigError, match=r"has shape \(2, 128\).*num_labels=1"):
         trained_head(str(tmp_path / "two"), 128)

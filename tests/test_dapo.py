@@ -1,7 +1,7 @@
 """DAPO's batch shaping as pure functions, against hand-made reward matrices and hand-derived numbers."""
 import torch
 
-from hybridrl import dapo
+from hybridrl.algorithms import dapo
 
 
 def test_mixed_groups():

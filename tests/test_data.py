@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
-from hybridrl import data
-from hybridrl.config import ConfigError, DataConfig
-from hybridrl.tasks.arithmetic import DEMO_MODEL_DIR
+from hybridrl.data import prompts as data
+from hybridrl.run.config import ConfigError, DataConfig
+from hybridrl.data.tasks.arithmetic import DEMO_MODEL_DIR
 
 ROWS = [{"question": "12+34=", "label": 46}, {"question": "1+2=", "label": 3}]  # int answers arrive as str
 

@@ -1,7 +1,7 @@
 """The fault-injection suite of issue 7: each fault, what must be kept, and what the user is told.
 
 Real engines through the CLI. Faults land at a chosen phase of a chosen step through the
-test-only variable HYBRIDRL_TEST_FAULT="<action>@<step>:<phase>[:rank<R>]" (hybridrl/faults.py:
+test-only variable HYBRIDRL_TEST_FAULT="<action>@<step>:<phase>[:rank<R>]" (hybridrl/observe/faults.py:
 kill, term, hang, fill, enospc); a NaN loss through HYBRIDRL_TEST_NAN_AT_STEP (trainer.py).
 
 Where each fault of the issue's list is tested (the ones that already worked stay where they were):
@@ -39,7 +39,11 @@ import pytest
 from test_checkpoint import FAST, _steps
 from test_train_e2e import SMALL, train_cli
 
-from hybridrl import checkpoint, config, data
+from hybridrl.run import checkpoint
+
+from hybridrl.run import config
+
+from hybridrl.data import prompts as data
 
 STEPS = 4  # each run's length; the kill lands in step 3
 
@@ -188,7 +192,7 @@ def test_only_io_errors_while_saving_are_survived(tmp_path, capsys, error, handl
     import torch
     from types import SimpleNamespace
 
-    from hybridrl.launch import World
+    from hybridrl.run.launch import World
 
     def save_checkpoint(path, **kw):
         (Path(path) / "ds").mkdir(parents=True)  # a partial shard directory
@@ -259,7 +263,7 @@ class _Store:
     """The c10d store's check/get, over a dict (the watchdog's verdict is pure bookkeeping)."""
 
     def __init__(self, values):
-        self.values = {f"hybridrl/progress/{r}": v.encode() for r, v in values.items()}
+        self.values = {f"hybridrl/observe/progress/{r}": v.encode() for r, v in values.items()}
 
     def check(self, keys):
         return all(k in self.values for k in keys)
@@ -275,7 +279,7 @@ class _Store:
     ({0: "9 3 train", 2: "9 3 train"}, "ranks [1] never reported (dead?)"),
 ])
 def test_watchdog_verdict_names_the_rank_furthest_behind(reports, expected):
-    from hybridrl import faults
+    from hybridrl.observe import faults
     dog = faults.Watchdog(10, rank=0, size=3, run_dir=".")
     dog._store, dog.n, dog.step, dog.phase = _Store(reports), 9, 3, "train"
     assert dog.verdict().startswith("rank 0 has made no progress for 0 s (train.watchdog_s=10), in phase "

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import hybridrl
-from hybridrl import memory
+from hybridrl.cycle import memory
 
 
 def test_phase_peak_rss_is_the_phase_own_peak():
@@ -19,7 +19,7 @@ def test_phase_peak_rss_is_the_phase_own_peak():
     memory.keep_host_pages, so the buffer is handed back explicitly here.)"""
     import numpy as np
 
-    from hybridrl.progress import Phases
+    from hybridrl.observe.progress import Phases
     phases = Phases()
     with phases("big"):
         buf = np.ones(50_000_000)  # 400 MB, touched
@@ -34,7 +34,7 @@ def test_phase_peak_rss_is_the_phase_own_peak():
 
 _REALLOC = """
 import ctypes, os, resource, sys
-from hybridrl import memory
+from hybridrl.cycle import memory
 kept = memory.keep_host_pages(os.environ)
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p

@@ -1,4 +1,4 @@
-"""The out-of-process hand-off's failure paths (hybridrl/ipc.py), on CPU with real ZeroMQ sockets:
+"""The out-of-process hand-off's failure paths (hybridrl/engines/ipc.py), on CPU with real ZeroMQ sockets:
 neither side blocks forever on a peer that died, went quiet or never came, a sender that fails
 mid-stream stops the receiver at once, and the CUDA handle's device argument is found by name and
 checked. (The bitwise transport itself: test_memory.py; with vLLM's engine: test_outofprocess.py.)"""
@@ -10,7 +10,7 @@ import torch
 import zmq
 from torch.multiprocessing import reductions
 
-from hybridrl import ipc
+from hybridrl.engines import ipc
 
 T = 1.0  # seconds: the timeout these tests run with (the default is ipc.TIMEOUT_S)
 

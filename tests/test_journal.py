@@ -7,10 +7,10 @@ import os
 
 import torch
 
-from hybridrl import config as C
-from hybridrl.journal import Journal, keep_upto
-from hybridrl.launch import World
-from hybridrl.progress import RunLog
+from hybridrl.run import config as C
+from hybridrl.run.journal import Journal, keep_upto
+from hybridrl.run.launch import World
+from hybridrl.observe.progress import RunLog
 
 WORLD = World(0, 1, 0, torch.device("cpu"))
 
@@ -106,7 +106,7 @@ def test_a_full_disk_drops_rows_not_the_run(tmp_path, monkeypatch, caplog):
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     ok = [json.loads(x) for x in lines if x.startswith("{") and x.endswith("}")]
     assert [r["step"] for r in ok if "step" in r] == [1, 3] and ok[-1]["summary"]["log_rows_dropped"] == 2
-    from hybridrl import report
+    from hybridrl.observe import report
     assert [r["step"] for r in report.load(tmp_path / "run").steps] == [1, 3]  # the torn row is skipped
     said = [r.message for r in caplog.records if "No space left on device" in r.message]
     assert len(said) == 3  # once per file (metrics, samples, the dead letter), not once per row
@@ -124,7 +124,7 @@ def raises(prompt, completion, answer):
 
 
 def test_reward_dead_letters_survive_a_full_disk_and_stop_at_the_cap(tmp_path, monkeypatch):
-    from hybridrl import rewards
+    from hybridrl.data import rewards
     monkeypatch.syspath_prepend(os.path.dirname(__file__))
     monkeypatch.setattr(rewards, "DEAD_LETTER_CAP", 2000)
     scorer = rewards.Scorer(C.load(None, {"reward.fn": "test_journal:raises", "reward.workers": 0}).reward)

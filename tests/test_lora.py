@@ -33,7 +33,11 @@ def test_config_sleep_level_and_bad_targets_say_what_to_change():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hybridrl import config, engine_cycle, lora
+    from hybridrl.run import config
+
+    from hybridrl.cycle import engine_cycle
+
+    from hybridrl.engines import lora
     cfg = config.load(overrides={"model.lora_rank": 16})
     assert engine_cycle.keep_base_weights(cfg, main=False).rollout.sleep_level == 1  # 2 would discard the base
     assert engine_cycle.keep_base_weights(config.load(), main=False).rollout.sleep_level == 2  # no LoRA: unchanged
@@ -130,13 +134,14 @@ print(json.dumps(dict(
 
 REFERENCE_SCRIPT = """
 import gc, json, sys
-from hybridrl import env
+from hybridrl.run import environ as env
 env.setup()
 import torch
-from hybridrl import config, launch
-from hybridrl.batch import Batch
-from hybridrl.reference import Reference
-from hybridrl.trainer import Trainer
+from hybridrl.run import config
+from hybridrl.run import launch
+from hybridrl.data.batch import Batch
+from hybridrl.engines.reference import Reference
+from hybridrl.engines.trainer import Trainer
 from transformers import AutoModelForCausalLM
 
 demo = sys.argv[1]

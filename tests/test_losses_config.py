@@ -2,7 +2,7 @@
 errors that name the fix."""
 import pytest
 
-from hybridrl import config as C
+from hybridrl.run import config as C
 
 BAD = [
     ({"algo.policy_loss": "grpo"}, "algo.policy_loss='grpo': must be one of ppo, gspo, gspo_token, cispo"),

@@ -18,16 +18,17 @@ from test_train_e2e import train_cli
 SCRIPT = textwrap.dedent('''
     import json
     import torch
-    from hybridrl import env
+    from hybridrl.run import environ as env
     env.setup()
-    from hybridrl import engine_cycle, launch
-    from hybridrl.batch import Batch
-    from hybridrl.config import Config, apply
-    from hybridrl.critic import Critic
-    from hybridrl.loop import resolve
-    from hybridrl.rollout import Rollout
-    from hybridrl.tasks import arithmetic
-    from hybridrl.trainer import Trainer
+    from hybridrl.cycle import engine_cycle
+    from hybridrl.run import launch
+    from hybridrl.data.batch import Batch
+    from hybridrl.run.config import Config, apply
+    from hybridrl.engines.critic import Critic
+    from hybridrl.run.loop import resolve
+    from hybridrl.engines.rollout import Rollout
+    from hybridrl.data.tasks import arithmetic
+    from hybridrl.engines.trainer import Trainer
     from transformers import AutoTokenizer
 
     world = launch.init_distributed()

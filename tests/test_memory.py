@@ -10,8 +10,12 @@ import pytest
 import torch
 
 import hybridrl
-from hybridrl import config, engine_cycle, ipc, memory, vllm_compat
-from hybridrl.config import ConfigError
+from hybridrl.run import config
+from hybridrl.cycle import engine_cycle
+from hybridrl.engines import ipc
+from hybridrl.cycle import memory
+from hybridrl.engines import vllm_compat
+from hybridrl.run.config import ConfigError
 
 GIB = 1 << 30
 DEMO = str(Path(hybridrl.__file__).parent / "demo_model")
@@ -53,7 +57,7 @@ class FakeTrainer:
 def real_rollout(events, monkeypatch):
     """hybridrl's own Rollout verbs (wake, sleep, update_weights) over the recording vLLM, with
     sleep mode on as on a GPU."""
-    from hybridrl.rollout import Rollout
+    from hybridrl.engines.rollout import Rollout
     r = Rollout.__new__(Rollout)
     r.llm, r.cuda, r.sleep_ok, r.sender, r.digest = FakeLLM(events), False, True, None, False
     r.asleep = r.weights_lost = False
@@ -238,8 +242,8 @@ def test_offload_reload_keeps_training_bitwise(zero, world_of_one):
     """The trainer verbs' DeepSpeed calls (offload_states with optimizer states, fp32 master,
     gradients and parameters; reload_states) run here from CPU to CPU: training continues
     bit for bit as without them. On a GPU the same calls move the states to pinned host memory."""
-    from hybridrl.batch import Batch
-    from hybridrl.trainer import Trainer
+    from hybridrl.data.batch import Batch
+    from hybridrl.engines.trainer import Trainer
 
     def train(offload):
         torch.manual_seed(0)
@@ -278,11 +282,11 @@ def test_checkpoint_is_saved_from_offloaded_states(zero, world_of_one, tmp_path,
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
     from transformers import AutoTokenizer
 
-    from hybridrl import checkpoint
-    from hybridrl.batch import Batch
-    from hybridrl.critic import Critic
-    from hybridrl.launch import World
-    from hybridrl.trainer import Trainer
+    from hybridrl.run import checkpoint
+    from hybridrl.data.batch import Batch
+    from hybridrl.engines.critic import Critic
+    from hybridrl.run.launch import World
+    from hybridrl.engines.trainer import Trainer
 
     cpu = torch.device("cpu")
     cfg = config.load(None, {"train.zero_stage": zero, "algo.advantage": "gae", "ckpt.dir": str(tmp_path / "ck")})
@@ -345,8 +349,8 @@ def test_critic_offload_reaches_deepspeed(zero, world_of_one):
     """The critic's offload and reload go through DeepSpeed's offload_states with the device as
     OffloadDeviceEnum (a "cpu" string fails in both ZeRO optimizers with 'str' object has no
     attribute 'value'): every state leaves, then comes back, CPU to CPU here."""
-    from hybridrl.critic import Critic
-    from hybridrl.trainer import offload_engine_states, reload_engine_states
+    from hybridrl.engines.critic import Critic
+    from hybridrl.engines.trainer import offload_engine_states, reload_engine_states
 
     cfg = config.load(None, {"train.zero_stage": zero, "algo.advantage": "gae"})
     critic = Critic(cfg, DEMO, device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
@@ -358,8 +362,8 @@ def test_critic_offload_reaches_deepspeed(zero, world_of_one):
 
 def test_pending_state_bytes(world_of_one):
     """Adam's two fp32 moments do not exist until the first step: the planner counts them."""
-    from hybridrl.batch import Batch
-    from hybridrl.trainer import Trainer
+    from hybridrl.data.batch import Batch
+    from hybridrl.engines.trainer import Trainer
     trainer = Trainer(config.load(None, {}), DEMO, device=torch.device("cpu"), dtype=torch.float32,
                       attn_implementation="sdpa")
     n = sum(p.numel() for p in trainer.hf.parameters())

@@ -21,8 +21,10 @@ import pytest
 import torch
 
 import hybridrl
-from hybridrl import algo, envs, multiturn
-from hybridrl.batch import Batch
+from hybridrl.algorithms import advantages as algo
+from hybridrl.data import envs
+from hybridrl.data import multiturn
+from hybridrl.data.batch import Batch
 
 HERE = Path(__file__).parent
 DEMO = Path(hybridrl.__file__).parent / "demo_model"
@@ -191,18 +193,19 @@ def test_batch_masks_environment_tokens():
 # --- the real engines ----------------------------------------------------------------------------
 EPISODE_SCRIPT = textwrap.dedent('''
     import json, sys
-    from hybridrl import env
+    from hybridrl.run import environ as env
     env.setup()
     import torch
-    from hybridrl import launch, multiturn
-    from hybridrl.batch import Batch
-    from hybridrl.collect import Collector
-    from hybridrl.config import Config, apply
-    from hybridrl.data import Prompt, Sampler
-    from hybridrl.progress import Phases
-    from hybridrl.rewards import Scorer
-    from hybridrl.rollout import Rollout
-    from hybridrl.trainer import Trainer
+    from hybridrl.run import launch
+    from hybridrl.data import multiturn
+    from hybridrl.data.batch import Batch
+    from hybridrl.data.collect import Collector
+    from hybridrl.run.config import Config, apply
+    from hybridrl.data.prompts import Prompt, Sampler
+    from hybridrl.observe.progress import Phases
+    from hybridrl.data.rewards import Scorer
+    from hybridrl.engines.rollout import Rollout
+    from hybridrl.engines.trainer import Trainer
     from transformers import AutoTokenizer
 
     path = sys.argv[1]
@@ -312,7 +315,7 @@ class _ScriptedGen:
         self.queue.append(i)
 
     def __iter__(self):
-        from hybridrl.rollout import Sample
+        from hybridrl.engines.rollout import Sample
         while self.queue:
             batch, self.queue = self.queue, []
             yield [Sample(k, [11, self.eos], [-0.5, -0.1], True) for k in batch]
@@ -320,8 +323,8 @@ class _ScriptedGen:
 
 def _episodes(tmp_path):
     from transformers import AutoTokenizer
-    from hybridrl import config as C
-    from hybridrl.data import Prompt
+    from hybridrl.run import config as C
+    from hybridrl.data.prompts import Prompt
     tok = AutoTokenizer.from_pretrained(DEMO)
     tok.chat_template = TEMPLATE
 

@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrl import config as C
-from hybridrl import doctor, logs, report
-from hybridrl.canaries import Canaries, distribution_metrics
-from hybridrl.launch import World
-from hybridrl.progress import RunLog
+from hybridrl.run import config as C
+from hybridrl.observe import doctor
+from hybridrl.observe import logs
+from hybridrl.observe import report
+from hybridrl.observe.canaries import Canaries, distribution_metrics
+from hybridrl.run.launch import World
+from hybridrl.observe.progress import RunLog
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
@@ -310,7 +312,7 @@ def test_tty_keeps_one_live_line_under_warnings(tmp_path, capsys):
 
 
 def test_wandb_mode_never_prompts(monkeypatch, tmp_path):
-    from hybridrl.progress import wandb_mode
+    from hybridrl.observe.progress import wandb_mode
     for k in ("WANDB_MODE", "WANDB_API_KEY"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no `wandb login` here

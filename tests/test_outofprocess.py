@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import hybridrl
-from hybridrl import config, ipc
+from hybridrl.run import config
+from hybridrl.engines import ipc
 from test_train_e2e import train_cli
 
 DEMO = str(Path(hybridrl.__file__).parent / "demo_model")
@@ -21,7 +22,7 @@ def test_engine_process_receives_bitwise_weights_and_uses_them():
     are bitwise the trainer's, and vLLM's log-probs then match transformers on those weights."""
     from transformers import AutoModelForCausalLM
 
-    from hybridrl.rollout import Rollout
+    from hybridrl.engines.rollout import Rollout
     cfg = config.load(None, {"rollout.mode": "outofprocess", "model.dtype": "float32"})
     hf = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32)
     rollout = Rollout(cfg, DEMO, on_cpu=True, eos_token_id=2, rank=0)

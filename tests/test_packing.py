@@ -10,10 +10,10 @@ import pytest
 import torch
 import transformers
 
-from hybridrl.batch import Batch, micro_batches
-from hybridrl.config import Config
-from hybridrl.policy import TokenLogprobs
-from hybridrl.trainer import Trainer
+from hybridrl.data.batch import Batch, micro_batches
+from hybridrl.run.config import Config
+from hybridrl.engines.policy import TokenLogprobs
+from hybridrl.engines.trainer import Trainer
 
 V = 40
 

@@ -12,7 +12,7 @@ import json
 import datasets
 import pytest
 
-from hybridrl.tasks import arithmetic
+from hybridrl.data.tasks import arithmetic
 from test_train_e2e import train_cli
 
 EVAL_SIZE, EVAL_N = 16, 4

@@ -1,4 +1,4 @@
-"""The memory plan (hybridrl/plan.py): its arithmetic against figures worked out by hand for two
+"""The memory plan (hybridrl/cycle/plan.py): its arithmetic against figures worked out by hand for two
 real shapes, the choices it makes for what the user left unset, its refusals, `hybridrl plan`
 and the shipped 8xH100 recipes. Pure arithmetic on config.json: no engine starts here."""
 
@@ -9,8 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from hybridrl import config, plan, recipe
-from hybridrl.config import ConfigError
+from hybridrl.run import config
+
+from hybridrl.cycle import plan
+
+from hybridrl.run import recipe
+from hybridrl.run.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
@@ -156,7 +160,7 @@ def test_cuda_graph_sizes_are_bounded_by_max_num_seqs():
     assert plan.capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert plan.capture_sizes(3) == [1, 2]
     assert max(plan.capture_sizes(4096)) == plan.GRAPH_SIZES_MAX
-    from hybridrl import vllm_compat
+    from hybridrl.engines import vllm_compat
     kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=1 << 30, gpu_memory_utilization=0.5,
                                    max_num_seqs=20, enforce_eager=False)
     assert kw["compilation_config"] == {"cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
@@ -171,7 +175,7 @@ def test_gpus_decode_with_cuda_graphs_unless_set():
 
 
 def test_optimizer_and_param_offload_reach_deepspeed():
-    from hybridrl.trainer import ds_config
+    from hybridrl.engines.trainer import ds_config
     cfg = config.load(None, {"train.optimizer_offload": "on", "train.param_offload": "on", "train.zero_stage": 3})
     zero = ds_config(cfg, bf16=True)["zero_optimization"]
     assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"

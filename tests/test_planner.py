@@ -7,8 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrl import config, engine_cycle, memory
-from hybridrl.config import ConfigError
+from hybridrl.run import config
+
+from hybridrl.cycle import engine_cycle
+
+from hybridrl.cycle import memory
+from hybridrl.run.config import ConfigError
 from test_memory import FakeTrainer  # records the planner's offload and reload calls
 
 GIB = 1 << 30
@@ -136,7 +140,9 @@ def test_an_oom_or_a_dead_engine_is_one_line_naming_the_phase_plan_and_knob(tmp_
     vLLM's engine dying mid-generate, each become one line naming the step, the phase, the memory plan
     and the knob, after the rollout side is closed; other errors pass through. The hand-off's temporary
     directory goes at exit however the run ends. Before: a raw traceback and a leaked directory."""
-    from hybridrl import faults, ipc, vllm_compat
+    from hybridrl.observe import faults
+    from hybridrl.engines import ipc
+    from hybridrl.engines import vllm_compat
 
     class Rollout:
         closed = 0

@@ -14,10 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from hybridrl import config as C
-from hybridrl import loop, models, recipe
-from hybridrl.canaries import Canaries
-from hybridrl.trainer import lr_factor
+from hybridrl.run import config as C
+from hybridrl.run import loop
+from hybridrl.engines import models
+from hybridrl.run import recipe
+from hybridrl.observe.canaries import Canaries
+from hybridrl.engines.trainer import lr_factor
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -125,7 +127,7 @@ def test_context_fits_the_model(tmp_path):
 def test_cpu_attention_eager_only_for_short_bf16_contexts():
     """attn auto on CPU: eager in bfloat16 while its saved scores fit recipe.EAGER_SCORES_MAX (6 bytes x
     heads over layers x context x the micro-batch token budget), sdpa otherwise, in float32, or when set."""
-    from hybridrl import loop
+    from hybridrl.run import loop
     info = models.ModelInfo("m", "m", "Qwen2ForCausalLM", 0, 320, max_positions=4096, kv_values_per_token=128,
                             attn_heads=24 * 14)  # the 0.5B shape
 
@@ -147,7 +149,7 @@ def test_cpu_attention_eager_only_for_short_bf16_contexts():
 def test_bfloat16_on_a_cpu_without_amx_warns(monkeypatch, caplog):
     """bfloat16 on CPU without AMX-BF16 warns, AVX512-BF16 or not (on an Intel Xeon with it alone a
     bfloat16 GEMM ran half float32's speed); with AMX, or in float32, nothing is said."""
-    from hybridrl import env
+    from hybridrl.run import environ as env
 
     def warned(flags, dtype):
         monkeypatch.setattr(env, "cpu_flags", lambda: set(flags))
@@ -327,7 +329,7 @@ def test_cpu_dtype_auto_is_bfloat16_for_a_real_size_model_with_amx():
 def test_configure_picks_bfloat16_only_where_the_cpu_has_amx(tiny, monkeypatch, tmp_path):
     """loop.configure (what `hybridrl train`, `hybridrl eval` and the benches resolve a config with)
     passes env.fast_bf16 to the recipe: with AMX-BF16 a real-size model gets bfloat16, without it float32."""
-    from hybridrl import env
+    from hybridrl.run import environ as env
     monkeypatch.setattr(recipe, "COMPILE_MIN_PARAMS", 0)  # the tiny model counts as real-size here
     for flags, dtype in (({"avx512_bf16", "amx_bf16"}, "bfloat16"), ({"avx512_bf16"}, "float32")):
         monkeypatch.setattr(env, "cpu_flags", lambda: set(flags))

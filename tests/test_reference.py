@@ -9,8 +9,8 @@ from test_train_e2e import train_cli
 
 
 def test_no_reference_model_is_loaded_when_beta_is_zero():
-    from hybridrl import config
-    from hybridrl.reference import Reference
+    from hybridrl.run import config
+    from hybridrl.engines.reference import Reference
     cfg = config.load(overrides={"algo.kl_coef": 0.0})
     kw = dict(device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
     assert Reference.load(cfg, "/no/such/model", **kw) is None  # would raise if it tried to load anything
@@ -38,17 +38,18 @@ def test_kl_in_the_reward_is_zero_at_step_one_then_grows(tmp_path, advantage):
 
 ZERO3_SCRIPT = '''
 import json, sys
-from hybridrl import env
+from hybridrl.run import environ as env
 env.setup()
 import deepspeed, torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
-from hybridrl import config, launch
-from hybridrl.batch import Batch, micro_batches, per_token
-from hybridrl.critic import Critic
-from hybridrl.reference import Reference
-from hybridrl.policy import TokenLogprobs
-from hybridrl.trainer import Trainer, ds_config, from_pretrained
+from hybridrl.run import config
+from hybridrl.run import launch
+from hybridrl.data.batch import Batch, micro_batches, per_token
+from hybridrl.engines.critic import Critic
+from hybridrl.engines.reference import Reference
+from hybridrl.engines.policy import TokenLogprobs
+from hybridrl.engines.trainer import Trainer, ds_config, from_pretrained
 
 DEMO = sys.argv[1]
 world = launch.init_distributed()
@@ -105,7 +106,7 @@ def test_zero3_engines_load_partitioned_and_match_the_checkpoint(tmp_path):
     from pathlib import Path
 
     import hybridrl
-    from hybridrl.launch import _free_port
+    from hybridrl.run.launch import _free_port
     demo = str(Path(hybridrl.__file__).parent / "demo_model")
     script = tmp_path / "zero3_load.py"
     script.write_text(ZERO3_SCRIPT)

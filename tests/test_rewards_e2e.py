@@ -62,16 +62,16 @@ def test_dynamic_sampling_two_ranks(tmp_path):
 
 DROP_SCRIPT = textwrap.dedent('''
     import json
-    from hybridrl import env
+    from hybridrl.run import environ as env
     env.setup()
-    from hybridrl import launch
-    from hybridrl.collect import Collector
-    from hybridrl.config import Config, apply
-    from hybridrl.data import Prompt, Sampler
-    from hybridrl.loop import resolve
-    from hybridrl.progress import Phases
-    from hybridrl.rewards import Scorer
-    from hybridrl.rollout import Rollout
+    from hybridrl.run import launch
+    from hybridrl.data.collect import Collector
+    from hybridrl.run.config import Config, apply
+    from hybridrl.data.prompts import Prompt, Sampler
+    from hybridrl.run.loop import resolve
+    from hybridrl.observe.progress import Phases
+    from hybridrl.data.rewards import Scorer
+    from hybridrl.engines.rollout import Rollout
     from transformers import AutoTokenizer
 
     world = launch.init_distributed()

@@ -10,10 +10,10 @@ more than float32's tolerance: the test checks that too by scrambling the group 
 import pytest
 import torch
 
-from hybridrl.batch import Batch, shared_micro_batches
-from hybridrl.config import Config
-from hybridrl.policy import TokenLogprobs
-from hybridrl.trainer import Trainer
+from hybridrl.data.batch import Batch, shared_micro_batches
+from hybridrl.run.config import Config
+from hybridrl.engines.policy import TokenLogprobs
+from hybridrl.engines.trainer import Trainer
 from test_packing import V, assert_same_loss_and_grads, loss_and_grads, tiny_model
 
 

@@ -3,7 +3,7 @@ test_train_e2e, test_outofprocess and test_faults)."""
 
 import math
 
-from hybridrl.sync import Probe
+from hybridrl.cycle.sync import Probe
 
 
 def test_probe_runs_first_then_every_n_steps_and_on_drift():
@@ -31,7 +31,7 @@ def test_a_nan_probe_gap_fails_the_probe(monkeypatch):
     (and name NaN). A finite gap within the bound still passes."""
     import pytest
     import torch
-    from hybridrl import sync
+    from hybridrl.cycle import sync
     theirs = torch.tensor([-1.0, -2.0])
     for diff, ok in ((torch.tensor([1e-6, 2e-6]), True), (torch.tensor([1e-6, math.nan]), False)):
         monkeypatch.setattr(sync, "probe", lambda trainer, rollout, seqs, d=diff: (d, theirs))

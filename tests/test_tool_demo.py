@@ -42,7 +42,7 @@ def console_script(*args, cwd, timeout=120):
     """`hybridrl ARGS` as the installed console script runs it: sys.path[0] is the script's directory,
     not the working directory (here the checkout under test, so that its hybridrl is imported)."""
     code = (f"import sys; sys.path[0] = {str(ROOT)!r}; sys.argv = ['hybridrl', *{list(args)!r}]; "
-            "from hybridrl.cli import main; sys.exit(main())")
+            "from hybridrl.run.cli import main; sys.exit(main())")
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=timeout)
 
 

@@ -67,7 +67,7 @@ def score(prompt, completion, answer):
 def test_user_data_reward_module_and_bad_rows(tmp_path, monkeypatch):
     """A user's jsonl + module:function reward: overlong prompts dropped and counted, a reward
     function that raises scores 0 and is counted, the run completes."""
-    from hybridrl.tasks import arithmetic
+    from hybridrl.data.tasks import arithmetic
     rows = arithmetic.load("train")[:200]
     lines = [json.dumps({"question": r["prompt"], "label": r["answer"]}) for r in rows]
     lines.append(json.dumps({"question": "1" * 60 + "+1=", "label": "x"}))  # longer than max_prompt_len

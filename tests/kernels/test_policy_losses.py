@@ -8,8 +8,8 @@ import torch
 from test_fused_loss import assert_same, batch, both
 from test_logprob import PROVIDERS
 
-from kernels.fused_loss import chunks, fused_logprob_ppo_loss
-from kernels.ppo_loss import AGGREGATORS, POLICY_LOSSES, importance_weights, loss_normalizer, ppo_loss
+from hybridrl.kernels.fused_loss import chunks, fused_logprob_ppo_loss
+from hybridrl.kernels.ppo_loss import AGGREGATORS, POLICY_LOSSES, importance_weights, loss_normalizer, ppo_loss
 
 LN2 = math.log(2.0)
 S1 = math.sqrt(0.9)  # GSPO's ratio of sequence 1 below

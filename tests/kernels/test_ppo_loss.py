@@ -1,10 +1,10 @@
-"""kernels.ppo_loss.ppo_loss on small hand-derived numbers (derivations in the comments)."""
+"""hybridrl.kernels.ppo_loss.ppo_loss on small hand-derived numbers (derivations in the comments)."""
 import math
 
 import pytest
 import torch
 
-from kernels.ppo_loss import AGGREGATORS, loss_normalizer, ppo_loss
+from hybridrl.kernels.ppo_loss import AGGREGATORS, loss_normalizer, ppo_loss
 
 LN2 = math.log(2.0)
 

@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from kernels import logprob as m
+    from hybridrl.kernels import logprob as m
 
     def signature(fn, mm_dtype, consts):
         sig = {}

@@ -1,0 +1,194 @@
+"""The hybrid engine's memory life cycle: the order in which the trainer and vLLM take and give
+back the device, in one place. The loop calls `hand_off` after training and `release` after
+generating; `plan_rollout` sizes vLLM once, before it is built.
+
+    offload trainer -> wake weights -> hand-off -> free staging, empty cache -> wake KV
+        -> generate -> sleep -> reload trainer -> train -> (again)
+
+Why this order: the trainer's states leave the device before vLLM's memory returns, and vLLM's
+weights wake before its KV cache, so the two engines' peaks never overlap (waking both while the
+trainer still holds memory is the most reported colocation OOM: NeMo-RL#191, vllm#15254). The KV
+cache wakes only after the hand-off: waking it restores nothing of the weights, so weights
+synced before it cannot be overwritten by a stale CPU copy (TRL#5312). Every hand-off sends all
+parameters, which is what a level-2 sleep (weights discarded) requires (with LoRA it sends the
+whole adapter, and vLLM sleeps at level 1, keeping its base weights: `keep_base_weights`); `Rollout.wake` refuses to
+wake the KV cache over discarded weights. Expandable segments are off while vLLM's pool is touched
+(memory.py). On CPU the sleep, wake, offload and allocator verbs are no-ops; the order is the same.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from contextlib import contextmanager, nullcontext
+from dataclasses import replace
+
+import torch
+
+from hybridrl.observe import faults
+
+from hybridrl.run import launch
+
+from hybridrl.cycle import memory
+
+from hybridrl.cycle import sync
+
+from hybridrl.engines import vllm_compat
+from hybridrl.run.config import Config, ConfigError, UserError
+
+
+def _phase(phases, name: str):
+    return phases(name) if phases is not None else nullcontext()
+
+
+def hand_off(trainer, rollout, phases=None, *, cfg: Config, cuda: bool, critic=None) -> dict:
+    """Trainer -> vLLM, leaving vLLM awake and ready to generate. Returns what was handed over
+    (sync/tensors, sync/bytes: with LoRA, the adapter's only)."""
+    with _phase(phases, "offload"):
+        if cfg.train.offload_states != "off":  # plan_rollout decided (on GPU with the planner)
+            trainer.offload()  # optimizer states, fp32 master weights, gradients
+        if critic is not None:  # the value model (algo.advantage=gae): all of it, it takes no part in the hand-off
+            critic.offload()
+    with memory.vllm_pool(cuda):
+        with _phase(phases, "wake_weights"):
+            rollout.wake(["weights"])
+        with _phase(phases, "sync"):
+            sent = sync.push_weights(trainer, rollout, cfg.train.sync_bucket_mb)
+            if cfg.train.offload_params:
+                trainer.offload(params=True)  # the hand-off has read them; back at reload
+            memory.empty_cache(cuda)  # gather and staging buffers go back before the KV cache comes
+        with _phase(phases, "wake_kv"):
+            rollout.wake(["kv_cache"])
+    return sent
+
+
+def release(trainer, rollout, phases, *, cfg: Config, critic=None) -> None:
+    """vLLM -> trainer, after generating: vLLM gives its memory back, the trainer takes its
+    states back."""
+    with _phase(phases, "sleep"):
+        rollout.sleep(cfg.rollout.sleep_level)
+    with _phase(phases, "reload"):
+        trainer.reload()
+        if critic is not None:
+            critic.reload()
+
+
+def check(cfg: Config, cuda: bool) -> None:
+    """At start, before any engine: an allocator setting that sleep mode cannot live with fails
+    here with what to change."""
+    if cuda:
+        memory.check_alloc_conf(os.environ, cfg, can_toggle=memory.can_toggle())
+
+
+def keep_base_weights(cfg: Config, main: bool) -> Config:
+    """LoRA hands vLLM the adapter only, so vLLM must keep its base weights while it sleeps: a
+    level-2 sleep (the default) discards them and nothing would bring them back. Level 1 keeps
+    them in host memory (one pinned copy per rank)."""
+    if not cfg.model.lora_rank or cfg.rollout.sleep_level != 2:
+        return cfg
+    if main:
+        print("note: model.lora_rank > 0: rollout.sleep_level 2 -> 1 (only the adapter is handed to vLLM, so its "
+              "base weights must survive its sleep; level 2 would discard them)", flush=True)
+    return replace(cfg, rollout=replace(cfg.rollout, sleep_level=1))
+
+
+def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, world_size: int = 1,
+                 visitors: int = 0) -> Config:
+    """Size vLLM before it is built, as it will run, and decide where the trainer's states live
+    while it generates. With rollout.gpu_memory_utilization=auto (GPU): measure the device with
+    the trainer's states on it and offloaded, plan (memory.plan: weights, a KV cache for the
+    step's sequences, activations), keep the states on the device if they fit beside vLLM, print
+    the plan. Returns the config with the decisions filled in (a utilization, rollout.kv_cache_mb,
+    train.offload_states on/off; on GPU rollout.max_num_seqs, memory.engine_seqs). The critic
+    always leaves: it takes no part in generating.
+    With LoRA, vLLM's sleep keeps its base weights (keep_base_weights). `visitors`: device bytes
+    of the reward models, which score while vLLM is awake; the plan keeps them free."""
+    cfg = keep_base_weights(cfg, main)
+    if critic is not None:
+        critic.offload()
+    per_rank = launch.all_gather(memory.host_memory())
+    if main:
+        print(memory.describe_host(per_rank), flush=True)
+    t, r = cfg.train, cfg.rollout
+    if cuda and not r.max_num_seqs:  # vLLM runs a step's or an evaluation's sequences at once (memory.sampler_bytes)
+        r = replace(r, max_num_seqs=memory.engine_seqs(cfg, world_size))
+        cfg = replace(cfg, rollout=r)
+    if not cuda or r.gpu_memory_utilization != "auto":  # the user sized vLLM (or CPU: rollout.kv_cache_mb)
+        offload = "off" if t.offload_states == "off" else "on"
+        if offload == "on":
+            trainer.offload()
+        return replace(cfg, train=replace(t, offload_states=offload))
+    if r.sleep_level == 0:  # vLLM would keep the planned memory while the trainer reloads
+        raise ConfigError("rollout.gpu_memory_utilization=auto plans for vLLM sleeping while the trainer trains; with "
+                          "rollout.sleep_level=0 set a fraction that leaves room for the trainer")
+    hf = trainer.hf
+    # a rank's engine holds its tensor-parallel shard of the weights; its KV share covers the group's
+    # sequences (tp x a rank's) at 1/tp of the heads: a rank's step at full width, as kv_cache_need counts
+    weights = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in hf.parameters()) \
+        // r.tensor_parallel_size
+    need = (r.kv_cache_mb << 20) or memory.kv_cache_need(cfg, hf.config, world_size, hf.dtype.itemsize)
+    # with the states kept, what is free now less the Adam moments the first step will add
+    free_kept = memory.free_memory()[0] - trainer.pending_state_bytes() if t.offload_states != "on" else 0
+    trainer.offload(params=t.offload_params)  # measured as it will run: the parameters leave too when set
+    free_offloaded, total = memory.free_memory()
+    # one plan for every rank: what the fullest device has free (ranks differ by their neighbours' use)
+    free_kept, free_offloaded = (int(-launch.all_max(-free)) for free in (free_kept, free_offloaded))
+    plan = memory.plan(total, free_kept, free_offloaded, margin=r.memory_margin_mb << 20, weights=weights,
+                       need=need, offload=t.offload_states, visitors=visitors,
+                       sampler=memory.sampler_bytes(r.max_num_seqs, memory.vocab_size(hf.config)))
+    if not plan.offload:
+        trainer.reload()
+    if main:
+        print(plan.describe(), flush=True)
+    fraction = math.floor(plan.utilization * 1e4) / 1e4  # rounded down: never more than is free
+    return replace(cfg, rollout=replace(r, gpu_memory_utilization=str(fraction), kv_cache_mb=plan.kv >> 20),
+                   train=replace(t, offload_states="on" if plan.offload else "off"))
+
+
+class EngineFailure(UserError):
+    """The device ran out of memory, or vLLM's engine died, in a phase of the step (one line)."""
+
+
+# the phase an engine failure happened in -> who held the memory, and the knob that gives it more room
+_VLLM = ("vLLM", "raise rollout.memory_margin_mb or set rollout.gpu_memory_utilization to a smaller fraction "
+                 "(a smaller rollout.kv_cache_mb, rollout.max_num_seqs or prompts_per_step x rollout.n also help)")
+_TRAINER = ("the trainer", "lower train.max_tokens_per_micro_batch (or turn on model.gradient_checkpointing / "
+                           "train.offload_states on)")
+KNOBS = {"wake_weights": _VLLM, "wake_kv": _VLLM, "generate": _VLLM, "reward": _VLLM, "reward_model": _VLLM,
+         "sync": ("the hand-off", "lower train.sync_bucket_mb (or raise rollout.memory_margin_mb)"),
+         "probe": _VLLM, "eval": _VLLM, "offload": _TRAINER, "sleep": _VLLM, "reload": _TRAINER,
+         "old_logprob": _TRAINER, "ref_logprob": _TRAINER, "values": _TRAINER, "train": _TRAINER,
+         "critic": _TRAINER}
+
+
+def failure_line(e: BaseException, cfg: Config, step: int, phase: str) -> str | None:
+    """One line for a device out-of-memory or a dead vLLM engine: the phase, the memory plan and the
+    knob; None for any other error."""
+    r, t = cfg.rollout, cfg.train
+    plan = (f"the plan: rollout.gpu_memory_utilization={r.gpu_memory_utilization}, rollout.kv_cache_mb="
+            f"{r.kv_cache_mb}, rollout.memory_margin_mb={r.memory_margin_mb}, train.offload_states={t.offload_states}, "
+            f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch}")
+    who, knob = KNOBS.get(phase, ("the run", _VLLM[1] + "; or " + _TRAINER[1]))
+    where = f"step {step}, phase {phase}" if step else f"phase {phase}"
+    if isinstance(e, torch.OutOfMemoryError):
+        return f"out of device memory in {where} ({who}; {plan}): {knob}"
+    if isinstance(e, vllm_compat.ENGINE_DEAD):
+        return (f"vLLM's engine died in {where} (its own error is above; out of memory is the usual cause; "
+                f"{plan}): {_VLLM[1]}")
+    return None
+
+
+@contextmanager
+def failures(cfg: Config, rollout):
+    """Around the steps: a device out-of-memory or a dead vLLM engine becomes an EngineFailure naming the
+    phase, the plan and the knob, after the rollout side is closed (the hand-off's temporary directory
+    and vLLM's engine process go with it)."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, *vllm_compat.ENGINE_DEAD) as e:
+        line = failure_line(e, cfg, *faults.last)
+        try:
+            rollout.close()
+        except Exception:  # noqa: BLE001 (a dead engine may not close cleanly; the line matters more)
+            pass
+        raise EngineFailure(line) from e

@@ -1,0 +1,520 @@
+"""The memory plan: what each phase of a step holds on every GPU, from the model's config alone.
+
+One plan for both engines and every phase of the step (generate, hand-off, reference, critic
+values, train), per GPU, and the pinned host memory of the node. It is arithmetic on the model's
+config.json (layers, hidden size, MLP width, heads, vocabulary) and the run's settings: no
+weights are read and no device is touched, so `hybridrl plan` runs it on any machine and
+`hybridrl train` runs it before any engine starts. Where the user left a knob unset, `decide`
+picks the cheapest setting that fits, in the order peers reach for them: smaller micro-batches,
+gradient checkpointing, ZeRO-3, the optimizer in host memory (DeepSpeed's ZeRO-Offload), the
+parameters in host memory (ZeRO-3 only). A run that fits in none stops in one line naming what
+to change.
+
+What each term is (per GPU rank; P parameters, T of them trained, b bytes per weight, N ranks
+of the trainer's data parallelism, TP vLLM's tensor-parallel size):
+- trainer: parameters P b (ZeRO-3: / N), gradients T b / N plus DeepSpeed's reduce bucket, fp32
+  master weights and Adam's two moments 12 T / N, and at the optimizer step a fp32 gradient
+  partition and a flattened copy of the gradients (4 + b) T / N (after the backward has freed the
+  activations: on CPU at the 134M shape the step, not the backward, was the peak); the optimizer offloaded:
+  the last three live in pinned host memory.
+- activations of one micro-batch of `train.max_tokens_per_micro_batch` tokens: per token and
+  layer (6 b + 8) hidden + 2 b KV width + 4 b MLP width without gradient checkpointing (the 8:
+  the RMSNorms' float32 copies), b hidden with it (each layer's input) plus one layer recomputed;
+  one more layer's worth for the backward's working set; the fused LM head's chunk of logits
+  (train.logprob_chunk x vocabulary x (b + 8)), never the full logits. These coefficients were
+  measured by counting the tensors autograd saves in transformers' Qwen2 (sdpa attention);
+  bench/plan_check.py compares the whole trainer's measured peak with the plan.
+- vLLM: weights P b / TP, a KV cache for the step's sequences (memory.kv_cache_need, / TP),
+  activations 1 GiB + 10% of the weights + the sampler's float32 logits rows, and with CUDA
+  graphs their memory pool (an estimate: the largest captured batch's activations and a few
+  MiB per captured size).
+- ZeRO-3: up to DeepSpeed's stage3_max_live_parameters (1e9) gathered while a forward or backward
+  runs, and the hand-off's bucket of gathered parameters.
+- reference: under ZeRO-2 a device copy of the weights for the phase (pinned in host memory
+  between phases, one copy per rank); under ZeRO-3 its shard in pinned host memory, gathered a
+  layer at a time. Critic: a second trainer of the same shape without the LM head.
+- the reserve (rollout.memory_margin_mb): CUDA context, NCCL buffers, allocator fragmentation.
+
+On CPU the same arithmetic checks the host: both engines share the node's memory, vLLM never
+sleeps and nothing is offloaded, so every term counts in every phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hybridrl.cycle import memory
+from hybridrl.run.config import Config, ConfigError
+
+GIB = memory.GIB
+MIB = memory.MIB
+REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements), which ds_config keeps
+STAGE3_LIVE = 1_000_000_000  # DeepSpeed's default stage3_max_live_parameters: gathered ZeRO-3 parameters kept
+GRAPH_SIZES_MAX = 512  # the largest batch vLLM captures a CUDA graph for
+CONFIGS = Path(__file__).resolve().parents[1] / "model_configs"  # config.json of real models (no weights), for planning offline
+DEFAULT_GPU_GIB = 79.2  # an 80 GB H100 as CUDA reports it (torch.cuda.mem_get_info's total)
+DEFAULT_HOST_GIB = 2048.0  # an 8-GPU H100 node (DGX H100: 2 TiB)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the plan needs of a decoder-only model's config.json."""
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool = False  # the LM head shares the embedding's weights
+    qkv_bias: bool = False  # Qwen2's q/k/v projections carry biases
+
+    @classmethod
+    def from_config(cls, conf: dict) -> "Shape":
+        text = conf.get("text_config") or conf  # multimodal configs nest the language model's
+        try:
+            heads = int(text["num_attention_heads"])
+            hidden = int(text["hidden_size"])
+            return cls(layers=int(text["num_hidden_layers"]), hidden=hidden,
+                       intermediate=int(text.get("intermediate_size") or 4 * hidden), heads=heads,
+                       kv_heads=int(text.get("num_key_value_heads") or heads),
+                       head_dim=int(text.get("head_dim") or hidden // heads), vocab=int(text["vocab_size"]),
+                       tied=bool(conf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+                       qkv_bias=bool(text.get("attention_bias", text.get("model_type") == "qwen2")))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError(f"the model's config.json has no usable {e} for the memory plan") from None
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def layer_params(self) -> int:
+        h, kv, q = self.hidden, self.kv_dim, self.q_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv) * self.qkv_bias
+        return attn + 3 * h * self.intermediate + 2 * h  # + two RMSNorm weights
+
+    @property
+    def params(self) -> int:
+        embed = self.vocab * self.hidden
+        return embed * (1 if self.tied else 2) + self.layers * self.layer_params + self.hidden
+
+    def lora_params(self, rank: int, targets: list[str]) -> int:
+        """An adapter of rank r on each targeted projection: r x (inputs + outputs)."""
+        h, kv, q, m = self.hidden, self.kv_dim, self.q_dim, self.intermediate
+        dims = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h,
+                "gate_proj": h + m, "up_proj": h + m, "down_proj": m + h}
+        return self.layers * rank * sum(dims.get(t.split(".")[-1], 0) for t in targets)
+
+    def layer_activations(self, b: int) -> int:
+        """Bytes autograd saves per token in one decoder layer (module docstring)."""
+        return (6 * b + 8) * self.hidden + 2 * b * self.kv_dim + 4 * b * self.intermediate
+
+
+def read_config(path: str) -> dict:
+    """config.json of a model directory, of a shipped real model (by hub name, case-insensitive,
+    base and -Instruct alike), or from the Hugging Face cache (or hub) as transformers would."""
+    p = Path(path).expanduser()
+    if p.is_dir() and (p / "config.json").is_file():
+        return json.loads((p / "config.json").read_text())
+    if p.is_file() and p.suffix == ".json":
+        return json.loads(p.read_text())
+    shipped = shipped_config(path)
+    if shipped is not None:
+        return json.loads(shipped.read_text())
+    if path == "demo":
+        from hybridrl.engines.models import DEMO
+        return json.loads((DEMO / "config.json").read_text())
+    try:
+        from huggingface_hub import hf_hub_download
+        return json.loads(Path(hf_hub_download(path, "config.json")).read_text())
+    except Exception as e:  # noqa: BLE001 - any failure to find it is the same one line
+        names = ", ".join(sorted(c.stem for c in CONFIGS.glob("*.json")))
+        raise ConfigError(f"model {path!r}: no config.json found (not a directory, not shipped, and not in the "
+                          f"Hugging Face cache: {str(e).splitlines()[0] if str(e) else type(e).__name__}); pass a "
+                          f"directory or config.json, or one of the shipped configs: {names}") from None
+
+
+def shipped_config(name: str) -> Path | None:
+    key = name.lower().rstrip("/").split("/")[-1].removesuffix("-instruct").removeprefix("meta-")
+    hit = CONFIGS / f"{key}.json"
+    return hit if hit.is_file() else None
+
+
+@dataclass
+class Knobs:
+    """The settings the plan reads, resolved (what `decide` may change is marked)."""
+    world: int  # trainer ranks (data parallel)
+    local: int  # ranks on this node
+    tp: int
+    zero: int  # decided
+    b: int  # bytes per weight (2: bfloat16, 4: float32)
+    ckpt: bool  # decided: gradient checkpointing
+    mb_tokens: int  # decided: tokens of one micro-batch
+    optimizer_offload: bool  # decided
+    param_offload: bool  # decided (ZeRO-3)
+    trained: int  # parameters with gradients (LoRA: the adapter's)
+    reference: bool
+    critic: bool
+    sleep_level: int
+    graphs: bool  # vLLM decodes with CUDA graphs
+    max_num_seqs: int
+    kv: int  # vLLM's KV cache bytes per rank: what the step's sequences need, with headroom
+    kv_floor: int  # the least it may shrink to where memory is short (vLLM then queues sequences)
+    chunk: int  # train.logprob_chunk
+    bucket: int  # hand-off bucket bytes (ZeRO-3 gathers)
+    reserve: int
+    on_cpu: bool
+    offload_states: str = "auto"  # train.offload_states
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes per GPU by component and phase, and pinned host memory per node."""
+    device: int  # bytes of one GPU (CPU: this rank's share of the node's memory)
+    host: int  # bytes of the node's host memory
+    rows: dict[str, dict[str, int]]  # component -> phase -> bytes
+    pinned: dict[str, int]  # what sits in pinned host memory, per node
+    knobs: Knobs
+    choices: list[str] = field(default_factory=list)  # what the plan decided, and why
+
+    PHASES = ("generate", "hand-off", "reference", "values", "train")
+
+    def total(self, phase: str) -> int:
+        return sum(r.get(phase, 0) for r in self.rows.values())
+
+    @property
+    def peak(self) -> tuple[str, int]:
+        return max(((p, self.total(p)) for p in self.PHASES), key=lambda x: x[1])
+
+    @property
+    def pinned_total(self) -> int:
+        return sum(self.pinned.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.peak[1] <= self.device and self.pinned_total <= self.host * 0.9
+
+    def table(self, title: str = "") -> str:
+        k = self.knobs
+        where = "host (shared by the node's ranks)" if k.on_cpu else "GPU"
+        head = (f"memory plan per {where}: {self.device / GIB:.1f} GiB; {k.world} rank(s), ZeRO-{k.zero}, TP {k.tp}, "
+                f"{'bfloat16' if k.b == 2 else 'float32'}" + (f" - {title}" if title else ""))
+        phases = [p for p in self.PHASES if (p != "reference" or k.reference) and (p != "values" or k.critic)]
+        width = max(len(n) for n in self.rows) + 2
+        lines = [head, " " * width + "".join(f"{p:>11}" for p in phases)]
+        for name, row in self.rows.items():
+            if any(row.get(p) for p in phases):
+                lines.append(f"{name:<{width}}" + "".join(f"{row.get(p, 0) / GIB:>11.2f}" for p in phases))
+        lines.append(f"{'total (GiB)':<{width}}" + "".join(f"{self.total(p) / GIB:>11.2f}" for p in phases))
+        phase, peak = self.peak
+        lines.append(f"peak: {phase}, {peak / GIB:.1f} of {self.device / GIB:.1f} GiB "
+                     f"({'fits' if peak <= self.device else 'DOES NOT FIT'})")
+        if self.pinned:
+            parts = ", ".join(f"{n} {v / GIB:.1f}" for n, v in self.pinned.items() if v)
+            lines.append(f"pinned host memory per node: {self.pinned_total / GIB:.1f} GiB of {self.host / GIB:.0f} "
+                         f"({parts})")
+        lines += [f"plan chose: {c}" for c in self.choices]
+        return "\n".join(lines)
+
+
+def graph_bytes(shape: Shape, b: int, max_num_seqs: int, tp: int) -> int:
+    """vLLM's CUDA-graph pool, estimated: the largest captured batch's activations in one layer
+    (its buffers are reused layer to layer) and a few MiB per captured batch size (1, 2, 4, 8,
+    16, ... every 8 up to min(max_num_seqs, 512))."""
+    top = min(max_num_seqs or GRAPH_SIZES_MAX, GRAPH_SIZES_MAX)
+    sizes = len(capture_sizes(top))
+    per_seq = (shape.q_dim + 2 * shape.kv_dim + shape.hidden + 2 * shape.intermediate) // tp * b + shape.vocab * 4 // tp
+    return 64 * MIB + 2 * MIB * sizes + top * per_seq
+
+
+def capture_sizes(top: int) -> list[int]:
+    """The batch sizes vLLM captures graphs for, bounded by max_num_seqs: 1, 2, 4, then every 8."""
+    return [s for s in [1, 2, 4] + list(range(8, GRAPH_SIZES_MAX + 1, 8)) if s <= top] or [1]
+
+
+def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
+    """The plan for settings `k` (pure arithmetic: tested by hand in tests/test_plan.py)."""
+    P, T, b, N = shape.params, k.trained, k.b, k.world
+    z3 = k.zero == 3
+    params = P * b // N if z3 else P * b
+    if z3 and k.param_offload:  # the shard lives in host memory; a layer or two is gathered at a time
+        params = 2 * shape.layer_params * b
+    grads = T * b // N + min(REDUCE_BUCKET, T) * b
+    states = 12 * T // N  # fp32 master weights + Adam's two moments, this rank's partition
+    step_grads = (4 + b) * T // N  # the step's fp32 gradient partition and flattened low-precision copy
+    if k.optimizer_offload:  # gradients go to the host partition as they are reduced: only the bucket stays
+        grads, states, step_grads = min(REDUCE_BUCKET, T) * b, 0, 0
+    tokens = k.mb_tokens
+    per_layer = shape.layer_activations(b)
+    fixed = (4 + b) * shape.hidden  # embedding output, final norm
+    if k.ckpt:  # each layer's input, and one layer recomputed in the backward
+        saved = tokens * (fixed + shape.layers * b * shape.hidden + per_layer)
+    else:
+        saved = tokens * (fixed + shape.layers * per_layer)
+    backward = tokens * per_layer + shape.layer_params * b  # a layer's activation and weight gradients
+    head = min(k.chunk, tokens) * shape.vocab * (b + 8)
+    act = saved + backward + head
+    fwd_only = tokens * per_layer + head  # a no-grad forward (log-probs, values): one layer at a time
+
+    vllm_w = P * b // k.tp
+    vllm_act = GIB + vllm_w // 10 + memory.sampler_bytes(k.max_num_seqs, shape.vocab)
+    graphs = graph_bytes(shape, b, k.max_num_seqs, k.tp) if k.graphs and not k.on_cpu else 0
+    # vLLM while asleep: level 1 keeps its weights in host memory, level 2 drops them; on CPU it never sleeps
+    awake = ("generate", "hand-off")
+    vllm_phases = MemoryPlan.PHASES if k.on_cpu or k.sleep_level == 0 else awake
+    rows: dict[str, dict[str, int]] = {}
+
+    def row(name: str, value: int, phases) -> None:
+        if value:
+            rows[name] = {p: value for p in phases}
+
+    row("vLLM weights", vllm_w, vllm_phases)
+    row("vLLM KV cache", k.kv, ("generate",) if not k.on_cpu and k.sleep_level else MemoryPlan.PHASES)
+    row("vLLM activations", vllm_act, ("generate",) if not k.on_cpu else MemoryPlan.PHASES)
+    row("CUDA graphs", graphs, ("generate",) if k.sleep_level else MemoryPlan.PHASES)
+    # the trainer: its parameters stay (the hand-off reads them); its states stay beside vLLM when they
+    # fit (train.offload_states auto, decided again by measurement at start), else they leave
+    everywhere = MemoryPlan.PHASES
+    training = ("reference", "values", "train") if not k.on_cpu else everywhere
+    row("trainer params", params, everywhere)
+    row("trainer grads", grads, training)
+    row("fp32 master + Adam", states, training)
+    # activations are freed by the backward's end, before the optimizer step builds its fp32 gradients
+    rows.setdefault("activations", {})["train"] = max(act, step_grads)
+    if k.reference:
+        rows["activations"]["reference"] = fwd_only
+        row("reference", P * b if not z3 else 2 * shape.layer_params * b, ("reference",) if not k.on_cpu else everywhere)
+    critic_states = 0
+    if k.critic:
+        cP = P - shape.vocab * shape.hidden * (0 if shape.tied else 1)  # no LM head: a one-output value head
+        critic_states = (cP * b // N + min(REDUCE_BUCKET, cP) * b + 12 * cP // N) * (not k.optimizer_offload)
+        row("critic", (cP * b // N if z3 else cP * b) + critic_states, ("values", "train") if not k.on_cpu else everywhere)
+        rows["activations"]["values"] = fwd_only
+    if z3:
+        row("hand-off bucket", k.bucket, ("hand-off",))
+        # forward and backward gather layers ahead and keep up to STAGE3_LIVE parameters gathered
+        row("ZeRO-3 gathered", min(STAGE3_LIVE, P) * b, ("reference", "values", "train") if not k.on_cpu else everywhere)
+    row("reserve", k.reserve, everywhere)
+    plan = MemoryPlan(device, host, rows, {}, k)
+    over = plan.total("generate") - device
+    if over > 0 and k.kv > k.kv_floor:  # a smaller KV cache: vLLM runs the step in more waves
+        rows["vLLM KV cache"] = {p: v - min(over, k.kv - k.kv_floor) for p, v in rows["vLLM KV cache"].items()}
+    kept = grads + states if not k.optimizer_offload else 0
+    if not k.on_cpu and kept and k.offload_states != "on" and (
+            k.offload_states == "off" or plan.total("generate") + kept <= device):
+        for name in ("trainer grads", "fp32 master + Adam"):
+            if name in rows:
+                rows[name].update({"generate": rows[name]["train"], "hand-off": rows[name]["train"]})
+        kept = 0
+    pinned = plan.pinned
+    if not k.on_cpu:
+        if k.reference:  # ZeRO-2: a whole copy per rank; ZeRO-3: its shards, one copy per node
+            pinned["reference"] = (P * b // N if z3 else P * b) * k.local
+        if k.sleep_level == 1:
+            pinned["vLLM weights (sleep level 1)"] = vllm_w * k.local
+        if k.optimizer_offload:
+            pinned["optimizer (offloaded)"] = 16 * T // N * k.local
+        if kept:
+            pinned["trainer states while generating"] = kept * k.local
+        if k.param_offload:
+            pinned["parameters (offloaded)"] = P * b // N * k.local
+        if k.critic:
+            pinned["critic while generating"] = critic_states * k.local
+    return plan
+
+
+# --- deciding the knobs the user left unset --------------------------------------------------------
+def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp: int = 0) -> Knobs:
+    """The plan's inputs from a resolved config; `tp` other than the config's to try another size."""
+    t, r, m = cfg.train, cfg.rollout, cfg.model
+    b = 4 if m.dtype == "float32" else 2
+    tp = tp or r.tensor_parallel_size
+    dp = max(1, world // tp)  # vLLM engines: each generates its group's prompts
+    # a rank holds its share of the KV heads (all of one head where there are fewer heads than ranks)
+    kv_per_token = 2 * shape.layers * shape.head_dim * b * max(1, shape.kv_heads // tp)
+    if on_cpu:
+        kv = floor = (r.kv_cache_mb or 64) << 20
+    elif r.kv_cache_mb:
+        kv = floor = r.kv_cache_mb << 20
+    else:  # memory.kv_cache_need for the group's sequences (tp ranks x a rank's share); at least half of
+        # them at once where memory is short
+        need = memory.step_seqs(cfg, dp) * r.max_model_len * kv_per_token
+        kv, floor = max(memory.KV_HEADROOM * need, memory.KV_MIN), max(need // 2, memory.KV_MIN)
+    trained = shape.lora_params(m.lora_rank, m.lora_target_modules) if m.lora_rank else shape.params
+    return Knobs(world=world, local=local, tp=tp, zero=t.zero_stage, b=b, ckpt=m.gradient_checkpointing,
+                 mb_tokens=max(t.max_tokens_per_micro_batch, r.max_model_len),
+                 optimizer_offload=t.optimizer_offload == "on", param_offload=t.param_offload == "on",
+                 trained=trained, reference=cfg.algo.kl_coef > 0 and not m.lora_rank,
+                 critic=cfg.algo.advantage == "gae", sleep_level=r.sleep_level, graphs=not r.enforce_eager,
+                 max_num_seqs=r.max_num_seqs or memory.engine_seqs(cfg, dp), kv=kv, kv_floor=floor, chunk=t.logprob_chunk,
+                 bucket=t.sync_bucket_mb << 20, reserve=(r.memory_margin_mb << 20) if not on_cpu else 0,
+                 on_cpu=on_cpu, offload_states=t.offload_states)
+
+
+FREE = ("rollout.tensor_parallel_size", "model.gradient_checkpointing", "train.max_tokens_per_micro_batch",
+        "train.zero_stage", "train.optimizer_offload", "train.param_offload")
+
+
+def ladder(cfg: Config, shape: Shape, base: Knobs, world: int, local: int, device: int):
+    """Settings to try, cheapest first, varying only what the user left unset (recipe.explicit):
+    halved micro-batches, gradient checkpointing, ZeRO-3, a larger vLLM tensor-parallel group, and
+    only then the optimizer (and then the parameters) in host memory."""
+    from hybridrl.run.recipe import explicit
+    free = {key: not explicit(cfg, key) for key in FREE}
+    tps = [base.tp] + [t for t in (2, 4, 8) if free["rollout.tensor_parallel_size"] and t > base.tp
+                       and world % t == 0 and shape.heads % t == 0 and t <= local]
+    tps = [t for t in tps if vllm_fits(shape, base, t, device)]
+    budgets = [base.mb_tokens]
+    if free["train.max_tokens_per_micro_batch"]:
+        while budgets[-1] // 2 >= max(cfg.rollout.max_model_len, 1024):
+            budgets.append(budgets[-1] // 2)
+    ckpts = [base.ckpt] + [True] * (free["model.gradient_checkpointing"] and not base.ckpt)
+    zeros = [base.zero] + [3] * (free["train.zero_stage"] and base.zero != 3 and world > 1)
+    offloads = [(base.optimizer_offload, base.param_offload)]
+    if free["train.optimizer_offload"] and not base.optimizer_offload:
+        offloads.append((True, base.param_offload))
+    if free["train.param_offload"] and not base.param_offload:
+        offloads.append((True, True))
+    for optimizer_offload, param_offload in offloads:
+        for tp in tps:
+            k = knobs(cfg, shape, world=world, local=local, on_cpu=False, tp=tp) if tp != base.tp else base
+            for zero in zeros:
+                if param_offload and zero != 3:
+                    continue
+                for ckpt in ckpts:
+                    # full micro-batches before checkpointing: recomputing costs a third more compute
+                    for mb in budgets[:2] if ckpt != ckpts[-1] else budgets:
+                        yield dataclasses.replace(k, zero=zero, optimizer_offload=optimizer_offload,
+                                                  param_offload=param_offload, ckpt=ckpt, mb_tokens=mb)
+
+
+def vllm_fits(shape: Shape, k: Knobs, tp: int, device: int) -> bool:
+    """vLLM's weights and a minimal KV cache beside the reserve, at tensor-parallel size `tp`."""
+    return shape.params * k.b // tp + memory.KV_MIN + k.reserve <= device * 0.9
+
+
+def decide(cfg: Config, shape: Shape, *, device: int, host: int, world: int, local: int,
+           on_cpu: bool) -> tuple[Config, MemoryPlan]:
+    """The cheapest plan that fits (see `ladder`), its choices written into the config (source
+    "memory plan"); ConfigError in one line when none fits. On CPU nothing is decided: the plan
+    only checks that the run fits the node's memory."""
+    from hybridrl.run.recipe import _set
+    base = knobs(cfg, shape, world=world, local=local, on_cpu=on_cpu)
+    first = build(shape, base, device=device, host=host)
+    if on_cpu:
+        if not first.fits:
+            raise ConfigError(f"the memory plan needs {first.peak[1] / GIB:.1f} GiB of host memory per rank in "
+                              f"phase {first.peak[0]} ({local} rank(s) share {device * local / GIB:.1f} GiB "
+                              "available): use fewer ranks (--nproc), model.gradient_checkpointing, a smaller "
+                              "train.max_tokens_per_micro_batch or a smaller model (`hybridrl plan` shows the table)")
+        return cfg, first
+    p = next((p for p in (build(shape, k, device=device, host=host) for k in ladder(cfg, shape, base, world, local,
+                                                                                    device)) if p.fits), None)
+    if p is None:
+        raise ConfigError(_refusal(cfg, shape, base, device, host, world, local))
+    k = p.knobs
+    chosen = {"rollout.tensor_parallel_size": (k.tp, base.tp), "model.gradient_checkpointing": (k.ckpt, base.ckpt),
+              "train.max_tokens_per_micro_batch": (k.mb_tokens, base.mb_tokens), "train.zero_stage": (k.zero, base.zero),
+              "train.optimizer_offload": ("on" if k.optimizer_offload else "off", cfg.train.optimizer_offload),
+              "train.param_offload": ("on" if k.param_offload else "off", cfg.train.param_offload)}
+    for key, (value, before) in chosen.items():
+        if value != before:
+            cfg = _set(cfg, key, value, "memory plan")
+            if value != "off":
+                p.choices.append(f"{key}={str(value).lower()}")
+    if p.choices:
+        p.choices = [", ".join(p.choices) + f" (with the defaults, {first.peak[0]} would need "
+                     f"{first.peak[1] / GIB:.1f} GiB)"]
+    return cfg, p
+
+
+def _refusal(cfg: Config, shape: Shape, base: Knobs, device: int, host: int, world: int, local: int) -> str:
+    """One line: what stops the run, and what would change it."""
+    tp = next((t for t in (1, 2, 4, 8) if t >= base.tp and vllm_fits(shape, base, t, device)), None)
+    if tp is None or not any(vllm_fits(shape, base, t, device) for t in [base.tp] + [
+            t for t in (2, 4, 8) if world % t == 0 and t <= local]):
+        need = f"rollout.tensor_parallel_size {tp} over {tp} GPUs (--nproc {tp})" if tp else "more GPUs per engine"
+        return (f"vLLM's weights alone are {shape.params * base.b / base.tp / GIB:.1f} GiB per GPU at "
+                f"rollout.tensor_parallel_size={base.tp}, too much for a {device / GIB:.1f} GiB GPU beside the "
+                f"reserve and a KV cache: it needs at least {need}, or a smaller model")
+    last = None
+    for k in ladder(cfg, shape, base, world, local, device):
+        last = k  # the most the user's settings allow
+    last = build(shape, last or base, device=device, host=host)
+    phase, peak = last.peak
+    if last.pinned_total > host * 0.9 and peak <= device:
+        return (f"the memory plan needs {last.pinned_total / GIB:.0f} GiB of pinned host memory per node, more than "
+                f"90% of {host / GIB:.0f} GiB: use more nodes, LoRA (model.lora_rank), or a node with more memory "
+                "(`hybridrl plan` shows the table)")
+    from hybridrl.run.recipe import explicit
+    k = last.knobs
+    levers = [fix for key, fix, done in (
+        ("model.gradient_checkpointing", "model.gradient_checkpointing true", k.ckpt),
+        ("train.max_tokens_per_micro_batch", "a smaller train.max_tokens_per_micro_batch",
+         k.mb_tokens <= max(cfg.rollout.max_model_len, 1024)),
+        ("train.zero_stage", "train.zero_stage 3", k.zero == 3 or world == 1),
+        ("train.optimizer_offload", "train.optimizer_offload on", k.optimizer_offload),
+        ("train.param_offload", "train.param_offload on", k.param_offload or k.zero != 3))
+        if explicit(cfg, key) and not done]
+    return (f"no setting fits: phase {phase} needs {peak / GIB:.1f} of {device / GIB:.1f} GiB per GPU at best: "
+            + (f"set {', '.join(levers)}, or " if levers else "")
+            + "use more GPUs (--nproc/--nnodes), rollout.tensor_parallel_size, LoRA (model.lora_rank), a shorter "
+            "rollout.max_model_len or a smaller model (`hybridrl plan` shows the table)")
+
+
+# --- at start, and as a dry run ----------------------------------------------------------------------
+def fit(cfg: Config, model_dir: str, *, world: int, local: int, device: int, host: int,
+        on_cpu: bool) -> tuple[Config, MemoryPlan | None]:
+    """`decide` for a run about to start (loop.train, before any engine): the model's shape from its
+    config.json. A config the plan cannot read (an unusual architecture) is planned by measurement
+    alone, as before this plan existed, with a warning."""
+    try:
+        shape = Shape.from_config(read_config(model_dir))
+    except (ConfigError, OSError, ValueError) as e:
+        import logging
+        logging.getLogger("hybridrl").warning("no memory plan for this model (%s): vLLM is still sized by "
+                                              "measurement, the training phase is not checked", e)
+        return cfg, None
+    return decide(cfg, shape, device=device, host=host, world=world, local=local, on_cpu=on_cpu)
+
+
+def summary(p: MemoryPlan) -> str:
+    """One line for CPU runs, where the table would mostly say 'fits'."""
+    phase, peak = p.peak
+    return (f"memory plan: peak {peak / GIB:.2f} GiB per rank ({phase}) of {p.device / GIB:.1f} GiB available "
+            "(`hybridrl plan` prints the table)")
+
+
+def info_of(name: str, conf: dict, shape: Shape):
+    """models.ModelInfo from config.json alone (no tokenizer, no weights): what the recipe reads."""
+    from hybridrl.engines.models import ModelInfo
+    text = conf.get("text_config") or conf
+    archs = conf.get("architectures") or ["?"]
+    return ModelInfo(name=name, path=name, arch=archs[0], params=shape.params, vocab=shape.vocab,
+                     max_positions=int(text.get("max_position_embeddings") or 0),
+                     kv_values_per_token=2 * shape.layers * shape.kv_dim, attn_heads=shape.layers * shape.heads)
+
+
+def dry_run(cfg: Config, *, nproc: int, nnodes: int, gpu_gib: float, host_gib: float) -> tuple[Config, MemoryPlan, list[str]]:
+    """`hybridrl plan`: the recipe and the plan a run of `cfg` would get on nnodes x nproc GPUs of
+    gpu_gib each, from the model's config.json alone. Returns (config, plan, recipe lines)."""
+    from hybridrl.run import recipe
+    conf = read_config(cfg.model.path)
+    shape = Shape.from_config(conf)
+    info = info_of(cfg.model.path, conf, shape)
+    world = nproc * nnodes
+    cfg = recipe.auto_dtype(cfg, on_cpu=False)
+    cfg = recipe.resolve(cfg, info, on_cpu=False, world_size=world)
+    if cfg.train.prompts_per_step % world:
+        raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by the {world} ranks")
+    cfg, p = decide(cfg, shape, device=int(gpu_gib * GIB), host=int(host_gib * GIB), world=world, local=nproc,
+                    on_cpu=False)
+    return cfg, p, recipe.describe(cfg, info, on_cpu=False)

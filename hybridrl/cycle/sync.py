@@ -1,0 +1,128 @@
+"""Weight hand-off from the trainer to vLLM, and the probe that proves it landed.
+
+The only module that knows both engines. In process, tensors pass by reference: no
+serialisation, no file, no transport; out of process (rollout.mode=outofprocess) the rollout
+sends them through shared staging buckets (ipc.py). ZeRO-3 parameters are gathered in buckets
+while they are consumed (see `Trainer.named_parameters_for_sync`). When the hand-off happens,
+and around what, is engine_cycle.py's business.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from hybridrl.observe import faults
+
+from hybridrl.run import launch
+from hybridrl.data.batch import Batch
+from hybridrl.engines.rollout import Rollout
+from hybridrl.engines.trainer import Trainer
+
+
+log = logging.getLogger("hybridrl")
+
+
+class StaleWeightsError(RuntimeError):
+    """vLLM's weights do not match the trainer's after a hand-off."""
+
+
+_hand_offs = 0
+
+
+def push_weights(trainer: Trainer, rollout: Rollout, bucket_mb: int) -> dict:
+    """Every parameter, every time: a level-2 sleep discarded vLLM's copy, and a partial push
+    would leave it a mix of two policies. With LoRA, every adapter tensor (the base never
+    changes). Returns what was handed over: sync/tensors, sync/bytes."""
+    global _hand_offs
+    _hand_offs += 1
+    sent = {"sync/tensors": 0, "sync/bytes": 0}
+    named = _counted(trainer.named_parameters_for_sync(bucket_mb << 20), sent)
+    if faults.injected("corrupt_hand_off", _hand_offs):  # tests only
+        named = _garbled(named)
+    rollout.update_weights(named)
+    return sent
+
+
+def _counted(named, sent: dict):
+    for name, t in named:
+        sent["sync/tensors"] += 1
+        sent["sync/bytes"] += t.numel() * t.element_size()
+        yield name, t
+
+
+def _garbled(named):
+    """One tensor arrives shifted by 1: what the probe must catch (tests only). The first, or with
+    LoRA the first B (A alone would change nothing while B is still ~0)."""
+    done = False
+    for name, t in named:
+        hit = not done and (".lora_A." not in name)
+        done |= hit
+        yield name, (t + 1.0 if hit else t)
+
+
+def probe_batch(seqs: list[list[int]]) -> Batch:
+    """Score every token after the first of each sequence."""
+    n = [len(s) for s in seqs]
+    batch = Batch.from_rows([s[:1] for s in seqs], [s[1:] for s in seqs],
+                            [[0.0] * (k - 1) for k in n], [0.0] * len(seqs))
+    return batch
+
+
+def probe(trainer: Trainer, rollout: Rollout, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """|logp_vllm - logp_trainer| of every token of a fixed probe batch, and vLLM's log-probs."""
+    batch = probe_batch(seqs)
+    ours = trainer.logprobs(batch, temperature=1.0)[batch.loss_mask].float().cpu()  # [N]
+    theirs = torch.tensor([x for row in rollout.prompt_logprobs(seqs) for x in row])  # [N]
+    return (ours - theirs).abs(), theirs
+
+
+# By dtype: the statistic of |logp_vllm - logp_trainer| over the probe's tokens and its default bound
+# (train.probe_tol=0). float32 engines differ by accumulation order only: the largest gap, 1e-4
+# (CPU: ~4e-6). 16-bit engines differ by the rounding of every activation, which on single tokens
+# reaches 0.04 (0.5B, random weights) to 0.15 (the demo in bf16) on an H100: the mean gap is what
+# stays small, while a stale or garbled tensor moves every token.
+PROBE = {"float32": ("max", 1e-4), "bfloat16": ("mean", 2e-2), "float16": ("mean", 2e-2)}
+
+
+class Probe:
+    """The post-hand-off check: vLLM and the trainer must agree on a fixed batch, and vLLM's
+    answers must change when the weights do. Stale or partial weights fail loudly (TRL#5312
+    lost weeks to silently stale weights); `action="warn"` only logs."""
+
+    def __init__(self, seqs: list[list[int]], tol: float, action: str, stat: str = "max", every: int = 1):
+        self.seqs, self.tol, self.action, self.stat, self.every = seqs, tol, action, stat, every
+        self.last: torch.Tensor | None = None
+        self.checked = False  # a hand-off of this process has been probed
+
+    def due(self, step: int, metrics: dict) -> bool:
+        """Whether to probe the hand-off that just ran: the first of the process (a broken hand-off
+        path fails before it costs a run), every `every` steps, and at once when the training
+        batch's own gap between vLLM's and the trainer's log-probs of the sampled tokens (the
+        probe's statistic, which the trainer computes every step for free) exceeds the tolerance:
+        vLLM sampled that batch with weights other than the trainer's. every=0: never (the
+        trainer's parameters may be off the device after the hand-off)."""
+        if not self.every:
+            return False
+        gap = metrics.get("logp_gap_max" if self.stat == "max" else "logp_gap_mean", 0.0)
+        due = not self.checked or step % self.every == 0 or not gap <= self.tol  # NaN counts as drift
+        return launch.all_max(float(due)) > 0  # every rank probes, or none (the trainer's forward may gather)
+
+    def __call__(self, trainer: Trainer, rollout: Rollout, step: int) -> dict:
+        self.checked = True
+        diff, theirs = probe(trainer, rollout, self.seqs)  # [N]
+        out = {"probe_gap": float(diff.max()), "probe_gap_mean": float(diff.mean())}  # vLLM vs trainer now: ~0
+        gap = out["probe_gap" if self.stat == "max" else "probe_gap_mean"]
+        if self.last is not None:  # vLLM now vs at the last probe: > 0 proves the weights moved
+            out["probe_delta"] = float((theirs - self.last).abs().max())
+        self.last = theirs
+        if not gap <= self.tol:  # a NaN gap fails too: a non-finite weight or log-prob on either side
+            msg = (f"step {step}: vLLM and trainer disagree on the probe batch by {gap:.2e} ({self.stat}, "
+                   f"> train.probe_tol={self.tol}): stale or partial weights after the hand-off") if gap == gap else (
+                   f"step {step}: the probe batch's vLLM-vs-trainer gap is NaN: a weight or log-prob is not finite "
+                   f"on one side (look for inf/NaN in the last step's loss and grad_norm; lower train.lr)")
+            if self.action == "error":
+                raise StaleWeightsError(msg)
+            log.warning(msg)
+        return out

@@ -1,0 +1,164 @@
+"""The policy's forward: an HF causal LM -> log-probs (and the loss) of the completion tokens.
+
+`TokenLogprobs` bypasses the model's LM head: the base model returns hidden states, and only the
+rows that predict completion tokens go through `kernels.logprob` / `kernels.ppo_loss` with the
+head's weight, so no [tokens x vocab] logits tensor is ever built (prompt positions need no logits
+at all). `share_prompt` decides whether a group's prompt is computed once for its rows, and
+`module_inputs` lays a micro-batch out for it. The trainer (trainer.py) and the reference
+(reference.py) both run their models through this module.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from hybridrl.kernels.fused_loss import fused_logprob_ppo_loss
+from hybridrl.kernels.liger_loss import liger_ppo_loss
+from hybridrl.kernels.logprob import logprob_entropy
+from hybridrl.kernels.ppo_loss import importance_weights
+
+from hybridrl.data.batch import Batch, Shared
+from hybridrl.run.config import Config, UserError
+
+log = logging.getLogger("hybridrl")
+# the warning when train.share_prompt=on cannot be honoured (bench/peers.py reads it from the run's output)
+SHARE_PROMPT_REFUSED = "train.share_prompt=on: not with"
+# attention implementations that read packed samples from position_ids (transformers' masking_utils)
+PACKABLE_ATTENTION = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+
+class TokenLogprobs(nn.Module):
+    """HF causal LM -> log-prob and entropy of the masked tokens, through the fused kernel. The
+    trainer's engine wraps it; the reference policy (reference.py) scores with it too."""
+
+    def __init__(self, hf: nn.Module, provider: str, chunk: int, max_len: int | None = None):
+        super().__init__()
+        self.hf, self.provider, self.chunk, self.max_len = hf, provider, chunk, max_len
+        for attr in ("final_logit_softcapping", "logit_scale"):
+            if getattr(hf.config, attr, None) not in (None, 1.0):
+                raise UserError(f"{type(hf).__name__} applies {attr}={getattr(hf.config, attr)} to its logits, which "
+                                "the fused log-prob path (it bypasses the LM head) does not: such models are not "
+                                "supported yet; use a model without it")
+
+    def forward(self, tokens, attention_mask, loss_mask, temperature: float, loss: dict | None = None,
+                position_ids=None, shared: dict | None = None):
+        """Without `loss`: (logp [N], entropy [N]) of the masked tokens. With `loss` (ppo_loss's
+        per-token tensors and knobs): (loss, metrics, logp, entropy) from the fused kernel, which
+        produces the logits' gradient in the same pass. Packed rows (`Batch.packed()`) come with
+        position_ids and attention_mask=None; the shared-prompt layout (`Batch.shared()`, as a dict)
+        comes alone, tokens, attention_mask and loss_mask None."""
+        if shared is not None:
+            s = Shared(**shared)
+            hidden, sel, targets = self._shared_hidden(s), s.loss_mask, s.completions  # [B, C, d], [B, C], [B, C]
+        else:
+            # use_cache=False: a KV cache is useless here, and transformers only looks for packed
+            # sequences in position_ids when there is none (masking_utils._preprocess_mask_arguments)
+            hidden = self.hf.base_model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids,
+                                        use_cache=False).last_hidden_state[:, :-1]
+            sel, targets = loss_mask[:, 1:], tokens[:, 1:]  # [B, T-1]: position t predicts token t+1
+        h = hidden[sel]  # [N, d]
+        y = targets[sel]  # [N]
+        head = self.hf.get_output_embeddings()
+        if self.provider == "liger" and loss is not None:
+            return self._liger(hidden, head, targets, sel, h, y, temperature, loss)
+        kw = dict(temperature=temperature, bias=head.bias, chunk_size=self.chunk,
+                  provider="torch" if self.provider == "liger" else self.provider)
+        if loss is None:
+            return logprob_entropy(h, head.weight, y, **kw)
+        return fused_logprob_ppo_loss(h, head.weight, y, **kw, **loss)
+
+    def _shared_hidden(self, s: Shared) -> torch.Tensor:
+        """[B, C, d] hidden states that predict each row's completion tokens, its prompt computed once
+        per group: the distinct prompts run first and keep their KV cache (with its autograd graph),
+        which is gathered to the rows and extended by the completions; the prompt's last hidden
+        state predicts the first completion token. Backward sums each prompt's gradient over its rows:
+        the same loss and gradients as running every row whole, for 1/rows of the prompt's compute."""
+        body = self.hf.base_model
+        P = s.prompts.shape[1]
+        prompt_mask = (torch.arange(P, device=s.prompts.device)[None] < s.prompt_lens[:, None]).long()
+        out = body(input_ids=s.prompts, attention_mask=prompt_mask, use_cache=True)
+        cache = out.past_key_values
+        cache.batch_select_indices(s.group)  # [G, ...] -> [B, ...]: an index, differentiable
+        comp = body(input_ids=s.completions, attention_mask=s.attention_mask, position_ids=s.position_ids,
+                    past_key_values=cache, use_cache=True).last_hidden_state  # [B, C, d]
+        last = out.last_hidden_state[torch.arange(len(s.prompts), device=comp.device), s.prompt_lens - 1]  # [G, d]
+        return torch.cat([last[s.group][:, None], comp[:, :-1]], 1)
+
+    def _liger(self, hidden, head, targets, sel, h, y, temperature, loss):
+        """Liger's fused GRPO loss on whole rows (it takes [B, T, d]: the positions that predict a next
+        token); our per-token inputs are scattered back to rows. logp is computed first without grad:
+        for the metrics, and for the IS weight when the pass is on-policy (logp_old None)."""
+        seq_ids = loss["seq_ids"]
+        with torch.no_grad():
+            logp, entropy = logprob_entropy(h, head.weight, y, temperature, head.bias, provider="torch")
+
+        def rows(x):  # [N] -> [B, T-1], zero off the completion tokens
+            out = torch.zeros(sel.shape, device=h.device)
+            out[sel] = x.float()
+            return out
+
+        adv = torch.zeros(len(hidden), device=h.device).index_put_((seq_ids,), loss["advantages"].float())  # [B]
+        old = None if loss["logp_old"] is None else rows(loss["logp_old"])
+        is_w = None
+        if loss["logp_rollout"] is not None:  # TIS or masked IS: a detached weight per token
+            is_w = rows(importance_weights(
+                logp if loss["logp_old"] is None else loss["logp_old"], loss["logp_rollout"], seq_ids,
+                level=loss["tis_level"], correction=loss["is_correction"], tis_cap=loss["tis_cap"],
+                is_mask_low=loss["is_mask_low"], is_mask_high=loss["is_mask_high"]))
+        value, metrics = liger_ppo_loss(hidden, head.weight, targets, sel, adv, old, temperature, head.bias,
+                                        policy_loss=loss["policy_loss"], eps_low=loss["eps_low"],
+                                        eps_high=loss["eps_high"], cispo_clip_high=loss["cispo_clip_high"],
+                                        is_weights=is_w, agg=loss["agg"], normalizer=loss["normalizer"],
+                                        max_len=self.max_len)
+        return value, metrics, logp, entropy
+
+
+def share_prompt(cfg: Config, hf: nn.Module, provider: str, attn_implementation: str, packing: bool) -> bool:
+    """train.share_prompt: compute a group's prompt once for its rollout.n rows (TokenLogprobs._shared_hidden).
+    It needs a transformers model whose KV cache grows by concatenation (no sliding window), sdpa or eager
+    attention (their masks take a padded prompt followed by the completion; flash-attention's unpadding
+    assumes left padding), our own loss kernels (Liger takes whole rows), no packing and no gradient
+    checkpointing (which turns the cache off). auto: also not under ZeRO-3, not yet measured there."""
+    want = cfg.train.share_prompt
+    if want == "off":
+        return False
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+    try:
+        plain = all(type(layer) is DynamicLayer for layer in DynamicCache(config=hf.config).layers)
+    except Exception:  # a config transformers' cache cannot read: not a standard decoder
+        plain = False
+    why = [reason for reason, bad in (
+        (f"kernels={provider}", provider == "liger"),
+        (f"attention {attn_implementation}", attn_implementation not in ("sdpa", "eager")),
+        ("packing", packing),
+        ("gradient checkpointing", cfg.model.gradient_checkpointing),
+        (f"{type(hf).__name__} (not transformers' own, or a sliding-window cache)",
+         not plain or not type(hf).__module__.startswith("transformers.")),
+        ("ZeRO-3 (auto)", want == "auto" and cfg.train.zero_stage == 3),
+    ) if bad]
+    if why and want == "on":  # asked for by name: say why it is not done
+        log.warning(SHARE_PROMPT_REFUSED + " %s; every row computes its own prompt", ", ".join(why))
+    return not why
+
+
+def module_inputs(mb: Batch, packing: bool, share: bool) -> tuple[tuple, dict]:
+    """TokenLogprobs' (tokens, attention_mask, loss_mask) and keyword inputs for a micro-batch: packed
+    (one row, no padding computed), shared-prompt (each distinct prompt computed once, when rows share
+    one), or right-padded rows. The policy and the reference lay their micro-batches out alike.
+    The packed and shared layouts are built on the host and moved once: built on a GPU, their
+    Python loops over rows would wait on the device at every row."""
+    if packing or share:
+        dev, host = mb.tokens.device, mb.to("cpu")  # on a CPU run, the same tensors
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(dev, non_blocking=True)
+        if packing:
+            p = host.packed()
+            return (move(p.tokens), None, move(p.loss_mask)), dict(position_ids=move(p.position_ids))
+        s = host.shared()
+        if s is not None and len(s.prompts) < len(mb):
+            return (None, None, None), dict(shared={k: move(v) for k, v in s._asdict().items()})
+    return (mb.tokens, mb.attention_mask(), mb.loss_mask), {}

@@ -1,0 +1,117 @@
+"""The reference policy of the KL penalty: a frozen copy of the initial policy (or `algo.ref_path`).
+
+Verb: `logprobs(batch, temperature)`, the loop's `ref_logprob` phase. It is colocated with the
+trainer on every rank and holds no device memory while idle. Under ZeRO-3 it is sharded like the
+policy: loaded partitioned (trainer.from_pretrained), run as a DeepSpeed ZeRO-3 engine without an
+optimizer that gathers one layer at a time during the phase, its shard kept in pinned host memory
+on a GPU (`offload_param`, as OpenRLHF's reference does): one copy of the weights per node, not
+per rank. Under ZeRO-2 (whose policy is replicated anyway) it is a plain module, its weights in
+pinned CPU memory, copied to the device (non-blocking) for the phase and dropped after it; nothing
+is copied back, since they never change. On CPU those moves are no-ops. `Reference.load` returns
+None when algo.kl_coef == 0: no reference model is loaded at all. With LoRA (model.lora_rank > 0)
+the reference is the base model, which the trainer already holds: `BaseModelReference` runs the
+trainer's own model with the adapter disabled, so nothing is loaded either (unless algo.ref_path
+names another model).
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+
+import deepspeed
+import torch
+
+from hybridrl.data.batch import Batch, micro_batches, per_token, shared_micro_batches
+from hybridrl.run.config import Config
+from hybridrl.engines.policy import TokenLogprobs, module_inputs, share_prompt
+from hybridrl.engines.trainer import from_pretrained, plan_micro_batches
+
+
+def ds_config(cfg: Config, bf16: bool, cuda: bool) -> dict:
+    """The reference's DeepSpeed config: parameters only (no optimizer), the policy's ZeRO stage;
+    under ZeRO-3 on a GPU the shards live in pinned host memory between forwards."""
+    zero = {"stage": cfg.train.zero_stage, "stage3_param_persistence_threshold": 0}
+    if cuda and cfg.train.zero_stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "bf16": {"enabled": bf16},
+            "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+
+
+class Reference:
+    @staticmethod
+    def load(cfg: Config, model_path: str, *, device: torch.device, dtype: torch.dtype,
+             attn_implementation: str, trainer=None) -> "Reference | BaseModelReference | None":
+        """The reference model, or None when algo.kl_coef == 0 (nothing is loaded); with LoRA the
+        trainer's base model (`trainer`, adapter disabled: nothing is loaded)."""
+        if cfg.algo.kl_coef == 0:
+            return None
+        if cfg.model.lora_rank and not cfg.algo.ref_path and trainer is not None:
+            return BaseModelReference(trainer)
+        return Reference(cfg, cfg.algo.ref_path or model_path, device=device, dtype=dtype,
+                         attn_implementation=attn_implementation)
+
+    def __init__(self, cfg: Config, path: str, *, device: torch.device, dtype: torch.dtype,
+                 attn_implementation: str):
+        from transformers import AutoModelForCausalLM
+
+        self.cfg, self.device = cfg, device
+        cuda = device.type == "cuda"
+        conf = ds_config(cfg, dtype == torch.bfloat16, cuda)
+        hf = from_pretrained(AutoModelForCausalLM, path, conf, dtype=dtype, attn_implementation=attn_implementation,
+                             trust_remote_code=cfg.model.trust_remote_code)
+        hf.eval().requires_grad_(False)
+        kernels = cfg.train.kernels
+        # as the trainer picks (train.kernels auto = chunked torch): at step 1 the reference's log-probs
+        # are the policy's to the bit, so the KL starts at 0
+        provider = {"auto": "torch", "liger": "torch"}.get(kernels, kernels)
+        self.module = TokenLogprobs(hf, provider, cfg.train.logprob_chunk)
+        self.sharded = cfg.train.zero_stage == 3
+        # the policy's shared-prompt layout (and so, at step 1, exactly the policy's log-probs)
+        self.share = share_prompt(cfg, hf, "liger" if kernels == "liger" else provider, attn_implementation,
+                                  packing=False)
+        self._host = []
+        if self.sharded:  # the head's weight is used by this module's forward, not by lm_head's
+            deepspeed.zero.register_external_parameter(self.module, hf.get_output_embeddings().weight)
+            self.module, *_ = deepspeed.initialize(model=self.module, config=conf)
+            self.module.eval()
+        else:  # (tensor, its CPU master copy): the device copy is made from the master for each phase
+            self._host = [(t, t.data.pin_memory() if cuda else t.data)
+                          for t in chain(self.module.parameters(), self.module.buffers())]
+
+    def _place(self, device: torch.device) -> None:
+        for t, host in self._host:
+            t.data = host if device.type == "cpu" else host.to(device, non_blocking=True)
+
+    @torch.no_grad()
+    def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
+        """Reference log-probs of every completion token at the sampling temperature: [B, T]."""
+        budget = self.cfg.train.max_tokens_per_micro_batch
+        # sharded: every rank runs as many forwards as the busiest (each gathers collectively)
+        if self.sharded:
+            groups = plan_micro_batches(batch, budget, shared=self.share)
+        else:
+            groups = shared_micro_batches(batch, budget) if self.share else micro_batches(batch.lengths, budget)
+
+        def forward(mb):
+            args, kw = module_inputs(mb, False, self.share)
+            return self.module(*args, temperature, **kw)[0]
+        self._place(self.device)
+        try:
+            return per_token(forward, batch, groups, self.device)
+        finally:
+            self._place(torch.device("cpu"))
+
+
+class BaseModelReference:
+    """LoRA's reference policy for free: the trainer's model with its adapter disabled is the base
+    model, i.e. the initial policy (B = 0 at the start). It holds no parameters of its own; under
+    ZeRO-3 it gathers the trainer's shards like any trainer forward."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    @torch.no_grad()
+    def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
+        """Base-model log-probs of every completion token at the sampling temperature: [B, T]."""
+        with self.trainer.adapter_disabled():
+            return self.trainer.logprobs(batch, temperature)

@@ -1,0 +1,436 @@
+"""The trainer engine: the policy under DeepSpeed ZeRO-2/3, one per rank.
+
+Verbs: `step(batch)`, `logprobs(batch)`, `offload()`, `reload()`, `named_parameters_for_sync()`.
+It never imports the rollout engine; `sync.py` joins the two. The model it trains runs through
+`policy.TokenLogprobs` (the LM head bypassed by the fused log-prob and loss kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import Iterator
+
+import deepspeed
+import torch
+from torch import nn
+
+from hybridrl.kernels.ppo_loss import importance_ratio
+
+from hybridrl.observe import faults
+
+from hybridrl.engines import lora
+
+from hybridrl.engines import zero_step
+from hybridrl.data.batch import Batch, micro_batches, per_token, shared_micro_batches
+from hybridrl.observe.canaries import distribution_metrics
+from hybridrl.run.config import Config, ConfigError, completion_budget
+from hybridrl.run.launch import all_max, all_sum, world_size
+from hybridrl.cycle.memory import trim_host_heap
+from hybridrl.engines.policy import PACKABLE_ATTENTION, TokenLogprobs, module_inputs, share_prompt
+
+log = logging.getLogger("hybridrl")
+
+
+def ds_config(cfg: Config, bf16: bool) -> dict:
+    t = cfg.train
+    conf = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        # micro-batches are sized by tokens, so their count varies: step() is the boundary
+        "managed_gradient_accumulation": False,
+        "gradient_clipping": t.grad_clip,
+        "optimizer": {"type": "AdamW", "params": {  # DeepSpeed's own, so states can be offloaded
+            "lr": t.lr, "betas": list(t.betas), "eps": 1e-8, "weight_decay": t.weight_decay}},
+        "zero_optimization": {
+            "stage": t.zero_stage,
+            "stage3_param_persistence_threshold": 0,  # else small params are never partitioned
+            "overlap_comm": False,
+        },
+        # DeepSpeed discards an update whose gradient norm is inf/NaN, weights and optimizer states
+        # untouched (step() counts them as nonfinite_steps); bf16 ZeRO-2 via check_grad_overflow,
+        # on by default since DeepSpeed 0.18 (older versions reject the key, so it is not set here)
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    cuda = torch.cuda.is_available()
+    if t.optimizer_offload == "on":  # ZeRO-Offload: fp32 master, moments and the Adam step in host memory
+        conf["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
+    if t.param_offload == "on" and t.zero_stage == 3:  # the shards too, gathered layer by layer
+        conf["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": cuda}
+    if t.zero_stage != 3 and world_size() == 1:
+        # one rank: DeepSpeed's default "mean" divides the whole gradient by 1 after every backward
+        # (0.25 s a step at 0.5B on CPU); "sum" is the same gradient without it (ZeRO-3 rejects "sum")
+        conf["gradient_allreduce_op"] = "sum"
+        if not cuda:
+            # contiguous gradients copy each gradient into one buffer as backward produces it, against
+            # fragmentation of device memory; on one CPU rank that copy is all they do (0.58 s a step
+            # at 0.5B) and the step's own flattening (0.14 s) does the same job
+            conf["zero_optimization"]["contiguous_gradients"] = False
+    return conf  # the learning-rate schedule is lr_scheduler(cfg), handed to deepspeed.initialize
+
+
+def lr_factor(update: int, schedule: str, warmup: int, total: int, min_ratio: float) -> float:
+    """train.lr's multiplier at optimizer update `update` (0-based) of `total`: a linear warm-up
+    over the first `warmup` updates (1/warmup, 2/warmup, ..., 1), then constant, or a cosine /
+    linear decay that reaches `min_ratio` at the last update (HF's get_cosine_schedule_with_warmup,
+    except that the warm-up's first update is not wasted at lr 0 and the floor is min_ratio)."""
+    if update < warmup:
+        return (update + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (update - warmup) / max(1, total - warmup - 1))
+    decay = 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+    return min_ratio + (1.0 - min_ratio) * decay
+
+
+def lr_scheduler(cfg: Config):
+    """For deepspeed.initialize(lr_scheduler=...): builds a LambdaLR of lr_factor on DeepSpeed's
+    optimizer (checkpointed with it); None for a constant rate without warm-up. DeepSpeed steps it
+    after every optimizer update: train.steps x train.epochs x train.minibatches of them."""
+    t = cfg.train
+    if t.lr_schedule == "constant" and not t.warmup_steps:
+        return None
+    total = t.steps * t.epochs * t.minibatches
+    factor = functools.partial(lr_factor, schedule=t.lr_schedule, warmup=t.warmup_steps, total=total,
+                               min_ratio=t.min_lr_ratio)
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def plan_micro_batches(rows: Batch | None, max_tokens: int, packed: bool = False,
+                       shared: bool = False) -> list[torch.Tensor | None]:
+    """Micro-batches of `rows`, padded with None (a zero-weight dummy) up to the largest count on
+    any rank: under ZeRO-3 every forward gathers parameters collectively, so ranks with different
+    counts would hang. The policy and the critic both plan this way. `shared`: a prompt's rows
+    stay together (the shared-prompt layout)."""
+    if not rows:
+        groups = []
+    elif shared:
+        groups = shared_micro_batches(rows, max_tokens)
+    else:
+        groups = micro_batches(rows.lengths, max_tokens, packed)
+    # at least one: an update whose minibatch is empty on every rank still needs a (zero) backward,
+    # or DeepSpeed's step finds no gradients
+    return groups + [None] * (max(int(all_max(len(groups))), 1) - len(groups))
+
+
+def minibatch_updates(engine, batch: Batch, t, plan, normalizer, device, grad_norms: list[float]):
+    """The update skeleton the policy and the critic share: t.epochs passes over `batch` in
+    t.minibatches shuffled minibatches (the same count on every rank), each cut into the micro-batches
+    `plan` gives. Yields (micro-batch on `device`, its minibatch's normaliser, backward scale): the
+    caller backpropagates loss * scale, which is 0 for a dummy micro-batch (it only keeps this rank in
+    step with the others' collectives) and the world size otherwise (DeepSpeed averages gradients over
+    ranks; the normaliser is already global). After each minibatch: the optimizer step, its gradient
+    norm appended to `grad_norms`."""
+    world = world_size()
+    gen = torch.Generator().manual_seed(t.seed + int(engine.global_steps))
+    for _ in range(t.epochs):
+        perm = torch.randperm(len(batch), generator=gen) if t.minibatches > 1 else torch.arange(len(batch))
+        for mb_rows in torch.tensor_split(perm, t.minibatches):
+            mini = batch.select(mb_rows) if len(mb_rows) else None
+            norm = normalizer(mini)
+            for idx in plan(mini):
+                m = batch.select(torch.tensor([0])) if idx is None else mini.select(idx)
+                yield m.to(device), norm, 0.0 if idx is None else float(world)
+            fresh_cpu_adam_powers(engine)
+            engine.step()
+            grad_norm = engine.get_global_grad_norm()
+            grad_norms.append(float(grad_norm) if grad_norm is not None else 0.0)
+
+
+def offload_engine_states(engine, include: list[str] | None = None) -> None:
+    """DeepSpeed's offload_states to host memory (pinned on CUDA): `include` names OffloadStateTypeEnum
+    members (optim_states, hp_params, lp_params, lp_grads, contiguous_grad_buffer; None = all).
+    Both ZeRO optimizers read `device.value`, so the device must be the enum, not "cpu". The
+    policy and the critic both offload this way."""
+    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+
+    states = None if include is None else [OffloadStateTypeEnum(s) for s in include]
+    engine.offload_states(include=states, device=OffloadDeviceEnum.cpu, pin_memory=torch.cuda.is_available(),
+                          non_blocking=False)
+
+
+def reload_engine_states(engine) -> None:
+    if engine.optimizer.offloaded_states:
+        engine.reload_states(non_blocking=False)
+
+
+def load_engine_checkpoint(engine, path: str, tag: str, strict: bool = True) -> None:
+    """Params, optimizer and LR schedule of a DeepSpeed engine as saved (any ZeRO stage). The policy
+    and the critic both load this way (their CPU Adam steps resume exactly: fresh_cpu_adam_powers).
+    `strict=False`: the checkpoint holds the trainable parameters only (LoRA: the adapter; the
+    frozen base comes from model.path)."""
+    _, client = engine.load_checkpoint(path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True,
+                                       load_module_strict=strict)
+    if client is None:
+        raise RuntimeError(f"DeepSpeed found no checkpoint '{tag}' in {path}")
+
+
+def fresh_cpu_adam_powers(engine) -> None:
+    """DeepSpeed's CPU FusedAdam keeps beta^t inside its C++ op (IncrementStep in
+    csrc/includes/cpu_adam.h), outside any state_dict, in one object per process that every engine
+    here shares (the policy and the critic). It advances it as a running product while the step
+    grows by one and recomputes pow(beta, t) otherwise, so its bits depend on the order in which
+    the engines stepped since the process started: a resumed process, or a critic interleaving two
+    minibatch steps with the policy's, would not reproduce them. A step on a one-element dummy with
+    other betas just before each real step makes the op take pow(beta, t) afresh: every update
+    then depends on its step number alone, the same after a resume. (One scalar update; a no-op
+    where the optimizer is not this op, as on CUDA.)"""
+    opt = getattr(engine.optimizer, "optimizer", None)  # ZeRO's wrapper -> DeepSpeed's FusedAdam
+    if not hasattr(opt, "multi_tensor_adam") or opt._dummy_overflow_buf.device.type != "cpu":
+        return  # CUDA's FusedAdam has the same attribute, but its kernel takes beta^t from the step each call
+    group = opt.param_groups[0]
+    dummy = [[torch.zeros(1)] for _ in range(4)]  # grad, param, exp_avg, exp_avg_sq
+    opt.multi_tensor_adam(1, opt._dummy_overflow_buf, dummy, group["lr"], -1.0, -1.0, group["eps"], 1,
+                          opt.adam_w_mode, 1, group["weight_decay"])  # betas -1: never a real run's; 1: chunk, unused
+
+
+def from_pretrained(auto_cls, path: str, conf: dict, **kw) -> nn.Module:
+    """`auto_cls.from_pretrained(path, **kw)`, partitioned from the start when the DeepSpeed config
+    `conf` is ZeRO-3: built inside deepspeed.zero.Init and filled through transformers' ZeRO-3
+    loader (HfDeepSpeedConfig switches both on), which gathers one layer's parameters at a time,
+    copies them in on rank 0 from the memory-mapped checkpoint and partitions them again. No rank
+    then holds the whole model, in host memory or on the device; without it every rank loads all of
+    it (a private copy whenever the checkpoint's dtype differs), and DeepSpeed moves it whole onto
+    the device before partitioning. The policy, the critic and the reference all load this way."""
+    if conf["zero_optimization"]["stage"] != 3:
+        return auto_cls.from_pretrained(path, **kw)
+    import copy
+
+    from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+    keep = HfDeepSpeedConfig(copy.deepcopy(conf))  # transformers holds only a weak reference to it
+    try:
+        model = auto_cls.from_pretrained(path, **kw)
+    finally:
+        unset_hf_deepspeed_config()  # scoped: later loads (and vLLM's) are not partitioned
+        del keep
+    trim_host_heap()
+    return model
+
+
+class Trainer:
+    def __init__(self, cfg: Config, model_path: str, *, device: torch.device, dtype: torch.dtype,
+                 attn_implementation: str):
+        from transformers import AutoModelForCausalLM
+
+        self.cfg, self.device = cfg, device
+        conf = ds_config(cfg, dtype == torch.bfloat16)
+        hf = from_pretrained(AutoModelForCausalLM, model_path, conf, dtype=dtype,
+                             attn_implementation=attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
+        # LoRA: the adapter is injected into `hf` in place; only its parameters train (see lora.py)
+        self.peft = lora.attach(hf, cfg.model) if cfg.model.lora_rank else None
+        if cfg.model.gradient_checkpointing:
+            hf.gradient_checkpointing_enable()
+            if self.peft is not None:  # frozen embeddings: checkpointed blocks need an input that requires grad
+                hf.enable_input_require_grads()
+        provider = cfg.train.kernels if cfg.train.kernels != "auto" else "torch"  # see config's train.kernels
+        if provider == "liger" and (cfg.algo.dual_clip or cfg.algo.entropy_coef):
+            raise ConfigError("train.kernels=liger has no dual clip or entropy bonus: set algo.dual_clip and "
+                              "algo.entropy_coef to 0, or use train.kernels=auto")
+        # Liger's loss takes [B, T, d] rows and aggregates per row; remote-code models may build
+        # their own masks, blind to packing
+        want = cfg.train.packing == "on" or (cfg.train.packing == "auto" and attn_implementation.startswith("flash_"))
+        self.packing = (want and provider != "liger" and attn_implementation in PACKABLE_ATTENTION
+                        and type(hf).__module__.startswith("transformers."))
+        if cfg.train.packing == "on" and not self.packing:
+            log.info("train.packing: not with kernels=%s / attention %s / %s; using padded rows",
+                     provider, attn_implementation, type(hf).__name__)
+        self.share_prompt = share_prompt(cfg, hf, provider, attn_implementation, self.packing)
+        module = TokenLogprobs(hf, provider, cfg.train.logprob_chunk, completion_budget(cfg))
+        self.zero3 = cfg.train.zero_stage == 3
+        self.host_optimizer = cfg.train.optimizer_offload == "on"  # DeepSpeed's offload_optimizer (ds_config)
+        self.host_params = self.zero3 and cfg.train.param_offload == "on"
+        if self.zero3:  # the head's weight is used by this module's forward, not by lm_head's
+            deepspeed.zero.register_external_parameter(module, hf.get_output_embeddings().weight)
+        self.engine, *_ = deepspeed.initialize(model=module, config=conf, lr_scheduler=lr_scheduler(cfg),
+                                               model_parameters=[p for p in hf.parameters() if p.requires_grad])
+        zero_step.install(self.engine.optimizer, world_size())  # one gradient pass for overflow + norm
+        self.hf = hf
+
+    # --- log-probs ----------------------------------------------------------------------------
+    def _forward(self, mb: Batch, temperature: float, loss: dict | None = None):
+        """Log-probs (and the loss) of mb's masked tokens, in the order of `mb.loss_mask`'s True
+        entries whether packed or padded."""
+        args, kw = module_inputs(mb, self.packing, self.share_prompt)
+        return self.engine(*args, temperature, loss, **kw)
+
+    def _plan(self, rows: Batch | None) -> list[torch.Tensor | None]:
+        return plan_micro_batches(rows, self.cfg.train.max_tokens_per_micro_batch, self.packing, self.share_prompt)
+
+    @torch.no_grad()
+    def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
+        """Trainer log-probs of every masked token, laid out like `batch.loss_mask`: [B, T]."""
+        return per_token(lambda mb: self._forward(mb, temperature)[0], batch, self._plan(batch), self.device)
+
+    def adapter_disabled(self):
+        """LoRA: a context in which the model is the base model (peft bypasses the adapter): the
+        free KL reference."""
+        return self.peft.disable_adapter()
+
+    # --- update -------------------------------------------------------------------------------
+    def _normalizer(self, batch: Batch | None) -> float:
+        """Global denominator of the loss aggregation, summed over ranks (see ppo_loss)."""
+        n_tok = batch.loss_mask.sum(1) if batch else torch.zeros(0)  # [B] completion tokens per row
+        local = {"token_mean": n_tok.sum(), "seq_mean_token_mean": (n_tok > 0).sum(),
+                 # Dr.GRPO: a constant per sequence (the generation budget), not the batch's longest
+                 "seq_mean_token_sum_norm": len(n_tok) * completion_budget(self.cfg)}[self.cfg.algo.loss_agg]
+        return max(all_sum([float(local)])[0], 1.0)
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """Several updates per rollout (ratio != 1 after the first), TIS, or the KL in the reward need
+        the log-probs of the policy that sampled, before the first update (`old_logprobs`)."""
+        a = self.cfg.algo
+        return (self.cfg.train.epochs * self.cfg.train.minibatches > 1 or self.importance_correction
+                or (a.kl_coef > 0 and a.kl_in == "reward"))
+
+    def old_logprobs(self, batch: Batch) -> torch.Tensor:
+        """pi_old, [B, T] like `batch.loss_mask`: vLLM's log-probs of the sampled tokens (algo.old_logprobs:
+        rollout, or auto in float32 when pi_old only anchors the later updates' ratios: no importance
+        correction, no KL in the reward) or the trainer's forward."""
+        a = self.cfg.algo
+        ratio_only = not self.importance_correction and not (a.kl_coef > 0 and a.kl_in == "reward")
+        if a.old_logprobs == "rollout" or (a.old_logprobs == "auto" and self.cfg.model.dtype == "float32"
+                                           and ratio_only):
+            return batch.logp_rollout.clone()
+        return self.logprobs(batch, self.cfg.rollout.temperature)
+
+    @property
+    def importance_correction(self) -> bool:
+        """TIS (a cap set) or masked IS: the loss weighs tokens by pi_old / pi_vllm."""
+        return bool(self.cfg.algo.tis_cap) or self.cfg.algo.is_correction == "mask"
+
+    def loss_knobs(self) -> dict:
+        """ppo_loss's hyperparameters from algo.*."""
+        a = self.cfg.algo
+        return dict(policy_loss=a.policy_loss, eps_low=a.clip_low, eps_high=a.clip_high, dual_clip=a.dual_clip or None,
+                    cispo_clip_low=a.cispo_clip_low, cispo_clip_high=a.cispo_clip_high,
+                    is_correction=a.is_correction, tis_cap=a.tis_cap or None, tis_level=a.tis_level,
+                    is_mask_low=a.is_mask_low, is_mask_high=a.is_mask_high, kl_type=a.kl_type,
+                    kl_coef=a.kl_coef if a.kl_in == "loss" else 0.0, entropy_coef=a.entropy_coef, agg=a.loss_agg)
+
+    def step(self, batch: Batch) -> dict[str, float]:
+        """epochs x minibatches optimizer steps on one rollout batch (batch.logp_old set by the
+        caller when `needs_old_logprobs`); returns mean metrics."""
+        t, a, temp = self.cfg.train, self.cfg.algo, self.cfg.rollout.temperature
+        skipped = self.engine.skipped_steps
+        lr = float(self.engine.get_lr()[0])  # this step's first update's (the scheduler steps after each)
+        sums: dict[str, float] = {}
+        ratios, rollout_ratios = [], []  # per token: pi/pi_old, and trainer/vLLM (~1 when the engines agree)
+        is_ratios = []  # per token: the importance ratio TIS caps (or IS masks), pi_old/pi_vllm at algo.tis_level
+        grad_norms: list[float] = []  # one per update
+        gap_sum, gap_n, gap_max = 0.0, 0.0, 0.0  # |trainer - vLLM| on the sampled tokens, before the first update
+        if self.peft is not None:
+            lora.set_dropout(self.hf, True)  # the adapter's dropout, while updating only
+        for m, norm, scale in minibatch_updates(self.engine, batch, t, self._plan, self._normalizer, self.device,
+                                                grad_norms):
+            sel = m.loss_mask
+            seq_ids = torch.arange(len(m), device=self.device)[:, None].expand_as(sel)[sel]  # [N]
+            loss, metrics, logp, _ = self._forward(m, temp, loss=dict(
+                logp_old=None if m.logp_old is None else m.logp_old[sel],  # None: on-policy, ratio 1
+                advantages=m.advantages[sel] if m.advantages.dim() == 2 else m.advantages[seq_ids],  # [N]
+                mask=torch.ones(len(seq_ids), device=self.device),
+                logp_ref=None if m.logp_ref is None else m.logp_ref[sel],  # logs kl_mean whenever given
+                seq_ids=seq_ids, logp_rollout=m.logp_rollout[sel] if self.importance_correction else None,
+                normalizer=norm, **self.loss_knobs()))
+            if faults.injected("nan_loss", int(self.engine.global_steps) + 1):  # tests only
+                loss = loss * float("nan")
+            self.engine.backward(loss * scale, scale_wrt_gas=False)
+            if not scale:  # a dummy micro-batch
+                continue
+            w = float(sel.sum())
+            old = logp if m.logp_old is None else m.logp_old[sel]  # None: on-policy, ratio 1
+            ratios.append((logp - old).clamp(-20, 20).exp())
+            if not grad_norms:  # no update yet: the trainer holds the weights vLLM sampled with, so the gap is
+                diff = logp - m.logp_rollout[sel]  # [N] the hand-off's alone (later minibatches' add the update's)
+                rollout_ratios.append(diff.clamp(-20, 20).exp())
+                gap_sum, gap_n = gap_sum + float(diff.abs().sum()), gap_n + w
+                gap_max = max(gap_max, float(diff.abs().max()) if w else 0.0)
+            is_ratios.append(importance_ratio(old, m.logp_rollout[sel], seq_ids, a.tis_level))  # [N]
+            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())  # micro losses sum to the minibatch's
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * w
+            sums["_w"] = sums.get("_w", 0.0) + w
+        n_updates = len(grad_norms)
+        sums["grad_norm"] = sum(grad_norms)
+        if self.peft is not None:
+            lora.set_dropout(self.hf, False)
+        w = max(sums.pop("_w", 0.0), 1.0)
+        per_update = ("grad_norm", "loss")
+        out = {k: v / w for k, v in sums.items() if k not in per_update}
+        out.update({k: sums.get(k, 0.0) / max(n_updates, 1) for k in per_update})
+        out.update(logp_gap_mean=gap_sum / max(gap_n, 1.0), logp_gap_max=gap_max)
+        out["lr"] = lr
+        out.update(distribution_metrics(ratio=torch.cat(ratios) if ratios else [],
+                                        rollout_ratio=torch.cat(rollout_ratios) if rollout_ratios else []))
+        out["nonfinite_steps"] = self.engine.skipped_steps - skipped  # updates DeepSpeed discarded
+        if is_ratios:  # how far vLLM's sampling is from the trainer's policy; TIS (if on) caps it, masked IS drops
+            is_ratio = torch.cat(is_ratios)  # [tokens]
+            out.update({"tis/ratio_mean": float(is_ratio.mean()), "tis/ratio_max": float(is_ratio.max())})
+            if a.tis_cap:
+                out["tis/clip_frac"] = float((is_ratio > a.tis_cap).float().mean())
+            if a.is_correction == "mask":  # share of tokens whose weight is 0 (their sequence's, above token level)
+                out["is/masked_frac"] = float(((is_ratio < a.is_mask_low) | (is_ratio > a.is_mask_high)).float().mean())
+        return out
+
+    # --- checkpoints ----------------------------------------------------------------------------
+    def load_checkpoint(self, path: str, tag: str) -> None:
+        """Params, optimizer and LR schedule as DeepSpeed saved them (any ZeRO stage)."""
+        load_engine_checkpoint(self.engine, path, tag, strict=self.peft is None)
+
+    # --- hand-off and memory ------------------------------------------------------------------
+    def named_parameters_for_sync(self, bucket_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF name, full tensor) pairs. ZeRO-3 gathers `bucket_bytes` of parameters at a time
+        (one collective per bucket, not per parameter) and frees each bucket once the consumer
+        moves past it, so a full copy of the model never exists at once. Lazy: consume it once,
+        on every rank, in the same order. LoRA: the adapter's parameters only, named as in a PEFT
+        adapter file (lora.sync_name); the frozen base never changes, and vLLM keeps its own."""
+        named = list(self.hf.named_parameters())
+        if self.peft is not None:
+            named = [(lora.sync_name(n), p) for n, p in named if lora.is_adapter(n)]
+        if not self.zero3:
+            yield from ((n, p.detach()) for n, p in named)
+            return
+        bucket, size = [], 0
+        for i, (name, p) in enumerate(named):
+            bucket.append((name, p))
+            size += p.ds_numel * p.element_size()
+            if size >= bucket_bytes or i == len(named) - 1:
+                with deepspeed.zero.GatheredParameters([q for _, q in bucket]):
+                    yield from ((n, q.detach()) for n, q in bucket)
+                bucket, size = [], 0
+
+    def pending_state_bytes(self) -> int:
+        """Device bytes the optimizer will still allocate: DeepSpeed's Adam creates its two fp32
+        moments (of this rank's ZeRO partition) at the first step, after vLLM is planned."""
+        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
+        if self.host_optimizer or any(inner.state.values()):
+            return 0
+        world = world_size()
+        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in self.hf.parameters() if p.requires_grad)
+        return 8 * trainable // world
+
+    def offload(self, params: bool = False) -> None:
+        """Move the training states off the device while vLLM runs: optimizer states, fp32 master
+        weights, gradients (and ZeRO-3's contiguous gradient buffer); with `params`, the
+        parameters too (the loop does that after the hand-off, which reads them). DeepSpeed's
+        own optimizer is required (ds_config sets it). GPU only: on CPU there is nowhere to go."""
+        if self.device.type != "cuda":
+            return
+        if not self.host_optimizer:
+            self._offload_states(params)
+        elif params and not self.host_params:  # ZeRO-Offload: the states already live in host memory
+            offload_engine_states(self.engine, ["lp_params"])
+
+    def reload(self) -> None:
+        if self.device.type == "cuda":
+            self._reload_states()
+
+    def _offload_states(self, params: bool) -> None:
+        include = ["optim_states", "hp_params", "lp_grads"] + (["contiguous_grad_buffer"] if self.zero3 else [])
+        offload_engine_states(self.engine, include + (["lp_params"] if params else []))
+
+    def _reload_states(self) -> None:
+        reload_engine_states(self.engine)

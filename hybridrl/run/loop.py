@@ -1,0 +1,246 @@
+"""The RL loop: prompts -> rollout -> rewards -> advantages -> train -> weight hand-off.
+
+One function, `train(cfg)`, read top to bottom. Each rank runs it with its own vLLM engine and
+its own DeepSpeed engine on the same device; the phase order, sleep/wake included, lives
+here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import random
+import time
+
+import numpy as np
+import torch
+
+from hybridrl.algorithms import advantages as algo
+from hybridrl.cycle import engine_cycle
+from hybridrl.cycle import memory
+from hybridrl.cycle import plan
+from hybridrl.cycle import sync
+from hybridrl.data import prompts as data
+from hybridrl.data import rewards
+from hybridrl.engines import models
+from hybridrl.engines import reward_model
+from hybridrl.observe import faults
+from hybridrl.run import checkpoint
+from hybridrl.run import environ as env
+from hybridrl.run import launch
+from hybridrl.run import recipe
+from hybridrl.data.batch import Batch
+from hybridrl.observe.canaries import distribution_metrics
+from hybridrl.data.collect import Collector
+from hybridrl.run.config import Config, ConfigError, torch_dtype
+from hybridrl.engines.critic import Critic
+from hybridrl.run.evaluate import Evaluator
+from hybridrl.observe.progress import Phases, RunLog
+from hybridrl.engines.reference import Reference
+from hybridrl.engines.rollout import Rollout
+from hybridrl.engines.trainer import Trainer
+
+log = logging.getLogger("hybridrl")
+
+
+def train(cfg: Config) -> dict:
+    """Run RL training as configured; returns the summary (accuracy before/after, timings)."""
+    env.setup()
+    world = launch.init_distributed(timeout_s=2 * cfg.train.watchdog_s)
+    on_cpu = world.device.type == "cpu"
+    engine_cycle.check(cfg, cuda=not on_cpu)  # allocator settings that would break vLLM's sleep mode
+    cfg, model_path, info = configure(cfg, on_cpu, world.size)  # the demo's recipe, or real-model defaults
+    cfg = plan_memory(cfg, model_path, world, on_cpu)  # every phase on the device; what the user left unset
+    seed_everything(cfg.train.seed + world.rank)
+    if cfg.train.prompts_per_step % world.size:
+        raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by "
+                          f"the {world.size} ranks")
+    tp = launch.tp_groups(world, cfg.rollout.tensor_parallel_size)  # every rank keeps its own prompts
+
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    prompts, dropped = data.encode(data.load_rows(cfg.data, "train"), tokenizer, cfg.data, cfg.data.path)
+    cfg = recipe.set_steps(cfg, len(prompts))  # train.data_epochs -> train.steps
+    heldout, _ = data.encode(data.load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")
+    heldout = heldout[: cfg.log.eval_size or None]
+    sampler = data.Sampler(len(prompts), cfg.train.seed)
+    resumed = checkpoint.Resume.find(cfg, world)  # None: a fresh run
+    if resumed:
+        cfg = resumed.adopt(cfg)  # continue in that run's directory
+    scorer = rewards.Scorer(cfg.reward, rank=world.rank)  # a bad reward.fn fails here; its workers start now
+    run = RunLog(cfg, world, recipe.describe(cfg, info, on_cpu=on_cpu, n_prompts=len(prompts)),
+                 resume_step=resumed.step if resumed else None)  # keeps its rows up to the checkpoint
+    run.data({"data/prompts": len(prompts), **{f"data/{k}": v for k, v in dropped.items()}})
+    scorer.run_dir = run.dir  # where reward_dead_letter.jsonl goes
+    saver = checkpoint.Saver(cfg, run.dir, world, tokenizer)
+
+    trainer = Trainer(cfg, model_path, device=world.device, dtype=torch_dtype(cfg.model.dtype),
+                      attn_implementation=cfg.model.attn_implementation)
+    engine_kw = dict(device=world.device, dtype=torch_dtype(cfg.model.dtype),
+                     attn_implementation=cfg.model.attn_implementation)
+    ref = Reference.load(cfg, model_path, trainer=trainer, **engine_kw)  # None when kl_coef == 0; LoRA: the base
+    critic = Critic(cfg, model_path, **engine_kw) if cfg.algo.advantage == "gae" else None
+    reward_models = reward_model.load_all(cfg, world.device)  # rm: terms; they score while vLLM is awake
+    cfg = engine_cycle.plan_rollout(cfg, trainer, cuda=not on_cpu, main=world.main, critic=critic, world_size=world.size,
+                                     visitors=sum(m.nbytes for _, _, m in reward_models))  # vLLM's memory, the states'
+    rollout = Rollout(cfg, model_path, on_cpu=on_cpu, eos_token_id=tokenizer.eos_token_id, rank=world.rank,
+                      local_rank=world.local_rank, tp=tp)  # tp: the ranks that share its engine
+    probe = sync.Probe([p.ids + tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+                        for p in (heldout or prompts)[:8]],
+                      cfg.train.probe_tol or sync.PROBE[cfg.model.dtype][1], cfg.train.probe_action,
+                      stat=sync.PROBE[cfg.model.dtype][0], every=cfg.train.probe_every)
+    collector = Collector(cfg, rollout, scorer, tokenizer, prompts, sampler, world, reward_models)
+
+    evaluate = Evaluator(cfg, rollout, scorer, tokenizer, heldout, world, run, collector)  # held-out split
+    # trainer -> vLLM: offload, wake weights, hand-off, wake KV cache (the order, and why: engine_cycle.py)
+    hand_off = functools.partial(engine_cycle.hand_off, trainer, rollout, cfg=cfg, cuda=not on_cpu, critic=critic)
+
+    start = time.perf_counter()  # engines are up: the clock of train.max_minutes starts here
+    if resumed:  # weights (handed to vLLM and probed), optimizer, data cursor, RNG, history
+        engine_cycle.release(trainer, rollout, None, cfg=cfg, critic=critic)  # the states back to load into
+        done, acc_before = resumed.restore(trainer, rollout, sampler, probe, run, hand_off, critic=critic)
+        start -= resumed.state["history"]["elapsed_s"]
+    else:
+        done, acc_before = 0, evaluate(0)
+    last_eval, step, stop_signal = start, done, 0
+    watchdog = faults.Watchdog(cfg.train.watchdog_s, world.rank, world.size, run.dir)  # a stalled rank stops the run
+    # SIGTERM/SIGINT: finish the step, save, exit; a device OOM or a dead vLLM engine: one line naming the phase
+    with checkpoint.StopSignals(world.main) as stop, watchdog, engine_cycle.failures(cfg, rollout):
+        for step in range(done + 1, cfg.train.steps + 1):
+            phases = Phases(step)
+            # 1. rollout and rewards: n samples per prompt (this rank's share), each scored as it
+            #    finishes while vLLM generates the rest; DAPO's dynamic sampling and overlong shaping
+            ro = collector.batch(step, phases)
+            samples, src = ro.samples, [p for p in ro.prompts for _ in range(cfg.rollout.n)]
+            engine_cycle.release(trainer, rollout, phases, cfg=cfg, critic=critic)  # vLLM sleeps, trainers reload
+            # 2. the sampling policy's, the reference's and the critic's view; advantages
+            R = ro.rewards  # [P, n]
+            batch = Batch.from_rows([p.ids for p in src], [s.token_ids for s in samples],
+                                    [s.logprobs for s in samples], [0.0] * len(samples),
+                                    [s.loss_mask for s in samples])  # multi-turn: environment tokens carry no loss
+            if trainer.needs_old_logprobs:  # several updates per rollout, TIS, KL in the reward
+                with phases("old_logprob"):
+                    batch.logp_old = trainer.old_logprobs(batch)  # vLLM's, or a trainer forward
+            if ref:
+                with phases("ref_logprob"):
+                    batch.logp_ref = ref.logprobs(batch, cfg.rollout.temperature)
+            if critic:
+                with phases("values"):
+                    batch.values = critic.values(batch)
+            batch.advantages, batch.returns, adv_metrics = algo.estimate(cfg.algo, R, batch)  # [P * n] or [P * n, T]
+            batch.advantages[ro.masked] = 0.0  # overlong-filtered samples and a filler group carry no gradient
+            signal = algo.nonzero_advantage(batch.advantages)  # [P * n] bool
+            # 3. train on the samples that carry a gradient (equal-reward groups have A == 0, but
+            # with the KL in the loss every unmasked sample still has one)
+            skip = cfg.algo.skip_zero_advantage and not (cfg.algo.kl_coef and cfg.algo.kl_in == "loss")
+            keep = signal.clone() if skip else ~ro.masked
+            keep[0] |= not keep.any()  # one zero-advantage row keeps this rank in the collectives
+            batch = batch.select(keep.nonzero().flatten())
+            with phases("train"):
+                metrics = trainer.step(batch)
+            if critic:
+                with phases("critic"):
+                    metrics.update(critic.step(batch))
+            metrics.update(adv_metrics)
+            # 4. hand the new weights to vLLM
+            metrics.update(hand_off(phases))  # sync/bytes, sync/tensors
+            if probe.due(step, metrics):  # the first hand-off, every train.probe_every, and on drift
+                with phases("probe"):
+                    metrics.update(probe(trainer, rollout, step))
+
+            metrics.update(ro.metrics)  # reward, solve_rate, reward_errors/timeouts, dropped_prompts, ds_*
+            metrics.update(step_metrics(ro, batch, signal, phases, samples, time.perf_counter() - start))
+            run.step(step, metrics)
+            now = time.perf_counter()
+            if step != cfg.train.steps and ((cfg.log.eval_every and step % cfg.log.eval_every == 0) or (
+                    cfg.log.eval_every_s and launch.all_max(now - last_eval) >= cfg.log.eval_every_s)):
+                evaluate(step)
+                last_eval = now
+            elapsed = launch.all_max(time.perf_counter() - start)
+            out_of_time = bool(cfg.train.max_minutes) and elapsed > cfg.train.max_minutes * 60
+            stop_signal = stop.requested()  # all ranks agree
+            last = out_of_time or bool(stop_signal) or step == cfg.train.steps
+            if saver.due(step, final=last):  # a failed save is reported; the run goes on (ends non-zero if last)
+                saver.save(step, trainer, sampler, probe, dict(acc_before=acc_before, last_acc=run.last_acc,
+                                                               elapsed_s=elapsed), final=last, critic=critic)
+            if out_of_time or stop_signal:
+                break
+    # a signal asks for a quick exit (preemption grace periods are short): no final evaluation
+    acc_after = run.last_acc if stop_signal else evaluate(step)
+    summary = {"heldout_acc_before": acc_before, "heldout_acc_after": acc_after, "steps": step,
+               "minutes": (time.perf_counter() - start) / 60, "run_dir": str(run.dir),
+               "eval/pass@1": acc_after, **run.last_sampled}
+    if stop_signal:
+        summary.update(stop.summary(stop_signal, step, saver.last, run.dir))
+    if saver.failures:
+        summary.update(checkpoint_failures=saver.failures)
+    if saver.unsaved:  # the last save failed: the newest checkpoint is older than the run's end
+        summary.update(exit_code=1, checkpoint_error=saver.unsaved)
+    run.close(summary)
+    scorer.close()
+    rollout.close()
+    return summary
+
+
+def step_metrics(ro, batch: Batch, signal: torch.Tensor, phases: Phases, samples: list, elapsed_s: float) -> dict:
+    """What a step logs beside the trainer's and the collector's metrics: throughput, the share of
+    samples with a gradient (over all ranks), the phases' times and memory, distributions."""
+    n_train = launch.all_sum([int(batch.lengths.sum()), float(signal.sum()), signal.numel()])
+    return dict(signal_frac=n_train[1] / n_train[2],
+                rollout_tok_s=ro.metrics["rollout_tokens"] / max(phases["generate"], 1e-9),
+                train_tok_s=n_train[0] / max(phases["train"], 1e-9), elapsed_s=elapsed_s,
+                **{f"time/{k}": v for k, v in phases.items()},
+                **phases.memory,  # mem/<phase>/*_gb after every phase: CUDA only
+                **distribution_metrics(response_len=[len(s.token_ids) for s in samples], reward=ro.rewards))
+
+
+def configure(cfg: Config, on_cpu: bool, world_size: int = 1,
+              model_dir: str | None = None) -> tuple[Config, str, models.ModelInfo]:
+    """The config a run uses: this machine's 'auto' settings (`resolve`), then the recipe for the
+    model (`models.inspect`: a bad model fails here, in one line, before any engine starts), with
+    bfloat16 on CPU only where every rank's CPU has AMX-BF16. `model_dir`: where the model's files
+    are when not at model.path (`hybridrl eval` of a run's exported checkpoint).
+    Returns (config, model directory, model info)."""
+    cfg, path = resolve(cfg, on_cpu)
+    info = models.inspect(model_dir or cfg.model.path, cfg.model.trust_remote_code)
+    fast_bf16 = on_cpu and not launch.all_max(float(not env.fast_bf16()))
+    cfg = recipe.resolve(cfg, info, on_cpu=on_cpu, world_size=world_size, fast_bf16=fast_bf16)
+    return cfg, model_dir or path, info
+
+
+def resolve(cfg: Config, on_cpu: bool) -> tuple[Config, str]:
+    """Fill the 'auto' settings for this machine; returns the config and the model directory."""
+    from dataclasses import replace
+    cfg = recipe.auto_dtype(cfg, on_cpu)
+    m = cfg.model
+    attn, sources = m.attn_implementation, cfg.sources
+    if attn == "auto":  # recipe.resolve may still pick eager (short contexts in bfloat16 on CPU)
+        attn, sources = "sdpa", {**sources, "model.attn_implementation": "auto"}
+        if not on_cpu:
+            try:
+                import flash_attn  # noqa: F401
+                attn = "flash_attention_2"
+            except ImportError:
+                pass
+    if on_cpu and m.dtype != "float32" and not env.fast_bf16():
+        log.warning("model.dtype=%s on a CPU without AMX-BF16: often slower than float32 (its GEMMs ran 0.5x "
+                    "to 2.2x float32's on CPUs with AVX512-BF16 alone); compare with --model.dtype float32", m.dtype)
+    return replace(cfg, sources=sources, model=replace(m, attn_implementation=attn)), \
+        models.local_path(m.path)
+
+
+def plan_memory(cfg: Config, model_path: str, world, on_cpu: bool) -> Config:
+    """The memory plan (plan.py) before any engine starts, from what the fullest rank has free:
+    its choices go into the config, a run that cannot fit stops here in one line."""
+    budget, host = memory.plan_budget(cuda=not on_cpu)
+    cfg, mem = plan.fit(cfg, model_path, world=world.size, local=memory.local_ranks(),
+                        device=int(-launch.all_max(-budget)), host=host, on_cpu=on_cpu)
+    if mem is not None and world.main:
+        print(plan.summary(mem) if on_cpu else mem.table(cfg.model.path), flush=True)
+    return cfg
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

