@@ -1,8 +1,8 @@
 """The learning curve is the benchmark: held-out accuracy vs wall time on the demo, per seed.
 
-    python bench/demo_curve.py                    # 3 seeds x 2.5 minutes, the default recipe
-    python bench/demo_curve.py --seeds 0 --minutes 2 --set train.lr=3e-5
-    python bench/demo_curve.py --reuse --out runs/demo_curve   # the table again, from the runs made
+    python -m bench.demo_curve                    # 3 seeds x 2.5 minutes, the default recipe
+    python -m bench.demo_curve --seeds 0 --minutes 2 --set train.lr=3e-5
+    python -m bench.demo_curve --reuse --out runs/demo_curve   # the table again, from the runs made
 
 Each seed is a full `hybridrl train` run (its own process, engines started fresh) with a wall
 budget of --minutes counted from engine start, evaluating the fixed 256-prompt held-out split
@@ -53,7 +53,6 @@ def acc_at(curve, t: float) -> float:
 
 
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from hybridrl import env
     env.setup()  # matplotlib's and the engines' caches go under the project's cache dir, not ~/.cache
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,8 +1,8 @@
 """The GPU self-check: every GPU claim hybridrl makes, measured in one command.
 
-    make gpu-check                                   # = python bench/gpu_check.py
-    python bench/gpu_check.py --only sleep,kernels   # some checks (names below)
-    python bench/gpu_check.py --list                 # the claims, without running anything
+    make gpu-check                                   # = python -m bench.gpu_check
+    python -m bench.gpu_check --only sleep,kernels   # some checks (names below)
+    python -m bench.gpu_check --list                 # the claims, without running anything
 
 Prints one row per claim (what was measured, the figure, the target, pass/fail) and writes every
 row to bench/results/gpu-check-<device>.json (`--out` elsewhere). Each check runs in its own
@@ -46,9 +46,9 @@ import sys
 import time
 from pathlib import Path
 
-import gpu_engine_checks as engine
-import gpu_run_checks as runs
-from gpu_claims import BENCH, CLAIMS, ROOT, UNMEASURED
+from bench import gpu_engine_checks as engine
+from bench import gpu_run_checks as runs
+from bench.gpu_claims import CLAIMS, ROOT, UNMEASURED
 
 # check name -> the function that measures it, in the order they run (CLAIMS lists their rows)
 CHECKS = {"stack": engine.check_stack, "expandable": engine.check_expandable, "kernels": engine.check_kernels,
@@ -67,7 +67,7 @@ def run_check(name: str, cuda: bool, log_dir: Path | None) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "PYTHONUNBUFFERED": "1"}
     try:
-        out = subprocess.run([sys.executable, __file__, "--check", name], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--check", name], capture_output=True, text=True,
                              timeout=timeout, env=env, cwd=ROOT)
         stdout, stderr, rc = out.stdout, out.stderr, out.returncode
     except subprocess.TimeoutExpired as e:
@@ -104,7 +104,6 @@ def main() -> int:
     ap.add_argument("--check", help=argparse.SUPPRESS)
     ap.add_argument("--fragment", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     from hybridrl import env
     env.setup()
     cuda = env.has_cuda()
@@ -123,9 +122,9 @@ def main() -> int:
                     for c, t in CLAIMS[n][1]])
         return 0
     if cuda and a.check is None:
-        half_b_model_in_child = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(BENCH)!r}); "
-                                                f"sys.path.insert(0, {str(ROOT)!r}); import gpu_claims; "
-                                                "print(gpu_claims.half_b_model())"], capture_output=True, text=True)
+        half_b_model_in_child = subprocess.run([sys.executable, "-c", "from bench import gpu_claims; "
+                                                "print(gpu_claims.half_b_model())"], capture_output=True, text=True,
+                                               cwd=ROOT)
         if half_b_model_in_child.returncode:
             print("could not build the 0.5B model:", half_b_model_in_child.stderr[-2000:], file=sys.stderr)
     out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"gpu-check-{'cuda' if cuda else 'cpu'}.json"

@@ -1,8 +1,8 @@
 """Host memory (RSS) per rank while the trainer, the reference and (optionally) the critic are
 built and run one step: what a run holds in host RAM besides vLLM.
 
-    python bench/host_memory.py                          # 2 ranks, ZeRO-3, bf16, a Qwen2.5-0.5B shape, reference on
-    python bench/host_memory.py --ranks 1 --zero 2 --model demo --dtype float32
+    python -m bench.host_memory                          # 2 ranks, ZeRO-3, bf16, a Qwen2.5-0.5B shape, reference on
+    python -m bench.host_memory --ranks 1 --zero 2 --model demo --dtype float32
 
 Each rank is a spawned process in one gloo group (as `--nproc` makes them). A sampler thread reads
 /proc/self/status every 5 ms: `rss` is VmRSS (what the kernel charges the process, page-cache pages
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -82,7 +81,6 @@ class Sampler:
 def rank_main(local_rank: int, args, port: int, model: str, out_dir: str) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.ranks),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    sys.path.insert(0, str(ROOT))
     from hybridrl import env
     env.setup()
     sampler = Sampler()
@@ -166,15 +164,13 @@ def main() -> None:
                     "optimizer states are the same either way; this keeps a float32 run within a small machine)")
     ap.add_argument("--tag", default="", help="suffix of the results file (e.g. before/after a change)")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "bench"))
     import tempfile
 
     from hybridrl import env
     env.setup()
     model = args.model
     if model == "qwen0.5b":
-        from memory import qwen2_half_b
+        from bench.memory import qwen2_half_b
         model = str(qwen2_half_b(env.cache_dir() / "bench-qwen2-0.5b"))
     elif model == "demo":
         model = str(DEMO)

@@ -1,7 +1,7 @@
 """Does training learn at a real model's shape, and does bfloat16 learn like float32 there?
 
-    python bench/learn_scale.py                          # 134M, bfloat16 then float32, 150 steps each
-    python bench/learn_scale.py --dtypes bfloat16 --steps 250
+    python -m bench.learn_scale                          # 134M, bfloat16 then float32, 150 steps each
+    python -m bench.learn_scale --dtypes bfloat16 --steps 250
 
 A random-initialised model learns nothing from RL: nothing in it generalises, so a reward has no
 structure to amplify. This bench first gives bench/shapes.py's 134M model (SmolLM2-135M's body, its
@@ -27,18 +27,15 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "examples"))
+from bench import shapes
 
-import shapes  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _accuracy(model, tok, rows, encoded) -> float:
     """Greedy exact-match accuracy; the completion decoded without special tokens (as the loop does)."""
     import torch
-    from make_demo_model import greedy_decode
+    from examples.make_demo_model import greedy_decode
 
     from hybridrl.tasks import arithmetic
 
@@ -57,7 +54,7 @@ def warm_up(shape: str, start_acc: float, seed: int = 0) -> Path:
     if (out / "config.json").exists():
         return out
     import torch
-    from make_demo_model import encode_rows, sft_batch
+    from examples.make_demo_model import encode_rows, sft_batch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hybridrl.tasks import arithmetic

@@ -1,7 +1,7 @@
 """What the hand-off moves and costs with LoRA (the adapter alone) vs full fine-tuning (every weight).
 
-    python bench/lora_handoff.py                    # the demo and a config-built 43M Qwen2 shape
-    python bench/lora_handoff.py --models demo --ranks 16,64 --steps 12
+    python -m bench.lora_handoff                    # the demo and a config-built 43M Qwen2 shape
+    python -m bench.lora_handoff --models demo --ranks 16,64 --steps 12
 
 Each row is a short `hybridrl train` run in its own process (bench/memory.py's `run`), read back
 from its metrics.jsonl: `sync/bytes` and `sync/tensors` (what sync.push_weights handed over) and
@@ -15,11 +15,9 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory import DEMO, ROOT, run  # noqa: E402
+from bench.memory import DEMO, ROOT, run
 
 
 def qwen2_43m(dest: Path) -> Path:

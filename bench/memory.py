@@ -2,9 +2,9 @@
 the hand-off costs in process vs out of process (per parameter vs bucketed), peak memory per
 phase with and without expandable segments, and the step time.
 
-    python bench/memory.py                       # GPU: a config-built ~0.5B Qwen2 (random weights)
-    python bench/memory.py --model demo          # the shipped demo model (the CPU default)
-    python bench/memory.py --runs inprocess,oop_bucketed --steps 12
+    python -m bench.memory                       # GPU: a config-built ~0.5B Qwen2 (random weights)
+    python -m bench.memory --model demo          # the shipped demo model (the CPU default)
+    python -m bench.memory --runs inprocess,oop_bucketed --steps 12
 
 Every measurement is a short `hybridrl train` run in its own process (engines never share
 state), read back from its metrics.jsonl: `time/<phase>` and, on CUDA, `mem/<phase>/*_gb` after
@@ -127,7 +127,6 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     from hybridrl import env
     env.setup()
     cuda = env.has_cuda()

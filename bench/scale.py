@@ -1,8 +1,8 @@
 """hybridrl at real shapes: where a step's time and memory go, and the rollout against vLLM alone.
 
-    python bench/scale.py                                    # Qwen2.5-0.5B shape, 5 steps of 4 prompts x 8 x 64 tokens
-    python bench/scale.py --shape 134m --steps 8 --prompts 8 --n 4 --tokens 256
-    python bench/scale.py --shape 0.5b --set train.probe_every=0 # any config override
+    python -m bench.scale                                    # Qwen2.5-0.5B shape, 5 steps of 4 prompts x 8 x 64 tokens
+    python -m bench.scale --shape 134m --steps 8 --prompts 8 --n 4 --tokens 256
+    python -m bench.scale --shape 0.5b --set train.probe_every=0 # any config override
 
 The model is bench/shapes.py's (random weights at a real architecture's shapes, a BPE tokenizer
 trained locally), the reward a hash of the completion (signal on random text, so every step
@@ -31,9 +31,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import shapes
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench import shapes  # noqa: E402  (not bench/ on sys.path: bench/kernels.py would hide the kernels package)
 
 HAND_OFF = ("offload", "wake_weights", "sync", "wake_kv", "sleep", "reload")  # the hybrid engine's own work
 
@@ -163,8 +163,9 @@ def _env() -> dict:
 
 
 def _child(part: str, sets: list[str], batches: int) -> dict:
-    cmd = [sys.executable, __file__, "--part", part, "--batches", str(batches), *sum((["--set", s] for s in sets), [])]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+    cmd = [sys.executable, "-m", "bench.scale", "--part", part, "--batches", str(batches),
+           *sum((["--set", s] for s in sets), [])]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT)
     if res.returncode:
         raise SystemExit(f"{part} failed ({res.returncode}):\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])

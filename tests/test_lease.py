@@ -1,4 +1,4 @@
-"""bench/lease.py without a GPU: the plan of calls fits the lease, the dry run writes every stage's
+"""python -m bench.lease without a GPU: the plan of calls fits the lease, the dry run writes every stage's
 rows where the device tool fetches them from, and a stage cut short keeps the rows it printed."""
 
 import json
@@ -7,9 +7,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench import lease
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.append(str(ROOT / "bench"))  # last: bench/kernels.py must not shadow the kernels package
-import lease  # noqa: E402
 
 
 def _no_cuda() -> dict:
@@ -29,7 +29,7 @@ def test_plan_of_calls_fits_the_lease_and_carries_one_part_a_call(capsys):
 
 
 def test_dry_run_writes_every_stage_to_out(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "lease.py"), "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "bench.lease", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, env=_no_cuda(), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "lease.jsonl").read_text().splitlines()]
@@ -53,7 +53,7 @@ def test_dry_run_writes_every_stage_to_out(tmp_path):
 
 
 def test_a_call_short_of_time_leaves_the_stage_for_the_next(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "lease.py"), "--stages", "trainer_plan", "--left", "1",
+    proc = subprocess.run([sys.executable, "-m", "bench.lease", "--stages", "trainer_plan", "--left", "1",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=60, env=_no_cuda(),
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -74,7 +74,7 @@ def test_a_stage_cut_short_keeps_the_rows_it_printed(tmp_path):
 def test_gpu_check_variants_name_eager_decoding_now_that_graphs_are_the_gpu_default():
     """CUDA graphs became the GPU default (recipe.resolve): a variant without --rollout.enforce_eager
     decodes with graphs, so the 'eager' ones must ask for it or the check compares graphs with graphs."""
-    import gpu_run_checks
+    from bench import gpu_run_checks
     for name, args in gpu_run_checks.VARIANTS.items():
         assert ("--rollout.enforce_eager" in args) == ("eager" in name), name
     assert sum("--rollout.enforce_eager" not in a for a in gpu_run_checks.VARIANTS.values()) == 1

@@ -14,19 +14,19 @@ i.e. every page the step touched beyond the inputs, gradients included; measured
 step so no allocator cache hides it (tracemalloc does not see torch). CUDA: max_memory_allocated
 minus memory_allocated before the step. Time: median of --iters steps after that first one.
 
-Run: python bench/kernels.py [--device cpu|cuda] [--shape cpu|qwen0.5b|llama3-8b|N,d,V]
+Run: python -m bench.kernel_speed [--device cpu|cuda] [--shape cpu|qwen0.5b|llama3-8b|N,d,V]
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = Path(__file__).resolve().parents[1]
 
 SHAPES = {"cpu": (4096, 256, 32768), "qwen0.5b": (8192, 896, 151936), "llama3-8b": (8192, 4096, 128256)}
 LOSS = dict(eps_low=0.2, eps_high=0.28, agg="token_mean")
@@ -118,11 +118,11 @@ def worker(provider, shape, dtype_name, device, iters, chunk_size):
 
 
 def run_provider(provider, shape, dtype, device, iters, chunk_size):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", provider, "--device", device,
+    cmd = [sys.executable, "-m", "bench.kernel_speed", "--worker", provider, "--device", device,
            "--shape", ",".join(map(str, shape)), "--dtype", dtype, "--iters", str(iters)]
     if chunk_size:
         cmd += ["--chunk-size", str(chunk_size)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
         return {"provider": provider, "error": out.stderr.strip().splitlines()[-1]}
     return json.loads(out.stdout.strip().splitlines()[-1])
