@@ -54,7 +54,7 @@ test-slow: setup
 bench: setup
 	$(BIN)/python -m bench.step
 
-# every GPU claim, measured (bench/results/gpu-check-<device>.json); on a machine without CUDA it
+# every GPU claim, measured (recorded in bench/results/gpu_check.jsonl); on a machine without CUDA it
 # prints the table with the GPU rows unmeasured and exits 0
 gpu-check: setup
 	$(BIN)/python -m bench.gpu_check

@@ -14,7 +14,7 @@ On CPU every engine's states live in host memory, so the sharded training states
 weights and Adam moments, 12 bytes per parameter / ranks) are part of the figures; on a GPU they
 live on the device (and in pinned host memory only while offloaded). vLLM is not built here: its
 own copy of the weights (and, on a GPU at rollout.sleep_level=1, its host backup) come on top.
-Results also go to bench/results/host_memory-<device>[-<tag>].json.
+Each run is recorded in bench/results/host_memory.jsonl (every rank's stages).
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ import os
 import threading
 import time
 from pathlib import Path
+
+from bench.results import record
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "hybridrl" / "demo_model"
@@ -162,7 +164,7 @@ def main() -> None:
     ap.add_argument("--critic", action="store_true", help="also build PPO's critic (algo.advantage=gae)")
     ap.add_argument("--no-step", dest="step", action="store_false", help="only build the engines (the step's "
                     "optimizer states are the same either way; this keeps a float32 run within a small machine)")
-    ap.add_argument("--tag", default="", help="suffix of the results file (e.g. before/after a change)")
+    ap.add_argument("--tag", default="", help="a label kept with the recorded row (e.g. before/after a change)")
     args = ap.parse_args()
     import tempfile
 
@@ -192,13 +194,14 @@ def main() -> None:
                     n *= d
                 model_bytes += n * (2 if args.dtype == "bfloat16" else 4)
     device = "cuda" if env.has_cuda() else "cpu"
-    out = ROOT / "bench" / "results" / f"host_memory-{device}{'-' + args.tag if args.tag else ''}.json"
-    out.write_text(json.dumps({"model": model, **vars(args), "rows": rows}, indent=1))
     print(f"\n{device}, model {Path(model).name}, {args.ranks} ranks, ZeRO-{args.zero}, {args.dtype}, "
           f"reference {'on' if args.reference else 'off'}, critic {'on' if args.critic else 'off'}"
           f"{'' if args.step else ', no step'}\n")
     print(table(rows, model_bytes))
-    print(f"\nraw: {out}")
+    record("host_memory", {**vars(args), "model_name": Path(model).name},
+           {"rows": rows, "model_gib": model_bytes / GIB,
+            "peak_rss_gib": max(s["peak_rss"] for r in rows for s in r) / GIB,
+            "peak_private_gib": max(s["peak_private"] for r in rows for s in r) / GIB})
 
 
 if __name__ == "__main__":

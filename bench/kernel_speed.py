@@ -15,6 +15,7 @@ step so no allocator cache hides it (tracemalloc does not see torch). CUDA: max_
 minus memory_allocated before the step. Time: median of --iters steps after that first one.
 
 Run: python -m bench.kernel_speed [--device cpu|cuda] [--shape cpu|qwen0.5b|llama3-8b|N,d,V]
+Each run is recorded in bench/results/kernel_speed.jsonl (every provider's time and memory).
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench.results import record
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -151,12 +154,15 @@ def main():
     providers = a.providers.split(",") if a.providers else (
         ["naive", "torch-unfused", "torch-fused"] + (["triton-unfused", "triton-fused"] if cuda else [])
         + ["liger"])
+    runs = []
     for (n, d, v) in shapes:
+        runs.append({"shape": [n, d, v], "providers": {}})
         print(f"\n{a.device} {dtype} N={n} d={d} V={v} (fwd+bwd, median of {a.iters})")
         print(f"{'provider':<15}{'time ms':>10}{'x naive':>9}{'peak extra MiB':>16}{'x naive':>9}{'TFLOP/s':>9}")
         ref = None
         for prov in providers:
             r = run_provider(prov, (n, d, v), dtype, a.device, a.iters, a.chunk_size)
+            runs[-1]["providers"][prov] = r
             if "error" in r:
                 print(f"{prov:<15}  failed: {r['error'][:90]}")
                 continue
@@ -165,6 +171,8 @@ def main():
             print(f"{prov:<15}{r['time_s'] * 1e3:>10.0f}{r['time_s'] / ref['time_s']:>9.2f}"
                   f"{r['peak_extra_bytes'] / 2**20:>16.0f}"
                   f"{r['peak_extra_bytes'] / ref['peak_extra_bytes']:>9.2f}{tflops:>9.2f}")
+    record("kernel_speed", {"device": a.device, "dtype": dtype, "shapes": names, "providers": providers,
+                            "iters": a.iters, "chunk_size": a.chunk_size}, {"runs": runs})
 
 
 if __name__ == "__main__":

@@ -9,7 +9,10 @@ A lent machine gives one task 15 minutes, start-up and installs included, and ta
 a call: the stack comes over as scripts/gpu_bundle.sh's two parts, one per call, and the checks
 follow in the time left. The stages run in a fixed order of value, each in its own process under
 its own timeout (killed with its children when it runs over). Every row goes to $OUT/lease.jsonl
-and $OUT/lease.md as soon as it is measured, so a stage cut short still returns what it had. A
+and $OUT/lease.md as soon as it is measured, so a stage cut short still returns what it had; at
+the call's end its rows are recorded as one run (bench/results.py: the calls set
+HYBRIDRL_BENCH_RESULTS=$OUT/results, so $OUT/results/lease.jsonl comes back, to be appended to
+bench/results/lease.jsonl). A
 call starts no stage with fewer seconds left (--left) than the stage needs at least; the next call
 goes on from the first stage not finished (listed in $HYBRIDRL_CACHE_DIR/lease/done, which stays on
 the warm machine; stages named with --stages run again). Without CUDA the GPU stages record
@@ -33,6 +36,8 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from bench.results import record
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2.0 ** 30
@@ -77,7 +82,7 @@ BY_NAME = {s.name: s for s in STAGES}
 WHEELS = ".gpu_wheels"  # scripts/gpu_bundle.sh's DIR: git-ignored, so it travels only when carried
 START_S, GAP_S, CARRY_S, GIVE_BACK_S = 90, 20, 15, 10  # a cold start, our turn between calls, a part's transfer
 ENV = ("set -o pipefail; export HYBRIDRL_CACHE_DIR=$PWD/.cache PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/{w}/site "
-       "VLLM_USE_FLASHINFER_SAMPLER=0; ").format(w=WHEELS)
+       "VLLM_USE_FLASHINFER_SAMPLER=0 HYBRIDRL_BENCH_RESULTS=$OUT/results; ").format(w=WHEELS)
 
 
 @dataclass(frozen=True)
@@ -146,6 +151,8 @@ def print_plan() -> int:
             print("  TOO LONG: the device tool takes 2000 characters")
         most = max(most, sum(known) + tree)
     print("\ngive_back() at once after call 3 (or after the last call you make).")
+    print("Then, here: append each call's results/lease.jsonl (under files_at) to bench/results/lease.jsonl, "
+          "one run a line, and run python -m bench.render for the tables made from the results.")
     print("\nstages, in order (timeout / least s):")
     for s in STAGES:
         print(f"  {s.name:<13} {s.timeout:>4} / {s.least:<4} {s.what}")
@@ -265,6 +272,8 @@ def run(names: list[str], left: float, out: Path, skip_done: bool = True) -> int
             done.add(stage.name)
             done_file.write_text("\n".join(sorted(done)) + "\n")
     todo = [s.name for s in STAGES if s.name not in done]
+    record("lease", {"stages": names, "left_s": left, "skip_done": skip_done, "device": device},
+           {"rows": rows.rows, "not_done": todo if cuda else None})
     print(f"[lease] rows in {out}/lease.jsonl and lease.md; " +
           (f"not done: {', '.join(todo)}" if cuda and todo else "every stage done" if cuda else "dry run"),
           file=sys.stderr)

@@ -63,6 +63,7 @@ import time
 from pathlib import Path
 
 from bench import scale, shapes
+from bench.results import record
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -353,6 +354,32 @@ def report(args, results: dict) -> str:
     return "\n".join(lines)
 
 
+def knobs(args) -> dict:
+    """The run's workload, as bench/results.py keeps it."""
+    w = WORKLOADS[args.workload]
+    return {"workload": args.workload, "prompts": w["prompts"], "n": w["n"], "tokens": w["tokens"],
+            "steps": args.steps or w["steps"], "warmup": w["warmup"], "dtype": args.dtype, "trl": TRL.split("==")[1],
+            "peer_host_heap": args.peer_host_heap, "peer_grad_ckpt": args.peer_grad_ckpt,
+            "only": args.only.split(","), "set": args.set}
+
+
+def figures(args, results: dict) -> dict:
+    """The run's figures, as bench/results.py keeps them: each trainer's (s/step, rollout tok/s, phases,
+    held-out accuracy before and after, the GEMM probe before it), and hybridrl's steps/s over TRL's
+    faster mode against the target, with the ceiling's lines at 134M and 0.5B."""
+    out = {"trainers": results}
+    peers = [r for name, r in results.items() if name.startswith("TRL")]
+    if peers and "hybridrl" in results:
+        best = min(peers, key=lambda r: r["step_s"])
+        target = 1.5 if args.workload == "demo" else 2.0
+        out.update(speedup=best["step_s"] / results["hybridrl"]["step_s"], target=target)
+        out["met"] = out["speedup"] >= target
+        if args.workload != "demo" and results["hybridrl"].get("gemm_before"):
+            out["ceiling"] = [x.strip() for x in ceiling(args, results["hybridrl"], best, target,
+                                                         results["hybridrl"]["gemm_before"]) if x.strip()]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="demo", choices=list(WORKLOADS))
@@ -397,6 +424,8 @@ def main() -> None:
                 results[name] = {**run(), "gemm_before": gemm}
                 print(f"{name}: {results[name]['step_s']:.3f} s/step", file=sys.stderr, flush=True)
         print(report(args, results))
+        if results:
+            record("peers", knobs(args), figures(args, results))
     finally:
         if not args.out:
             shutil.rmtree(out, ignore_errors=True)

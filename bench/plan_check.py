@@ -14,7 +14,7 @@ column less the reserve (plan.build on the same settings). The weights are rando
 shapes matter here. `measure(..., cuda=True)` and `planned(..., on_cpu=False)` are the same
 comparison on a GPU (bench/lease.py): the device's torch.cuda.max_memory_allocated during the
 second update against the GPU plan's train column.
-Results: the table, and bench/results/plan_check-<cpu>.json.
+Results: the table, and a row in bench/results/plan_check.jsonl.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import subprocess
 import sys
 from datetime import date
 from pathlib import Path
+
+from bench.results import record
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -134,9 +136,8 @@ def main() -> None:
                 results.append(dict(shape=name, ranks=ranks, zero=zero, ckpt=ckpt, plan=p, measured=m))
                 print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {p / 2**30:>9.2f} "
                       f"{m / 2**30:>13.2f} {m / p:>14.2f}", flush=True)
-    out = ROOT / "bench" / "results" / f"plan_check-{'amx' if env.fast_bf16() else 'cpu'}.json"
-    out.write_text(json.dumps(dict(cpu=cpu, dtype=dtype, tokens=args.tokens, date=str(date.today()),
-                                   rows=results), indent=1) + "\n")
+    record("plan_check", {"shapes": args.shapes.split(","), "runs": args.runs.split(","), "tokens": args.tokens,
+                          "dtype": dtype}, {"rows": results})
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 from bench import shapes
+from bench.results import record
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -217,6 +218,20 @@ def report(args, loop: dict, alone: dict, hf: dict) -> str:
     return "\n".join(lines)
 
 
+def figures(args, loop: dict, alone: dict, hf: dict) -> dict:
+    """The run's figures, as bench/results.py keeps them (the probe's phase amortised, as in the table)."""
+    phases = {k: (loop["probe_s"] / args.probe_every if k == "probe" else v) for k, v in loop["phases"].items()}
+    hand = sum(v for k, v in phases.items() if k in HAND_OFF)
+    return {"phases": phases, "step_s": loop["step_s"], "peak_rss_gb": loop["peak_gb"],
+            "rollout_tok_s": {"hybridrl loop": loop["tok_s"], "standalone Rollout.generate": alone["rollout"],
+                              "standalone LLM.generate": alone["llm"], "transformers generate": hf["hf"]},
+            "rollout_vs_standalone": loop["tok_s"] / alone["llm"], "train_tok_s": loop["train_tok_s"],
+            "resp_len": loop["resp_len"], "probe_gap": loop["probe_gap"], "probe_s": loop["probe_s"],
+            "probe_every": args.probe_every, "hand_off_share": hand / loop["step_s"],
+            "probe_share": phases.get("probe", 0.0) / loop["step_s"], "n_steps": loop["n_steps"],
+            "wall_s": loop["wall_s"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="0.5b", choices=[s for s in shapes.SHAPES])
@@ -250,6 +265,10 @@ def main() -> None:
         alone = _child("standalone", sets, args.batches)
         hf = _child("hf", sets, args.hf_batches)
         print(report(args, loop, alone, hf))
+        record("scale", {"shape": args.shape, "params": args.params, "prompts": args.prompts, "n": args.n,
+                         "tokens": args.tokens, "steps": args.steps, "prompt_len": args.prompt_len,
+                         "batches": args.batches, "hf_batches": args.hf_batches, "set": args.set},
+               figures(args, loop, alone, hf))
     finally:
         if not args.out:
             shutil.rmtree(out, ignore_errors=True)

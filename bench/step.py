@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.results import record
 from bench.scale import prompt_batches  # the loop's prompt batches: one home, bench/scale.py
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,6 +120,12 @@ def main() -> None:
     print(f"\ntrain tokens/s: {loop['train_tok_s']:.0f}")
     sync = loop["phases"].get("sync", 0.0) / loop["step_s"]
     print(f"targets: loop/standalone {loop['tok_s'] / alone['tok_s']:.2f} (>= 0.95), sync {sync:.1%} of step (<= 5%)")
+    record("step", {"model": "demo", "steps": args.steps, "warmup": 3, "set": args.set},
+           {"phases_ms": {k: v * 1000 for k, v in loop["phases"].items()}, "step_ms": step_ms,
+            "rollout_tok_s": {"hybridrl loop (vLLM)": loop["tok_s"], "standalone vLLM": alone["tok_s"],
+                              "transformers generate": hf["tok_s"]},
+            "loop_vs_standalone": loop["tok_s"] / alone["tok_s"], "train_tok_s": loop["train_tok_s"],
+            "sync_share": sync})
 
 
 if __name__ == "__main__":

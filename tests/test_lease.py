@@ -12,8 +12,9 @@ from bench import lease
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _no_cuda() -> dict:
-    return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+def _no_cuda(out: Path) -> dict:
+    """No GPU; the run's row recorded under $OUT/results, as the lease's calls set it."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HYBRIDRL_BENCH_RESULTS": str(out / "results")}
 
 
 def test_plan_of_calls_fits_the_lease_and_carries_one_part_a_call(capsys):
@@ -30,7 +31,7 @@ def test_plan_of_calls_fits_the_lease_and_carries_one_part_a_call(capsys):
 
 def test_dry_run_writes_every_stage_to_out(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.lease", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, env=_no_cuda(), cwd=ROOT)
+                          capture_output=True, text=True, timeout=120, env=_no_cuda(tmp_path), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "lease.jsonl").read_text().splitlines()]
     assert {r["stage"] for r in rows} == set(lease.BY_NAME)
@@ -49,12 +50,15 @@ def test_dry_run_writes_every_stage_to_out(tmp_path):
     assert decode[0]["CUDA graphs"] == 0 < decode[1]["CUDA graphs"]
     table = (tmp_path / "lease.md").read_text()
     assert table.count("\n| ") == len(rows) + 1  # the header and one line a row
+    recorded = [json.loads(x) for x in (tmp_path / "results" / "lease.jsonl").read_text().splitlines()]
+    assert len(recorded) == 1 and recorded[0]["figures"]["rows"] == rows  # the call's run, for bench/results/
+    assert "gpu" not in recorded[0]["machine"] and recorded[0]["workload"]["device"] == "no CUDA (dry run)"
     assert len(list(tmp_path.iterdir())) <= 8  # the device tool brings back at most 8 files
 
 
 def test_a_call_short_of_time_leaves_the_stage_for_the_next(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.lease", "--stages", "trainer_plan", "--left", "1",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=60, env=_no_cuda(),
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=60, env=_no_cuda(tmp_path),
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "lease.jsonl").read_text().splitlines()]

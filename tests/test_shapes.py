@@ -65,10 +65,11 @@ def test_scale_bench_prints_its_table_at_the_tiny_shape(tmp_path):
     out = subprocess.run([sys.executable, "-m", "bench.scale", "--shape", "tiny", "--steps", "3",
                           "--prompts", "2", "--n", "4", "--tokens", "16", "--batches", "2", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=900, cwd=root,
-                         env={**os.environ, "PYTHONPATH": str(root)})
+                         env={**os.environ, "PYTHONPATH": str(root), "HYBRIDRL_BENCH_RESULTS": str(tmp_path / "r")})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "median completion length 16 of 16" in out.stdout  # random weights: full-length completions
     assert "targets: rollout" in out.stdout and "standalone LLM.generate" in out.stdout
+    assert (tmp_path / "r" / "scale.jsonl").read_text().count("\n") == 1  # the run, recorded
 
 
 def test_matmul_count_is_the_models_weights_and_the_ceiling_reads_it():
