@@ -163,13 +163,13 @@ def record(bench: str, workload: dict, figures: dict, **extra) -> dict:
 
 def load(bench: str, source: str | None = None) -> list[dict]:
     """Every row of `bench`, oldest first (as appended); `source`: only the rows migrated from old
-    files whose name matches it (a shell pattern)."""
+    files whose name matches it (a shell pattern; a row kept a .md beside its .json as text_source)."""
     path = path_of(bench)
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     if source is not None:
-        rows = [r for r in rows if r.get("source") and fnmatch.fnmatch(r["source"], source)]
+        rows = [r for r in rows if any(r.get(k) and fnmatch.fnmatch(r[k], source) for k in ("source", "text_source"))]
     return rows
 
 
