@@ -182,7 +182,8 @@ class Rows:
             self.rows.append(r)
             with open(self.out / "lease.jsonl", "a") as f:
                 f.write(json.dumps(r, default=str) + "\n")
-            lines = [f"# python -m bench.lease on {self.device}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
+            now = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
+            lines = [f"# python -m bench.lease on {self.device}, {now}", "",
                      "| stage | claim | measured | target | verdict |", "|---|---|---|---|---|"]
             lines += [f"| {x['stage']} | {x['claim']} | {x['value']} | {x.get('target', '')} | {x['verdict']} |"
                       for x in self.rows]
@@ -195,7 +196,8 @@ def run_stage(stage: Stage, seconds: float, rows: Rows, log: Path, argv: list[st
     (killed at `seconds`, short of its timeout: the next call runs it again)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "LEASE_STAGE_S": str(int(seconds)),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(argv or [sys.executable, "-m", "bench.lease", "--stage", stage.name], stdout=subprocess.PIPE,
+    proc = subprocess.Popen(argv or [sys.executable, "-m", "bench.lease", "--stage", stage.name],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env, start_new_session=True)
     tail: list[str] = []
 

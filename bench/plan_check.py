@@ -73,8 +73,8 @@ def worker(args) -> None:
 
 def measure(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtype: str, cuda: bool = False,
             timeout: float = 1800) -> float:
-    cmd = [sys.executable, "-m", "bench.plan_check", "--worker", "--model", shape_dir, "--zero", str(zero), "--tokens", str(tokens),
-           "--dtype", dtype] + (["--ckpt"] if ckpt else []) + (["--cuda"] if cuda else [])
+    cmd = [sys.executable, "-m", "bench.plan_check", "--worker", "--model", shape_dir, "--zero", str(zero),
+           "--tokens", str(tokens), "--dtype", dtype] + (["--ckpt"] if ckpt else []) + (["--cuda"] if cuda else [])
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                str(29500 + os.getpid() % 1000)] + cmd[1:]  # its -m: each rank runs bench.plan_check as a module

@@ -193,7 +193,8 @@ def main() -> int:
         return 1
     for r in rows:
         if a.text:
-            print(f"===== {r.get('source') or r['date']}\n{r['text'] if 'text' in r else json.dumps(r, ensure_ascii=False)}")
+            text = r["text"] if "text" in r else json.dumps(r, ensure_ascii=False)
+            print(f"===== {r.get('source') or r['date']}\n{text}")
         else:
             print(json.dumps(r, ensure_ascii=False))
     return 0

@@ -86,7 +86,8 @@ def loop_run(args) -> dict:
 def _child(part: str, args) -> dict:
     out = subprocess.run([sys.executable, "-m", "bench.step", "--part", part, "--steps", str(args.steps),
                           *sum((["--set", s] for s in args.set), [])],
-                         capture_output=True, text=True, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
+                         capture_output=True, text=True, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                         cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
