@@ -228,7 +228,8 @@ def figures(args, loop: dict, alone: dict, hf: dict) -> dict:
             "rollout_vs_standalone": loop["tok_s"] / alone["llm"], "train_tok_s": loop["train_tok_s"],
             "resp_len": loop["resp_len"], "probe_gap": loop["probe_gap"], "probe_s": loop["probe_s"],
             "probe_every": args.probe_every, "hand_off_share": hand / loop["step_s"],
-            "probe_share": phases.get("probe", 0.0) / loop["step_s"], "n_steps": loop["n_steps"],
+            "probe_share": phases.get("probe", 0.0) / loop["step_s"],
+            "hand_off_probe_share": (hand + phases.get("probe", 0.0)) / loop["step_s"], "n_steps": loop["n_steps"],
             "wall_s": loop["wall_s"]}
 
 
