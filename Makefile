@@ -52,12 +52,12 @@ test-slow: setup
 	$(BIN)/python -m pytest -m slow tests
 
 bench: setup
-	$(BIN)/python bench/step.py
+	$(BIN)/python -m bench.step
 
-# every GPU claim, measured (bench/results/gpu-check-<device>.json); on a machine without CUDA it
+# every GPU claim, measured (recorded in bench/results/gpu_check.jsonl); on a machine without CUDA it
 # prints the table with the GPU rows unmeasured and exits 0
 gpu-check: setup
-	$(BIN)/python bench/gpu_check.py
+	$(BIN)/python -m bench.gpu_check
 
 clean:
 	rm -rf $(VENV) .cache runs

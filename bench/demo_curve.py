@@ -1,13 +1,14 @@
 """The learning curve is the benchmark: held-out accuracy vs wall time on the demo, per seed.
 
-    python bench/demo_curve.py                    # 3 seeds x 2.5 minutes, the default recipe
-    python bench/demo_curve.py --seeds 0 --minutes 2 --set train.lr=3e-5
-    python bench/demo_curve.py --reuse --out runs/demo_curve   # the table again, from the runs made
+    python -m bench.demo_curve                    # 3 seeds x 2.5 minutes, the default recipe
+    python -m bench.demo_curve --seeds 0 --minutes 2 --set train.lr=3e-5
+    python -m bench.demo_curve --reuse --out runs/demo_curve   # the table again, from the runs made
 
 Each seed is a full `hybridrl train` run (its own process, engines started fresh) with a wall
 budget of --minutes counted from engine start, evaluating the fixed 256-prompt held-out split
 greedily every ~10 s. Prints accuracy vs time, time to 50% and to 75%, and seconds per step
-split by phase; writes demo_curve.png (and the raw runs) to --out.
+split by phase; records them (bench/results/demo_curve.jsonl, each seed's evaluations too) and
+writes demo_curve.png (and the raw runs) to --out.
 Target: 75% held-out accuracy within 2 minutes of engine start (time to 75%, mean of 3 seeds).
 """
 
@@ -19,6 +20,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from bench.results import record
 
 
 def run_seed(seed: int, args) -> dict:
@@ -53,7 +56,6 @@ def acc_at(curve, t: float) -> float:
 
 
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from hybridrl.run import environ as env
     env.setup()  # matplotlib's and the engines' caches go under the project's cache dir, not ~/.cache
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,6 +93,18 @@ def main() -> None:
     reached = [time_to(results[s]["curve"], 0.75) for s in args.seeds]
     mean75 = f"{statistics.mean(reached):.0f} s" if None not in reached else "not reached by every seed"
     print(f"mean final accuracy {statistics.mean(finals):.1%}; mean time to 75%: {mean75} (target <= 120 s)")
+    seeds = [str(s) for s in args.seeds]
+    record("demo_curve", {"seeds": args.seeds, "minutes": args.minutes, "eval_every_s": args.eval_every_s,
+                          "set": args.set},
+           {"grid_s": grid, "acc": {str(s): [acc_at(results[s]["curve"], t) for t in grid] for s in args.seeds},
+            "mean": [statistics.mean(acc_at(results[s]["curve"], t) for s in args.seeds) for t in grid],
+            "final": dict(zip(seeds, finals)), "final_mean": statistics.mean(finals),
+            "time_to_50": {str(s): time_to(results[s]["curve"], 0.5) for s in args.seeds},
+            "time_to_75": dict(zip(seeds, reached)),
+            "mean_time_to_75": statistics.mean(reached) if None not in reached else None,
+            "steps": {str(s): results[s]["steps"] for s in args.seeds},
+            "phases_ms": {k: v * 1000 for k, v in phases.items()}, "step_ms": total * 1000,
+            "curves": {str(s): results[s]["curve"] for s in args.seeds}})
     plot(results, args)
 
 

@@ -1,13 +1,14 @@
 """The GPU self-check: every GPU claim hybridrl makes, measured in one command.
 
-    make gpu-check                                   # = python bench/gpu_check.py
-    python bench/gpu_check.py --only sleep,kernels   # some checks (names below)
-    python bench/gpu_check.py --list                 # the claims, without running anything
+    make gpu-check                                   # = python -m bench.gpu_check
+    python -m bench.gpu_check --only sleep,kernels   # some checks (names below)
+    python -m bench.gpu_check --list                 # the claims, without running anything
 
-Prints one row per claim (what was measured, the figure, the target, pass/fail) and writes every
-row to bench/results/gpu-check-<device>.json (`--out` elsewhere). Each check runs in its own
-process, so one that crashes or hangs (killed at its timeout) costs its rows only; its error is in
-the row and in the JSON. Without CUDA the GPU rows print `unmeasured (no CUDA)` and it exits 0;
+Prints one row per claim (what was measured, the figure, the target, pass/fail) and records
+every row at the end (bench/results/gpu_check.jsonl, one line per run; `--out FILE` also writes
+them to FILE as JSON after each check, so a run cut short keeps what it measured). Each check runs
+in its own process, so one that crashes or hangs (killed at its timeout) costs its rows only; its
+error is in the row. Without CUDA the GPU rows print `unmeasured (no CUDA)` and it exits 0;
 with CUDA it exits 1 if a row failed.
 
 Checks (in order; the first six drive the engines in process, gpu_engine_checks.py; the rest run
@@ -46,9 +47,10 @@ import sys
 import time
 from pathlib import Path
 
-import gpu_engine_checks as engine
-import gpu_run_checks as runs
-from gpu_claims import BENCH, CLAIMS, ROOT, UNMEASURED
+from bench import gpu_engine_checks as engine
+from bench import gpu_run_checks as runs
+from bench.gpu_claims import CLAIMS, ROOT, UNMEASURED
+from bench.results import record
 
 # check name -> the function that measures it, in the order they run (CLAIMS lists their rows)
 CHECKS = {"stack": engine.check_stack, "expandable": engine.check_expandable, "kernels": engine.check_kernels,
@@ -67,7 +69,7 @@ def run_check(name: str, cuda: bool, log_dir: Path | None) -> list[dict]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
            "PYTHONUNBUFFERED": "1"}
     try:
-        out = subprocess.run([sys.executable, __file__, "--check", name], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--check", name], capture_output=True, text=True,
                              timeout=timeout, env=env, cwd=ROOT)
         stdout, stderr, rc = out.stdout, out.stderr, out.returncode
     except subprocess.TimeoutExpired as e:
@@ -98,13 +100,12 @@ def print_rows(rows: list[dict]) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="", help=f"comma-separated checks ({', '.join(CHECKS)})")
-    ap.add_argument("--out", default=None, help="JSON file (default bench/results/gpu-check-<device>.json)")
+    ap.add_argument("--out", default=None, help="also write the rows to this JSON file after each check")
     ap.add_argument("--log-dir", default=None, help="each check's full output goes here")
     ap.add_argument("--list", action="store_true", help="print the claims and exit")
     ap.add_argument("--check", help=argparse.SUPPRESS)
     ap.add_argument("--fragment", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     from hybridrl.run import environ as env
     env.setup()
     cuda = env.has_cuda()
@@ -123,23 +124,27 @@ def main() -> int:
                     for c, t in CLAIMS[n][1]])
         return 0
     if cuda and a.check is None:
-        half_b_model_in_child = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(BENCH)!r}); "
-                                                f"sys.path.insert(0, {str(ROOT)!r}); import gpu_claims; "
-                                                "print(gpu_claims.half_b_model())"], capture_output=True, text=True)
+        half_b_model_in_child = subprocess.run([sys.executable, "-c", "from bench import gpu_claims; "
+                                                "print(gpu_claims.half_b_model())"], capture_output=True, text=True,
+                                               cwd=ROOT)
         if half_b_model_in_child.returncode:
             print("could not build the 0.5B model:", half_b_model_in_child.stderr[-2000:], file=sys.stderr)
-    out = Path(a.out) if a.out else ROOT / "bench" / "results" / f"gpu-check-{'cuda' if cuda else 'cpu'}.json"
+    out = Path(a.out) if a.out else None
     rows: list[dict] = []
     for name in names:
         print(f"[gpu-check] {name} ...", file=sys.stderr, flush=True)
         rows += run_check(name, cuda, Path(a.log_dir) if a.log_dir else None)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "cuda": cuda, "rows": rows}, indent=1,
-                                  default=str))
+        if out:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "cuda": cuda, "rows": rows}, indent=1,
+                                      default=str))
     print()
     print_rows(rows)
-    print(f"\n{sum(r['verdict'] == 'pass' for r in rows)} passed, {sum(r['verdict'] == 'fail' for r in rows)} failed, "
-          f"{sum(r['verdict'] == 'unmeasured' for r in rows)} unmeasured; rows in {out}")
+    counts = {v: sum(r["verdict"] == v for r in rows) for v in ("pass", "fail", "unmeasured")}
+    print(f"\n{counts['pass']} passed, {counts['fail']} failed, {counts['unmeasured']} unmeasured"
+          + (f"; rows in {out}" if out else ""))
+    record("gpu_check", {"checks": names, "cuda": cuda},
+           {"rows": rows, "passed": counts["pass"], "failed": counts["fail"], "unmeasured": counts["unmeasured"]})
     return 1 if cuda and any(r["verdict"] == "fail" for r in rows) else 0
 
 

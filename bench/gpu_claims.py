@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
 DEMO = ROOT / "hybridrl" / "demo_model"
 UNMEASURED = "unmeasured (no CUDA)"
 GIB = 2.0 ** 30
@@ -110,3 +109,7 @@ def half_b_model() -> str:
             shutil.copy(f, tmp / f.name)
     tmp.rename(dest)
     return str(dest)
+
+
+if __name__ == "__main__":  # python -m bench.gpu_claims --help: what this module is
+    print(__doc__)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-from gpu_claims import BENCH, CLAIMS, GIB, KERNEL_SHAPE, half_b_model, row, verdict
+from bench.gpu_claims import CLAIMS, GIB, KERNEL_SHAPE, ROOT, half_b_model, row, verdict
 
 
 def _used() -> int:
@@ -78,7 +78,8 @@ def check_expandable(cuda: bool) -> None:
     row(CLAIMS["expandable"][1][1][0], f"inside: {inside}; after: {after}", "False inside, True after", verdict(ok))
     results = {}
     for on in (False, True):
-        out = subprocess.run([sys.executable, str(BENCH / "gpu_check.py"), "--fragment"], capture_output=True, text=True, timeout=120,
+        out = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--fragment"], capture_output=True, text=True,
+                             timeout=120, cwd=ROOT,
                              env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": f"expandable_segments:{on}"})
         results[on] = (out.stdout.strip().splitlines() or ["error: " + out.stderr[-300:]])[-1]
     ok = results[False].startswith("OOM") and results[True].startswith("fits")
@@ -105,10 +106,7 @@ def fragment() -> None:
 
 
 def check_kernels(cuda: bool) -> None:
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("bench_kernels", BENCH / "kernels.py")
-    kb = importlib.util.module_from_spec(spec)  # bench/kernels.py: a subprocess per provider, time and peak memory
-    spec.loader.exec_module(kb)
+    from bench import kernel_speed as kb  # a subprocess per provider, time and peak memory
     n, d, v = KERNEL_SHAPE
     res = {}
     for prov in ("naive", "torch-fused", "triton-fused", "liger"):
@@ -340,3 +338,7 @@ def check_planner(cuda: bool) -> None:
     except torch.OutOfMemoryError as e:
         row(CLAIMS["planner"][1][1][0], f"OOM: {str(e)[:200]}", "no OOM", "fail")
     rollout.close()
+
+
+if __name__ == "__main__":  # python -m bench.gpu_engine_checks --help: what this module is
+    print(__doc__)

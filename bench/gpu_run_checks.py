@@ -15,7 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from gpu_claims import BENCH, CLAIMS, GIB, ROOT, half_b_model, row, verdict
+from bench.gpu_claims import CLAIMS, GIB, ROOT, half_b_model, row, verdict
 
 
 def _train(args: list[str], timeout: int, env: dict | None = None) -> dict:
@@ -24,7 +24,7 @@ def _train(args: list[str], timeout: int, env: dict | None = None) -> dict:
     (cache_dir() / "runs").mkdir(parents=True, exist_ok=True)  # not /tmp: 0.5B checkpoints are ~6 GB each
     run_dir = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=cache_dir() / "runs"))
     cmd = [sys.executable, "-m", "hybridrl", "train", "--log.run_dir", str(run_dir), "--log.no_progress", *args]
-    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(BENCH), os.environ.get("PYTHONPATH", "")]),
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
                **(env or {})}
     t = time.perf_counter()
     try:
@@ -46,7 +46,7 @@ def _train(args: list[str], timeout: int, env: dict | None = None) -> dict:
 
 
 def _half_b_args(model: str) -> list[str]:
-    return ["--model", model, "--data.path", "demo", "--reward", "bench_rewards:text_hash",
+    return ["--model", model, "--data.path", "demo", "--reward", "bench.bench_rewards:text_hash",
             "--algo.no_skip_zero_advantage", "--train.lr", "1e-6", "--train.prompts_per_step", "8",
             "--rollout.n", "4", "--rollout.max_new_tokens", "256", "--rollout.max_model_len", "320",
             "--data.max_prompt_len", "48", "--log.eval_every", "0", "--log.eval_size", "16",
@@ -268,3 +268,7 @@ def check_tp(cuda: bool) -> None:
         row(claim, f"acc {acc} vs TP 1 {acc1}; probe gap max {max(gaps, default=float('nan')):.3g} over "
             f"{len(gaps)} hand-offs; {r['wall_s']:.0f} s for 3 steps", target,
             verdict(acc == acc1 and len(gaps) == 3 and max(gaps) <= 1e-4), gaps=gaps)
+
+
+if __name__ == "__main__":  # python -m bench.gpu_run_checks --help: what this module is
+    print(__doc__)

@@ -1,8 +1,8 @@
 """Host memory (RSS) per rank while the trainer, the reference and (optionally) the critic are
 built and run one step: what a run holds in host RAM besides vLLM.
 
-    python bench/host_memory.py                          # 2 ranks, ZeRO-3, bf16, a Qwen2.5-0.5B shape, reference on
-    python bench/host_memory.py --ranks 1 --zero 2 --model demo --dtype float32
+    python -m bench.host_memory                          # 2 ranks, ZeRO-3, bf16, a Qwen2.5-0.5B shape, reference on
+    python -m bench.host_memory --ranks 1 --zero 2 --model demo --dtype float32
 
 Each rank is a spawned process in one gloo group (as `--nproc` makes them). A sampler thread reads
 /proc/self/status every 5 ms: `rss` is VmRSS (what the kernel charges the process, page-cache pages
@@ -14,7 +14,7 @@ On CPU every engine's states live in host memory, so the sharded training states
 weights and Adam moments, 12 bytes per parameter / ranks) are part of the figures; on a GPU they
 live on the device (and in pinned host memory only while offloaded). vLLM is not built here: its
 own copy of the weights (and, on a GPU at rollout.sleep_level=1, its host backup) come on top.
-Results also go to bench/results/host_memory-<device>[-<tag>].json.
+Each run is recorded in bench/results/host_memory.jsonl (every rank's stages).
 """
 
 from __future__ import annotations
@@ -22,10 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import threading
 import time
 from pathlib import Path
+
+from bench.results import record
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "hybridrl" / "demo_model"
@@ -82,7 +83,6 @@ class Sampler:
 def rank_main(local_rank: int, args, port: int, model: str, out_dir: str) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.ranks),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    sys.path.insert(0, str(ROOT))
     from hybridrl.run import environ as env
     env.setup()
     sampler = Sampler()
@@ -166,17 +166,15 @@ def main() -> None:
     ap.add_argument("--critic", action="store_true", help="also build PPO's critic (algo.advantage=gae)")
     ap.add_argument("--no-step", dest="step", action="store_false", help="only build the engines (the step's "
                     "optimizer states are the same either way; this keeps a float32 run within a small machine)")
-    ap.add_argument("--tag", default="", help="suffix of the results file (e.g. before/after a change)")
+    ap.add_argument("--tag", default="", help="a label kept with the recorded row (e.g. before/after a change)")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
-    sys.path.insert(0, str(ROOT / "bench"))
     import tempfile
 
     from hybridrl.run import environ as env
     env.setup()
     model = args.model
     if model == "qwen0.5b":
-        from memory import qwen2_half_b
+        from bench.memory import qwen2_half_b
         model = str(qwen2_half_b(env.cache_dir() / "bench-qwen2-0.5b"))
     elif model == "demo":
         model = str(DEMO)
@@ -198,13 +196,14 @@ def main() -> None:
                     n *= d
                 model_bytes += n * (2 if args.dtype == "bfloat16" else 4)
     device = "cuda" if env.has_cuda() else "cpu"
-    out = ROOT / "bench" / "results" / f"host_memory-{device}{'-' + args.tag if args.tag else ''}.json"
-    out.write_text(json.dumps({"model": model, **vars(args), "rows": rows}, indent=1))
     print(f"\n{device}, model {Path(model).name}, {args.ranks} ranks, ZeRO-{args.zero}, {args.dtype}, "
           f"reference {'on' if args.reference else 'off'}, critic {'on' if args.critic else 'off'}"
           f"{'' if args.step else ', no step'}\n")
     print(table(rows, model_bytes))
-    print(f"\nraw: {out}")
+    record("host_memory", {**vars(args), "model_name": Path(model).name},
+           {"rows": rows, "model_gib": model_bytes / GIB,
+            "peak_rss_gib": max(s["peak_rss"] for r in rows for s in r) / GIB,
+            "peak_private_gib": max(s["peak_private"] for r in rows for s in r) / GIB})
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Does training learn at a real model's shape, and does bfloat16 learn like float32 there?
 
-    python bench/learn_scale.py                          # 134M, bfloat16 then float32, 150 steps each
-    python bench/learn_scale.py --dtypes bfloat16 --steps 250
+    python -m bench.learn_scale                          # 134M, bfloat16 then float32, 150 steps each
+    python -m bench.learn_scale --dtypes bfloat16 --steps 250
 
 A random-initialised model learns nothing from RL: nothing in it generalises, so a reward has no
 structure to amplify. This bench first gives bench/shapes.py's 134M model (SmolLM2-135M's body, its
@@ -11,8 +11,9 @@ accuracy on 64 held-out prompts reaches --start-acc (330 steps, ~12 minutes on 2
 `hybridrl train` run per dtype on that model (GRPO, the built-in arithmetic reward, 16 prompts x 8
 samples of <= 4 tokens, one update per rollout, lr --lr), each evaluating greedy accuracy on the
 demo's full 256-prompt held-out split every 25 steps. Prints held-out accuracy, reward and entropy
-per window of 25 steps, side by side for the dtypes, and seconds per step by phase. At 134M the
-bfloat16 run takes ~7 minutes and the float32 one ~10 on 2 cores with AMX.
+per window of 25 steps, side by side for the dtypes, and seconds per step by phase, and records
+them (bench/results/learn_scale.jsonl). At 134M the bfloat16 run takes ~7 minutes and the float32
+one ~10 on 2 cores with AMX.
 The warmed model is kept under $HYBRIDRL_CACHE_DIR/shapes/<shape>-arith and reused.
 """
 
@@ -27,18 +28,16 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-sys.path.insert(0, str(ROOT / "examples"))
+from bench import shapes
+from bench.results import record
 
-import shapes  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _accuracy(model, tok, rows, encoded) -> float:
     """Greedy exact-match accuracy; the completion decoded without special tokens (as the loop does)."""
     import torch
-    from make_demo_model import greedy_decode
+    from examples.make_demo_model import greedy_decode
 
     from hybridrl.data.tasks import arithmetic
 
@@ -57,7 +56,7 @@ def warm_up(shape: str, start_acc: float, seed: int = 0) -> Path:
     if (out / "config.json").exists():
         return out
     import torch
-    from make_demo_model import encode_rows, sft_batch
+    from examples.make_demo_model import encode_rows, sft_batch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hybridrl.data.tasks import arithmetic
@@ -114,26 +113,41 @@ def train(model: Path, dtype: str, args) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def table(runs: dict[str, list[dict]], steps: int) -> str:
-    lines = ["step     " + "".join(f"{d + ' held-out':>19}{'reward':>9}{'entropy':>9}" for d in runs)]
-    for start in range(0, steps + 1, 25):
-        cells = ""
-        for rows in runs.values():
+def summary(runs: dict[str, list[dict]], steps: int) -> dict:
+    """Per dtype: held-out accuracy at every 25th step with the mean reward and entropy of the 25 steps
+    after it, the median seconds per step by phase, and the mean trainer/vLLM log-prob gap."""
+    out = {"windows": {}, "phases_s": {}, "logp_gap": {}}
+    for d, rows in runs.items():
+        out["windows"][d] = []
+        for start in range(0, steps + 1, 25):
             acc = next((r["heldout_acc"] for r in rows if r.get("step") == start and "heldout_acc" in r), None)
             window = [r for r in rows if "reward" in r and start < r["step"] <= start + 25]
-            rew = f"{statistics.mean(r['reward'] for r in window):.3f}" if window else ""
-            ent = f"{statistics.mean(r['entropy_mean'] for r in window):.3f}" if window else ""
-            cells += f"{(f'{acc:.1%}' if acc is not None else ''):>19}{rew:>9}{ent:>9}"
-        lines.append(f"{start:<9}" + cells)
+            out["windows"][d].append({
+                "step": start, "heldout": acc,
+                "reward": statistics.mean(r["reward"] for r in window) if window else None,
+                "entropy": statistics.mean(r["entropy_mean"] for r in window) if window else None})
+        steps_ = [r for r in rows if "reward" in r]
+        out["phases_s"][d] = {k[5:]: statistics.median(r[k] for r in steps_ if k in r)
+                              for k in ("time/train", "time/generate", "time/sync")}
+        out["logp_gap"][d] = statistics.mean(r["logp_gap_mean"] for r in steps_ if "logp_gap_mean" in r)
+    return out
+
+
+def table(s: dict) -> str:
+    runs = s["windows"]
+    lines = ["step     " + "".join(f"{d + ' held-out':>19}{'reward':>9}{'entropy':>9}" for d in runs)]
+    for i, w in enumerate(next(iter(runs.values()))):
+        cells = ""
+        for windows in runs.values():
+            acc, rew, ent = windows[i]["heldout"], windows[i]["reward"], windows[i]["entropy"]
+            cells += (f"{(f'{acc:.1%}' if acc is not None else ''):>19}{(f'{rew:.3f}' if rew is not None else ''):>9}"
+                      f"{(f'{ent:.3f}' if ent is not None else ''):>9}")
+        lines.append(f"{w['step']:<9}" + cells)
     lines.append("(held-out: greedy, the demo's 256 prompts, at that step; "
                  "reward and entropy: mean of the 25 steps after it)")
-    for d, rows in runs.items():
-        steps_ = [r for r in rows if "reward" in r]
-        phases = {k: statistics.median(r[k] for r in steps_ if k in r)
-                  for k in ("time/train", "time/generate", "time/sync")}
-        gap = statistics.mean(r["logp_gap_mean"] for r in steps_ if "logp_gap_mean" in r)
-        lines.append(f"{d}: median s/step by phase " + ", ".join(f"{k[5:]} {v:.2f}" for k, v in phases.items())
-                     + f"; mean trainer/vLLM log-prob gap {gap:.4f}")
+    for d in runs:
+        lines.append(f"{d}: median s/step by phase " + ", ".join(f"{k} {v:.2f}" for k, v in s["phases_s"][d].items())
+                     + f"; mean trainer/vLLM log-prob gap {s['logp_gap'][d]:.4f}")
     return "\n".join(lines)
 
 
@@ -149,14 +163,19 @@ def main() -> None:
     ap.add_argument("--out", default="runs/learn_scale")
     args = ap.parse_args()
     model = warm_up(args.shape, args.start_acc)
-    runs = {}
+    runs, wall = {}, {}
     for dtype in args.dtypes:
         t = time.perf_counter()
         runs[dtype] = train(model, dtype, args)
-        print(f"{dtype}: {args.steps} steps in {time.perf_counter() - t:.0f} s", flush=True)
+        wall[dtype] = time.perf_counter() - t
+        print(f"{dtype}: {args.steps} steps in {wall[dtype]:.0f} s", flush=True)
     print(f"\n{args.shape} ({shapes.n_params(model) / 1e6:.1f}M parameters) warmed up on addition, then GRPO "
           f"(16 prompts x 8, <= 4 tokens, lr {args.lr:g}); {shapes.describe_machine()}\n")
-    print(table(runs, args.steps))
+    s = summary(runs, args.steps)
+    print(table(s))
+    record("learn_scale", {"shape": args.shape, "params": shapes.n_params(model), "dtypes": args.dtypes,
+                           "steps": args.steps, "lr": args.lr, "start_acc": args.start_acc,
+                           "prompts": 16, "n": 8, "tokens": 4}, {**s, "wall_s": wall})
 
 
 if __name__ == "__main__":

@@ -1,15 +1,18 @@
 """The next GPU lease, prepared: every GPU claim not yet measured, in at most 13 device-minutes.
 
-    python bench/lease.py --plan                   # the calls to make: carry, command, timeout_s, device-minutes
-    python bench/lease.py --stages prepare         # on the lent machine, call 1 (no vLLM there yet)
-    python bench/lease.py --left 200               # on the lent machine, calls 2 and 3: the stages not done
-    python bench/lease.py --out DIR                # here, without CUDA: the dry run (tests/test_lease.py)
+    python -m bench.lease --plan                   # the calls to make: carry, command, timeout_s, device-minutes
+    python -m bench.lease --stages prepare         # on the lent machine, call 1 (no vLLM there yet)
+    python -m bench.lease --left 200               # on the lent machine, calls 2 and 3: the stages not done
+    python -m bench.lease --out DIR                # here, without CUDA: the dry run (tests/test_lease.py)
 
 A lent machine gives one task 15 minutes, start-up and installs included, and takes at most 64 MiB
 a call: the stack comes over as scripts/gpu_bundle.sh's two parts, one per call, and the checks
 follow in the time left. The stages run in a fixed order of value, each in its own process under
 its own timeout (killed with its children when it runs over). Every row goes to $OUT/lease.jsonl
-and $OUT/lease.md as soon as it is measured, so a stage cut short still returns what it had. A
+and $OUT/lease.md as soon as it is measured, so a stage cut short still returns what it had; at
+the call's end its rows are recorded as one run (bench/results.py: the calls set
+HYBRIDRL_BENCH_RESULTS=$OUT/results, so $OUT/results/lease.jsonl comes back, to be appended to
+bench/results/lease.jsonl). A
 call starts no stage with fewer seconds left (--left) than the stage needs at least; the next call
 goes on from the first stage not finished (listed in $HYBRIDRL_CACHE_DIR/lease/done, which stays on
 the warm machine; stages named with --stages run again). Without CUDA the GPU stages record
@@ -34,8 +37,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.results import record
+
 ROOT = Path(__file__).resolve().parents[1]
-BENCH = ROOT / "bench"
 GIB = 2.0 ** 30
 LEASE_S = 13 * 60  # of the task's 15 device-minutes: the rest is slack for a slow start or a rerun
 TRAINER_TOKENS = 8192  # train.max_tokens_per_micro_batch's default: one micro-batch of it
@@ -78,7 +82,7 @@ BY_NAME = {s.name: s for s in STAGES}
 WHEELS = ".gpu_wheels"  # scripts/gpu_bundle.sh's DIR: git-ignored, so it travels only when carried
 START_S, GAP_S, CARRY_S, GIVE_BACK_S = 90, 20, 15, 10  # a cold start, our turn between calls, a part's transfer
 ENV = ("set -o pipefail; export HYBRIDRL_CACHE_DIR=$PWD/.cache PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/{w}/site "
-       "VLLM_USE_FLASHINFER_SAMPLER=0; ").format(w=WHEELS)
+       "VLLM_USE_FLASHINFER_SAMPLER=0 HYBRIDRL_BENCH_RESULTS=$OUT/results; ").format(w=WHEELS)
 
 
 @dataclass(frozen=True)
@@ -101,13 +105,13 @@ def calls() -> list[Call]:
     """Three calls back to back (the machine goes back ~30 s after a call), then give_back. Each
     checks call's command passes lease.py the seconds its timeout leaves (bash's $SECONDS)."""
     def checks(timeout: int) -> str:  # 15 s kept back for the last rows and the transfer of $OUT
-        return f"python3 bench/lease.py --left $(({timeout} - SECONDS - 15))"
+        return f"python3 -m bench.lease --left $(({timeout} - SECONDS - 15))"
     install = (f"bash {WHEELS}/install.sh $PWD/{WHEELS}/site 2>&1 | tail -3 && python3 -m hybridrl.run.environ 2>&1 | tail -2 "
                "|| echo 'install FAILED: the stages below say what is missing'; ")
     return [
         Call((f"{WHEELS}/site.part0", f"{WHEELS}/site.sha256", f"{WHEELS}/install.sh"), 90,
              ENV + "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; "
-                   "python3 bench/lease.py --stages prepare --left 80",
+                   "python3 -m bench.lease --stages prepare --left 80",
              "bundle part 1 of 2 and install.sh; builds the shapes' weights (no vLLM yet)"),
         Call((f"{WHEELS}/site.part1", deepspeed_sdist()), 240, ENV + install + checks(240),
              "bundle part 2 and DeepSpeed's source (the smaller part); install.sh (unpack, DeepSpeed), "
@@ -147,6 +151,8 @@ def print_plan() -> int:
             print("  TOO LONG: the device tool takes 2000 characters")
         most = max(most, sum(known) + tree)
     print("\ngive_back() at once after call 3 (or after the last call you make).")
+    print("Then, here: append each call's results/lease.jsonl (under files_at) to bench/results/lease.jsonl, "
+          "one run a line, and run python -m bench.render for the tables made from the results.")
     print("\nstages, in order (timeout / least s):")
     for s in STAGES:
         print(f"  {s.name:<13} {s.timeout:>4} / {s.least:<4} {s.what}")
@@ -176,7 +182,8 @@ class Rows:
             self.rows.append(r)
             with open(self.out / "lease.jsonl", "a") as f:
                 f.write(json.dumps(r, default=str) + "\n")
-            lines = [f"# bench/lease.py on {self.device}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}", "",
+            now = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
+            lines = [f"# python -m bench.lease on {self.device}, {now}", "",
                      "| stage | claim | measured | target | verdict |", "|---|---|---|---|---|"]
             lines += [f"| {x['stage']} | {x['claim']} | {x['value']} | {x.get('target', '')} | {x['verdict']} |"
                       for x in self.rows]
@@ -189,7 +196,8 @@ def run_stage(stage: Stage, seconds: float, rows: Rows, log: Path, argv: list[st
     (killed at `seconds`, short of its timeout: the next call runs it again)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "LEASE_STAGE_S": str(int(seconds)),
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(argv or [sys.executable, __file__, "--stage", stage.name], stdout=subprocess.PIPE,
+    proc = subprocess.Popen(argv or [sys.executable, "-m", "bench.lease", "--stage", stage.name],
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, cwd=ROOT, env=env, start_new_session=True)
     tail: list[str] = []
 
@@ -230,7 +238,6 @@ def run_stage(stage: Stage, seconds: float, rows: Rows, log: Path, argv: list[st
 
 
 def run(names: list[str], left: float, out: Path, skip_done: bool = True) -> int:
-    sys.path.insert(0, str(ROOT))
     from hybridrl.run import environ as env
     env.setup()
     cuda = env.has_cuda()
@@ -267,6 +274,8 @@ def run(names: list[str], left: float, out: Path, skip_done: bool = True) -> int
             done.add(stage.name)
             done_file.write_text("\n".join(sorted(done)) + "\n")
     todo = [s.name for s in STAGES if s.name not in done]
+    record("lease", {"stages": names, "left_s": left, "skip_done": skip_done, "device": device},
+           {"rows": rows.rows, "not_done": todo if cuda else None})
     print(f"[lease] rows in {out}/lease.jsonl and lease.md; " +
           (f"not done: {', '.join(todo)}" if cuda and todo else "every stage done" if cuda else "dry run"),
           file=sys.stderr)
@@ -284,8 +293,8 @@ def _seconds(default: float, margin: float = 10) -> float:
 
 
 def stage_prepare(cuda: bool) -> None:
-    import shapes
-    from gpu_claims import half_b_model, row
+    from bench import shapes
+    from bench.gpu_claims import half_b_model, row
     for name in ("0.5b", "1.5b"):
         t = time.perf_counter()
         path = shapes.build(name)
@@ -299,8 +308,8 @@ def stage_prepare(cuda: bool) -> None:
 def stage_stack(cuda: bool) -> None:
     import importlib
 
-    import gpu_engine_checks as engine
-    from gpu_claims import row, verdict
+    from bench import gpu_engine_checks as engine
+    from bench.gpu_claims import row, verdict
     engine.check_stack(cuda)
     claim = "scripts/gpu_bundle.sh's stack imports (vLLM, DeepSpeed, Liger)"
     if not cuda:  # the CPU stack's imports are the test suite's to check
@@ -320,13 +329,13 @@ def stage_stack(cuda: bool) -> None:
 
 
 def stage_planner(cuda: bool) -> None:
-    import gpu_engine_checks as engine
+    from bench import gpu_engine_checks as engine
     engine.check_planner(cuda)
 
 
 def stage_demo_probe(cuda: bool) -> None:
-    import gpu_run_checks as runs
-    from gpu_claims import row, verdict
+    from bench import gpu_run_checks as runs
+    from bench.gpu_claims import row, verdict
     r = runs._train(["--steps", "20", "--train.probe_every", "1", "--train.probe_action", "warn",
                      "--train.max_minutes", "0", "--log.eval_every", "0", "--ckpt.every", "0"], _seconds(90))
     err = runs._failed(r)
@@ -346,8 +355,8 @@ def stage_demo_probe(cuda: bool) -> None:
 def stage_graphs(cuda: bool) -> None:
     """0.5B, the last leases' workload (8 prompts x 4 x 256 tokens), 6 steps each way, the probe
     after every hand-off: the level-2 wake rebuilds the weights under the captured graphs."""
-    import gpu_run_checks as runs
-    from gpu_claims import half_b_model, row, verdict
+    from bench import gpu_run_checks as runs
+    from bench.gpu_claims import half_b_model, row, verdict
     args = runs._half_b_args(half_b_model()) + ["--steps", "6", "--train.probe_every", "1"]
     got = {}
     for name, flag in (("eager", "--rollout.enforce_eager"), ("CUDA graphs", "--rollout.no_enforce_eager")):
@@ -375,9 +384,8 @@ def stage_graphs(cuda: bool) -> None:
 def stage_trainer_plan(cuda: bool) -> None:
     """bench/plan_check.py on the device: the plan's trainer rows (train column, bf16, ZeRO-2, one
     GPU) against torch.cuda.max_memory_allocated in the second update of one full micro-batch."""
-    import plan_check
-    import shapes
-    from gpu_claims import row, verdict
+    from bench import plan_check, shapes
+    from bench.gpu_claims import row, verdict
     for name in ("0.5b", "1.5b"):
         src = str(shapes.build(name)) if cuda else f"qwen2.5-{name}"  # the same shape, shipped config.json
         for ckpt in (False, True):
@@ -398,12 +406,12 @@ def stage_trainer_plan(cuda: bool) -> None:
 
 
 def stage_paths(cuda: bool) -> None:
-    import gpu_run_checks as runs
+    from bench import gpu_run_checks as runs
     runs.check_paths(cuda)
 
 
 def stage_critic(cuda: bool) -> None:
-    import gpu_run_checks as runs
+    from bench import gpu_run_checks as runs
     runs.check_critic(cuda)
 
 
@@ -421,7 +429,7 @@ def decode_plan(graphs: bool) -> dict[str, int]:
 
 
 def stage_decode7b(cuda: bool) -> None:
-    from gpu_claims import row
+    from bench.gpu_claims import row
     plans = {mode: decode_plan(mode == "graphs") for mode in ("eager", "graphs")}
     for mode, p in plans.items():
         if not cuda:
@@ -431,7 +439,7 @@ def stage_decode7b(cuda: bool) -> None:
             continue
         # each engine in its own process: an in-process vLLM engine does not give all its memory back
         try:
-            subprocess.run([sys.executable, __file__, "--decode", mode], timeout=_seconds(110), cwd=ROOT)
+            subprocess.run([sys.executable, "-m", "bench.lease", "--decode", mode], timeout=_seconds(110), cwd=ROOT)
         except subprocess.TimeoutExpired as e:
             row(f"7B shape, dummy weights, {mode}: {DECODE_SEQS} x {DECODE_TOKENS} tokens", f"cut at {e.timeout:.0f} s",
                 "", "fail")
@@ -440,16 +448,13 @@ def stage_decode7b(cuda: bool) -> None:
 def decode(mode: str) -> None:
     """One engine: vLLM with a 7B shape's config and dummy weights (no download), 64 sequences of
     512 new tokens after a 64-token prompt; its footprint against the plan's rows."""
-    import gpu_engine_checks as engine
     import torch
-    from gpu_claims import row, verdict
 
+    from bench import gpu_engine_checks as engine
+    from bench.gpu_claims import row, verdict
     from hybridrl.run import environ as env
-
     from hybridrl.cycle import memory
-
     from hybridrl.cycle import plan
-
     from hybridrl.engines import vllm_compat
     engine._world()
     src = plan.shipped_config("qwen2.5-7b")
@@ -503,8 +508,6 @@ def main() -> int:
     a = ap.parse_args()
     if a.plan:
         return print_plan()
-    sys.path.insert(0, str(ROOT))
-    sys.path.append(str(BENCH))  # after the project: bench/kernels.py must not shadow the kernels package
     if a.stage or a.decode:
         from hybridrl.run import environ as env
         env.setup()

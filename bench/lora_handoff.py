@@ -1,12 +1,12 @@
 """What the hand-off moves and costs with LoRA (the adapter alone) vs full fine-tuning (every weight).
 
-    python bench/lora_handoff.py                    # the demo and a config-built 43M Qwen2 shape
-    python bench/lora_handoff.py --models demo --ranks 16,64 --steps 12
+    python -m bench.lora_handoff                    # the demo and a config-built 43M Qwen2 shape
+    python -m bench.lora_handoff --models demo --ranks 16,64 --steps 12
 
 Each row is a short `hybridrl train` run in its own process (bench/memory.py's `run`), read back
 from its metrics.jsonl: `sync/bytes` and `sync/tensors` (what sync.push_weights handed over) and
 `time/sync` (the hand-off: trainer -> vLLM, in process), medians over the steps after the first
-`--warmup`, plus the whole step. Results go to bench/results/lora-handoff-<device>.json and a table.
+`--warmup`, plus the whole step. Prints a table; each run is recorded in bench/results/lora_handoff.jsonl.
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import argparse
 import json
 import shutil
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from memory import DEMO, ROOT, run  # noqa: E402
+from bench.memory import DEMO, ROOT, run
+from bench.results import record
 
 
 def qwen2_43m(dest: Path) -> Path:
@@ -96,13 +95,17 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--generate", action="store_true", help="only: vLLM's generation with vs without the adapter")
     args = ap.parse_args()
+    knobs = {"models": args.models.split(","), "ranks": [int(r) for r in args.ranks.split(",")]}
     if args.generate:
+        costs = []
         for model in args.models.split(","):
             path = str(DEMO) if model == "demo" else str(qwen2_43m(ROOT / ".cache" / "bench" / model))
             for rank in [int(r) for r in args.ranks.split(",")]:
                 ms = generate_cost(path, rank)
+                costs.append({"model": model, "lora_rank": rank, "base_ms": ms["base"], "adapter_ms": ms["adapter"]})
                 print(f"{model} r={rank}: generate {ms['base']:.0f} ms without the adapter, {ms['adapter']:.0f} ms "
                       f"with it ({ms['adapter'] / ms['base']:.2f}x)", flush=True)
+        record("lora_handoff", {**knobs, "mode": "generate"}, {"generate": costs})
         return
     cache = ROOT / ".cache" / "bench"
     paths = {"demo": str(DEMO), "qwen2-43m": str(qwen2_43m(cache / "qwen2-43m"))}
@@ -128,12 +131,7 @@ def main() -> None:
         print(f"| {r['model']} | {what} | {r['tensors']} | {r['bytes'] / 2**20:.2f} MiB | "
               f"{r['bytes'] / full['bytes']:.3f} | {r['sync_ms']:.1f} | {r['sync_ms'] / full['sync_ms']:.3f} | "
               f"{r['generate_ms']:.0f} / {r['train_ms']:.0f} / {r['step_ms']:.0f} | {r['probe_gap_max']:.1e} |")
-    import torch
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    path = ROOT / "bench" / "results" / f"lora-handoff-{device}.json"
-    path.parent.mkdir(exist_ok=True)
-    kept = [r for r in (json.loads(path.read_text()) if path.exists() else []) if r["model"] not in args.models]
-    path.write_text(json.dumps(kept + rows, indent=1))  # rows of models not measured this time are kept
+    record("lora_handoff", {**knobs, "mode": "hand-off", "steps": args.steps, "warmup": args.warmup}, {"rows": rows})
 
 
 if __name__ == "__main__":

@@ -2,15 +2,15 @@
 the hand-off costs in process vs out of process (per parameter vs bucketed), peak memory per
 phase with and without expandable segments, and the step time.
 
-    python bench/memory.py                       # GPU: a config-built ~0.5B Qwen2 (random weights)
-    python bench/memory.py --model demo          # the shipped demo model (the CPU default)
-    python bench/memory.py --runs inprocess,oop_bucketed --steps 12
+    python -m bench.memory                       # GPU: a config-built ~0.5B Qwen2 (random weights)
+    python -m bench.memory --model demo          # the shipped demo model (the CPU default)
+    python -m bench.memory --runs inprocess,oop_bucketed --steps 12
 
 Every measurement is a short `hybridrl train` run in its own process (engines never share
 state), read back from its metrics.jsonl: `time/<phase>` and, on CUDA, `mem/<phase>/*_gb` after
 each phase (progress.Phases). Medians over the steps after the first `--warmup`. On CPU, vLLM has
 no sleep mode and there is no device memory, so those rows print 'unmeasured (no GPU)'.
-Results go to bench/results/memory-<device>.json as well as the table.
+Each run is recorded in bench/results/memory.jsonl (the raw medians and the table's rows).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from bench.results import record
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "hybridrl" / "demo_model"
@@ -127,7 +129,6 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     from hybridrl.run import environ as env
     env.setup()
     cuda = env.has_cuda()
@@ -144,13 +145,13 @@ def main() -> None:
         print(f"running {name} ...", flush=True)
         res[name] = medians(run(model, overrides, extra, args.steps), args.warmup)
     device = "cuda" if cuda else "cpu"
-    out = ROOT / "bench" / "results" / f"memory-{device}.json"
-    out.write_text(json.dumps({"model": model, "steps": args.steps, "warmup": args.warmup, "results": res}, indent=1))
     print(f"\n{device}, model {Path(model).name}, medians of steps {args.warmup + 1}..{args.steps}\n")
     print("| measurement | value |\n|---|---:|")
-    for what, value in table(res, cuda):
+    rows = table(res, cuda)
+    for what, value in rows:
         print(f"| {what} | {value} |")
-    print(f"\nraw medians: {out}")
+    record("memory", {"model": Path(model).name, "steps": args.steps, "warmup": args.warmup, "runs": list(res)},
+           {"medians": res, "table": [list(r) for r in rows]})
 
 
 if __name__ == "__main__":

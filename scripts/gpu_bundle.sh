@@ -9,7 +9,7 @@
 # On the GPU machine, once DIR and all its parts are there (checks the archive, unpacks it into SITE,
 # builds DeepSpeed into it):
 #   bash DIR/install.sh SITE && export PYTHONPATH=SITE VLLM_USE_FLASHINFER_SAMPLER=0
-# `python bench/gpu_check.py` then runs as `make gpu-check` does (2026-11-26, H100: stack, planner,
+# `python -m bench.gpu_check` then runs as `make gpu-check` does (2026-11-26, H100: stack, planner,
 # e2e and oop ran from it).
 set -euo pipefail
 dest=${1:?usage: scripts/gpu_bundle.sh DIR [PART_MB]}

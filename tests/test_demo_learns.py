@@ -1,5 +1,5 @@
 """The demo really learns: a short seeded run of the default recipe raises held-out accuracy
-and reward by a clear margin (the full curve is bench/demo_curve.py)."""
+and reward by a clear margin (the full curve is python -m bench.demo_curve)."""
 import statistics
 
 from test_train_e2e import train_cli

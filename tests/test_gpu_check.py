@@ -1,5 +1,5 @@
 """`make gpu-check` on a machine without CUDA: the plumbing runs, every GPU claim is listed as
-unmeasured, the JSON is written and the exit code is 0 (bench/gpu_check.py)."""
+unmeasured, the rows are recorded (and written to --out) and the exit code is 0 (python -m bench.gpu_check)."""
 
 import json
 import subprocess
@@ -11,13 +11,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gpu_check_without_cuda_lists_every_claim_unmeasured(tmp_path):
     out = tmp_path / "gpu-check.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, env={"CUDA_VISIBLE_DEVICES": "",
-                                                                            **_env()})
+    proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--out", str(out)], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT,
+                          env={**_env(), "CUDA_VISIBLE_DEVICES": "", "HYBRIDRL_BENCH_RESULTS": str(tmp_path)})
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["rows"]
-    sys.path.append(str(ROOT / "bench"))  # last: bench/kernels.py must not shadow the kernels package
-    import gpu_check
+    from bench import gpu_check
     claims = [c for name, (_, cs) in gpu_check.CLAIMS.items() if name != "stack" for c, _ in cs]
     unmeasured = [r["claim"] for r in rows if r["verdict"] == "unmeasured"]
     assert unmeasured == claims and all(r["value"] == "unmeasured (no CUDA)" for r in rows
@@ -25,6 +24,9 @@ def test_gpu_check_without_cuda_lists_every_claim_unmeasured(tmp_path):
     stack = next(r for r in rows if r["claim"] == "software stack")
     assert "torch" in stack["value"] and "deepspeed" in stack["value"]
     assert "| expandable | fragmentation case" in proc.stdout
+    recorded = [json.loads(x) for x in (tmp_path / "gpu_check.jsonl").read_text().splitlines()]
+    assert len(recorded) == 1 and recorded[0]["figures"]["rows"] == rows
+    assert recorded[0]["figures"]["unmeasured"] == len(claims) and recorded[0]["workload"]["cuda"] is False
 
 
 def _env():

@@ -1,4 +1,4 @@
-"""bench/lease.py without a GPU: the plan of calls fits the lease, the dry run writes every stage's
+"""python -m bench.lease without a GPU: the plan of calls fits the lease, the dry run writes every stage's
 rows where the device tool fetches them from, and a stage cut short keeps the rows it printed."""
 
 import json
@@ -7,13 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench import lease
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.append(str(ROOT / "bench"))  # last: bench/kernels.py must not shadow the kernels package
-import lease  # noqa: E402
 
 
-def _no_cuda() -> dict:
-    return {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+def _no_cuda(out: Path) -> dict:
+    """No GPU; the run's row recorded under $OUT/results, as the lease's calls set it."""
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HYBRIDRL_BENCH_RESULTS": str(out / "results")}
 
 
 def test_plan_of_calls_fits_the_lease_and_carries_one_part_a_call(capsys):
@@ -29,8 +30,8 @@ def test_plan_of_calls_fits_the_lease_and_carries_one_part_a_call(capsys):
 
 
 def test_dry_run_writes_every_stage_to_out(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "lease.py"), "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, env=_no_cuda(), cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "bench.lease", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env=_no_cuda(tmp_path), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "lease.jsonl").read_text().splitlines()]
     assert {r["stage"] for r in rows} == set(lease.BY_NAME)
@@ -49,12 +50,15 @@ def test_dry_run_writes_every_stage_to_out(tmp_path):
     assert decode[0]["CUDA graphs"] == 0 < decode[1]["CUDA graphs"]
     table = (tmp_path / "lease.md").read_text()
     assert table.count("\n| ") == len(rows) + 1  # the header and one line a row
+    recorded = [json.loads(x) for x in (tmp_path / "results" / "lease.jsonl").read_text().splitlines()]
+    assert len(recorded) == 1 and recorded[0]["figures"]["rows"] == rows  # the call's run, for bench/results/
+    assert "gpu" not in recorded[0]["machine"] and recorded[0]["workload"]["device"] == "no CUDA (dry run)"
     assert len(list(tmp_path.iterdir())) <= 8  # the device tool brings back at most 8 files
 
 
 def test_a_call_short_of_time_leaves_the_stage_for_the_next(tmp_path):
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "lease.py"), "--stages", "trainer_plan", "--left", "1",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=60, env=_no_cuda(),
+    proc = subprocess.run([sys.executable, "-m", "bench.lease", "--stages", "trainer_plan", "--left", "1",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=60, env=_no_cuda(tmp_path),
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "lease.jsonl").read_text().splitlines()]
@@ -74,7 +78,7 @@ def test_a_stage_cut_short_keeps_the_rows_it_printed(tmp_path):
 def test_gpu_check_variants_name_eager_decoding_now_that_graphs_are_the_gpu_default():
     """CUDA graphs became the GPU default (recipe.resolve): a variant without --rollout.enforce_eager
     decodes with graphs, so the 'eager' ones must ask for it or the check compares graphs with graphs."""
-    import gpu_run_checks
+    from bench import gpu_run_checks
     for name, args in gpu_run_checks.VARIANTS.items():
         assert ("--rollout.enforce_eager" in args) == ("eager" in name), name
     assert sum("--rollout.enforce_eager" not in a for a in gpu_run_checks.VARIANTS.values()) == 1

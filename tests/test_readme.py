@@ -83,6 +83,11 @@ COMMANDS: dict[str, list[str]] = {
     "python -m bench.<name>": ["tests/test_gpu_check.py::test_gpu_check_without_cuda_lists_every_claim_unmeasured",
                                "tests/test_lease.py::test_dry_run_writes_every_stage_to_out",
                                "tests/test_shapes.py::test_scale_bench_prints_its_table_at_the_tiny_shape"],
+    # the rendered tables' footnotes: the bench that measured them (its --help; a real run installs TRL and
+    # takes minutes, see docs/testing.md) and the renderer
+    "python -m bench.peers": ["tests/test_bench_results.py::test_every_bench_module_runs_as_a_module"],
+    "python -m bench.render": ["tests/test_bench_results.py::test_the_repository_tables_are_current",
+                               "tests/test_bench_results.py::test_render_fills_a_marked_region_and_check_finds_it_stale"],
     "make test-fast": ["tests/test_readme.py::test_make_targets_run_what_the_readme_says"],
     "make test-slow": ["tests/test_readme.py::test_make_targets_run_what_the_readme_says"],
     "make gpu-check": ["tests/test_readme.py::test_make_targets_run_what_the_readme_says",

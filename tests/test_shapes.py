@@ -1,6 +1,6 @@
-"""bench/shapes.py: the benchmarks' model builder (random weights, real shapes, a local BPE tokenizer).
+"""bench.shapes: the benchmarks' model builder (random weights, real shapes, a local BPE tokenizer).
 
-The big shapes are built by bench/scale.py and bench/peers.py; here the tiny one, in seconds."""
+The big shapes are built by bench.scale and bench.peers; here the tiny one, in seconds."""
 
 import json
 import pytest
@@ -55,23 +55,25 @@ def test_unknown_shape_names_the_choices(tmp_path):
 
 @pytest.mark.slow
 def test_scale_bench_prints_its_table_at_the_tiny_shape(tmp_path):
-    """bench/scale.py end to end (the loop, vLLM alone, transformers generate) on the tiny shape."""
+    """python -m bench.scale end to end (the loop, vLLM alone, transformers generate) on the tiny shape."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, str(root / "bench" / "scale.py"), "--shape", "tiny", "--steps", "3",
+    out = subprocess.run([sys.executable, "-m", "bench.scale", "--shape", "tiny", "--steps", "3",
                           "--prompts", "2", "--n", "4", "--tokens", "16", "--batches", "2", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(root)})
+                         capture_output=True, text=True, timeout=900, cwd=root,
+                         env={**os.environ, "PYTHONPATH": str(root), "HYBRIDRL_BENCH_RESULTS": str(tmp_path / "r")})
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "median completion length 16 of 16" in out.stdout  # random weights: full-length completions
     assert "targets: rollout" in out.stdout and "standalone LLM.generate" in out.stdout
+    assert (tmp_path / "r" / "scale.jsonl").read_text().count("\n") == 1  # the run, recorded
 
 
 def test_matmul_count_is_the_models_weights_and_the_ceiling_reads_it():
-    """bench/peers.py's ceiling: the matmul work per token, checked against the tiny model's
+    """bench.peers' ceiling: the matmul work per token, checked against the tiny model's
     parameters; then the line that says whether 2x is within the CPU's GEMM rate, on figures by hand."""
     import argparse
 

@@ -14,19 +14,22 @@ i.e. every page the step touched beyond the inputs, gradients included; measured
 step so no allocator cache hides it (tracemalloc does not see torch). CUDA: max_memory_allocated
 minus memory_allocated before the step. Time: median of --iters steps after that first one.
 
-Run: python bench/kernels.py [--device cpu|cuda] [--shape cpu|qwen0.5b|llama3-8b|N,d,V]
+Run: python -m bench.kernel_speed [--device cpu|cuda] [--shape cpu|qwen0.5b|llama3-8b|N,d,V]
+Each run is recorded in bench/results/kernel_speed.jsonl (every provider's time and memory).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench.results import record
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SHAPES = {"cpu": (4096, 256, 32768), "qwen0.5b": (8192, 896, 151936), "llama3-8b": (8192, 4096, 128256)}
 LOSS = dict(eps_low=0.2, eps_high=0.28, agg="token_mean")
@@ -118,11 +121,11 @@ def worker(provider, shape, dtype_name, device, iters, chunk_size):
 
 
 def run_provider(provider, shape, dtype, device, iters, chunk_size):
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", provider, "--device", device,
+    cmd = [sys.executable, "-m", "bench.kernel_speed", "--worker", provider, "--device", device,
            "--shape", ",".join(map(str, shape)), "--dtype", dtype, "--iters", str(iters)]
     if chunk_size:
         cmd += ["--chunk-size", str(chunk_size)]
-    out = subprocess.run(cmd, capture_output=True, text=True)
+    out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
     if out.returncode != 0:
         return {"provider": provider, "error": out.stderr.strip().splitlines()[-1]}
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -151,12 +154,15 @@ def main():
     providers = a.providers.split(",") if a.providers else (
         ["naive", "torch-unfused", "torch-fused"] + (["triton-unfused", "triton-fused"] if cuda else [])
         + ["liger"])
+    runs = []
     for (n, d, v) in shapes:
+        runs.append({"shape": [n, d, v], "providers": {}})
         print(f"\n{a.device} {dtype} N={n} d={d} V={v} (fwd+bwd, median of {a.iters})")
         print(f"{'provider':<15}{'time ms':>10}{'x naive':>9}{'peak extra MiB':>16}{'x naive':>9}{'TFLOP/s':>9}")
         ref = None
         for prov in providers:
             r = run_provider(prov, (n, d, v), dtype, a.device, a.iters, a.chunk_size)
+            runs[-1]["providers"][prov] = r
             if "error" in r:
                 print(f"{prov:<15}  failed: {r['error'][:90]}")
                 continue
@@ -165,6 +171,8 @@ def main():
             print(f"{prov:<15}{r['time_s'] * 1e3:>10.0f}{r['time_s'] / ref['time_s']:>9.2f}"
                   f"{r['peak_extra_bytes'] / 2**20:>16.0f}"
                   f"{r['peak_extra_bytes'] / ref['peak_extra_bytes']:>9.2f}{tflops:>9.2f}")
+    record("kernel_speed", {"device": a.device, "dtype": dtype, "shapes": names, "providers": providers,
+                            "iters": a.iters, "chunk_size": a.chunk_size}, {"runs": runs})
 
 
 if __name__ == "__main__":
