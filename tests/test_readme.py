@@ -160,13 +160,8 @@ def readme_commands() -> list[str]:
 
 
 def cli_app():
-    """The `hybridrl` console script's typer app, in either package layout."""
-    for name in ("hybridrl.run.cli", "hybridrl.cli"):
-        try:
-            return importlib.import_module(name).app
-        except ModuleNotFoundError:
-            continue
-    raise AssertionError("no hybridrl CLI module found")
+    """The `hybridrl` console script's typer app."""
+    return importlib.import_module("hybridrl.run.cli").app
 
 
 def run_cli(*args: str):
