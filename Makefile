@@ -61,3 +61,10 @@ gpu-check: setup
 
 clean:
 	rm -rf $(VENV) .cache runs
+
+# the commit-msg hook (scripts/commit-msg: a subject of at most 72 characters) into this clone's
+# hooks directory, which its worktrees share; scripts/check_subjects.sh BASE checks a range after the fact
+.PHONY: hooks
+hooks:
+	hooks="$$(git rev-parse --git-path hooks)" && mkdir -p "$$hooks" && \
+	  install -m 755 scripts/commit-msg "$$hooks/commit-msg" && echo "installed $$hooks/commit-msg"

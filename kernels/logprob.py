@@ -30,11 +30,12 @@ except ImportError:  # the torch provider works without triton
     triton = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Interpreter blocks are small so tests stay fast; GPU blocks are untuned guesses (no GPU here).
+# Interpreter blocks are small so tests stay fast; GPU blocks are untuned guesses.
 BLOCK_N, BLOCK_V, BLOCK_D = (16, 32, 16) if INTERPRET else (64, 128, 64)
 # Elements of one [chunk, V] fp32 buffer (the torch path keeps 3). CPU: 2^24 = chunk 512 at
-# V=32k: fwd+bwd 0.66x naive time at 0.12x its peak memory on the 2-core bench; chunk 128 was
-# 1.4x slower (GEMMs too thin). GPU: larger chunks to feed the GEMMs; untuned, no GPU here.
+# V=32k, faster than the naive full-logits pass at a fraction of its peak memory; much smaller
+# chunks make the GEMMs too thin to pay. GPU: larger chunks to feed the GEMMs; untuned.
+# Timings and peak memory: docs/speed.md, "the log-prob kernels".
 CPU_CHUNK_ELEMS, GPU_CHUNK_ELEMS = 2**24, 2**27
 
 
@@ -49,7 +50,7 @@ def default_chunk_size(n_tokens: int, vocab: int, is_cuda: bool) -> int:
 
 class Workspace:
     """[rows, V] buffers reused across the chunks of one call. On CPU a fresh 16-64 MiB tensor
-    costs more in page faults than the elementwise pass that fills it (measured ~5x)."""
+    costs more in page faults than the elementwise pass that fills it."""
 
     def __init__(self):
         self.bufs = {}
@@ -63,7 +64,7 @@ class Workspace:
     def temp(self, name, rows, cols, dtype, device):
         """A short-lived buffer: `get`'s reused one on CPU; elsewhere a fresh tensor, which the CUDA
         caching allocator serves from freed blocks without holding every such buffer at once
-        (kept, the bf16 copies of the logits, of g and of dW added 768 MiB to the peak on a GPU)."""
+        (kept across chunks, the bf16 copies of the logits, of g and of dW all stay in the peak)."""
         if torch.device(device).type == "cpu":
             return self.get(name, rows, cols, dtype, device)
         return torch.empty(rows, cols, dtype=dtype, device=device)
@@ -92,7 +93,7 @@ def _torch_stats(h, w, b, y, inv_t: float, keep: bool, ws: Workspace):
     log-softmax, cheaper than saving lse and subtracting it), state = (log_softmax, softmax)."""
     lp, p = _torch_log_softmax(h, w, b, inv_t, ws)
     scratch = ws.get("scratch", *lp.shape, lp.dtype, h.device)
-    ent = -torch.mul(p, lp, out=scratch).sum(1)  # [c]; mul+sum beat bmm's row dot 3x on CPU
+    ent = -torch.mul(p, lp, out=scratch).sum(1)  # [c]; mul+sum: faster than bmm's row dot on CPU
     logp = lp.gather(1, y.clamp(min=0).long().unsqueeze(1)).squeeze(1)  # [c]
     valid = y >= 0
     return (torch.where(valid, logp, 0.0), torch.where(valid, ent, 0.0), None,

@@ -14,7 +14,7 @@
 - The host heap (CPU runs): every training step frees and re-allocates the same large tensors
   (the logits chunks, DeepSpeed's flat gradient and master-weight buffers). glibc serves each one
   over 32 MiB with a fresh mmap and unmaps it on free, so every step pays page faults on all of
-  them again: ~1.5 of a 6.5 s step at the 134M shape in bfloat16 on the 2-core machine.
+  them again, a large share of a CPU step at real shapes (docs/speed.md, "the host heap").
   `keep_host_pages()` (env.setup, CPU only) makes glibc serve them from its heap and keep freed
   pages for reuse; `trim_host_heap()` still hands free pages back where the loop frees memory
   for good (after a load). HYBRIDRL_HOST_HEAP=default leaves glibc as it is.
@@ -181,8 +181,8 @@ def vocab_size(hf_config) -> int:
 
 def sampler_bytes(seqs: int, vocab: int) -> int:
     """vLLM's sampler: a float32 logits row per sequence it runs at once (max_num_seqs). Its
-    default of 1024 on an 80 GB GPU, at Qwen2.5's 151936 tokens, is 0.58 GiB: on an H100 the
-    engine used 0.60 GiB more than a plan without this term."""
+    default of 1024 on an 80 GB GPU, at Qwen2.5's 151936 tokens, is 0.58 GiB, about what a plan
+    without this term fell short of the engine's use on a GPU (docs/memory.md)."""
     return seqs * vocab * 4
 
 
@@ -190,7 +190,7 @@ def kv_cache_need(cfg: Config, hf_config, world_size: int, dtype_bytes: int) -> 
     """KV bytes for one rank's step: every sequence it generates at once (its share of the
     prompts x rollout.n) at full rollout.max_model_len, times KV_HEADROOM, at least KV_MIN.
     More would only be mapped and unmapped at every wake and sleep (a KV cache of the whole
-    free device cost 240-300 ms per wake on an H100, 5% of a 0.5B step); vLLM queues
+    free device made every wake map all of it anew: docs/memory.md); vLLM queues
     whatever does not fit, so less is slower but never wrong."""
     need = step_seqs(cfg, world_size) * cfg.rollout.max_model_len * kv_bytes_per_token(hf_config, dtype_bytes)
     return max(KV_HEADROOM * need, KV_MIN)

@@ -79,10 +79,10 @@ def probe(trainer: Trainer, rollout: Rollout, seqs: list[list[int]]) -> tuple[to
 
 
 # By dtype: the statistic of |logp_vllm - logp_trainer| over the probe's tokens and its default bound
-# (train.probe_tol=0). float32 engines differ by accumulation order only: the largest gap, 1e-4
-# (CPU: ~4e-6). 16-bit engines differ by the rounding of every activation, which on single tokens
-# reaches 0.04 (0.5B, random weights) to 0.15 (the demo in bf16) on an H100: the mean gap is what
-# stays small, while a stale or garbled tensor moves every token.
+# (train.probe_tol=0). float32 engines differ by accumulation order only, so even the largest gap
+# stays small. 16-bit engines differ by the rounding of every activation, which on single tokens
+# can exceed any useful bound: the mean gap is what stays small, while a stale or garbled tensor
+# moves every token. The gaps measured on CPU and on GPUs: docs/gpu.md.
 PROBE = {"float32": ("max", 1e-4), "bfloat16": ("mean", 2e-2), "float16": ("mean", 2e-2)}
 
 

@@ -155,7 +155,7 @@ class Episodes:
         self.runner = envs.Runner()
         self.budget = completion_budget(cfg)
         # a ToolEnv's tools stop at tool_timeout_s and report it; the guard around the whole call comes
-        # later, with room for a loaded machine's scheduling stalls (seconds were seen with 2 cores at load 12)
+        # later, with room for a loaded machine's scheduling stalls, which can last seconds
         self.timeout = 2 * cfg.env.tool_timeout_s + 5.0
         self.step: int | None = None  # stamped into dead-letter entries
         self._counts = dict.fromkeys(COUNTS, 0.0)

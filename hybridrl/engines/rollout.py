@@ -192,8 +192,8 @@ class Rollout:
         yields, after each engine step, the samples that finished in it, so a caller can score
         them while the rest are still generating. A prompt is one request for its n samples:
         vLLM processes its input once and fans it out into n sequences, so a prompt's samples
-        finish together (one request per sample, as before, cost 0.3 ms of input processing
-        each: at the demo's 128 samples a step, 35 of its ~100 ms generate phase). The prefix
+        finish together (one request per sample, as before, processed the same input n times: at
+        the demo's size a large share of its generate phase, docs/speed.md). The prefix
         cache shares the prompt's KV. A prompt the engine rejects (longer than max_model_len, a
         token outside the vocabulary) is left out, logged, and listed in `Generation.rejected`.
         A `seed` gives each sample its own request and generator (seed, seed + 1, ...), leaving

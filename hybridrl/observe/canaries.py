@@ -13,8 +13,9 @@ sampling policy has drifted from the trained one (stale sync or a kernel mismatc
 time creep is the cheapest early signal of KV-cache fragmentation or a slow verifier; a jump in
 the trainer-vs-vLLM log-prob gap after a hand-off is a bug, not noise. The step-time canary waits
 for a *sustained* creep (the recent median above the baseline for two recent-windows in a row)
-and ignores steps under a minimum absolute time: on a shared machine a 0.15 s step wobbles by
-1.2-1.3x for a few steps at a time, and a warning for that would teach users to ignore warnings;
+and ignores steps under a minimum absolute time: on a shared machine a step as short as the demo's
+wobbles by about the slow factor for a few steps at a time, and a warning for that would teach
+users to ignore warnings;
 more than half of a step's completions cut at `rollout.max_new_tokens` means the length limit,
 not the policy, shapes the rewards.
 
@@ -68,8 +69,9 @@ class Thresholds:
     # ... and it must stay above slow_factor x the baseline for this many steps in a row (two
     # recent-windows): a machine-load wobble moves the median for a few steps, a regression stays
     sustain: int = 20
-    # below this recent median (seconds per step) nothing is called slow: at the demo's 0.15 s a
-    # neighbour's job moves step times by 20-30% and a regression worth a warning costs more
+    # below this recent median (seconds per step) nothing is called slow: steps as short as the
+    # demo's move by more than slow_factor when a neighbour's job runs, and a regression worth a
+    # warning costs more
     min_step_s: float = 0.25
     gap_factor: float = 10.0  # logp_gap_mean vs the median of the last `window` steps
     # fp32 gaps are ~1e-7 and jump 10x from rounding alone; below this the gap is noise

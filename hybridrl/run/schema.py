@@ -100,12 +100,12 @@ class RolloutConfig:
 
 @dataclass
 class TrainConfig:
-    # The demo recipe, chosen by measurement on the 2-core CPU machine (bench/demo_curve.py, held-out accuracy
-    # from 21.9%). lr: 3e-5 -> 54%, 5e-5 -> 64%, 7e-5 -> 56% after 2.5 min (single seeds); 1e-4 with 50 warm-up
-    # steps -> 50%, without warm-up it falls below the start (Adam's first sign-like steps on a noisy gradient
-    # wreck a barely trained model). Batch: time to 75% (10 s evaluations, 2026-11-25): 16 prompts, one update
-    # per rollout: 140 s (3 seeds); 32 prompts in two minibatches of 16: 101 s (2 seeds); 32 in four: 122 s;
-    # 32 in two, two epochs: 150 s; 8 or 16 prompts in one update learn less per second than either.
+    # The demo recipe, chosen by measurement (bench/demo_curve.py: held-out accuracy against wall time).
+    # lr: of 3e-5, 5e-5 and 7e-5, 5e-5 learned most in the same time (single seeds); 1e-4 learned less
+    # even with 50 warm-up steps, and without warm-up it falls below the start (Adam's first sign-like steps on
+    # a noisy gradient wreck a barely trained model). Batch (docs/speed.md, "the demo's batch chosen again"):
+    # 32 prompts in two minibatches of 16 reached 75% soonest; 16 prompts in one update per rollout, 32 in four
+    # minibatches or two epochs took longer, and 8 or 16 prompts in one update learn less per second.
     steps: int = knob(600, "Number of RL steps (rollout + update). The demo takes ~2.5 min on 2 CPU cores. Other "
                       "models: from train.data_epochs unless set.", valid=">= 1")
     data_epochs: float = knob(0.0, "Passes over the training prompts: train.steps = ceil(data_epochs x prompts / "
