@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from hybridrl.run import config as C
-from hybridrl.run import loop
+from hybridrl.run import resolve
 from hybridrl.engines import models
 from hybridrl.run import recipe
 from hybridrl.observe.canaries import Canaries
@@ -69,7 +69,7 @@ def test_yaml_and_flags_win_over_the_recipe(tiny, tmp_path):
     assert "set by   flag: rollout.kv_cache_mb=100, train.lr=1e-05\n" in text
     assert "YAML: rollout.n=4, rollout.max_new_tokens=64, train.steps=7\n" in text
     # the demo keeps its recipe (the config's defaults)
-    demo = recipe.resolve(loop.resolve(C.load(), on_cpu=True)[0], models.inspect("demo"), on_cpu=True)
+    demo = recipe.resolve(resolve.machine(C.load(), on_cpu=True)[0], models.inspect("demo"), on_cpu=True)
     r, t = demo.rollout, demo.train
     # its CPU KV cache holds the whole step: 32 x 8 sequences of one 128-token block each, plus the block
     # vLLM keeps, at 4 layers x 2 (K, V) x 4 KV heads x 32 dims x 4 bytes = 4096 bytes a token: 128.5 MiB
@@ -127,12 +127,12 @@ def test_context_fits_the_model(tmp_path):
 def test_cpu_attention_eager_only_for_short_bf16_contexts():
     """attn auto on CPU: eager in bfloat16 while its saved scores fit recipe.EAGER_SCORES_MAX (6 bytes x
     heads over layers x context x the micro-batch token budget), sdpa otherwise, in float32, or when set."""
-    from hybridrl.run import loop
+    from hybridrl.run import resolve
     info = models.ModelInfo("m", "m", "Qwen2ForCausalLM", 0, 320, max_positions=4096, kv_values_per_token=128,
                             attn_heads=24 * 14)  # the 0.5B shape
 
     def attn(**sets):
-        cfg, _ = loop.resolve(C.load(None, {"model.path": "m", **sets}), on_cpu=True)
+        cfg, _ = resolve.machine(C.load(None, {"model.path": "m", **sets}), on_cpu=True)
         return recipe.resolve(cfg, info, on_cpu=True, free_ram=8 << 30).model.attn_implementation
 
     short = {"data.max_prompt_len": 64, "rollout.max_new_tokens": 64}  # 6 x 336 x 128 x 8192 = 2.11e9 <= 2 GiB
@@ -141,7 +141,7 @@ def test_cpu_attention_eager_only_for_short_bf16_contexts():
     assert attn(**short, **{"model.dtype": "bfloat16", "model.attn_implementation": "sdpa"}) == "sdpa"  # set: kept
     assert attn(**short, **{"model.dtype": "bfloat16", "train.max_tokens_per_micro_batch": 16384}) == "sdpa"
     assert attn(**{"model.dtype": "bfloat16"}) == "sdpa"  # the real-model recipe's 1536-token context
-    cfg, _ = loop.resolve(C.load(None, {"model.path": "m", "model.dtype": "bfloat16", **short}), on_cpu=True)
+    cfg, _ = resolve.machine(C.load(None, {"model.path": "m", "model.dtype": "bfloat16", **short}), on_cpu=True)
     assert "auto: model.attn_implementation=eager" in "\n".join(
         recipe.describe(recipe.resolve(cfg, info, on_cpu=True, free_ram=8 << 30), info, on_cpu=True))
 
@@ -154,7 +154,7 @@ def test_bfloat16_on_a_cpu_without_amx_warns(monkeypatch, caplog):
     def warned(flags, dtype):
         monkeypatch.setattr(env, "cpu_flags", lambda: set(flags))
         caplog.clear()
-        loop.resolve(C.load(None, {"model.path": "m", "model.dtype": dtype}), on_cpu=True)
+        resolve.machine(C.load(None, {"model.path": "m", "model.dtype": dtype}), on_cpu=True)
         return "slower than float32" in caplog.text
 
     assert warned({"avx512f", "avx512_bf16"}, "bfloat16") and warned({"avx512f"}, "bfloat16")
@@ -310,7 +310,7 @@ def test_cpu_dtype_auto_is_bfloat16_for_a_real_size_model_with_amx():
         return models.ModelInfo("m", "m", "Qwen2ForCausalLM", params, 320, max_positions=4096, kv_values_per_token=128)
 
     def resolved(params: int, fast: bool, **sets):
-        cfg, _ = loop.resolve(C.load(None, {"model.path": "m", **sets}), on_cpu=True)
+        cfg, _ = resolve.machine(C.load(None, {"model.path": "m", **sets}), on_cpu=True)
         return recipe.resolve(cfg, info(params), on_cpu=True, free_ram=8 << 30, fast_bf16=fast)
 
     big, small = recipe.COMPILE_MIN_PARAMS, recipe.COMPILE_MIN_PARAMS - 1
@@ -322,23 +322,25 @@ def test_cpu_dtype_auto_is_bfloat16_for_a_real_size_model_with_amx():
     assert resolved(big, False).model.dtype == "float32"  # no AMX on some rank
     assert resolved(small, True).model.dtype == "float32"  # a small model: float32 costs nothing
     assert resolved(big, True, **{"model.dtype": "float32"}).model.dtype == "float32"  # set: kept
-    demo = recipe.resolve(loop.resolve(C.load(), on_cpu=True)[0], models.inspect("demo"), on_cpu=True, fast_bf16=True)
+    demo = recipe.resolve(resolve.machine(C.load(), on_cpu=True)[0], models.inspect("demo"), on_cpu=True,
+                          fast_bf16=True)
     assert demo.model.dtype == "float32"
 
 
 def test_configure_picks_bfloat16_only_where_the_cpu_has_amx(tiny, monkeypatch, tmp_path):
-    """loop.configure (what `hybridrl train`, `hybridrl eval` and the benches resolve a config with)
+    """resolve.configure (what `hybridrl train`, `hybridrl eval` and the benches resolve a config with)
     passes env.fast_bf16 to the recipe: with AMX-BF16 a real-size model gets bfloat16, without it float32."""
     from hybridrl.run import environ as env
     monkeypatch.setattr(recipe, "COMPILE_MIN_PARAMS", 0)  # the tiny model counts as real-size here
     for flags, dtype in (({"avx512_bf16", "amx_bf16"}, "bfloat16"), ({"avx512_bf16"}, "float32")):
         monkeypatch.setattr(env, "cpu_flags", lambda: set(flags))
-        cfg, path, info = loop.configure(C.load(None, {"model.path": str(tiny)}), on_cpu=True)
+        cfg, path, info = resolve.configure(C.load(None, {"model.path": str(tiny)}), on_cpu=True)
         assert (cfg.model.dtype, Path(path), info.vocab) == (dtype, tiny, 320)
     # a checkpoint's config.yaml holds the dtype its run resolved (checkpoint.Saver writes the resolved
     # config): resumed on a CPU without AMX, the run goes on in bfloat16, as its weights were saved
     monkeypatch.setattr(env, "cpu_flags", lambda: {"avx512_bf16", "amx_bf16"})
     saved = tmp_path / "config.yaml"
-    saved.write_text(yaml.safe_dump(C.to_dict(loop.configure(C.load(None, {"model.path": str(tiny)}), on_cpu=True)[0])))
+    resolved = resolve.configure(C.load(None, {"model.path": str(tiny)}), on_cpu=True)[0]
+    saved.write_text(yaml.safe_dump(C.to_dict(resolved)))
     monkeypatch.setattr(env, "cpu_flags", lambda: {"avx512_bf16"})
-    assert loop.configure(C.load(saved, {}), on_cpu=True)[0].model.dtype == "bfloat16"
+    assert resolve.configure(C.load(saved, {}), on_cpu=True)[0].model.dtype == "bfloat16"

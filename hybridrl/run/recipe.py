@@ -131,7 +131,7 @@ def loss_clip(cfg: Config) -> Config:
 
 
 def _cpu_dtype(cfg: Config, info: ModelInfo, fast_bf16: bool) -> Config:
-    """model.dtype=auto on CPU (loop.resolve made it float32, source "auto"): bfloat16 for a model of
+    """model.dtype=auto on CPU (resolve.machine made it float32, source "auto"): bfloat16 for a model of
     COMPILE_MIN_PARAMS or more on CPUs with AMX-BF16, whose bfloat16 GEMMs run several times faster
     than float32's, so a real-size step is much shorter (docs/speed.md). Without AMX, or for a small
     model (the demo, the tests'), float32 stays."""
