@@ -78,6 +78,27 @@ def test_yaml_and_flags_win_over_the_recipe(tiny, tmp_path):
     assert "the demo's" in recipe.describe(demo, models.inspect("demo"), on_cpu=True)[0]
 
 
+def test_the_printed_layout_is_the_trainers(tiny):
+    """policy.layout, from the model's facts before any engine (models.inspect), decides as the Trainer
+    does holding the model (policy.packs, policy.share_prompt), for each setting that changes it."""
+    from transformers import AutoModelForCausalLM
+    from hybridrl.engines import policy
+    for path in ("demo", str(tiny)):
+        info = models.inspect(path)
+        hf = AutoModelForCausalLM.from_pretrained(models.local_path(path))
+        for sets in ({}, {"train.kernels": "liger"}, {"train.kernels": "naive"}, {"train.packing": "on"},
+                     {"train.share_prompt": "off"}, {"train.share_prompt": "on", "train.zero_stage": 3},
+                     {"train.zero_stage": 3}, {"model.gradient_checkpointing": True}):
+            cfg = C.load(None, {"model.path": path, **sets})
+            for attn in ("sdpa", "eager", "flash_attention_2"):
+                got = policy.layout(cfg, attn, native=info.native, plain_cache=info.plain_cache, name=info.arch)
+                provider = policy.kernel_provider(cfg)
+                packing = policy.packs(cfg, provider, attn, native=models.is_native(type(hf)))
+                want = policy.Layout(provider, packing, policy.share_prompt(cfg, hf, provider, attn, packing))
+                assert got == want, (path, sets, attn)
+    assert info.native and info.plain_cache
+
+
 def test_each_policy_loss_gets_its_own_clip_range():
     """gspo / gspo_token clip their sequence ratio at the paper's 3e-4 / 4e-4 unless the user set a bound;
     ppo keeps 0.2 / 0.28; the recipe names where the values came from. Before: gspo ran at PPO's range."""

@@ -243,9 +243,12 @@ def _fmt(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | None = None) -> list[str]:
+def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | None = None,
+             engines: dict[str, tuple[str, str]] | None = None) -> list[str]:
     """The effective recipe in a few lines: what the run will do, and where each value that is
-    not the config's default came from."""
+    not the config's default came from. `engines`: key -> (value, source) for what the engines
+    decide on their own from a setting (train.kernels, packing, share_prompt: policy.Layout), in
+    place of the setting's own line."""
     r, t, d = cfg.rollout, cfg.train, cfg.data
     demo = cfg.model.path == "demo"
     params = f"{info.params / 1e6:.2f}M parameters" if info.params else "parameters not counted"
@@ -273,7 +276,10 @@ def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | Non
         if key == "model.path":
             continue
         value = get(cfg, key)
-        if key in cfg.sources or value != default(key):
+        if key in (engines or {}):
+            value, src = engines[key]
+            changed.setdefault(src, []).append(f"{key}={value}")
+        elif key in cfg.sources or value != default(key):
             src = cfg.sources.get(key, "auto" if default(key) == "auto" else "code")
             changed.setdefault(src, []).append(f"{key}={_fmt(value)}")
     order = ["flag", "YAML", "code"]

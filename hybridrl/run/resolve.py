@@ -9,8 +9,9 @@ one a run uses in four stages, each filling only what the user left unset:
     memory plan  what fits the device (plan.fit): micro-batch tokens, ZeRO stage, offloading, ...
     data         train.steps from train.data_epochs and the prompts left once too-long ones drop
 
-`hybridrl train` (loop.train) resolves with `run_config`, and the recipe it prints
-(recipe.describe) is that config; `hybridrl eval` and the benches, which do not train, resolve
+and the trainer's layout (kernels, packing, shared prompt: policy.layout) is decided from it, so
+the recipe the run prints (recipe.describe) says what the engines will do. `hybridrl train`
+(loop.train) resolves with `run_config`; `hybridrl eval` and the benches, which do not train,
 with `configure` (machine and recipe).
 """
 
@@ -23,6 +24,7 @@ from hybridrl.cycle import memory
 from hybridrl.cycle import plan
 from hybridrl.data import prompts as data
 from hybridrl.engines import models
+from hybridrl.engines import policy
 from hybridrl.run import environ as env
 from hybridrl.run import launch
 from hybridrl.run import recipe
@@ -41,12 +43,13 @@ class Resolved:
     tokenizer: object
     prompts: list
     dropped: dict
+    layout: policy.Layout  # what the trainer will run with (recipe.describe's `engines`)
 
 
 def run_config(cfg: Config, world) -> Resolved:
     """The config `hybridrl train` runs with: this machine's 'auto' settings, the model's recipe
     (a bad model fails here, in one line), the memory plan from what the fullest rank has free (a
-    run that cannot fit stops here, in one line), the steps from the data.
+    run that cannot fit stops here, in one line), the steps from the data; and the trainer's layout.
     Collective: every rank calls it (the plan and bfloat16 on CPU are agreed over the ranks)."""
     on_cpu = world.device.type == "cpu"
     cfg, model_path, info = configure(cfg, on_cpu, world.size)  # the demo's recipe, or a real model's defaults
@@ -58,7 +61,9 @@ def run_config(cfg: Config, world) -> Resolved:
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     prompts, dropped = data.encode(data.load_rows(cfg.data, "train"), tokenizer, cfg.data, cfg.data.path)
     cfg = recipe.set_steps(cfg, len(prompts))  # train.data_epochs -> train.steps
-    return Resolved(cfg, model_path, info, tokenizer, prompts, dropped)
+    layout = policy.layout(cfg, cfg.model.attn_implementation, native=info.native, plain_cache=info.plain_cache,
+                           name=info.arch)
+    return Resolved(cfg, model_path, info, tokenizer, prompts, dropped, layout)
 
 
 def configure(cfg: Config, on_cpu: bool, world_size: int = 1,
