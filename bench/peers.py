@@ -160,9 +160,10 @@ def trl_run(args) -> dict:
     if args.workload == "demo":
         from hybridrl.run import resolve
         from hybridrl.data import verifiers
-        from hybridrl.run.config import Config
-        model = resolve.machine(Config(), on_cpu=True)[1]
-        rows, lr, ctx = _demo_rows("train"), Config().train.lr, Config().rollout.max_model_len
+        from hybridrl.run.config import load
+        demo = load()  # with the demo's recipe (lr, context): the schema's defaults are a real model's
+        model = resolve.machine(demo, on_cpu=True)[1]
+        rows, lr, ctx = _demo_rows("train"), demo.train.lr, demo.rollout.max_model_len
         kv_mb, eager = 64, True
 
         def reward(prompts, completions, answer, **_):

@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -68,7 +69,7 @@ def test_yaml_and_flags_win_over_the_recipe(tiny, tmp_path):
     text = "\n".join(recipe.describe(cfg, info, on_cpu=True))
     assert "set by   flag: rollout.kv_cache_mb=100, train.lr=1e-05\n" in text
     assert "YAML: rollout.n=4, rollout.max_new_tokens=64, train.steps=7\n" in text
-    # the demo keeps its recipe (the config's defaults)
+    # the demo gets its own recipe, not the defaults (a real model's)
     demo = recipe.resolve(resolve.machine(C.load(), on_cpu=True)[0], models.inspect("demo"), on_cpu=True)
     r, t = demo.rollout, demo.train
     # its CPU KV cache holds the whole step: 32 x 8 sequences of one 128-token block each, plus the block
@@ -76,6 +77,56 @@ def test_yaml_and_flags_win_over_the_recipe(tiny, tmp_path):
     assert (r.max_new_tokens, t.lr, t.max_minutes, r.kv_cache_mb, t.steps) == (4, 5e-5, 8, 129, 600)
     assert (t.prompts_per_step, t.minibatches) == (32, 2)
     assert "the demo's" in recipe.describe(demo, models.inspect("demo"), on_cpu=True)[0]
+
+
+# What `hybridrl train` resolved before the real-model values became the schema's defaults (and the demo's
+# a recipe of its own, DEMO): every key a recipe, the memory plan or the data sets, for the demo and for the
+# tiny model on the demo's prompts, 8 GiB free. The move changed where a value comes from, not the value;
+# every key not here is at its default, then and now.
+BEFORE = {
+    "demo": {"rollout.max_new_tokens": 4, "data.max_prompt_len": 48, "rollout.max_model_len": 64, "train.lr": 5e-05,
+             "train.prompts_per_step": 32, "train.minibatches": 2, "train.data_epochs": 0.0, "train.max_minutes": 8.0,
+             "log.eval_every": 100, "train.steps": 600, "rollout.kv_cache_mb": 129},
+    "tiny": {"rollout.max_new_tokens": 1024, "data.max_prompt_len": 512, "rollout.max_model_len": 1536,
+             "train.lr": 1e-06, "train.prompts_per_step": 64, "train.minibatches": 1, "train.data_epochs": 1.0,
+             "train.max_minutes": 0.0, "log.eval_every": 50, "train.steps": 36, "rollout.kv_cache_mb": 385},
+}
+# both, then and now: float32, sdpa (set by "auto"), vLLM eager, nothing the memory plan changes on CPU
+BOTH = {"model.dtype": "float32", "model.attn_implementation": "sdpa", "rollout.enforce_eager": True,
+        "model.gradient_checkpointing": False, "train.zero_stage": 2, "train.max_tokens_per_micro_batch": 8192,
+        "train.optimizer_offload": "auto", "train.param_offload": "auto", "rollout.tensor_parallel_size": 1}
+
+
+def test_resolved_config_is_the_one_before_real_defaults(tiny, monkeypatch):
+    """resolve.run_config (machine, recipe, memory plan, data) gives the demo, whether loaded or built in
+    code, and a real model the values they had before; the sources say which recipe set each."""
+    import torch
+    monkeypatch.setattr(recipe, "_free_ram", lambda: 8 << 30)  # the CPU KV cache's cap, half of it
+    world = SimpleNamespace(device=torch.device("cpu"), size=1, main=True)
+    defaults = C.flatten(C.to_dict(C.Config()))
+    for name, cfg in (("demo", C.load()), ("demo", C.Config()), ("tiny", C.load(None, {"model.path": str(tiny)}))):
+        res = resolve.run_config(cfg, world)
+        got = C.flatten(C.to_dict(res.cfg))
+        pinned = {**BEFORE[name], **BOTH, "model.path": "demo" if name == "demo" else str(tiny)}
+        assert {k: got[k] for k in pinned} == pinned, name
+        rest = set(got) - set(pinned)
+        assert {k: got[k] for k in rest} == {k: defaults[k] for k in rest}, name
+        sources = res.cfg.sources
+        assert {k: sources[k] for k in ("model.dtype", "model.attn_implementation")} == {
+            "model.dtype": "auto", "model.attn_implementation": "auto"}
+        if name == "demo":
+            assert {k for k, v in sources.items() if v == "demo recipe"} == {*recipe.DEMO, "rollout.kv_cache_mb"}
+        else:  # the real values are the defaults now: no source; the recipe derives the context and KV cache
+            assert not set(recipe.DEMO) - {"rollout.max_model_len"} & set(sources)
+            assert {k: sources[k] for k in ("rollout.max_model_len", "rollout.kv_cache_mb", "train.steps")} == {
+                "rollout.max_model_len": "real-model recipe", "rollout.kv_cache_mb": "real-model recipe",
+                "train.steps": "train.data_epochs"}
+        # the trainer's choices (kernels, packing, a group's prompt once), in the printed recipe
+        assert (res.layout.kernels, res.layout.packing, res.layout.share_prompt) == ("torch", False, True)
+        text = "\n".join(recipe.describe(res.cfg, res.info, on_cpu=True, n_prompts=len(res.prompts),
+                                         engines=res.layout.recipe(res.cfg)))
+        assert "auto: model.dtype=float32, model.attn_implementation=sdpa, train.packing=off, " \
+               "train.share_prompt=on, train.kernels=torch" in text, text
 
 
 def test_the_printed_layout_is_the_trainers(tiny):
@@ -97,6 +148,30 @@ def test_the_printed_layout_is_the_trainers(tiny):
                 want = policy.Layout(provider, packing, policy.share_prompt(cfg, hf, provider, attn, packing))
                 assert got == want, (path, sets, attn)
     assert info.native and info.plain_cache
+
+
+def test_a_value_a_script_set_wins_over_either_recipe(tiny):
+    """recipe.explicit with real defaults: a value a script set is kept, the demo's recipe or not, and
+    a demo config pointed at another model loses the demo's values."""
+    demo, info = models.inspect("demo"), models.inspect(str(tiny))
+    cfg = C.load()
+    cfg.train.lr = 1e-6  # the real default, on the demo's loaded config: changed from the demo's 5e-5
+    out = recipe.resolve(cfg, demo, on_cpu=True)
+    assert recipe.explicit(cfg, "train.lr") and out.train.lr == 1e-6
+    assert "code: train.lr=1e-06" in "\n".join(recipe.describe(out, demo, on_cpu=True))  # not "demo recipe"
+    cfg = C.Config()
+    cfg.train.lr = 3e-5  # built in code
+    out = recipe.resolve(cfg, demo, on_cpu=True)
+    assert (out.train.lr, out.rollout.max_new_tokens, out.sources["rollout.max_new_tokens"]) == (3e-5, 4, "demo recipe")
+    cfg = C.Config()
+    cfg.model.path, cfg.train.lr = str(tiny), 5e-5  # the demo's lr on another model: kept (it was taken for a default)
+    assert recipe.resolve(cfg, info, on_cpu=True, free_ram=8 << 30).train.lr == 5e-5
+    moved = C.apply(C.load(), {"model.path": str(tiny)})
+    assert (moved.train.lr, moved.rollout.max_new_tokens, moved.train.data_epochs) == (1e-6, 1024, 1.0)
+    assert not set(recipe.DEMO) & set(moved.sources)
+    # steps given for a real model: no passes over the data (they would set the steps)
+    cfg = recipe.resolve(C.load(None, {"model.path": str(tiny), "train.steps": 5}), info, on_cpu=True, free_ram=8 << 30)
+    assert (cfg.train.data_epochs, recipe.set_steps(cfg, 1000).train.steps) == (0, 5)
 
 
 def test_each_policy_loss_gets_its_own_clip_range():
