@@ -158,11 +158,12 @@ def trl_run(args) -> dict:
     steps = args.steps or w["steps"]
     out = Path(args.out)
     if args.workload == "demo":
-        from hybridrl.run import loop
+        from hybridrl.run import resolve
         from hybridrl.data import verifiers
-        from hybridrl.run.config import Config
-        model = loop.resolve(Config(), on_cpu=True)[1]
-        rows, lr, ctx = _demo_rows("train"), Config().train.lr, Config().rollout.max_model_len
+        from hybridrl.run.config import load
+        demo = load()  # with the demo's recipe (lr, context): the schema's defaults are a real model's
+        model = resolve.machine(demo, on_cpu=True)[1]
+        rows, lr, ctx = _demo_rows("train"), demo.train.lr, demo.rollout.max_model_len
         kv_mb, eager = 64, True
 
         def reward(prompts, completions, answer, **_):
@@ -172,8 +173,8 @@ def trl_run(args) -> dict:
         model, lr, ctx = sets["model.path"], float(sets["train.lr"]), int(sets["rollout.max_model_len"])
         kv_mb = int(sets["rollout.kv_cache_mb"])
         from hybridrl.run import config
-        from hybridrl.run import loop
-        eager = loop.configure(config.load(None, sets), on_cpu=True)[0].rollout.enforce_eager  # as hybridrl decides
+        from hybridrl.run import resolve
+        eager = resolve.configure(config.load(None, sets), on_cpu=True)[0].rollout.enforce_eager  # as hybridrl decides
         rows = [json.loads(line) for line in Path(sets["data.path"]).read_text().splitlines()]
         reward = shapes.hash_rewards
     if args.mode == "vllm":

@@ -71,8 +71,8 @@ def prompt_batches(cfg, steps: int):
 
     from hybridrl.data import prompts as data
 
-    from hybridrl.run import loop
-    cfg, path, _ = loop.configure(cfg, on_cpu=True)
+    from hybridrl.run import resolve
+    cfg, path, _ = resolve.configure(cfg, on_cpu=True)
     tok = AutoTokenizer.from_pretrained(path)
     prompts, _ = data.encode(data.load_rows(cfg.data, "train"), tok, cfg.data, cfg.data.path)
     sampler = data.Sampler(len(prompts), cfg.train.seed)

@@ -25,14 +25,14 @@ SCRIPT = textwrap.dedent('''
     from hybridrl.data.batch import Batch
     from hybridrl.run.config import Config, apply
     from hybridrl.engines.critic import Critic
-    from hybridrl.run.loop import resolve
+    from hybridrl.run.resolve import machine
     from hybridrl.engines.rollout import Rollout
     from hybridrl.data.tasks import arithmetic
     from hybridrl.engines.trainer import Trainer
     from transformers import AutoTokenizer
 
     world = launch.init_distributed()
-    cfg, path = resolve(apply(Config(), {"train.minibatches": 2, "train.lr": 1e-4}), True)
+    cfg, path = machine(apply(Config(), {"train.minibatches": 2, "train.lr": 1e-4}), True)
     tok = AutoTokenizer.from_pretrained(path)
     prompts = [tok(r["prompt"])["input_ids"] for r in arithmetic.load("train")[:8]]
     rollout = Rollout(cfg, path, on_cpu=True, eos_token_id=tok.eos_token_id, rank=0)

@@ -10,12 +10,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
 
 from hybridrl.run import config as C
-from hybridrl.run import loop
+from hybridrl.run import resolve
 from hybridrl.engines import models
 from hybridrl.run import recipe
 from hybridrl.observe.canaries import Canaries
@@ -68,14 +69,109 @@ def test_yaml_and_flags_win_over_the_recipe(tiny, tmp_path):
     text = "\n".join(recipe.describe(cfg, info, on_cpu=True))
     assert "set by   flag: rollout.kv_cache_mb=100, train.lr=1e-05\n" in text
     assert "YAML: rollout.n=4, rollout.max_new_tokens=64, train.steps=7\n" in text
-    # the demo keeps its recipe (the config's defaults)
-    demo = recipe.resolve(loop.resolve(C.load(), on_cpu=True)[0], models.inspect("demo"), on_cpu=True)
+    # the demo gets its own recipe, not the defaults (a real model's)
+    demo = recipe.resolve(resolve.machine(C.load(), on_cpu=True)[0], models.inspect("demo"), on_cpu=True)
     r, t = demo.rollout, demo.train
     # its CPU KV cache holds the whole step: 32 x 8 sequences of one 128-token block each, plus the block
     # vLLM keeps, at 4 layers x 2 (K, V) x 4 KV heads x 32 dims x 4 bytes = 4096 bytes a token: 128.5 MiB
     assert (r.max_new_tokens, t.lr, t.max_minutes, r.kv_cache_mb, t.steps) == (4, 5e-5, 8, 129, 600)
     assert (t.prompts_per_step, t.minibatches) == (32, 2)
     assert "the demo's" in recipe.describe(demo, models.inspect("demo"), on_cpu=True)[0]
+
+
+# What `hybridrl train` resolved before the real-model values became the schema's defaults (and the demo's
+# a recipe of its own, DEMO): every key a recipe, the memory plan or the data sets, for the demo and for the
+# tiny model on the demo's prompts, 8 GiB free. The move changed where a value comes from, not the value;
+# every key not here is at its default, then and now.
+BEFORE = {
+    "demo": {"rollout.max_new_tokens": 4, "data.max_prompt_len": 48, "rollout.max_model_len": 64, "train.lr": 5e-05,
+             "train.prompts_per_step": 32, "train.minibatches": 2, "train.data_epochs": 0.0, "train.max_minutes": 8.0,
+             "log.eval_every": 100, "train.steps": 600, "rollout.kv_cache_mb": 129},
+    "tiny": {"rollout.max_new_tokens": 1024, "data.max_prompt_len": 512, "rollout.max_model_len": 1536,
+             "train.lr": 1e-06, "train.prompts_per_step": 64, "train.minibatches": 1, "train.data_epochs": 1.0,
+             "train.max_minutes": 0.0, "log.eval_every": 50, "train.steps": 36, "rollout.kv_cache_mb": 385},
+}
+# both, then and now: float32, sdpa (set by "auto"), vLLM eager, nothing the memory plan changes on CPU
+BOTH = {"model.dtype": "float32", "model.attn_implementation": "sdpa", "rollout.enforce_eager": True,
+        "model.gradient_checkpointing": False, "train.zero_stage": 2, "train.max_tokens_per_micro_batch": 8192,
+        "train.optimizer_offload": "auto", "train.param_offload": "auto", "rollout.tensor_parallel_size": 1}
+
+
+def test_resolved_config_is_the_one_before_real_defaults(tiny, monkeypatch):
+    """resolve.run_config (machine, recipe, memory plan, data) gives the demo, whether loaded or built in
+    code, and a real model the values they had before; the sources say which recipe set each."""
+    import torch
+    monkeypatch.setattr(recipe, "_free_ram", lambda: 8 << 30)  # the CPU KV cache's cap, half of it
+    world = SimpleNamespace(device=torch.device("cpu"), size=1, main=True)
+    defaults = C.flatten(C.to_dict(C.Config()))
+    for name, cfg in (("demo", C.load()), ("demo", C.Config()), ("tiny", C.load(None, {"model.path": str(tiny)}))):
+        res = resolve.run_config(cfg, world)
+        got = C.flatten(C.to_dict(res.cfg))
+        pinned = {**BEFORE[name], **BOTH, "model.path": "demo" if name == "demo" else str(tiny)}
+        assert {k: got[k] for k in pinned} == pinned, name
+        rest = set(got) - set(pinned)
+        assert {k: got[k] for k in rest} == {k: defaults[k] for k in rest}, name
+        sources = res.cfg.sources
+        assert {k: sources[k] for k in ("model.dtype", "model.attn_implementation")} == {
+            "model.dtype": "auto", "model.attn_implementation": "auto"}
+        if name == "demo":
+            assert {k for k, v in sources.items() if v == "demo recipe"} == {*recipe.DEMO, "rollout.kv_cache_mb"}
+        else:  # the real values are the defaults now: no source; the recipe derives the context and KV cache
+            assert not set(recipe.DEMO) - {"rollout.max_model_len"} & set(sources)
+            assert {k: sources[k] for k in ("rollout.max_model_len", "rollout.kv_cache_mb", "train.steps")} == {
+                "rollout.max_model_len": "real-model recipe", "rollout.kv_cache_mb": "real-model recipe",
+                "train.steps": "train.data_epochs"}
+        # the trainer's choices (kernels, packing, a group's prompt once), in the printed recipe
+        assert (res.layout.kernels, res.layout.packing, res.layout.share_prompt) == ("torch", False, True)
+        text = "\n".join(recipe.describe(res.cfg, res.info, on_cpu=True, n_prompts=len(res.prompts),
+                                         engines=res.layout.recipe(res.cfg)))
+        assert "auto: model.dtype=float32, model.attn_implementation=sdpa, train.packing=off, " \
+               "train.share_prompt=on, train.kernels=torch" in text, text
+
+
+def test_the_printed_layout_is_the_trainers(tiny):
+    """policy.layout, from the model's facts before any engine (models.inspect), decides as the Trainer
+    does holding the model (policy.packs, policy.share_prompt), for each setting that changes it."""
+    from transformers import AutoModelForCausalLM
+    from hybridrl.engines import policy
+    for path in ("demo", str(tiny)):
+        info = models.inspect(path)
+        hf = AutoModelForCausalLM.from_pretrained(models.local_path(path))
+        for sets in ({}, {"train.kernels": "liger"}, {"train.kernels": "naive"}, {"train.packing": "on"},
+                     {"train.share_prompt": "off"}, {"train.share_prompt": "on", "train.zero_stage": 3},
+                     {"train.zero_stage": 3}, {"model.gradient_checkpointing": True}):
+            cfg = C.load(None, {"model.path": path, **sets})
+            for attn in ("sdpa", "eager", "flash_attention_2"):
+                got = policy.layout(cfg, attn, native=info.native, plain_cache=info.plain_cache, name=info.arch)
+                provider = policy.kernel_provider(cfg)
+                packing = policy.packs(cfg, provider, attn, native=models.is_native(type(hf)))
+                want = policy.Layout(provider, packing, policy.share_prompt(cfg, hf, provider, attn, packing))
+                assert got == want, (path, sets, attn)
+    assert info.native and info.plain_cache
+
+
+def test_a_value_a_script_set_wins_over_either_recipe(tiny):
+    """recipe.explicit with real defaults: a value a script set is kept, the demo's recipe or not, and
+    a demo config pointed at another model loses the demo's values."""
+    demo, info = models.inspect("demo"), models.inspect(str(tiny))
+    cfg = C.load()
+    cfg.train.lr = 1e-6  # the real default, on the demo's loaded config: changed from the demo's 5e-5
+    out = recipe.resolve(cfg, demo, on_cpu=True)
+    assert recipe.explicit(cfg, "train.lr") and out.train.lr == 1e-6
+    assert "code: train.lr=1e-06" in "\n".join(recipe.describe(out, demo, on_cpu=True))  # not "demo recipe"
+    cfg = C.Config()
+    cfg.train.lr = 3e-5  # built in code
+    out = recipe.resolve(cfg, demo, on_cpu=True)
+    assert (out.train.lr, out.rollout.max_new_tokens, out.sources["rollout.max_new_tokens"]) == (3e-5, 4, "demo recipe")
+    cfg = C.Config()
+    cfg.model.path, cfg.train.lr = str(tiny), 5e-5  # the demo's lr on another model: kept (it was taken for a default)
+    assert recipe.resolve(cfg, info, on_cpu=True, free_ram=8 << 30).train.lr == 5e-5
+    moved = C.apply(C.load(), {"model.path": str(tiny)})
+    assert (moved.train.lr, moved.rollout.max_new_tokens, moved.train.data_epochs) == (1e-6, 1024, 1.0)
+    assert not set(recipe.DEMO) & set(moved.sources)
+    # steps given for a real model: no passes over the data (they would set the steps)
+    cfg = recipe.resolve(C.load(None, {"model.path": str(tiny), "train.steps": 5}), info, on_cpu=True, free_ram=8 << 30)
+    assert (cfg.train.data_epochs, recipe.set_steps(cfg, 1000).train.steps) == (0, 5)
 
 
 def test_each_policy_loss_gets_its_own_clip_range():
@@ -127,12 +223,12 @@ def test_context_fits_the_model(tmp_path):
 def test_cpu_attention_eager_only_for_short_bf16_contexts():
     """attn auto on CPU: eager in bfloat16 while its saved scores fit recipe.EAGER_SCORES_MAX (6 bytes x
     heads over layers x context x the micro-batch token budget), sdpa otherwise, in float32, or when set."""
-    from hybridrl.run import loop
+    from hybridrl.run import resolve
     info = models.ModelInfo("m", "m", "Qwen2ForCausalLM", 0, 320, max_positions=4096, kv_values_per_token=128,
                             attn_heads=24 * 14)  # the 0.5B shape
 
     def attn(**sets):
-        cfg, _ = loop.resolve(C.load(None, {"model.path": "m", **sets}), on_cpu=True)
+        cfg, _ = resolve.machine(C.load(None, {"model.path": "m", **sets}), on_cpu=True)
         return recipe.resolve(cfg, info, on_cpu=True, free_ram=8 << 30).model.attn_implementation
 
     short = {"data.max_prompt_len": 64, "rollout.max_new_tokens": 64}  # 6 x 336 x 128 x 8192 = 2.11e9 <= 2 GiB
@@ -141,7 +237,7 @@ def test_cpu_attention_eager_only_for_short_bf16_contexts():
     assert attn(**short, **{"model.dtype": "bfloat16", "model.attn_implementation": "sdpa"}) == "sdpa"  # set: kept
     assert attn(**short, **{"model.dtype": "bfloat16", "train.max_tokens_per_micro_batch": 16384}) == "sdpa"
     assert attn(**{"model.dtype": "bfloat16"}) == "sdpa"  # the real-model recipe's 1536-token context
-    cfg, _ = loop.resolve(C.load(None, {"model.path": "m", "model.dtype": "bfloat16", **short}), on_cpu=True)
+    cfg, _ = resolve.machine(C.load(None, {"model.path": "m", "model.dtype": "bfloat16", **short}), on_cpu=True)
     assert "auto: model.attn_implementation=eager" in "\n".join(
         recipe.describe(recipe.resolve(cfg, info, on_cpu=True, free_ram=8 << 30), info, on_cpu=True))
 
@@ -154,7 +250,7 @@ def test_bfloat16_on_a_cpu_without_amx_warns(monkeypatch, caplog):
     def warned(flags, dtype):
         monkeypatch.setattr(env, "cpu_flags", lambda: set(flags))
         caplog.clear()
-        loop.resolve(C.load(None, {"model.path": "m", "model.dtype": dtype}), on_cpu=True)
+        resolve.machine(C.load(None, {"model.path": "m", "model.dtype": dtype}), on_cpu=True)
         return "slower than float32" in caplog.text
 
     assert warned({"avx512f", "avx512_bf16"}, "bfloat16") and warned({"avx512f"}, "bfloat16")
@@ -310,7 +406,7 @@ def test_cpu_dtype_auto_is_bfloat16_for_a_real_size_model_with_amx():
         return models.ModelInfo("m", "m", "Qwen2ForCausalLM", params, 320, max_positions=4096, kv_values_per_token=128)
 
     def resolved(params: int, fast: bool, **sets):
-        cfg, _ = loop.resolve(C.load(None, {"model.path": "m", **sets}), on_cpu=True)
+        cfg, _ = resolve.machine(C.load(None, {"model.path": "m", **sets}), on_cpu=True)
         return recipe.resolve(cfg, info(params), on_cpu=True, free_ram=8 << 30, fast_bf16=fast)
 
     big, small = recipe.COMPILE_MIN_PARAMS, recipe.COMPILE_MIN_PARAMS - 1
@@ -322,23 +418,25 @@ def test_cpu_dtype_auto_is_bfloat16_for_a_real_size_model_with_amx():
     assert resolved(big, False).model.dtype == "float32"  # no AMX on some rank
     assert resolved(small, True).model.dtype == "float32"  # a small model: float32 costs nothing
     assert resolved(big, True, **{"model.dtype": "float32"}).model.dtype == "float32"  # set: kept
-    demo = recipe.resolve(loop.resolve(C.load(), on_cpu=True)[0], models.inspect("demo"), on_cpu=True, fast_bf16=True)
+    demo = recipe.resolve(resolve.machine(C.load(), on_cpu=True)[0], models.inspect("demo"), on_cpu=True,
+                          fast_bf16=True)
     assert demo.model.dtype == "float32"
 
 
 def test_configure_picks_bfloat16_only_where_the_cpu_has_amx(tiny, monkeypatch, tmp_path):
-    """loop.configure (what `hybridrl train`, `hybridrl eval` and the benches resolve a config with)
+    """resolve.configure (what `hybridrl train`, `hybridrl eval` and the benches resolve a config with)
     passes env.fast_bf16 to the recipe: with AMX-BF16 a real-size model gets bfloat16, without it float32."""
     from hybridrl.run import environ as env
     monkeypatch.setattr(recipe, "COMPILE_MIN_PARAMS", 0)  # the tiny model counts as real-size here
     for flags, dtype in (({"avx512_bf16", "amx_bf16"}, "bfloat16"), ({"avx512_bf16"}, "float32")):
         monkeypatch.setattr(env, "cpu_flags", lambda: set(flags))
-        cfg, path, info = loop.configure(C.load(None, {"model.path": str(tiny)}), on_cpu=True)
+        cfg, path, info = resolve.configure(C.load(None, {"model.path": str(tiny)}), on_cpu=True)
         assert (cfg.model.dtype, Path(path), info.vocab) == (dtype, tiny, 320)
     # a checkpoint's config.yaml holds the dtype its run resolved (checkpoint.Saver writes the resolved
     # config): resumed on a CPU without AMX, the run goes on in bfloat16, as its weights were saved
     monkeypatch.setattr(env, "cpu_flags", lambda: {"avx512_bf16", "amx_bf16"})
     saved = tmp_path / "config.yaml"
-    saved.write_text(yaml.safe_dump(C.to_dict(loop.configure(C.load(None, {"model.path": str(tiny)}), on_cpu=True)[0])))
+    resolved = resolve.configure(C.load(None, {"model.path": str(tiny)}), on_cpu=True)[0]
+    saved.write_text(yaml.safe_dump(C.to_dict(resolved)))
     monkeypatch.setattr(env, "cpu_flags", lambda: {"avx512_bf16"})
-    assert loop.configure(C.load(saved, {}), on_cpu=True)[0].model.dtype == "bfloat16"
+    assert resolve.configure(C.load(saved, {}), on_cpu=True)[0].model.dtype == "bfloat16"

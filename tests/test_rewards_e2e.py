@@ -68,14 +68,14 @@ DROP_SCRIPT = textwrap.dedent('''
     from hybridrl.data.collect import Collector
     from hybridrl.run.config import Config, apply
     from hybridrl.data.prompts import Prompt, Sampler
-    from hybridrl.run.loop import resolve
+    from hybridrl.run.resolve import machine
     from hybridrl.observe.progress import Phases
     from hybridrl.data.rewards import Scorer
     from hybridrl.engines.rollout import Rollout
     from transformers import AutoTokenizer
 
     world = launch.init_distributed()
-    cfg, path = resolve(apply(Config(), {"train.prompts_per_step": 5, "rollout.n": 8}), True)
+    cfg, path = machine(apply(Config(), {"train.prompts_per_step": 5, "rollout.n": 8}), True)
     tok = AutoTokenizer.from_pretrained(path)
     ok = [Prompt(t, tok(t)["input_ids"], str(eval(t[:-1]))) for t in ("12+34=", "25+25=")]
     # a prompt one token short of max_model_len: its 8 samples end after one token, while the

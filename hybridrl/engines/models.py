@@ -42,6 +42,10 @@ class ModelInfo:
     max_positions: int  # max_position_embeddings (0 = not stated)
     kv_values_per_token: int  # K and V entries per token over all layers: x dtype bytes = KV cache bytes per token
     attn_heads: int = 0  # query heads summed over the layers (0 = not known): the size of eager attention's scores
+    # what the trainer's layout needs (policy.layout): the class AutoModelForCausalLM builds is transformers'
+    # own (not remote code), and its KV cache grows by concatenation on every layer (plain_cache)
+    native: bool = True
+    plain_cache: bool = True
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         return self.kv_values_per_token * (4 if dtype == "float32" else 2)
@@ -156,10 +160,27 @@ def inspect(name: str, trust_remote_code: bool = False) -> ModelInfo:
         attn_heads = int(text.num_hidden_layers) * int(text.num_attention_heads)
     except (AttributeError, TypeError, ValueError):
         attn_heads = 0
-    return ModelInfo(name=name, path=path, arch=arch, params=_count_params(config, trust_remote_code),
+    params, native = _count_params(config, trust_remote_code)
+    return ModelInfo(name=name, path=path, arch=arch, params=params,
                      vocab=int(getattr(text, "vocab_size", 0) or len(tok)),
                      max_positions=int(getattr(text, "max_position_embeddings", 0) or 0),
-                     kv_values_per_token=kv_values, attn_heads=attn_heads)
+                     kv_values_per_token=kv_values, attn_heads=attn_heads, native=native,
+                     plain_cache=plain_cache(config))
+
+
+def plain_cache(config) -> bool:
+    """Whether transformers' KV cache for a model of `config` grows by concatenation on every layer
+    (no sliding window): what computing a prompt once for its samples needs (policy.share_prompt)."""
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+    try:
+        return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
+    except Exception:  # a config transformers' cache cannot read: not a standard decoder
+        return False
+
+
+def is_native(model_class: type) -> bool:
+    """A model class of transformers' own (remote code's live in transformers_modules)."""
+    return model_class.__module__.startswith("transformers.")
 
 
 def _servable(name: str, archs: list[str], model_type: str) -> str:
@@ -183,14 +204,17 @@ def _servable(name: str, archs: list[str], model_type: str) -> str:
                      f"({', '.join(archs)}); pick a model of an architecture in vLLM's supported-models list")
 
 
-def _count_params(config, trust_remote_code: bool) -> int:
-    """Parameters of the model built on the meta device (no memory, no weights read); 0 if that fails."""
+def _count_params(config, trust_remote_code: bool) -> tuple[int, bool]:
+    """Parameters of the model built on the meta device (no memory, no weights read), 0 if that
+    fails; and whether its class is transformers' own (when it fails: unless remote code builds it,
+    as AutoModelForCausalLM decides)."""
     try:
         import torch
         from transformers import AutoModelForCausalLM
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-        return sum(p.numel() for p in model.parameters())
+        return sum(p.numel() for p in model.parameters()), is_native(type(model))
     except Exception as e:  # a count for the printed recipe only: never worth stopping a run
         log.debug("could not count the model's parameters: %s", e)
-        return 0
+        remote = trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
+        return 0, not remote

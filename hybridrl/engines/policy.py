@@ -11,6 +11,7 @@ at all). `share_prompt` decides whether a group's prompt is computed once for it
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,6 +22,7 @@ from hybridrl.kernels.logprob import logprob_entropy
 from hybridrl.kernels.ppo_loss import importance_weights
 
 from hybridrl.data.batch import Batch, Shared
+from hybridrl.engines.models import is_native, plain_cache
 from hybridrl.run.config import Config, UserError
 
 log = logging.getLogger("hybridrl")
@@ -116,6 +118,33 @@ class TokenLogprobs(nn.Module):
         return value, metrics, logp, entropy
 
 
+def kernel_provider(cfg: Config) -> str:
+    """train.kernels as the trainer runs it: auto = chunked torch (see schema's train.kernels)."""
+    return cfg.train.kernels if cfg.train.kernels != "auto" else "torch"
+
+
+def packs(cfg: Config, provider: str, attn_implementation: str, native: bool) -> bool:
+    """train.packing: on when set (auto: with flash-attention, whose varlen kernels compute no padding),
+    unless Liger's loss (it takes [B, T, d] rows and aggregates per row), an attention that cannot read
+    packed samples from position_ids, or a model class not transformers' own (remote code may build its
+    own masks, blind to packing) rules it out."""
+    want = cfg.train.packing == "on" or (cfg.train.packing == "auto" and attn_implementation.startswith("flash_"))
+    return want and provider != "liger" and attn_implementation in PACKABLE_ATTENTION and native
+
+
+def share_prompt_refusals(cfg: Config, provider: str, attn_implementation: str, packing: bool, *, native: bool,
+                          plain_cache: bool, name: str) -> list[str]:
+    """Why train.share_prompt (on or auto) is not done for a model of class `name`; [] when it is."""
+    return [reason for reason, bad in (
+        (f"kernels={provider}", provider == "liger"),
+        (f"attention {attn_implementation}", attn_implementation not in ("sdpa", "eager")),
+        ("packing", packing),
+        ("gradient checkpointing", cfg.model.gradient_checkpointing),
+        (f"{name} (not transformers' own, or a sliding-window cache)", not plain_cache or not native),
+        ("ZeRO-3 (auto)", cfg.train.share_prompt == "auto" and cfg.train.zero_stage == 3),
+    ) if bad]
+
+
 def share_prompt(cfg: Config, hf: nn.Module, provider: str, attn_implementation: str, packing: bool) -> bool:
     """train.share_prompt: compute a group's prompt once for its rollout.n rows (TokenLogprobs._shared_hidden).
     It needs a transformers model whose KV cache grows by concatenation (no sliding window), sdpa or eager
@@ -125,23 +154,43 @@ def share_prompt(cfg: Config, hf: nn.Module, provider: str, attn_implementation:
     want = cfg.train.share_prompt
     if want == "off":
         return False
-    from transformers.cache_utils import DynamicCache, DynamicLayer
-    try:
-        plain = all(type(layer) is DynamicLayer for layer in DynamicCache(config=hf.config).layers)
-    except Exception:  # a config transformers' cache cannot read: not a standard decoder
-        plain = False
-    why = [reason for reason, bad in (
-        (f"kernels={provider}", provider == "liger"),
-        (f"attention {attn_implementation}", attn_implementation not in ("sdpa", "eager")),
-        ("packing", packing),
-        ("gradient checkpointing", cfg.model.gradient_checkpointing),
-        (f"{type(hf).__name__} (not transformers' own, or a sliding-window cache)",
-         not plain or not type(hf).__module__.startswith("transformers.")),
-        ("ZeRO-3 (auto)", want == "auto" and cfg.train.zero_stage == 3),
-    ) if bad]
+    why = share_prompt_refusals(cfg, provider, attn_implementation, packing, native=is_native(type(hf)),
+                                plain_cache=plain_cache(hf.config), name=type(hf).__name__)
     if why and want == "on":  # asked for by name: say why it is not done
         log.warning(SHARE_PROMPT_REFUSED + " %s; every row computes its own prompt", ", ".join(why))
     return not why
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the trainer runs its micro-batches: the log-prob/loss provider (train.kernels), packed rows
+    (train.packing), a group's prompt computed once (train.share_prompt). `layout` decides it from the
+    config and the model's facts before any engine starts, as the Trainer does once it holds the model
+    (packs, share_prompt), so that the run's printed recipe says what the trainer uses."""
+    kernels: str
+    packing: bool
+    share_prompt: bool
+
+    def recipe(self, cfg: Config) -> dict[str, tuple[str, str]]:
+        """For recipe.describe: each choice left to the trainer (auto), or asked for and not done
+        (refused), as key -> (value, source)."""
+        out = {}
+        for key, asked, got in (("train.kernels", cfg.train.kernels, self.kernels),
+                                ("train.packing", cfg.train.packing, "on" if self.packing else "off"),
+                                ("train.share_prompt", cfg.train.share_prompt, "on" if self.share_prompt else "off")):
+            if asked == "auto" or asked != got:
+                out[key] = (got, "auto" if asked == "auto" else "refused")
+        return out
+
+
+def layout(cfg: Config, attn_implementation: str, *, native: bool = True, plain_cache: bool = True,
+           name: str = "the model") -> Layout:
+    """The trainer's Layout for a model with these facts (models.ModelInfo's native and plain_cache)."""
+    provider = kernel_provider(cfg)
+    packing = packs(cfg, provider, attn_implementation, native)
+    share = cfg.train.share_prompt != "off" and not share_prompt_refusals(
+        cfg, provider, attn_implementation, packing, native=native, plain_cache=plain_cache, name=name)
+    return Layout(provider, packing, share)
 
 
 def module_inputs(mb: Batch, packing: bool, share: bool) -> tuple[tuple, dict]:

@@ -28,7 +28,8 @@ from hybridrl.observe.canaries import distribution_metrics
 from hybridrl.run.config import Config, ConfigError, completion_budget
 from hybridrl.run.launch import all_max, all_sum, world_size
 from hybridrl.cycle.memory import trim_host_heap
-from hybridrl.engines.policy import PACKABLE_ATTENTION, TokenLogprobs, module_inputs, share_prompt
+from hybridrl.engines.models import is_native
+from hybridrl.engines.policy import TokenLogprobs, kernel_provider, module_inputs, packs, share_prompt
 
 log = logging.getLogger("hybridrl")
 
@@ -225,15 +226,11 @@ class Trainer:
             hf.gradient_checkpointing_enable()
             if self.peft is not None:  # frozen embeddings: checkpointed blocks need an input that requires grad
                 hf.enable_input_require_grads()
-        provider = cfg.train.kernels if cfg.train.kernels != "auto" else "torch"  # see config's train.kernels
+        provider = kernel_provider(cfg)  # policy.layout decides alike for the run's printed recipe
         if provider == "liger" and (cfg.algo.dual_clip or cfg.algo.entropy_coef):
             raise ConfigError("train.kernels=liger has no dual clip or entropy bonus: set algo.dual_clip and "
                               "algo.entropy_coef to 0, or use train.kernels=auto")
-        # Liger's loss takes [B, T, d] rows and aggregates per row; remote-code models may build
-        # their own masks, blind to packing
-        want = cfg.train.packing == "on" or (cfg.train.packing == "auto" and attn_implementation.startswith("flash_"))
-        self.packing = (want and provider != "liger" and attn_implementation in PACKABLE_ATTENTION
-                        and type(hf).__module__.startswith("transformers."))
+        self.packing = packs(cfg, provider, attn_implementation, native=is_native(type(hf)))
         if cfg.train.packing == "on" and not self.packing:
             log.info("train.packing: not with kernels=%s / attention %s / %s; using padded rows",
                      provider, attn_implementation, type(hf).__name__)

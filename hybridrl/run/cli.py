@@ -22,7 +22,6 @@ import typer
 import typer.core
 
 from hybridrl.run import config as C
-from hybridrl.run.recipe import REAL
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   help="hybridrl: colocated vLLM + DeepSpeed RL trainer for LLMs.")
@@ -74,7 +73,7 @@ def _leaf_params() -> list[inspect.Parameter]:
         default = f.default if f.default is not C.dataclasses.MISSING else f.default_factory()
         kind = str if typing.get_origin(tp) is typing.Literal or tp is list else tp
         flags = [f"--{key}/--{group}.no_{name}"] if kind is bool else [f"--{key}"]
-        shown = (f"demo {default}, other models {REAL[key]}" if key in REAL
+        shown = (f"{default}; the demo: {C.DEMO[key]}" if key in C.DEMO
                  else str(default).lower() if kind is bool else default)
         opt = typer.Option(None, *flags, help=f"{f.metadata['help']} [default: {shown}]",
                            rich_help_panel=group, show_default=False)

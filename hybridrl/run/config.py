@@ -1,10 +1,10 @@
 """Loading and checking the run's configuration (its schema, the dataclass tree with every
 field's default and help text, is schema.py; its names are re-exported here).
 
-YAML files and dotted overrides (`algo.clip_high=0.28`) are applied on top of the defaults; an
-unknown key is an error that names the closest valid key. Which keys were set
-(and by what: YAML or flag) is kept in `Config.sources`, so that for a model other than the demo
-the real-model recipe (recipe.py) fills only the rest.
+YAML files and dotted overrides (`algo.clip_high=0.28`) are applied on top of the defaults, and
+for model.path=demo the demo's recipe (schema.DEMO) fills the keys left unset; an unknown key is
+an error that names the closest valid key. Which keys were set (and by what: YAML, flag, the demo
+recipe) is kept in `Config.sources`, so that the recipes (here and in recipe.py) fill only the rest.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from hybridrl.run.schema import (ADVANTAGES, GROUPS, AlgoConfig, CkptConfig, Config, DataConfig, EnvConfig,  # noqa: F401
-                     LogConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig, knob)
+from hybridrl.run.schema import (ADVANTAGES, DEMO, DEMO_SOURCE, GROUPS, AlgoConfig, CkptConfig, Config,  # noqa: F401
+                                 DataConfig, EnvConfig, LogConfig, ModelConfig, RewardConfig, RolloutConfig,
+                                 TrainConfig, knob)
 
 
 class UserError(ValueError):
@@ -102,9 +103,53 @@ def _scalar(text: str) -> Any:
     return value if isinstance(value, (int, float, str)) and not isinstance(value, bool) else text
 
 
+def default(key: str):
+    """The schema's default of 'group.field': a real model's."""
+    f = leaves()[key]
+    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def get(cfg: Config, key: str):
+    group, name = key.split(".")
+    return getattr(getattr(cfg, group), name)
+
+
+def put(cfg: Config, key: str, value, source: str) -> Config:
+    """A copy of `cfg` with 'group.field' = value, set by `source` (a recipe's name, "auto", ...)."""
+    group, name = key.split(".")
+    return dataclasses.replace(cfg, sources={**cfg.sources, key: source},
+                               **{group: dataclasses.replace(getattr(cfg, group), **{name: value})})
+
+
+def explicit(cfg: Config, key: str) -> bool:
+    """Set in YAML or by flag, or changed by a script from the value it had: its default, or the
+    demo recipe's (not by any other recipe)."""
+    src = cfg.sources.get(key)
+    if src is None:
+        return get(cfg, key) != default(key)
+    if src == DEMO_SOURCE and key in DEMO:  # (the demo's KV cache is sized, not in DEMO)
+        return get(cfg, key) != DEMO[key]
+    return src in ("YAML", "flag")
+
+
+def demo_recipe(cfg: Config) -> Config:
+    """For model.path=demo, the demo's recipe (schema.DEMO) in every key of it left unset. For any
+    other model, the keys it filled go back to their defaults (model.path changed after loading)."""
+    demo = cfg.model.path == "demo"
+    for key, value in DEMO.items():
+        if explicit(cfg, key):
+            continue
+        if demo and cfg.sources.get(key) != DEMO_SOURCE:
+            cfg = put(cfg, key, value, DEMO_SOURCE)
+        elif not demo and cfg.sources.get(key) == DEMO_SOURCE:
+            cfg = put(cfg, key, default(key), DEMO_SOURCE)
+            del cfg.sources[key]  # put copied the sources: this config's own
+    return cfg
+
+
 def apply(cfg: Config, overrides: dict[str, Any], source: str | dict[str, str] = "flag") -> Config:
     """Set dotted keys on a copy of `cfg`, recording in `sources` what set them (`source`, or a
-    source per key); unknown keys name the closest valid one."""
+    source per key), then the demo's recipe (`demo_recipe`); unknown keys name the closest valid one."""
     cfg = dataclasses.replace(cfg, sources=dict(cfg.sources),
                               **{g: dataclasses.replace(getattr(cfg, g)) for g in GROUPS})
     valid = leaves()
@@ -114,6 +159,7 @@ def apply(cfg: Config, overrides: dict[str, Any], source: str | dict[str, str] =
         group, name = key.split(".", 1)
         setattr(getattr(cfg, group), name, coerce(key, value))
         cfg.sources[key] = source if isinstance(source, str) else source[key]
+    cfg = demo_recipe(cfg)
     validate(cfg, lengths=cfg.model.path == "demo")  # other models: once the recipe has set the lengths
     return cfg
 
@@ -130,7 +176,7 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def load(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Config:
-    """Defaults <- YAML file <- dotted overrides."""
+    """Defaults <- YAML file <- dotted overrides (<- the demo's recipe, for the demo)."""
     tree: dict[str, Any] = {}
     if path:
         import yaml

@@ -76,8 +76,8 @@ def run(target: str, cfg) -> dict:
     from hybridrl.data import prompts as data
     from hybridrl.run import environ as env
     from hybridrl.run import export
-    from hybridrl.run import loop
     from hybridrl.run import recipe
+    from hybridrl.run import resolve
     from hybridrl.data import rewards
     from hybridrl.run.config import UserError
     from hybridrl.engines.rollout import Rollout
@@ -90,7 +90,7 @@ def run(target: str, cfg) -> dict:
         if Path(target).is_dir() and not (Path(target) / "config.json").exists():  # a run directory
             export.export(target, tmp, trust_remote_code=cfg.model.trust_remote_code)  # today's flag
             model_dir = tmp
-        cfg, path, _ = loop.configure(cfg, on_cpu, world.size, model_dir)
+        cfg, path, _ = resolve.configure(cfg, on_cpu, world.size, model_dir)
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
         heldout, dropped = data.encode(data.load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")

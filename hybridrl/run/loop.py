@@ -17,22 +17,20 @@ import torch
 
 from hybridrl.algorithms import advantages as algo
 from hybridrl.cycle import engine_cycle
-from hybridrl.cycle import memory
-from hybridrl.cycle import plan
 from hybridrl.cycle import sync
 from hybridrl.data import prompts as data
 from hybridrl.data import rewards
-from hybridrl.engines import models
 from hybridrl.engines import reward_model
 from hybridrl.observe import faults
 from hybridrl.run import checkpoint
 from hybridrl.run import environ as env
 from hybridrl.run import launch
 from hybridrl.run import recipe
+from hybridrl.run import resolve
 from hybridrl.data.batch import Batch
 from hybridrl.observe.canaries import distribution_metrics
 from hybridrl.data.collect import Collector
-from hybridrl.run.config import Config, ConfigError, torch_dtype
+from hybridrl.run.config import Config, torch_dtype
 from hybridrl.engines.critic import Critic
 from hybridrl.run.evaluate import Evaluator
 from hybridrl.observe.progress import Phases, RunLog
@@ -49,18 +47,12 @@ def train(cfg: Config) -> dict:
     world = launch.init_distributed(timeout_s=2 * cfg.train.watchdog_s)
     on_cpu = world.device.type == "cpu"
     engine_cycle.check(cfg, cuda=not on_cpu)  # allocator settings that would break vLLM's sleep mode
-    cfg, model_path, info = configure(cfg, on_cpu, world.size)  # the demo's recipe, or real-model defaults
-    cfg = plan_memory(cfg, model_path, world, on_cpu)  # every phase on the device; what the user left unset
+    # the machine's 'auto' settings, the model's recipe, the memory plan, the steps from the data
+    res = resolve.run_config(cfg, world)
+    cfg, model_path, info, tokenizer, prompts = res.cfg, res.model_path, res.info, res.tokenizer, res.prompts
     seed_everything(cfg.train.seed + world.rank)
-    if cfg.train.prompts_per_step % world.size:
-        raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by "
-                          f"the {world.size} ranks")
     tp = launch.tp_groups(world, cfg.rollout.tensor_parallel_size)  # every rank keeps its own prompts
 
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
-    prompts, dropped = data.encode(data.load_rows(cfg.data, "train"), tokenizer, cfg.data, cfg.data.path)
-    cfg = recipe.set_steps(cfg, len(prompts))  # train.data_epochs -> train.steps
     heldout, _ = data.encode(data.load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")
     heldout = heldout[: cfg.log.eval_size or None]
     sampler = data.Sampler(len(prompts), cfg.train.seed)
@@ -68,9 +60,10 @@ def train(cfg: Config) -> dict:
     if resumed:
         cfg = resumed.adopt(cfg)  # continue in that run's directory
     scorer = rewards.Scorer(cfg.reward, rank=world.rank)  # a bad reward.fn fails here; its workers start now
-    run = RunLog(cfg, world, recipe.describe(cfg, info, on_cpu=on_cpu, n_prompts=len(prompts)),
+    run = RunLog(cfg, world, recipe.describe(cfg, info, on_cpu=on_cpu, n_prompts=len(prompts),
+                                             engines=res.layout.recipe(cfg)),
                  resume_step=resumed.step if resumed else None)  # keeps its rows up to the checkpoint
-    run.data({"data/prompts": len(prompts), **{f"data/{k}": v for k, v in dropped.items()}})
+    run.data({"data/prompts": len(prompts), **{f"data/{k}": v for k, v in res.dropped.items()}})
     scorer.run_dir = run.dir  # where reward_dead_letter.jsonl goes
     saver = checkpoint.Saver(cfg, run.dir, world, tokenizer)
 
@@ -192,52 +185,6 @@ def step_metrics(ro, batch: Batch, signal: torch.Tensor, phases: Phases, samples
                 **{f"time/{k}": v for k, v in phases.items()},
                 **phases.memory,  # mem/<phase>/*_gb after every phase: CUDA only
                 **distribution_metrics(response_len=[len(s.token_ids) for s in samples], reward=ro.rewards))
-
-
-def configure(cfg: Config, on_cpu: bool, world_size: int = 1,
-              model_dir: str | None = None) -> tuple[Config, str, models.ModelInfo]:
-    """The config a run uses: this machine's 'auto' settings (`resolve`), then the recipe for the
-    model (`models.inspect`: a bad model fails here, in one line, before any engine starts), with
-    bfloat16 on CPU only where every rank's CPU has AMX-BF16. `model_dir`: where the model's files
-    are when not at model.path (`hybridrl eval` of a run's exported checkpoint).
-    Returns (config, model directory, model info)."""
-    cfg, path = resolve(cfg, on_cpu)
-    info = models.inspect(model_dir or cfg.model.path, cfg.model.trust_remote_code)
-    fast_bf16 = on_cpu and not launch.all_max(float(not env.fast_bf16()))
-    cfg = recipe.resolve(cfg, info, on_cpu=on_cpu, world_size=world_size, fast_bf16=fast_bf16)
-    return cfg, model_dir or path, info
-
-
-def resolve(cfg: Config, on_cpu: bool) -> tuple[Config, str]:
-    """Fill the 'auto' settings for this machine; returns the config and the model directory."""
-    from dataclasses import replace
-    cfg = recipe.auto_dtype(cfg, on_cpu)
-    m = cfg.model
-    attn, sources = m.attn_implementation, cfg.sources
-    if attn == "auto":  # recipe.resolve may still pick eager (short contexts in bfloat16 on CPU)
-        attn, sources = "sdpa", {**sources, "model.attn_implementation": "auto"}
-        if not on_cpu:
-            try:
-                import flash_attn  # noqa: F401
-                attn = "flash_attention_2"
-            except ImportError:
-                pass
-    if on_cpu and m.dtype != "float32" and not env.fast_bf16():
-        log.warning("model.dtype=%s on a CPU without AMX-BF16: often slower than float32 (its GEMMs ran 0.5x "
-                    "to 2.2x float32's on CPUs with AVX512-BF16 alone); compare with --model.dtype float32", m.dtype)
-    return replace(cfg, sources=sources, model=replace(m, attn_implementation=attn)), \
-        models.local_path(m.path)
-
-
-def plan_memory(cfg: Config, model_path: str, world, on_cpu: bool) -> Config:
-    """The memory plan (plan.py) before any engine starts, from what the fullest rank has free:
-    its choices go into the config, a run that cannot fit stops here in one line."""
-    budget, host = memory.plan_budget(cuda=not on_cpu)
-    cfg, mem = plan.fit(cfg, model_path, world=world.size, local=memory.local_ranks(),
-                        device=int(-launch.all_max(-budget)), host=host, on_cpu=on_cpu)
-    if mem is not None and world.main:
-        print(plan.summary(mem) if on_cpu else mem.table(cfg.model.path), flush=True)
-    return cfg
 
 
 def seed_everything(seed: int) -> None:

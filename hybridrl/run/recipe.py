@@ -1,15 +1,17 @@
-"""Recipes: the defaults a run gets for the settings it does not set.
+"""Recipes: the values a run gets for the settings it does not set.
 
-The config's defaults are the demo's recipe, tuned on the 0.86M demo model (4-token completions,
-lr 5e-5, 32 prompts a step in two updates, an 8-minute cap, a 64-token context, evaluation every
-100 steps).
-Any other model gets the real-model recipe below instead, taken from what the peers ship for
-GRPO on chat and math tasks (OpenRLHF: 1024 completion tokens; verl: 512 prompt tokens; lr 1e-6
-for 0.5B-7B models; no wall-time cap), with the context derived from the lengths and checked
-against the model, one pass over the data, and a CPU KV cache sized for the step.
+The config's defaults (schema.py) are a real model's, taken from what the peers ship for GRPO on
+chat and math tasks (OpenRLHF: 1024 completion tokens; verl: 512 prompt tokens; lr 1e-6 for
+0.5B-7B models; no wall-time cap; one pass over the data). `resolve` derives the rest from the
+model: the context from the lengths, checked against the model's positions, a CPU KV cache sized
+for the step, and on CPU the dtype, attention and decoder a real-size model runs fastest with.
+The embedded demo (model.path=demo) runs with DEMO instead, its own recipe (schema.py gives its
+reasons), which config.apply fills in as its config loads and `resolve` again for a config built
+in code.
 
 A value set in YAML or by flag (`Config.sources`) always wins; so does one a script changed
-from its default. `describe` is what the run prints at start and writes atop its config.yaml.
+from its default (`explicit`). `describe` is what the run prints at start and writes atop its
+config.yaml.
 """
 
 from __future__ import annotations
@@ -18,19 +20,10 @@ import dataclasses
 import math
 
 from hybridrl.cycle import memory
-from hybridrl.run.config import Config, ConfigError, leaves, validate
+from hybridrl.run.config import DEMO, DEMO_SOURCE, Config, ConfigError, leaves, validate  # noqa: F401
+from hybridrl.run.config import default, demo_recipe, explicit, get, put as _set  # noqa: F401
 from hybridrl.engines.models import ModelInfo
 
-REAL = {  # the real-model recipe: key -> value where the demo's default would be wrong
-    "rollout.max_new_tokens": 1024,
-    "data.max_prompt_len": 512,
-    "train.lr": 1e-6,
-    "train.max_minutes": 0.0,  # no cap: a real run ends after its steps / epochs
-    "train.prompts_per_step": 64,  # x rollout.n (8) = 512 sequences per step
-    "train.minibatches": 1,  # one update per rollout: on-policy, and no pi_old pass in 16-bit
-    "train.data_epochs": 1.0,  # one pass over the prompts (sets train.steps once the data is read)
-    "log.eval_every": 50,
-}
 # each policy loss's own clip range, for the keys the user leaves unset (the schema's 0.2 / 0.28 are PPO's).
 # GSPO clips a length-normalised sequence ratio, which stays within ~1e-3 of 1 where PPO's token ratios
 # move by tenths: the paper (Zheng et al. 2025) and verl's GSPO recipe clip at 3e-4 / 4e-4. On the demo
@@ -52,49 +45,24 @@ EAGER_SCORES_MAX = 2 << 30
 COMPILE_MIN_PARAMS = 50_000_000
 
 
-def default(key: str):
-    f = leaves()[key]
-    return f.default if f.default is not dataclasses.MISSING else f.default_factory()
-
-
-def get(cfg: Config, key: str):
-    group, name = key.split(".")
-    return getattr(getattr(cfg, group), name)
-
-
-def _set(cfg: Config, key: str, value, source: str) -> Config:
-    group, name = key.split(".")
-    cfg = dataclasses.replace(cfg, sources={**cfg.sources, key: source},
-                              **{group: dataclasses.replace(getattr(cfg, group), **{name: value})})
-    return cfg
-
-
-def explicit(cfg: Config, key: str) -> bool:
-    """Set in YAML or by flag, or changed from its default by a script (not by a recipe)."""
-    src = cfg.sources.get(key)
-    return get(cfg, key) != default(key) if src is None else src in ("YAML", "flag")
-
-
 def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
             free_ram: int | None = None, fast_bf16: bool = False) -> Config:
-    """The config with the recipe's values in every key the user left unset. The demo keeps
-    the config's defaults (its recipe); any other model gets REAL and a context that fits both
+    """The config with the recipe's values in every key the user left unset. The demo gets DEMO,
+    its recipe; any other model keeps the defaults, a real model's, with a context that fits both
     lengths and the model. On CPU every model gets a KV cache sized for the step. `fast_bf16`:
     every rank's CPU has AMX-BF16 (env.fast_bf16), where a real-size model computes in bfloat16."""
     demo = cfg.model.path == "demo"
+    cfg = demo_recipe(cfg)  # loaded configs have it already; not one built in code (hybridrl.train(Config()))
     cfg = loss_clip(cfg)
-    for key, value in {} if demo else REAL.items():
-        if key == "train.data_epochs" and explicit(cfg, "train.steps"):
-            continue  # the user gave a step count
-        if not explicit(cfg, key):
-            cfg = _set(cfg, key, value, "real-model recipe")
+    if explicit(cfg, "train.steps") and not explicit(cfg, "train.data_epochs") and cfg.train.data_epochs:
+        cfg = _set(cfg, "train.data_epochs", 0.0, "train.steps")  # the user gave a step count: no passes
     cfg = cfg if demo else _context(cfg, info)
     if on_cpu and not demo:
         cfg = _cpu_dtype(cfg, info, fast_bf16)  # before the KV cache, whose bytes per token it sets
     if on_cpu and not explicit(cfg, "rollout.kv_cache_mb"):
         mb = cpu_kv_mb(memory.step_seqs(cfg, world_size), cfg.rollout.max_model_len, info.kv_bytes_per_token(cfg.model.dtype),
                        _free_ram() if free_ram is None else free_ram, world_size)
-        cfg = _set(cfg, "rollout.kv_cache_mb", mb, "the demo's recipe" if demo else "real-model recipe")
+        cfg = _set(cfg, "rollout.kv_cache_mb", mb, DEMO_SOURCE if demo else "real-model recipe")
     if not on_cpu and not explicit(cfg, "rollout.enforce_eager") and not cfg.model.lora_rank:
         # decoding is most of a step on a GPU, and eager decoding launches every kernel of every layer
         # for each token; peers (verl, OpenRLHF, TRL) decode with CUDA graphs by default
@@ -131,7 +99,7 @@ def loss_clip(cfg: Config) -> Config:
 
 
 def _cpu_dtype(cfg: Config, info: ModelInfo, fast_bf16: bool) -> Config:
-    """model.dtype=auto on CPU (loop.resolve made it float32, source "auto"): bfloat16 for a model of
+    """model.dtype=auto on CPU (resolve.machine made it float32, source "auto"): bfloat16 for a model of
     COMPILE_MIN_PARAMS or more on CPUs with AMX-BF16, whose bfloat16 GEMMs run several times faster
     than float32's, so a real-size step is much shorter (docs/speed.md). Without AMX, or for a small
     model (the demo, the tests'), float32 stays."""
@@ -243,9 +211,12 @@ def _fmt(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | None = None) -> list[str]:
+def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | None = None,
+             engines: dict[str, tuple[str, str]] | None = None) -> list[str]:
     """The effective recipe in a few lines: what the run will do, and where each value that is
-    not the config's default came from."""
+    not the config's default came from. `engines`: key -> (value, source) for what the engines
+    decide on their own from a setting (train.kernels, packing, share_prompt: policy.Layout), in
+    place of the setting's own line."""
     r, t, d = cfg.rollout, cfg.train, cfg.data
     demo = cfg.model.path == "demo"
     params = f"{info.params / 1e6:.2f}M parameters" if info.params else "parameters not counted"
@@ -273,12 +244,16 @@ def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | Non
         if key == "model.path":
             continue
         value = get(cfg, key)
-        if key in cfg.sources or value != default(key):
+        if key in (engines or {}):
+            value, src = engines[key]
+            changed.setdefault(src, []).append(f"{key}={value}")
+        elif key in cfg.sources or value != default(key):
             src = cfg.sources.get(key, "auto" if default(key) == "auto" else "code")
+            src = "code" if src == DEMO_SOURCE and explicit(cfg, key) else src  # a script's, after the recipe
             changed.setdefault(src, []).append(f"{key}={_fmt(value)}")
     order = ["flag", "YAML", "code"]
     for src in sorted(changed, key=lambda k: order.index(k) if k in order else len(order)):
         lines.append(f"  {'set by' if len(lines) == 4 else '':8} {src}: {', '.join(changed[src])}")
     if not changed:
-        lines.append("  set by   the defaults (the demo recipe)")
+        lines.append("  set by   the defaults")
     return lines

@@ -1,9 +1,10 @@
 """The configuration's schema: every setting of a run, as one typed dataclass tree.
 
 Each group (model, rollout, train, algo, reward, data, env, log, ckpt) is a dataclass whose
-fields carry their default, which runs the embedded demo, and their help text, which
-`hybridrl train --help` prints grouped by section. Loading, overrides and validation are in
-config.py, which re-exports these names.
+fields carry their default, a real model's (GRPO on a chat or math model, as the peers ship it),
+and their help text, which `hybridrl train --help` prints grouped by section. The embedded demo
+(model.path=demo) runs with DEMO, its own recipe, in the keys the user leaves unset. Loading,
+overrides and validation are in config.py, which re-exports these names.
 """
 
 from __future__ import annotations
@@ -60,9 +61,9 @@ class RolloutConfig:
     min_p: float = knob(0.0, "Min-p sampling (0 = off). Refused for training, like top_p < 1.", valid="[0, 1]")
     stop: list = knob([], "Stop strings: a completion ends at the first one (kept in the completion, as an EOS would "
                       "be), e.g. ['</answer>']. Also used by the held-out evaluation.")
-    max_new_tokens: int = knob(4, "Longest completion, in tokens (demo recipe; other models: 1024).", valid=">= 1")
-    max_model_len: int = knob(64, "vLLM context length (demo recipe; other models: data.max_prompt_len + "
-                              "rollout.max_new_tokens, at most the model's max_position_embeddings).", valid=">= 2")
+    max_new_tokens: int = knob(1024, "Longest completion, in tokens (OpenRLHF's; verl 512, TRL 256).", valid=">= 1")
+    max_model_len: int = knob(1536, "vLLM context length; unset: data.max_prompt_len + rollout.max_new_tokens, at "
+                              "most the model's max_position_embeddings.", valid=">= 2")
     tensor_parallel_size: int = knob(1, "vLLM tensor-parallel size: consecutive ranks, this many, share one engine "
                                      "(must divide --nproc; for models one device cannot serve). 1: every rank runs "
                                      "its own engine. In process only. Unset on GPUs, the memory plan raises it when "
@@ -100,23 +101,15 @@ class RolloutConfig:
 
 @dataclass
 class TrainConfig:
-    # The demo recipe, chosen by measurement (bench/demo_curve.py: held-out accuracy against wall time).
-    # lr: of 3e-5, 5e-5 and 7e-5, 5e-5 learned most in the same time (single seeds); 1e-4 learned less
-    # even with 50 warm-up steps, and without warm-up it falls below the start (Adam's first sign-like steps on
-    # a noisy gradient wreck a barely trained model). Batch (docs/speed.md, "the demo's batch chosen again"):
-    # 32 prompts in two minibatches of 16 reached 75% soonest; 16 prompts in one update per rollout, 32 in four
-    # minibatches or two epochs took longer, and 8 or 16 prompts in one update learn less per second.
-    steps: int = knob(600, "Number of RL steps (rollout + update). The demo takes ~2.5 min on 2 CPU cores. Other "
-                      "models: from train.data_epochs unless set.", valid=">= 1")
-    data_epochs: float = knob(0.0, "Passes over the training prompts: train.steps = ceil(data_epochs x prompts / "
-                              "prompts_per_step) (0 = use train.steps; other models' recipe: 1, one pass).",
-                              valid=">= 0")
-    max_minutes: float = knob(8.0, "Stop after this much wall time after engine start (0 = no limit; other models: 0).",
-                              valid=">= 0")
-    prompts_per_step: int = knob(32, "Prompts per step across all ranks (each yields rollout.n samples; other "
-                                 "models: 64).", valid=">= 1")
-    lr: float = knob(5e-5, "AdamW learning rate (demo recipe; other models: 1e-6, the range of GRPO on 0.5B-7B).",
-                     valid="(0, 1]")
+    steps: int = knob(600, "Number of RL steps (rollout + update); unset, with train.data_epochs > 0, from the "
+                      "data. The demo's 600 take ~2.5 min on 2 CPU cores.", valid=">= 1")
+    data_epochs: float = knob(1.0, "Passes over the training prompts: train.steps = ceil(data_epochs x prompts / "
+                              "prompts_per_step) unless train.steps is set (0 = use train.steps).", valid=">= 0")
+    max_minutes: float = knob(0.0, "Stop after this much wall time after engine start (0 = no limit: a run ends "
+                              "after its steps).", valid=">= 0")
+    prompts_per_step: int = knob(64, "Prompts per step across all ranks (each yields rollout.n samples: 64 x 8 = "
+                                 "512 sequences).", valid=">= 1")
+    lr: float = knob(1e-6, "AdamW learning rate (1e-6: the range of GRPO on 0.5B-7B).", valid="(0, 1]")
     weight_decay: float = knob(0.0, "AdamW weight decay.", valid=">= 0")
     betas: list = knob([0.9, 0.99], "AdamW betas.")
     warmup_steps: int = knob(0, "Linear learning-rate warm-up over this many optimizer updates: lr / warmup_steps, "
@@ -129,8 +122,8 @@ class TrainConfig:
     zero_stage: int = knob(2, "DeepSpeed ZeRO stage (2 or 3). Unset on GPUs, the memory plan picks 3 when ZeRO-2's "
                            "replicated parameters do not fit.", valid="2 or 3")
     epochs: int = knob(1, "Passes over each rollout batch (PPO epochs).", valid=">= 1")
-    minibatches: int = knob(2, "Optimizer steps per epoch; > 1 makes later steps off-policy (ratio != 1). Demo "
-                            "recipe: 2; other models: 1.", valid=">= 1")
+    minibatches: int = knob(1, "Optimizer steps per epoch; > 1 makes later steps off-policy (ratio != 1). 1: one "
+                            "update per rollout, on-policy, and no pi_old pass in 16-bit.", valid=">= 1")
     max_tokens_per_micro_batch: int = knob(8192, "Token budget of one forward/backward; micro-batches accumulate. "
                                            "Unset on GPUs, the memory plan halves it (down to 1024 tokens or one "
                                            "full-length sequence) while its activations do not fit.", valid=">= 1")
@@ -279,8 +272,8 @@ class DataConfig:
     heldout_path: str = knob("", "Held-out prompts for evaluation (default: the demo's held-out split, or none).")
     prompt_key: str = knob("prompt", "Column holding the prompt text.")
     answer_key: str = knob("answer", "Column holding the reference answer passed to the reward.")
-    max_prompt_len: int = knob(48, "Prompts longer than this many tokens are dropped (counted; demo recipe; other "
-                               "models: 512).", valid=">= 1")
+    max_prompt_len: int = knob(512, "Prompts longer than this many tokens are dropped (counted; verl's 512).",
+                               valid=">= 1")
     messages_key: str = knob("messages", "Column of chat-format rows: a list of {role, content} turns (system, "
                              "user, ...), rendered with the tokenizer's chat template; used when a row has no "
                              "data.prompt_key. A trailing assistant turn is left out (the model writes it).")
@@ -311,8 +304,8 @@ class EnvConfig:
 @dataclass
 class LogConfig:
     run_dir: str = knob("runs/{time}", "Where metrics.jsonl, the config and checkpoints go.")
-    eval_every: int = knob(100, "Held-out greedy evaluation every N steps (0 = only at start and end; other "
-                           "models: 50).", valid=">= 0")
+    eval_every: int = knob(50, "Held-out greedy evaluation every N steps (0 = only at start and end).",
+                           valid=">= 0")
     eval_every_s: float = knob(0.0, "Also evaluate once this many seconds have passed since the last evaluation (0 = off).",
                                valid=">= 0")
     eval_size: int = knob(256, "Held-out prompts evaluated (0 = all).", valid=">= 0")
@@ -361,3 +354,27 @@ class Config:
 
 GROUPS = [f.name for f in dataclasses.fields(Config) if f.name != "sources"]
 ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")  # algo.ADVANTAGES' names (config stays torch-free)
+
+# The demo's recipe: what model.path=demo runs with in the keys the user leaves unset (their source is "demo
+# recipe"), where a real model's defaults above do not suit the 0.86M demo model, its task or the 2-core CPU
+# machine `make demo` is made for. The task is two-number addition ("12+34=" -> "46": a few prompt tokens, an
+# answer of two digits and EOS), the model has 64 positions. lr and batch were chosen by measurement
+# (bench/demo_curve.py: held-out accuracy against wall time). lr: of 3e-5, 5e-5 and 7e-5, 5e-5 learned most in
+# the same time (single seeds); 1e-4 learned less even with 50 warm-up steps, and without warm-up it falls
+# below the start (Adam's first sign-like steps on a noisy gradient wreck a barely trained model). Batch
+# (docs/speed.md, "the demo's batch chosen again"): 32 prompts in two minibatches of 16 reached 75% soonest;
+# 16 prompts in one update per rollout, 32 in four minibatches or two epochs took longer, and 8 or 16 prompts
+# in one update learn less per second. It lives here, not in recipe.py, because config.py fills it in as a
+# config loads: the demo's lengths are checked then, before anything heavy is imported.
+DEMO_SOURCE = "demo recipe"
+DEMO = {
+    "rollout.max_new_tokens": 4,  # two digits and EOS, one token to spare
+    "data.max_prompt_len": 48,
+    "rollout.max_model_len": 64,  # the demo model's max_position_embeddings
+    "train.lr": 5e-5,
+    "train.prompts_per_step": 32,  # x rollout.n (8): 256 sequences a step
+    "train.minibatches": 2,  # two updates of 16 prompts per rollout
+    "train.data_epochs": 0.0,  # train.steps' 600 (~2.5 min), not passes over the prompts
+    "train.max_minutes": 8.0,  # `make demo` ends within minutes on a loaded machine too
+    "log.eval_every": 100,
+}

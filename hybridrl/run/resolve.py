@@ -1,0 +1,111 @@
+"""A run's configuration, resolved once, before any engine starts: `run_config`.
+
+The config as loaded (defaults <- YAML <- flags, and the demo's recipe for the demo) becomes the
+one a run uses in four stages, each filling only what the user left unset:
+
+    machine      this machine's 'auto' settings: model.dtype, model.attn_implementation
+    recipe       the model's (recipe.resolve): lengths and context, the CPU KV cache, on CPU the
+                 dtype, attention and compiled decoder of a real-size model
+    memory plan  what fits the device (plan.fit): micro-batch tokens, ZeRO stage, offloading, ...
+    data         train.steps from train.data_epochs and the prompts left once too-long ones drop
+
+and the trainer's layout (kernels, packing, shared prompt: policy.layout) is decided from it, so
+the recipe the run prints (recipe.describe) says what the engines will do. `hybridrl train`
+(loop.train) resolves with `run_config`; `hybridrl eval` and the benches, which do not train,
+with `configure` (machine and recipe).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+from hybridrl.cycle import memory
+from hybridrl.cycle import plan
+from hybridrl.data import prompts as data
+from hybridrl.engines import models
+from hybridrl.engines import policy
+from hybridrl.run import environ as env
+from hybridrl.run import launch
+from hybridrl.run import recipe
+from hybridrl.run.config import Config, ConfigError
+
+log = logging.getLogger("hybridrl")
+
+
+@dataclass
+class Resolved:
+    """A run's resolved config, with what resolving it read: the model, its tokenizer, the training
+    prompts (encoded, the too-long and malformed ones counted in `dropped`)."""
+    cfg: Config
+    model_path: str  # the directory (or hub name) the engines load
+    info: models.ModelInfo
+    tokenizer: object
+    prompts: list
+    dropped: dict
+    layout: policy.Layout  # what the trainer will run with (recipe.describe's `engines`)
+
+
+def run_config(cfg: Config, world) -> Resolved:
+    """The config `hybridrl train` runs with: this machine's 'auto' settings, the model's recipe
+    (a bad model fails here, in one line), the memory plan from what the fullest rank has free (a
+    run that cannot fit stops here, in one line), the steps from the data; and the trainer's layout.
+    Collective: every rank calls it (the plan and bfloat16 on CPU are agreed over the ranks)."""
+    on_cpu = world.device.type == "cpu"
+    cfg, model_path, info = configure(cfg, on_cpu, world.size)  # the demo's recipe, or a real model's defaults
+    cfg = plan_memory(cfg, model_path, world, on_cpu)  # every phase on the device; what the user left unset
+    if cfg.train.prompts_per_step % world.size:
+        raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by "
+                          f"the {world.size} ranks")
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    prompts, dropped = data.encode(data.load_rows(cfg.data, "train"), tokenizer, cfg.data, cfg.data.path)
+    cfg = recipe.set_steps(cfg, len(prompts))  # train.data_epochs -> train.steps
+    layout = policy.layout(cfg, cfg.model.attn_implementation, native=info.native, plain_cache=info.plain_cache,
+                           name=info.arch)
+    return Resolved(cfg, model_path, info, tokenizer, prompts, dropped, layout)
+
+
+def configure(cfg: Config, on_cpu: bool, world_size: int = 1,
+              model_dir: str | None = None) -> tuple[Config, str, models.ModelInfo]:
+    """The config a run uses: this machine's 'auto' settings (`machine`), then the recipe for the
+    model (`models.inspect`: a bad model fails here, in one line, before any engine starts), with
+    bfloat16 on CPU only where every rank's CPU has AMX-BF16. `model_dir`: where the model's files
+    are when not at model.path (`hybridrl eval` of a run's exported checkpoint).
+    Returns (config, model directory, model info)."""
+    cfg, path = machine(cfg, on_cpu)
+    info = models.inspect(model_dir or cfg.model.path, cfg.model.trust_remote_code)
+    fast_bf16 = on_cpu and not launch.all_max(float(not env.fast_bf16()))
+    cfg = recipe.resolve(cfg, info, on_cpu=on_cpu, world_size=world_size, fast_bf16=fast_bf16)
+    return cfg, model_dir or path, info
+
+
+def machine(cfg: Config, on_cpu: bool) -> tuple[Config, str]:
+    """Fill the 'auto' settings for this machine; returns the config and the model directory."""
+    cfg = recipe.auto_dtype(cfg, on_cpu)
+    m = cfg.model
+    attn, sources = m.attn_implementation, cfg.sources
+    if attn == "auto":  # recipe.resolve may still pick eager (short contexts in bfloat16 on CPU)
+        attn, sources = "sdpa", {**sources, "model.attn_implementation": "auto"}
+        if not on_cpu:
+            try:
+                import flash_attn  # noqa: F401
+                attn = "flash_attention_2"
+            except ImportError:
+                pass
+    if on_cpu and m.dtype != "float32" and not env.fast_bf16():
+        log.warning("model.dtype=%s on a CPU without AMX-BF16: often slower than float32 (its GEMMs ran 0.5x "
+                    "to 2.2x float32's on CPUs with AVX512-BF16 alone); compare with --model.dtype float32", m.dtype)
+    return replace(cfg, sources=sources, model=replace(m, attn_implementation=attn)), \
+        models.local_path(m.path)
+
+
+def plan_memory(cfg: Config, model_path: str, world, on_cpu: bool) -> Config:
+    """The memory plan (plan.py) before any engine starts, from what the fullest rank has free:
+    its choices go into the config, a run that cannot fit stops here in one line."""
+    budget, host = memory.plan_budget(cuda=not on_cpu)
+    cfg, mem = plan.fit(cfg, model_path, world=world.size, local=memory.local_ranks(),
+                        device=int(-launch.all_max(-budget)), host=host, on_cpu=on_cpu)
+    if mem is not None and world.main:
+        print(plan.summary(mem) if on_cpu else mem.table(cfg.model.path), flush=True)
+    return cfg
