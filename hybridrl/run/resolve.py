@@ -94,8 +94,8 @@ def machine(cfg: Config, on_cpu: bool) -> tuple[Config, str]:
             except ImportError:
                 pass
     if on_cpu and m.dtype != "float32" and not env.fast_bf16():
-        log.warning("model.dtype=%s on a CPU without AMX-BF16: often slower than float32 (its GEMMs ran 0.5x "
-                    "to 2.2x float32's on CPUs with AVX512-BF16 alone); compare with --model.dtype float32", m.dtype)
+        log.warning("model.dtype=%s on a CPU without AMX-BF16: often slower than float32 there "
+                    "(docs/speed.md); compare with --model.dtype float32", m.dtype)
     return replace(cfg, sources=sources, model=replace(m, attn_implementation=attn)), \
         models.local_path(m.path)
 

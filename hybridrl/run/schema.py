@@ -29,7 +29,7 @@ class ModelConfig:
     path: str = knob("demo", "Policy model: a local HF directory, a hub name, or 'demo' (the shipped tiny model).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
         "auto", "Weight/compute dtype for both engines; auto = bfloat16 on GPU; on CPU float32, or bfloat16 for a model "
-        "of 50M+ parameters on CPUs with AMX-BF16 (~3x faster there). float16 is refused: "
+        "of 50M+ parameters on CPUs with AMX-BF16 (its bfloat16 GEMMs run in hardware). float16 is refused: "
         "the trainer has no loss scaling, so small gradients would underflow to zero.")
     attn_implementation: str = knob("auto", "transformers attention: auto = flash_attention_2 if installed on GPU; "
                                      "on CPU in bfloat16 eager while its saved scores fit 2 GiB (faster there), else sdpa.")
@@ -92,9 +92,8 @@ class RolloutConfig:
                                "LoRA engines stay eager); on CPU False for a model of 50M parameters or more "
                                "(vLLM's compiled decoder), True for smaller ones (fast start).")
     sleep_level: int = knob(2, "vLLM sleep level between rollouts on GPU. 2 (default): weights discarded, since every "
-                            "hand-off rewrites them all anyway (measured on an H100 at 0.5B: sleep 21 ms vs 1.5 s for "
-                            "level 1, which copies the weights to pinned host memory, one copy per rank); 1: weights "
-                            "kept in host memory (for hand-offs that send only part of the weights: with "
+                            "hand-off rewrites them all anyway (level 1 copies the weights to pinned host memory, "
+                            "one copy per rank); 1: weights kept in host memory (for hand-offs that send only part of the weights: with "
                             "model.lora_rank > 0, 2 becomes 1); 0: no sleep, vLLM keeps its memory.",
                             valid="0 or 1 or 2")
 
@@ -102,7 +101,7 @@ class RolloutConfig:
 @dataclass
 class TrainConfig:
     steps: int = knob(600, "Number of RL steps (rollout + update); unset, with train.data_epochs > 0, from the "
-                      "data. The demo's 600 take ~2.5 min on 2 CPU cores.", valid=">= 1")
+                      "data.", valid=">= 1")
     data_epochs: float = knob(1.0, "Passes over the training prompts: train.steps = ceil(data_epochs x prompts / "
                               "prompts_per_step) unless train.steps is set (0 = use train.steps).", valid=">= 0")
     max_minutes: float = knob(0.0, "Stop after this much wall time after engine start (0 = no limit: a run ends "
@@ -130,7 +129,7 @@ class TrainConfig:
     packing: Literal["auto", "on", "off"] = knob(
         "auto", "Lay each micro-batch's samples end to end in one row (position ids restart per sample) instead of "
         "right-padded rows; same loss either way. auto = on with flash-attention (varlen: no padding computed), off "
-        "with sdpa/eager, whose packed row costs a full masked L x L attention (2.1x slower at 128 demo rows on CPU).")
+        "with sdpa/eager, whose packed row costs a full masked L x L attention.")
     share_prompt: Literal["auto", "on", "off"] = knob(
         "auto", "Compute each prompt once for its rollout.n samples in the trainer's forward and backward (its KV "
         "cache, gathered to the samples; the same loss and gradients). auto = on with sdpa/eager attention, "
@@ -160,7 +159,7 @@ class TrainConfig:
     probe_every: int = knob(20, "Check vLLM vs trainer log-probs on a probe batch after the first hand-off, every N "
                             "steps, and at once when a training batch's own vLLM-vs-trainer gap (logp_gap_max in "
                             "float32, logp_gap_mean in 16-bit) exceeds train.probe_tol (0 = off). The probe is two "
-                            "forward passes: every step it cost 6-16% of a step at 134M-0.5B on CPU.", valid=">= 0")
+                            "forward passes (docs/speed.md has their cost).", valid=">= 0")
     probe_tol: float = knob(0.0, "Bound on |logp_vllm - logp_trainer| over the probe batch's tokens; 0 = by dtype: the "
                             "largest gap <= 1e-4 in float32, the mean gap <= 2e-2 in bfloat16/float16 (16-bit rounding "
                             "alone moves single tokens by up to ~0.15; a stale or garbled tensor moves them all).",
