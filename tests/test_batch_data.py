@@ -1,7 +1,10 @@
+import pytest
 import torch
 
 from hybridrl import data
 from hybridrl.batch import Batch, micro_batches
+
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 
 
 def test_batch_layout():

@@ -5,12 +5,15 @@ import errno
 import json
 import os
 
+import pytest
 import torch
 
 from hybridrl import config as C
 from hybridrl.journal import Journal, keep_upto
 from hybridrl.launch import World
 from hybridrl.progress import RunLog
+
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 
 WORLD = World(0, 1, 0, torch.device("cpu"))
 

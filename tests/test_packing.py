@@ -15,6 +15,8 @@ from hybridrl.config import Config
 from hybridrl.policy import TokenLogprobs
 from hybridrl.trainer import Trainer
 
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
+
 V = 40
 
 

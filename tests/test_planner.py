@@ -11,6 +11,8 @@ from hybridrl import config, engine_cycle, memory
 from hybridrl.config import ConfigError
 from test_memory import FakeTrainer  # records the planner's offload and reload calls
 
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
+
 GIB = 1 << 30
 
 
