@@ -13,7 +13,7 @@ STACK ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 WHEELS ?=
 STAMP := $(VENV)/.setup-$(STACK)-$(shell cat pyproject.toml constraints-cpu.txt requirements-gpu.txt | cksum | cut -d' ' -f1)
 
-.PHONY: setup demo test test-slow bench gpu-check clean
+.PHONY: setup demo test test-fast test-slow bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -47,6 +47,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -m "not slow" tests
+
+# the tests that start no engine (tests/README.md): under 2 minutes on 2 cores; tests/tiers.py guards them
+test-fast: setup
+	$(BIN)/python -m pytest -m fast tests
 
 test-slow: setup
 	$(BIN)/python -m pytest -m slow tests

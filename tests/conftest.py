@@ -17,6 +17,45 @@ from hybridrl.run import environ as env  # noqa: E402
 env.setup()
 pytest_plugins = ["pytester"]  # test_machine.py runs the hook on a pretend CUDA machine
 
+import tiers  # noqa: E402  the fast tier (`-m fast`) and its guard
+
+
+def pytest_configure(config):
+    if tiers.is_fast_session(config):
+        tiers.install()
+
+
+def pytest_ignore_collect(collection_path, config):
+    """In the fast tier, a test file that marks nothing fast is not even imported (tiers.py)."""
+    if (tiers.is_fast_session(config) and collection_path.suffix == ".py"
+            and collection_path.name.startswith("test_") and not tiers.has_fast_tests(collection_path)):
+        return True
+    return None
+
+
+def _guarded():
+    """A fast test (or its fixtures) that did what the tier forbids fails with that, also where the
+    code under test caught the guard's exception."""
+    try:
+        result = yield
+    except BaseException:
+        if found := tiers.check():
+            raise pytest.fail.Exception(found, pytrace=False) from None
+        raise
+    if found := tiers.check():
+        pytest.fail(found, pytrace=False)
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _guarded())
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _guarded())
+
 
 def pytest_collection_modifyitems(config, items):
     """On a CUDA machine, tests that assume the CPU stack or more GPUs are skipped with the

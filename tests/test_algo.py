@@ -8,6 +8,7 @@ from hybridrl.algorithms.advantages import advantages
 from hybridrl.kernels.ppo_loss import ppo_loss
 
 
+@pytest.mark.fast
 def test_grpo_hand_derived():
     # group [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735 -> +-0.5 / 0.57735
     R = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
@@ -17,6 +18,7 @@ def test_grpo_hand_derived():
     assert torch.equal(A[1], torch.zeros(4))  # no signal in a solved group
 
 
+@pytest.mark.fast
 def test_dr_grpo_and_rloo_hand_derived():
     R = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
     torch.testing.assert_close(advantages("dr_grpo", R), torch.tensor([[0.5, -0.5, -0.5, 0.5]]))
@@ -32,6 +34,7 @@ def _loss(logp, old, adv, **kw):
     return float(loss), logp.grad, m
 
 
+@pytest.mark.fast
 def test_clipped_surrogate_hand_derived():
     # ratios 1.5 (A=+1) and 0.5 (A=-1): both clipped, to 1.28 and 0.8:
     # L = (max(-1.5, -1.28) + max(0.5, 0.8)) / 2 = (-1.28 + 0.8) / 2 = -0.24, gradient exactly 0
@@ -46,12 +49,14 @@ def test_clipped_surrogate_hand_derived():
     torch.testing.assert_close(grad, torch.tensor([-0.55, 0.45]))
 
 
+@pytest.mark.fast
 def test_dual_clip_hand_derived():
     # A = -1, ratio 5: max(5, 0.8) = 5, then dual clip min(5, 3 * 1) = 3, gradient 0
     loss, grad, _ = _loss([math.log(5.0)], [0.0], [-1.0], dual_clip=3.0)
     assert loss == pytest.approx(3.0, abs=1e-6) and float(grad[0]) == 0.0
 
 
+@pytest.mark.fast
 def test_on_policy_ratio_is_one():
     # one update per rollout: old = logp.detach(), so ratio == 1 and L = -mean(A) = -(2 - 1) / 2
     loss, grad, m = _loss([-0.3, -2.0], [-0.3, -2.0], [2.0, -1.0])
@@ -77,6 +82,7 @@ def _tokens(x: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
     return [row[m].tolist() for row, m in zip(x, mask)]
 
 
+@pytest.mark.fast
 def test_reinforce_pp_hand_derived():
     # groups [1, 0] and [1, 1]; completions of 2, 1, 1, 2 tokens; gamma 1, no KL.
     # baseline R - group mean: [0.5, -0.5], [0, 0]; the return of every token is its sample's:
@@ -93,6 +99,7 @@ def test_reinforce_pp_hand_derived():
     assert returns is None and float(adv[~mask].abs().sum()) == 0.0
 
 
+@pytest.mark.fast
 def test_reinforce_pp_discounts_the_kl_penalty():
     # group [1, 0], completions of 3 and 1 tokens, beta * KL_t = 0.1 on every token, gamma 0.5.
     # token rewards: row 0 [-0.1, -0.1, 0.5 - 0.1 = 0.4], row 1 [-0.5 - 0.1 = -0.6]
@@ -108,6 +115,7 @@ def test_reinforce_pp_discounts_the_kl_penalty():
     assert sum(_tokens(adv, mask), []) == pytest.approx([(v - mean) / std for v in vals], abs=1e-5)
 
 
+@pytest.mark.fast
 def test_gae_hand_derived():
     # row 0: R = 1, values [0.5, 0.2, 0.4] on its 3 completion tokens, gamma 0.9, lambda 0.5 (gamma*lambda 0.45):
     #   delta_2 = 1 + 0.9 * 0 - 0.4 = 0.6           A_2 = 0.6
@@ -132,6 +140,7 @@ def test_gae_hand_derived():
     assert _tokens(returns, mask) == [pytest.approx([1.0, 1.0, 1.0]), pytest.approx([0.0])]
 
 
+@pytest.mark.fast
 def test_kl_in_the_reward_of_a_group_estimator():
     # beta * sum_t KL_t comes off the sample's reward before the group baseline:
     # R = [1, 0], penalties [0.1 + 0.1, 0.3] -> R' = [0.8, -0.3]; dr_grpo: mean 0.25 -> [0.55, -0.55]
@@ -144,6 +153,7 @@ def test_kl_in_the_reward_of_a_group_estimator():
     torch.testing.assert_close(adv, advantages("grpo", torch.tensor([[1.0, 0.0]])).flatten())
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("kl_type,grad_at_0", [("k1", 1.0), ("k2", 0.0), ("k3", 0.0)])
 def test_kl_is_zero_when_policy_equals_reference(kl_type, grad_at_0):
     # d = logp_ref - logp = 0: k1 = -0 = 0, k2 = 0, k3 = e^0 - 0 - 1 = 0; dk/dlogp = +1 (k1), -d = 0 (k2),
@@ -161,6 +171,7 @@ def test_kl_is_zero_when_policy_equals_reference(kl_type, grad_at_0):
     assert float(pen[0, 3]) == 0.0 and float(pen.mean()) == pytest.approx(0.5 * float(m["kl_mean"]))
 
 
+@pytest.mark.fast
 def test_clipped_value_loss_hand_derived():
     # token 0: V 1.0, V_old 0.5, R 0: plain (1 - 0)^2 = 1; clipped 0.5 + 0.2 = 0.7 -> 0.49; max = 1 (plain),
     #          d/dV 0.5 * (V - R)^2 / 2 = (1 - 0) / 2 = 0.5
@@ -198,6 +209,7 @@ def test_reinforce_pp_normalises_over_every_rank(tmp_path):
     torch.testing.assert_close(parts[1], whole[2:, : parts[1].shape[1]])
 
 
+@pytest.mark.fast
 def test_estimator_names_match_the_config():
     from hybridrl.run import config
     assert tuple(ADVANTAGES) == config.ADVANTAGES

@@ -15,6 +15,7 @@ HELDOUT_DIGEST = "03766c11585d7a54"
 TRAIN_DIGEST = "320901102327231b"
 
 
+@pytest.mark.fast
 def test_splits_are_fixed_disjoint_and_cover_all_pairs():
     train, held = arithmetic.load("train"), arithmetic.load("heldout")
     assert (len(train), len(held)) == (2244, 256)
@@ -37,6 +38,7 @@ def test_splits_are_fixed_disjoint_and_cover_all_pairs():
     assert digest(train)[:16] == TRAIN_DIGEST
 
 
+@pytest.mark.fast
 def test_rows_are_correct_sums():
     for r in arithmetic.load("train") + arithmetic.load("heldout"):
         a, b = r["prompt"].rstrip("=").split("+")
@@ -44,11 +46,13 @@ def test_rows_are_correct_sums():
         assert r["prompt"] == arithmetic.prompt_text(int(a), int(b))
 
 
+@pytest.mark.fast
 def test_unknown_split_raises():
     with pytest.raises(ValueError):
         arithmetic.load("test")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("completion,expected", [
     ("46", 1.0), (" 46\n", 1.0), ("46<eos>", 1.0), ("46 <eos>", 1.0), ("\t46<eos>\n", 1.0),
     ("46<eos><eos>", 1.0), ("4 6", 0.0), ("046", 0.0), ("47", 0.0), ("46+1", 0.0), ("", 0.0),
@@ -73,6 +77,7 @@ def tokenizer():
     return transformers.AutoTokenizer.from_pretrained(arithmetic.DEMO_MODEL_DIR)
 
 
+@pytest.mark.fast
 def test_tokenizer_round_trip(tokenizer):
     assert (tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id) == (0, 1, 2)
     assert tokenizer.eos_token == arithmetic.EOS_TEXT
@@ -88,6 +93,7 @@ def test_tokenizer_round_trip(tokenizer):
         assert tokenizer.decode(tokenizer(r["prompt"]).input_ids[1:]) == r["prompt"]
 
 
+@pytest.mark.fast
 def test_tokenizer_file_agrees_with_autotokenizer(tokenizer):
     """transformers 5 loads a qwen2 checkpoint's tokenizer as Qwen2Tokenizer, which rebuilds
     the pipeline; the shipped tokenizer.json mirrors it, so raw `tokenizers` (and
@@ -102,6 +108,7 @@ def test_tokenizer_file_agrees_with_autotokenizer(tokenizer):
         assert raw.decode(ids, skip_special_tokens=True) == r["prompt"]
 
 
+@pytest.mark.fast
 def test_shipped_model_is_weak_but_not_blank(tokenizer):
     """Greedy held-out accuracy in the 15-30% band (the warm-up stopped at 21.9%).
 

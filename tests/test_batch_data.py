@@ -1,7 +1,10 @@
+import pytest
 import torch
 
 from hybridrl.data import prompts as data
 from hybridrl.data.batch import Batch, micro_batches
+
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 
 
 def test_batch_layout():

@@ -132,7 +132,7 @@ import torch, json
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from pathlib import Path
 import hybridrl
-from hybridrl import env; env.setup()
+from hybridrl.run import environ as env; env.setup()
 demo = Path(hybridrl.__file__).parent / "demo_model"
 m = AutoModelForCausalLM.from_pretrained({str(out)!r}).eval()
 tok = AutoTokenizer.from_pretrained({str(out)!r})
@@ -234,6 +234,7 @@ def _saver(run_dir, **ckpt):
     return cfg, lambda step: saver.save(step, trainer, _Fake(cursor=step), _Fake(last=None), {"elapsed_s": 1.0})
 
 
+@pytest.mark.fast
 def test_keep_rotates_by_save_order_and_resume_auto_follows_the_branch(tmp_path):
     """issue 40 (2): --resume .../step-2 --steps 3 --ckpt.keep 1 deleted step-3 (just written) and kept
     the abandoned step-4, which --resume auto then continued."""
@@ -255,6 +256,7 @@ def test_keep_rotates_by_save_order_and_resume_auto_follows_the_branch(tmp_path)
     assert [p.name for p in checkpoint.complete_checkpoints(root)] == ["step-3", "step-4"]
 
 
+@pytest.mark.fast
 def test_resaving_a_step_never_leaves_it_missing(tmp_path, monkeypatch):
     """issue 40 (2): the old step-N was deleted before the new one was renamed in; a kill in between
     left no step-N. Now it is moved aside, and a crash there leaves it findable and restored."""
@@ -280,6 +282,7 @@ def test_resaving_a_step_never_leaves_it_missing(tmp_path, monkeypatch):
     assert sorted(p.name for p in (run / "checkpoints").glob("step-*")) == ["step-2", "step-3"]
 
 
+@pytest.mark.fast
 def test_shards_and_directories_are_synced_before_older_checkpoints_go(tmp_path, monkeypatch):
     """issue 40 (3): only complete.json and latest were fsync'd, yet older checkpoints were deleted
     right after the rename."""
@@ -308,6 +311,7 @@ def test_shards_and_directories_are_synced_before_older_checkpoints_go(tmp_path,
     assert str(run / "checkpoints") in synced
 
 
+@pytest.mark.fast
 def test_rank_state_loads_with_weights_only(tmp_path):
     """issue 40 (9): rank-R.pt was read with weights_only=False, so a checkpoint could run code."""
     import random
@@ -335,6 +339,7 @@ def test_rank_state_loads_with_weights_only(tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
+@pytest.mark.fast
 def test_a_saved_config_grants_no_remote_code_and_names_its_imports(tmp_path, capsys):
     """issue 40 (9): resume and `hybridrl eval RUN` took trust_remote_code from the run's config."""
     from hybridrl.run import checkpoint
@@ -349,6 +354,7 @@ def test_a_saved_config_grants_no_remote_code_and_names_its_imports(tmp_path, ca
     assert got.model.trust_remote_code is True and "imports code" not in capsys.readouterr().err  # today's flags
 
 
+@pytest.mark.fast
 def test_export_takes_trust_remote_code_from_today_only(tmp_path, monkeypatch):
     import deepspeed.utils.zero_to_fp32 as z
     import transformers

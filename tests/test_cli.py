@@ -26,6 +26,7 @@ def hybridrl(*args, env=None):
                           env={**os.environ, **(env or {})})
 
 
+@pytest.mark.fast
 def test_booleans_take_true_false_and_no_forms():
     argv = ["train", "--log.progress", "false", "--algo.skip_zero_advantage", "TRUE", "--log.tensorboard",
             "--rollout.enable_prefix_caching=off", "--steps", "3", "--log.no_wandb", "--log.verbose"]
@@ -75,6 +76,7 @@ def test_bad_input_fails_fast_in_one_line(args, message):
     assert took < 10, took  # ~0.5 s idle (the bound leaves room for a loaded machine): no torch import
 
 
+@pytest.mark.fast
 def test_quiet_environment_leaves_the_users_variables():
     environ, ours = {"TORCH_CPP_LOG_LEVEL": "INFO"}, {}
     logs.environment(environ, False, ours)
@@ -86,6 +88,7 @@ def test_quiet_environment_leaves_the_users_variables():
     assert environ["VLLM_LOGGING_LEVEL"] == "ERROR" and environ["TORCH_CPP_LOG_LEVEL"] == "INFO"
 
 
+@pytest.mark.fast
 def test_harmless_lines_are_recognised():
     import logging
     f = logs.Harmless()
@@ -95,6 +98,7 @@ def test_harmless_lines_are_recognised():
     assert f.filter(record("vLLM rejected prompt 3 of this batch (70 tokens), dropped"))
 
 
+@pytest.mark.fast
 def test_quiet_stdout_drops_only_the_known_prints():
     import io
     out = io.StringIO()

@@ -10,17 +10,20 @@ from hybridrl.run import config as C
 from hybridrl.run.cli import _strip_launch_flags
 
 
+@pytest.mark.fast
 def test_defaults_validate():
     cfg = C.Config()
     C.validate(cfg)
     assert cfg.model.path == "demo" and cfg.train.zero_stage in (2, 3)
 
 
+@pytest.mark.fast
 def test_every_field_has_help():
     for key, f in C.leaves().items():
         assert f.metadata.get("help"), key
 
 
+@pytest.mark.fast
 def test_overrides_are_typed():
     cfg = C.load(None, {"algo.clip_high": "0.28", "train.steps": "7", "rollout.enable_prefix_caching": "false",
                         "train.betas": "0.9, 0.95", "train.lr": "1e-5"})
@@ -28,6 +31,7 @@ def test_overrides_are_typed():
     assert cfg.train.betas == [0.9, 0.95] and cfg.train.lr == 1e-5
 
 
+@pytest.mark.fast
 def test_unknown_key_names_closest():
     with pytest.raises(C.ConfigError, match="did you mean 'algo.clip_high'"):
         C.load(None, {"algo.clip_hihg": 0.3})
@@ -35,6 +39,7 @@ def test_unknown_key_names_closest():
         C.load(None, {"trian.lr": 0.3})
 
 
+@pytest.mark.fast
 def test_bad_values_say_what_to_change():
     with pytest.raises(C.ConfigError, match="must be one of"):
         C.load(None, {"algo.loss_agg": "mean"})
@@ -44,6 +49,7 @@ def test_bad_values_say_what_to_change():
         C.load(None, {"rollout.max_model_len": 16, "data.max_prompt_len": 15})
 
 
+@pytest.mark.fast
 def test_settings_not_built_are_refused_with_the_fix():
     # tensor parallelism: in process only (the external launcher), 1..8
     assert C.load(None, {"rollout.tensor_parallel_size": 2}).rollout.tensor_parallel_size == 2
@@ -59,6 +65,7 @@ def test_settings_not_built_are_refused_with_the_fix():
         assert C.load(None, {"model.dtype": dtype}).model.dtype == dtype
 
 
+@pytest.mark.fast
 def test_yaml_then_overrides(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text("train:\n  lr: 3.0e-5\n  steps: 9\nalgo:\n  clip_high: 0.3\n")
@@ -69,6 +76,7 @@ def test_yaml_then_overrides(tmp_path):
         C.load(f)
 
 
+@pytest.mark.fast
 def test_launch_flags_are_not_passed_to_workers():
     argv = ["train", "--nproc", "2", "--steps", "3", "--nnodes=1", "--train.zero_stage", "3"]
     assert _strip_launch_flags(argv) == ["train", "--steps", "3", "--train.zero_stage", "3"]
@@ -99,6 +107,7 @@ def _outside(spec: str) -> list:
     return [v for v in cands if not C.in_range(v, spec)]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("key", NUMERIC)
 def test_every_numeric_knob_refuses_values_out_of_its_range(key):
     """Each int/float knob declares its range (schema.knob's `valid`); its default is in it, and every
@@ -118,6 +127,7 @@ def test_every_numeric_knob_refuses_values_out_of_its_range(key):
         assert "\n" not in msg and key in msg, (key, v, msg)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("over,words", [
     ({"train.lr": -1}, "train.lr=-1.0: must be a finite number in (0, 1]"),
     ({"train.max_minutes": -1}, "train.max_minutes=-1.0: must be a finite number >= 0"),

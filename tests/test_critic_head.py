@@ -55,6 +55,7 @@ def test_value_head_starts_from_a_reward_models_score(tmp_path, world_of_one, ze
     torch.testing.assert_close(values[b.loss_mask], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", ["value_head", "v_head.summary"])
 def test_other_trainers_head_names_and_bias(tmp_path, name):
     """OpenRLHF's reward model and critic save `value_head.weight`, TRL's value-head model
@@ -79,6 +80,7 @@ def test_a_causal_lm_gives_the_zero_head(world_of_one):
     assert torch.count_nonzero(values) == 0
 
 
+@pytest.mark.fast
 def test_bad_heads_and_vocabularies_refused(tmp_path, world_of_one):
     from hybridrl.engines.critic import trained_head
     reward_model(tmp_path / "two", num_labels=2)

@@ -1,7 +1,10 @@
 """DAPO's batch shaping as pure functions, against hand-made reward matrices and hand-derived numbers."""
+import pytest
 import torch
 
 from hybridrl.algorithms import dapo
+
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 
 
 def test_mixed_groups():

@@ -15,6 +15,8 @@ from hybridrl.data import prompts as data
 from hybridrl.run.config import ConfigError, DataConfig
 from hybridrl.data.tasks.arithmetic import DEMO_MODEL_DIR
 
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
+
 ROWS = [{"question": "12+34=", "label": 46}, {"question": "1+2=", "label": 3}]  # int answers arrive as str
 
 

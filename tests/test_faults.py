@@ -177,6 +177,7 @@ def _torch_write_error() -> RuntimeError:
     raise AssertionError("torch.save to /dev/full succeeded")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("error,handled", [
     (_torch_write_error(), True),  # "[enforce fail at inline_container.cc:...] . unexpected pos ..."
     (OSError(5, "Input/output error"), True),
@@ -245,6 +246,7 @@ def test_a_stalled_rank_is_named_and_the_run_stops(tmp_path):
     assert sorted(_steps(_records(run))) == [1, 2]
 
 
+@pytest.mark.fast
 def test_malformed_rows_name_the_row(tmp_path):
     """Rows that are not objects, or whose prompt is not text, stop the run at load with file:line
     (every format's locations: tests/test_data.py)."""
@@ -272,6 +274,7 @@ class _Store:
         return self.values[key]
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("reports,expected", [  # rank: "<progress reports so far> <step> <phase>"
     ({0: "9 3 train", 1: "5 3 generate", 2: "9 3 train"},
      "Cause: rank 1 stalled in phase 'generate' of step 3 (the others wait for it in a collective)."),

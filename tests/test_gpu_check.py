@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -34,6 +36,7 @@ def _env():
     return {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
 
 
+@pytest.mark.fast
 def test_cuda_arch_list_made_parsable_for_deepspeed():
     """CUDA images set TORCH_CUDA_ARCH_LIST with architecture suffixes ('9.0a'), which DeepSpeed's
     JIT builder cannot parse (it stopped the trainer on the H100 image): env.setup strips them."""

@@ -12,6 +12,7 @@ import hybridrl
 from hybridrl.cycle import memory
 
 
+@pytest.mark.fast
 def test_phase_peak_rss_is_the_phase_own_peak():
     """host/<phase>/peak_gb: the high-water mark is reset as each phase begins, so a 400 MB buffer
     freed inside one phase shows in that phase's peak and not in the next one's; host/peak_gb stays

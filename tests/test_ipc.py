@@ -12,6 +12,8 @@ from torch.multiprocessing import reductions
 
 from hybridrl.engines import ipc
 
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
+
 T = 1.0  # seconds: the timeout these tests run with (the default is ipc.TIMEOUT_S)
 
 

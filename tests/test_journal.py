@@ -5,12 +5,15 @@ import errno
 import json
 import os
 
+import pytest
 import torch
 
 from hybridrl.run import config as C
 from hybridrl.run.journal import Journal, keep_upto
 from hybridrl.run.launch import World
 from hybridrl.observe.progress import RunLog
+
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 
 WORLD = World(0, 1, 0, torch.device("cpu"))
 

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench import lease
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,6 +19,7 @@ def _no_cuda(out: Path) -> dict:
     return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "HYBRIDRL_BENCH_RESULTS": str(out / "results")}
 
 
+@pytest.mark.fast
 def test_plan_of_calls_fits_the_lease_and_carries_one_part_a_call(capsys):
     calls = lease.calls()
     assert [c for c in calls[0].carry if "site.part" in c] == [".gpu_wheels/site.part0"]
@@ -75,6 +78,7 @@ def test_a_stage_cut_short_keeps_the_rows_it_printed(tmp_path):
     assert [r["claim"] for r in got] == ["first", "slow: stage"] and got[1]["verdict"] == "cut"
 
 
+@pytest.mark.fast
 def test_gpu_check_variants_name_eager_decoding_now_that_graphs_are_the_gpu_default():
     """CUDA graphs became the GPU default (recipe.resolve): a variant without --rollout.enforce_eager
     decodes with graphs, so the 'eager' ones must ask for it or the check compares graphs with graphs."""

@@ -93,7 +93,7 @@ def test_export_writes_an_adapter_peft_and_vllm_load(runs, tmp_path):
     assert (out / "merged" / "model.safetensors").exists()
     script = f"""
 import json, torch
-from hybridrl import env; env.setup()
+from hybridrl.run import environ as env; env.setup()
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 from vllm import LLM, SamplingParams

@@ -4,6 +4,8 @@ import pytest
 
 from hybridrl.run import config as C
 
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
+
 BAD = [
     ({"algo.policy_loss": "grpo"}, "algo.policy_loss='grpo': must be one of ppo, gspo, gspo_token, cispo"),
     ({"algo.policy_loss": "cispo", "algo.dual_clip": 3}, "cispo has not: set algo.dual_clip 0"),

@@ -105,20 +105,52 @@ def test_every_policy_loss_trains_with_the_real_engines(tmp_path):
     assert out["one_row"] == out["one_row"] and out["critic_one_row"] == out["critic_one_row"]  # no crash, finite
 
 
+# What "learns" means, read from two smooth measures rather than one greedy evaluation: greedy
+# held-out accuracy is an argmax over 256 prompts, and one trajectory's swings are larger than the
+# bar a single evaluation could hold on every machine (cispo, 2-core AMX Xeon, 2026-11-27: 21.9% ->
+# 9.0% at step 100 -> 35.5% at 300; the same seed again, diverging at step 39 from a 3e-8 loss
+# difference, ended at 31.2%; one run ended at 25.4%, under the former +8-point bar). The training
+# reward (T = 1, 6,400 samples per 50-step window) and the held-out accuracy of 8 samples per prompt
+# at T = 1 (eval/mean@n, 2,048 completions) move with the policy's probabilities, not with argmax
+# flips. Measured on that machine with these settings: cispo, ten runs (seeds 0-3, two of them
+# this test), raised the training reward by 0.117-0.169 (greedy held-out ended at 30.9-44.9%), and
+# in the six with eval_n 8 the sampled held-out accuracy by 0.138-0.194; ppo (seed 0) the reward by
+# 0.198. With lr 1e-9 (the same run with a policy that does not move) the reward moved by -0.005
+# and +0.005, the sampled held-out accuracy by -0.003 (0.066-0.075 at its four evaluations) and
+# greedy stayed at 21.9%. The bars below are about half the weakest learning run's rise and 7-13
+# standard errors of a run that learns nothing (windows of 6,400 rewards; evaluations of 2,048
+# samples). docs/losses.md's earlier runs of every loss (two seeds each) raised the training reward
+# from ~0.08 to 0.21-0.29.
+REWARD_RISE = 0.06  # last 50 steps' mean training reward over the first 50's
+HELDOUT_RISE = 0.06  # held-out mean@8 at the last evaluation over the first's
+
+
+def learning(run_dir) -> dict:
+    """The run's learning measures from its metrics.jsonl."""
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    reward = [r["reward"] for r in records if "reward" in r]
+    evals = [r for r in records if "heldout_acc" in r]
+    return {"reward_first": sum(reward[:50]) / 50, "reward_last": sum(reward[-50:]) / 50,
+            "heldout_sampled": [round(r["eval/mean@n"], 4) for r in evals],
+            "heldout_greedy": [round(r["heldout_acc"], 4) for r in evals], "steps": len(reward)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("loss", ["ppo", "gspo", "gspo_token", "cispo", "ppo+mask"])
 def test_learning_per_loss(tmp_path, loss):
     """The demo learns with each loss: 300 steps, two minibatches per rollout (the second update is
-    off-policy, so the losses differ), held-out accuracy rises clearly from 21.9% (~3.5 min each on
-    2 cores; the measured figures are in docs/losses.md)."""
+    off-policy, so the losses differ); the training reward and the held-out accuracy of samples both
+    rise clearly (REWARD_RISE, HELDOUT_RISE above; 1-13 min each on 2 cores, load-dependent; the
+    greedy figures are in docs/losses.md)."""
     name, _, extra = loss.partition("+")
     args = ["--algo.policy_loss", name] + (["--algo.is_correction", "mask"] if extra else [])
     _, steps, summary = train_cli(tmp_path / "run", "--steps", "300", "--train.prompts_per_step", "16",
                                   "--rollout.n", "8", "--train.lr", "5e-5", "--log.eval_every", "100",
-                                  "--log.eval_size", "256", "--train.minibatches", "2", "--train.max_minutes", "0",
-                                  *args, timeout=1800)
+                                  "--log.eval_size", "256", "--log.eval_n", "8", "--train.minibatches", "2",
+                                  "--train.max_minutes", "0", *args, timeout=1800)
     assert summary["heldout_acc_before"] == 0.21875
-    # gspo, at its own clip range (3e-4 / 4e-4) since PPO's left it at 29.7% on an AMX Xeon: 21.9% -> 29.3% /
-    # 35.2% / 49.2% at steps 100 / 200 / 300 (seed 0, 2-core machine, 2026-11-27), 19 points above this bar
-    assert summary["heldout_acc_after"] >= summary["heldout_acc_before"] + 0.08, summary
+    got = learning(tmp_path / "run")
+    assert got["steps"] == 300, got
+    assert got["reward_last"] >= got["reward_first"] + REWARD_RISE, got
+    assert got["heldout_sampled"][-1] >= got["heldout_sampled"][0] + HELDOUT_RISE, got
     assert all(s["loss"] == s["loss"] for s in steps)  # finite throughout

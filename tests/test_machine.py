@@ -1,6 +1,10 @@
 """The suite's own rule for CUDA machines (machine.py, applied by conftest.py): a test that
 assumes the CPU stack, or more ranks than there are GPUs, is skipped there with its reason."""
+import pytest
+
 from machine import skip_reason
+
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 
 
 def test_cpu_machines_run_everything():

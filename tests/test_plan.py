@@ -34,6 +34,7 @@ def gpu_config(model: str, world: int, **over) -> config.Config:
                           world_size=world)
 
 
+@pytest.mark.fast
 def test_shape_of_qwen25_7b_by_hand():
     s = shape("Qwen/Qwen2.5-7B-Instruct")
     # config.json: hidden 3584, MLP 18944, 28 layers, 28 query / 4 KV heads of 128, vocabulary 152064, untied
@@ -48,6 +49,7 @@ def test_shape_of_qwen25_7b_by_hand():
     assert s.layer_activations(2) == 20 * 3584 + 4 * 512 + 8 * 18944 == 225_280
 
 
+@pytest.mark.fast
 def test_params_match_transformers_for_shipped_configs():
     """The plan's count against transformers' own model, built on the meta device (no memory)."""
     import torch
@@ -60,6 +62,7 @@ def test_params_match_transformers_for_shipped_configs():
             sum(p.numel() for p in model.parameters()), name
 
 
+@pytest.mark.fast
 def test_plan_of_7b_on_8_gpus_by_hand():
     """Qwen2.5-7B at the real-model defaults on 8 x 80 GB: ZeRO-2, bfloat16, micro-batches of 4096
     tokens (the plan's choice), every term worked out from the config."""
@@ -93,6 +96,7 @@ def test_plan_of_7b_on_8_gpus_by_hand():
     assert "train.max_tokens_per_micro_batch=4096" in p.table()
 
 
+@pytest.mark.fast
 def test_plan_of_05b_zero3_with_checkpointing_by_hand():
     """Qwen2.5-0.5B on 2 GPUs, ZeRO-3 and gradient checkpointing as set, a KL reference and a critic."""
     cfg = gpu_config("Qwen/Qwen2.5-0.5B", 2, **{"train.zero_stage": 3, "model.gradient_checkpointing": True,
@@ -116,6 +120,7 @@ def test_plan_of_05b_zero3_with_checkpointing_by_hand():
     assert p.pinned["reference"] == P * 2 // 2 * 2  # its shards, one copy per node
 
 
+@pytest.mark.fast
 def test_plan_respects_what_the_user_set():
     s = shape("Qwen/Qwen2.5-7B-Instruct")
     cfg = gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **{"model.gradient_checkpointing": True})
@@ -132,6 +137,7 @@ def test_plan_respects_what_the_user_set():
                     on_cpu=False)
 
 
+@pytest.mark.fast
 def test_big_models_plan_with_tensor_parallel_or_offload_and_72b_on_one_gpu_is_refused():
     s = shape("Qwen/Qwen2.5-32B-Instruct")
     cfg, p = plan.decide(gpu_config("Qwen/Qwen2.5-32B-Instruct", 8), s, device=H100, host=NODE, world=8, local=8,
@@ -146,6 +152,7 @@ def test_big_models_plan_with_tensor_parallel_or_offload_and_72b_on_one_gpu_is_r
                     host=256 * GIB, world=8, local=8, on_cpu=False)
 
 
+@pytest.mark.fast
 def test_cpu_runs_are_checked_not_decided():
     cfg = recipe.auto_dtype(config.load(None, {}), on_cpu=True)
     s = shape("demo")
@@ -168,12 +175,14 @@ def test_cuda_graph_sizes_are_bounded_by_max_num_seqs():
                                                                  gpu_memory_utilization=0.5, max_num_seqs=20)
 
 
+@pytest.mark.fast
 def test_gpus_decode_with_cuda_graphs_unless_set():
     assert not gpu_config("Qwen/Qwen2.5-7B-Instruct", 8).rollout.enforce_eager
     assert gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **{"rollout.enforce_eager": True}).rollout.enforce_eager
     assert gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **{"model.lora_rank": 8}).rollout.enforce_eager
 
 
+@pytest.mark.fast
 def test_optimizer_and_param_offload_reach_deepspeed():
     from hybridrl.engines.trainer import ds_config
     cfg = config.load(None, {"train.optimizer_offload": "on", "train.param_offload": "on", "train.zero_stage": 3})
@@ -183,6 +192,7 @@ def test_optimizer_and_param_offload_reach_deepspeed():
     assert "offload_optimizer" not in zero and "offload_param" not in zero
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("name", ["qwen2.5-7b-8xh100", "qwen2.5-14b-8xh100", "qwen2.5-32b-8xh100",
                                   "qwen2.5-72b-8xh100"])
 def test_recipes_fit_8xh100(name):

@@ -15,6 +15,8 @@ from hybridrl.cycle import memory
 from hybridrl.run.config import ConfigError
 from test_memory import FakeTrainer  # records the planner's offload and reload calls
 
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
+
 GIB = 1 << 30
 
 

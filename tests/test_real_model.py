@@ -32,6 +32,7 @@ def tiny(tmp_path_factory) -> Path:
     return tiny_model.build(tmp_path_factory.mktemp("tiny") / "m", logits={"!": 3.0})
 
 
+@pytest.mark.fast
 def test_real_model_gets_the_real_recipe(tiny):
     info = models.inspect(str(tiny))
     assert (info.arch, info.vocab, info.max_positions) == ("Qwen2ForCausalLM", 320, 2048)
@@ -58,6 +59,7 @@ def test_real_model_gets_the_real_recipe(tiny):
     assert "real-model recipe: " in text and "flag: model.dtype=float32" in text
 
 
+@pytest.mark.fast
 def test_yaml_and_flags_win_over_the_recipe(tiny, tmp_path):
     info = models.inspect(str(tiny))
     y = tmp_path / "run.yaml"
@@ -174,6 +176,7 @@ def test_a_value_a_script_set_wins_over_either_recipe(tiny):
     assert (cfg.train.data_epochs, recipe.set_steps(cfg, 1000).train.steps) == (0, 5)
 
 
+@pytest.mark.fast
 def test_each_policy_loss_gets_its_own_clip_range():
     """gspo / gspo_token clip their sequence ratio at the paper's 3e-4 / 4e-4 unless the user set a bound;
     ppo keeps 0.2 / 0.28; the recipe names where the values came from. Before: gspo ran at PPO's range."""
@@ -194,6 +197,7 @@ def test_each_policy_loss_gets_its_own_clip_range():
     assert clip(**{"algo.policy_loss": "gspo", "algo.clip_high": 0.01})[1] == (3e-4, 0.01)
 
 
+@pytest.mark.fast
 def test_context_fits_the_model(tmp_path):
     info = models.ModelInfo("m", "m", "Qwen2ForCausalLM", 0, 320, max_positions=1024, kv_values_per_token=128)
     cfg = recipe.resolve(C.load(None, {"model.path": "m"}), info, on_cpu=False)
@@ -220,6 +224,7 @@ def test_context_fits_the_model(tmp_path):
     assert recipe.set_steps(C.load(saved, {"train.steps": 5}), 10).train.steps == 5
 
 
+@pytest.mark.fast
 def test_cpu_attention_eager_only_for_short_bf16_contexts():
     """attn auto on CPU: eager in bfloat16 while its saved scores fit recipe.EAGER_SCORES_MAX (6 bytes x
     heads over layers x context x the micro-batch token budget), sdpa otherwise, in float32, or when set."""
@@ -242,6 +247,7 @@ def test_cpu_attention_eager_only_for_short_bf16_contexts():
         recipe.describe(recipe.resolve(cfg, info, on_cpu=True, free_ram=8 << 30), info, on_cpu=True))
 
 
+@pytest.mark.fast
 def test_bfloat16_on_a_cpu_without_amx_warns(monkeypatch, caplog):
     """bfloat16 on CPU without AMX-BF16 warns, AVX512-BF16 or not (on an Intel Xeon with it alone a
     bfloat16 GEMM ran half float32's speed); with AMX, or in float32, nothing is said."""
@@ -257,6 +263,7 @@ def test_bfloat16_on_a_cpu_without_amx_warns(monkeypatch, caplog):
     assert not warned({"avx512_bf16", "amx_bf16"}, "bfloat16") and not warned({"avx512_bf16"}, "float32")
 
 
+@pytest.mark.fast
 def test_cpu_compiles_the_rollout_engine_of_a_real_size_model():
     """rollout.enforce_eager on CPU: False (vLLM's compiled decoder) from recipe.COMPILE_MIN_PARAMS on,
     unless set, with LoRA, or for a small model; the run header says so."""
@@ -276,6 +283,7 @@ def test_cpu_compiles_the_rollout_engine_of_a_real_size_model():
     assert eager(1_000_000, on_cpu=False) is False
 
 
+@pytest.mark.fast
 def test_truncation_canary_fires_once_per_crossing():
     c = Canaries()
     fired = [c.check(s, {"truncated_frac": f}) for s, f in enumerate([0.75, 0.8, 0.5, 0.6], 1)]
@@ -284,6 +292,7 @@ def test_truncation_canary_fires_once_per_crossing():
     assert c.fired["truncated"] == 2
 
 
+@pytest.mark.fast
 def test_lr_schedules():
     # 5 updates, 1 warm-up: progress (u - 1) / 3 after it
     cos = [lr_factor(u, "cosine", 1, 5, 0.1) for u in range(5)]
@@ -293,6 +302,7 @@ def test_lr_schedules():
     assert [lr_factor(u, "constant", 0, 6, 0.0) for u in range(3)] == [1.0, 1.0, 1.0]
 
 
+@pytest.mark.fast
 def test_truncating_sampling_knobs_are_refused():
     for knob in ("rollout.top_p=0.9", "rollout.top_k=20", "rollout.min_p=0.05"):
         key, value = knob.split("=")
@@ -399,6 +409,7 @@ def test_real_model_trains_chat_rows_with_schedule_stop_and_canary(tiny, tmp_pat
     assert res["accuracy"] == 1.0 and [s["completion"] for s in res["samples"]] == ["!"] * 4
 
 
+@pytest.mark.fast
 def test_cpu_dtype_auto_is_bfloat16_for_a_real_size_model_with_amx():
     """model.dtype auto on CPU: bfloat16 from recipe.COMPILE_MIN_PARAMS on where every rank has AMX-BF16
     (fast_bf16), float32 otherwise, for the demo, or when set; the KV cache is then sized at 2 bytes."""
@@ -423,6 +434,7 @@ def test_cpu_dtype_auto_is_bfloat16_for_a_real_size_model_with_amx():
     assert demo.model.dtype == "float32"
 
 
+@pytest.mark.fast
 def test_configure_picks_bfloat16_only_where_the_cpu_has_amx(tiny, monkeypatch, tmp_path):
     """resolve.configure (what `hybridrl train`, `hybridrl eval` and the benches resolve a config with)
     passes env.fast_bf16 to the recipe: with AMX-BF16 a real-size model gets bfloat16, without it float32."""

@@ -8,6 +8,7 @@ import torch
 from test_train_e2e import train_cli
 
 
+@pytest.mark.fast
 def test_no_reference_model_is_loaded_when_beta_is_zero():
     from hybridrl.run import config
     from hybridrl.engines.reference import Reference

@@ -31,6 +31,7 @@ def make_rm(path, num_labels=1):
     return str(path)
 
 
+@pytest.mark.fast
 def test_scores_match_transformers_forward(tmp_path):
     path = make_rm(tmp_path / "rm")
     rm = RewardModel(path, device=torch.device("cpu"), dtype=torch.float32, batch_size=3)
@@ -45,6 +46,7 @@ def test_scores_match_transformers_forward(tmp_path):
     assert len(set(round(v, 4) for v in got)) == len(got)  # a random model tells the texts apart
 
 
+@pytest.mark.fast
 def test_the_memory_plan_keeps_room_for_reward_models(tmp_path):
     """An RM is copied to the device while vLLM is awake (it scores before vLLM sleeps): the plan
     counts its bytes beside the margin: every parameter and buffer, as they are held."""
@@ -69,6 +71,7 @@ def test_the_memory_plan_keeps_room_for_reward_models(tmp_path):
         memory.plan(80 * GIB, 70 * GIB, 76 * GIB, **base, visitors=58 * GIB)
 
 
+@pytest.mark.fast
 def test_spec_and_bad_models(tmp_path):
     spec = "arithmetic:1.0,rm:/models/my-rm:0.5,rm:other"
     assert parse_spec(spec)[1:] == [("rm:/models/my-rm", 0.5), ("rm:other", 1.0)]

@@ -21,6 +21,7 @@ def _workers_find_reward_fns(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", f"{HERE}:{os.environ.get('PYTHONPATH', '')}")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("completion,answer,expected", [
     ("so the answer is \\boxed{1/2}", "0.5", 1.0),
     ("\\boxed{\\frac{1}{2}}", "1/2", 1.0),
@@ -36,6 +37,7 @@ def test_math_verify_equivalences(completion, answer, expected):
     assert math_verify("", completion, answer) == expected
 
 
+@pytest.mark.fast
 def test_extract_answer_order():
     assert extract_answer("a \\boxed{1} b \\boxed{\\frac{2}{3}} c") == "\\frac{2}{3}"  # last box, braces balanced
     assert extract_answer("\\boxed{1") is None  # cut off mid-box: no answer (not a number from inside it)
@@ -43,6 +45,7 @@ def test_extract_answer_order():
     assert extract_answer("nothing") is None
 
 
+@pytest.mark.fast
 def test_format_check():
     assert format_check("", "<think>a\nb</think>\n<answer>4</answer>", "") == 1.0
     assert format_check("", "<answer>4</answer>", "") == 0.0
@@ -50,6 +53,7 @@ def test_format_check():
     assert format_check("", "ANSWER: 4", "", pattern=r"ANSWER: \d+") == 1.0
 
 
+@pytest.mark.fast
 def test_spec_weights_and_errors():
     assert parse_spec("math_verify:1.0,format:0.1") == [("math_verify", 1.0), ("format", 0.1)]
     assert parse_spec("reward_fns:misbehave") == [("reward_fns:misbehave", 1.0)]
@@ -60,6 +64,7 @@ def test_spec_weights_and_errors():
         Scorer(RewardConfig(fn="reward_fns:nope", workers=0))
 
 
+@pytest.mark.fast
 def test_weighted_combination_in_process():
     # math_verify 1.0 + format 0.5: right and formatted 1.5; right, unformatted 1.0; wrong, formatted 0.5
     s = Scorer(RewardConfig(fn="math_verify:1.0,format:0.5", workers=0))
@@ -69,7 +74,7 @@ def test_weighted_combination_in_process():
     assert s.counts() == {"reward_errors": 0, "reward_timeouts": 0, "reward/math_verify": 2.0, "reward/format": 2.0}
 
 
-@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("workers", [pytest.param(0, marks=pytest.mark.fast), 1])  # 1: a spawned worker
 def test_async_and_batched_user_functions(workers):
     s = Scorer(RewardConfig(fn="reward_fns:async_match,reward_fns:group_rank:2", workers=workers))
     assert s.batched and [t.is_async for t in s.terms] == [True, False]
@@ -125,7 +130,7 @@ def test_on_error_raise_stops(tmp_path):
         s.score(["2+2="], ["4"], ["4"])
 
 
-@pytest.mark.parametrize("workers", [0, 1])
+@pytest.mark.parametrize("workers", [pytest.param(0, marks=pytest.mark.fast), 1])  # 1: a spawned worker
 def test_non_finite_rewards_are_errors(tmp_path, workers):
     """A NaN, an inf or a non-number from a reward function is an error like an exception: scored 0,
     counted in reward_errors, dead-lettered with the value named. Before: NaN passed through float() and

@@ -8,6 +8,7 @@ import pytest
 from bench import shapes
 
 
+@pytest.mark.fast
 def test_tiny_shape_builds_and_its_tokenizer_round_trips(tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -26,6 +27,7 @@ def test_tiny_shape_builds_and_its_tokenizer_round_trips(tmp_path):
     assert shapes.build("tiny", tmp_path) == path  # built once, then found
 
 
+@pytest.mark.fast
 def test_padding_reaches_the_target_vocab_and_every_id_decodes():
     tok = shapes.train_tokenizer(6000, learned=1000)
     assert len(tok) == 6000
@@ -34,6 +36,7 @@ def test_padding_reaches_the_target_vocab_and_every_id_decodes():
     assert all(isinstance(tok.decode([i]), str) for i in range(5990, 6000))
 
 
+@pytest.mark.fast
 def test_hash_reward_is_deterministic_in_unit_interval_and_varies():
     a = shapes.hash_reward("p", "kato rimun", "")
     assert a == shapes.hash_reward("other prompt", "kato rimun", "x")  # the completion alone decides
@@ -43,11 +46,13 @@ def test_hash_reward_is_deterministic_in_unit_interval_and_varies():
     assert shapes.hash_rewards(["p", "q"], ["kato rimun", "x"]) == [a, shapes.hash_reward("", "x", "")]
 
 
+@pytest.mark.fast
 def test_prompts_file(tmp_path):
     rows = [json.loads(line) for line in shapes.write_prompts(tmp_path / "p.jsonl", 5).read_text().splitlines()]
     assert len(rows) == 5 and all(r["answer"] == "" and r["prompt"].startswith("Continue: ") for r in rows)
 
 
+@pytest.mark.fast
 def test_unknown_shape_names_the_choices(tmp_path):
     with pytest.raises(SystemExit, match="choose tiny, 134m, 0.5b, 1.5b"):
         shapes.build("7b", tmp_path)
@@ -72,6 +77,7 @@ def test_scale_bench_prints_its_table_at_the_tiny_shape(tmp_path):
     assert (tmp_path / "r" / "scale.jsonl").read_text().count("\n") == 1  # the run, recorded
 
 
+@pytest.mark.fast
 def test_matmul_count_is_the_models_weights_and_the_ceiling_reads_it():
     """bench.peers' ceiling: the matmul work per token, checked against the tiny model's
     parameters; then the line that says whether 2x is within the CPU's GEMM rate, on figures by hand."""

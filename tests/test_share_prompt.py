@@ -16,6 +16,8 @@ from hybridrl.engines.policy import TokenLogprobs
 from hybridrl.engines.trainer import Trainer
 from test_packing import V, assert_same_loss_and_grads, loss_and_grads, tiny_model
 
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
+
 
 def rows() -> Batch:
     """3 prompts (5, 2 and 4 tokens) x 3, 2 and 3 samples; completions of 1..6 tokens."""

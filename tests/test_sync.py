@@ -3,7 +3,11 @@ test_train_e2e, test_outofprocess and test_faults)."""
 
 import math
 
+import pytest
+
 from hybridrl.cycle.sync import Probe
+
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 
 
 def test_probe_runs_first_then_every_n_steps_and_on_drift():

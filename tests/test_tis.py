@@ -13,6 +13,8 @@ import torch
 
 from test_packing import rows, trainer
 
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
+
 
 def run(packing, batch, *, tis_level=None, logp_rollout=None, advantages=None, on_policy=False):
     t = trainer(packing)

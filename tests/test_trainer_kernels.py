@@ -7,6 +7,8 @@ import transformers
 from hybridrl.engines.policy import TokenLogprobs
 from hybridrl.kernels.fused_loss import _LOSS_DEFAULTS
 
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
+
 
 def tiny_model(seed=0):
     torch.manual_seed(seed)

@@ -107,6 +107,7 @@ def test_cpu_kv_cache_holds_the_whole_step(tmp_path, world_of_one):
 
 
 # --- the engine's environment and arguments --------------------------------------------------
+@pytest.mark.fast
 def test_engine_env_per_mode(monkeypatch):
     """Out of process: V1 multiprocessing, spawned, on this rank's device only; in process: none."""
     import os
@@ -135,6 +136,7 @@ def test_engine_env_per_mode(monkeypatch):
     assert kw["max_num_seqs"] == 64
 
 
+@pytest.mark.fast
 def test_float32_engine_on_a_gpu_computes_attention_in_ieee(monkeypatch):
     """vLLM's float32 attention on a GPU is Triton's, in TF32 unless Triton's default is IEEE (the
     demo's probe gap was 0.018 on an H100): set for float32 on CUDA only, and never over the user's."""

@@ -97,6 +97,7 @@ def test_left_alone_where_it_was_not_measured(world_of_one):
     assert zero_step.install(object(), 1) is False  # not DeepSpeed's ZeRO-1/2 optimizer (ZeRO-3, ...)
 
 
+@pytest.mark.fast
 def test_norm_stays_on_the_gradients_device():
     """A GPU's gradients are summed on the GPU: the accumulator and the float32 buffer follow the
     gradients' device (here 'meta', which any host tensor mixed in would refuse)."""

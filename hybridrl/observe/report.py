@@ -5,7 +5,7 @@ RUN_DIR/report.html (the PNG embedded, a table of summary numbers, the canaries'
 the run's config). Works on a run that crashed or is still going: it plots what is there.
 
     hybridrl report runs/20261122-091500
-    from hybridrl import report; fig = report.figure("runs/...")   # a matplotlib Figure
+    from hybridrl.observe import report; fig = report.figure("runs/...")   # a matplotlib Figure
 """
 
 from __future__ import annotations

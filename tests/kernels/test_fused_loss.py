@@ -7,6 +7,8 @@ from hybridrl.kernels.logprob import logprob_entropy, logprob_entropy_reference
 from hybridrl.kernels.fused_loss import fused_logprob_ppo_loss
 from hybridrl.kernels.ppo_loss import AGGREGATORS, loss_normalizer, ppo_loss
 
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
+
 N, D, V = 37, 29, 75
 
 

@@ -9,6 +9,8 @@ import torch
 from hybridrl.kernels import logprob as lp_mod
 from hybridrl.kernels.logprob import logprob_entropy, logprob_entropy_reference
 
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton under TRITON_INTERPRET on CPU
 PROVIDERS = ["torch"] + (["triton"] if lp_mod.triton is not None else [])
 

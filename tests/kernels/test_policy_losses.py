@@ -11,6 +11,8 @@ from test_logprob import PROVIDERS
 from hybridrl.kernels.fused_loss import chunks, fused_logprob_ppo_loss
 from hybridrl.kernels.ppo_loss import AGGREGATORS, POLICY_LOSSES, importance_weights, loss_normalizer, ppo_loss
 
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
+
 LN2 = math.log(2.0)
 S1 = math.sqrt(0.9)  # GSPO's ratio of sequence 1 below
 

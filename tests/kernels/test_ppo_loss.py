@@ -6,6 +6,8 @@ import torch
 
 from hybridrl.kernels.ppo_loss import AGGREGATORS, loss_normalizer, ppo_loss
 
+pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
+
 LN2 = math.log(2.0)
 
 
