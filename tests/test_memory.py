@@ -358,13 +358,13 @@ def test_critic_offload_reaches_deepspeed(zero, world_of_one):
     OffloadDeviceEnum (a "cpu" string fails in both ZeRO optimizers with 'str' object has no
     attribute 'value'): every state leaves, then comes back, CPU to CPU here."""
     from hybridrl.engines.critic import Critic
-    from hybridrl.engines.trainer import offload_engine_states, reload_engine_states
+    from hybridrl.engines.deepspeed_compat import offload_states, reload_states
 
     cfg = config.load(None, {"train.zero_stage": zero, "algo.advantage": "gae"})
     critic = Critic(cfg, DEMO, device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
-    offload_engine_states(critic.engine)  # what Critic.offload calls on a GPU
+    offload_states(critic.engine)  # what Critic.offload calls on a GPU
     assert {s.value for s in critic.engine.optimizer.offloaded_states} >= {"optim_states", "hp_params", "lp_params"}
-    reload_engine_states(critic.engine)
+    reload_states(critic.engine)
     assert not critic.engine.optimizer.offloaded_states
 
 

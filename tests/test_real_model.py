@@ -251,7 +251,9 @@ def test_cpu_attention_eager_only_for_short_bf16_contexts():
 def test_bfloat16_on_a_cpu_without_amx_warns(monkeypatch, caplog):
     """bfloat16 on CPU without AMX-BF16 warns, AVX512-BF16 or not (on an Intel Xeon with it alone a
     bfloat16 GEMM ran half float32's speed); with AMX, or in float32, nothing is said."""
+    from hybridrl.engines import platform
     from hybridrl.run import environ as env
+    monkeypatch.setattr(platform, "current", lambda: platform.Platform.detect(cuda=False))  # from the flags below
 
     def warned(flags, dtype):
         monkeypatch.setattr(env, "cpu_flags", lambda: set(flags))
@@ -437,8 +439,11 @@ def test_cpu_dtype_auto_is_bfloat16_for_a_real_size_model_with_amx():
 @pytest.mark.fast
 def test_configure_picks_bfloat16_only_where_the_cpu_has_amx(tiny, monkeypatch, tmp_path):
     """resolve.configure (what `hybridrl train`, `hybridrl eval` and the benches resolve a config with)
-    passes env.fast_bf16 to the recipe: with AMX-BF16 a real-size model gets bfloat16, without it float32."""
+    passes the platform's amx_bf16 (env.fast_bf16) to the recipe: with AMX-BF16 a real-size model gets
+    bfloat16, without it float32."""
+    from hybridrl.engines import platform
     from hybridrl.run import environ as env
+    monkeypatch.setattr(platform, "current", lambda: platform.Platform.detect(cuda=False))  # from the flags below
     monkeypatch.setattr(recipe, "COMPILE_MIN_PARAMS", 0)  # the tiny model counts as real-size here
     for flags, dtype in (({"avx512_bf16", "amx_bf16"}, "bfloat16"), ({"avx512_bf16"}, "float32")):
         monkeypatch.setattr(env, "cpu_flags", lambda: set(flags))

@@ -1,6 +1,6 @@
-"""zero_step: DeepSpeed's ZeRO-2 step with the overflow check folded into the gradient norm, on a
-real one-rank engine: the same update as DeepSpeed's own step, the norm exact to float64, and an
-update with a NaN gradient still skipped with the weights untouched."""
+"""deepspeed_compat.fuse_overflow_check: DeepSpeed's ZeRO-2 step with the overflow check folded
+into the gradient norm, on a real one-rank engine: the same update as DeepSpeed's own step, the
+norm exact to float64, and an update with a NaN gradient still skipped with the weights untouched."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from torch import nn
 
 from hybridrl.run import config
 
-from hybridrl.engines import zero_step
+from hybridrl.engines import deepspeed_compat
 from hybridrl.engines.trainer import ds_config
 
 
@@ -25,7 +25,7 @@ def engine(dtype: torch.dtype, fused: bool):
     eng, *_ = deepspeed.initialize(model=model, config=ds_config(cfg, dtype == torch.bfloat16),
                                    model_parameters=model.parameters())
     if fused:
-        assert zero_step.install(eng.optimizer, 1)
+        assert deepspeed_compat.fuse_overflow_check(eng.optimizer, 1)
     return eng
 
 
@@ -93,8 +93,9 @@ def test_nan_gradient_still_skips_the_update(world_of_one, dtype):
 
 def test_left_alone_where_it_was_not_measured(world_of_one):
     eng = engine(torch.float32, False)
-    assert zero_step.install(eng.optimizer, 2) is False  # several ranks: DeepSpeed's all-reduced checks
-    assert zero_step.install(object(), 1) is False  # not DeepSpeed's ZeRO-1/2 optimizer (ZeRO-3, ...)
+    fuse = deepspeed_compat.fuse_overflow_check
+    assert fuse(eng.optimizer, 2) is False  # several ranks: DeepSpeed's all-reduced checks
+    assert fuse(object(), 1) is False  # not DeepSpeed's ZeRO-1/2 optimizer (ZeRO-3, ...)
 
 
 @pytest.mark.fast
@@ -102,6 +103,6 @@ def test_norm_stays_on_the_gradients_device():
     """A GPU's gradients are summed on the GPU: the accumulator and the float32 buffer follow the
     gradients' device (here 'meta', which any host tensor mixed in would refuse)."""
     grads = [torch.empty(3000, dtype=torch.bfloat16, device="meta"), torch.empty(10, device="meta")]
-    assert zero_step.grad_norm(grads).device.type == "meta"
+    assert deepspeed_compat.grad_norm(grads).device.type == "meta"
     g = [torch.tensor([3.0, 4.0], dtype=torch.bfloat16), torch.tensor([12.0])]
-    assert float(zero_step.grad_norm(g)) == 13.0
+    assert float(deepspeed_compat.grad_norm(g)) == 13.0

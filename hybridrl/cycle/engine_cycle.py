@@ -33,6 +33,7 @@ from hybridrl.cycle import memory
 
 from hybridrl.cycle import sync
 
+from hybridrl.engines import deepspeed_compat
 from hybridrl.engines import vllm_compat
 from hybridrl.run.config import Config, ConfigError, UserError
 
@@ -124,7 +125,7 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     hf = trainer.hf
     # a rank's engine holds its tensor-parallel shard of the weights; its KV share covers the group's
     # sequences (tp x a rank's) at 1/tp of the heads: a rank's step at full width, as kv_cache_need counts
-    weights = sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in hf.parameters()) \
+    weights = sum(deepspeed_compat.full_numel(p) * p.element_size() for p in hf.parameters()) \
         // r.tensor_parallel_size
     need = (r.kv_cache_mb << 20) or memory.kv_cache_need(cfg, hf.config, world_size, hf.dtype.itemsize)
     # with the states kept, what is free now less the Adam moments the first step will add

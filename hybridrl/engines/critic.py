@@ -29,12 +29,13 @@ from torch import nn
 
 from hybridrl.algorithms import advantages as algo
 
-from hybridrl.engines import zero_step
+from hybridrl.engines import deepspeed_compat
+from hybridrl.engines import platform
 from hybridrl.data.batch import Batch, per_token
 from hybridrl.run.config import Config, ConfigError, UserError
 from hybridrl.run.launch import all_sum, world_size
-from hybridrl.engines.trainer import (ds_config, from_pretrained, load_engine_checkpoint, lr_scheduler, minibatch_updates,
-                      offload_engine_states, plan_micro_batches, reload_engine_states)
+from hybridrl.engines.trainer import (ds_config, from_pretrained, load_engine_checkpoint, lr_scheduler,
+                                      minibatch_updates, plan_micro_batches)
 
 TAG = "critic"  # its DeepSpeed checkpoint's directory inside a hybridrl checkpoint
 # where a one-output head sits in a saved model: transformers' sequence/token classification models
@@ -62,9 +63,9 @@ class Critic:
                  attn_implementation: str):
         from transformers import AutoModel
 
-        self.cfg, self.device = cfg, device
+        self.cfg, self.device, self.platform = cfg, device, platform.current()
         own = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=cfg.algo.critic_lr))
-        conf = ds_config(own, dtype == torch.bfloat16)
+        conf = ds_config(own, dtype == torch.bfloat16, self.platform)
         base = from_pretrained(AutoModel, cfg.algo.critic_path or model_path, conf, dtype=dtype,
                                attn_implementation=attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
         if cfg.model.gradient_checkpointing:
@@ -79,7 +80,8 @@ class Critic:
                     print(f"critic: value head from the trained head in {cfg.algo.critic_path}")
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf,
                                                lr_scheduler=lr_scheduler(own))
-        zero_step.install(self.engine.optimizer, world_size())
+        if self.platform.one_pass_zero_step:
+            deepspeed_compat.fuse_overflow_check(self.engine.optimizer, world_size())
         self.offload()
 
     def _plan(self, rows: Batch | None) -> list[torch.Tensor | None]:
@@ -99,7 +101,7 @@ class Critic:
         old values batch.values; then the states leave the device. Returns mean metrics."""
         sums, grad_norms = {}, []
         for m, norm, scale in minibatch_updates(self.engine, batch, self.cfg.train, self._plan, _token_count,
-                                                self.device, grad_norms):
+                                                self.device, grad_norms, self.platform):
             sel = m.loss_mask
             loss, metrics = algo.value_loss(self._forward(m), m.values[sel], m.returns[sel],
                                             clip=self.cfg.algo.value_clip, normalizer=norm)
@@ -145,11 +147,11 @@ class Critic:
         # all of it: the critic takes no part in the hand-off (with the optimizer in host memory,
         # train.optimizer_offload, DeepSpeed keeps its states there and moves nothing else)
         if self.device.type == "cuda" and self.cfg.train.optimizer_offload != "on":
-            offload_engine_states(self.engine)
+            deepspeed_compat.offload_states(self.engine)
 
     def reload(self) -> None:
         if self.device.type == "cuda":
-            reload_engine_states(self.engine)
+            deepspeed_compat.reload_states(self.engine)
 
 
 def _token_count(mini: Batch | None) -> float:

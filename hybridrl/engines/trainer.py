@@ -20,9 +20,9 @@ from hybridrl.kernels.ppo_loss import importance_ratio
 
 from hybridrl.observe import faults
 
+from hybridrl.engines import deepspeed_compat
 from hybridrl.engines import lora
-
-from hybridrl.engines import zero_step
+from hybridrl.engines import platform
 from hybridrl.data.batch import Batch, micro_batches, per_token, shared_micro_batches
 from hybridrl.observe.canaries import distribution_metrics
 from hybridrl.run.config import Config, ConfigError, completion_budget
@@ -34,7 +34,10 @@ from hybridrl.engines.policy import TokenLogprobs, kernel_provider, module_input
 log = logging.getLogger("hybridrl")
 
 
-def ds_config(cfg: Config, bf16: bool) -> dict:
+def ds_config(cfg: Config, bf16: bool, plat: platform.Platform | None = None) -> dict:
+    """The policy's (and the critic's) DeepSpeed config on this process's platform (`plat`:
+    platform.current() unless given)."""
+    plat = plat or platform.current()
     t = cfg.train
     conf = {
         "train_micro_batch_size_per_gpu": 1,
@@ -56,20 +59,16 @@ def ds_config(cfg: Config, bf16: bool) -> dict:
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
-    cuda = torch.cuda.is_available()
     if t.optimizer_offload == "on":  # ZeRO-Offload: fp32 master, moments and the Adam step in host memory
-        conf["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
+        conf["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     if t.param_offload == "on" and t.zero_stage == 3:  # the shards too, gathered layer by layer
-        conf["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": cuda}
+        conf["zero_optimization"]["offload_param"] = {"device": "cpu", "pin_memory": True}
     if t.zero_stage != 3 and world_size() == 1:
         # one rank: DeepSpeed's default "mean" divides the whole gradient by 1 after every backward
         # (a pass over every gradient); "sum" is the same gradient without it (ZeRO-3 rejects "sum")
         conf["gradient_allreduce_op"] = "sum"
-        if not cuda:
-            # contiguous gradients copy each gradient into one buffer as backward produces it, against
-            # fragmentation of device memory; on one CPU rank that copy is all they do (a pass over
-            # every gradient) and the step's own flattening does the same job (docs/speed.md)
-            conf["zero_optimization"]["contiguous_gradients"] = False
+    if plat.cpu_ds_config:
+        deepspeed_compat.cpu_config(conf, world_size())
     return conf  # the learning-rate schedule is lr_scheduler(cfg), handed to deepspeed.initialize
 
 
@@ -117,14 +116,15 @@ def plan_micro_batches(rows: Batch | None, max_tokens: int, packed: bool = False
     return groups + [None] * (max(int(all_max(len(groups))), 1) - len(groups))
 
 
-def minibatch_updates(engine, batch: Batch, t, plan, normalizer, device, grad_norms: list[float]):
+def minibatch_updates(engine, batch: Batch, t, plan, normalizer, device, grad_norms: list[float],
+                      plat: platform.Platform):
     """The update skeleton the policy and the critic share: t.epochs passes over `batch` in
     t.minibatches shuffled minibatches (the same count on every rank), each cut into the micro-batches
     `plan` gives. Yields (micro-batch on `device`, its minibatch's normaliser, backward scale): the
     caller backpropagates loss * scale, which is 0 for a dummy micro-batch (it only keeps this rank in
     step with the others' collectives) and the world size otherwise (DeepSpeed averages gradients over
     ranks; the normaliser is already global). After each minibatch: the optimizer step, its gradient
-    norm appended to `grad_norms`."""
+    norm appended to `grad_norms`. `plat`: the engine's platform (its CPU Adam, platform.py)."""
     world = world_size()
     gen = torch.Generator().manual_seed(t.seed + int(engine.global_steps))
     for _ in range(t.epochs):
@@ -135,57 +135,23 @@ def minibatch_updates(engine, batch: Batch, t, plan, normalizer, device, grad_no
             for idx in plan(mini):
                 m = batch.select(torch.tensor([0])) if idx is None else mini.select(idx)
                 yield m.to(device), norm, 0.0 if idx is None else float(world)
-            fresh_cpu_adam_powers(engine)
+            if plat.fresh_adam_powers:
+                deepspeed_compat.fresh_cpu_adam_powers(engine)
             engine.step()
             grad_norm = engine.get_global_grad_norm()
             grad_norms.append(float(grad_norm) if grad_norm is not None else 0.0)
 
 
-def offload_engine_states(engine, include: list[str] | None = None) -> None:
-    """DeepSpeed's offload_states to host memory (pinned on CUDA): `include` names OffloadStateTypeEnum
-    members (optim_states, hp_params, lp_params, lp_grads, contiguous_grad_buffer; None = all).
-    Both ZeRO optimizers read `device.value`, so the device must be the enum, not "cpu". The
-    policy and the critic both offload this way."""
-    from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
-
-    states = None if include is None else [OffloadStateTypeEnum(s) for s in include]
-    engine.offload_states(include=states, device=OffloadDeviceEnum.cpu, pin_memory=torch.cuda.is_available(),
-                          non_blocking=False)
-
-
-def reload_engine_states(engine) -> None:
-    if engine.optimizer.offloaded_states:
-        engine.reload_states(non_blocking=False)
-
-
 def load_engine_checkpoint(engine, path: str, tag: str, strict: bool = True) -> None:
     """Params, optimizer and LR schedule of a DeepSpeed engine as saved (any ZeRO stage). The policy
-    and the critic both load this way (their CPU Adam steps resume exactly: fresh_cpu_adam_powers).
+    and the critic both load this way (their CPU Adam steps resume exactly:
+    deepspeed_compat.fresh_cpu_adam_powers).
     `strict=False`: the checkpoint holds the trainable parameters only (LoRA: the adapter; the
     frozen base comes from model.path)."""
     _, client = engine.load_checkpoint(path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True,
                                        load_module_strict=strict)
     if client is None:
         raise RuntimeError(f"DeepSpeed found no checkpoint '{tag}' in {path}")
-
-
-def fresh_cpu_adam_powers(engine) -> None:
-    """DeepSpeed's CPU FusedAdam keeps beta^t inside its C++ op (IncrementStep in
-    csrc/includes/cpu_adam.h), outside any state_dict, in one object per process that every engine
-    here shares (the policy and the critic). It advances it as a running product while the step
-    grows by one and recomputes pow(beta, t) otherwise, so its bits depend on the order in which
-    the engines stepped since the process started: a resumed process, or a critic interleaving two
-    minibatch steps with the policy's, would not reproduce them. A step on a one-element dummy with
-    other betas just before each real step makes the op take pow(beta, t) afresh: every update
-    then depends on its step number alone, the same after a resume. (One scalar update; a no-op
-    where the optimizer is not this op, as on CUDA.)"""
-    opt = getattr(engine.optimizer, "optimizer", None)  # ZeRO's wrapper -> DeepSpeed's FusedAdam
-    if not hasattr(opt, "multi_tensor_adam") or opt._dummy_overflow_buf.device.type != "cpu":
-        return  # CUDA's FusedAdam has the same attribute, but its kernel takes beta^t from the step each call
-    group = opt.param_groups[0]
-    dummy = [[torch.zeros(1)] for _ in range(4)]  # grad, param, exp_avg, exp_avg_sq
-    opt.multi_tensor_adam(1, opt._dummy_overflow_buf, dummy, group["lr"], -1.0, -1.0, group["eps"], 1,
-                          opt.adam_w_mode, 1, group["weight_decay"])  # betas -1: never a real run's; 1: chunk, unused
 
 
 def from_pretrained(auto_cls, path: str, conf: dict, **kw) -> nn.Module:
@@ -216,8 +182,8 @@ class Trainer:
                  attn_implementation: str):
         from transformers import AutoModelForCausalLM
 
-        self.cfg, self.device = cfg, device
-        conf = ds_config(cfg, dtype == torch.bfloat16)
+        self.cfg, self.device, self.platform = cfg, device, platform.current()
+        conf = ds_config(cfg, dtype == torch.bfloat16, self.platform)
         hf = from_pretrained(AutoModelForCausalLM, model_path, conf, dtype=dtype,
                              attn_implementation=attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
         # LoRA: the adapter is injected into `hf` in place; only its parameters train (see lora.py)
@@ -243,7 +209,8 @@ class Trainer:
             deepspeed.zero.register_external_parameter(module, hf.get_output_embeddings().weight)
         self.engine, *_ = deepspeed.initialize(model=module, config=conf, lr_scheduler=lr_scheduler(cfg),
                                                model_parameters=[p for p in hf.parameters() if p.requires_grad])
-        zero_step.install(self.engine.optimizer, world_size())  # one gradient pass for overflow + norm
+        if self.platform.one_pass_zero_step:  # one gradient pass for overflow + norm
+            deepspeed_compat.fuse_overflow_check(self.engine.optimizer, world_size())
         self.hf = hf
 
     # --- log-probs ----------------------------------------------------------------------------
@@ -322,7 +289,7 @@ class Trainer:
         if self.peft is not None:
             lora.set_dropout(self.hf, True)  # the adapter's dropout, while updating only
         for m, norm, scale in minibatch_updates(self.engine, batch, t, self._plan, self._normalizer, self.device,
-                                                grad_norms):
+                                                grad_norms, self.platform):
             sel = m.loss_mask
             seq_ids = torch.arange(len(m), device=self.device)[:, None].expand_as(sel)[sel]  # [N]
             loss, metrics, logp, _ = self._forward(m, temp, loss=dict(
@@ -393,7 +360,7 @@ class Trainer:
         bucket, size = [], 0
         for i, (name, p) in enumerate(named):
             bucket.append((name, p))
-            size += p.ds_numel * p.element_size()
+            size += deepspeed_compat.full_numel(p) * p.element_size()
             if size >= bucket_bytes or i == len(named) - 1:
                 with deepspeed.zero.GatheredParameters([q for _, q in bucket]):
                     yield from ((n, q.detach()) for n, q in bucket)
@@ -402,11 +369,10 @@ class Trainer:
     def pending_state_bytes(self) -> int:
         """Device bytes the optimizer will still allocate: DeepSpeed's Adam creates its two fp32
         moments (of this rank's ZeRO partition) at the first step, after vLLM is planned."""
-        inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)
-        if self.host_optimizer or any(inner.state.values()):
+        if self.host_optimizer or deepspeed_compat.optimizer_states_exist(self.engine):
             return 0
         world = world_size()
-        trainable = sum(getattr(p, "ds_numel", p.numel()) for p in self.hf.parameters() if p.requires_grad)
+        trainable = sum(deepspeed_compat.full_numel(p) for p in self.hf.parameters() if p.requires_grad)
         return 8 * trainable // world
 
     def offload(self, params: bool = False) -> None:
@@ -419,7 +385,7 @@ class Trainer:
         if not self.host_optimizer:
             self._offload_states(params)
         elif params and not self.host_params:  # ZeRO-Offload: the states already live in host memory
-            offload_engine_states(self.engine, ["lp_params"])
+            deepspeed_compat.offload_states(self.engine, ["lp_params"])
 
     def reload(self) -> None:
         if self.device.type == "cuda":
@@ -427,7 +393,7 @@ class Trainer:
 
     def _offload_states(self, params: bool) -> None:
         include = ["optim_states", "hp_params", "lp_grads"] + (["contiguous_grad_buffer"] if self.zero3 else [])
-        offload_engine_states(self.engine, include + (["lp_params"] if params else []))
+        deepspeed_compat.offload_states(self.engine, include + (["lp_params"] if params else []))
 
     def _reload_states(self) -> None:
-        reload_engine_states(self.engine)
+        deepspeed_compat.reload_states(self.engine)

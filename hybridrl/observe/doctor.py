@@ -78,15 +78,10 @@ print("DOCTOR " + json.dumps({"platform": p.device_type, "sleep": bool(p.is_slee
 """
 
 DS_PROBE = """
-import json, os
-from deepspeed.accelerator import get_accelerator
-acc = get_accelerator()
-ops = {}
-names = __OPS__ + (__CPU_OPS__ if acc.device_name() == "cpu" else [])
-for name in names:  # the ops hybridrl.run.environ.build_ops builds
-    b = acc.create_op_builder(name)
-    ops[name] = None if b is None else {"dir": b.NAME, "compatible": bool(b.is_compatible(verbose=False))}
-print("DOCTOR " + json.dumps({"accelerator": acc.device_name(), "ops": ops}))
+import json
+from hybridrl.engines import deepspeed_compat
+# the ops hybridrl.run.environ.build_ops builds
+print("DOCTOR " + json.dumps(deepspeed_compat.op_report(__OPS__, __CPU_OPS__)))
 """.replace("__OPS__", repr(env.DEEPSPEED_OPS)).replace("__CPU_OPS__", repr(env.DEEPSPEED_CPU_OPS))
 
 

@@ -52,6 +52,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from hybridrl.engines import deepspeed_compat
 from hybridrl.observe import faults
 
 from hybridrl.run import launch
@@ -295,7 +296,7 @@ class Saver:
         if kept:
             return sum(json.loads((kept[0] / MANIFEST).read_text())["files"].values())
         params = [p for p in trainer.hf.parameters() if p.requires_grad or trainer.peft is None]
-        return sum(getattr(p, "ds_numel", p.numel()) * (p.element_size() + 12) for p in params)
+        return sum(deepspeed_compat.full_numel(p) * (p.element_size() + 12) for p in params)
 
     def _tell(self, step: int, problem: str, need: int, final: bool) -> None:
         try:

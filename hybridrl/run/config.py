@@ -289,7 +289,7 @@ MOVED = {"trainer": "engines.trainer", "policy": "engines.policy", "critic": "en
          "reference": "engines.reference", "reward_model": "engines.reward_model",
          "rollout": "engines.rollout", "vllm_compat": "engines.vllm_compat",
          "vllm_worker_ext": "engines.vllm_worker_ext", "ipc": "engines.ipc", "lora": "engines.lora",
-         "models": "engines.models", "zero_step": "engines.zero_step", "engine_cycle": "cycle.engine_cycle",
+         "models": "engines.models", "zero_step": "engines.deepspeed_compat", "engine_cycle": "cycle.engine_cycle",
          "sync": "cycle.sync", "plan": "cycle.plan", "memory": "cycle.memory", "algo": "algorithms.advantages",
          "dapo": "algorithms.dapo", "data": "data.prompts", "batch": "data.batch", "rewards": "data.rewards",
          "verifiers": "data.verifiers", "envs": "data.envs", "multiturn": "data.multiturn",

@@ -143,11 +143,11 @@ def build_ops() -> None:
     """Build DeepSpeed's JIT ops now, into TORCH_EXTENSIONS_DIR, so the first run does not
     spend minutes compiling (the setup calls this: `python -m hybridrl.run.environ`)."""
     setup()
-    from deepspeed.accelerator import get_accelerator
+    from hybridrl.engines import deepspeed_compat  # imports torch: after setup()
 
     names = DEEPSPEED_OPS + (DEEPSPEED_CPU_OPS if os.environ.get("DS_ACCELERATOR") == "cpu" else [])
     for name in names:
-        builder = get_accelerator().create_op_builder(name)
+        builder = deepspeed_compat.op_builder(name)
         if builder is not None and builder.is_compatible():
             builder.load(verbose=False)
             print(f"built DeepSpeed op {name} into {os.environ['TORCH_EXTENSIONS_DIR']}")

@@ -36,13 +36,14 @@ def export(src: str | Path, out: str | Path, merged: bool = False, trust_remote_
     `merged`, `out/merged` the base model with the adapter merged in); see export_adapter.
     `trust_remote_code` comes from today's command line, never from the checkpoint's config: a
     run directory can be anyone's (checkpoint.from_run_dir)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from hybridrl.engines import deepspeed_compat
 
     ck, out = checkpoint_of(src), Path(out)
     cfg = yaml.safe_load((ck / "config.yaml").read_text())
     dtype = torch_dtype(cfg["model"]["dtype"])
-    state = get_fp32_state_dict_from_zero_checkpoint(str(ck), tag=DS_TAG)
+    state = deepspeed_compat.fp32_state_dict(str(ck), DS_TAG)
     state = {k.removeprefix("hf."): v for k, v in state.items()}  # the trainer wraps the HF model as .hf
     if cfg["model"].get("lora_rank"):
         export_adapter(ck, cfg, state, Path(out), merged, dtype, trust_remote_code)
@@ -101,10 +102,10 @@ def export_critic(src: str | Path, out: str | Path, trust_remote_code: bool = Fa
     as verl saves its critic), whose logit at each position is the critic's value of the state there;
     `--algo.critic_path OUT` starts a later run's critic from it, value head included. Its base model
     is the one the run's critic started from (algo.critic_path, else the policy's)."""
-    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     from torch import nn
     from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
 
+    from hybridrl.engines import deepspeed_compat
     from hybridrl.engines.critic import TAG
 
     ck, out = checkpoint_of(src), Path(out)
@@ -121,7 +122,7 @@ def export_critic(src: str | Path, out: str | Path, trust_remote_code: bool = Fa
         raise UserError(f"{ck}: cannot build a token-classification model of the critic's base {base} "
                         f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
     head = next(n for n, m in model.named_children() if isinstance(m, nn.Linear) and m.out_features == 1)
-    state = get_fp32_state_dict_from_zero_checkpoint(str(ck), tag=TAG)
+    state = deepspeed_compat.fp32_state_dict(str(ck), TAG)
     mapped = {f"{model.base_model_prefix}.{k.removeprefix('base.')}" if k.startswith("base.") else
               f"{head}.{k.removeprefix('head.')}": v for k, v in state.items()}
     if getattr(model, head).bias is None:  # a head without a bias: only a zero one can be dropped

@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hybridrl.run import environ as env
+from hybridrl.engines import platform
 from hybridrl.observe.faults import WATCHDOG_EXIT
 
 
@@ -58,7 +58,7 @@ def init_distributed(timeout_s: float = 0) -> World:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
     rank, size, local = (int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
-    cuda = env.has_cuda() and torch.cuda.is_available()
+    cuda = platform.current().cuda
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

@@ -24,8 +24,8 @@ from hybridrl.cycle import memory
 from hybridrl.cycle import plan
 from hybridrl.data import prompts as data
 from hybridrl.engines import models
+from hybridrl.engines import platform
 from hybridrl.engines import policy
-from hybridrl.run import environ as env
 from hybridrl.run import launch
 from hybridrl.run import recipe
 from hybridrl.run.config import Config, ConfigError
@@ -75,7 +75,7 @@ def configure(cfg: Config, on_cpu: bool, world_size: int = 1,
     Returns (config, model directory, model info)."""
     cfg, path = machine(cfg, on_cpu)
     info = models.inspect(model_dir or cfg.model.path, cfg.model.trust_remote_code)
-    fast_bf16 = on_cpu and not launch.all_max(float(not env.fast_bf16()))
+    fast_bf16 = on_cpu and not launch.all_max(float(not platform.current().amx_bf16))
     cfg = recipe.resolve(cfg, info, on_cpu=on_cpu, world_size=world_size, fast_bf16=fast_bf16)
     return cfg, model_dir or path, info
 
@@ -93,7 +93,7 @@ def machine(cfg: Config, on_cpu: bool) -> tuple[Config, str]:
                 attn = "flash_attention_2"
             except ImportError:
                 pass
-    if on_cpu and m.dtype != "float32" and not env.fast_bf16():
+    if on_cpu and m.dtype != "float32" and not platform.current().amx_bf16:
         log.warning("model.dtype=%s on a CPU without AMX-BF16: often slower than float32 there "
                     "(docs/speed.md); compare with --model.dtype float32", m.dtype)
     return replace(cfg, sources=sources, model=replace(m, attn_implementation=attn)), \
