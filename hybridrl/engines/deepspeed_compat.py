@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from hybridrl.engines import platform
 
 
 # --- the config ---------------------------------------------------------------------------------
@@ -137,10 +136,12 @@ def offload_states(engine, include: list[str] | None = None) -> None:
     members (optim_states, hp_params, lp_params, lp_grads, contiguous_grad_buffer; None = all).
     Both ZeRO optimizers read `device.value`, so the device must be the enum, not "cpu". The
     policy and the critic both offload this way."""
+    from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 
     states = None if include is None else [OffloadStateTypeEnum(s) for s in include]
-    engine.offload_states(include=states, device=OffloadDeviceEnum.cpu, pin_memory=platform.current().cuda,
+    pinned = get_accelerator().device_name() == "cuda"  # the engine's device: pinned host pages copy faster
+    engine.offload_states(include=states, device=OffloadDeviceEnum.cpu, pin_memory=pinned,
                           non_blocking=False)
 
 
