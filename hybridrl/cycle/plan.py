@@ -18,16 +18,18 @@ of the trainer's data parallelism, TP vLLM's tensor-parallel size):
   activations: on CPU at the 134M shape the step, not the backward, was the peak); the optimizer offloaded:
   the last three live in pinned host memory.
 - activations of one micro-batch of `train.max_tokens_per_micro_batch` tokens: per token and
-  layer (4 b + 8) hidden + 2 b (query width + KV width) + 4 b MLP width without gradient checkpointing
-  (the 8: the RMSNorms' float32 copies; a mixture-of-experts layer: the MLP of each of its top-k
-  experts, and the router's probabilities: Shape.layer_activations), b hidden with it (each layer's input) plus one layer recomputed;
+  layer (4 b + 8) hidden + 2 b (query width + KV width) + 4 b MLP width without gradient
+  checkpointing (the 8: the RMSNorms' float32 copies; a mixture-of-experts layer: the MLPs of a
+  token's top-k experts and the router's probabilities, Shape.layer_activations), b hidden with it
+  (each layer's input) plus one layer recomputed;
   one more layer's worth for the backward's working set; the fused LM head's chunk of logits
   (train.logprob_chunk x vocabulary x (b + 8)), never the full logits. These coefficients were
   measured by counting the tensors autograd saves in transformers' Qwen2, Qwen3 and Qwen3-MoE (sdpa
   attention; tests/test_plan.py counts them again);
   bench/plan_check.py compares the whole trainer's measured peak with the plan.
-- vLLM: weights P b / TP (every expert: vLLM splits each over the TP ranks), a KV cache for the step's sequences (memory.kv_cache_need, / TP),
-  activations 1 GiB + 10% of the weights + the sampler's float32 logits rows, and with CUDA
+- vLLM: weights P b / TP (every expert, split over the TP ranks), a KV cache for the step's
+  sequences (memory.kv_cache_need, / TP),
+  activations 1 GiB + 10% of the active weights + the sampler's float32 logits rows, and with CUDA
   graphs their memory pool (an estimate: the largest captured batch's activations and a few
   MiB per captured size).
 - ZeRO-3: up to DeepSpeed's stage3_max_live_parameters (1e9) gathered while a forward or backward
