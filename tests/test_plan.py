@@ -316,6 +316,8 @@ def test_moe_layouts_match_transformers():
         assert s.params == count["all"], conf.model_type
         assert s.active_params == count["active"] + s.moe_layers * (s.experts - s.top_k) * s.hidden, conf.model_type
     assert plan.Shape.from_config(cases[0].to_dict()).moe_layers == 1  # layers 1 and 5 by the step, 3 dense: 1
+    assert plan.Shape.from_config(cases[1].to_dict()).describe() == "0.20M parameters, 0.18M active with 2 of 4 " \
+        "experts per token"
     with pytest.raises(ConfigError, match="does not know the experts of model_type 'deepseek_v3'"):
         plan.Shape.from_config({**cases[0].to_dict(), "model_type": "deepseek_v3", "n_routed_experts": 8})
 

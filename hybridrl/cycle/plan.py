@@ -214,9 +214,11 @@ class Shape:
 
     def describe(self) -> str:
         """'30.53B parameters, 3.35B active with 8 of 128 experts per token', or the count for a dense model."""
-        moe = (f", {self.active_params / 1e9:.2f}B active with {self.top_k} of {self.experts} experts per token"
+        def count(n: int) -> str:
+            return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+        moe = (f", {count(self.active_params)} active with {self.top_k} of {self.experts} experts per token"
                if self.moe_layers else "")
-        return f"{self.params / 1e9:.2f}B parameters" + moe
+        return f"{count(self.params)} parameters" + moe
 
 
 def read_config(path: str) -> dict:
