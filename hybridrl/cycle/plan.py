@@ -179,8 +179,9 @@ class Shape:
 
     def lora_params(self, rank: int, targets: list[str]) -> int:
         """An adapter of rank r on each targeted projection: r x (inputs + outputs). MLP targets count
-        the dense layers' MLPs and Qwen2-MoE's shared expert: the routed experts are fused parameters,
-        not the linear modules an adapter targets."""
+        the dense layers' MLPs and Qwen2-MoE's shared expert, not the routed experts (PEFT 0.21 can wrap
+        their fused parameters; whether hybridrl's LoRA does is the MoE hand-off's to say): a
+        small undercount of the adapter's gradients and Adam states, never of the frozen weights."""
         h, kv, q = self.hidden, self.kv_dim, self.q_dim
         attn = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h}
         mlp = {"gate_proj": 1, "up_proj": 1, "down_proj": 1}
