@@ -196,7 +196,7 @@ class Shape:
         experts, the MLP's four widths, the token's gathered input and the expert's output (2 b
         hidden) and a few int64 indices, and the router's float32 probabilities (4 x experts);
         q/k norms (Qwen3, OLMoE) save their float32 input and their output. Counted on transformers
-        5's Qwen3-MoE, Qwen2-MoE and Mixtral (grouped_mm experts, sdpa): within 0.5% per layer."""
+        5's Qwen3, Qwen3-MoE and Qwen2-MoE (grouped_mm experts, sdpa): within 1% per layer."""
         moe = bool(self.moe_layers) if moe is None else moe
         # the query-wide two (rotated queries, attention output) equal hidden-wide ones where heads x head_dim
         # == hidden (Qwen2, Llama), not in Qwen3
@@ -547,8 +547,8 @@ def _weights_note(shape: Shape, k: Knobs, device: int, local: int) -> str:
     """Where the weights alone are most of the node's GPU memory, the refusal starts by saying so: a
     colocated run holds them twice (vLLM's copy and the trainer's) beside their optimizer states."""
     weights = shape.params * k.b
-    if weights <= local * device // 2:
-        return ""
+    if weights <= local * device // 2 or not any(vllm_fits(shape, k, t, device) for t in (1, 2, 4, 8) if t <= local):
+        return ""  # where vLLM's own copy fits no TP group, the refusal says that instead
     return (f"the weights alone are {weights / GIB:.1f} GiB in {'bfloat16' if k.b == 2 else 'float32'} "
             f"({shape.describe()}), held twice in a colocated run (vLLM's copy and the trainer's), of "
             f"{local} x {device / GIB:.1f} GiB on the node: ")
