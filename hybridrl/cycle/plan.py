@@ -383,7 +383,7 @@ def ladder(cfg: Config, shape: Shape, base: Knobs, world: int, local: int, devic
         offloads.append((True, base.param_offload))
     if free["train.param_offload"] and not base.param_offload:
         offloads.append((True, True))
-    for optimizer_offload, param_offload in offloads:
+    for optimizer_offload, param_offload in [(o or p, p) for o, p in offloads]:  # validate: why
         for tp in tps:
             k = knobs(cfg, shape, world=world, local=local, on_cpu=False, tp=tp) if tp != base.tp else base
             for zero in zeros:
