@@ -32,3 +32,30 @@ def test_param_offload_alone_plans_the_optimizer_on_the_host_too():
                          on_cpu=False)
     assert p.fits and p.knobs.param_offload and p.knobs.optimizer_offload
     assert cfg.train.optimizer_offload == "on" and cfg.sources["train.optimizer_offload"] == "memory plan"
+
+
+# --- item 8: a checkpoint's save may take as long as its bytes need --------------------------------
+def test_the_save_phase_limit_grows_with_the_bytes_to_write(tmp_path):
+    """A 72B run's checkpoint (bf16 weights + 12 bytes of optimizer state a parameter, ~1 TB) cannot
+    be written in 900 s on network storage: the save's limit is train.watchdog_s plus its bytes at
+    ckpt.write_mb_s, and the next phase is back to train.watchdog_s."""
+    import faulthandler
+
+    from hybridrl.observe import faults
+    nbytes = int(72.7e9) * (2 + 12)
+    cfg = config.load(None, {})
+    limit = faults.save_limit_s(cfg.train.watchdog_s, nbytes, cfg.ckpt.write_mb_s)
+    assert limit == cfg.train.watchdog_s + nbytes / (100 * 2**20) and limit > 10_000
+    assert faults.save_limit_s(0, nbytes, 100) == 0  # the watchdog is off
+    dog = faults.Watchdog(900, 0, 1, tmp_path)  # not entered: no thread, nothing fires
+    try:
+        dog.beat(7, "save", limit_s=limit)
+        dog.at -= 2 * 900  # half an hour into the save
+        assert dog.limit == limit and not dog.overdue()
+        dog.beat(8, "generate")
+        dog.at -= 2 * 900
+        assert dog.limit == 900 and dog.overdue()
+        assert "train.watchdog_s=900)" in dog.verdict()
+    finally:
+        faulthandler.cancel_dump_traceback_later()  # beat armed faulthandler's timer
+

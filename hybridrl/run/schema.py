@@ -332,6 +332,9 @@ class CkptConfig:
     every: int = knob(200, "Save a checkpoint every N steps (0 = only at the end and on SIGTERM/SIGINT).", valid=">= 0")
     keep: int = knob(2, "Keep the newest N complete checkpoints; older ones are deleted.", valid=">= 1")
     dir: str = knob("{run_dir}/checkpoints", "Where checkpoints go; {run_dir} is the run's directory.")
+    write_mb_s: float = knob(100.0, "The slowest the checkpoint storage is expected to write, in MiB/s for the "
+                             "whole run: a save may take train.watchdog_s plus its bytes at this speed before the "
+                             "watchdog stops the run (a 72B run's ~1 TB: about 3 hours at 100).", valid="> 0")
     resume: str = knob("", "Continue a run: 'auto' = the newest complete checkpoint under log.run_dir if any "
                        "(else start fresh), or a run directory (or one of its checkpoints) to continue.")
 
