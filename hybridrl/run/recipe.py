@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from hybridrl.cycle import memory
+from hybridrl.run import environ as env
 from hybridrl.run.config import DEMO, DEMO_SOURCE, Config, ConfigError, leaves, validate  # noqa: F401
 from hybridrl.run.config import default, demo_recipe, explicit, get, put as _set  # noqa: F401
 from hybridrl.engines.models import ModelInfo
@@ -256,4 +258,9 @@ def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | Non
         lines.append(f"  {'set by' if len(lines) == 4 else '':8} {src}: {', '.join(changed[src])}")
     if not changed:
         lines.append("  set by   the defaults")
+    if not on_cpu and t.optimizer_offload == "on":  # the trainer's host_step_threads, from this node's numbers
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+        lines.append(f"  optimizer on the host: CPU Adam on {env.optimizer_threads()} OpenMP threads per rank "
+                     f"({env.host_cores()} cores, {ranks} rank{'s' * (ranks != 1)} on this node; OMP_NUM_THREADS > 1 "
+                     "sets it)")
     return lines
