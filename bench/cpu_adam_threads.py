@@ -59,6 +59,7 @@ def main(argv=None) -> dict:
     from hybridrl.run import environ as env
     share = env.optimizer_threads({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(args.ranks)})
     threads = sorted({int(x) for x in args.threads.split(",") if x} or {1, share})
+    load_before = os.getloadavg()[0]  # the machine's other work: OpenMP's loops stall on a busy core
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(args.ranks), ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, args.ranks, args.params, args.steps, threads, barrier, out))
@@ -74,6 +75,7 @@ def main(argv=None) -> dict:
     base = step_s[1] if 1 in step_s else step_s[threads[0]]
     print(f"CPU Adam step, {args.ranks} ranks x {args.params / 1e6:g}M fp32 parameters, {env.host_cores()} cores "
           f"(share: {share} thread(s) per rank); median of {args.steps} steps, slowest rank")
+    print(f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(f"{'threads/rank':>12} {'step s':>8} {'vs 1':>6} {'Gparam/s/rank':>14}")
     for n in threads:
         print(f"{n:>12} {step_s[n]:>8.3f} {base / step_s[n]:>5.2f}x {args.params / step_s[n] / 1e9:>14.3f}")
@@ -81,7 +83,8 @@ def main(argv=None) -> dict:
                "speedup_vs_1": {str(n): round(base / s, 3) for n, s in step_s.items()}, "share": share}
     record("cpu_adam_threads", {"ranks": args.ranks, "params_per_rank": args.params, "steps": args.steps,
                                 "threads": threads, "cores": env.host_cores()}, figures,
-           note="side by side in one run, thread counts alternating step by step")
+           note="side by side in one run, thread counts alternating step by step",
+           load_avg=[round(load_before, 1), round(os.getloadavg()[0], 1)])
     return figures
 
 
