@@ -155,8 +155,8 @@ class TrainConfig:
         "auto = on when the memory plan finds the states do not fit the GPU otherwise (off on CPU).")
     param_offload: Literal["auto", "on", "off"] = knob(
         "auto", "ZeRO-3 only: keep the parameters' shards in host memory, gathered to the device layer by layer "
-        "(DeepSpeed offload_param: cpu); needs train.optimizer_offload on or auto (the memory plan then turns it on). auto = on "
-        "when the memory plan finds nothing else fits (off on CPU).")
+        "(DeepSpeed offload_param: cpu); needs train.optimizer_offload on or auto (the memory plan then turns it "
+        "on). auto = on when the memory plan finds nothing else fits (off on CPU).")
     probe_every: int = knob(20, "Check vLLM vs trainer log-probs on a probe batch after the first hand-off, every N "
                             "steps, and at once when a training batch's own vLLM-vs-trainer gap (logp_gap_max in "
                             "float32, logp_gap_mean in 16-bit) exceeds train.probe_tol (0 = off). The probe is two "
