@@ -3,18 +3,19 @@ that stalled; plus the test-only fault injections the fault suite (tests/test_fa
 
 Every phase of the loop reports itself with `progress(step, phase)`. The watchdog (a daemon
 thread, one per rank, on while `train.watchdog_s > 0`) fires when its rank has reported nothing
-for `train.watchdog_s` seconds. Each rank also posts its progress count to the process group's
-key-value store (the one torchrun hosts), so a firing watchdog can tell a rank that stalled (the
-one furthest behind: stuck in a Python loop, a deadlocked verifier, a dead filesystem) from the
-ranks that merely wait for it in a collective. It then prints which rank stalled where, dumps
-every thread's stack (faulthandler) to stderr and `<run_dir>/watchdog-rank<R>.txt`, and exits
-with code WATCHDOG_EXIT; the launcher stops the other ranks. A rank that *dies* is caught sooner
-by torchrun's agent (launch._failure_message names it).
+for `train.watchdog_s` seconds (a checkpoint's save for longer: `save_limit_s`). Each rank also
+posts its progress count to the process group's key-value store (the one torchrun hosts), so a
+firing watchdog can tell a rank that stalled (the one furthest behind: stuck in a Python loop, a
+deadlocked verifier, a dead filesystem) from the ranks that merely wait for it in a collective. It
+then prints which rank stalled where, dumps every thread's stack (faulthandler) to stderr and
+`<run_dir>/watchdog-rank<R>.txt`, and exits with code WATCHDOG_EXIT; the launcher stops the other
+ranks. A rank that *dies* is caught sooner by torchrun's agent (launch._failure_message names it).
 
 A stall that holds the GIL (stuck inside a C extension) starves the watchdog thread; for that
 faulthandler's own C-level timer, re-armed by the progress reports, dumps the stacks and exits
 at least 60 s after the watchdog would have. The process group's collective timeout is
-2 x `train.watchdog_s` (launch.init_distributed), a last resort if neither could act.
+2 x `train.watchdog_s` (launch.init_distributed; a save's: 2 x its limit), a last resort if neither
+could act.
 
 Departs from torch's NCCL/gloo watchdogs: those only see collectives, so a rank stuck before its
 collective shows up on the *other* ranks as an anonymous timeout after 10-30 minutes.
