@@ -101,3 +101,10 @@ def test_the_recipe_says_how_many_threads_the_host_optimizer_gets(monkeypatch):
     lines = recipe.describe(cfg, info, on_cpu=False)
     assert "  optimizer on the host: CPU Adam on 26 OpenMP threads per rank (208 cores, 8 ranks on this node" in \
         "\n".join(lines)
+
+
+def test_hybridrl_plan_does_not_count_this_machines_cores_for_the_node_it_plans():
+    cfg = config.load(None, {"model.path": "Qwen/Qwen2.5-32B-Instruct", "train.optimizer_offload": "on"})
+    _, _, lines = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=80, host_gib=2048)
+    assert "  optimizer on the host: CPU Adam on each rank's share of the node's cores (its cores / 8 OpenMP " \
+           "threads; OMP_NUM_THREADS > 1 sets it)" in lines

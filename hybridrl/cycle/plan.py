@@ -517,4 +517,4 @@ def dry_run(cfg: Config, *, nproc: int, nnodes: int, gpu_gib: float, host_gib: f
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by the {world} ranks")
     cfg, p = decide(cfg, shape, device=int(gpu_gib * GIB), host=int(host_gib * GIB), world=world, local=nproc,
                     on_cpu=False)
-    return cfg, p, recipe.describe(cfg, info, on_cpu=False)
+    return cfg, p, recipe.describe(cfg, info, on_cpu=False, planned_ranks=nproc)
