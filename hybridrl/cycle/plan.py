@@ -489,7 +489,7 @@ def ladder(cfg: Config, shape: Shape, base: Knobs, world: int, local: int, devic
         offloads.append((True, base.param_offload))
     if free["train.param_offload"] and not base.param_offload:
         offloads.append((True, True))
-    for optimizer_offload, param_offload in offloads:
+    for optimizer_offload, param_offload in [(o or p, p) for o, p in offloads]:  # validate: why
         for tp in tps:
             k = knobs(cfg, shape, world=world, local=local, on_cpu=False, tp=tp) if tp != base.tp else base
             for zero in zeros:
@@ -635,4 +635,4 @@ def dry_run(cfg: Config, *, nproc: int, nnodes: int, gpu_gib: float, host_gib: f
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by the {world} ranks")
     cfg, p = decide(cfg, shape, device=int(gpu_gib * GIB), host=int(host_gib * GIB), world=world, local=nproc,
                     on_cpu=False)
-    return cfg, p, recipe.describe(cfg, info, on_cpu=False)
+    return cfg, p, recipe.describe(cfg, info, on_cpu=False, planned_ranks=nproc)
