@@ -112,7 +112,7 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
         print(memory.describe_host(per_rank), flush=True)
     t, r = cfg.train, cfg.rollout
     if cuda and not r.max_num_seqs:  # vLLM runs a step's or an evaluation's sequences at once (memory.sampler_bytes)
-        r = replace(r, max_num_seqs=memory.engine_seqs(cfg, world_size))
+        r = replace(r, max_num_seqs=memory.engine_seqs(cfg, world_size, r.tensor_parallel_size))  # the group's
         cfg = replace(cfg, rollout=r)
     if not cuda or r.gpu_memory_utilization != "auto":  # the user sized vLLM (or CPU: rollout.kv_cache_mb)
         offload = "off" if t.offload_states == "off" else "on"

@@ -166,12 +166,14 @@ def step_seqs(cfg: Config, world_size: int) -> int:
     return -(-cfg.train.prompts_per_step // world_size) * cfg.rollout.n
 
 
-def engine_seqs(cfg: Config, world_size: int) -> int:
-    """rollout.max_num_seqs auto (GPU): enough for a rank's step and its share of the held-out
+def engine_seqs(cfg: Config, world_size: int, tp: int = 1) -> int:
+    """rollout.max_num_seqs auto (GPU): enough for an engine's step and its share of the held-out
     evaluation at once (log.eval_size prompts x log.eval_n samples, or one greedy each); with
-    log.eval_size 0 (all of it, counted later) vLLM's default on an 80 GB GPU, 1024."""
-    eval_seqs = -(-cfg.log.eval_size // world_size) * max(1, cfg.log.eval_n) if cfg.log.eval_size else 1024
-    return max(step_seqs(cfg, world_size), eval_seqs)
+    log.eval_size 0 (all of it, counted later) vLLM's default on an 80 GB GPU, 1024. A
+    tensor-parallel engine serves its whole group: every rank brings its own share of the
+    requests (rollout.py gathers them), so it runs tp x a rank's."""
+    eval_seqs = tp * -(-cfg.log.eval_size // world_size) * max(1, cfg.log.eval_n) if cfg.log.eval_size else 1024
+    return max(tp * step_seqs(cfg, world_size), eval_seqs)
 
 
 def vocab_size(hf_config) -> int:

@@ -217,6 +217,10 @@ class MemoryPlan:
         phase, peak = self.peak
         lines.append(f"peak: {phase}, {peak / GIB:.1f} of {self.device / GIB:.1f} GiB "
                      f"({'fits' if peak <= self.device else 'DOES NOT FIT'})")
+        if not k.on_cpu:  # what engine_cycle.plan_rollout gives vLLM: the engine serves its whole group
+            graphs = f", CUDA graphs up to a batch of {max(capture_sizes(k.max_num_seqs))}" if k.graphs else ""
+            lines.append(f"vLLM: rollout.max_num_seqs={k.max_num_seqs} per engine ({k.world // k.tp} engine(s) of TP "
+                         f"{k.tp}){graphs}")
         if self.pinned:
             parts = ", ".join(f"{n} {v / GIB:.1f}" for n, v in self.pinned.items() if v)
             lines.append(f"pinned host memory per node: {self.pinned_total / GIB:.1f} GiB of {self.host / GIB:.0f} "
@@ -354,7 +358,7 @@ def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp
                  optimizer_offload=t.optimizer_offload == "on", param_offload=t.param_offload == "on",
                  trained=trained, reference=cfg.algo.kl_coef > 0 and not m.lora_rank,
                  critic=cfg.algo.advantage == "gae", sleep_level=r.sleep_level, graphs=not r.enforce_eager,
-                 max_num_seqs=r.max_num_seqs or memory.engine_seqs(cfg, dp), kv=kv, kv_floor=floor, chunk=t.logprob_chunk,
+                 max_num_seqs=r.max_num_seqs or memory.engine_seqs(cfg, world, tp), kv=kv, kv_floor=floor, chunk=t.logprob_chunk,
                  bucket=t.sync_bucket_mb << 20, reserve=(r.memory_margin_mb << 20) if not on_cpu else 0,
                  on_cpu=on_cpu, offload_states=t.offload_states)
 
