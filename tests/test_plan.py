@@ -78,8 +78,17 @@ def test_plan_of_7b_on_8_gpus_by_hand():
     backward = tokens * 225_280 + layer * 2  # one layer's activation and weight gradients
     head = 1024 * 152064 * (2 + 8)  # a 1024-token chunk of logits, not the full [tokens, vocab]
     reserve = 2048 << 20
-    train = params + grads + states + saved + backward + head + reserve
-    assert p.total("train") == train == 60_577_036_416  # 56.4 GiB
+    # what vLLM keeps asleep (issue 47 item 5), outside its sleep-mode pool: the CUDA-graph pool, full and
+    # piecewise graphs for 11 sizes up to 64 sequences, each size 2 MiB + at the top one layer's activations
+    # per sequence ((q + 2 kv + hidden + 2 MLP) x 2 bytes + the vocabulary's float32 logits), and the model
+    # runner's persistent buffers for 16384 batched tokens (the hidden state in bf16 + 24 bytes of ids)
+    per_seq = (3584 + 2 * 512 + 3584 + 2 * 18944) * 2 + 152064 * 4
+    graphs = (64 << 20) + 2 * (11 * (2 << 20) + 64 * per_seq)
+    buffers = 16384 * (3584 * 2 + 24)
+    assert p.rows["CUDA graphs"]["train"] == graphs == 202_899_456
+    assert p.rows["vLLM buffers"]["train"] == buffers == 117_833_728
+    train = params + grads + states + saved + backward + head + reserve + graphs + buffers
+    assert p.total("train") == train == 60_897_769_600  # 56.7 GiB (56.4 before vLLM's asleep footprint)
     assert p.rows["activations"]["train"] == saved + backward + head
     # generating: vLLM's weights, its KV cache for 64 sequences of 1536 tokens (x 2 headroom), its
     # activations (1 GiB + 10% of the weights + the sampler's rows), CUDA graphs, the trainer kept
@@ -87,8 +96,7 @@ def test_plan_of_7b_on_8_gpus_by_hand():
     vllm_act = GIB + params // 10 + 64 * 152064 * 4
     assert p.rows["vLLM KV cache"]["generate"] == kv
     assert p.rows["vLLM activations"]["generate"] == vllm_act
-    assert p.total("generate") == params + kv + vllm_act + p.rows["CUDA graphs"]["generate"] + params + grads \
-        + states + reserve
+    assert p.total("generate") == params + kv + vllm_act + graphs + buffers + params + grads + states + reserve
     assert p.fits and p.peak[0] == "generate"
     assert cfg.train.max_tokens_per_micro_batch == 4096 and cfg.sources["train.max_tokens_per_micro_batch"] == \
         "memory plan"
@@ -118,6 +126,28 @@ def test_plan_of_05b_zero3_with_checkpointing_by_hand():
     critic_P = P  # tied: no separate LM head to leave out
     assert p.rows["critic"]["train"] == critic_P * 2 // 2 + critic_P * 2 // 2 + critic_P * 2 + 12 * critic_P // 2
     assert p.pinned["reference"] == P * 2 // 2 * 2  # its shards, one copy per node
+
+
+@pytest.mark.fast
+def test_what_vllm_keeps_asleep_is_planned_in_every_phase():
+    """Issue 47 item 5: vLLM's CUDA-graph pool (full and piecewise graphs), its persistent buffers and
+    a TP group's NCCL buffers are allocated outside its sleep-mode pool, so a sleep releases none of
+    them: the trainer's phases must leave room for them too. The 72B recipe, TP 4."""
+    cfg = config.load(str(ROOT / "examples" / "recipes" / "qwen2.5-72b-8xh100.yaml"), {})
+    cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
+    s = shape("Qwen/Qwen2.5-72B-Instruct")
+    graphs, buffers = p.rows["CUDA graphs"], p.rows["vLLM buffers"]
+    for phase in p.PHASES:
+        assert graphs[phase] == plan.graph_bytes(s, 2, 256, 4) and buffers[phase] == plan.buffer_bytes(s, 2, 4)
+    # two capture modes: the pool's per-size and per-sequence terms twice over one mode's
+    assert plan.graph_bytes(s, 2, 256, 4) - (64 << 20) == 2 * (plan.graph_bytes(s, 2, 256, 4, modes=1) - (64 << 20))
+    # 16384 tokens' hidden state (8192 x bf16) + ids, and two NCCL communicators at TP > 1
+    assert plan.buffer_bytes(s, 2, 4) == 16384 * (8192 * 2 + 24) + 2 * plan.NCCL_COMM
+    assert plan.buffer_bytes(s, 2, 1) == 16384 * (8192 * 2 + 24)
+    # the planner that runs keeps the same bytes back beside vLLM's budget
+    from hybridrl.cycle import memory
+    m = memory.plan(80 * GIB, 70 * GIB, 76 * GIB, margin=2 * GIB, weights=GIB, need=2 * GIB, asleep=64 * GIB)
+    assert m.offload and m.asleep == 64 * GIB and "graphs and buffers (kept asleep) 64.00 GiB" in m.describe()
 
 
 @pytest.mark.fast

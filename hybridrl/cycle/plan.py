@@ -27,7 +27,9 @@ of the trainer's data parallelism, TP vLLM's tensor-parallel size):
 - vLLM: weights P b / TP, a KV cache for the step's sequences (memory.kv_cache_need, / TP),
   activations 1 GiB + 10% of the weights + the sampler's float32 logits rows, and with CUDA
   graphs their memory pool (an estimate: the largest captured batch's activations and a few
-  MiB per captured size).
+  MiB per captured size, for full and piecewise graphs). The graph pool, the model runner's
+  persistent buffers and TP communicators' buffers live outside vLLM's sleep-mode pool: they stay
+  through every phase (asleep_bytes).
 - ZeRO-3: up to DeepSpeed's stage3_max_live_parameters (1e9) gathered while a forward or backward
   runs, and the hand-off's bucket of gathered parameters.
 - reference: under ZeRO-2 a device copy of the weights for the phase (pinned in host memory
@@ -229,14 +231,34 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-def graph_bytes(shape: Shape, b: int, max_num_seqs: int, tp: int) -> int:
-    """vLLM's CUDA-graph pool, estimated: the largest captured batch's activations in one layer
-    (its buffers are reused layer to layer) and a few MiB per captured batch size (1, 2, 4, 8,
-    16, ... every 8 up to min(max_num_seqs, 512))."""
+GRAPH_MODES = 2  # vLLM's default cudagraph_mode, FULL_AND_PIECEWISE: every size captured as a full and a piecewise graph
+BATCHED_TOKENS = 16384  # vLLM's default max_num_batched_tokens for the offline LLM class on a large GPU
+NCCL_COMM = 256 * MIB  # an NCCL communicator's own device buffers (channels x peers x NCCL_BUFFSIZE), estimated
+
+
+def graph_bytes(shape: Shape, b: int, max_num_seqs: int, tp: int, modes: int = GRAPH_MODES) -> int:
+    """vLLM's CUDA-graph pool, estimated: per capture mode (vLLM's default captures full graphs for
+    decode batches and piecewise graphs around attention, both into the pool) the largest captured
+    batch's activations in one layer (its buffers are reused layer to layer) and a few MiB per
+    captured batch size (1, 2, 4, 8, 16, ... every 8 up to min(max_num_seqs, 512))."""
     top = min(max_num_seqs or GRAPH_SIZES_MAX, GRAPH_SIZES_MAX)
     sizes = len(capture_sizes(top))
     per_seq = (shape.q_dim + 2 * shape.kv_dim + shape.hidden + 2 * shape.intermediate) // tp * b + shape.vocab * 4 // tp
-    return 64 * MIB + 2 * MIB * sizes + top * per_seq
+    return 64 * MIB + modes * (2 * MIB * sizes + top * per_seq)
+
+
+def buffer_bytes(shape: Shape, b: int, tp: int) -> int:
+    """What vLLM allocates outside its sleep-mode pool, besides the graphs, and so keeps on the device
+    while asleep: the model runner's persistent input buffers (token ids, positions, the input
+    embeddings of BATCHED_TOKENS tokens) and, under tensor parallelism, its two NCCL communicators'
+    buffers (the group's device group and vLLM's own pynccl; custom and symmetric-memory all-reduce
+    are off: vllm_compat.engine_kwargs and all_reduce_env)."""
+    return BATCHED_TOKENS * (shape.hidden * b + 24) + (2 * NCCL_COMM if tp > 1 else 0)
+
+
+def asleep_bytes(shape: Shape, b: int, max_num_seqs: int, tp: int, graphs: bool) -> int:
+    """vLLM's device memory that a sleep does not release (graph pool and buffers): in every phase."""
+    return (graph_bytes(shape, b, max_num_seqs, tp) if graphs else 0) + buffer_bytes(shape, b, tp)
 
 
 def capture_sizes(top: int) -> list[int]:
@@ -283,7 +305,9 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
     row("vLLM weights", vllm_w, vllm_phases)
     row("vLLM KV cache", k.kv, ("generate",) if not k.on_cpu and k.sleep_level else MemoryPlan.PHASES)
     row("vLLM activations", vllm_act, ("generate",) if not k.on_cpu else MemoryPlan.PHASES)
-    row("CUDA graphs", graphs, ("generate",) if k.sleep_level else MemoryPlan.PHASES)
+    # allocated outside vLLM's sleep-mode pool, so kept through every phase, asleep or not
+    row("CUDA graphs", graphs, MemoryPlan.PHASES)
+    row("vLLM buffers", buffer_bytes(shape, b, k.tp) if not k.on_cpu else 0, MemoryPlan.PHASES)
     # the trainer: its parameters stay (the hand-off reads them); its states stay beside vLLM when they
     # fit (train.offload_states auto, decided again by measurement at start), else they leave
     everywhere = MemoryPlan.PHASES
