@@ -125,7 +125,13 @@ def test_plan_of_05b_zero3_with_checkpointing_by_hand():
     assert p.rows["reference"]["reference"] == 2 * layer * 2  # ZeRO-3: gathered a layer at a time
     critic_P = P  # tied: no separate LM head to leave out
     assert p.rows["critic"]["train"] == critic_P * 2 // 2 + critic_P * 2 // 2 + critic_P * 2 + 12 * critic_P // 2
-    assert p.pinned["reference"] == P * 2 // 2 * 2  # its shards, one copy per node
+    # its shards, one copy per node, pinned parameter by parameter, each rounded up to a power of two by
+    # torch's pinned allocator (issue 47 item 4): half of each bf16 tensor per rank -
+    # embedding 151936 x 896 / 2 x 2 B = 136,134,656 -> 2^28; per layer q and o 802,816 -> 2^20 each, k and v
+    # 114,688 -> 2^17, biases 896 -> 2^10 and 128 (x2), gate/up/down 4,358,144 -> 2^23 each, norms 896 -> 2^10 (x2)
+    layer_pinned = 2 * 2**20 + 2 * 2**17 + 2**10 + 2 * 128 + 3 * 2**23 + 2 * 2**10
+    assert p.pinned["reference"] == 2 * (2**28 + 24 * layer_pinned + 2**10) == 1_858_238_464  # 1.88x its bytes
+    assert P * 2 // 2 * 2 == 988_065_536  # what the plan counted before
 
 
 @pytest.mark.fast
@@ -148,6 +154,39 @@ def test_what_vllm_keeps_asleep_is_planned_in_every_phase():
     from hybridrl.cycle import memory
     m = memory.plan(80 * GIB, 70 * GIB, 76 * GIB, margin=2 * GIB, weights=GIB, need=2 * GIB, asleep=64 * GIB)
     assert m.offload and m.asleep == 64 * GIB and "graphs and buffers (kept asleep) 64.00 GiB" in m.describe()
+
+
+@pytest.mark.fast
+def test_pinned_host_memory_is_counted_as_torch_and_deepspeed_pin_it():
+    """Issue 47 item 4: torch's pinned allocator rounds every allocation up to a power of two, ZeRO-3
+    with the optimizer offloaded pins a flat bf16 gradient buffer and fp32 sub-group gradients (its
+    fp32 master weights and Adam's moments are ordinary pages), and the reference pins tensor by
+    tensor. The 72B recipe (8 ranks, ZeRO-3, optimizer offloaded) from DeepSpeed's stage3.py:
+    a rank's 9,088,275,456 trained parameters pin 2 x 9.09e9 B of bf16 gradients -> 32 GiB and 9
+    sub-groups of 1e9 fp32 gradients (4e9 B -> 4 GiB each) + the 88,275,456-element rest -> 512 MiB:
+    68.5 GiB a rank, 548 GiB a node; 12 B a parameter of pageable states: 812.6 GiB. 1360.6 GiB
+    in all where the plan counted 16 B a parameter, all pinned: 1083.4 GiB."""
+    assert [plan.pinned_bytes(n) for n in (1, 3, 4096, 4097, 1_089_994_752)] == [1, 4, 4096, 8192, 2**31]
+    cfg = config.load(str(ROOT / "examples" / "recipes" / "qwen2.5-72b-8xh100.yaml"), {})
+    cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
+    s = shape("Qwen/Qwen2.5-72B-Instruct")
+    assert sum(s.tensors()) == sum(s.tensors(fused=True)) == s.params == 72_706_203_648
+    part = s.params // 8
+    assert part == 9_088_275_456 and cfg.train.zero_stage == 3 and cfg.train.optimizer_offload == "on"
+    assert p.pinned["optimizer (offloaded)"] == 8 * (32 * GIB + 9 * 4 * GIB + 512 * 2**20) == 548 * GIB
+    assert p.pageable["optimizer states (offloaded)"] == 8 * 12 * part
+    assert round(p.host_total / GIB, 1) == 1360.6 and "with the pinned, 1360.6 GiB of 2048" in p.table()
+    # the node must hold it: 1,400 GiB of host memory (90%: 1,260) is refused in one line, before any engine
+    with pytest.raises(ConfigError, match=r"needs \d+ GiB of host memory per node \(\d+ GiB of it pinned"):
+        plan.dry_run(config.load(str(ROOT / "examples" / "recipes" / "qwen2.5-72b-8xh100.yaml"), {}), nproc=8,
+                     nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=1400)
+    # the 7B reference under ZeRO-2: every rank pins a whole copy, tensor by tensor - 1.9x its bytes
+    s7 = shape("Qwen/Qwen2.5-7B-Instruct")
+    cfg, p = plan.decide(gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **{"algo.kl_coef": 0.01}), s7, device=H100,
+                         host=NODE, world=8, local=8, on_cpu=False)
+    assert cfg.train.zero_stage == 2
+    assert p.pinned["reference"] == 8 * sum(plan.pinned_bytes(n * 2) for n in s7.tensors())
+    assert 1.85 < p.pinned["reference"] / (8 * s7.params * 2) < 1.95
 
 
 @pytest.mark.fast

@@ -16,7 +16,8 @@ of the trainer's data parallelism, TP vLLM's tensor-parallel size):
   master weights and Adam's two moments 12 T / N, and at the optimizer step a fp32 gradient
   partition and a flattened copy of the gradients (4 + b) T / N (after the backward has freed the
   activations: on CPU at the 134M shape the step, not the backward, was the peak); the optimizer offloaded:
-  the last three live in pinned host memory.
+  the last three live in host memory, partly pinned (`build`'s pinned/pageable: what DeepSpeed pins,
+  each buffer rounded up to a power of two as torch's pinned allocator does, `pinned_bytes`).
 - activations of one micro-batch of `train.max_tokens_per_micro_batch` tokens: per token and
   layer (6 b + 8) hidden + 2 b KV width + 4 b MLP width without gradient checkpointing (the 8:
   the RMSNorms' float32 copies), b hidden with it (each layer's input) plus one layer recomputed;
@@ -55,6 +56,7 @@ GIB = memory.GIB
 MIB = memory.MIB
 REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements), which ds_config keeps
 STAGE3_LIVE = 1_000_000_000  # DeepSpeed's default stage3_max_live_parameters: gathered ZeRO-3 parameters kept
+SUB_GROUP = 1_000_000_000  # DeepSpeed's default sub_group_size: ZeRO-3 flattens a rank's fp32 partition in these
 GRAPH_SIZES_MAX = 512  # the largest batch vLLM captures a CUDA graph for
 CONFIGS = Path(__file__).resolve().parents[1] / "model_configs"  # config.json of real models (no weights), for planning offline
 DEFAULT_GPU_GIB = 79.2  # an 80 GB H100 as CUDA reports it (torch.cuda.mem_get_info's total)
@@ -118,6 +120,16 @@ class Shape:
     def layer_activations(self, b: int) -> int:
         """Bytes autograd saves per token in one decoder layer (module docstring)."""
         return (6 * b + 8) * self.hidden + 2 * b * self.kv_dim + 4 * b * self.intermediate
+
+    def tensors(self, fused: bool = False) -> list[int]:
+        """Every parameter tensor's elements (they sum to `params`), as transformers holds them, or
+        `fused` as vLLM does (q/k/v in one, gate/up in one): what is pinned tensor by tensor."""
+        h, kv, q, m = self.hidden, self.kv_dim, self.q_dim, self.intermediate
+        attn = [h * (q + 2 * kv)] if fused else [h * q, h * kv, h * kv]
+        bias = ([q + 2 * kv] if fused else [q, kv, kv]) if self.qkv_bias else []
+        mlp = [2 * h * m, m * h] if fused else [h * m, h * m, m * h]
+        layer = attn + bias + [q * h] + mlp + [h, h]
+        return [self.vocab * h] + layer * self.layers + [h] + ([] if self.tied else [self.vocab * h])
 
 
 def read_config(path: str) -> dict:
@@ -183,9 +195,10 @@ class MemoryPlan:
     device: int  # bytes of one GPU (CPU: this rank's share of the node's memory)
     host: int  # bytes of the node's host memory
     rows: dict[str, dict[str, int]]  # component -> phase -> bytes
-    pinned: dict[str, int]  # what sits in pinned host memory, per node
+    pinned: dict[str, int]  # what sits in pinned host memory, per node (as torch's pinned allocator rounds it)
     knobs: Knobs
     choices: list[str] = field(default_factory=list)  # what the plan decided, and why
+    pageable: dict[str, int] = field(default_factory=dict)  # offloaded states in ordinary host memory, per node
 
     PHASES = ("generate", "hand-off", "reference", "values", "train")
 
@@ -201,8 +214,12 @@ class MemoryPlan:
         return sum(self.pinned.values())
 
     @property
+    def host_total(self) -> int:  # the node's host memory the plan fills: pinned and pageable
+        return self.pinned_total + sum(self.pageable.values())
+
+    @property
     def fits(self) -> bool:
-        return self.peak[1] <= self.device and self.pinned_total <= self.host * 0.9
+        return self.peak[1] <= self.device and self.host_total <= self.host * 0.9
 
     def table(self, title: str = "") -> str:
         k = self.knobs
@@ -226,7 +243,11 @@ class MemoryPlan:
         if self.pinned:
             parts = ", ".join(f"{n} {v / GIB:.1f}" for n, v in self.pinned.items() if v)
             lines.append(f"pinned host memory per node: {self.pinned_total / GIB:.1f} GiB of {self.host / GIB:.0f} "
-                         f"({parts})")
+                         f"({parts}; each buffer rounded up to a power of two, as torch pins)")
+        if self.pageable:
+            parts = ", ".join(f"{n} {v / GIB:.1f}" for n, v in self.pageable.items() if v)
+            lines.append(f"pageable host memory per node: {sum(self.pageable.values()) / GIB:.1f} GiB ({parts}); "
+                         f"with the pinned, {self.host_total / GIB:.1f} GiB of {self.host / GIB:.0f}")
         lines += [f"plan chose: {c}" for c in self.choices]
         return "\n".join(lines)
 
@@ -342,21 +363,44 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
             if name in rows:
                 rows[name].update({"generate": rows[name]["train"], "hand-off": rows[name]["train"]})
         kept = 0
-    pinned = plan.pinned
-    if not k.on_cpu:
-        if k.reference:  # ZeRO-2: a whole copy per rank; ZeRO-3: its shards, one copy per node
-            pinned["reference"] = (P * b // N if z3 else P * b) * k.local
-        if k.sleep_level == 1:
-            pinned["vLLM weights (sleep level 1)"] = vllm_w * k.local
+    pinned, L = plan.pinned, k.local
+    if not k.on_cpu:  # what each rank pins, buffer by buffer (pinned_bytes), times the node's ranks
+        part = T // N  # this rank's partition of the trained parameters
+        sub = SUB_GROUP if z3 else part  # ZeRO-3 flattens it in sub-groups of this many elements, ZeRO-1/2 in one
+        if k.reference:  # tensor by tensor: ZeRO-2 a whole copy per rank (reference.py); ZeRO-3 its shards
+            pinned["reference"] = sum(pinned_bytes(-(-n // N) * b if z3 else n * b) for n in shape.tensors()) * L
+        if k.sleep_level == 1:  # vLLM's sleep backs each of its weight allocations up to pinned memory
+            pinned["vLLM weights (sleep level 1)"] = sum(pinned_bytes(n // k.tp * b) for n in shape.tensors(True)) * L
         if k.optimizer_offload:
-            pinned["optimizer (offloaded)"] = 16 * T // N * k.local
-        if kept:
-            pinned["trainer states while generating"] = kept * k.local
-        if k.param_offload:
-            pinned["parameters (offloaded)"] = P * b // N * k.local
-        if k.critic:
-            pinned["critic while generating"] = critic_states * k.local
+            if z3:  # one flat low-precision gradient buffer and each sub-group's fp32 gradients
+                pinned["optimizer (offloaded)"] = (pinned_bytes(b * part) + _sub_groups(part, sub, 4)) * L
+            else:  # fp32 master weights and their gradients, a low-precision copy, a one-parameter gradient buffer
+                pinned["optimizer (offloaded)"] = (2 * pinned_bytes(4 * part) + pinned_bytes(b * part)
+                                                   + pinned_bytes(b * max(shape.tensors()))) * L
+            # CPU Adam's fp32 master weights (ZeRO-3: a clone, not pinned) and two moments: ordinary pages
+            plan.pageable["optimizer states (offloaded)"] = (12 if z3 else 8) * part * L
+        if kept:  # offload_states pins the gradients flat, fp32 master weights and Adam's moments per sub-group
+            pinned["trainer states while generating"] = (pinned_bytes(b * part) + 3 * _sub_groups(part, sub, 4)) * L
+        if k.param_offload:  # one flat buffer of the rank's parameter partition
+            pinned["parameters (offloaded)"] = pinned_bytes(P * b // N) * L
+        if k.critic and critic_states:
+            cpart = cP // N
+            pinned["critic while generating"] = (pinned_bytes(b * cpart)
+                                                 + 3 * _sub_groups(cpart, SUB_GROUP if z3 else cpart, 4)) * L
     return plan
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """Host memory a pinned buffer of `nbytes` takes: torch's pinned allocator (CachingHostAllocator)
+    rounds every allocation up to a power of two (unless pinned_max_round_threshold is set, which
+    hybridrl does not), so a 1.09 GB embedding pins 2 GiB."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+def _sub_groups(numel: int, sub: int, width: int) -> int:
+    """Pinned bytes of `numel` elements of `width` bytes flattened in buffers of `sub` elements."""
+    full, rest = divmod(numel, max(1, sub))
+    return full * pinned_bytes(sub * width) + pinned_bytes(rest * width)
 
 
 # --- deciding the knobs the user left unset --------------------------------------------------------
@@ -478,8 +522,9 @@ def _refusal(cfg: Config, shape: Shape, base: Knobs, device: int, host: int, wor
         last = k  # the most the user's settings allow
     last = build(shape, last or base, device=device, host=host)
     phase, peak = last.peak
-    if last.pinned_total > host * 0.9 and peak <= device:
-        return (f"the memory plan needs {last.pinned_total / GIB:.0f} GiB of pinned host memory per node, more than "
+    if last.host_total > host * 0.9 and peak <= device:
+        return (f"the memory plan needs {last.host_total / GIB:.0f} GiB of host memory per node "
+                f"({last.pinned_total / GIB:.0f} GiB of it pinned host memory), more than "
                 f"90% of {host / GIB:.0f} GiB: use more nodes, LoRA (model.lora_rank), or a node with more memory "
                 "(`hybridrl plan` shows the table)")
     from hybridrl.run.recipe import explicit
