@@ -47,6 +47,8 @@ def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: 
             # them in its CUDA-graph pool; beside the trainer's NCCL and a sleeping engine that is what
             # breaks, so colocated peers turn it off (verl's SPMD rollout, OpenRLHF) and run NCCL's
             kw["disable_custom_all_reduce"] = True
+        import os
+        os.environ.update(all_reduce_env(os.environ, tensor_parallel_size=tensor_parallel_size, on_cpu=on_cpu))
         if on_cpu:
             _unique_cpu_shm_names()
     if lora_rank:  # one adapter slot, the policy's (load_adapter); its buffers padded to a rank vLLM allows
@@ -83,6 +85,41 @@ def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: 
             from hybridrl.cycle.plan import capture_sizes
             kw["compilation_config"] = {"cudagraph_capture_sizes": capture_sizes(max_num_seqs)}
     return kw
+
+
+SYMM_MEM = "VLLM_ALLREDUCE_USE_SYMM_MEM"
+
+
+def env_default(name: str):
+    """What the installed vLLM reads for its environment variable `name` when it is unset (vllm.envs'
+    own parser); None if this vLLM does not know the variable."""
+    import os
+
+    import vllm.envs as envs
+    parse = getattr(envs, "environment_variables", {}).get(name)
+    if parse is None:
+        return None
+    saved = os.environ.pop(name, None)
+    try:
+        return parse()
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
+def all_reduce_env(environ, *, tensor_parallel_size: int, on_cpu: bool, default=...) -> dict[str, str]:
+    """Variables that keep a colocated tensor-parallel group's all-reduce on NCCL. Turning off vLLM's
+    custom all-reduce (disable_custom_all_reduce) leaves its symmetric-memory all-reduce, which
+    vLLM's CUDA communicator picks from VLLM_ALLREDUCE_USE_SYMM_MEM alone: device buffers mapped into
+    every rank of the group (torch.distributed._symmetric_memory), the same IPC class the custom
+    all-reduce is turned off for, and outside vLLM's sleep-mode pool. vLLM 0.10 defaulted it off,
+    later releases (the installed 0.32 among them) on; so where the installed vLLM's default
+    (`default`: env_default's, given for tests) is on and the user set nothing, it is turned off.
+    Pure: `environ` is read, not changed."""
+    if on_cpu or tensor_parallel_size <= 1 or environ.get(SYMM_MEM) not in (None, ""):
+        return {}
+    default = env_default(SYMM_MEM) if default is ... else default
+    return {SYMM_MEM: "0"} if default else {}
 
 
 def _unique_cpu_shm_names() -> None:
