@@ -140,8 +140,8 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
                        asleep=_asleep_bytes(cfg, hf))
     if not plan.offload:
         trainer.reload()
-    if main:
-        print(plan.describe(), flush=True)
+    if main:  # the engine's max_num_seqs too: `hybridrl plan` prints the same figure (a TP group's)
+        print(f"{plan.describe()}; rollout.max_num_seqs={r.max_num_seqs}", flush=True)
     fraction = math.floor(plan.utilization * 1e4) / 1e4  # rounded down: never more than is free
     return replace(cfg, rollout=replace(r, gpu_memory_utilization=str(fraction), kv_cache_mb=plan.kv >> 20),
                    train=replace(t, offload_states="on" if plan.offload else "off"))
