@@ -65,6 +65,10 @@ STAGES = [
           "into the cache"),
     Stage("stack", 60, 10, False, "versions, the device, and whether scripts/gpu_bundle.sh's vLLM and DeepSpeed "
           "import"),
+    Stage("allreduce", 60, 10, False, "the installed vLLM's symmetric-memory all-reduce default, and that a colocated "
+          "TP engine turns it off (issue 47 item 7)"),
+    Stage("tp_seqs", 240, 10, False, "max_num_seqs of a TP 2 engine as run vs as `hybridrl plan` prints it (issue 47 "
+          "item 2; 2 GPUs, else the plan side)"),
     Stage("planner", 150, 100, True, "vLLM's footprint vs the plan (max_num_seqs and the sampler term; was +11.8%), "
           "a whole cycle at the plan"),
     Stage("demo_probe", 100, 45, True, "the demo in float32, 20 steps, probe every step: gap <= 1e-4 "
@@ -78,6 +82,10 @@ STAGES = [
     Stage("critic", 150, 60, True, "PPO with a critic and checkpoints, since sleep level 2 became the default"),
     Stage("decode7b", 240, 100, False, "vLLM alone, a 7B shape with dummy weights: 64 x 512 tokens, eager vs CUDA "
           "graphs, footprint vs the plan"),
+    Stage("asleep", 200, 120, False, "0.5B with CUDA graphs: what vLLM keeps on the device asleep vs the plan's graph "
+          "and buffer rows (issue 47 item 5)"),
+    Stage("tp_rng", 150, 80, False, "0.5B: the group's own sampling state decides vLLM's samples whatever the global "
+          "CUDA generator did (issue 47 item 6)"),
     Stage("moe_decode", 240, 100, False, "vLLM alone, a Qwen3-30B-A3B shape with dummy weights (all 128 experts, "
           "57 GiB): 64 x 512 tokens, eager vs CUDA graphs, footprint vs the plan (every expert, top-8 activations)"),
 ]
@@ -432,7 +440,8 @@ def decode_plan(graphs: bool, config: str = "qwen2.5-7b") -> dict[str, int]:
     kv = max(int(memory.KV_HEADROOM * kv), memory.KV_MIN)
     return {"weights": weights, "KV cache": kv,
             "activations": int(GIB + shape.active_params * 2 // 10 + memory.sampler_bytes(DECODE_SEQS, shape.vocab)),
-            "CUDA graphs": plan.graph_bytes(shape, 2, DECODE_SEQS, 1) if graphs else 0}
+            "CUDA graphs": plan.graph_bytes(shape, 2, DECODE_SEQS, 1) if graphs else 0,
+            "buffers": plan.buffer_bytes(shape, 2, 1)}
 
 
 def stage_decode7b(cuda: bool) -> None:
@@ -517,9 +526,173 @@ def decode(mode: str, config: str = "qwen2.5-7b") -> None:
         verdict(abs(err) <= 0.05), footprint_gib=footprint / GIB, plan_gib={k: v / GIB for k, v in p.items()})
 
 
-STAGE_FUNCS = {"prepare": stage_prepare, "stack": stage_stack, "planner": stage_planner,
-               "demo_probe": stage_demo_probe, "graphs": stage_graphs, "trainer_plan": stage_trainer_plan,
-               "paths": stage_paths, "critic": stage_critic, "decode7b": stage_decode7b,
+# --- issue 47's GPU-only checks (items 2, 5, 6, 7): the decision runs anywhere, the effect needs CUDA ---
+def stage_allreduce(cuda: bool) -> None:
+    """vLLM picks its symmetric-memory all-reduce from VLLM_ALLREDUCE_USE_SYMM_MEM alone; the
+    installed vLLM's default (0.32 on CPU, 0.26 on the lease's GPU) and what a TP engine sets."""
+    from bench.gpu_claims import row, verdict
+    from hybridrl.engines import vllm_compat
+    default = vllm_compat.env_default(vllm_compat.SYMM_MEM)
+    env = vllm_compat.all_reduce_env({}, tensor_parallel_size=2, on_cpu=False)
+    row(f"vLLM {vllm_compat.VERSION}: {vllm_compat.SYMM_MEM} default, and a colocated TP 2 engine's setting",
+        f"default {default}; set {env or 'nothing'}", "off for TP engines", verdict(not default or env.get(
+            vllm_compat.SYMM_MEM) == "0"), default=default, env=env)
+
+
+def _plan_seqs(args: list[str]) -> int | None:
+    """rollout.max_num_seqs as `hybridrl plan ARGS` prints it."""
+    import re
+    out = subprocess.run([sys.executable, "-m", "hybridrl", "plan", *args], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT).stdout
+    found = re.search(r"rollout\.max_num_seqs=(\d+) per engine", out)
+    return int(found.group(1)) if found else None
+
+
+def stage_tp_seqs(cuda: bool) -> None:
+    """A TP engine serves its group's requests: max_num_seqs as planned (the 72B recipe, anywhere) and,
+    on 2 GPUs, as a TP 2 demo run's engine gets it against `hybridrl plan` with the same arguments."""
+    import re
+
+    from bench.gpu_claims import row, verdict
+    planned = _plan_seqs(["--config", "examples/recipes/qwen2.5-72b-8xh100.yaml", "--nproc", "8"])
+    row("72B recipe, 8 GPUs, TP 4: max_num_seqs per engine as planned", f"{planned} (the step's 4 x 32 and the "
+        "held-out 4 x 64 sequences of the group; one rank's share was 64)", "256", verdict(planned == 256))
+    claim = "TP 2 on 2 GPUs, the demo: max_num_seqs the engine gets vs `hybridrl plan`"
+    gpus = 0
+    if cuda:
+        import torch
+        gpus = torch.cuda.device_count()
+    if gpus < 2:
+        row(claim, f"unmeasured (needs 2 GPUs, this machine has {gpus})" if cuda else "skipped: no CUDA", "equal",
+            "unmeasured" if cuda else "skipped")
+        return
+    from bench import gpu_run_checks as runs
+    args = ["--nproc", "2", "--rollout.tensor_parallel_size", "2"]
+    r = runs._train(args + ["--steps", "1", "--train.max_minutes", "0", "--log.eval_every", "0", "--ckpt.every", "0"],
+                    _seconds(200))
+    err = runs._failed(r)
+    ran = re.search(r"rollout\.max_num_seqs=(\d+)", r["plan"])
+    printed = _plan_seqs(args)
+    if err or not ran:
+        row(claim, err or f"no max_num_seqs in the run's plan line: {r['plan']!r}", "equal", "fail", tail=r["tail"])
+        return
+    row(claim, f"{ran.group(1)} run vs {printed} planned; the group's ranks sampled in step (the run finished)",
+        "equal", verdict(int(ran.group(1)) == printed))
+
+
+def stage_asleep(cuda: bool) -> None:
+    """The plan's rows for what vLLM keeps asleep (0.5B, bf16, TP 1, 64 sequences, CUDA graphs) and, on a
+    GPU, the device memory vLLM still holds after a level-2 sleep, in its own process."""
+    from bench.gpu_claims import row
+    if not cuda:
+        from hybridrl.cycle import plan
+        shape = plan.Shape.from_config(plan.read_config("qwen2.5-0.5b"))
+        p = {"CUDA graphs": plan.graph_bytes(shape, 2, DECODE_SEQS, 1), "buffers": plan.buffer_bytes(shape, 2, 1)}
+        row("0.5B, CUDA graphs: vLLM's device memory after a level-2 sleep vs the plan", "plan " + ", ".join(
+            f"{k} {v / GIB:.2f}" for k, v in p.items()) + " GiB; measured: skipped: no CUDA", "", "skipped",
+            plan_gib={k: v / GIB for k, v in p.items()})
+        return
+    try:
+        subprocess.run([sys.executable, "-m", "bench.lease", "--decode", "asleep"], timeout=_seconds(180), cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        row("0.5B, CUDA graphs: vLLM's device memory after a level-2 sleep vs the plan", f"cut at {e.timeout:.0f} s",
+            "", "fail")
+
+
+def _half_b_engine(enforce_eager: bool, sleep_mode: bool):
+    from vllm import LLM
+
+    from bench import gpu_engine_checks as engine
+    from bench.gpu_claims import half_b_model
+    from hybridrl.cycle import memory
+    from hybridrl.engines import vllm_compat
+    engine._world()
+    kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=GIB, gpu_memory_utilization=0.3,
+                                   sleep_mode=sleep_mode, max_num_seqs=DECODE_SEQS, enforce_eager=enforce_eager)
+    with memory.vllm_pool(True), vllm_compat.engine_env(out_of_process=False, local_rank=0, cuda=True):
+        return LLM(model=half_b_model(), dtype="bfloat16", seed=0, enforce_eager=enforce_eager, max_model_len=1024,
+                   **kw)
+
+
+def asleep() -> None:
+    """One 0.5B engine with CUDA graphs and sleep mode: what it holds after a level-2 sleep."""
+    import torch
+    from vllm import SamplingParams
+
+    from bench import gpu_engine_checks as engine
+    from bench.gpu_claims import row, verdict
+    from hybridrl.cycle import plan
+    torch.cuda.init()
+    before = engine._used()
+    llm = _half_b_engine(enforce_eager=False, sleep_mode=True)
+    awake = engine._used() - before
+    llm.generate([{"prompt_token_ids": list(range(100, 164))}] * 8, SamplingParams(max_tokens=32, ignore_eos=True),
+                 use_tqdm=False)
+    from hybridrl.cycle import memory
+    with memory.vllm_pool(True):  # as Rollout.sleep
+        llm.sleep(level=2)
+    kept = engine._used() - before
+    shape = plan.Shape.from_config(plan.read_config("qwen2.5-0.5b"))
+    graphs, buffers = plan.graph_bytes(shape, 2, DECODE_SEQS, 1), plan.buffer_bytes(shape, 2, 1)
+    planned = graphs + buffers
+    row("0.5B, CUDA graphs: vLLM's device memory after a level-2 sleep vs the plan",
+        f"{kept / GIB:.2f} GiB kept of {awake / GIB:.2f} awake vs plan {planned / GIB:.2f} (graphs "
+        f"{graphs / GIB:.2f}, buffers {buffers / GIB:.2f}; the CUDA context is the reserve's)", "plan >= measured",
+        verdict(kept <= planned), kept_gib=kept / GIB, awake_gib=awake / GIB, plan_gib=planned / GIB)
+
+
+def stage_tp_rng(cuda: bool) -> None:
+    """The group's sampling state (vllm_compat.SamplingRNG): on CPU that it is isolated from the global
+    generator; on a GPU that it, not the global CUDA generator, decides vLLM's unseeded samples."""
+    import torch
+
+    from bench.gpu_claims import row, verdict
+    from hybridrl.engines import vllm_compat
+    rng = vllm_compat.SamplingRNG(7, cuda=False)
+    with rng.active():
+        a = torch.rand(4)
+    torch.rand(10)  # a rank-local random op
+    again = vllm_compat.SamplingRNG(7, cuda=False)
+    with again.active():
+        b = torch.rand(4)
+    row("SamplingRNG on CPU: a rank-local random op outside does not change the draws inside",
+        "identical" if torch.equal(a, b) else "DIFFER", "identical", verdict(torch.equal(a, b)))
+    claim = "0.5B on a GPU: unseeded samples under the group's state, a rank-local CUDA random op between"
+    if not cuda:
+        row(claim, "skipped: no CUDA", "identical", "skipped")
+        return
+    from vllm import SamplingParams
+    llm = _half_b_engine(enforce_eager=True, sleep_mode=False)
+    prompts = [{"prompt_token_ids": list(range(100 + i, 132 + i))} for i in range(8)]
+    params = SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True, detokenize=False)
+
+    def sample(state: bool) -> list:
+        if state:
+            with vllm_compat.SamplingRNG(11, cuda=True).active():
+                outs = llm.generate(prompts, params, use_tqdm=False)
+        else:
+            torch.cuda.manual_seed(11)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+    first = sample(True)
+    torch.rand(1000, device="cuda")  # a rank-local random op on the global CUDA generator
+    second = sample(True)
+    g1 = sample(False)
+    torch.rand(1000, device="cuda")
+    g2 = sample(False)
+    torch.cuda.manual_seed(11)
+    torch.rand(1000, device="cuda")
+    g3 = llm.generate(prompts, params, use_tqdm=False)
+    moved = [list(o.outputs[0].token_ids) for o in g3] != g1
+    row(claim, f"{'identical' if first == second else 'DIFFER'}; the global generator alone: same seed "
+        f"{'identical' if g1 == g2 else 'differs'}, moved by the op {'differs' if moved else 'identical'}",
+        "identical (and the moved global generator differs)", verdict(first == second and moved))
+
+
+STAGE_FUNCS = {"prepare": stage_prepare, "stack": stage_stack, "allreduce": stage_allreduce, "tp_seqs": stage_tp_seqs,
+               "planner": stage_planner, "demo_probe": stage_demo_probe, "graphs": stage_graphs,
+               "trainer_plan": stage_trainer_plan, "paths": stage_paths, "critic": stage_critic,
+               "decode7b": stage_decode7b, "asleep": stage_asleep, "tp_rng": stage_tp_rng,
                "moe_decode": stage_moe_decode}
 
 
@@ -539,7 +712,9 @@ def main() -> int:
     if a.stage or a.decode:
         from hybridrl.run import environ as env
         env.setup()
-        if a.decode:
+        if a.decode == "asleep":
+            asleep()
+        elif a.decode:
             decode(a.decode, a.decode_config)
         else:
             STAGE_FUNCS[a.stage](env.has_cuda())

@@ -51,6 +51,13 @@ def test_dry_run_writes_every_stage_to_out(tmp_path):
         assert 0 < on < off
     decode = [r["data"]["plan_gib"] for r in rows if r["stage"] == "decode7b" and "plan_gib" in r.get("data", {})]
     assert decode[0]["CUDA graphs"] == 0 < decode[1]["CUDA graphs"]
+    # issue 47's stages: each decision checked here, its GPU effect skipped
+    verdicts = [(r["stage"], r["verdict"]) for r in rows if r["stage"] in ("allreduce", "tp_seqs", "tp_rng")
+                and "wall time" not in r["claim"]]
+    assert verdicts == [("allreduce", "pass"), ("tp_seqs", "pass"), ("tp_seqs", "skipped"), ("tp_rng", "pass"),
+                        ("tp_rng", "skipped")], verdicts
+    asleep = [r["data"]["plan_gib"] for r in rows if r["stage"] == "asleep" and "plan_gib" in r.get("data", {})]
+    assert len(asleep) == 1 and asleep[0]["CUDA graphs"] > 0 and asleep[0]["buffers"] > 0
     # the mixture-of-experts decode: vLLM holds all 128 experts (57 GiB), its activations go by the 3.35B active
     moe = [r["data"]["plan_gib"] for r in rows if r["stage"] == "moe_decode" and "plan_gib" in r.get("data", {})]
     assert len(moe) == 2 and moe[0]["CUDA graphs"] == 0 < moe[1]["CUDA graphs"]

@@ -79,8 +79,17 @@ def test_plan_of_7b_on_8_gpus_by_hand():
     backward = tokens * 225_280 + layer * 2  # one layer's activation and weight gradients
     head = 1024 * 152064 * (2 + 8)  # a 1024-token chunk of logits, not the full [tokens, vocab]
     reserve = 2048 << 20
-    train = params + grads + states + saved + backward + head + reserve
-    assert p.total("train") == train == 60_577_036_416  # 56.4 GiB
+    # what vLLM keeps asleep (issue 47 item 5), outside its sleep-mode pool: the CUDA-graph pool, full and
+    # piecewise graphs for 11 sizes up to 64 sequences, each size 2 MiB + at the top one layer's activations
+    # per sequence ((q + 2 kv + hidden + 2 MLP) x 2 bytes + the vocabulary's float32 logits), and the model
+    # runner's persistent buffers for 16384 batched tokens (the hidden state in bf16 + 24 bytes of ids)
+    per_seq = (3584 + 2 * 512 + 3584 + 2 * 18944) * 2 + 152064 * 4
+    graphs = (64 << 20) + 2 * (11 * (2 << 20) + 64 * per_seq)
+    buffers = 16384 * (3584 * 2 + 24)
+    assert p.rows["CUDA graphs"]["train"] == graphs == 202_899_456
+    assert p.rows["vLLM buffers"]["train"] == buffers == 117_833_728
+    train = params + grads + states + saved + backward + head + reserve + graphs + buffers
+    assert p.total("train") == train == 60_897_769_600  # 56.7 GiB (56.4 before vLLM's asleep footprint)
     assert p.rows["activations"]["train"] == saved + backward + head
     # generating: vLLM's weights, its KV cache for 64 sequences of 1536 tokens (x 2 headroom), its
     # activations (1 GiB + 10% of the weights + the sampler's rows), CUDA graphs, the trainer kept
@@ -88,8 +97,7 @@ def test_plan_of_7b_on_8_gpus_by_hand():
     vllm_act = GIB + params // 10 + 64 * 152064 * 4
     assert p.rows["vLLM KV cache"]["generate"] == kv
     assert p.rows["vLLM activations"]["generate"] == vllm_act
-    assert p.total("generate") == params + kv + vllm_act + p.rows["CUDA graphs"]["generate"] + params + grads \
-        + states + reserve
+    assert p.total("generate") == params + kv + vllm_act + graphs + buffers + params + grads + states + reserve
     assert p.fits and p.peak[0] == "generate"
     assert cfg.train.max_tokens_per_micro_batch == 4096 and cfg.sources["train.max_tokens_per_micro_batch"] == \
         "memory plan"
@@ -118,7 +126,68 @@ def test_plan_of_05b_zero3_with_checkpointing_by_hand():
     assert p.rows["reference"]["reference"] == 2 * layer * 2  # ZeRO-3: gathered a layer at a time
     critic_P = P  # tied: no separate LM head to leave out
     assert p.rows["critic"]["train"] == critic_P * 2 // 2 + critic_P * 2 // 2 + critic_P * 2 + 12 * critic_P // 2
-    assert p.pinned["reference"] == P * 2 // 2 * 2  # its shards, one copy per node
+    # its shards, one copy per node, pinned parameter by parameter, each rounded up to a power of two by
+    # torch's pinned allocator (issue 47 item 4): half of each bf16 tensor per rank -
+    # embedding 151936 x 896 / 2 x 2 B = 136,134,656 -> 2^28; per layer q and o 802,816 -> 2^20 each, k and v
+    # 114,688 -> 2^17, biases 896 -> 2^10 and 128 (x2), gate/up/down 4,358,144 -> 2^23 each, norms 896 -> 2^10 (x2)
+    layer_pinned = 2 * 2**20 + 2 * 2**17 + 2**10 + 2 * 128 + 3 * 2**23 + 2 * 2**10
+    assert p.pinned["reference"] == 2 * (2**28 + 24 * layer_pinned + 2**10) == 1_858_238_464  # 1.88x its bytes
+    assert P * 2 // 2 * 2 == 988_065_536  # what the plan counted before
+
+
+@pytest.mark.fast
+def test_what_vllm_keeps_asleep_is_planned_in_every_phase():
+    """Issue 47 item 5: vLLM's CUDA-graph pool (full and piecewise graphs), its persistent buffers and
+    a TP group's NCCL buffers are allocated outside its sleep-mode pool, so a sleep releases none of
+    them: the trainer's phases must leave room for them too. The 72B recipe, TP 4."""
+    cfg = config.load(str(ROOT / "examples" / "recipes" / "qwen2.5-72b-8xh100.yaml"), {})
+    cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
+    s = shape("Qwen/Qwen2.5-72B-Instruct")
+    graphs, buffers = p.rows["CUDA graphs"], p.rows["vLLM buffers"]
+    for phase in p.PHASES:
+        assert graphs[phase] == plan.graph_bytes(s, 2, 256, 4) and buffers[phase] == plan.buffer_bytes(s, 2, 4)
+    # two capture modes: the pool's per-size and per-sequence terms twice over one mode's
+    assert plan.graph_bytes(s, 2, 256, 4) - (64 << 20) == 2 * (plan.graph_bytes(s, 2, 256, 4, modes=1) - (64 << 20))
+    # 16384 tokens' hidden state (8192 x bf16) + ids, and two NCCL communicators at TP > 1
+    assert plan.buffer_bytes(s, 2, 4) == 16384 * (8192 * 2 + 24) + 2 * plan.NCCL_COMM
+    assert plan.buffer_bytes(s, 2, 1) == 16384 * (8192 * 2 + 24)
+    # the planner that runs keeps the same bytes back beside vLLM's budget
+    from hybridrl.cycle import memory
+    m = memory.plan(80 * GIB, 70 * GIB, 76 * GIB, margin=2 * GIB, weights=GIB, need=2 * GIB, asleep=64 * GIB)
+    assert m.offload and m.asleep == 64 * GIB and "graphs and buffers (kept asleep) 64.00 GiB" in m.describe()
+
+
+@pytest.mark.fast
+def test_pinned_host_memory_is_counted_as_torch_and_deepspeed_pin_it():
+    """Issue 47 item 4: torch's pinned allocator rounds every allocation up to a power of two, ZeRO-3
+    with the optimizer offloaded pins a flat bf16 gradient buffer and fp32 sub-group gradients (its
+    fp32 master weights and Adam's moments are ordinary pages), and the reference pins tensor by
+    tensor. The 72B recipe (8 ranks, ZeRO-3, optimizer offloaded) from DeepSpeed's stage3.py:
+    a rank's 9,088,275,456 trained parameters pin 2 x 9.09e9 B of bf16 gradients -> 32 GiB and 9
+    sub-groups of 1e9 fp32 gradients (4e9 B -> 4 GiB each) + the 88,275,456-element rest -> 512 MiB:
+    68.5 GiB a rank, 548 GiB a node; 12 B a parameter of pageable states: 812.6 GiB. 1360.6 GiB
+    in all where the plan counted 16 B a parameter, all pinned: 1083.4 GiB."""
+    assert [plan.pinned_bytes(n) for n in (1, 3, 4096, 4097, 1_089_994_752)] == [1, 4, 4096, 8192, 2**31]
+    cfg = config.load(str(ROOT / "examples" / "recipes" / "qwen2.5-72b-8xh100.yaml"), {})
+    cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
+    s = shape("Qwen/Qwen2.5-72B-Instruct")
+    assert sum(s.tensors()) == sum(s.tensors(fused=True)) == s.params == 72_706_203_648
+    part = s.params // 8
+    assert part == 9_088_275_456 and cfg.train.zero_stage == 3 and cfg.train.optimizer_offload == "on"
+    assert p.pinned["optimizer (offloaded)"] == 8 * (32 * GIB + 9 * 4 * GIB + 512 * 2**20) == 548 * GIB
+    assert p.pageable["optimizer states (offloaded)"] == 8 * 12 * part
+    assert round(p.host_total / GIB, 1) == 1360.6 and "with the pinned, 1360.6 GiB of 2048" in p.table()
+    # the node must hold it: 1,400 GiB of host memory (90%: 1,260) is refused in one line, before any engine
+    with pytest.raises(ConfigError, match=r"needs \d+ GiB of host memory per node \(\d+ GiB of it pinned"):
+        plan.dry_run(config.load(str(ROOT / "examples" / "recipes" / "qwen2.5-72b-8xh100.yaml"), {}), nproc=8,
+                     nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=1400)
+    # the 7B reference under ZeRO-2: every rank pins a whole copy, tensor by tensor - 1.9x its bytes
+    s7 = shape("Qwen/Qwen2.5-7B-Instruct")
+    cfg, p = plan.decide(gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **{"algo.kl_coef": 0.01}), s7, device=H100,
+                         host=NODE, world=8, local=8, on_cpu=False)
+    assert cfg.train.zero_stage == 2
+    assert p.pinned["reference"] == 8 * sum(plan.pinned_bytes(n * 2) for n in s7.tensors())
+    assert 1.85 < p.pinned["reference"] / (8 * s7.params * 2) < 1.95
 
 
 @pytest.mark.fast
@@ -276,6 +345,9 @@ def test_qwen3_params_match_transformers(name):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)))
     s = plan.Shape.from_config(json.loads(path.read_text()))
     assert s.params == sum(p.numel() for p in model.parameters())
+    # what is pinned tensor by tensor (the reference) covers every expert and the q/k norms
+    assert sorted(s.tensors()) == sorted(p.numel() for p in model.parameters()) and \
+        sum(s.tensors(fused=True)) == s.params
     published = {"qwen3-0.6b": 0.6, "qwen3-1.7b": 1.7, "qwen3-4b": 4.0, "qwen3-8b": 8.2, "qwen3-14b": 14.8,
                  "qwen3-32b": 32.8, "qwen3-30b-a3b": 30.5, "qwen3-235b-a22b": 235}
     assert s.params / 1e9 == pytest.approx(published[name], abs=0.06 if s.params < 1e11 else 0.5)

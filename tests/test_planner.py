@@ -2,6 +2,7 @@
 (memory.plan: the KV cache, activations and vLLM's sampler against what is free with the trainer's
 states on the device and off it), the step's KV need and sequence count, and the caller that fills
 the auto knobs (engine_cycle.plan_rollout)."""
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,24 @@ def test_engine_seqs_cover_the_step_and_the_evaluation():
     assert memory.engine_seqs(cfg, 8) == 128
     # every held-out prompt (counted later): vLLM's default on an 80 GB GPU
     assert memory.engine_seqs(config.load(None, {"log.eval_size": 0}), 1) == 1024
+
+
+def test_tensor_parallel_engines_run_the_groups_sequences_as_planned():
+    """Issue 47 item 2: a tensor-parallel engine serves its group's requests (every rank brings its
+    own share), so max_num_seqs is tp x a rank's. The 72B recipe (TP 4, 8 GPUs, 32 prompts x 8,
+    512 held-out prompts) runs 4 x 32 = 128 step sequences and 4 x 64 = 256 held-out ones per engine:
+    256, what `hybridrl plan` prints, not one rank's 64 (the step in two waves, evaluation in four)."""
+    from hybridrl.cycle import plan
+    root = Path(__file__).resolve().parents[1]
+    cfg = config.load(str(root / "examples" / "recipes" / "qwen2.5-72b-8xh100.yaml"), {})
+    cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
+    assert cfg.rollout.tensor_parallel_size == 4 and cfg.rollout.max_num_seqs == 0
+    assert memory.engine_seqs(cfg, 8, 4) == 4 * max(memory.step_seqs(cfg, 8), 512 // 8) == 256
+    assert p.knobs.max_num_seqs == 256 and "rollout.max_num_seqs=256 per engine (2 engine(s) of TP 4)" in p.table()
+    # what runs: the planner's caller with the same settings (a fraction given: nothing to measure)
+    fixed = replace(cfg, rollout=replace(cfg.rollout, gpu_memory_utilization="0.9"))
+    out = engine_cycle.plan_rollout(fixed, FakeTrainer([]), cuda=True, main=False, world_size=8)
+    assert out.rollout.max_num_seqs == p.knobs.max_num_seqs
 
 
 def test_plan_rollout_fills_auto(monkeypatch, capsys):

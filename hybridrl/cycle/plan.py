@@ -16,7 +16,8 @@ of the trainer's data parallelism, TP vLLM's tensor-parallel size):
   master weights and Adam's two moments 12 T / N, and at the optimizer step a fp32 gradient
   partition and a flattened copy of the gradients (4 + b) T / N (after the backward has freed the
   activations: on CPU at the 134M shape the step, not the backward, was the peak); the optimizer offloaded:
-  the last three live in pinned host memory.
+  the last three live in host memory, partly pinned (`build`'s pinned/pageable: what DeepSpeed pins,
+  each buffer rounded up to a power of two as torch's pinned allocator does, `pinned_bytes`).
 - activations of one micro-batch of `train.max_tokens_per_micro_batch` tokens: per token and
   layer (4 b + 8) hidden + 2 b (query width + KV width) + 4 b MLP width without gradient
   checkpointing (the 8: the RMSNorms' float32 copies; a mixture-of-experts layer: the MLPs of a
@@ -31,7 +32,9 @@ of the trainer's data parallelism, TP vLLM's tensor-parallel size):
   sequences (memory.kv_cache_need, / TP),
   activations 1 GiB + 10% of the active weights + the sampler's float32 logits rows, and with CUDA
   graphs their memory pool (an estimate: the largest captured batch's activations and a few
-  MiB per captured size).
+  MiB per captured size, for full and piecewise graphs). The graph pool, the model runner's
+  persistent buffers and TP communicators' buffers live outside vLLM's sleep-mode pool: they stay
+  through every phase (asleep_bytes).
 - ZeRO-3: up to DeepSpeed's stage3_max_live_parameters (1e9) gathered while a forward or backward
   runs, and the hand-off's bucket of gathered parameters.
 - reference: under ZeRO-2 a device copy of the weights for the phase (pinned in host memory
@@ -57,6 +60,7 @@ GIB = memory.GIB
 MIB = memory.MIB
 REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements), which ds_config keeps
 STAGE3_LIVE = 1_000_000_000  # DeepSpeed's default stage3_max_live_parameters: gathered ZeRO-3 parameters kept
+SUB_GROUP = 1_000_000_000  # DeepSpeed's default sub_group_size: ZeRO-3 flattens a rank's fp32 partition in these
 GRAPH_SIZES_MAX = 512  # the largest batch vLLM captures a CUDA graph for
 CONFIGS = Path(__file__).resolve().parents[1] / "model_configs"  # config.json of real models (no weights), for planning offline
 DEFAULT_GPU_GIB = 79.2  # an 80 GB H100 as CUDA reports it (torch.cuda.mem_get_info's total)
@@ -221,6 +225,23 @@ class Shape:
                if self.moe_layers else "")
         return f"{count(self.params)} parameters" + moe
 
+    def tensors(self, fused: bool = False) -> list[int]:
+        """Every parameter tensor's elements (they sum to `params`), as transformers holds them, or
+        `fused` as vLLM does (q/k/v in one, gate/up in one): what is pinned tensor by tensor."""
+        h, kv, q, m = self.hidden, self.kv_dim, self.q_dim, self.intermediate
+        attn = [h * (q + 2 * kv)] if fused else [h * q, h * kv, h * kv]
+        bias = ([q + 2 * kv] if fused else [q, kv, kv]) if self.qkv_bias else []
+        mlp = [2 * h * m, m * h] if fused else [h * m, h * m, m * h]
+        norms = ([q, kv] if self.qk_norm == q + kv else [self.qk_norm // 2] * 2) if self.qk_norm else []
+        layer = attn + bias + norms + [q * h] + [h, h]
+        # experts are held as two stacked tensors a layer on both sides (transformers' gate_up and
+        # down projections, vLLM's w13 and w2), beside the router and the shared expert with its gate
+        e, s = self.expert_intermediate, self.shared_intermediate
+        shared = ([2 * h * s, s * h] if fused else [h * s, h * s, s * h]) + [h] if s else []
+        moe = [self.experts * 2 * e * h, self.experts * h * e, self.experts * h] + shared
+        body = (layer + moe) * self.moe_layers + (layer + mlp) * (self.layers - self.moe_layers)
+        return [self.vocab * h] + body + [h] + ([] if self.tied else [self.vocab * h])
+
 
 def read_config(path: str) -> dict:
     """config.json of a model directory, of a shipped real model (by hub name, case-insensitive,
@@ -285,9 +306,10 @@ class MemoryPlan:
     device: int  # bytes of one GPU (CPU: this rank's share of the node's memory)
     host: int  # bytes of the node's host memory
     rows: dict[str, dict[str, int]]  # component -> phase -> bytes
-    pinned: dict[str, int]  # what sits in pinned host memory, per node
+    pinned: dict[str, int]  # what sits in pinned host memory, per node (as torch's pinned allocator rounds it)
     knobs: Knobs
     choices: list[str] = field(default_factory=list)  # what the plan decided, and why
+    pageable: dict[str, int] = field(default_factory=dict)  # offloaded states in ordinary host memory, per node
 
     PHASES = ("generate", "hand-off", "reference", "values", "train")
 
@@ -303,8 +325,12 @@ class MemoryPlan:
         return sum(self.pinned.values())
 
     @property
+    def host_total(self) -> int:  # the node's host memory the plan fills: pinned and pageable
+        return self.pinned_total + sum(self.pageable.values())
+
+    @property
     def fits(self) -> bool:
-        return self.peak[1] <= self.device and self.pinned_total <= self.host * 0.9
+        return self.peak[1] <= self.device and self.host_total <= self.host * 0.9
 
     def table(self, title: str = "") -> str:
         k = self.knobs
@@ -321,22 +347,50 @@ class MemoryPlan:
         phase, peak = self.peak
         lines.append(f"peak: {phase}, {peak / GIB:.1f} of {self.device / GIB:.1f} GiB "
                      f"({'fits' if peak <= self.device else 'DOES NOT FIT'})")
+        if not k.on_cpu:  # what engine_cycle.plan_rollout gives vLLM: the engine serves its whole group
+            graphs = f", CUDA graphs up to a batch of {max(capture_sizes(k.max_num_seqs))}" if k.graphs else ""
+            lines.append(f"vLLM: rollout.max_num_seqs={k.max_num_seqs} per engine ({k.world // k.tp} engine(s) of TP "
+                         f"{k.tp}){graphs}")
         if self.pinned:
             parts = ", ".join(f"{n} {v / GIB:.1f}" for n, v in self.pinned.items() if v)
             lines.append(f"pinned host memory per node: {self.pinned_total / GIB:.1f} GiB of {self.host / GIB:.0f} "
-                         f"({parts})")
+                         f"({parts}; each buffer rounded up to a power of two, as torch pins)")
+        if self.pageable:
+            parts = ", ".join(f"{n} {v / GIB:.1f}" for n, v in self.pageable.items() if v)
+            lines.append(f"pageable host memory per node: {sum(self.pageable.values()) / GIB:.1f} GiB ({parts}); "
+                         f"with the pinned, {self.host_total / GIB:.1f} GiB of {self.host / GIB:.0f}")
         lines += [f"plan chose: {c}" for c in self.choices]
         return "\n".join(lines)
 
 
-def graph_bytes(shape: Shape, b: int, max_num_seqs: int, tp: int) -> int:
-    """vLLM's CUDA-graph pool, estimated: the largest captured batch's activations in one layer
-    (its buffers are reused layer to layer) and a few MiB per captured batch size (1, 2, 4, 8,
-    16, ... every 8 up to min(max_num_seqs, 512))."""
+GRAPH_MODES = 2  # vLLM's default cudagraph_mode, FULL_AND_PIECEWISE: every size captured as a full and a piecewise graph
+BATCHED_TOKENS = 16384  # vLLM's default max_num_batched_tokens for the offline LLM class on a large GPU
+NCCL_COMM = 256 * MIB  # an NCCL communicator's own device buffers (channels x peers x NCCL_BUFFSIZE), estimated
+
+
+def graph_bytes(shape: Shape, b: int, max_num_seqs: int, tp: int, modes: int = GRAPH_MODES) -> int:
+    """vLLM's CUDA-graph pool, estimated: per capture mode (vLLM's default captures full graphs for
+    decode batches and piecewise graphs around attention, both into the pool) the largest captured
+    batch's activations in one layer (its buffers are reused layer to layer) and a few MiB per
+    captured batch size (1, 2, 4, 8, 16, ... every 8 up to min(max_num_seqs, 512))."""
     top = min(max_num_seqs or GRAPH_SIZES_MAX, GRAPH_SIZES_MAX)
     sizes = len(capture_sizes(top))
     per_seq = (shape.q_dim + 2 * shape.kv_dim + shape.hidden + 2 * shape.mlp_width) // tp * b + shape.vocab * 4 // tp
-    return 64 * MIB + 2 * MIB * sizes + top * per_seq
+    return 64 * MIB + modes * (2 * MIB * sizes + top * per_seq)
+
+
+def buffer_bytes(shape: Shape, b: int, tp: int) -> int:
+    """What vLLM allocates outside its sleep-mode pool, besides the graphs, and so keeps on the device
+    while asleep: the model runner's persistent input buffers (token ids, positions, the input
+    embeddings of BATCHED_TOKENS tokens) and, under tensor parallelism, its two NCCL communicators'
+    buffers (the group's device group and vLLM's own pynccl; custom and symmetric-memory all-reduce
+    are off: vllm_compat.engine_kwargs and all_reduce_env)."""
+    return BATCHED_TOKENS * (shape.hidden * b + 24) + (2 * NCCL_COMM if tp > 1 else 0)
+
+
+def asleep_bytes(shape: Shape, b: int, max_num_seqs: int, tp: int, graphs: bool) -> int:
+    """vLLM's device memory that a sleep does not release (graph pool and buffers): in every phase."""
+    return (graph_bytes(shape, b, max_num_seqs, tp) if graphs else 0) + buffer_bytes(shape, b, tp)
 
 
 def capture_sizes(top: int) -> list[int]:
@@ -384,7 +438,9 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
     row("vLLM weights", vllm_w, vllm_phases)
     row("vLLM KV cache", k.kv, ("generate",) if not k.on_cpu and k.sleep_level else MemoryPlan.PHASES)
     row("vLLM activations", vllm_act, ("generate",) if not k.on_cpu else MemoryPlan.PHASES)
-    row("CUDA graphs", graphs, ("generate",) if k.sleep_level else MemoryPlan.PHASES)
+    # allocated outside vLLM's sleep-mode pool, so kept through every phase, asleep or not
+    row("CUDA graphs", graphs, MemoryPlan.PHASES)
+    row("vLLM buffers", buffer_bytes(shape, b, k.tp) if not k.on_cpu else 0, MemoryPlan.PHASES)
     # the trainer: its parameters stay (the hand-off reads them); its states stay beside vLLM when they
     # fit (train.offload_states auto, decided again by measurement at start), else they leave
     everywhere = MemoryPlan.PHASES
@@ -419,21 +475,44 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
             if name in rows:
                 rows[name].update({"generate": rows[name]["train"], "hand-off": rows[name]["train"]})
         kept = 0
-    pinned = plan.pinned
-    if not k.on_cpu:
-        if k.reference:  # ZeRO-2: a whole copy per rank; ZeRO-3: its shards, one copy per node
-            pinned["reference"] = (P * b // N if z3 else P * b) * k.local
-        if k.sleep_level == 1:
-            pinned["vLLM weights (sleep level 1)"] = vllm_w * k.local
+    pinned, L = plan.pinned, k.local
+    if not k.on_cpu:  # what each rank pins, buffer by buffer (pinned_bytes), times the node's ranks
+        part = T // N  # this rank's partition of the trained parameters
+        sub = SUB_GROUP if z3 else part  # ZeRO-3 flattens it in sub-groups of this many elements, ZeRO-1/2 in one
+        if k.reference:  # tensor by tensor: ZeRO-2 a whole copy per rank (reference.py); ZeRO-3 its shards
+            pinned["reference"] = sum(pinned_bytes(-(-n // N) * b if z3 else n * b) for n in shape.tensors()) * L
+        if k.sleep_level == 1:  # vLLM's sleep backs each of its weight allocations up to pinned memory
+            pinned["vLLM weights (sleep level 1)"] = sum(pinned_bytes(n // k.tp * b) for n in shape.tensors(True)) * L
         if k.optimizer_offload:
-            pinned["optimizer (offloaded)"] = 16 * T // N * k.local
-        if kept:
-            pinned["trainer states while generating"] = kept * k.local
-        if k.param_offload:
-            pinned["parameters (offloaded)"] = P * b // N * k.local
-        if k.critic:
-            pinned["critic while generating"] = critic_states * k.local
+            if z3:  # one flat low-precision gradient buffer and each sub-group's fp32 gradients
+                pinned["optimizer (offloaded)"] = (pinned_bytes(b * part) + _sub_groups(part, sub, 4)) * L
+            else:  # fp32 master weights and their gradients, a low-precision copy, a one-parameter gradient buffer
+                pinned["optimizer (offloaded)"] = (2 * pinned_bytes(4 * part) + pinned_bytes(b * part)
+                                                   + pinned_bytes(b * max(shape.tensors()))) * L
+            # CPU Adam's fp32 master weights (ZeRO-3: a clone, not pinned) and two moments: ordinary pages
+            plan.pageable["optimizer states (offloaded)"] = (12 if z3 else 8) * part * L
+        if kept:  # offload_states pins the gradients flat, fp32 master weights and Adam's moments per sub-group
+            pinned["trainer states while generating"] = (pinned_bytes(b * part) + 3 * _sub_groups(part, sub, 4)) * L
+        if k.param_offload:  # one flat buffer of the rank's parameter partition
+            pinned["parameters (offloaded)"] = pinned_bytes(P * b // N) * L
+        if k.critic and critic_states:
+            cpart = cP // N
+            pinned["critic while generating"] = (pinned_bytes(b * cpart)
+                                                 + 3 * _sub_groups(cpart, SUB_GROUP if z3 else cpart, 4)) * L
     return plan
+
+
+def pinned_bytes(nbytes: int) -> int:
+    """Host memory a pinned buffer of `nbytes` takes: torch's pinned allocator (CachingHostAllocator)
+    rounds every allocation up to a power of two (unless pinned_max_round_threshold is set, which
+    hybridrl does not), so a 1.09 GB embedding pins 2 GiB."""
+    return 1 << (nbytes - 1).bit_length() if nbytes > 0 else 0
+
+
+def _sub_groups(numel: int, sub: int, width: int) -> int:
+    """Pinned bytes of `numel` elements of `width` bytes flattened in buffers of `sub` elements."""
+    full, rest = divmod(numel, max(1, sub))
+    return full * pinned_bytes(sub * width) + pinned_bytes(rest * width)
 
 
 # --- deciding the knobs the user left unset --------------------------------------------------------
@@ -459,7 +538,7 @@ def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp
                  optimizer_offload=t.optimizer_offload == "on", param_offload=t.param_offload == "on",
                  trained=trained, reference=cfg.algo.kl_coef > 0 and not m.lora_rank,
                  critic=cfg.algo.advantage == "gae", sleep_level=r.sleep_level, graphs=not r.enforce_eager,
-                 max_num_seqs=r.max_num_seqs or memory.engine_seqs(cfg, dp), kv=kv, kv_floor=floor, chunk=t.logprob_chunk,
+                 max_num_seqs=r.max_num_seqs or memory.engine_seqs(cfg, world, tp), kv=kv, kv_floor=floor, chunk=t.logprob_chunk,
                  bucket=t.sync_bucket_mb << 20, reserve=(r.memory_margin_mb << 20) if not on_cpu else 0,
                  on_cpu=on_cpu, offload_states=t.offload_states)
 
@@ -568,8 +647,9 @@ def _refusal(cfg: Config, shape: Shape, base: Knobs, device: int, host: int, wor
         last = k  # the most the user's settings allow
     last = build(shape, last or base, device=device, host=host)
     phase, peak = last.peak
-    if last.pinned_total > host * 0.9 and peak <= device:
-        return (f"the memory plan needs {last.pinned_total / GIB:.0f} GiB of pinned host memory per node, more than "
+    if last.host_total > host * 0.9 and peak <= device:
+        return (f"the memory plan needs {last.host_total / GIB:.0f} GiB of host memory per node "
+                f"({last.pinned_total / GIB:.0f} GiB of it pinned host memory), more than "
                 f"90% of {host / GIB:.0f} GiB: use more nodes, LoRA (model.lora_rank), or a node with more memory "
                 "(`hybridrl plan` shows the table)")
     from hybridrl.run.recipe import explicit

@@ -17,6 +17,7 @@ Prompts go in and out as token ids: no re-tokenisation, no detokenisation inside
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
 
@@ -65,6 +66,7 @@ class Generation:
     grows: bool = False  # its caller extend()s it (multi-turn): a group gathers after the steps that finish requests
     queued: list = field(default_factory=list)  # this rank's extend()s, not yet gathered
     lost: list = field(default_factory=list)  # (prompt index, sample index, why): own extend()s vLLM refused
+    rng: object = None  # a tensor-parallel group's sampling state (vllm_compat.SamplingRNG)
 
     def extend(self, i: int, j: int, ids: list[int], max_tokens: int, turn: int) -> None:
         """Queue one more request for (prompt i, sample j) while this generation is being iterated:
@@ -108,7 +110,7 @@ class Generation:
         # a rank's next turns are decided by the outputs of the step that finished them, which every
         # rank of a group sees: the group gathers them after each step that finished a request
         refill = self._add_queued if self.tp is not None and self.grows else None
-        for outs in vllm_compat.step_finished(self.llm, refill):
+        for outs in vllm_compat.step_finished(self.llm, refill, self.rng):
             done = []
             for out in outs:
                 if out.request_id in self.others:
@@ -167,21 +169,23 @@ class Rollout:
         self._calls = 0  # generate() calls, for unique request ids
 
     # --- generation ---------------------------------------------------------------------------
-    def _group(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-        """Tensor parallel: the group's prompts (every rank's, in member order) and how many each
-        rank brought; alone: `prompts` and [len(prompts)]."""
+    def _group(self, prompts: list[list[int]]):
+        """Tensor parallel: the group's prompts (every rank's, in member order), how many each rank
+        brought, and the group's sampling state; alone: `prompts`, [len(prompts)], None."""
         if self.tp is None:
-            return prompts, [len(prompts)]
-        per = self.tp.gather(prompts)
-        return [p for ps in per for p in ps], [len(ps) for ps in per]
+            return prompts, [len(prompts)], None
+        per = self.tp.gather((prompts, vllm_compat.SamplingRNG.draw()))
+        return ([p for ps, _ in per for p in ps], [len(ps) for ps, _ in per],
+                vllm_compat.SamplingRNG(per[0][1], self.cuda))
 
     def _run(self, prompts: list[list[int]], params: SamplingParams):
         """vLLM's outputs for `prompts` (one call of LLM.generate, the group's in tensor parallel)."""
-        every, counts = self._group(prompts)
+        every, counts, rng = self._group(prompts)
         if not every:  # the whole group has nothing to ask (every rank knows it)
             return []
-        outs = self.llm.generate([{"prompt_token_ids": p} for p in every], params, use_tqdm=False,
-                                 lora_request=self.lora_request)
+        with rng.active() if rng is not None else nullcontext():
+            outs = self.llm.generate([{"prompt_token_ids": p} for p in every], params, use_tqdm=False,
+                                     lora_request=self.lora_request)
         return outs[launch.own_slice(counts, self.tp.member)] if self.tp else outs
 
     def generate(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
@@ -203,9 +207,13 @@ class Rollout:
                                 **self._stop())
         self._calls += 1
         gen = Generation(self.llm, {}, {}, params, seed, str(self._calls), self.lora_request, self.tp)
-        # tensor parallel: every rank's prompts with its own settings (an episode's room differs by rank)
-        per = self.tp.gather((prompts, params, seed)) if self.tp else [(prompts, params, seed)]
-        for m, (some, params, seed) in enumerate(per):
+        # tensor parallel: every rank's prompts with its own settings (an episode's room differs by rank),
+        # and the group's sampling state from its first member's draw (vllm_compat.SamplingRNG)
+        per = self.tp.gather((prompts, params, seed, vllm_compat.SamplingRNG.draw())) if self.tp else \
+            [(prompts, params, seed, None)]
+        if self.tp:
+            gen.rng = vllm_compat.SamplingRNG(per[0][3], self.cuda)
+        for m, (some, params, seed, _) in enumerate(per):
             mine = self.tp is None or m == self.tp.member
             tag = f"{self._calls}" if self.tp is None else f"{self._calls}-m{m}"  # a group's ranks reuse indices
             for i, ids in enumerate(some):

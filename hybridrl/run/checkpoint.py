@@ -27,7 +27,9 @@ from `torch.randint` on the global torch generator (`forward_cpu` in
 vllm/v1/sample/ops/topk_topp_sampler.py; GPU: `exponential_()` on the CUDA generator), since
 hybridrl passes no per-request seed. `LLM(seed=...)` only seeds that global generator when the
 engine starts. So saving torch's global states after step N and restoring them after the
-resume's engine start, hand-off and probe gives step N+1 the same samples.
+resume's engine start, hand-off and probe gives step N+1 the same samples. A tensor-parallel
+group samples from its own state, seeded per generation by a draw from the global CPU generator
+(vllm_compat.SamplingRNG), so the same holds there.
 """
 
 from __future__ import annotations
