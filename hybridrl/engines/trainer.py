@@ -180,6 +180,9 @@ def from_pretrained(auto_cls, path: str, conf: dict, **kw) -> nn.Module:
 
 
 class Trainer:
+    router: routing.Router | None = None  # MoE: the routers' hooks (_router); class defaults for stand-ins
+    replay = False
+
     def __init__(self, cfg: Config, model_path: str, *, device: torch.device, dtype: torch.dtype,
                  attn_implementation: str):
         from transformers import AutoModelForCausalLM
