@@ -37,20 +37,34 @@ SHAPE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, 
              num_experts_per_tok=2, max_position_embeddings=64)
 
 
-def build_model(tokenizer, **overrides):
-    """A random tiny Qwen3-MoE (`SHAPE`, `overrides` win) for the demo's tokenizer."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+# The other families hybridrl hands off, at the same size: transformers' config class and its
+# keywords beside SHAPE's (head_dim 32 is also what 128 / 4 heads gives the configs without one).
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeConfig", {"norm_topk_prob": True}),
+    "qwen2_moe": ("Qwen2MoeConfig", {"shared_expert_intermediate_size": 128, "norm_topk_prob": True}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "intermediate_size": 128}),
+    "olmoe": ("OlmoeConfig", {"intermediate_size": 128}),
+}
 
-    config = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), **{**SHAPE, **overrides}, tie_word_embeddings=False,
-        norm_topk_prob=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, dtype="float32",
-    )
-    return Qwen3MoeForCausalLM(config).float()
+
+def build_model(tokenizer, family: str = "qwen3_moe", **overrides):
+    """A random tiny mixture-of-experts model of `family` (`SHAPE`, `overrides` win) for the demo's
+    tokenizer."""
+    import transformers
+
+    cls_name, extra = FAMILIES[family]
+    cls = getattr(transformers, cls_name)
+    shape = {**SHAPE, **extra, **overrides}
+    if family == "mixtral":  # its name for num_experts
+        shape.pop("num_experts")
+    config = cls(vocab_size=len(tokenizer), **shape, tie_word_embeddings=False,
+                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                 pad_token_id=tokenizer.pad_token_id, dtype="float32")
+    return transformers.AutoModelForCausalLM.from_config(config).float()
 
 
 def build(dest, *, warm: bool = True, seed: int = 0, lr: float = 1e-3, batch_size: int = 64,
-          max_steps: int = 3000) -> Path:
+          max_steps: int = 3000, family: str = "qwen3_moe") -> Path:
     """Write the model and the demo's tokenizer to `dest` (warmed up on addition unless `warm=False`)."""
     dest = Path(dest)
     random.seed(seed)
@@ -60,7 +74,7 @@ def build(dest, *, warm: bool = True, seed: int = 0, lr: float = 1e-3, batch_siz
     torch.set_num_threads(1)
     try:
         tokenizer = make_demo_model.build_tokenizer()
-        model = build_model(tokenizer)
+        model = build_model(tokenizer, family)
         trajectory = (make_demo_model.warm_up(model, tokenizer, seed=seed, lr=lr, batch_size=batch_size,
                                               max_steps=max_steps) if warm else [])
     finally:
@@ -83,9 +97,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--no-warm", action="store_true", help="save the random model (no warm-up)")
+    ap.add_argument("--family", choices=sorted(FAMILIES), default="qwen3_moe")
     args = ap.parse_args()
     t0 = time.time()
-    out = build(args.out, warm=not args.no_warm, seed=args.seed, lr=args.lr)
+    out = build(args.out, warm=not args.no_warm, seed=args.seed, lr=args.lr, family=args.family)
     print(f"wrote {out} in {time.time() - t0:.1f} s", flush=True)
 
 
