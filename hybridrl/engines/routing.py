@@ -28,7 +28,8 @@ from torch import nn
 
 # routers whose output is (logits, weights, indices) with weights = softmax(logits) at the indices,
 # renormalised over the top-k when `norm_topk_prob`: what `_hook` recomputes at vLLM's indices
-SUPPORTED_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter")
+SUPPORTED_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter", "MixtralTopKRouter")
+_MIXTRAL = "MixtralTopKRouter"  # always renormalises, and keeps its weights in float32
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -108,9 +109,10 @@ def _hook(layer: int):
             idx = torch.where(known[:, None], theirs.to(idx.dtype), idx)  # [N, k]
             probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # [N, E], as the router computes them
             weights = probs.gather(1, idx)  # [N, k]: the gradient reaches the router's logits
-            if getattr(mod, "norm_topk_prob", False):
+            mixtral = type(mod).__name__ == _MIXTRAL
+            if mixtral or getattr(mod, "norm_topk_prob", False):
                 weights = weights / weights.sum(-1, keepdim=True)
-            weights = weights.to(logits.dtype)
+            weights = weights if mixtral else weights.to(logits.dtype)
         if first:
             used = idx[seg.valid.to(idx.device)].detach().flatten()
             counts = torch.bincount(used, minlength=logits.shape[-1]).cpu()
