@@ -50,13 +50,16 @@ class Batch:
     logp_ref: torch.Tensor | None = None  # [B, T] float, the reference policy's log-probs (algo.kl_coef > 0)
     values: torch.Tensor | None = None  # [B, T] float, the critic's values before this update (gae)
     returns: torch.Tensor | None = None  # [B, T] float, the critic's targets (gae)
+    routes: torch.Tensor | None = None  # [B, T, L, k] int16, MoE: vLLM's experts per token and layer, -1 = unknown
 
     @classmethod
     def from_rows(cls, prompts: list[list[int]], completions: list[list[int]],
                   rollout_logprobs: list[list[float]], advantages: list[float],
-                  completion_masks: list[list[int] | None] | None = None) -> "Batch":
+                  completion_masks: list[list[int] | None] | None = None,
+                  routes: list[torch.Tensor | None] | None = None) -> "Batch":
         """`completion_masks[b]`: 1 on the completion tokens that carry loss (a multi-turn episode's
-        assistant tokens), 0 on context inside it (environment tokens); None = all of them."""
+        assistant tokens), 0 on context inside it (environment tokens); None = all of them.
+        `routes[b]`: [len, L, k] the experts vLLM routed row b's tokens to (MoE); None = not recorded."""
         p_len = np.fromiter((len(p) for p in prompts), np.int64, len(prompts))
         c_len = np.fromiter((len(c) for c in completions), np.int64, len(completions))
         lengths = p_len + c_len  # [B]
@@ -77,7 +80,8 @@ class Batch:
                                      bool, int(c_len.sum()))
             logp[~mask] = 0.0  # environment tokens' placeholders
         return cls(torch.from_numpy(tokens), torch.from_numpy(lengths), torch.from_numpy(mask),
-                   torch.tensor(advantages, dtype=torch.float32), torch.from_numpy(logp))
+                   torch.tensor(advantages, dtype=torch.float32), torch.from_numpy(logp),
+                   routes=stack_routes(routes, real.shape[1]))
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -86,7 +90,7 @@ class Batch:
         """Rows `idx`, trimmed to their longest row."""
         T = int(self.lengths[idx].max())
         def take(x):
-            return None if x is None else (x[idx, :T] if x.dim() == 2 else x[idx])
+            return None if x is None else (x[idx, :T] if x.dim() >= 2 else x[idx])
         return replace(self, **{f.name: take(getattr(self, f.name)) for f in fields(self)})
 
     def to(self, device) -> "Batch":
@@ -150,6 +154,19 @@ class Batch:
         loss = self.loss_mask.gather(1, src) & comp_mask
         attn = torch.cat([prompt_mask[group], comp_mask], 1).long()
         return Shared(prompts, plen, group, completions, attn, lens[:, None] + C_idx[None], loss)
+
+
+def stack_routes(routes: list[torch.Tensor | None] | None, T: int) -> torch.Tensor | None:
+    """Rows' routes [len_b, L, k] as one [B, T, L, k] int16 tensor, -1 where a row has none; None if
+    no row has any (a dense model)."""
+    shape = next((r.shape[1:] for r in routes or [] if r is not None), None)
+    if shape is None:
+        return None
+    out = torch.full((len(routes), T, *shape), -1, dtype=torch.int16)
+    for b, r in enumerate(routes):
+        if r is not None:
+            out[b, : r.shape[0]] = r[:T]
+    return out
 
 
 def micro_batches(lengths: torch.Tensor, max_tokens: int, packed: bool = False) -> list[torch.Tensor]:

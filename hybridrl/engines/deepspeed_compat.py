@@ -152,6 +152,22 @@ def reload_states(engine) -> None:
 
 
 # --- parameters and checkpoints ------------------------------------------------------------------
+def moe_leaf_modules(model: torch.nn.Module) -> list[str]:
+    """Make every mixture-of-experts block a ZeRO-3 leaf module (DeepSpeed's `set_z3_leaf_modules`):
+    its parameters, router and every expert, are gathered together when the block starts. Without
+    it ZeRO-3 gathers a submodule's parameters as it runs, and each rank runs only the experts its
+    tokens were routed to: ranks that route differently call different gathers and wait for each
+    other forever (DeepSpeed's docs on Mixtral). A block is a module with a `gate` (the router)
+    and an `experts` child (transformers' *SparseMoeBlock); returns the block classes' names."""
+    from deepspeed.utils import set_z3_leaf_modules
+
+    kinds = sorted({type(m) for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")
+                    and isinstance(getattr(m, "experts"), torch.nn.Module)}, key=lambda k: k.__name__)
+    if kinds:
+        set_z3_leaf_modules(model, kinds)
+    return [k.__name__ for k in kinds]
+
+
 def full_numel(p: torch.Tensor) -> int:
     """A parameter's element count, the whole tensor's even where ZeRO-3 has partitioned it (its
     `ds_numel`; the local tensor is then empty)."""

@@ -46,6 +46,7 @@ class ModelInfo:
     # own (not remote code), and its KV cache grows by concatenation on every layer (plain_cache)
     native: bool = True
     plain_cache: bool = True
+    moe: str = ""  # the mixture-of-experts family (its model_type, one of MOE_FAMILIES); "" for a dense model
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         return self.kv_values_per_token * (4 if dtype == "float32" else 2)
@@ -142,6 +143,7 @@ def inspect(name: str, trust_remote_code: bool = False) -> ModelInfo:
     text = getattr(config, "get_text_config", lambda: config)()
     archs = list(getattr(config, "architectures", None) or [])
     arch = _servable(name, archs, getattr(config, "model_type", "?"))
+    moe = moe_family(name, text)
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -165,7 +167,32 @@ def inspect(name: str, trust_remote_code: bool = False) -> ModelInfo:
                      vocab=int(getattr(text, "vocab_size", 0) or len(tok)),
                      max_positions=int(getattr(text, "max_position_embeddings", 0) or 0),
                      kv_values_per_token=kv_values, attn_heads=attn_heads, native=native,
-                     plain_cache=plain_cache(config))
+                     plain_cache=plain_cache(config), moe=moe)
+
+
+# Mixture-of-experts families whose hand-off is proven here (tests/test_moe.py): transformers stores
+# their experts fused per layer (gate_up_proj [E, 2I, H], down_proj [E, H, I]), which vLLM's loader
+# takes as they are. Others (DeepSeek-V2/V3, gpt-oss, Llama 4, Jamba, ...) have other expert layouts,
+# shared or dense layers, biases or quantized experts that nothing here has checked.
+MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+def moe_family(name: str, text) -> str:
+    """The model_type of a mixture-of-experts config (any of EXPERT_COUNT_KEYS above 1), "" for a dense
+    one; ModelError for a family outside MOE_FAMILIES."""
+    def count(key: str) -> int:
+        try:
+            return int(getattr(text, key, 0) or 0)
+        except (TypeError, ValueError):
+            return 0
+    model_type = str(getattr(text, "model_type", "") or "")
+    if model_type not in MOE_FAMILIES and not any(count(k) > 1 for k in EXPERT_COUNT_KEYS):
+        return ""
+    if model_type not in MOE_FAMILIES:
+        raise ModelError(f"model.path {name}: mixture-of-experts model type {model_type!r} is not supported "
+                         f"(hybridrl hands off {', '.join(MOE_FAMILIES)}); pick a model of one of those families")
+    return model_type
 
 
 def plain_cache(config) -> bool:

@@ -49,6 +49,9 @@ class Sample:
     # logprobs are 0.0 placeholders; None = every token is the model's (single turn)
     loss_mask: list[int] | None = None
     env_reward: float = 0.0  # the environment's rewards, summed over the episode's turns
+    # MoE: the experts vLLM routed each token of prompt + completion to, [T, layers, k] int16, -1 where
+    # unknown (routing.py); None for a dense model or where they could not be recorded
+    routes: torch.Tensor | None = None
 
 
 @dataclass
@@ -67,6 +70,7 @@ class Generation:
     queued: list = field(default_factory=list)  # this rank's extend()s, not yet gathered
     lost: list = field(default_factory=list)  # (prompt index, sample index, why): own extend()s vLLM refused
     rng: object = None  # a tensor-parallel group's sampling state (vllm_compat.SamplingRNG)
+    routes: object = None  # Rollout.routes_of, when the model's routes are recorded
 
     def extend(self, i: int, j: int, ids: list[int], max_tokens: int, turn: int) -> None:
         """Queue one more request for (prompt i, sample j) while this generation is being iterated:
@@ -120,7 +124,9 @@ class Generation:
                 for c in out.outputs:  # one, or the prompt's n samples (a request with n > 1)
                     ids = list(c.token_ids)
                     lps = [d[t].logprob for t, d in zip(ids, c.logprobs)]
-                    done.append(Sample(i, ids, lps, c.finish_reason == "stop", c.index if j is None else j))
+                    routes = self.routes(out.prompt_token_ids, ids, c) if self.routes else None
+                    done.append(Sample(i, ids, lps, c.finish_reason == "stop", c.index if j is None else j,
+                                       routes=routes))
             yield done
 
 
@@ -141,6 +147,7 @@ class Rollout:
         self.adapter = lora.spec(cfg.model) if cfg.model.lora_rank else None
         self.lora_request = None  # set by the first adapter hand-off; before it, adapter == base (B = 0)
         vllm_compat.exact_float32(cuda=self.cuda, dtype=cfg.model.dtype)
+        self.moe = self._moe(model_path)  # a mixture of experts: samples carry their routes (routing.py)
         with memory.vllm_pool(self.cuda), vllm_compat.engine_env(out_of_process=self.out_of_process,
                                                                  local_rank=local_rank, cuda=self.cuda):
             self.llm = LLM(
@@ -160,6 +167,7 @@ class Rollout:
                                             lora_rank=cfg.model.lora_rank, max_num_seqs=r.max_num_seqs,
                                             enforce_eager=r.enforce_eager,
                                             tensor_parallel_size=r.tensor_parallel_size),
+                **(vllm_compat.route_kwargs(on_cpu) if self.moe else {}),
             )
         self.sender = ipc.BucketSender(cfg.train.sync_bucket_mb << 20, cuda=self.cuda) if self.out_of_process else None
         self.digest = False  # tests: the out-of-process receiver returns a sha256 of every tensor it rebuilt
@@ -167,6 +175,36 @@ class Rollout:
         self.asleep = False  # vLLM's memory is released (weights and KV cache)
         self.weights_lost = False  # a level-2 sleep discarded the weights: only a full hand-off brings them back
         self._calls = 0  # generate() calls, for unique request ids
+        self.capture = None  # MoE on CPU: the routes recorded from vLLM's routers (vllm_compat.RouteCapture)
+        self.record_routes = self._record_routes(on_cpu)
+
+    # --- routing replay (MoE) -------------------------------------------------------------------
+    def _moe(self, model_path: str) -> bool:
+        from transformers import AutoConfig
+
+        from hybridrl.engines import routing
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=self.cfg.model.trust_remote_code)
+        return routing.wanted(self.cfg, config)[0]
+
+    def _record_routes(self, on_cpu: bool) -> bool:
+        """Whether samples carry their routes: a MoE model, and vLLM returns them (native_routes) or this
+        in-process engine records them (RouteCapture). Out of process on CPU they stay in vLLM's process."""
+        if not self.moe:
+            return False
+        if vllm_compat.native_routes(on_cpu):
+            return True
+        if self.out_of_process:
+            log.warning("routing replay: not with rollout.mode=outofprocess on CPU (vLLM's routes stay in its "
+                        "process); the trainer routes every token itself")
+            return False
+        self.capture = vllm_compat.RouteCapture(self.llm)
+        return True
+
+    def routes_of(self, prompt: list[int], completion: list[int], output) -> torch.Tensor | None:
+        """[len(prompt) + len(completion), layers, k] int16: the experts vLLM routed each token to."""
+        if self.capture is None:
+            return vllm_compat.native_routes_of(output, len(prompt), len(prompt) + len(completion))
+        return self.capture.take(prompt, completion)
 
     # --- generation ---------------------------------------------------------------------------
     def _group(self, prompts: list[list[int]]):
@@ -206,7 +244,10 @@ class Rollout:
                                 max_tokens=max_tokens, logprobs=0, stop_token_ids=[self.eos],
                                 **self._stop())
         self._calls += 1
-        gen = Generation(self.llm, {}, {}, params, seed, str(self._calls), self.lora_request, self.tp)
+        gen = Generation(self.llm, {}, {}, params, seed, str(self._calls), self.lora_request, self.tp,
+                         routes=self.routes_of if self.record_routes else None)
+        if self.capture is not None:  # the last generation's samples have taken theirs
+            self.capture.reset()
         # tensor parallel: every rank's prompts with its own settings (an episode's room differs by rank),
         # and the group's sampling state from its first member's draw (vllm_compat.SamplingRNG)
         per = self.tp.gather((prompts, params, seed, vllm_compat.SamplingRNG.draw())) if self.tp else \

@@ -7,6 +7,7 @@ It never imports the rollout engine; `sync.py` joins the two. The model it train
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import math
@@ -23,6 +24,7 @@ from hybridrl.observe import faults
 from hybridrl.engines import deepspeed_compat
 from hybridrl.engines import lora
 from hybridrl.engines import platform
+from hybridrl.engines import routing
 from hybridrl.data.batch import Batch, micro_batches, per_token, shared_micro_batches
 from hybridrl.observe.canaries import distribution_metrics
 from hybridrl.run.config import Config, ConfigError, completion_budget
@@ -188,6 +190,9 @@ def from_pretrained(auto_cls, path: str, conf: dict, **kw) -> nn.Module:
 
 
 class Trainer:
+    router: routing.Router | None = None  # MoE: the routers' hooks (_router); class defaults for stand-ins
+    replay = False
+
     def __init__(self, cfg: Config, model_path: str, *, device: torch.device, dtype: torch.dtype,
                  attn_implementation: str):
         from transformers import AutoModelForCausalLM
@@ -202,6 +207,7 @@ class Trainer:
             hf.gradient_checkpointing_enable()
             if self.peft is not None:  # frozen embeddings: checkpointed blocks need an input that requires grad
                 hf.enable_input_require_grads()
+        self.router, self.replay = self._router(cfg, hf)  # MoE: routing replay and its metrics
         provider = kernel_provider(cfg)  # policy.layout decides alike for the run's printed recipe
         if provider == "liger" and (cfg.algo.dual_clip or cfg.algo.entropy_coef):
             raise ConfigError("train.kernels=liger has no dual clip or entropy bonus: set algo.dual_clip and "
@@ -217,11 +223,43 @@ class Trainer:
         self.host_params = self.zero3 and cfg.train.param_offload == "on"
         if self.zero3:  # the head's weight is used by this module's forward, not by lm_head's
             deepspeed.zero.register_external_parameter(module, hf.get_output_embeddings().weight)
+            deepspeed_compat.moe_leaf_modules(hf)  # ranks routing to other experts must gather alike
         self.engine, *_ = deepspeed.initialize(model=module, config=conf, lr_scheduler=lr_scheduler(cfg),
                                                model_parameters=[p for p in hf.parameters() if p.requires_grad])
         if self.platform.one_pass_zero_step:  # one gradient pass for overflow + norm
             deepspeed_compat.fuse_overflow_check(self.engine.optimizer, world_size())
         self.hf = hf
+
+    @staticmethod
+    def _router(cfg: Config, hf: nn.Module) -> tuple[routing.Router | None, bool]:
+        """The hooks on a MoE model's routers (routing.py) and whether they replay vLLM's experts."""
+        record, replay = routing.wanted(cfg, hf.config)
+        if not record:
+            if cfg.algo.routing_replay == "on":
+                log.info("algo.routing_replay=on: %s is dense (no experts to route), nothing to replay",
+                         type(hf).__name__)
+            return None, False
+        why = routing.supported(hf)
+        if why:
+            if cfg.algo.routing_replay == "on":
+                raise ConfigError(f"algo.routing_replay=on: {why}; set algo.routing_replay=off")
+            log.info("routing replay: %s; the trainer routes every token itself", why)
+            return None, False
+        return routing.Router(hf), replay
+
+    def _routed(self, mb: Batch):
+        """A context in which the model's forward (and a checkpointed backward's recomputation) routes mb's
+        tokens to vLLM's experts (when replaying) and records its own routing for the metrics."""
+        if self.router is None or mb.routes is None:
+            return contextlib.nullcontext()
+        att = mb.attention_mask()
+        if self.packing:
+            segments = routing.packed_segments(mb.routes, att)
+        elif self.share_prompt and len(mb.prompt_groups() or mb) < len(mb):  # module_inputs' shared layout
+            segments = routing.shared_segments(mb.routes, mb)
+        else:
+            segments = routing.padded_segments(mb.routes, att)
+        return self.router.run(segments, self.replay)
 
     # --- log-probs ----------------------------------------------------------------------------
     def _forward(self, mb: Batch, temperature: float, loss: dict | None = None):
@@ -236,7 +274,10 @@ class Trainer:
     @torch.no_grad()
     def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
         """Trainer log-probs of every masked token, laid out like `batch.loss_mask`: [B, T]."""
-        return per_token(lambda mb: self._forward(mb, temperature)[0], batch, self._plan(batch), self.device)
+        def forward(mb):
+            with self._routed(mb):
+                return self._forward(mb, temperature)[0]
+        return per_token(forward, batch, self._plan(batch), self.device)
 
     def adapter_disabled(self):
         """LoRA: a context in which the model is the base model (peft bypasses the adapter): the
@@ -302,16 +343,17 @@ class Trainer:
                                                 grad_norms, self.platform):
             sel = m.loss_mask
             seq_ids = torch.arange(len(m), device=self.device)[:, None].expand_as(sel)[sel]  # [N]
-            loss, metrics, logp, _ = self._forward(m, temp, loss=dict(
-                logp_old=None if m.logp_old is None else m.logp_old[sel],  # None: on-policy, ratio 1
-                advantages=m.advantages[sel] if m.advantages.dim() == 2 else m.advantages[seq_ids],  # [N]
-                mask=torch.ones(len(seq_ids), device=self.device),
-                logp_ref=None if m.logp_ref is None else m.logp_ref[sel],  # logs kl_mean whenever given
-                seq_ids=seq_ids, logp_rollout=m.logp_rollout[sel] if self.importance_correction else None,
-                normalizer=norm, **self.loss_knobs()))
-            if faults.injected("nan_loss", int(self.engine.global_steps) + 1):  # tests only
-                loss = loss * float("nan")
-            self.engine.backward(loss * scale, scale_wrt_gas=False)
+            with self._routed(m):  # MoE: held through backward, which may recompute the forward
+                loss, metrics, logp, _ = self._forward(m, temp, loss=dict(
+                    logp_old=None if m.logp_old is None else m.logp_old[sel],  # None: on-policy, ratio 1
+                    advantages=m.advantages[sel] if m.advantages.dim() == 2 else m.advantages[seq_ids],  # [N]
+                    mask=torch.ones(len(seq_ids), device=self.device),
+                    logp_ref=None if m.logp_ref is None else m.logp_ref[sel],  # logs kl_mean whenever given
+                    seq_ids=seq_ids, logp_rollout=m.logp_rollout[sel] if self.importance_correction else None,
+                    normalizer=norm, **self.loss_knobs()))
+                if faults.injected("nan_loss", int(self.engine.global_steps) + 1):  # tests only
+                    loss = loss * float("nan")
+                self.engine.backward(loss * scale, scale_wrt_gas=False)
             if not scale:  # a dummy micro-batch
                 continue
             w = float(sel.sum())
@@ -337,6 +379,8 @@ class Trainer:
         out.update({k: sums.get(k, 0.0) / max(n_updates, 1) for k in per_update})
         out.update(logp_gap_mean=gap_sum / max(gap_n, 1.0), logp_gap_max=gap_max)
         out["lr"] = lr
+        if self.router is not None:  # routing/mismatch, router/load_cv, router/load_max_mean
+            out.update(self.router.metrics())
         out.update(distribution_metrics(ratio=torch.cat(ratios) if ratios else [],
                                         rollout_ratio=torch.cat(rollout_ratios) if rollout_ratios else []))
         out["nonfinite_steps"] = self.engine.skipped_steps - skipped  # updates DeepSpeed discarded

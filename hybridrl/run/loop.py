@@ -110,7 +110,8 @@ def train(cfg: Config) -> dict:
             R = ro.rewards  # [P, n]
             batch = Batch.from_rows([p.ids for p in src], [s.token_ids for s in samples],
                                     [s.logprobs for s in samples], [0.0] * len(samples),
-                                    [s.loss_mask for s in samples])  # multi-turn: environment tokens carry no loss
+                                    [s.loss_mask for s in samples],  # multi-turn: environment tokens carry no loss
+                                    [s.routes for s in samples])  # MoE: vLLM's experts, for routing replay
             if trainer.needs_old_logprobs:  # several updates per rollout, TIS, KL in the reward
                 with phases("old_logprob"):
                     batch.logp_old = trainer.old_logprobs(batch)  # vLLM's, or a trainer forward

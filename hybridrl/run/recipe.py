@@ -72,6 +72,7 @@ def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
     if demo:
         validate(cfg)
         return cfg
+    cfg = _moe_lora(cfg, info)
     if on_cpu:
         cfg = _cpu_attention(cfg, info)
         cfg = _cpu_compile(cfg, info)
@@ -97,6 +98,25 @@ def loss_clip(cfg: Config) -> Config:
     for key, value in LOSS_CLIP.get(cfg.algo.policy_loss, {}).items():
         if not explicit(cfg, key):
             cfg = _set(cfg, key, value, f"algo.policy_loss={cfg.algo.policy_loss}'s clip range")
+    return cfg
+
+
+ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def _moe_lora(cfg: Config, info: ModelInfo) -> Config:
+    """LoRA on a mixture-of-experts model adapts attention only: its experts are fused parameters, not
+    the linear layers peft adapts, and vLLM's MoE LoRA is unchecked here. Unset targets become
+    ATTENTION_TARGETS; targets the user named beyond them are refused in one line."""
+    if not cfg.model.lora_rank or not info.moe:
+        return cfg
+    if not explicit(cfg, "model.lora_target_modules"):
+        return _set(cfg, "model.lora_target_modules", list(ATTENTION_TARGETS), "mixture-of-experts: attention only")
+    extra = sorted(set(cfg.model.lora_target_modules) - set(ATTENTION_TARGETS))
+    if extra:
+        raise ConfigError(f"model.lora_target_modules: {extra} on a mixture-of-experts model ({info.moe}): LoRA "
+                          f"adapts attention only there (experts, router and shared expert are not supported); "
+                          f"set --model.lora_target_modules {','.join(ATTENTION_TARGETS)}")
     return cfg
 
 
