@@ -131,6 +131,10 @@ class Generation:
 
 
 class Rollout:
+    # no routes unless __init__ finds a mixture-of-experts model (and for a stand-in built without it)
+    capture = None
+    record_routes = False
+
     def __init__(self, cfg: Config, model_path: str, *, on_cpu: bool, eos_token_id: int, rank: int,
                  local_rank: int = 0, tp: launch.TPGroup | None = None):
         r = cfg.rollout
