@@ -76,6 +76,13 @@ class TokenLogprobs(nn.Module):
         head = self.hf.get_output_embeddings()
         if self.provider == "liger" and loss is not None:
             return self._liger(hidden, head, targets, sel, h, y, temperature, loss)
+        if shard is not None and not len(y):  # a slice that predicts no loss token (a prompt's): zeros, but one
+            # that reaches every parameter, so that backward runs every layer's all-to-all and ZeRO sees a gradient
+            empty = h.new_zeros(0, dtype=torch.float32)
+            if loss is None:
+                return empty, empty
+            zero = 0.0 * hidden.sum() + sum(0.0 * p.sum() for p in head.parameters())
+            return zero, {}, empty, empty
         kw = dict(temperature=temperature, bias=head.bias, chunk_size=self.chunk,
                   provider="torch" if self.provider == "liger" else self.provider)
         if loss is None:

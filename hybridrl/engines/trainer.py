@@ -341,7 +341,7 @@ class Trainer:
             if faults.injected("nan_loss", int(self.engine.global_steps) + 1):  # tests only
                 loss = loss * float("nan")
             self.engine.backward(loss * scale, scale_wrt_gas=False)
-            if not scale:  # a dummy micro-batch
+            if not scale or not len(seq_ids):  # a dummy micro-batch, or a sequence-parallel slice without loss tokens
                 continue
             w = float(len(seq_ids))
             old = logp if m.logp_old is None else m.logp_old[sel][part]  # None: on-policy, ratio 1
@@ -356,6 +356,9 @@ class Trainer:
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * w
             sums["_w"] = sums.get("_w", 0.0) + w
+        if self.sp.size > 1:  # each rank scored a slice of the group's tokens: its metrics are over all of them
+            sums, (gap_sum, gap_n, gap_max), ratios, rollout_ratios, is_ratios = ulysses.merge_metrics(
+                self.sp, sums, (gap_sum, gap_n, gap_max), ratios, rollout_ratios, is_ratios)
         n_updates = len(grad_norms)
         sums["grad_norm"] = sum(grad_norms)
         if self.peft is not None:

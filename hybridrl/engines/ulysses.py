@@ -129,6 +129,24 @@ def gather_tokens(x: torch.Tensor, group: Group) -> torch.Tensor:
     return torch.cat([o[:int(k)] for o, k in zip(out, ns)])
 
 
+def merge_metrics(group: Group, sums: dict, gap: tuple, *per_token: list) -> tuple:
+    """Trainer.step's metric sums, log-prob gap (sum, count, max) and per-token lists (of tensors)
+    over the group: each rank scored a slice of the tokens, a rank may have scored none."""
+    parts: list = [None] * group.size
+    mine = (sums, gap, [torch.cat(x).cpu() if len(x) else torch.zeros(0) for x in per_token])
+    dist.all_gather_object(parts, mine, group=group.pg)
+    merged: dict = {}
+    for s, _, _ in parts:
+        for k, v in s.items():
+            merged[k] = merged.get(k, 0.0) + v
+    gap = (sum(p[1][0] for p in parts), sum(p[1][1] for p in parts), max(p[1][2] for p in parts))
+    lists = []
+    for i in range(len(per_token)):
+        x = torch.cat([p[2][i] for p in parts])
+        lists.append([x] if len(x) else [])
+    return merged, gap, *lists
+
+
 # --- attention ---------------------------------------------------------------------------------------
 class _AllToAll(torch.autograd.Function):
     """x [size, ...]: chunk j goes to rank j; out [size, ...]: chunk j came from rank j. Its adjoint
