@@ -10,6 +10,8 @@ file's rows are read (and judged) later by data.py, a hub model name is resolved
 
 from __future__ import annotations
 
+import os
+
 from pathlib import Path
 
 from hybridrl.data import prompts as data
@@ -35,6 +37,11 @@ def check(cfg: Config, nproc: int = 1) -> None:
     rewards.load_terms(cfg.reward.fn, cfg.reward.format_pattern)  # imports a user module: its errors show now
     if cfg.env.cls:
         envs.load(cfg.env.cls)  # likewise the environment's module (before: only once the engines had started)
+    sp = cfg.train.sequence_parallel_size
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", nproc))  # under the launcher, which took --nproc off the flags
+    if ranks % sp:
+        raise ConfigError(f"train.sequence_parallel_size={sp} must divide the {ranks} ranks of --nproc {ranks}: use "
+                          f"--nproc a multiple of {sp}")
     if nproc > 1 and cfg.train.prompts_per_step % nproc:
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by the {nproc} "
                           f"ranks of --nproc {nproc}")
