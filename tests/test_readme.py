@@ -66,6 +66,9 @@ COMMANDS: dict[str, list[str]] = {
     "python examples/make_tool_demo_model.py": [
         "tests/test_tool_demo.py::test_readme_commands_from_a_fresh_clone",
         "tests/test_tool_demo.py::test_tool_demo_learns_to_call_the_calculator"],
+    "python examples/make_moe_demo_model.py": ["tests/test_moe.py::test_tiny_moe_learns_the_demo_task"],
+    "hybridrl train --model runs/moe_demo": ["tests/test_moe.py::test_tiny_moe_learns_the_demo_task",
+                                             "tests/test_moe.py::test_moe_trains_out_of_process_with_the_probe_holding"],
     "hybridrl train --config examples/recipes/tool-demo.yaml": [
         "tests/test_tool_demo.py::test_readme_commands_from_a_fresh_clone",
         "tests/test_tool_demo.py::test_the_tool_demo_recipe_imports_its_environment_from_the_working_directory"],

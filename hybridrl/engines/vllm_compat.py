@@ -218,6 +218,7 @@ def load_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
       once yielded (the out-of-process receiver yields copies).
     """
     runner = worker.model_runner
+    named_tensors = _vllm_names(runner.model, named_tensors)
     unquantized = getattr(getattr(runner, "model_config", None), "quantization", None) is None
     if platform.current().repack_vllm_weights:
         _load_into_cpu_worker(worker, named_tensors, unquantized)
@@ -225,6 +226,30 @@ def load_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
         worker.reload_weights(weights_iterator=iter(named_tensors))
     else:
         runner.model.load_weights(iter(named_tensors))
+
+
+def _vllm_names(model, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+    """transformers 5 names Mixtral's MoE block `mlp` and fuses its experts (gate_up_proj [E, 2I, H],
+    gate first; down_proj [E, H, I]); its checkpoints and vLLM's Mixtral say `block_sparse_moe` and
+    `experts.N.w1/w3/w2` (transformers converts on save), and vLLM's Mixtral loader takes no fused
+    tensor. The trainer's tensors are renamed and split (views) alike."""
+    if not any(".block_sparse_moe." in n for n, _ in model.named_parameters()):
+        return named_tensors
+
+    def split():
+        for n, t in named_tensors:
+            n = n.replace(".mlp.", ".block_sparse_moe.")
+            if n.endswith(".experts.gate_up_proj"):
+                gate, up = t.chunk(2, dim=1)  # [E, I, H] each
+                for e in range(t.shape[0]):
+                    yield n.replace("gate_up_proj", f"{e}.w1.weight"), gate[e]
+                    yield n.replace("gate_up_proj", f"{e}.w3.weight"), up[e]
+            elif n.endswith(".experts.down_proj"):
+                for e in range(t.shape[0]):
+                    yield n.replace("down_proj", f"{e}.w2.weight"), t[e]
+            else:
+                yield n, t
+    return split()
 
 
 def _load_into_cpu_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]], unquantized: bool) -> None:

