@@ -233,3 +233,43 @@ def test_a_run_that_cannot_fit_stops_before_any_engine(tmp_path):
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert "GiB of host memory per rank" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name,tp,waves", [("qwen2.5-32b-8xh100", 2, 5), ("qwen2.5-72b-8xh100", 4, 5)])
+def test_32b_and_72b_with_8k_answers_plan_in_waves(name, tp, waves):
+    """Issue 49: `hybridrl plan --config NAME.yaml --rollout.max_new_tokens 8192 --rollout.max_model_len 9216
+    --nproc 8` was refused ("phase generate needs 110.6 of 79.2 GiB") because the KV cache had to hold half
+    of the step's sequences at full length. The KV cache is throughput, not fit: it may shrink to a few
+    full-length sequences per engine, and the plan says how many waves the step then takes."""
+    cfg = config.load(str(ROOT / "examples" / "recipes" / f"{name}.yaml"),
+                      {"rollout.max_new_tokens": 8192, "rollout.max_model_len": 9216})
+    cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
+    assert p.fits and cfg.rollout.tensor_parallel_size == tp, p.table()
+    k = p.knobs
+    # a rank's share of one 9216-token sequence's KV: 2 (K, V) x layers x its KV heads x 128 x 2 bytes
+    s = shape(cfg.model.path)
+    assert k.seq_kv == 9216 * 2 * s.layers * (s.kv_heads // tp) * 128 * 2
+    # the step's sequences per engine: prompts_per_step over the 8 / tp engines, x 8 samples
+    assert k.seqs == cfg.train.prompts_per_step // (8 // tp) * 8
+    assert k.kv_floor <= p.kv < k.seqs * k.seq_kv  # between the longest sequences running and all of them
+    assert p.waves == waves == -(-k.seqs // (p.kv // k.seq_kv))
+    assert f"run in up to {waves} waves of {p.kv // k.seq_kv}" in p.table()
+
+
+@pytest.mark.fast
+def test_the_kv_floor_keeps_the_longest_sequences_running():
+    from hybridrl.cycle import memory
+    # at least KV_FLOOR_SEQS full-length sequences, or all of the step's where it has fewer
+    assert memory.kv_floor(128, 3 * GIB) == memory.KV_FLOOR_SEQS * 3 * GIB
+    assert memory.kv_floor(2, 3 * GIB) == 6 * GIB
+    # 128 sequences, 30 at once: 5 waves; all at once: 1, and nothing to say
+    assert memory.waves(128, GIB, 30 * GIB) == 5 and memory.waves(128, GIB, 200 * GIB) == 1
+    assert memory.describe_waves(128, GIB, 200 * GIB) == ""
+    assert "up to 5 waves of 30" in memory.describe_waves(128, GIB, 30 * GIB)
+    # a step that fits in two waves keeps the plan it had before (half of its sequences at once, the old
+    # floor): 7B with 16k answers on 8 x 80 GiB
+    cfg = gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **{"rollout.max_new_tokens": 16384})
+    cfg, p = plan.decide(cfg, shape("Qwen/Qwen2.5-7B-Instruct"), device=H100, host=NODE, world=8, local=8,
+                         on_cpu=False)
+    assert p.fits and p.waves == 2 and cfg.model.gradient_checkpointing and cfg.train.zero_stage == 2

@@ -167,12 +167,14 @@ class Knobs:
     graphs: bool  # vLLM decodes with CUDA graphs
     max_num_seqs: int
     kv: int  # vLLM's KV cache bytes per rank: what the step's sequences need, with headroom
-    kv_floor: int  # the least it may shrink to where memory is short (vLLM then queues sequences)
+    kv_floor: int  # the least it may shrink to where memory is short (vLLM then runs the step in waves)
     chunk: int  # train.logprob_chunk
     bucket: int  # hand-off bucket bytes (ZeRO-3 gathers)
     reserve: int
     on_cpu: bool
     offload_states: str = "auto"  # train.offload_states
+    seqs: int = 0  # sequences one vLLM engine generates in a step (0: not planned, CPU)
+    seq_kv: int = 0  # KV bytes per rank of one of them at full rollout.max_model_len
 
 
 @dataclass
@@ -199,6 +201,16 @@ class MemoryPlan:
         return sum(self.pinned.values())
 
     @property
+    def kv(self) -> int:
+        """vLLM's KV cache per rank as planned (shrunk towards knobs.kv_floor where memory is short)."""
+        return self.rows.get("vLLM KV cache", {}).get("generate", 0)
+
+    @property
+    def waves(self) -> int:
+        """Rounds of generation the step takes with this KV cache (memory.waves: an upper bound)."""
+        return memory.waves(self.knobs.seqs, self.knobs.seq_kv, self.kv)
+
+    @property
     def fits(self) -> bool:
         return self.peak[1] <= self.device and self.pinned_total <= self.host * 0.9
 
@@ -217,6 +229,10 @@ class MemoryPlan:
         phase, peak = self.peak
         lines.append(f"peak: {phase}, {peak / GIB:.1f} of {self.device / GIB:.1f} GiB "
                      f"({'fits' if peak <= self.device else 'DOES NOT FIT'})")
+        waves = memory.describe_waves(k.seqs, k.seq_kv, self.kv)
+        if waves:
+            lines.append(f"KV cache: {self.kv / GIB:.2f} of the {k.seqs * k.seq_kv / GIB:.2f} GiB per GPU that every "
+                         f"sequence at full length needs: {waves}")
         if self.pinned:
             parts = ", ".join(f"{n} {v / GIB:.1f}" for n, v in self.pinned.items() if v)
             lines.append(f"pinned host memory per node: {self.pinned_total / GIB:.1f} GiB of {self.host / GIB:.0f} "
@@ -340,14 +356,15 @@ def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp
     dp = max(1, world // tp)  # vLLM engines: each generates its group's prompts
     # a rank holds its share of the KV heads (all of one head where there are fewer heads than ranks)
     kv_per_token = 2 * shape.layers * shape.head_dim * b * max(1, shape.kv_heads // tp)
+    seqs, seq_kv = (0, 0) if on_cpu else (memory.step_seqs(cfg, dp), r.max_model_len * kv_per_token)
     if on_cpu:
         kv = floor = (r.kv_cache_mb or 64) << 20
     elif r.kv_cache_mb:
         kv = floor = r.kv_cache_mb << 20
-    else:  # memory.kv_cache_need for the group's sequences (tp ranks x a rank's share); at least half of
-        # them at once where memory is short
-        need = memory.step_seqs(cfg, dp) * r.max_model_len * kv_per_token
-        kv, floor = max(memory.KV_HEADROOM * need, memory.KV_MIN), max(need // 2, memory.KV_MIN)
+    else:  # memory.kv_cache_need for the group's sequences (tp ranks x a rank's share); where memory is
+        # short, the longest sequences running (memory.kv_floor): `decide` prefers plans of at most two waves
+        need = seqs * seq_kv
+        kv, floor = max(memory.KV_HEADROOM * need, memory.KV_MIN), max(memory.kv_floor(seqs, seq_kv), memory.KV_MIN)
     trained = shape.lora_params(m.lora_rank, m.lora_target_modules) if m.lora_rank else shape.params
     return Knobs(world=world, local=local, tp=tp, zero=t.zero_stage, b=b, ckpt=m.gradient_checkpointing,
                  mb_tokens=max(t.max_tokens_per_micro_batch, r.max_model_len),
@@ -356,7 +373,7 @@ def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp
                  critic=cfg.algo.advantage == "gae", sleep_level=r.sleep_level, graphs=not r.enforce_eager,
                  max_num_seqs=r.max_num_seqs or memory.engine_seqs(cfg, dp), kv=kv, kv_floor=floor, chunk=t.logprob_chunk,
                  bucket=t.sync_bucket_mb << 20, reserve=(r.memory_margin_mb << 20) if not on_cpu else 0,
-                 on_cpu=on_cpu, offload_states=t.offload_states)
+                 on_cpu=on_cpu, offload_states=t.offload_states, seqs=seqs, seq_kv=seq_kv)
 
 
 FREE = ("rollout.tensor_parallel_size", "model.gradient_checkpointing", "train.max_tokens_per_micro_batch",
@@ -416,8 +433,13 @@ def decide(cfg: Config, shape: Shape, *, device: int, host: int, world: int, loc
                               "available): use fewer ranks (--nproc), model.gradient_checkpointing, a smaller "
                               "train.max_tokens_per_micro_batch or a smaller model (`hybridrl plan` shows the table)")
         return cfg, first
-    p = next((p for p in (build(shape, k, device=device, host=host) for k in ladder(cfg, shape, base, world, local,
-                                                                                    device)) if p.fits), None)
+    plans = [p for p in (build(shape, k, device=device, host=host) for k in ladder(cfg, shape, base, world, local,
+                                                                                   device)) if p.fits]
+    # the KV cache is throughput, not fit: the cheapest plan whose step takes at most two waves (half of
+    # its sequences at once); where none does, the cheapest within twice the fewest waves any plan takes
+    # (a ZeRO-2 trainer that leaves vLLM room for a few sequences would cost more than ZeRO-3 saves)
+    fewest = min((p.waves for p in plans), default=0)
+    p = next((p for p in plans if p.waves <= (2 * fewest if fewest > 2 else 2)), None)
     if p is None:
         raise ConfigError(_refusal(cfg, shape, base, device, host, world, local))
     k = p.knobs
