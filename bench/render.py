@@ -249,6 +249,44 @@ def render_plan_check(args: list[str], filters: dict) -> str:
             + f"\n\n{w.get('dtype')}, one micro-batch of {w.get('tokens')} tokens; " + _about(r, "plan_check") + ".")
 
 
+# --- the plan of long answers ------------------------------------------------------------------------
+# model or recipe, answer tokens, context (0: the recipe's), on 8 x 80 GiB
+PLAN_LONG = [("Qwen/Qwen2.5-7B-Instruct", 16384, 0), ("Qwen/Qwen2.5-7B-Instruct", 32256, 0),
+             ("examples/recipes/qwen2.5-7b-16k-8xh100.yaml", 0, 0),
+             ("examples/recipes/qwen2.5-32b-8xh100.yaml", 8192, 9216),
+             ("examples/recipes/qwen2.5-32b-8k-8xh100.yaml", 0, 0),
+             ("examples/recipes/qwen2.5-72b-8xh100.yaml", 8192, 9216)]
+
+
+@renderer("plan_long")
+def render_plan_long(args: list[str], filters: dict) -> str:
+    """What `hybridrl plan --nproc 8` says of long answers on 8 x 80 GiB (the plan itself, run now: no results file)."""
+    from hybridrl.cycle import plan
+    from hybridrl.run import config
+    gib = 2.0 ** 30
+    out = []
+    for what, tokens, context in PLAN_LONG:
+        recipe = what.endswith(".yaml")
+        over = {"rollout.max_new_tokens": tokens} if tokens else {}
+        over.update({"rollout.max_model_len": context} if context else {})
+        cfg = config.load(str(results.ROOT / what) if recipe else None, over if recipe else {"model.path": what, **over})
+        cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
+        k, r, t = p.knobs, cfg.rollout, cfg.train
+        flags = " ".join(f"{key.split('.')[-1]} {v}" for key, v in over.items())
+        trainer = (f"ZeRO-{k.zero}" + ", checkpointing" * k.ckpt + ", optimizer offload" * k.optimizer_offload
+                   + ", parameter offload" * k.param_offload + f", {k.mb_tokens}-token micro-batches")
+        name = f"`{Path(what).name}`" if recipe else what.split("/")[-1]
+        out.append([name + (f" {flags}" if flags else ""),
+                    f"{t.prompts_per_step} x {r.n}", f"{r.max_new_tokens} / {r.max_model_len}", k.tp, trainer,
+                    f"{p.kv / gib:.1f} of {k.seqs * k.seq_kv / gib:.1f}", f"{p.waves} ({p.kv // k.seq_kv} of {k.seqs})",
+                    f"{p.peak[1] / gib:.1f} {'fits' if p.fits else 'DOES NOT FIT'}"])
+    return (table(["model or recipe, flags", "prompts x samples", "answer / context tokens", "vLLM TP", "trainer",
+                   "KV cache GiB per GPU (of all at full length)", "waves (at once of per engine)", "peak GiB"],
+                  "llrrlrrl", out)
+            + "\n\n`hybridrl plan` with `--nproc 8`: 8 x 79.2 GiB GPUs, 2 TiB of host memory; waves count every answer at "
+              "its longest (`python -m bench.render` reruns the plan).")
+
+
 # --- history ---------------------------------------------------------------------------------------
 @summary("peers")
 def _sum_peers(r: dict) -> str:

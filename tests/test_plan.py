@@ -194,14 +194,19 @@ def test_optimizer_and_param_offload_reach_deepspeed():
 
 @pytest.mark.fast
 @pytest.mark.parametrize("name", ["qwen2.5-7b-8xh100", "qwen2.5-14b-8xh100", "qwen2.5-32b-8xh100",
-                                  "qwen2.5-72b-8xh100"])
+                                  "qwen2.5-72b-8xh100", "qwen2.5-7b-16k-8xh100", "qwen2.5-32b-8k-8xh100"])
 def test_recipes_fit_8xh100(name):
-    """`hybridrl plan --config examples/recipes/NAME.yaml --nproc 8`, in process."""
+    """`hybridrl plan --config examples/recipes/NAME.yaml --nproc 8`, in process. The long-answer
+    recipes (16k, 8k) keep generation to two waves, one full-length sequence per micro-batch."""
     cfg = config.load(str(ROOT / "examples" / "recipes" / f"{name}.yaml"), {})
     cfg, p, lines = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
     assert p.fits, p.table()
     assert p.peak[1] <= H100 and p.pinned_total <= 0.9 * NODE
     assert cfg.rollout.sleep_level == 2 and not cfg.rollout.enforce_eager
+    assert p.waves <= 2, p.table()
+    if "k-8xh100" in name:  # 16k, 8k
+        assert cfg.rollout.max_new_tokens >= 8192 and p.knobs.mb_tokens == cfg.rollout.max_model_len
+        assert cfg.model.gradient_checkpointing
 
 
 def hybridrl(*args, timeout=120):
