@@ -22,6 +22,7 @@ from hybridrl.kernels.logprob import logprob_entropy
 from hybridrl.kernels.ppo_loss import importance_weights
 
 from hybridrl.data.batch import Batch, Shared
+from hybridrl.engines import ulysses
 from hybridrl.engines.models import is_native, plain_cache
 from hybridrl.run.config import Config, UserError
 
@@ -39,6 +40,7 @@ class TokenLogprobs(nn.Module):
     def __init__(self, hf: nn.Module, provider: str, chunk: int, max_len: int | None = None):
         super().__init__()
         self.hf, self.provider, self.chunk, self.max_len = hf, provider, chunk, max_len
+        self.sp: ulysses.Group | None = None  # the trainer's sequence-parallel group (train.sequence_parallel_size > 1)
         for attr in ("final_logit_softcapping", "logit_scale"):
             if getattr(hf.config, attr, None) not in (None, 1.0):
                 raise UserError(f"{type(hf).__name__} applies {attr}={getattr(hf.config, attr)} to its logits, which "
@@ -46,13 +48,21 @@ class TokenLogprobs(nn.Module):
                                 "supported yet; use a model without it")
 
     def forward(self, tokens, attention_mask, loss_mask, temperature: float, loss: dict | None = None,
-                position_ids=None, shared: dict | None = None):
+                position_ids=None, shared: dict | None = None, shard: dict | None = None):
         """Without `loss`: (logp [N], entropy [N]) of the masked tokens. With `loss` (ppo_loss's
         per-token tensors and knobs): (loss, metrics, logp, entropy) from the fused kernel, which
         produces the logits' gradient in the same pass. Packed rows (`Batch.packed()`) come with
         position_ids and attention_mask=None; the shared-prompt layout (`Batch.shared()`, as a dict)
-        comes alone, tokens, attention_mask and loss_mask None."""
-        if shared is not None:
+        comes alone, tokens, attention_mask and loss_mask None. Sequence parallelism (`ulysses.shard`, as a
+        dict) gives this rank's slice of a packed row in tokens and position_ids, and `shard` the slice's
+        next-token targets and loss positions and the whole row's layout, which its attention reads."""
+        ulysses.ACTIVE = None if shard is None else ulysses.Active(self.sp, shard["segments"],
+                                                                   shard["full_position_ids"])
+        if shard is not None:
+            hidden = self.hf.base_model(input_ids=tokens, position_ids=position_ids,
+                                        use_cache=False).last_hidden_state  # [1, S, d]: this rank's slice
+            sel, targets = shard["sel"], shard["targets"]  # [1, S]: taken from the whole row
+        elif shared is not None:
             s = Shared(**shared)
             hidden, sel, targets = self._shared_hidden(s), s.loss_mask, s.completions  # [B, C, d], [B, C], [B, C]
         else:
@@ -70,7 +80,10 @@ class TokenLogprobs(nn.Module):
                   provider="torch" if self.provider == "liger" else self.provider)
         if loss is None:
             return logprob_entropy(h, head.weight, y, **kw)
-        return fused_logprob_ppo_loss(h, head.weight, y, **kw, **loss)
+        out = fused_logprob_ppo_loss(h, head.weight, y, **kw, **loss)
+        if shard is not None:  # backward must reach every layer's all-to-all on every rank, also one whose
+            out = (out[0] + 0.0 * hidden.sum(), *out[1:])  # slice holds no loss token (they are collectives)
+        return out
 
     def _shared_hidden(self, s: Shared) -> torch.Tensor:
         """[B, C, d] hidden states that predict each row's completion tokens, its prompt computed once
@@ -129,6 +142,7 @@ def packs(cfg: Config, provider: str, attn_implementation: str, native: bool) ->
     packed samples from position_ids, or a model class not transformers' own (remote code may build its
     own masks, blind to packing) rules it out."""
     want = cfg.train.packing == "on" or (cfg.train.packing == "auto" and attn_implementation.startswith("flash_"))
+    want = want or cfg.train.sequence_parallel_size > 1  # its slices are cut from one packed row
     return want and provider != "liger" and attn_implementation in PACKABLE_ATTENTION and native
 
 
@@ -142,6 +156,7 @@ def share_prompt_refusals(cfg: Config, provider: str, attn_implementation: str, 
         ("gradient checkpointing", cfg.model.gradient_checkpointing),
         (f"{name} (not transformers' own, or a sliding-window cache)", not plain_cache or not native),
         ("ZeRO-3 (auto)", cfg.train.share_prompt == "auto" and cfg.train.zero_stage == 3),
+        ("sequence parallelism", cfg.train.sequence_parallel_size > 1),
     ) if bad]
 
 

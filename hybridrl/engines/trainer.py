@@ -23,6 +23,7 @@ from hybridrl.observe import faults
 from hybridrl.engines import deepspeed_compat
 from hybridrl.engines import lora
 from hybridrl.engines import platform
+from hybridrl.engines import ulysses
 from hybridrl.data.batch import Batch, micro_batches, per_token, shared_micro_batches
 from hybridrl.observe.canaries import distribution_metrics
 from hybridrl.run.config import Config, ConfigError, completion_budget
@@ -178,6 +179,9 @@ def from_pretrained(auto_cls, path: str, conf: dict, **kw) -> nn.Module:
 
 
 class Trainer:
+    sp = ulysses.Group(None, 0, 1, 0)  # no sequence parallelism until __init__ says otherwise
+    _part = slice(None)  # the last forward's loss tokens on this rank (all of them without it)
+
     def __init__(self, cfg: Config, model_path: str, *, device: torch.device, dtype: torch.dtype,
                  attn_implementation: str):
         from transformers import AutoModelForCausalLM
@@ -202,6 +206,14 @@ class Trainer:
                      provider, attn_implementation, type(hf).__name__)
         self.share_prompt = share_prompt(cfg, hf, provider, attn_implementation, self.packing)
         module = TokenLogprobs(hf, provider, cfg.train.logprob_chunk, completion_budget(cfg))
+        self.sp = ulysses.new_groups(cfg.train.sequence_parallel_size)  # collective: every rank, in order
+        if self.sp.size > 1:
+            if not self.packing:
+                raise ConfigError(f"train.sequence_parallel_size={self.sp.size} cuts one packed row, which "
+                                  f"{type(hf).__name__} with attention {attn_implementation} cannot read: use "
+                                  "sdpa, eager or flash-attention and a transformers model, or train.sequence_parallel_size 1")
+            ulysses.install(hf)
+            module.sp = self.sp
         self.zero3 = cfg.train.zero_stage == 3
         self.host_optimizer = cfg.train.optimizer_offload == "on"  # DeepSpeed's offload_optimizer (ds_config)
         self.host_params = self.zero3 and cfg.train.param_offload == "on"
@@ -217,15 +229,38 @@ class Trainer:
     def _forward(self, mb: Batch, temperature: float, loss: dict | None = None):
         """Log-probs (and the loss) of mb's masked tokens, in the order of `mb.loss_mask`'s True
         entries whether packed or padded."""
+        if self.sp.size > 1:  # this rank's slice of the packed row, and of the per-token loss inputs
+            s = ulysses.shard(mb, self.sp.rank, self.sp.size)
+            self._part = s.part
+            if loss is not None:
+                loss = {k: v[s.part] if isinstance(v, torch.Tensor) else v for k, v in loss.items()}
+            return self.engine(s.tokens, None, None, temperature, loss, position_ids=s.position_ids, shard=dict(
+                targets=s.targets, sel=s.sel, segments=s.segments, full_position_ids=s.full_position_ids))
         args, kw = module_inputs(mb, self.packing, self.share_prompt)
         return self.engine(*args, temperature, loss, **kw)
 
     def _plan(self, rows: Batch | None) -> list[torch.Tensor | None]:
-        return plan_micro_batches(rows, self.cfg.train.max_tokens_per_micro_batch, self.packing, self.share_prompt)
+        """Micro-batches of train.max_tokens_per_micro_batch tokens per rank: with sequence parallelism
+        the group's ranks split each one, so it holds sequence_parallel_size times that. A sequence
+        longer than that is refused: its activations would not be bounded by the budget."""
+        budget, sp = self.cfg.train.max_tokens_per_micro_batch, self.sp.size
+        longest = int(rows.lengths.max()) if rows else 0
+        if longest > budget * sp:
+            need = -(-longest // budget)
+            raise ConfigError(f"a sequence of {longest} tokens is longer than train.max_tokens_per_micro_batch="
+                              f"{budget} x train.sequence_parallel_size={sp}: set train.sequence_parallel_size to "
+                              f"{need} or more (dividing --nproc; it splits a sequence over that many ranks) or raise "
+                              "train.max_tokens_per_micro_batch")
+        return plan_micro_batches(rows, budget * sp, self.packing, self.share_prompt)
 
     @torch.no_grad()
     def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
         """Trainer log-probs of every masked token, laid out like `batch.loss_mask`: [B, T]."""
+        if self.sp.size > 1:  # the group scores its ranks' rows together, each rank a slice of every row
+            group_batch, start = ulysses.gather_batch(batch, self.sp)
+            out = per_token(lambda mb: ulysses.gather_tokens(self._forward(mb, temperature)[0], self.sp),
+                            group_batch, self._plan(group_batch), self.device)
+            return ulysses.rows_of(out, start, batch)
         return per_token(lambda mb: self._forward(mb, temperature)[0], batch, self._plan(batch), self.device)
 
     def adapter_disabled(self):
@@ -240,7 +275,8 @@ class Trainer:
         local = {"token_mean": n_tok.sum(), "seq_mean_token_mean": (n_tok > 0).sum(),
                  # Dr.GRPO: a constant per sequence (the generation budget), not the batch's longest
                  "seq_mean_token_sum_norm": len(n_tok) * completion_budget(self.cfg)}[self.cfg.algo.loss_agg]
-        return max(all_sum([float(local)])[0], 1.0)
+        # the ranks of a sequence-parallel group hold the same rows (gather_batch): count them once
+        return max(all_sum([float(local)])[0] / self.sp.size, 1.0)
 
     @property
     def needs_old_logprobs(self) -> bool:
@@ -288,6 +324,7 @@ class Trainer:
         gap_sum, gap_n, gap_max = 0.0, 0.0, 0.0  # |trainer - vLLM| on the sampled tokens, before the first update
         if self.peft is not None:
             lora.set_dropout(self.hf, True)  # the adapter's dropout, while updating only
+        batch = ulysses.gather_batch(batch, self.sp)[0]  # sequence parallelism: the group's rows, on each rank
         for m, norm, scale in minibatch_updates(self.engine, batch, t, self._plan, self._normalizer, self.device,
                                                 grad_norms, self.platform):
             sel = m.loss_mask
@@ -299,20 +336,22 @@ class Trainer:
                 logp_ref=None if m.logp_ref is None else m.logp_ref[sel],  # logs kl_mean whenever given
                 seq_ids=seq_ids, logp_rollout=m.logp_rollout[sel] if self.importance_correction else None,
                 normalizer=norm, **self.loss_knobs()))
+            part = self._part  # this rank's loss tokens (a slice of every micro-batch's with sequence parallelism)
+            seq_ids = seq_ids[part]
             if faults.injected("nan_loss", int(self.engine.global_steps) + 1):  # tests only
                 loss = loss * float("nan")
             self.engine.backward(loss * scale, scale_wrt_gas=False)
             if not scale:  # a dummy micro-batch
                 continue
-            w = float(sel.sum())
-            old = logp if m.logp_old is None else m.logp_old[sel]  # None: on-policy, ratio 1
+            w = float(len(seq_ids))
+            old = logp if m.logp_old is None else m.logp_old[sel][part]  # None: on-policy, ratio 1
             ratios.append((logp - old).clamp(-20, 20).exp())
             if not grad_norms:  # no update yet: the trainer holds the weights vLLM sampled with, so the gap is
-                diff = logp - m.logp_rollout[sel]  # [N] the hand-off's alone (later minibatches' add the update's)
+                diff = logp - m.logp_rollout[sel][part]  # [N] the hand-off's alone (later minibatches' add the update's)
                 rollout_ratios.append(diff.clamp(-20, 20).exp())
                 gap_sum, gap_n = gap_sum + float(diff.abs().sum()), gap_n + w
                 gap_max = max(gap_max, float(diff.abs().max()) if w else 0.0)
-            is_ratios.append(importance_ratio(old, m.logp_rollout[sel], seq_ids, a.tis_level))  # [N]
+            is_ratios.append(importance_ratio(old, m.logp_rollout[sel][part], seq_ids, a.tis_level))  # [N]
             sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())  # micro losses sum to the minibatch's
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * w

@@ -35,6 +35,10 @@ def check(cfg: Config, nproc: int = 1) -> None:
     rewards.load_terms(cfg.reward.fn, cfg.reward.format_pattern)  # imports a user module: its errors show now
     if cfg.env.cls:
         envs.load(cfg.env.cls)  # likewise the environment's module (before: only once the engines had started)
+    sp = cfg.train.sequence_parallel_size
+    if nproc % sp:
+        raise ConfigError(f"train.sequence_parallel_size={sp} must divide the {nproc} ranks of --nproc {nproc}: use "
+                          f"--nproc a multiple of {sp}")
     if nproc > 1 and cfg.train.prompts_per_step % nproc:
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by the {nproc} "
                           f"ranks of --nproc {nproc}")

@@ -244,6 +244,11 @@ def validate(cfg: Config, lengths: bool = True) -> None:
         (r.tensor_parallel_size == 1 or r.mode == "inprocess",
          f"rollout.tensor_parallel_size={r.tensor_parallel_size} runs vLLM inside the ranks (its external launcher): "
          "use rollout.mode=inprocess"),
+        (t.sequence_parallel_size == 1 or not _sequence_level(cfg),
+         f"train.sequence_parallel_size={t.sequence_parallel_size} splits a sequence's tokens over ranks, and "
+         f"{_sequence_level(cfg)} needs each sequence whole on one rank: use algo.loss_agg token_mean (or "
+         "seq_mean_token_sum_norm), algo.policy_loss ppo/cispo, algo.tis_level token and train.kernels auto/torch/"
+         "triton, or train.sequence_parallel_size 1"),
         (cfg.model.dtype != "float16",
          "model.dtype=float16 is not supported: the trainer configures no loss scaling, so small gradients would "
          "underflow to zero; use model.dtype=bfloat16 (or float32)"),
@@ -261,6 +266,19 @@ def validate(cfg: Config, lengths: bool = True) -> None:
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
+
+
+def _sequence_level(cfg: Config) -> str:
+    """The first setting whose loss reads a whole sequence at once (a per-sequence mean, ratio or
+    weight; Liger's rows), which sequence parallelism's token slices cannot give; '' for none."""
+    a = cfg.algo
+    for key, bad in (("algo.loss_agg=seq_mean_token_mean", a.loss_agg == "seq_mean_token_mean"),
+                     (f"algo.policy_loss={a.policy_loss}", a.policy_loss in ("gspo", "gspo_token")),
+                     (f"algo.tis_level={a.tis_level}", a.tis_level != "token"),
+                     ("train.kernels=liger", cfg.train.kernels == "liger")):
+        if bad:
+            return key
+    return ""
 
 
 def in_range(value, spec: str) -> bool:

@@ -230,6 +230,9 @@ def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | Non
         kv = f"CPU KV cache {r.kv_cache_mb or CPU_KV_MIN_MB} MiB"
     else:
         kv = f"KV cache {r.kv_cache_mb} MiB (planned)" if r.kv_cache_mb else "KV cache planned for the device"
+    if t.sequence_parallel_size > 1:  # a sequence may be longer than one rank's micro-batch
+        kv += (f"; sequence parallel {t.sequence_parallel_size} (a sequence <= "
+               f"{t.sequence_parallel_size * t.max_tokens_per_micro_batch} tokens)")
     lines = [
         "recipe: " + ("the demo's (model.path=demo)" if demo else
                       "real-model defaults (the demo's apply only to model.path=demo)")

@@ -57,7 +57,16 @@ def run_config(cfg: Config, world) -> Resolved:
     if cfg.train.prompts_per_step % world.size:
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by "
                           f"the {world.size} ranks")
-    from transformers import AutoTokenizer
+    sp = cfg.train.sequence_parallel_size
+    if world.size % sp:
+        raise ConfigError(f"train.sequence_parallel_size={sp} must divide the {world.size} ranks: use --nproc a "
+                          f"multiple of {sp}")
+    from transformers import AutoConfig, AutoTokenizer
+    heads = getattr(AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code).get_text_config(),
+                    "num_attention_heads", sp) if sp > 1 else sp
+    if heads % sp:
+        raise ConfigError(f"train.sequence_parallel_size={sp} must divide the model's {heads} attention heads (each "
+                          "rank of the group attends with its share of them)")
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     prompts, dropped = data.encode(data.load_rows(cfg.data, "train"), tokenizer, cfg.data, cfg.data.path)
     cfg = recipe.set_steps(cfg, len(prompts))  # train.data_epochs -> train.steps

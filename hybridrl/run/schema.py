@@ -126,6 +126,12 @@ class TrainConfig:
     max_tokens_per_micro_batch: int = knob(8192, "Token budget of one forward/backward; micro-batches accumulate. "
                                            "Unset on GPUs, the memory plan halves it (down to 1024 tokens or one "
                                            "full-length sequence) while its activations do not fit.", valid=">= 1")
+    sequence_parallel_size: int = knob(1, "Ulysses sequence parallelism: consecutive ranks, this many, split each "
+                                       "micro-batch's tokens between them (all-to-all around attention: heads "
+                                       "scattered, sequence gathered), so one sequence may be up to this many times "
+                                       "train.max_tokens_per_micro_batch (1: off; a longer sequence is refused). Must "
+                                       "divide --nproc and the model's attention heads; the group trains on its "
+                                       "ranks' rollouts together (docs/parallel.md).", valid=">= 1")
     packing: Literal["auto", "on", "off"] = knob(
         "auto", "Lay each micro-batch's samples end to end in one row (position ids restart per sample) instead of "
         "right-padded rows; same loss either way. auto = on with flash-attention (varlen: no padding computed), off "

@@ -1,0 +1,129 @@
+"""Sequence parallelism (train.sequence_parallel_size, engines/ulysses.py) gives the same log-probs,
+loss and gradients as one rank scoring whole sequences.
+
+The slicing is pure (fast tier). The equality runs the real Trainer's `_forward`, `logprobs` and
+`_plan` on 2 gloo ranks (spawned: default tier) with the tiny Qwen2 of test_packing, the module
+standing in for DeepSpeed's engine as there: each rank scores its slice of a packed micro-batch
+whose samples straddle the cut, the loss is summed over the ranks and the gradients too (what
+DeepSpeed's data-parallel average times the world size gives), and both must match one rank's
+packed forward within float32 tolerance: with the sdpa mask and two KV heads shared out, and with
+eager attention and one KV head (repeated to the query heads before the exchange).
+"""
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import transformers
+
+from hybridrl.data.batch import Batch
+from hybridrl.engines import ulysses
+from hybridrl.engines.policy import TokenLogprobs
+from hybridrl.engines.trainer import Trainer
+from hybridrl.run.config import Config, ConfigError
+from tests.test_packing import V, rows
+
+
+def test_shards_cover_the_row_once():  # pure: no process group
+    batch = rows()
+    p = batch.packed()
+    N = int(batch.loss_mask.sum())
+    for size in (1, 2, 3, 4):
+        shards = [ulysses.shard(batch, r, size) for r in range(size)]
+        assert {s.tokens.shape[1] for s in shards} == {-(-p.tokens.shape[1] // size)}  # equal slices, padded
+        tokens = torch.cat([s.tokens for s in shards], 1)
+        assert tokens[0, :p.tokens.shape[1]].tolist() == p.tokens[0].tolist()
+        # each slice's targets are the next tokens of the whole row; its loss positions predict the loss tokens
+        targets = torch.cat([s.targets[s.sel] for s in shards])
+        assert targets.tolist() == batch.tokens[batch.loss_mask].tolist()
+        parts = [s.part for s in shards]
+        assert parts[0].start == 0 and parts[-1].stop == N
+        assert all(a.stop == b.start for a, b in zip(parts, parts[1:]))
+        assert all(s.part.stop - s.part.start == int(s.sel.sum()) for s in shards)
+
+
+test_shards_cover_the_row_once = pytest.mark.fast(test_shards_cover_the_row_once)
+
+
+def tiny(attn: str, kv_heads: int):
+    torch.manual_seed(0)
+    cfg = transformers.Qwen2Config(vocab_size=V, hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads,
+                                   num_hidden_layers=2, intermediate_size=96, max_position_embeddings=64,
+                                   tie_word_embeddings=False, attn_implementation=attn)
+    return transformers.Qwen2ForCausalLM(cfg).float()
+
+
+def trainer(attn: str, kv_heads: int, sp: ulysses.Group | None, budget: int = 4096) -> Trainer:
+    t = Trainer.__new__(Trainer)
+    t.cfg, t.device, t.packing, t.share_prompt = Config(), torch.device("cpu"), True, False
+    t.cfg.train.max_tokens_per_micro_batch = budget
+    t.engine = TokenLogprobs(tiny(attn, kv_heads), "torch", chunk=7, max_len=5)
+    if sp is not None:
+        t.cfg.train.sequence_parallel_size = sp.size
+        t.sp = sp
+        ulysses.install(t.engine.hf)
+        t.engine.sp = sp
+    return t
+
+
+def loss_and_grads(t: Trainer, batch: Batch):
+    """The trainer's fused loss (off-policy, dual clip, entropy bonus, TIS per token), backpropagated:
+    (this rank's loss, its log-probs, {parameter: gradient})."""
+    sel = batch.loss_mask
+    seq_ids = torch.arange(len(batch))[:, None].expand_as(sel)[sel]  # [N], as Trainer.step builds it
+    loss, _, logp, _ = t._forward(batch, 1.0, loss=dict(
+        logp_old=batch.logp_old[sel], advantages=batch.advantages[seq_ids], mask=torch.ones(len(seq_ids)),
+        seq_ids=seq_ids, logp_rollout=batch.logp_rollout[sel], eps_low=0.2, eps_high=0.28, dual_clip=3.0,
+        tis_cap=2.0, tis_level="token", entropy_coef=0.01, agg="token_mean", normalizer=7.0))
+    loss.backward()
+    return loss.detach(), logp.detach(), {n: p.grad.clone() for n, p in t.engine.named_parameters()}
+
+
+def _rank(rank: int, init: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        group = ulysses.new_groups(2)
+        assert group.rank == rank and group.size == 2
+        full = rows()
+        mine = full.select(torch.arange(rank * 2, 2 + 3 * rank))  # rank 0: rows 0-1, rank 1: rows 2-4
+        for attn, kv in (("sdpa", 2), ("eager", 1)):
+            ref, sp = trainer(attn, kv, None), trainer(attn, kv, group)
+            # log-probs: each rank asks for its own rows; the group scores them together, sliced
+            lp_ref, lp_sp = ref.logprobs(mine, 0.7), sp.logprobs(mine, 0.7)
+            assert lp_sp.shape == mine.tokens.shape
+            torch.testing.assert_close(lp_sp, lp_ref, rtol=0, atol=1e-5)
+            full.logp_old = ref.logprobs(full, 1.0) + 0.05 * full.loss_mask  # off-policy: ratio 0.95
+            r_loss, r_logp, r_grads = loss_and_grads(ref, full)
+            loss, logp, grads = loss_and_grads(sp, full)
+            assert 0 < len(logp) < len(r_logp)  # each rank scored part of the tokens
+            loss_sum = loss.clone()
+            dist.all_reduce(loss_sum)
+            torch.testing.assert_close(loss_sum, r_loss, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(ulysses.gather_tokens(logp, group), r_logp, rtol=0, atol=1e-5)
+            assert len(grads) == len(r_grads) == 2 + 2 * 12 + 1
+            for name, g in r_grads.items():
+                dist.all_reduce(grads[name])  # the group's partial gradients sum to the whole
+                assert float(g.abs().max()) > 0, name
+                torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=f"{attn} {name}")
+        # a micro-batch of 8 tokens a rank takes a sequence of 16 with two ranks, not 17
+        short = trainer("sdpa", 2, group, budget=8)
+        longest = int(full.lengths.max())
+        assert longest == 11 and len(short._plan(full)) >= 2
+        with pytest.raises(ConfigError, match="train.sequence_parallel_size to 3 or more"):
+            trainer("sdpa", 2, group, budget=5)._plan(full)
+        open(f"{out}.{rank}", "w").write("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sequence_parallel_equals_one_rank(tmp_path):
+    torch.multiprocessing.spawn(_rank, args=(f"file://{tmp_path}/init", str(tmp_path / "done")), nprocs=2)
+    assert sorted(os.listdir(tmp_path)).count("done.0") == 1 and (tmp_path / "done.1").exists()
+
+
+@pytest.mark.fast
+def test_one_rank_refuses_a_sequence_longer_than_its_micro_batch():
+    t = trainer("sdpa", 2, None, budget=10)
+    with pytest.raises(ConfigError, match="a sequence of 11 tokens is longer than train.max_tokens_per_micro_batch"
+                                          "=10 x train.sequence_parallel_size=1"):
+        t._plan(rows())
