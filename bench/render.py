@@ -255,7 +255,8 @@ PLAN_LONG = [("Qwen/Qwen2.5-7B-Instruct", 16384, 0), ("Qwen/Qwen2.5-7B-Instruct"
              ("examples/recipes/qwen2.5-7b-16k-8xh100.yaml", 0, 0),
              ("examples/recipes/qwen2.5-32b-8xh100.yaml", 8192, 9216),
              ("examples/recipes/qwen2.5-32b-8k-8xh100.yaml", 0, 0),
-             ("examples/recipes/qwen2.5-72b-8xh100.yaml", 8192, 9216)]
+             ("examples/recipes/qwen2.5-72b-8xh100.yaml", 8192, 9216),
+             ("examples/recipes/qwen2.5-72b-8xh100.yaml", 31744, 32768)]
 
 
 @renderer("plan_long")
@@ -274,7 +275,8 @@ def render_plan_long(args: list[str], filters: dict) -> str:
         k, r, t = p.knobs, cfg.rollout, cfg.train
         flags = " ".join(f"{key.split('.')[-1]} {v}" for key, v in over.items())
         trainer = (f"ZeRO-{k.zero}" + ", checkpointing" * k.ckpt + ", optimizer offload" * k.optimizer_offload
-                   + ", parameter offload" * k.param_offload + f", {k.mb_tokens}-token micro-batches")
+                   + ", parameter offload" * k.param_offload + f", sequence parallel {k.sp}" * (k.sp > 1)
+                   + f", {k.mb_tokens}-token micro-batches")
         name = f"`{Path(what).name}`" if recipe else what.split("/")[-1]
         out.append([name + (f" {flags}" if flags else ""),
                     f"{t.prompts_per_step} x {r.n}", f"{r.max_new_tokens} / {r.max_model_len}", k.tp, trainer,

@@ -278,3 +278,26 @@ def test_the_kv_floor_keeps_the_longest_sequences_running():
     cfg, p = plan.decide(cfg, shape("Qwen/Qwen2.5-7B-Instruct"), device=H100, host=NODE, world=8, local=8,
                          on_cpu=False)
     assert p.fits and p.waves == 2 and cfg.model.gradient_checkpointing and cfg.train.zero_stage == 2
+
+
+@pytest.mark.fast
+def test_sequence_parallelism_is_planned_where_one_sequence_fits_nowhere_else():
+    """72B with 32k-token sequences: one sequence's activations under checkpointing, 69 GiB per GPU,
+    fit beside ZeRO-3 and the optimizer in host memory only split over 2 ranks (Ulysses, the
+    trainer's train.sequence_parallel_size), before the parameters would go to host memory too. A
+    sequence-level loss cannot be split: the plan then offloads the parameters instead."""
+    over = {"rollout.max_new_tokens": 31744, "rollout.max_model_len": 32768}
+    cfg = config.load(str(ROOT / "examples" / "recipes" / "qwen2.5-72b-8xh100.yaml"), over)
+    cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
+    assert p.fits and cfg.train.sequence_parallel_size == 2 and cfg.train.param_offload == "off", p.table()
+    # a rank holds half of the longest sequence: the budget the trainer is given is that half
+    assert cfg.train.max_tokens_per_micro_batch == p.knobs.mb_tokens == 16384
+    assert "SP 2" in p.table() and "train.sequence_parallel_size=2" in p.table()
+    cfg = config.load(str(ROOT / "examples" / "recipes" / "qwen2.5-72b-8xh100.yaml"),
+                      {**over, "algo.loss_agg": "seq_mean_token_mean"})
+    cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
+    assert p.fits and cfg.train.sequence_parallel_size == 1 and cfg.train.param_offload == "on", p.table()
+    # a run whose sequences fit one rank keeps SP 1, and is given a budget of its longest sequence
+    cfg = config.load(str(ROOT / "examples" / "recipes" / "qwen2.5-7b-16k-8xh100.yaml"), {})
+    cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
+    assert cfg.train.sequence_parallel_size == 1 and cfg.train.max_tokens_per_micro_batch == 17408

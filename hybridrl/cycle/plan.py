@@ -175,6 +175,7 @@ class Knobs:
     offload_states: str = "auto"  # train.offload_states
     seqs: int = 0  # sequences one vLLM engine generates in a step (0: not planned, CPU)
     seq_kv: int = 0  # KV bytes per rank of one of them at full rollout.max_model_len
+    sp: int = 1  # decided: train.sequence_parallel_size (mb_tokens is then one rank's share of a micro-batch)
 
 
 @dataclass
@@ -218,6 +219,7 @@ class MemoryPlan:
         k = self.knobs
         where = "host (shared by the node's ranks)" if k.on_cpu else "GPU"
         head = (f"memory plan per {where}: {self.device / GIB:.1f} GiB; {k.world} rank(s), ZeRO-{k.zero}, TP {k.tp}, "
+                + (f"SP {k.sp}, " if k.sp > 1 else "") +
                 f"{'bfloat16' if k.b == 2 else 'float32'}" + (f" - {title}" if title else ""))
         phases = [p for p in self.PHASES if (p != "reference" or k.reference) and (p != "values" or k.critic)]
         width = max(len(n) for n in self.rows) + 2
@@ -367,39 +369,54 @@ def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp
         kv, floor = max(memory.KV_HEADROOM * need, memory.KV_MIN), max(memory.kv_floor(seqs, seq_kv), memory.KV_MIN)
     trained = shape.lora_params(m.lora_rank, m.lora_target_modules) if m.lora_rank else shape.params
     return Knobs(world=world, local=local, tp=tp, zero=t.zero_stage, b=b, ckpt=m.gradient_checkpointing,
-                 mb_tokens=max(t.max_tokens_per_micro_batch, r.max_model_len),
+                 mb_tokens=max(t.max_tokens_per_micro_batch, -(-r.max_model_len // t.sequence_parallel_size)),
                  optimizer_offload=t.optimizer_offload == "on", param_offload=t.param_offload == "on",
                  trained=trained, reference=cfg.algo.kl_coef > 0 and not m.lora_rank,
                  critic=cfg.algo.advantage == "gae", sleep_level=r.sleep_level, graphs=not r.enforce_eager,
                  max_num_seqs=r.max_num_seqs or memory.engine_seqs(cfg, dp), kv=kv, kv_floor=floor, chunk=t.logprob_chunk,
                  bucket=t.sync_bucket_mb << 20, reserve=(r.memory_margin_mb << 20) if not on_cpu else 0,
-                 on_cpu=on_cpu, offload_states=t.offload_states, seqs=seqs, seq_kv=seq_kv)
+                 on_cpu=on_cpu, offload_states=t.offload_states, seqs=seqs, seq_kv=seq_kv, sp=t.sequence_parallel_size)
 
 
 FREE = ("rollout.tensor_parallel_size", "model.gradient_checkpointing", "train.max_tokens_per_micro_batch",
-        "train.zero_stage", "train.optimizer_offload", "train.param_offload")
+        "train.zero_stage", "train.optimizer_offload", "train.param_offload", "train.sequence_parallel_size")
 
 
 def ladder(cfg: Config, shape: Shape, base: Knobs, world: int, local: int, device: int):
     """Settings to try, cheapest first, varying only what the user left unset (recipe.explicit):
     halved micro-batches, gradient checkpointing, ZeRO-3, a larger vLLM tensor-parallel group, and
-    only then the optimizer (and then the parameters) in host memory."""
+    only then the optimizer in host memory; then sequence parallelism, where one sequence's
+    activations fit in none of those (its all-to-alls cost every layer, and a sequence-level loss
+    rules it out: config.validate); the parameters in host memory last."""
+    from hybridrl.run.config import _sequence_level
     from hybridrl.run.recipe import explicit
     free = {key: not explicit(cfg, key) for key in FREE}
+    sps = [base.sp] + [s for s in (2, 4, 8) if free["train.sequence_parallel_size"] and s > base.sp and world % s == 0
+                       and shape.heads % s == 0 and not _sequence_level(cfg)]
+    for params in (False, True):
+        for sp in sps:
+            yield from _ladder_at(cfg, shape, base, world, local, device, free, sp, params)
+
+
+def _ladder_at(cfg: Config, shape: Shape, base: Knobs, world: int, local: int, device: int, free: dict, sp: int,
+               params: bool):
+    """`ladder` at one sequence-parallel size (a rank's micro-batch is at least its share of the longest
+    sequence), the parameters offloaded or not."""
+    least = -(-cfg.rollout.max_model_len // sp)
     tps = [base.tp] + [t for t in (2, 4, 8) if free["rollout.tensor_parallel_size"] and t > base.tp
                        and world % t == 0 and shape.heads % t == 0 and t <= local]
     tps = [t for t in tps if vllm_fits(shape, base, t, device)]
-    budgets = [base.mb_tokens]
+    budgets = [base.mb_tokens if sp == base.sp else max(cfg.train.max_tokens_per_micro_batch, least)]
     if free["train.max_tokens_per_micro_batch"]:
-        while budgets[-1] // 2 >= max(cfg.rollout.max_model_len, 1024):
+        while budgets[-1] // 2 >= max(least, 1024):
             budgets.append(budgets[-1] // 2)
     ckpts = [base.ckpt] + [True] * (free["model.gradient_checkpointing"] and not base.ckpt)
     zeros = [base.zero] + [3] * (free["train.zero_stage"] and base.zero != 3 and world > 1)
     offloads = [(base.optimizer_offload, base.param_offload)]
     if free["train.optimizer_offload"] and not base.optimizer_offload:
         offloads.append((True, base.param_offload))
-    if free["train.param_offload"] and not base.param_offload:
-        offloads.append((True, True))
+    if params:
+        offloads = [(True, True)] if free["train.param_offload"] and not base.param_offload else []
     for optimizer_offload, param_offload in offloads:
         for tp in tps:
             k = knobs(cfg, shape, world=world, local=local, on_cpu=False, tp=tp) if tp != base.tp else base
@@ -410,7 +427,7 @@ def ladder(cfg: Config, shape: Shape, base: Knobs, world: int, local: int, devic
                     # full micro-batches before checkpointing: recomputing costs a third more compute
                     for mb in budgets[:2] if ckpt != ckpts[-1] else budgets:
                         yield dataclasses.replace(k, zero=zero, optimizer_offload=optimizer_offload,
-                                                  param_offload=param_offload, ckpt=ckpt, mb_tokens=mb)
+                                                  param_offload=param_offload, ckpt=ckpt, mb_tokens=mb, sp=sp)
 
 
 def vllm_fits(shape: Shape, k: Knobs, tp: int, device: int) -> bool:
@@ -423,7 +440,7 @@ def decide(cfg: Config, shape: Shape, *, device: int, host: int, world: int, loc
     """The cheapest plan that fits (see `ladder`), its choices written into the config (source
     "memory plan"); ConfigError in one line when none fits. On CPU nothing is decided: the plan
     only checks that the run fits the node's memory."""
-    from hybridrl.run.recipe import _set
+    from hybridrl.run.recipe import _set, explicit
     base = knobs(cfg, shape, world=world, local=local, on_cpu=on_cpu)
     first = build(shape, base, device=device, host=host)
     if on_cpu:
@@ -444,7 +461,11 @@ def decide(cfg: Config, shape: Shape, *, device: int, host: int, world: int, loc
         raise ConfigError(_refusal(cfg, shape, base, device, host, world, local))
     k = p.knobs
     chosen = {"rollout.tensor_parallel_size": (k.tp, base.tp), "model.gradient_checkpointing": (k.ckpt, base.ckpt),
-              "train.max_tokens_per_micro_batch": (k.mb_tokens, base.mb_tokens), "train.zero_stage": (k.zero, base.zero),
+              # the budget the plan assumed (at least a rank's share of the longest sequence), which the trainer
+              # holds every micro-batch to; the user's own is kept
+              "train.max_tokens_per_micro_batch": (k.mb_tokens, base.mb_tokens if explicit(
+                  cfg, "train.max_tokens_per_micro_batch") else cfg.train.max_tokens_per_micro_batch),
+              "train.sequence_parallel_size": (k.sp, base.sp), "train.zero_stage": (k.zero, base.zero),
               "train.optimizer_offload": ("on" if k.optimizer_offload else "off", cfg.train.optimizer_offload),
               "train.param_offload": ("on" if k.param_offload else "off", cfg.train.param_offload)}
     for key, (value, before) in chosen.items():
