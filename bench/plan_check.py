@@ -88,7 +88,7 @@ def measure(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtyp
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
-        raise RuntimeError(out.stdout[-2000:] + out.stderr[-3000:])
+        raise RuntimeError(f"exit {out.returncode} (-9: killed, out of memory?)\n" + out.stdout[-2000:] + out.stderr[-3000:])
     return json.loads(lines[-1][7:])["peak"]
 
 
