@@ -80,7 +80,8 @@ def worker(args) -> None:
 def measure(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtype: str, cuda: bool = False,
             timeout: float = 1800, seqs: int = 4) -> float:
     cmd = [sys.executable, "-m", "bench.plan_check", "--worker", "--model", shape_dir, "--zero", str(zero),
-           "--tokens", str(tokens), "--dtype", dtype, "--seqs", str(seqs)] + (["--ckpt"] if ckpt else []) + (["--cuda"] if cuda else [])
+           "--tokens", str(tokens), "--dtype", dtype, "--seqs", str(seqs)] + (["--ckpt"] if ckpt else []) \
+        + (["--cuda"] if cuda else [])
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                str(29500 + os.getpid() % 1000)] + cmd[1:]  # its -m: each rank runs bench.plan_check as a module
@@ -88,7 +89,8 @@ def measure(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtyp
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
-        raise RuntimeError(f"exit {out.returncode} (-9: killed, out of memory?)\n" + out.stdout[-2000:] + out.stderr[-3000:])
+        raise RuntimeError(f"exit {out.returncode} (-9: killed, out of memory?)\n" + out.stdout[-2000:]
+                           + out.stderr[-3000:])
     return json.loads(lines[-1][7:])["peak"]
 
 

@@ -270,7 +270,7 @@ def render_plan_long(args: list[str], filters: dict) -> str:
         recipe = what.endswith(".yaml")
         over = {"rollout.max_new_tokens": tokens} if tokens else {}
         over.update({"rollout.max_model_len": context} if context else {})
-        cfg = config.load(str(results.ROOT / what) if recipe else None, over if recipe else {"model.path": what, **over})
+        cfg = config.load(str(results.ROOT / what), over) if recipe else config.load(None, {"model.path": what, **over})
         cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
         k, r, t = p.knobs, cfg.rollout, cfg.train
         flags = " ".join(f"{key.split('.')[-1]} {v}" for key, v in over.items())
@@ -285,8 +285,8 @@ def render_plan_long(args: list[str], filters: dict) -> str:
     return (table(["model or recipe, flags", "prompts x samples", "answer / context tokens", "vLLM TP", "trainer",
                    "KV cache GiB per GPU (of all at full length)", "waves (at once of per engine)", "peak GiB"],
                   "llrrlrrl", out)
-            + "\n\n`hybridrl plan` with `--nproc 8`: 8 x 79.2 GiB GPUs, 2 TiB of host memory; waves count every answer at "
-              "its longest (`python -m bench.render` reruns the plan).")
+            + "\n\n`hybridrl plan` with `--nproc 8`: 8 x 79.2 GiB GPUs, 2 TiB of host memory; waves count every "
+              "answer at its longest (`python -m bench.render` reruns the plan).")
 
 
 # --- history ---------------------------------------------------------------------------------------

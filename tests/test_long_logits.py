@@ -84,7 +84,8 @@ def test_no_pass_materialises_the_logits_of_a_16k_token_sequence(model, world_of
     trainer = Trainer(cfg, str(model), device=cpu, dtype=torch.float32, attn_implementation="sdpa")
     rows["old log-probs"] = widest(vocab, lambda: trainer.logprobs(batch, temperature=1.0))
     rows["update"] = widest(vocab, lambda: trainer.step(batch))
-    reference = Reference(long_config(**{"algo.kl_coef": 0.01}), str(model), device=cpu, dtype=torch.float32, attn_implementation="sdpa")
+    reference = Reference(long_config(**{"algo.kl_coef": 0.01}), str(model), device=cpu, dtype=torch.float32,
+                          attn_implementation="sdpa")
     rows["reference"] = widest(vocab, lambda: reference.logprobs(batch, temperature=1.0))
     critic = Critic(long_config(**{"algo.advantage": "gae"}), str(model), device=cpu, dtype=torch.float32,
                     attn_implementation="sdpa")

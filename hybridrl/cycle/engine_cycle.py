@@ -129,7 +129,8 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
         // r.tensor_parallel_size
     need = (r.kv_cache_mb << 20) or memory.kv_cache_need(cfg, hf.config, world_size, hf.dtype.itemsize)
     # where memory is short the KV cache may shrink to the longest sequences running, and the step takes waves
-    seqs, seq = memory.step_seqs(cfg, world_size), r.max_model_len * memory.kv_bytes_per_token(hf.config, hf.dtype.itemsize)
+    seqs = memory.step_seqs(cfg, world_size)
+    seq = r.max_model_len * memory.kv_bytes_per_token(hf.config, hf.dtype.itemsize)
     # with the states kept, what is free now less the Adam moments the first step will add
     free_kept = memory.free_memory()[0] - trainer.pending_state_bytes() if t.offload_states != "on" else 0
     trainer.offload(params=t.offload_params)  # measured as it will run: the parameters leave too when set
