@@ -21,7 +21,8 @@ anywhere.
 
 The measurements are the GPU self-check's (bench/gpu_engine_checks.py, bench/gpu_run_checks.py,
 what `make gpu-check` runs) and bench/plan_check.py's; this file orders them, sizes them to the
-lease and adds the two that have no check of their own (eager vs CUDA graphs, a 7B-shape decode).
+lease and adds the three that have no check of their own (eager vs CUDA graphs, a 7B-shape decode,
+a Qwen3-30B-A3B-shape mixture-of-experts decode).
 """
 
 from __future__ import annotations
@@ -43,7 +44,10 @@ ROOT = Path(__file__).resolve().parents[1]
 GIB = 2.0 ** 30
 LEASE_S = 13 * 60  # of the task's 15 device-minutes: the rest is slack for a slow start or a rerun
 TRAINER_TOKENS = 8192  # train.max_tokens_per_micro_batch's default: one micro-batch of it
-DECODE_SEQS, DECODE_TOKENS, DECODE_PROMPT = 64, 512, 64  # the 7B-shape decode
+DECODE_SEQS, DECODE_TOKENS, DECODE_PROMPT = 64, 512, 64  # the 7B-shape and MoE decodes
+# the decodes' shapes (shipped config.json, dummy weights): the whole 30B-A3B is 57 GiB of bf16 weights,
+# which one H100 holds beside the decode's KV cache
+DECODE_SHAPES = {"qwen2.5-7b": "7B shape", "qwen3-30b-a3b": "Qwen3-30B-A3B shape (128 experts, 8 per token)"}
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,8 @@ STAGES = [
     Stage("critic", 150, 60, True, "PPO with a critic and checkpoints, since sleep level 2 became the default"),
     Stage("decode7b", 240, 100, False, "vLLM alone, a 7B shape with dummy weights: 64 x 512 tokens, eager vs CUDA "
           "graphs, footprint vs the plan"),
+    Stage("moe_decode", 240, 100, False, "vLLM alone, a Qwen3-30B-A3B shape with dummy weights (all 128 experts, "
+          "57 GiB): 64 x 512 tokens, eager vs CUDA graphs, footprint vs the plan (every expert, top-8 activations)"),
 ]
 BY_NAME = {s.name: s for s in STAGES}
 
@@ -415,16 +421,17 @@ def stage_critic(cuda: bool) -> None:
     runs.check_critic(cuda)
 
 
-def decode_plan(graphs: bool) -> dict[str, int]:
-    """The plan's vLLM rows for the 7B-shape decode (bf16, one GPU, 64 sequences)."""
+def decode_plan(graphs: bool, config: str = "qwen2.5-7b") -> dict[str, int]:
+    """The plan's vLLM rows for a decode of `config`'s shape (bf16, one GPU, 64 sequences): its
+    weights are every expert's, its activations go by the active parameters."""
     from hybridrl.cycle import memory
     from hybridrl.cycle import plan
-    shape = plan.Shape.from_config(plan.read_config("qwen2.5-7b"))
+    shape = plan.Shape.from_config(plan.read_config(config))
     weights = shape.params * 2
     kv = DECODE_SEQS * (DECODE_PROMPT + DECODE_TOKENS) * 2 * shape.layers * shape.kv_dim * 2
     kv = max(int(memory.KV_HEADROOM * kv), memory.KV_MIN)
     return {"weights": weights, "KV cache": kv,
-            "activations": int(GIB + weights // 10 + memory.sampler_bytes(DECODE_SEQS, shape.vocab)),
+            "activations": int(GIB + shape.active_params * 2 // 10 + memory.sampler_bytes(DECODE_SEQS, shape.vocab)),
             "CUDA graphs": plan.graph_bytes(shape, 2, DECODE_SEQS, 1) if graphs else 0}
 
 
@@ -445,9 +452,28 @@ def stage_decode7b(cuda: bool) -> None:
                 "", "fail")
 
 
-def decode(mode: str) -> None:
-    """One engine: vLLM with a 7B shape's config and dummy weights (no download), 64 sequences of
-    512 new tokens after a 64-token prompt; its footprint against the plan's rows."""
+def stage_moe_decode(cuda: bool) -> None:
+    """decode7b's measurement for a mixture of experts: vLLM's fused-MoE kernels, every expert's
+    weights in the footprint, and CUDA graphs' gain where a token reads only 8 of 128 experts."""
+    from bench.gpu_claims import row
+    config, label = "qwen3-30b-a3b", DECODE_SHAPES["qwen3-30b-a3b"]
+    for mode in ("eager", "graphs"):
+        p = decode_plan(mode == "graphs", config)
+        claim = f"{label}, dummy weights, {mode}: {DECODE_SEQS} x {DECODE_TOKENS} tokens"
+        if not cuda:
+            row(claim, "plan " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.items()) + " GiB; measured: skipped: "
+                "no CUDA", "", "skipped", plan_gib={k: v / GIB for k, v in p.items()})
+            continue
+        try:  # its own process, as decode7b's
+            subprocess.run([sys.executable, "-m", "bench.lease", "--decode", mode, "--decode-config", config],
+                           timeout=_seconds(110), cwd=ROOT)
+        except subprocess.TimeoutExpired as e:
+            row(claim, f"cut at {e.timeout:.0f} s", "", "fail")
+
+
+def decode(mode: str, config: str = "qwen2.5-7b") -> None:
+    """One engine: vLLM with a shipped shape's config (DECODE_SHAPES) and dummy weights (no download),
+    64 sequences of 512 new tokens after a 64-token prompt; its footprint against the plan's rows."""
     import torch
 
     from bench import gpu_engine_checks as engine
@@ -457,12 +483,12 @@ def decode(mode: str) -> None:
     from hybridrl.cycle import plan
     from hybridrl.engines import vllm_compat
     engine._world()
-    src = plan.shipped_config("qwen2.5-7b")
-    model = env.cache_dir() / "lease-qwen2.5-7b-config"
+    src, label = plan.shipped_config(config), DECODE_SHAPES[config]
+    model = env.cache_dir() / f"lease-{config}-config"
     model.mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text(src.read_text())
     from vllm import LLM, SamplingParams
-    p = decode_plan(mode == "graphs")
+    p = decode_plan(mode == "graphs", config)
     kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=p["KV cache"], gpu_memory_utilization=0.9,
                                    sleep_mode=False, max_num_seqs=DECODE_SEQS, enforce_eager=mode == "eager")
     before = engine._used()
@@ -482,18 +508,19 @@ def decode(mode: str) -> None:
     for _ in range(2):
         times.append(engine._timed(lambda: llm.generate(prompts, params, use_tqdm=False)))
     best = min(times)
-    row(f"7B shape, dummy weights, {mode}: {DECODE_SEQS} x {DECODE_TOKENS} tokens",
+    row(f"{label}, dummy weights, {mode}: {DECODE_SEQS} x {DECODE_TOKENS} tokens",
         f"{DECODE_SEQS * DECODE_TOKENS / best:.0f} tok/s ({best:.2f} s, best of {len(times)}); engine start "
         f"{start_s:.0f} s", "reported", "info", times=times, start_s=start_s)
     err = footprint / planned - 1
-    row(f"7B shape, {mode}: vLLM's footprint vs the plan", f"{footprint / GIB:.2f} vs {planned / GIB:.2f} GiB "
+    row(f"{label}, {mode}: vLLM's footprint vs the plan", f"{footprint / GIB:.2f} vs {planned / GIB:.2f} GiB "
         f"({err:+.1%}; plan " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.items()) + ")", "within 5%",
         verdict(abs(err) <= 0.05), footprint_gib=footprint / GIB, plan_gib={k: v / GIB for k, v in p.items()})
 
 
 STAGE_FUNCS = {"prepare": stage_prepare, "stack": stage_stack, "planner": stage_planner,
                "demo_probe": stage_demo_probe, "graphs": stage_graphs, "trainer_plan": stage_trainer_plan,
-               "paths": stage_paths, "critic": stage_critic, "decode7b": stage_decode7b}
+               "paths": stage_paths, "critic": stage_critic, "decode7b": stage_decode7b,
+               "moe_decode": stage_moe_decode}
 
 
 def main() -> int:
@@ -505,6 +532,7 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="where the rows go (default $OUT, else .cache/lease/out)")
     ap.add_argument("--stage", help=argparse.SUPPRESS)
     ap.add_argument("--decode", help=argparse.SUPPRESS)
+    ap.add_argument("--decode-config", default="qwen2.5-7b", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.plan:
         return print_plan()
@@ -512,7 +540,7 @@ def main() -> int:
         from hybridrl.run import environ as env
         env.setup()
         if a.decode:
-            decode(a.decode)
+            decode(a.decode, a.decode_config)
         else:
             STAGE_FUNCS[a.stage](env.has_cuda())
         return 0

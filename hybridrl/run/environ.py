@@ -13,6 +13,7 @@ The libraries' console output is quiet unless `log.verbose` (logs.py).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -68,6 +69,64 @@ def fast_bf16() -> bool:
     AVX512-BF16 alone is no promise: it was faster than float32 on one CPU and slower on another
     (docs/speed.md); without either, torch emulates bfloat16, slower than float32."""
     return "amx_bf16" in cpu_flags()
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity: a job's cgroup or taskset counts)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def optimizer_threads(environ=None, cores: int | None = None) -> int:
+    """OpenMP threads for an optimizer step on the host (DeepSpeed's CPU Adam with
+    train.optimizer_offload on a GPU): this rank's share of the node's cores. torch's launcher sets
+    OMP_NUM_THREADS=1 for every rank when it starts more than one and the variable is unset, which
+    leaves CPU Adam, an OpenMP loop over the rank's partition (billions of parameters at 32B/72B),
+    on one core while the others idle. An OMP_NUM_THREADS above 1 is the user's and is kept."""
+    environ = os.environ if environ is None else environ
+    omp = environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 1:
+        return int(omp)
+    ranks = int(environ.get("LOCAL_WORLD_SIZE") or 1)  # torchrun's ranks on this node
+    return max(1, (cores or host_cores()) // max(ranks, 1))
+
+
+def _omp_runtimes() -> list:
+    """Every OpenMP runtime loaded in this process (ctypes handles): torch's and the one a JIT op
+    such as DeepSpeed's CPU Adam was linked against, which are two where the wheel bundles its
+    libgomp under another name; torch.set_num_threads reaches torch's alone."""
+    import ctypes
+    import re
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if re.search(r"/lib(gomp|iomp5|omp)\b[^/]*\.so", line)})
+    except OSError:
+        return []
+    libs = []
+    for path in paths:
+        try:  # RTLD_NOLOAD: a handle on the loaded copy, never a second one
+            lib = ctypes.CDLL(path, mode=os.RTLD_NOLOAD | os.RTLD_NOW)
+            lib.omp_get_max_threads, lib.omp_set_num_threads  # noqa: B018 -- both, or not a runtime
+        except (OSError, AttributeError):
+            continue
+        libs.append(lib)
+    return libs
+
+
+@contextlib.contextmanager
+def omp_threads(n: int):
+    """Run the block with `n` OpenMP threads in every loaded runtime (0: as they are), then put back
+    each runtime's own count. OpenMP's count belongs to the calling thread: the block's parallel
+    loops started from this thread use it."""
+    libs = _omp_runtimes() if n > 0 else []
+    before = [lib.omp_get_max_threads() for lib in libs]
+    for lib in libs:
+        lib.omp_set_num_threads(n)
+    try:
+        yield
+    finally:
+        for lib, k in zip(libs, before):
+            lib.omp_set_num_threads(k)
 
 
 _OURS: dict[str, str] = {}  # the logging variables setup() set (logs.environment)

@@ -68,6 +68,14 @@ def init_distributed(timeout_s: float = 0) -> World:
     return World(rank, size, local, device)
 
 
+def set_collective_timeout(seconds: float) -> None:
+    """Bound the default process group's collectives by `seconds` from now on (0: leave them as they
+    are). A checkpoint's save raises it while the ranks wait for each other's shards, then puts back
+    init_distributed's. torch's setter is private (distributed_c10d._set_pg_timeout, since 2.3)."""
+    if seconds > 0 and dist.is_initialized() and hasattr(dist.distributed_c10d, "_set_pg_timeout"):
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+
+
 def forget_world() -> None:
     """Put back the variables init_distributed set for a world of one (vLLM's external launcher
     reads them while the engine is built, so they live as long as the run). Left behind, they would

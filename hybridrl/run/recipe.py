@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from hybridrl.cycle import memory
+from hybridrl.run import environ as env
 from hybridrl.run.config import DEMO, DEMO_SOURCE, Config, ConfigError, leaves, validate  # noqa: F401
 from hybridrl.run.config import default, demo_recipe, explicit, get, put as _set  # noqa: F401
 from hybridrl.engines.models import ModelInfo
@@ -212,11 +214,12 @@ def _fmt(value) -> str:
 
 
 def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | None = None,
-             engines: dict[str, tuple[str, str]] | None = None) -> list[str]:
+             engines: dict[str, tuple[str, str]] | None = None, planned_ranks: int = 0) -> list[str]:
     """The effective recipe in a few lines: what the run will do, and where each value that is
     not the config's default came from. `engines`: key -> (value, source) for what the engines
     decide on their own from a setting (train.kernels, packing, share_prompt: policy.Layout), in
-    place of the setting's own line."""
+    place of the setting's own line. `planned_ranks`: ranks per node of a run planned elsewhere
+    (`hybridrl plan`), whose node's cores this machine cannot count."""
     r, t, d = cfg.rollout, cfg.train, cfg.data
     demo = cfg.model.path == "demo"
     params = f"{info.params / 1e6:.2f}M parameters" if info.params else "parameters not counted"
@@ -259,4 +262,12 @@ def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | Non
         lines.append(f"  {'set by' if len(lines) == 4 else '':8} {src}: {', '.join(changed[src])}")
     if not changed:
         lines.append("  set by   the defaults")
+    if not on_cpu and t.optimizer_offload == "on" and planned_ranks:  # `hybridrl plan`: another node's cores
+        lines.append(f"  optimizer on the host: CPU Adam on each rank's share of the node's cores (its cores / "
+                     f"{planned_ranks} OpenMP threads; OMP_NUM_THREADS > 1 sets it)")
+    elif not on_cpu and t.optimizer_offload == "on":  # the trainer's host_step_threads, from this node's numbers
+        ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+        lines.append(f"  optimizer on the host: CPU Adam on {env.optimizer_threads()} OpenMP threads per rank "
+                     f"({env.host_cores()} cores, {ranks} rank{'s' * (ranks != 1)} on this node; OMP_NUM_THREADS > 1 "
+                     "sets it)")
     return lines

@@ -157,11 +157,12 @@ class TrainConfig:
                                 "always move.")
     optimizer_offload: Literal["auto", "on", "off"] = knob(
         "auto", "Keep the fp32 master weights and Adam's moments in host memory and run the optimizer step there "
-        "(DeepSpeed ZeRO-Offload, offload_optimizer: cpu; OpenRLHF's --adam_offload, verl's optimizer_offload). "
+        "(DeepSpeed ZeRO-Offload, offload_optimizer: cpu; OpenRLHF's --adam_offload). "
         "auto = on when the memory plan finds the states do not fit the GPU otherwise (off on CPU).")
     param_offload: Literal["auto", "on", "off"] = knob(
         "auto", "ZeRO-3 only: keep the parameters' shards in host memory, gathered to the device layer by layer "
-        "(DeepSpeed offload_param: cpu). auto = on when the memory plan finds nothing else fits (off on CPU).")
+        "(DeepSpeed offload_param: cpu); needs train.optimizer_offload on or auto (the memory plan then turns it "
+        "on). auto = on when the memory plan finds nothing else fits (off on CPU).")
     probe_every: int = knob(20, "Check vLLM vs trainer log-probs on a probe batch after the first hand-off, every N "
                             "steps, and at once when a training batch's own vLLM-vs-trainer gap (logp_gap_max in "
                             "float32, logp_gap_mean in 16-bit) exceeds train.probe_tol (0 = off). The probe is two "
@@ -337,6 +338,9 @@ class CkptConfig:
     every: int = knob(200, "Save a checkpoint every N steps (0 = only at the end and on SIGTERM/SIGINT).", valid=">= 0")
     keep: int = knob(2, "Keep the newest N complete checkpoints; older ones are deleted.", valid=">= 1")
     dir: str = knob("{run_dir}/checkpoints", "Where checkpoints go; {run_dir} is the run's directory.")
+    write_mb_s: float = knob(100.0, "The slowest the checkpoint storage is expected to write, in MiB/s for the "
+                             "whole run: a save may take train.watchdog_s plus its bytes at this speed before the "
+                             "watchdog stops the run (a 72B run's ~1 TB: about 3 hours at 100).", valid="> 0")
     resume: str = knob("", "Continue a run: 'auto' = the newest complete checkpoint under log.run_dir if any "
                        "(else start fresh), or a run directory (or one of its checkpoints) to continue.")
 
