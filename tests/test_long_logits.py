@@ -71,6 +71,33 @@ def widest(vocab: int, fn) -> int:
     return mode.rows
 
 
+def test_the_scoring_modules_never_hold_the_logits_of_a_16k_token_sequence(model):
+    """The modules every scoring pass runs, without the engines around them: the policy's
+    TokenLogprobs (the trainer's old log-probs and update, the reference: forward, and the fused
+    loss's backward) and the critic's value model."""
+    from transformers import AutoModel, AutoModelForCausalLM
+    from hybridrl.engines.critic import _ValueModel
+    from hybridrl.engines.policy import TokenLogprobs
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa")
+    vocab = hf.config.vocab_size
+    batch = long_batch(vocab)
+    tokens, mask = batch.tokens, batch.attention_mask()
+    module = TokenLogprobs(hf, "torch", CHUNK)
+    with torch.no_grad():
+        assert 0 < widest(vocab, lambda: module(tokens, mask, batch.loss_mask, 1.0)) <= CHUNK
+    n = int(batch.loss_mask[:, 1:].sum())
+    loss = dict(logp_old=None, advantages=torch.ones(n), mask=torch.ones(n), logp_ref=None, logp_rollout=None,
+                seq_ids=torch.zeros(n, dtype=torch.long))  # on-policy, as the trainer's first update
+
+    def update():
+        module(tokens, mask, batch.loss_mask, 1.0, loss=loss)[0].backward()
+    assert 0 < widest(vocab, update) <= CHUNK
+    critic = _ValueModel(AutoModel.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa"))
+    with torch.no_grad():
+        assert widest(vocab, lambda: critic(tokens, mask, batch.loss_mask)) == 0  # a one-output head
+
+
+@pytest.mark.slow  # the real engines at 16k tokens: minutes on a loaded 2-core machine
 def test_no_pass_materialises_the_logits_of_a_16k_token_sequence(model, world_of_one):
     from transformers import AutoConfig
     from hybridrl.engines.critic import Critic
