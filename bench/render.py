@@ -241,12 +241,17 @@ def render_plan_check(args: list[str], filters: dict) -> str:
     """The newest plan check: the memory plan's training phase against the trainer's measured peak."""
     r = _one("plan_check", filters, "rows")
     gib = 2.0 ** 30
-    out = [[x["shape"], x["ranks"], x["zero"], "on" if x["ckpt"] else "off", f"{x['plan'] / gib:.2f}",
-            f"{x['measured'] / gib:.2f}", f"{x['measured'] / x['plan']:.2f}"] for x in r["figures"]["rows"]]
     w = r["workload"]
-    return (table(["shape", "ranks", "ZeRO", "gradient checkpointing", "plan GiB", "measured GiB", "measured / plan"],
-                  "lrrlrrr", out)
-            + f"\n\n{w.get('dtype')}, one micro-batch of {w.get('tokens')} tokens; " + _about(r, "plan_check") + ".")
+    long = w.get("seqs") == 1  # one sequence per micro-batch, of each row's token count
+    out = [[x["shape"], x["ranks"], x["zero"], "on" if x["ckpt"] else "off"] + ([x["tokens"]] if long else [])
+           + [f"{x['plan'] / gib:.2f}", f"{x['measured'] / gib:.2f}", f"{x['measured'] / x['plan']:.2f}"]
+           for x in r["figures"]["rows"]]
+    head = ["shape", "ranks", "ZeRO", "gradient checkpointing"] + (["sequence tokens"] if long else []) \
+        + ["plan GiB", "measured GiB", "measured / plan"]
+    what = "one sequence per micro-batch" if long else f"one micro-batch of {w.get('tokens')} tokens"
+    note = f" ({r['note']})" if long and r.get("note") else ""
+    return (table(head, "lrrl" + "r" * (len(head) - 4), out)
+            + f"\n\n{w.get('dtype')}, {what}; " + _about(r, "plan_check") + note + ".")
 
 
 # --- the plan of long answers ------------------------------------------------------------------------
