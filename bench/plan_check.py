@@ -150,7 +150,14 @@ def main() -> None:
             for n in tokens:
                 for ckpt in ckpts:
                     p = planned(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs)
-                    m = measure(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs)
+                    try:
+                        m = measure(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs)
+                    except RuntimeError as e:  # one row's failure (a worker killed for memory) keeps the others
+                        results.append(dict(shape=name, ranks=ranks, zero=zero, ckpt=ckpt, tokens=n, plan=p,
+                                            measured=None, error=str(e).splitlines()[0]))
+                        print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6} {p / 2**30:>9.2f} "
+                              f"{str(e).splitlines()[0]}", flush=True)
+                        continue
                     results.append(dict(shape=name, ranks=ranks, zero=zero, ckpt=ckpt, tokens=n, plan=p, measured=m))
                     print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6} {p / 2**30:>9.2f} "
                           f"{m / 2**30:>13.2f} {m / p:>14.2f}", flush=True)

@@ -245,7 +245,7 @@ def render_plan_check(args: list[str], filters: dict) -> str:
     long = w.get("seqs") == 1  # one sequence per micro-batch, of each row's token count
     out = [[x["shape"], x["ranks"], x["zero"], "on" if x["ckpt"] else "off"] + ([x["tokens"]] if long else [])
            + [f"{x['plan'] / gib:.2f}", f"{x['measured'] / gib:.2f}", f"{x['measured'] / x['plan']:.2f}"]
-           for x in r["figures"]["rows"]]
+           for x in r["figures"]["rows"] if x.get("measured")]  # rows whose worker failed say so in the results
     head = ["shape", "ranks", "ZeRO", "gradient checkpointing"] + (["sequence tokens"] if long else []) \
         + ["plan GiB", "measured GiB", "measured / plan"]
     what = "one sequence per micro-batch" if long else f"one micro-batch of {w.get('tokens')} tokens"
@@ -336,7 +336,7 @@ def _sum_gpu_check(r: dict) -> str:
 
 @summary("plan_check")
 def _sum_plan_check(r: dict) -> str:
-    ratios = [x["measured"] / x["plan"] for x in r["figures"]["rows"]]
+    ratios = [x["measured"] / x["plan"] for x in r["figures"]["rows"] if x.get("measured")]
     return f"{len(ratios)} cases, measured / plan {min(ratios):.2f} to {max(ratios):.2f}"
 
 
