@@ -2,10 +2,12 @@
 
     python -m bench.plan_check                         # 134m and 0.5b, checkpointing off/on, 1 rank ZeRO-2, 2 ranks ZeRO-3
     python -m bench.plan_check --shapes 134m --runs 1:2,1:3,2:2,2:3 --tokens 1024
+    python -m bench.plan_check --shapes 0.5b --runs 1:2 --ckpt-modes on --seqs 1 --tokens 4096,8192,16384   # long answers
 
 Each row is one process group (torch.distributed.run for 2 ranks) that builds the real trainer
 (DeepSpeed ZeRO, the shape's random weights from bench/shapes.py) and runs two updates on one
-micro-batch of --tokens tokens (the first creates Adam's moments). On CPU every term of the plan
+micro-batch of --tokens tokens (the first creates Adam's moments): --seqs sequences of equal length
+(4; 1 for one long sequence, as a long answer trains). On CPU every term of the plan
 lives in host memory, so the measured figure is rank 0's resident-memory high-water mark during
 the second update, less what the process held before the model was loaded (torch, DeepSpeed and
 transformers imported), with glibc's default heap (HYBRIDRL_HOST_HEAP=default: freed tensors go
@@ -53,7 +55,7 @@ def worker(args) -> None:
                              "train.max_tokens_per_micro_batch": args.tokens, "train.minibatches": 1,
                              "model.dtype": args.dtype, "train.lr": 1e-6})
     trainer = Trainer(cfg, args.model, device=device, dtype=dtype, attn_implementation="sdpa")
-    rows, length = 4, args.tokens // 4  # one micro-batch of exactly --tokens tokens
+    rows, length = args.seqs, args.tokens // args.seqs  # one micro-batch of exactly --tokens tokens
     g = torch.Generator().manual_seed(world.rank)
     vocab = trainer.hf.config.vocab_size
     prompts = [torch.randint(0, vocab, (length // 2,), generator=g).tolist() for _ in range(rows)]
@@ -76,9 +78,10 @@ def worker(args) -> None:
 
 
 def measure(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtype: str, cuda: bool = False,
-            timeout: float = 1800) -> float:
+            timeout: float = 1800, seqs: int = 4) -> float:
     cmd = [sys.executable, "-m", "bench.plan_check", "--worker", "--model", shape_dir, "--zero", str(zero),
-           "--tokens", str(tokens), "--dtype", dtype] + (["--ckpt"] if ckpt else []) + (["--cuda"] if cuda else [])
+           "--tokens", str(tokens), "--dtype", dtype, "--seqs", str(seqs)] + (["--ckpt"] if ckpt else []) \
+        + (["--cuda"] if cuda else [])
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                str(29500 + os.getpid() % 1000)] + cmd[1:]  # its -m: each rank runs bench.plan_check as a module
@@ -86,20 +89,22 @@ def measure(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtyp
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
-        raise RuntimeError(out.stdout[-2000:] + out.stderr[-3000:])
+        raise RuntimeError(f"exit {out.returncode} (-9: killed, out of memory?)\n" + out.stdout[-2000:]
+                           + out.stderr[-3000:])
     return json.loads(lines[-1][7:])["peak"]
 
 
 TRAINER_ROWS = ("trainer params", "trainer grads", "fp32 master + Adam", "activations", "ZeRO-3 gathered")
 
 
-def planned(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtype: str, on_cpu: bool = True) -> int:
+def planned(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtype: str, on_cpu: bool = True,
+            seqs: int = 4) -> int:
     """The plan's train column, the trainer's rows alone: no vLLM engine in the measured process, and
     the reserve (rollout.memory_margin_mb) is not the allocator's."""
     from hybridrl.run import config
     from hybridrl.cycle import plan
     cfg = config.load(None, {"model.gradient_checkpointing": ckpt, "train.zero_stage": zero, "model.dtype": dtype,
-                             "train.max_tokens_per_micro_batch": tokens, "rollout.max_model_len": tokens // 4})
+                             "train.max_tokens_per_micro_batch": tokens, "rollout.max_model_len": tokens // seqs})
     shape = plan.Shape.from_config(plan.read_config(shape_dir))
     k = plan.knobs(cfg, shape, world=ranks, local=ranks, on_cpu=on_cpu)
     p = plan.build(shape, k, device=1 << 50, host=1 << 50)
@@ -113,12 +118,16 @@ def main() -> None:
     ap.add_argument("--zero", type=int, default=2)
     ap.add_argument("--ckpt", action="store_true")
     ap.add_argument("--cuda", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--tokens", type=int, default=1024)
+    ap.add_argument("--tokens", default="1024", help="tokens of the micro-batch; several: comma-separated")
+    ap.add_argument("--seqs", type=int, default=4, help="sequences in the micro-batch, of equal length")
+    ap.add_argument("--ckpt-modes", default="off,on", help="gradient checkpointing: off, on or both")
     ap.add_argument("--dtype", default="")
     ap.add_argument("--shapes", default="134m,0.5b")
     ap.add_argument("--runs", default="1:2,2:3", help="ranks:zero_stage pairs")
+    ap.add_argument("--note", default="", help="kept with the results row (the machine's load, say)")
     args = ap.parse_args()
     if args.worker:
+        args.tokens = int(args.tokens)
         return worker(args)
     from bench import shapes
     from hybridrl.run import environ as env
@@ -128,21 +137,33 @@ def main() -> None:
         cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    print(f"trainer peak on CPU vs the plan: {cpu}, {dtype}, one micro-batch of {args.tokens} tokens, "
-          f"{date.today()}")
-    print(f"{'shape':>6} {'ranks':>5} {'ZeRO':>4} {'ckpt':>5} {'plan GiB':>9} {'measured GiB':>13} {'measured/plan':>14}")
+    tokens = [int(t) for t in args.tokens.split(",")]
+    ckpts = [mode == "on" for mode in args.ckpt_modes.split(",")]
+    print(f"trainer peak on CPU vs the plan: {cpu}, {dtype}, one micro-batch of {args.tokens} tokens in "
+          f"{args.seqs} sequence(s), {date.today()}")
+    print(f"{'shape':>6} {'ranks':>5} {'ZeRO':>4} {'ckpt':>5} {'tokens':>6} {'plan GiB':>9} {'measured GiB':>13} "
+          f"{'measured/plan':>14}")
     results = []
     for name in args.shapes.split(","):
         path = str(shapes.build(name))
         for ranks, zero in (map(int, run.split(":")) for run in args.runs.split(",")):
-            for ckpt in (False, True):
-                p = planned(path, ranks, zero, ckpt, args.tokens, dtype)
-                m = measure(path, ranks, zero, ckpt, args.tokens, dtype)
-                results.append(dict(shape=name, ranks=ranks, zero=zero, ckpt=ckpt, plan=p, measured=m))
-                print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {p / 2**30:>9.2f} "
-                      f"{m / 2**30:>13.2f} {m / p:>14.2f}", flush=True)
-    record("plan_check", {"shapes": args.shapes.split(","), "runs": args.runs.split(","), "tokens": args.tokens,
-                          "dtype": dtype}, {"rows": results})
+            for n in tokens:
+                for ckpt in ckpts:
+                    p = planned(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs)
+                    try:
+                        m = measure(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs)
+                    except RuntimeError as e:  # one row's failure (a worker killed for memory) keeps the others
+                        results.append(dict(shape=name, ranks=ranks, zero=zero, ckpt=ckpt, tokens=n, plan=p,
+                                            measured=None, error=str(e).splitlines()[0]))
+                        print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6} {p / 2**30:>9.2f} "
+                              f"{str(e).splitlines()[0]}", flush=True)
+                        continue
+                    results.append(dict(shape=name, ranks=ranks, zero=zero, ckpt=ckpt, tokens=n, plan=p, measured=m))
+                    print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6} {p / 2**30:>9.2f} "
+                          f"{m / 2**30:>13.2f} {m / p:>14.2f}", flush=True)
+    record("plan_check", {"shapes": args.shapes.split(","), "runs": args.runs.split(","),
+                          "tokens": tokens[0] if len(tokens) == 1 else tokens, "seqs": args.seqs, "dtype": dtype},
+           {"rows": results}, **({"note": args.note} if args.note else {}))
 
 
 if __name__ == "__main__":

@@ -241,12 +241,57 @@ def render_plan_check(args: list[str], filters: dict) -> str:
     """The newest plan check: the memory plan's training phase against the trainer's measured peak."""
     r = _one("plan_check", filters, "rows")
     gib = 2.0 ** 30
-    out = [[x["shape"], x["ranks"], x["zero"], "on" if x["ckpt"] else "off", f"{x['plan'] / gib:.2f}",
-            f"{x['measured'] / gib:.2f}", f"{x['measured'] / x['plan']:.2f}"] for x in r["figures"]["rows"]]
     w = r["workload"]
-    return (table(["shape", "ranks", "ZeRO", "gradient checkpointing", "plan GiB", "measured GiB", "measured / plan"],
-                  "lrrlrrr", out)
-            + f"\n\n{w.get('dtype')}, one micro-batch of {w.get('tokens')} tokens; " + _about(r, "plan_check") + ".")
+    long = w.get("seqs") == 1  # one sequence per micro-batch, of each row's token count
+    out = [[x["shape"], x["ranks"], x["zero"], "on" if x["ckpt"] else "off"] + ([x["tokens"]] if long else [])
+           + [f"{x['plan'] / gib:.2f}", f"{x['measured'] / gib:.2f}", f"{x['measured'] / x['plan']:.2f}"]
+           for x in r["figures"]["rows"] if x.get("measured")]  # rows whose worker failed say so in the results
+    head = ["shape", "ranks", "ZeRO", "gradient checkpointing"] + (["sequence tokens"] if long else []) \
+        + ["plan GiB", "measured GiB", "measured / plan"]
+    what = "one sequence per micro-batch" if long else f"one micro-batch of {w.get('tokens')} tokens"
+    note = f" ({r['note']})" if long and r.get("note") else ""
+    return (table(head, "lrrl" + "r" * (len(head) - 4), out)
+            + f"\n\n{w.get('dtype')}, {what}; " + _about(r, "plan_check") + note + ".")
+
+
+# --- the plan of long answers ------------------------------------------------------------------------
+# model or recipe, answer tokens, context (0: the recipe's), on 8 x 80 GiB
+PLAN_LONG = [("Qwen/Qwen2.5-7B-Instruct", 16384, 0), ("Qwen/Qwen2.5-7B-Instruct", 32256, 0),
+             ("examples/recipes/qwen2.5-7b-16k-8xh100.yaml", 0, 0),
+             ("examples/recipes/qwen2.5-32b-8xh100.yaml", 8192, 9216),
+             ("examples/recipes/qwen2.5-32b-8k-8xh100.yaml", 0, 0),
+             ("examples/recipes/qwen2.5-72b-8xh100.yaml", 8192, 9216),
+             ("examples/recipes/qwen2.5-72b-8xh100.yaml", 31744, 32768)]
+
+
+@renderer("plan_long")
+def render_plan_long(args: list[str], filters: dict) -> str:
+    """What `hybridrl plan --nproc 8` says of long answers on 8 x 80 GiB (the plan itself, run now: no results file)."""
+    from hybridrl.cycle import plan
+    from hybridrl.run import config
+    gib = 2.0 ** 30
+    out = []
+    for what, tokens, context in PLAN_LONG:
+        recipe = what.endswith(".yaml")
+        over = {"rollout.max_new_tokens": tokens} if tokens else {}
+        over.update({"rollout.max_model_len": context} if context else {})
+        cfg = config.load(str(results.ROOT / what), over) if recipe else config.load(None, {"model.path": what, **over})
+        cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
+        k, r, t = p.knobs, cfg.rollout, cfg.train
+        flags = " ".join(f"{key.split('.')[-1]} {v}" for key, v in over.items())
+        trainer = (f"ZeRO-{k.zero}" + ", checkpointing" * k.ckpt + ", optimizer offload" * k.optimizer_offload
+                   + ", parameter offload" * k.param_offload + f", sequence parallel {k.sp}" * (k.sp > 1)
+                   + f", {k.mb_tokens}-token micro-batches")
+        name = f"`{Path(what).name}`" if recipe else what.split("/")[-1]
+        out.append([name + (f" {flags}" if flags else ""),
+                    f"{t.prompts_per_step} x {r.n}", f"{r.max_new_tokens} / {r.max_model_len}", k.tp, trainer,
+                    f"{p.kv / gib:.1f} of {k.seqs * k.seq_kv / gib:.1f}", f"{p.waves} ({p.kv // k.seq_kv} of {k.seqs})",
+                    f"{p.peak[1] / gib:.1f} {'fits' if p.fits else 'DOES NOT FIT'}"])
+    return (table(["model or recipe, flags", "prompts x samples", "answer / context tokens", "vLLM TP", "trainer",
+                   "KV cache GiB per GPU (of all at full length)", "waves (at once of per engine)", "peak GiB"],
+                  "llrrlrrl", out)
+            + "\n\n`hybridrl plan` with `--nproc 8`: 8 x 79.2 GiB GPUs, 2 TiB of host memory; waves count every "
+              "answer at its longest (`python -m bench.render` reruns the plan).")
 
 
 # --- history ---------------------------------------------------------------------------------------
@@ -291,7 +336,7 @@ def _sum_gpu_check(r: dict) -> str:
 
 @summary("plan_check")
 def _sum_plan_check(r: dict) -> str:
-    ratios = [x["measured"] / x["plan"] for x in r["figures"]["rows"]]
+    ratios = [x["measured"] / x["plan"] for x in r["figures"]["rows"] if x.get("measured")]
     return f"{len(ratios)} cases, measured / plan {min(ratios):.2f} to {max(ratios):.2f}"
 
 

@@ -264,14 +264,20 @@ def test_optimizer_and_param_offload_reach_deepspeed():
 
 @pytest.mark.fast
 @pytest.mark.parametrize("name", ["qwen2.5-7b-8xh100", "qwen2.5-14b-8xh100", "qwen2.5-32b-8xh100",
-                                  "qwen2.5-72b-8xh100", "qwen3-30b-a3b-8xh100"])
+                                  "qwen2.5-72b-8xh100", "qwen3-30b-a3b-8xh100", "qwen2.5-7b-16k-8xh100",
+                                  "qwen2.5-32b-8k-8xh100"])
 def test_recipes_fit_8xh100(name):
-    """`hybridrl plan --config examples/recipes/NAME.yaml --nproc 8`, in process."""
+    """`hybridrl plan --config examples/recipes/NAME.yaml --nproc 8`, in process. The long-answer
+    recipes (16k, 8k) keep generation to two waves, one full-length sequence per micro-batch."""
     cfg = config.load(str(ROOT / "examples" / "recipes" / f"{name}.yaml"), {})
     cfg, p, lines = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
     assert p.fits, p.table()
     assert p.peak[1] <= H100 and p.pinned_total <= 0.9 * NODE
     assert cfg.rollout.sleep_level == 2 and not cfg.rollout.enforce_eager
+    assert p.waves <= 2, p.table()
+    if "k-8xh100" in name:  # 16k, 8k
+        assert cfg.rollout.max_new_tokens >= 8192 and p.knobs.mb_tokens == cfg.rollout.max_model_len
+        assert cfg.model.gradient_checkpointing
 
 
 def hybridrl(*args, timeout=120):
@@ -303,6 +309,69 @@ def test_a_run_that_cannot_fit_stops_before_any_engine(tmp_path):
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert "GiB of host memory per rank" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("name,tp,waves", [("qwen2.5-32b-8xh100", 2, 5), ("qwen2.5-72b-8xh100", 4, 5)])
+def test_32b_and_72b_with_8k_answers_plan_in_waves(name, tp, waves):
+    """Issue 49: `hybridrl plan --config NAME.yaml --rollout.max_new_tokens 8192 --rollout.max_model_len 9216
+    --nproc 8` was refused ("phase generate needs 110.6 of 79.2 GiB") because the KV cache had to hold half
+    of the step's sequences at full length. The KV cache is throughput, not fit: it may shrink to a few
+    full-length sequences per engine, and the plan says how many waves the step then takes."""
+    cfg = config.load(str(ROOT / "examples" / "recipes" / f"{name}.yaml"),
+                      {"rollout.max_new_tokens": 8192, "rollout.max_model_len": 9216})
+    cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
+    assert p.fits and cfg.rollout.tensor_parallel_size == tp, p.table()
+    k = p.knobs
+    # a rank's share of one 9216-token sequence's KV: 2 (K, V) x layers x its KV heads x 128 x 2 bytes
+    s = shape(cfg.model.path)
+    assert k.seq_kv == 9216 * 2 * s.layers * (s.kv_heads // tp) * 128 * 2
+    # the step's sequences per engine: prompts_per_step over the 8 / tp engines, x 8 samples
+    assert k.seqs == cfg.train.prompts_per_step // (8 // tp) * 8
+    assert k.kv_floor <= p.kv < k.seqs * k.seq_kv  # between the longest sequences running and all of them
+    assert p.waves == waves == -(-k.seqs // (p.kv // k.seq_kv))
+    assert f"run in up to {waves} waves of {p.kv // k.seq_kv}" in p.table()
+
+
+@pytest.mark.fast
+def test_the_kv_floor_keeps_the_longest_sequences_running():
+    from hybridrl.cycle import memory
+    # at least KV_FLOOR_SEQS full-length sequences, or all of the step's where it has fewer
+    assert memory.kv_floor(128, 3 * GIB) == memory.KV_FLOOR_SEQS * 3 * GIB
+    assert memory.kv_floor(2, 3 * GIB) == 6 * GIB
+    # 128 sequences, 30 at once: 5 waves; all at once: 1, and nothing to say
+    assert memory.waves(128, GIB, 30 * GIB) == 5 and memory.waves(128, GIB, 200 * GIB) == 1
+    assert memory.describe_waves(128, GIB, 200 * GIB) == ""
+    assert "up to 5 waves of 30" in memory.describe_waves(128, GIB, 30 * GIB)
+    # a step that fits in two waves keeps the plan it had before (half of its sequences at once, the old
+    # floor): 7B with 16k answers on 8 x 80 GiB
+    cfg = gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **{"rollout.max_new_tokens": 16384})
+    cfg, p = plan.decide(cfg, shape("Qwen/Qwen2.5-7B-Instruct"), device=H100, host=NODE, world=8, local=8,
+                         on_cpu=False)
+    assert p.fits and p.waves == 2 and cfg.model.gradient_checkpointing and cfg.train.zero_stage == 2
+
+
+@pytest.mark.fast
+def test_sequence_parallelism_is_planned_where_one_sequence_fits_nowhere_else():
+    """72B with 32k-token sequences: one sequence's activations under checkpointing, 69 GiB per GPU,
+    fit beside ZeRO-3 and the optimizer in host memory only split over 2 ranks (Ulysses, the
+    trainer's train.sequence_parallel_size), before the parameters would go to host memory too. A
+    sequence-level loss cannot be split: the plan then offloads the parameters instead."""
+    over = {"rollout.max_new_tokens": 31744, "rollout.max_model_len": 32768}
+    cfg = config.load(str(ROOT / "examples" / "recipes" / "qwen2.5-72b-8xh100.yaml"), over)
+    cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
+    assert p.fits and cfg.train.sequence_parallel_size == 2 and cfg.train.param_offload == "off", p.table()
+    # a rank holds half of the longest sequence: the budget the trainer is given is that half
+    assert cfg.train.max_tokens_per_micro_batch == p.knobs.mb_tokens == 16384
+    assert "SP 2" in p.table() and "train.sequence_parallel_size=2" in p.table()
+    cfg = config.load(str(ROOT / "examples" / "recipes" / "qwen2.5-72b-8xh100.yaml"),
+                      {**over, "algo.loss_agg": "seq_mean_token_mean"})
+    cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
+    assert p.fits and cfg.train.sequence_parallel_size == 1 and cfg.train.param_offload == "on", p.table()
+    # a run whose sequences fit one rank keeps SP 1, and is given a budget of its longest sequence
+    cfg = config.load(str(ROOT / "examples" / "recipes" / "qwen2.5-7b-16k-8xh100.yaml"), {})
+    cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
+    assert cfg.train.sequence_parallel_size == 1 and cfg.train.max_tokens_per_micro_batch == 17408
 
 
 # --- mixtures of experts and Qwen3 -------------------------------------------------------------------

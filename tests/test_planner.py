@@ -59,6 +59,22 @@ def test_plan_arithmetic():
     assert memory.vocab_size(vl) == 151936  # the text model's, from a multimodal config
 
 
+def test_a_short_kv_cache_runs_the_step_in_waves_down_to_the_longest_sequences():
+    """Issue 49: the measured sizing's floor is a few full-length sequences (memory.kv_floor), not 10%
+    of the weights, and the plan says how many waves a short KV cache costs. 30 GiB of weights
+    (activations 1 + 3), 128 sequences of 1 GiB each (need 256 with the headroom), margin 2."""
+    kw = dict(margin=2 * GIB, weights=30 * GIB, need=256 * GIB, floor=memory.kv_floor(128, GIB), seqs=128, seq=GIB)
+    # 70 GiB free offloaded: a KV cache of 70 - 2 - 30 - 4 = 34 GiB, 34 sequences at once: 4 waves
+    p = memory.plan(80 * GIB, 10 * GIB, 70 * GIB, **kw)
+    assert p.offload and p.kv == 34 * GIB
+    assert "up to 4 waves of 34" in p.describe() and "vLLM will queue sequences" in p.describe()
+    # 39.5 GiB free: 3.5 GiB of KV cache is above 10% of the weights but below 4 full-length sequences
+    with pytest.raises(ConfigError, match="KV cache of 4.00 GiB .the longest sequences running.*max_model_len"):
+        memory.plan(80 * GIB, 10 * GIB, 39 * GIB + GIB // 2, **kw)
+    assert memory.plan(80 * GIB, 10 * GIB, 40 * GIB, **kw).kv == 4 * GIB  # exactly the floor: 32 waves
+    assert "up to 32 waves of 4" in memory.plan(80 * GIB, 10 * GIB, 40 * GIB, **kw).describe()
+
+
 def test_kv_cache_need():
     import transformers
     # Qwen2.5-0.5B: 24 layers, 2 KV heads of 64 -> 2 * 24 * 2 * 64 * 2 bytes = 12 KiB per bf16 token

@@ -128,6 +128,9 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     weights = sum(deepspeed_compat.full_numel(p) * p.element_size() for p in hf.parameters()) \
         // r.tensor_parallel_size
     need = (r.kv_cache_mb << 20) or memory.kv_cache_need(cfg, hf.config, world_size, hf.dtype.itemsize)
+    # where memory is short the KV cache may shrink to the longest sequences running, and the step takes waves
+    seqs = memory.step_seqs(cfg, world_size)
+    seq = r.max_model_len * memory.kv_bytes_per_token(hf.config, hf.dtype.itemsize)
     # with the states kept, what is free now less the Adam moments the first step will add
     free_kept = memory.free_memory()[0] - trainer.pending_state_bytes() if t.offload_states != "on" else 0
     trainer.offload(params=t.offload_params)  # measured as it will run: the parameters leave too when set
@@ -137,7 +140,7 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     plan = memory.plan(total, free_kept, free_offloaded, margin=r.memory_margin_mb << 20, weights=weights,
                        need=need, offload=t.offload_states, visitors=visitors,
                        sampler=memory.sampler_bytes(r.max_num_seqs, memory.vocab_size(hf.config)),
-                       asleep=_asleep_bytes(cfg, hf))
+                       asleep=_asleep_bytes(cfg, hf), floor=memory.kv_floor(seqs, seq), seqs=seqs, seq=seq)
     if not plan.offload:
         trainer.reload()
     if main:  # the engine's max_num_seqs too: `hybridrl plan` prints the same figure (a TP group's)

@@ -150,6 +150,7 @@ def empty_cache(cuda: bool) -> None:
 # --- the planner ---------------------------------------------------------------------------------
 KV_HEADROOM = 2  # KV cache = this x what every sequence of a step needs at full length (prefix blocks, eval)
 KV_MIN = 1 << 30  # never less than this
+KV_FLOOR_SEQS = 4  # where memory is short, the KV cache still holds this many full-length sequences per engine
 MIB = 1 << 20
 
 
@@ -188,6 +189,31 @@ def sampler_bytes(seqs: int, vocab: int) -> int:
     return seqs * vocab * 4
 
 
+def kv_floor(seqs: int, seq: int) -> int:
+    """The least KV cache a plan may give vLLM: the longest sequences still run, KV_FLOOR_SEQS of
+    them at full rollout.max_model_len (`seq` bytes each; the step's `seqs` if fewer). Anything
+    between this and the step's need is throughput, not fit: vLLM runs the sequences that fit and
+    starts the others as earlier ones finish (`waves`)."""
+    return min(seqs, KV_FLOOR_SEQS) * seq
+
+
+def waves(seqs: int, seq: int, kv: int) -> int:
+    """Rounds of generation a step takes when a KV cache of `kv` bytes holds fewer than its `seqs`
+    sequences at full length (`seq` bytes each). An upper bound: it counts every answer at
+    rollout.max_new_tokens, and vLLM admits a queued sequence as soon as blocks free up."""
+    return -(-seqs // max(1, kv // seq)) if seq and seqs else 1
+
+
+def describe_waves(seqs: int, seq: int, kv: int) -> str:
+    """What a short KV cache costs, in one phrase ("" when the step's sequences fit at once)."""
+    n = waves(seqs, seq, kv)
+    if n <= 1:
+        return ""
+    return (f"the step's {seqs} sequences per engine run in up to {n} waves of {max(1, kv // seq)} (generation "
+            f"up to {n}x one wave's decode steps, fewer where answers end early; a larger "
+            "rollout.tensor_parallel_size or fewer sequences per engine cut the waves)")
+
+
 def kv_cache_need(cfg: Config, hf_config, world_size: int, dtype_bytes: int) -> int:
     """KV bytes for one rank's step: every sequence it generates at once (its share of the
     prompts x rollout.n) at full rollout.max_model_len, times KV_HEADROOM, at least KV_MIN.
@@ -211,6 +237,8 @@ class Plan:
     visitors: int = 0  # models copied to the device while vLLM is awake (reward models), kept back too
     sampler: int = 0  # of the activations, the sampler's logits (sampler_bytes)
     asleep: int = 0  # vLLM's graph pool and buffers, outside its sleep-mode pool: kept in every phase (plan.asleep_bytes)
+    seqs: int = 0  # sequences one engine generates in a step (step_seqs), for `waves`
+    seq: int = 0  # KV bytes of one of them at full rollout.max_model_len
 
     @property
     def budget(self) -> int:  # what vLLM may use
@@ -224,6 +252,8 @@ class Plan:
         where = "after the trainer offloads its states" if self.offload else "with the trainer's states kept on it"
         short = f" (less than the {self.need / GIB:.2f} GiB the step needs: vLLM will queue sequences)" \
             if self.kv < self.need else ""
+        waves = describe_waves(self.seqs, self.seq, self.kv)
+        short = short[:-1] + f"; {waves})" if short and waves else short
         visitors = f", reward models {self.visitors / GIB:.2f} GiB" if self.visitors else ""
         visitors += f", vLLM's graphs and buffers (kept asleep) {self.asleep / GIB:.2f} GiB" if self.asleep else ""
         return (f"memory plan: device {self.total / GIB:.1f} GiB, free {where} {self.free / GIB:.1f} GiB, margin "
@@ -234,7 +264,8 @@ class Plan:
 
 
 def plan(total: int, free_kept: int, free_offloaded: int, *, margin: int, weights: int, need: int,
-         offload: str = "auto", visitors: int = 0, sampler: int = 0, asleep: int = 0) -> Plan:
+         offload: str = "auto", visitors: int = 0, sampler: int = 0, asleep: int = 0, floor: int = 0, seqs: int = 0,
+         seq: int = 0) -> Plan:
     """Size vLLM for one step and decide whether the trainer must offload (pure; hand-tested).
 
     vLLM gets its weights, a KV cache of `need` (kv_cache_need) and an activation reserve of
@@ -242,7 +273,9 @@ def plan(total: int, free_kept: int, free_offloaded: int, *, margin: int, weight
     gradients stay on the device while vLLM generates when that fits beside them
     (`offload="auto"`; free_kept is measured with them on the device), which saves moving them
     out and back every step; otherwise they leave (free_offloaded). If even then the whole KV
-    cache does not fit, it shrinks to what is free; below 10% of the weights the plan is refused.
+    cache does not fit, it shrinks to what is free, down to `floor` (kv_floor: the longest sequences
+    still run; 10% of the weights where not given), below which the plan is refused: between the two
+    vLLM runs the step in waves (`seqs` sequences of `seq` KV bytes each: describe_waves).
     `visitors`: bytes of models that come onto the device while vLLM is awake (reward models,
     scored before vLLM sleeps), kept back beside the margin. `asleep`: vLLM's CUDA-graph pool and
     buffers (plan.asleep_bytes), which no sleep releases, kept back likewise."""
@@ -251,20 +284,23 @@ def plan(total: int, free_kept: int, free_offloaded: int, *, margin: int, weight
     beside = f"a {margin / GIB:.2f} GiB margin" + (f" and {visitors / GIB:.2f} GiB of reward models" if visitors else "") \
         + (f" and {asleep / GIB:.2f} GiB of vLLM's graphs and buffers" if asleep else "")
     if offload != "on" and free_kept - kept >= weights + need + act:
-        return Plan(total, free_kept, margin, weights, need, act, False, need, visitors, sampler, asleep)
+        return Plan(total, free_kept, margin, weights, need, act, False, need, visitors, sampler, asleep, seqs, seq)
     if offload == "off":
         raise ConfigError(
             f"with the trainer's states on the device {free_kept / GIB:.2f} GiB of {total / GIB:.2f} GiB are free: too "
             f"little for vLLM's {weights / GIB:.2f} GiB of weights, {need / GIB:.2f} GiB of KV cache and "
             f"{act / GIB:.2f} GiB of activations beside {beside}; set train.offload_states auto")
     room = free_offloaded - kept - weights - act
-    if room < weights // 10:
+    least = min(floor, need) if floor else weights // 10
+    if room < least:
         raise ConfigError(
             f"after the trainer offloads, {free_offloaded / GIB:.2f} GiB of {total / GIB:.2f} GiB are free; less "
             f"{beside} that leaves too little for vLLM's {weights / GIB:.2f} GiB of weights, "
-            f"{act / GIB:.2f} GiB of activations and a KV cache: lower rollout.memory_margin_mb, "
+            f"{act / GIB:.2f} GiB of activations and a KV cache of {least / GIB:.2f} GiB (the longest sequences "
+            "running): lower rollout.memory_margin_mb, a shorter rollout.max_model_len, "
             "set rollout.tensor_parallel_size, or use more ranks with train.zero_stage 3 (`hybridrl plan` shows the table)")
-    return Plan(total, free_offloaded, margin, weights, min(need, room), act, True, need, visitors, sampler, asleep)
+    return Plan(total, free_offloaded, margin, weights, min(need, room), act, True, need, visitors, sampler, asleep,
+                seqs, seq)
 
 
 def free_memory() -> tuple[int, int]:

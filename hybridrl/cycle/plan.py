@@ -292,12 +292,15 @@ class Knobs:
     graphs: bool  # vLLM decodes with CUDA graphs
     max_num_seqs: int
     kv: int  # vLLM's KV cache bytes per rank: what the step's sequences need, with headroom
-    kv_floor: int  # the least it may shrink to where memory is short (vLLM then queues sequences)
+    kv_floor: int  # the least it may shrink to where memory is short (vLLM then runs the step in waves)
     chunk: int  # train.logprob_chunk
     bucket: int  # hand-off bucket bytes (ZeRO-3 gathers)
     reserve: int
     on_cpu: bool
     offload_states: str = "auto"  # train.offload_states
+    seqs: int = 0  # sequences one vLLM engine generates in a step (0: not planned, CPU)
+    seq_kv: int = 0  # KV bytes per rank of one of them at full rollout.max_model_len
+    sp: int = 1  # decided: train.sequence_parallel_size (mb_tokens is then one rank's share of a micro-batch)
 
 
 @dataclass
@@ -329,6 +332,16 @@ class MemoryPlan:
         return self.pinned_total + sum(self.pageable.values())
 
     @property
+    def kv(self) -> int:
+        """vLLM's KV cache per rank as planned (shrunk towards knobs.kv_floor where memory is short)."""
+        return self.rows.get("vLLM KV cache", {}).get("generate", 0)
+
+    @property
+    def waves(self) -> int:
+        """Rounds of generation the step takes with this KV cache (memory.waves: an upper bound)."""
+        return memory.waves(self.knobs.seqs, self.knobs.seq_kv, self.kv)
+
+    @property
     def fits(self) -> bool:
         return self.peak[1] <= self.device and self.host_total <= self.host * 0.9
 
@@ -336,6 +349,7 @@ class MemoryPlan:
         k = self.knobs
         where = "host (shared by the node's ranks)" if k.on_cpu else "GPU"
         head = (f"memory plan per {where}: {self.device / GIB:.1f} GiB; {k.world} rank(s), ZeRO-{k.zero}, TP {k.tp}, "
+                + (f"SP {k.sp}, " if k.sp > 1 else "") +
                 f"{'bfloat16' if k.b == 2 else 'float32'}" + (f" - {title}" if title else ""))
         phases = [p for p in self.PHASES if (p != "reference" or k.reference) and (p != "values" or k.critic)]
         width = max(len(n) for n in self.rows) + 2
@@ -351,6 +365,10 @@ class MemoryPlan:
             graphs = f", CUDA graphs up to a batch of {max(capture_sizes(k.max_num_seqs))}" if k.graphs else ""
             lines.append(f"vLLM: rollout.max_num_seqs={k.max_num_seqs} per engine ({k.world // k.tp} engine(s) of TP "
                          f"{k.tp}){graphs}")
+        waves = memory.describe_waves(k.seqs, k.seq_kv, self.kv)
+        if waves:
+            lines.append(f"KV cache: {self.kv / GIB:.2f} of the {k.seqs * k.seq_kv / GIB:.2f} GiB per GPU that every "
+                         f"sequence at full length needs: {waves}")
         if self.pinned:
             parts = ", ".join(f"{n} {v / GIB:.1f}" for n, v in self.pinned.items() if v)
             lines.append(f"pinned host memory per node: {self.pinned_total / GIB:.1f} GiB of {self.host / GIB:.0f} "
@@ -524,50 +542,66 @@ def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp
     dp = max(1, world // tp)  # vLLM engines: each generates its group's prompts
     # a rank holds its share of the KV heads (all of one head where there are fewer heads than ranks)
     kv_per_token = 2 * shape.layers * shape.head_dim * b * max(1, shape.kv_heads // tp)
+    seqs, seq_kv = (0, 0) if on_cpu else (memory.step_seqs(cfg, dp), r.max_model_len * kv_per_token)
     if on_cpu:
         kv = floor = (r.kv_cache_mb or 64) << 20
     elif r.kv_cache_mb:
         kv = floor = r.kv_cache_mb << 20
-    else:  # memory.kv_cache_need for the group's sequences (tp ranks x a rank's share); at least half of
-        # them at once where memory is short
-        need = memory.step_seqs(cfg, dp) * r.max_model_len * kv_per_token
-        kv, floor = max(memory.KV_HEADROOM * need, memory.KV_MIN), max(need // 2, memory.KV_MIN)
+    else:  # memory.kv_cache_need for the group's sequences (tp ranks x a rank's share); where memory is
+        # short, the longest sequences running (memory.kv_floor): `decide` prefers plans of at most two waves
+        need = seqs * seq_kv
+        kv, floor = max(memory.KV_HEADROOM * need, memory.KV_MIN), max(memory.kv_floor(seqs, seq_kv), memory.KV_MIN)
     trained = shape.lora_params(m.lora_rank, m.lora_target_modules) if m.lora_rank else shape.params
     return Knobs(world=world, local=local, tp=tp, zero=t.zero_stage, b=b, ckpt=m.gradient_checkpointing,
-                 mb_tokens=max(t.max_tokens_per_micro_batch, r.max_model_len),
+                 mb_tokens=max(t.max_tokens_per_micro_batch, -(-r.max_model_len // t.sequence_parallel_size)),
                  optimizer_offload=t.optimizer_offload == "on", param_offload=t.param_offload == "on",
                  trained=trained, reference=cfg.algo.kl_coef > 0 and not m.lora_rank,
                  critic=cfg.algo.advantage == "gae", sleep_level=r.sleep_level, graphs=not r.enforce_eager,
                  max_num_seqs=r.max_num_seqs or memory.engine_seqs(cfg, world, tp), kv=kv, kv_floor=floor, chunk=t.logprob_chunk,
                  bucket=t.sync_bucket_mb << 20, reserve=(r.memory_margin_mb << 20) if not on_cpu else 0,
-                 on_cpu=on_cpu, offload_states=t.offload_states)
+                 on_cpu=on_cpu, offload_states=t.offload_states, seqs=seqs, seq_kv=seq_kv, sp=t.sequence_parallel_size)
 
 
 FREE = ("rollout.tensor_parallel_size", "model.gradient_checkpointing", "train.max_tokens_per_micro_batch",
-        "train.zero_stage", "train.optimizer_offload", "train.param_offload")
+        "train.zero_stage", "train.optimizer_offload", "train.param_offload", "train.sequence_parallel_size")
 
 
 def ladder(cfg: Config, shape: Shape, base: Knobs, world: int, local: int, device: int):
     """Settings to try, cheapest first, varying only what the user left unset (recipe.explicit):
     halved micro-batches, gradient checkpointing, ZeRO-3, a larger vLLM tensor-parallel group, and
-    only then the optimizer (and then the parameters) in host memory."""
+    only then the optimizer in host memory; then sequence parallelism, where one sequence's
+    activations fit in none of those (its all-to-alls cost every layer, and a sequence-level loss
+    rules it out: config.validate); the parameters in host memory last."""
+    from hybridrl.run.config import _sequence_level
     from hybridrl.run.recipe import explicit
     free = {key: not explicit(cfg, key) for key in FREE}
+    sps = [base.sp] + [s for s in (2, 4, 8) if free["train.sequence_parallel_size"] and s > base.sp and world % s == 0
+                       and shape.heads % s == 0 and not _sequence_level(cfg)]
+    for params in (False, True):
+        for sp in sps:
+            yield from _ladder_at(cfg, shape, base, world, local, device, free, sp, params)
+
+
+def _ladder_at(cfg: Config, shape: Shape, base: Knobs, world: int, local: int, device: int, free: dict, sp: int,
+               params: bool):
+    """`ladder` at one sequence-parallel size (a rank's micro-batch is at least its share of the longest
+    sequence), the parameters offloaded or not."""
+    least = -(-cfg.rollout.max_model_len // sp)
     tps = [base.tp] + [t for t in (2, 4, 8) if free["rollout.tensor_parallel_size"] and t > base.tp
                        and world % t == 0 and shape.heads % t == 0 and shape.expert_intermediate % t == 0
                        and t <= local]
     tps = [t for t in tps if vllm_fits(shape, base, t, device)]
-    budgets = [base.mb_tokens]
+    budgets = [base.mb_tokens if sp == base.sp else max(cfg.train.max_tokens_per_micro_batch, least)]
     if free["train.max_tokens_per_micro_batch"]:
-        while budgets[-1] // 2 >= max(cfg.rollout.max_model_len, 1024):
+        while budgets[-1] // 2 >= max(least, 1024):
             budgets.append(budgets[-1] // 2)
     ckpts = [base.ckpt] + [True] * (free["model.gradient_checkpointing"] and not base.ckpt)
     zeros = [base.zero] + [3] * (free["train.zero_stage"] and base.zero != 3 and world > 1)
     offloads = [(base.optimizer_offload, base.param_offload)]
     if free["train.optimizer_offload"] and not base.optimizer_offload:
         offloads.append((True, base.param_offload))
-    if free["train.param_offload"] and not base.param_offload:
-        offloads.append((True, True))
+    if params:
+        offloads = [(True, True)] if free["train.param_offload"] and not base.param_offload else []
     for optimizer_offload, param_offload in [(o or p, p) for o, p in offloads]:  # validate: why
         for tp in tps:
             k = knobs(cfg, shape, world=world, local=local, on_cpu=False, tp=tp) if tp != base.tp else base
@@ -578,7 +612,7 @@ def ladder(cfg: Config, shape: Shape, base: Knobs, world: int, local: int, devic
                     # full micro-batches before checkpointing: recomputing costs a third more compute
                     for mb in budgets[:2] if ckpt != ckpts[-1] else budgets:
                         yield dataclasses.replace(k, zero=zero, optimizer_offload=optimizer_offload,
-                                                  param_offload=param_offload, ckpt=ckpt, mb_tokens=mb)
+                                                  param_offload=param_offload, ckpt=ckpt, mb_tokens=mb, sp=sp)
 
 
 def vllm_fits(shape: Shape, k: Knobs, tp: int, device: int) -> bool:
@@ -591,7 +625,7 @@ def decide(cfg: Config, shape: Shape, *, device: int, host: int, world: int, loc
     """The cheapest plan that fits (see `ladder`), its choices written into the config (source
     "memory plan"); ConfigError in one line when none fits. On CPU nothing is decided: the plan
     only checks that the run fits the node's memory."""
-    from hybridrl.run.recipe import _set
+    from hybridrl.run.recipe import _set, explicit
     base = knobs(cfg, shape, world=world, local=local, on_cpu=on_cpu)
     first = build(shape, base, device=device, host=host)
     if on_cpu:
@@ -601,14 +635,23 @@ def decide(cfg: Config, shape: Shape, *, device: int, host: int, world: int, loc
                               "available): use fewer ranks (--nproc), model.gradient_checkpointing, a smaller "
                               "train.max_tokens_per_micro_batch or a smaller model (`hybridrl plan` shows the table)")
         return cfg, first
-    p = next((p for p in (build(shape, k, device=device, host=host) for k in ladder(cfg, shape, base, world, local,
-                                                                                    device)) if p.fits), None)
+    plans = [p for p in (build(shape, k, device=device, host=host) for k in ladder(cfg, shape, base, world, local,
+                                                                                   device)) if p.fits]
+    # the KV cache is throughput, not fit: the cheapest plan whose step takes at most two waves (half of
+    # its sequences at once); where none does, the cheapest within twice the fewest waves any plan takes
+    # (a ZeRO-2 trainer that leaves vLLM room for a few sequences would cost more than ZeRO-3 saves)
+    fewest = min((p.waves for p in plans), default=0)
+    p = next((p for p in plans if p.waves <= (2 * fewest if fewest > 2 else 2)), None)
     if p is None:
         raise ConfigError(_weights_note(shape, base, device, local) + _refusal(cfg, shape, base, device, host, world,
                                                                                 local))
     k = p.knobs
     chosen = {"rollout.tensor_parallel_size": (k.tp, base.tp), "model.gradient_checkpointing": (k.ckpt, base.ckpt),
-              "train.max_tokens_per_micro_batch": (k.mb_tokens, base.mb_tokens), "train.zero_stage": (k.zero, base.zero),
+              # the budget the plan assumed (at least a rank's share of the longest sequence), which the trainer
+              # holds every micro-batch to; the user's own is kept
+              "train.max_tokens_per_micro_batch": (k.mb_tokens, base.mb_tokens if explicit(
+                  cfg, "train.max_tokens_per_micro_batch") else cfg.train.max_tokens_per_micro_batch),
+              "train.sequence_parallel_size": (k.sp, base.sp), "train.zero_stage": (k.zero, base.zero),
               "train.optimizer_offload": ("on" if k.optimizer_offload else "off", cfg.train.optimizer_offload),
               "train.param_offload": ("on" if k.param_offload else "off", cfg.train.param_offload)}
     for key, (value, before) in chosen.items():
