@@ -179,3 +179,4 @@ def test_tiny_moe_learns_the_demo_task(tmp_path, replay):
         assert sampled[-1] >= sampled[0] + SAMPLED_RISE, got
         assert got["reward"][1] >= got["reward"][0] + REWARD_RISE, got
         assert all(s["probe_gap"] <= 1e-4 for s in steps if "probe_gap" in s)
+        assert all("routing/mismatch" in s and "router/load_cv" in s for s in steps)  # logged either way
