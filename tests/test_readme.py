@@ -59,6 +59,9 @@ COMMANDS: dict[str, list[str]] = {
     "hybridrl train --nproc 2": ["tests/test_train_e2e.py::test_loop_runs_and_hand_off_is_exact"],
     "hybridrl train --nproc 2 --rollout.tensor_parallel_size 2": [
         "tests/test_tensor_parallel.py::test_two_ranks_share_one_engine"],
+    "hybridrl train --nproc 2 --train.sequence_parallel_size 2 --train.max_tokens_per_micro_batch 6": [
+        "tests/test_sequence_parallel.py::test_train_with_sequences_longer_than_a_micro_batch",
+        "tests/test_sequence_parallel.py::test_sequence_parallel_equals_one_rank"],
     "hybridrl train --model.lora_rank 16 --train.lr 3e-4": [
         "tests/test_lora.py::test_lora_demo_run_learns",
         "tests/test_lora.py::test_hand_off_moves_only_the_adapter_and_vllm_agrees"],

@@ -165,6 +165,9 @@ def test_dense_models_record_nothing():
     cfg = SimpleNamespace(algo=SimpleNamespace(routing_replay="auto"))
     assert routing.wanted(cfg, Qwen2Config()) == (False, False)
     moe = tiny_moe().config
-    assert routing.wanted(cfg, moe) == (True, True)
+    # auto records (the metrics) but does not replay: the CPU recording is not exact yet (docs/status.md)
+    assert routing.wanted(cfg, moe) == (True, False)
     cfg.algo.routing_replay = "off"
     assert routing.wanted(cfg, moe) == (True, False)
+    cfg.algo.routing_replay = "on"
+    assert routing.wanted(cfg, moe) == (True, True)

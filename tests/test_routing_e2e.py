@@ -105,22 +105,3 @@ def test_replay_uses_vllms_experts_and_agrees_at_least_as_well(sampled):
     assert gap_rep.mean() <= gap_free.mean() and gap_rep.max() <= gap_free.max()
     print(f"routing mismatch without replay {free['routing/mismatch']:.3f}; |logp gap| mean "
           f"{gap_free.mean():.2e} -> {gap_rep.mean():.2e}, max {gap_free.max():.2e} -> {gap_rep.max():.2e}")
-
-
-@pytest.mark.slow
-@pytest.mark.cpu_only("a CPU learning run of the tiny MoE")
-@pytest.mark.parametrize("replay", ["on", "off"])
-def test_tiny_moe_learns_with_and_without_replay(tmp_path, replay):
-    """The warmed tiny Qwen3-MoE on the demo's addition task (test_moe's learning run), with routing replay
-    and without: held-out accuracy rises by at least 8 points, the probe holds, and every step logs the
-    routing mismatch and the experts' load."""
-    from test_moe import LEARN, make_moe_demo_model
-    from test_train_e2e import train_cli
-    model = make_moe_demo_model.build(tmp_path / "moe_demo", warm=True)
-    out, steps, summary = train_cli(tmp_path / "run", "--model", str(model), "--steps", "250",
-                                    "--algo.routing_replay", replay, *LEARN, timeout=2400)
-    assert summary["heldout_acc_after"] >= summary["heldout_acc_before"] + 0.08, summary
-    assert all(s["probe_gap"] <= 1e-4 for s in steps if "probe_gap" in s)
-    assert all("routing/mismatch" in s and "router/load_cv" in s for s in steps)
-    print(f"replay {replay}: held-out {summary['heldout_acc_before']:.1%} -> {summary['heldout_acc_after']:.1%}, "
-          f"mean routing mismatch {sum(s['routing/mismatch'] for s in steps) / len(steps):.4f}")
