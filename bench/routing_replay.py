@@ -9,11 +9,11 @@ any layer) and the trainer/vLLM log-prob gap with and without replay.
 
 With `--learn`: `hybridrl train` on the demo's data (its held-out split) once per seed with
 `--algo.routing_replay on` and once with `off`; printed: held-out accuracy before and after, the
-largest probe gap, the mean routing mismatch and the experts' load (router/load_cv). It needs the MoE
-weight hand-off (issue 48, item 1): until then the probe stops the run at step 1.
+largest probe gap, the mean routing mismatch and the experts' load (router/load_cv), at the MoE
+demo's settings (LEARN, which tests/test_moe.py's learning test shares).
 
     python -m bench.routing_replay --model runs/moe_demo             # examples/make_moe_demo_model.py builds it
-    python -m bench.routing_replay --model runs/moe_demo --learn --steps 150 --seeds 0 1 2
+    python -m bench.routing_replay --model runs/moe_demo --learn --steps 150 --seeds 0 1
 
 One row per run in bench/results/routing_replay.jsonl.
 """
