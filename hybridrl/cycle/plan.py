@@ -602,7 +602,9 @@ def _ladder_at(cfg: Config, shape: Shape, base: Knobs, world: int, local: int, d
         offloads.append((True, base.param_offload))
     if params:
         offloads = [(True, True)] if free["train.param_offload"] and not base.param_offload else []
-    for optimizer_offload, param_offload in [(o or p, p) for o, p in offloads]:  # validate: why
+    # parameters on the host take the optimizer with them (DeepSpeed cannot move the states of an engine
+    # with offloaded parameters; config.validate refuses the pair the user sets)
+    for optimizer_offload, param_offload in [(o or p, p) for o, p in offloads]:
         for tp in tps:
             k = knobs(cfg, shape, world=world, local=local, on_cpu=False, tp=tp) if tp != base.tp else base
             for zero in zeros:
