@@ -666,9 +666,12 @@ class RouteCapture:
         self.layers = max(i for i, _ in bound) + 1
         for i, router in bound:
             router.set_capture_fn(lambda ids, i=i: self._capture(i, ids))
+        self.enabled = True  # False: the routers' callbacks return at once (bench.routing_replay's baseline)
         self.reset()
 
     def _capture(self, layer: int, ids: torch.Tensor) -> None:
+        if not self.enabled:
+            return
         r = self.runner
         if layer == self.first:
             n_req = r.input_batch.num_reqs
