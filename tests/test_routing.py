@@ -158,15 +158,16 @@ def test_routes_travel_with_rows():
     assert Batch.from_rows([[1]], [[2]], [[0.0]], [0.0]).routes is None
 
 
-def test_dense_models_record_nothing():
+def test_dense_models_record_nothing_and_auto_replays_moe():
     from types import SimpleNamespace
 
     from transformers import Qwen2Config
     cfg = SimpleNamespace(algo=SimpleNamespace(routing_replay="auto"))
     assert routing.wanted(cfg, Qwen2Config()) == (False, False)
     moe = tiny_moe().config
-    # auto records (the metrics) but does not replay: the CPU recording is not exact yet (docs/status.md)
-    assert routing.wanted(cfg, moe) == (True, False)
+    # auto replays a MoE model's routes (it costs little: bench.routing_replay); off still records them
+    # for the mismatch and load metrics
+    assert routing.wanted(cfg, moe) == (True, True)
     cfg.algo.routing_replay = "off"
     assert routing.wanted(cfg, moe) == (True, False)
     cfg.algo.routing_replay = "on"
