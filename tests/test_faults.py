@@ -36,8 +36,8 @@ from pathlib import Path
 
 import pytest
 
-from test_checkpoint import FAST, _steps
-from test_train_e2e import SMALL, train_cli
+from helpers.checkpoints import FAST, _steps
+from helpers.cli import SMALL, train_cli
 
 from hybridrl.run import checkpoint
 

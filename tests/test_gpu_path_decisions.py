@@ -9,7 +9,7 @@ from hybridrl.cycle import plan
 from hybridrl.run import config
 from hybridrl.run.config import ConfigError
 
-from tests.test_plan import H100, NODE, gpu_config, shape
+from helpers.plan import H100, NODE, gpu_config, shape
 
 pytestmark = pytest.mark.fast
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from test_checkpoint import N, _assert_same_steps, _resume_pair
-from test_train_e2e import export_cli, train_cli
+from helpers.checkpoints import N, _assert_same_steps, _resume_pair
+from helpers.cli import export_cli, train_cli
 
 # one update per rollout (the demo recipe takes two): the policy still equals the reference when step 1's KL is taken
 LORA = ["--model.lora_rank", "16", "--algo.kl_coef", "0.05", "--train.probe_every", "1", "--train.minibatches", "1"]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import hybridrl
+from helpers.memory import FakeTrainer
 from hybridrl.run import config
 from hybridrl.cycle import engine_cycle
 from hybridrl.engines import ipc
@@ -36,22 +37,6 @@ class FakeLLM:
 
     def reset_prefix_cache(self):
         self.events.append(("vllm.reset_prefix_cache",))
-
-
-class FakeTrainer:
-    names = ["embed", "layer.0", "layer.1", "head"]
-
-    def __init__(self, events):
-        self.events = events
-
-    def offload(self, params=False):
-        self.events.append(("trainer.offload", params))
-
-    def reload(self):
-        self.events.append(("trainer.reload",))
-
-    def named_parameters_for_sync(self, bucket_bytes):
-        return ((n, torch.zeros(2)) for n in self.names)
 
 
 def real_rollout(events, monkeypatch):

@@ -285,7 +285,7 @@ def test_failing_tools_do_not_stop_the_run(tmp_path, monkeypatch, nproc, tp):
     with their prompt and transcript, and the trainer still matches vLLM on the assistant tokens.
     At 2 ranks sharing one engine (tp 2) each rank's timeouts decide its own episodes' next turns,
     which the group adds together: the counts are the same, not doubled."""
-    from test_train_e2e import train_cli
+    from helpers.cli import train_cli
     model = demo_with_template(tmp_path / "model")
     monkeypatch.setenv("PYTHONPATH", f"{HERE}:{os.environ.get('PYTHONPATH', '')}")
     out, steps, summary = train_cli(tmp_path / "run", "--model", str(model), "--env.cls", "envs_for_tests:Faulty",

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers.plan import H100, NODE, gpu_config, shape
 from hybridrl.run import config
 
 from hybridrl.cycle import plan
@@ -19,20 +20,6 @@ from hybridrl.run.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
-H100 = int(plan.DEFAULT_GPU_GIB * GIB)
-NODE = int(plan.DEFAULT_HOST_GIB * GIB)
-
-
-def shape(name: str) -> plan.Shape:
-    return plan.Shape.from_config(plan.read_config(name))
-
-
-def gpu_config(model: str, world: int, **over) -> config.Config:
-    """A run's config as `hybridrl train` resolves it on a GPU (the real-model recipe)."""
-    cfg = recipe.auto_dtype(config.load(None, {"model.path": model, **over}), on_cpu=False)
-    conf = plan.read_config(model)
-    return recipe.resolve(cfg, plan.info_of(model, conf, plan.Shape.from_config(conf)), on_cpu=False,
-                          world_size=world)
 
 
 @pytest.mark.fast

@@ -14,7 +14,7 @@ from hybridrl.cycle import engine_cycle
 
 from hybridrl.cycle import memory
 from hybridrl.run.config import ConfigError
-from test_memory import FakeTrainer  # records the planner's offload and reload calls
+from helpers.memory import FakeTrainer  # records the planner's offload and reload calls
 
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 

@@ -5,7 +5,7 @@ the whole model (2 ranks). The KL in the loss is checked with the critic's resum
 import pytest
 import torch
 
-from test_train_e2e import train_cli
+from helpers.cli import train_cli
 
 
 @pytest.mark.fast

@@ -5,8 +5,8 @@ import math
 
 import pytest
 import torch
-from test_fused_loss import assert_same, batch, both
-from test_logprob import PROVIDERS
+from helpers.kernels import assert_same, batch, both
+from helpers.kernels import PROVIDERS
 
 from hybridrl.kernels.fused_loss import chunks, fused_logprob_ppo_loss
 from hybridrl.kernels.ppo_loss import AGGREGATORS, POLICY_LOSSES, importance_weights, loss_normalizer, ppo_loss
