@@ -432,8 +432,7 @@ def stage_critic(cuda: bool) -> None:
 def decode_plan(graphs: bool, config: str = "qwen2.5-7b") -> dict[str, int]:
     """The plan's vLLM rows for a decode of `config`'s shape (bf16, one GPU, 64 sequences): its
     weights are every expert's, its activations go by the active parameters."""
-    from hybridrl.cycle import memory
-    from hybridrl.cycle import plan
+    from hybridrl.cycle import memory, plan
     shape = plan.Shape.from_config(plan.read_config(config))
     weights = shape.params * 2
     kv = DECODE_SEQS * (DECODE_PROMPT + DECODE_TOKENS) * 2 * shape.layers * shape.kv_dim * 2
@@ -487,10 +486,9 @@ def decode(mode: str, config: str = "qwen2.5-7b") -> None:
 
     from bench import gpu_engine_checks as engine
     from bench.gpu_claims import row, verdict
-    from hybridrl.run import environ as env
-    from hybridrl.cycle import memory
-    from hybridrl.cycle import plan
+    from hybridrl.cycle import memory, plan
     from hybridrl.engines import vllm_compat
+    from hybridrl.run import environ as env
     engine._world()
     src, label = plan.shipped_config(config), DECODE_SHAPES[config]
     model = env.cache_dir() / f"lease-{config}-config"

@@ -22,8 +22,7 @@ if TYPE_CHECKING:  # for readers and type checkers; at run time __getattr__ impo
     from hybridrl.data.envs import ToolEnv
     from hybridrl.data.rewards import batched
     from hybridrl.data.verifiers import exact_match, extract_answer, format_check, last_boxed, math_verify
-    from hybridrl.run.config import Config, ConfigError, UserError
-    from hybridrl.run.config import load as load_config
+    from hybridrl.run.config import Config, ConfigError, UserError, load as load_config
 
 __version__ = "0.1.0"
 
@@ -59,9 +58,9 @@ def __dir__() -> list[str]:
 
 def train(config: Config | str | None = None, overrides: dict | None = None) -> dict:
     """Train in the calling process (a notebook, a script under torchrun/accelerate)."""
+    from hybridrl.observe import preflight
     from hybridrl.run import environ as env
     from hybridrl.run.config import Config, apply, load
-    from hybridrl.observe import preflight
     if isinstance(config, str):
         config = load(config, overrides)
     elif overrides:

@@ -53,9 +53,7 @@ def test_checkpoint_layout_keep_and_latest(runs):
 def test_incomplete_or_truncated_checkpoint_is_never_loaded(runs, tmp_path):
     import shutil
 
-    from hybridrl.run import checkpoint
-
-    from hybridrl.run import config
+    from hybridrl.run import checkpoint, config
     root = tmp_path / "run" / "checkpoints"
     shutil.copytree(runs["part"] / "checkpoints", root)
     shutil.copytree(root / f"step-{N}", root / "tmp-step-9")  # a crash mid-save: never renamed
@@ -175,9 +173,7 @@ class _Fake:
 def _saver(run_dir, **ckpt):
     import torch
 
-    from hybridrl.run import checkpoint
-
-    from hybridrl.run import config
+    from hybridrl.run import checkpoint, config
     from hybridrl.run.launch import World
     cfg = config.load(overrides={"log.run_dir": str(run_dir), **{f"ckpt.{k}": v for k, v in ckpt.items()}})
     saver = checkpoint.Saver(cfg, run_dir, World(0, 1, 0, torch.device("cpu")), _Fake())
@@ -190,8 +186,7 @@ def _saver(run_dir, **ckpt):
 def test_keep_rotates_by_save_order_and_resume_auto_follows_the_branch(tmp_path):
     """issue 40 (2): --resume .../step-2 --steps 3 --ckpt.keep 1 deleted step-3 (just written) and kept
     the abandoned step-4, which --resume auto then continued."""
-    from hybridrl.run import checkpoint
-    from hybridrl.run import config
+    from hybridrl.run import checkpoint, config
     run = tmp_path / "run"
     _, save = _saver(run, keep=2)
     for step in (2, 4):  # a 4-step run saving every 2
@@ -212,8 +207,7 @@ def test_keep_rotates_by_save_order_and_resume_auto_follows_the_branch(tmp_path)
 def test_resaving_a_step_never_leaves_it_missing(tmp_path, monkeypatch):
     """issue 40 (2): the old step-N was deleted before the new one was renamed in; a kill in between
     left no step-N. Now it is moved aside, and a crash there leaves it findable and restored."""
-    from hybridrl.run import checkpoint
-    from hybridrl.run import config
+    from hybridrl.run import checkpoint, config
     run = tmp_path / "run"
     _, save = _saver(run, keep=2)
     save(2)
@@ -294,8 +288,7 @@ def test_rank_state_loads_with_weights_only(tmp_path):
 @pytest.mark.fast
 def test_a_saved_config_grants_no_remote_code_and_names_its_imports(tmp_path, capsys):
     """issue 40 (9): resume and `hybridrl eval RUN` took trust_remote_code from the run's config."""
-    from hybridrl.run import checkpoint
-    from hybridrl.run import config
+    from hybridrl.run import checkpoint, config
     cfg = config.load(overrides={"model.trust_remote_code": True, "reward.fn": "arithmetic,mymod:score",
                                  "env.cls": "envs_for_tests:Echo"})
     got = checkpoint.from_run_dir(cfg, {}, tmp_path / "config.yaml")
@@ -312,9 +305,7 @@ def test_export_takes_trust_remote_code_from_today_only(tmp_path, monkeypatch):
     import transformers
     import yaml
 
-    from hybridrl.run import config
-
-    from hybridrl.run import export
+    from hybridrl.run import config, export
     ck = tmp_path / "step-1"
     ck.mkdir()
     (ck / "complete.json").write_text('{"files": {}}')

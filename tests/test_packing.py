@@ -9,8 +9,9 @@ cache was passed) is off by ~1 nat, far outside float32 tolerance.
 import pytest
 import torch
 
-from helpers.packing import assert_same_loss_and_grads, loss_and_grads, rows, trainer
 from hybridrl.data.batch import Batch, micro_batches
+
+from helpers.packing import assert_same_loss_and_grads, loss_and_grads, rows, trainer
 
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 

@@ -13,6 +13,7 @@ import datasets
 import pytest
 
 from hybridrl.data.tasks import arithmetic
+
 from helpers.cli import train_cli
 
 EVAL_SIZE, EVAL_N = 16, 4

@@ -9,14 +9,14 @@ import pytest
 import torch
 import transformers
 
-from hybridrl.run import config
-
 from hybridrl.cycle import memory
-from hybridrl.run.config import ConfigError, RewardConfig
 from hybridrl.cycle.memory import GIB
-from hybridrl.engines.reward_model import RewardModel, load_all
 from hybridrl.data.rewards import Scorer, load_terms, model_terms, parse_spec
 from hybridrl.data.tasks.arithmetic import DEMO_MODEL_DIR
+from hybridrl.engines.reward_model import RewardModel, load_all
+from hybridrl.run import config
+from hybridrl.run.config import ConfigError, RewardConfig
+
 from helpers.cli import train_cli
 
 

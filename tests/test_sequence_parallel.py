@@ -21,6 +21,7 @@ from hybridrl.engines import ulysses
 from hybridrl.engines.policy import TokenLogprobs
 from hybridrl.engines.trainer import Trainer
 from hybridrl.run.config import Config, ConfigError
+
 from helpers.packing import V, rows
 
 

@@ -35,6 +35,7 @@ def test_a_nan_probe_gap_fails_the_probe(monkeypatch):
     (and name NaN). A finite gap within the bound still passes."""
     import pytest
     import torch
+
     from hybridrl.cycle import sync
     theirs = torch.tensor([-1.0, -2.0])
     for diff, ok in ((torch.tensor([1e-6, 2e-6]), True), (torch.tensor([1e-6, math.nan]), False)):

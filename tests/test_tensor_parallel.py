@@ -13,13 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridrl.engines import rollout as R, vllm_compat
 from hybridrl.run import launch
 
-from hybridrl.engines import rollout as R
-
-from hybridrl.engines import vllm_compat
-from helpers.cli import tool_demo_cli
-from helpers.cli import train_cli
+from helpers.cli import tool_demo_cli, train_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 TP2 = ["--nproc", "2", "--rollout.tensor_parallel_size", "2"]
@@ -136,6 +133,7 @@ def test_a_rank_local_random_op_does_not_change_what_the_group_samples(monkeypat
     tokens, generation after generation, and a random op between engine steps (a reward function,
     rank-local code) changes nothing either."""
     from types import SimpleNamespace as NS
+
     from vllm import SamplingParams
     monkeypatch.setattr(vllm_compat, "add_request", lambda llm, rid, ids, params, lora=None:
                         llm.llm_engine.queued.append(rid))
@@ -279,6 +277,7 @@ def test_two_nodes_one_rank_each_share_an_engine(tmp_path):
     # 2 "nodes" x 1 rank on this machine, through the c10d rendezvous (torchrun's multi-node path);
     # the run directory is shared, as a cluster's filesystem would be
     from hybridrl.run.launch import _free_port
+
     from helpers.cli import SMALL
     endpoint = f"127.0.0.1:{_free_port()}"
     run_dir = tmp_path / "run"

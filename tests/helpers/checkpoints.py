@@ -7,7 +7,6 @@ import time
 
 from helpers.cli import train_cli
 
-
 FAST = ["--train.prompts_per_step", "8", "--rollout.n", "4", "--log.eval_every", "0", "--log.eval_size", "16",
         "--train.probe_every", "0"]
 

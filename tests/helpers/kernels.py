@@ -7,7 +7,6 @@ from hybridrl.kernels.fused_loss import fused_logprob_ppo_loss
 from hybridrl.kernels.logprob import logprob_entropy_reference
 from hybridrl.kernels.ppo_loss import ppo_loss
 
-
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton under TRITON_INTERPRET on CPU
 
 

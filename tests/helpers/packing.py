@@ -9,7 +9,6 @@ from hybridrl.engines.policy import TokenLogprobs
 from hybridrl.engines.trainer import Trainer
 from hybridrl.run.config import Config
 
-
 V = 40
 
 

@@ -1,11 +1,12 @@
 """fused_logprob_ppo_loss == ppo_loss(*logprob_entropy_reference(...)) in value, metrics, gradients."""
 import pytest
 import torch
-from helpers.kernels import N, PROVIDERS, assert_same, batch, both
 
-from hybridrl.kernels.logprob import logprob_entropy
 from hybridrl.kernels.fused_loss import fused_logprob_ppo_loss
+from hybridrl.kernels.logprob import logprob_entropy
 from hybridrl.kernels.ppo_loss import AGGREGATORS, loss_normalizer
+
+from helpers.kernels import PROVIDERS, N, assert_same, batch, both
 
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 

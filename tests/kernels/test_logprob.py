@@ -6,8 +6,9 @@ not multiples of any block, V below one block, targets at 0 / V-1 / the last par
 import pytest
 import torch
 
-from helpers.kernels import BV, DEVICE, PROVIDERS, make
 from hybridrl.kernels.logprob import logprob_entropy, logprob_entropy_reference
+
+from helpers.kernels import BV, DEVICE, PROVIDERS, make
 
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 
