@@ -89,6 +89,8 @@ COMMANDS: dict[str, list[str]] = {
     "python -m bench.<name>": ["tests/test_gpu_check.py::test_gpu_check_without_cuda_lists_every_claim_unmeasured",
                                "tests/test_lease.py::test_dry_run_writes_every_stage_to_out",
                                "tests/test_shapes.py::test_scale_bench_prints_its_table_at_the_tiny_shape"],
+    "python -m scripts.lease": ["tests/test_lease.py::test_dry_run_writes_every_stage_to_out",
+                                "tests/test_lease.py::test_plan_of_calls_fits_the_lease_and_carries_one_part_a_call"],
     # the rendered tables' footnotes: the bench that measured them (its --help; a real run installs TRL and
     # takes minutes, see docs/testing.md) and the renderer
     "python -m bench.peers": ["tests/test_bench_results.py::test_every_bench_module_runs_as_a_module"],
