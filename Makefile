@@ -13,7 +13,7 @@ STACK ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 WHEELS ?=
 STAMP := $(VENV)/.setup-$(STACK)-$(shell cat pyproject.toml constraints-cpu.txt requirements-gpu.txt | cksum | cut -d' ' -f1)
 
-.PHONY: setup demo test test-fast test-slow bench gpu-check clean
+.PHONY: setup demo test test-fast test-slow lint format bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -45,7 +45,8 @@ endif
 demo: setup
 	$(BIN)/hybridrl train
 
-test: setup
+# lint first: a second, and the same answer on every machine (isort is pinned in the test extra)
+test: setup lint
 	$(BIN)/python -m pytest -m "not slow" tests
 
 # the tests that start no engine (tests/README.md): under 2 minutes on 2 cores; tests/tiers.py guards them
@@ -54,6 +55,14 @@ test-fast: setup
 
 test-slow: setup
 	$(BIN)/python -m pytest -m slow tests
+
+# import order (setup.cfg's [isort]); `make format` rewrites what `make lint` refuses
+LINT := hybridrl kernels bench tests examples scripts
+lint: setup
+	$(BIN)/python -m isort --check-only --diff $(LINT)
+
+format: setup
+	$(BIN)/python -m isort $(LINT)
 
 bench: setup
 	$(BIN)/python -m bench.step

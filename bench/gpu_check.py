@@ -47,8 +47,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import gpu_engine_checks as engine
-from bench import gpu_run_checks as runs
+from bench import gpu_engine_checks as engine, gpu_run_checks as runs
 from bench.gpu_claims import CLAIMS, ROOT, UNMEASURED
 from bench.results import record
 

@@ -38,8 +38,7 @@ def _config(overrides: dict):
 
 
 def _world():
-    from hybridrl.run import environ as env
-    from hybridrl.run import launch
+    from hybridrl.run import environ as env, launch
     env.setup()
     return launch.init_distributed()
 
@@ -62,8 +61,8 @@ def check_stack(cuda: bool) -> None:
 
 
 def check_expandable(cuda: bool) -> None:
-    from hybridrl.run import environ as env
     from hybridrl.cycle import memory
+    from hybridrl.run import environ as env
     env.setup()
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     row(CLAIMS["expandable"][1][0][0], conf or "(unset)", "expandable_segments:True",
@@ -131,8 +130,8 @@ def check_kernels(cuda: bool) -> None:
     # correctness at the same shape: bf16 Triton and torch vs the fp32 reference
     import torch
 
-    from hybridrl.kernels.logprob import logprob_entropy_reference
     from hybridrl.kernels.fused_loss import fused_logprob_ppo_loss
+    from hybridrl.kernels.logprob import logprob_entropy_reference
     from hybridrl.kernels.ppo_loss import ppo_loss
     h, w, y, old, adv, mask = kb._inputs(n, d, v, torch.bfloat16, "cuda")
     loss_kw = dict(eps_low=0.2, eps_high=0.28, agg="token_mean")
@@ -294,9 +293,7 @@ def check_planner(cuda: bool) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from hybridrl.cycle import engine_cycle
-
-    from hybridrl.cycle import sync
+    from hybridrl.cycle import engine_cycle, sync
     from hybridrl.data.batch import Batch
     from hybridrl.engines.rollout import Rollout
     from hybridrl.engines.trainer import Trainer

@@ -88,12 +88,10 @@ def rank_main(local_rank: int, args, port: int, model: str, out_dir: str) -> Non
     sampler = Sampler()
     import torch
 
-    from hybridrl.run import config
-
-    from hybridrl.run import launch
     from hybridrl.data.batch import Batch
     from hybridrl.engines.reference import Reference
     from hybridrl.engines.trainer import Trainer
+    from hybridrl.run import config, launch
 
     world = launch.init_distributed()
     sampler.stage("imports, process group")

@@ -53,8 +53,8 @@ def _step_fn(provider, chunk_size):
     """A closure running one forward+backward of `provider`."""
     import torch
 
-    from hybridrl.kernels.logprob import logprob_entropy
     from hybridrl.kernels.fused_loss import fused_logprob_ppo_loss
+    from hybridrl.kernels.logprob import logprob_entropy
     from hybridrl.kernels.ppo_loss import ppo_loss
 
     def unfused(impl):

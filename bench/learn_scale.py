@@ -37,8 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _accuracy(model, tok, rows, encoded) -> float:
     """Greedy exact-match accuracy; the completion decoded without special tokens (as the loop does)."""
     import torch
-    from examples.make_demo_model import greedy_decode
 
+    from examples.make_demo_model import greedy_decode
     from hybridrl.data.tasks import arithmetic
 
     model.eval()
@@ -56,9 +56,9 @@ def warm_up(shape: str, start_acc: float, seed: int = 0) -> Path:
     if (out / "config.json").exists():
         return out
     import torch
-    from examples.make_demo_model import encode_rows, sft_batch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from examples.make_demo_model import encode_rows, sft_batch
     from hybridrl.data.tasks import arithmetic
 
     src = shapes.build(shape)

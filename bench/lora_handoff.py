@@ -48,13 +48,10 @@ def generate_cost(model: str, rank: int, repeats: int = 7) -> dict:
     import torch
     from vllm import LLM, SamplingParams
 
-    from hybridrl.run import environ as env
-
-    from hybridrl.engines import lora
-
-    from hybridrl.engines import vllm_compat
-    from hybridrl.run.config import ModelConfig
     from hybridrl.data.tasks import arithmetic
+    from hybridrl.engines import lora, vllm_compat
+    from hybridrl.run import environ as env
+    from hybridrl.run.config import ModelConfig
     env.setup()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     kw = vllm_compat.engine_kwargs(on_cpu=True, kv_cache_bytes=64 << 20, gpu_memory_utilization=None, lora_rank=rank)

@@ -70,7 +70,6 @@ def prompt_batches(cfg, steps: int):
     from transformers import AutoTokenizer
 
     from hybridrl.data import prompts as data
-
     from hybridrl.run import resolve
     cfg, path, _ = resolve.configure(cfg, on_cpu=True)
     tok = AutoTokenizer.from_pretrained(path)
@@ -83,8 +82,8 @@ def standalone(sets: list[str], batches_n: int) -> dict:
     """vLLM alone with the loop's settings: hybridrl's Rollout.generate and LLM.generate, alternating."""
     from vllm import SamplingParams
 
-    from hybridrl.run import launch
     from hybridrl.engines.rollout import Rollout
+    from hybridrl.run import launch
     launch.init_distributed()
     cfg, path, tok, batches = prompt_batches(_cfg(sets), batches_n)
     r = cfg.rollout

@@ -10,7 +10,7 @@ answers; the reward functions (`reward.fn`) score its final message.
 import ast
 import operator
 
-from hybridrl.data.envs import ToolEnv
+from hybridrl import ToolEnv
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
         ast.USub: operator.neg}

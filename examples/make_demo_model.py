@@ -61,8 +61,7 @@ QWEN2_PRETOKENIZE_REGEX = (
 def build_tokenizer(chars: list[str] = CHARS, pieces: tuple[str, ...] = ()):
     """The character-level tokenizer (`chars` after the special tokens; `pieces`: extra multi-character
     tokens, as the tool demo's call markers)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-    from tokenizers import pre_tokenizers, processors
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + list(chars))}

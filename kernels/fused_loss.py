@@ -17,11 +17,10 @@ import inspect
 
 import torch
 
-from hybridrl.kernels.logprob import (BACKENDS, Workspace, accumulate_grads, logprob_entropy_reference,
-                             masked_upstream, new_grads, resolve)
+from hybridrl.kernels.logprob import (BACKENDS, Workspace, accumulate_grads, logprob_entropy_reference, masked_upstream,
+                                      new_grads, resolve)
 from hybridrl.kernels.ppo_loss import (SEQUENCE_LOSSES, check_hparams, loss_metrics, ppo_loss, prepare_tokens,
-                              token_losses)
-
+                                       token_losses)
 
 # ppo_loss's keyword arguments and defaults, minus `entropy` (the fused pass computes it)
 _LOSS_DEFAULTS = {k: p.default for k, p in inspect.signature(ppo_loss).parameters.items()

@@ -35,7 +35,6 @@ from __future__ import annotations
 import torch
 
 
-
 def _k1(d):
     return -d
 

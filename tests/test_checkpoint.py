@@ -11,44 +11,8 @@ import time
 
 import pytest
 
-from test_train_e2e import export_cli, train_cli
-
-FAST = ["--train.prompts_per_step", "8", "--rollout.n", "4", "--log.eval_every", "0", "--log.eval_size", "16",
-        "--train.probe_every", "0"]
-N, K = 4, 2  # the uninterrupted run's steps, and where the interrupted one stops
-
-
-def _steps(records):
-    return {r["step"]: r for r in records if "reward" in r}
-
-
-def _resume_pair(root, *extra, kill_while_resuming=False):
-    """An uninterrupted run of N steps, and one stopped at K (`--steps K`) then resumed to N
-    (`kill_while_resuming`: after a first resume killed as it starts its engines)."""
-    full, part = root / "full", root / "part"
-    _, a, _ = train_cli(full, *FAST, *extra, "--steps", str(N))
-    _, b1, _ = train_cli(part, *FAST, *extra, "--steps", str(K), "--ckpt.every", "1", "--ckpt.keep", "2")
-    if kill_while_resuming:
-        _kill_while_resuming(part, *FAST, *extra, "--steps", str(N), "--resume", str(part))
-    out, b2, summary = train_cli(part, *FAST, *extra, "--steps", str(N), "--resume", str(part))
-    return dict(full=full, part=part, a=_steps(a), b1=_steps(b1), b2=_steps(b2), out=out, summary=summary)
-
-
-def _kill_while_resuming(run_dir, *args):
-    """issue 40 (1): metrics.jsonl was emptied as the resumed run's log opened and refilled only after
-    the engines, the checkpoint load and the probe; a kill -9 in between lost steps 1..K for good."""
-    before = _steps(json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines())
-    written = (run_dir / "config.yaml").stat().st_mtime_ns
-    proc = subprocess.Popen([sys.executable, "-m", "hybridrl", "train", *args, "--log.run_dir", str(run_dir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while proc.poll() is None and time.time() < deadline and (run_dir / "config.yaml").stat().st_mtime_ns == written:
-        time.sleep(0.05)  # the run log writes config.yaml, then opens metrics.jsonl, then the engines start
-    time.sleep(1.0)
-    proc.kill()
-    proc.wait()
-    after = _steps(json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines())
-    assert after == before and sorted(after) == list(range(1, K + 1))
+from helpers.checkpoints import FAST, N, _assert_same_steps, _resume_pair, _steps
+from helpers.cli import export_cli, train_cli
 
 
 @pytest.fixture(scope="module")
@@ -72,18 +36,6 @@ def test_resume_is_exact_with_zero3_and_two_ranks(tmp_path, nproc, zero):
     assert (out / "model.safetensors").exists()
 
 
-def _assert_same_steps(runs):
-    a, b = runs["a"], runs["b2"]
-    assert f"resuming from {runs['part'] / 'checkpoints' / f'step-{K}'}" in runs["out"].stdout
-    assert sorted(b) == list(range(1, N + 1))  # metrics.jsonl continued: steps 1..K kept, K+1..N appended
-    for s in range(1, N + 1):
-        for key in ("loss", "reward", "grad_norm", "entropy_mean", "rollout_tokens"):
-            assert a[s][key] == b[s][key], (s, key, a[s][key], b[s][key])  # bit-identical
-    lines = (runs["part"] / "metrics.jsonl").read_text().splitlines()
-    assert sum("summary" in json.loads(x) for x in lines) == 1  # the first invocation's summary was dropped
-    assert runs["summary"]["steps"] == N and runs["summary"]["heldout_acc_before"] is not None
-
-
 def test_checkpoint_layout_keep_and_latest(runs):
     root = runs["part"] / "checkpoints"
     # every=1, keep=2: step-1 was deleted once step-3 was complete; the end of training saved step-N
@@ -101,9 +53,7 @@ def test_checkpoint_layout_keep_and_latest(runs):
 def test_incomplete_or_truncated_checkpoint_is_never_loaded(runs, tmp_path):
     import shutil
 
-    from hybridrl.run import checkpoint
-
-    from hybridrl.run import config
+    from hybridrl.run import checkpoint, config
     root = tmp_path / "run" / "checkpoints"
     shutil.copytree(runs["part"] / "checkpoints", root)
     shutil.copytree(root / f"step-{N}", root / "tmp-step-9")  # a crash mid-save: never renamed
@@ -223,9 +173,7 @@ class _Fake:
 def _saver(run_dir, **ckpt):
     import torch
 
-    from hybridrl.run import checkpoint
-
-    from hybridrl.run import config
+    from hybridrl.run import checkpoint, config
     from hybridrl.run.launch import World
     cfg = config.load(overrides={"log.run_dir": str(run_dir), **{f"ckpt.{k}": v for k, v in ckpt.items()}})
     saver = checkpoint.Saver(cfg, run_dir, World(0, 1, 0, torch.device("cpu")), _Fake())
@@ -238,8 +186,7 @@ def _saver(run_dir, **ckpt):
 def test_keep_rotates_by_save_order_and_resume_auto_follows_the_branch(tmp_path):
     """issue 40 (2): --resume .../step-2 --steps 3 --ckpt.keep 1 deleted step-3 (just written) and kept
     the abandoned step-4, which --resume auto then continued."""
-    from hybridrl.run import checkpoint
-    from hybridrl.run import config
+    from hybridrl.run import checkpoint, config
     run = tmp_path / "run"
     _, save = _saver(run, keep=2)
     for step in (2, 4):  # a 4-step run saving every 2
@@ -260,8 +207,7 @@ def test_keep_rotates_by_save_order_and_resume_auto_follows_the_branch(tmp_path)
 def test_resaving_a_step_never_leaves_it_missing(tmp_path, monkeypatch):
     """issue 40 (2): the old step-N was deleted before the new one was renamed in; a kill in between
     left no step-N. Now it is moved aside, and a crash there leaves it findable and restored."""
-    from hybridrl.run import checkpoint
-    from hybridrl.run import config
+    from hybridrl.run import checkpoint, config
     run = tmp_path / "run"
     _, save = _saver(run, keep=2)
     save(2)
@@ -342,8 +288,7 @@ def test_rank_state_loads_with_weights_only(tmp_path):
 @pytest.mark.fast
 def test_a_saved_config_grants_no_remote_code_and_names_its_imports(tmp_path, capsys):
     """issue 40 (9): resume and `hybridrl eval RUN` took trust_remote_code from the run's config."""
-    from hybridrl.run import checkpoint
-    from hybridrl.run import config
+    from hybridrl.run import checkpoint, config
     cfg = config.load(overrides={"model.trust_remote_code": True, "reward.fn": "arithmetic,mymod:score",
                                  "env.cls": "envs_for_tests:Echo"})
     got = checkpoint.from_run_dir(cfg, {}, tmp_path / "config.yaml")
@@ -360,9 +305,7 @@ def test_export_takes_trust_remote_code_from_today_only(tmp_path, monkeypatch):
     import transformers
     import yaml
 
-    from hybridrl.run import config
-
-    from hybridrl.run import export
+    from hybridrl.run import config, export
     ck = tmp_path / "step-1"
     ck.mkdir()
     (ck / "complete.json").write_text('{"files": {}}')

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from hybridrl.run import config as C
 from hybridrl.observe import logs
+from hybridrl.run import config as C
 from hybridrl.run.cli import bool_words
 
 

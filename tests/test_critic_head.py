@@ -10,10 +10,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import hybridrl
-from hybridrl.run import config
 from hybridrl.data.batch import Batch
+from hybridrl.run import config
 from hybridrl.run.config import ConfigError
-from test_train_e2e import export_cli, train_cli
+
+from helpers.cli import export_cli, train_cli
 
 DEMO = str(Path(hybridrl.__file__).parent / "demo_model")
 

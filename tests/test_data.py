@@ -12,8 +12,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from hybridrl.data import prompts as data
-from hybridrl.run.config import ConfigError, DataConfig
 from hybridrl.data.tasks.arithmetic import DEMO_MODEL_DIR
+from hybridrl.run.config import ConfigError, DataConfig
 
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 

@@ -10,8 +10,7 @@ from pathlib import Path
 from hybridrl.engines import platform
 from hybridrl.engines.deepspeed_compat import cpu_config
 from hybridrl.engines.trainer import ds_config
-from hybridrl.run import config
-from hybridrl.run import environ as env
+from hybridrl.run import config, environ as env
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hybridrl"
 BOUNDARY = PACKAGE / "engines" / "deepspeed_compat.py"

@@ -2,7 +2,7 @@
 and reward by a clear margin (the full curve is python -m bench.demo_curve)."""
 import statistics
 
-from test_train_e2e import train_cli
+from helpers.cli import train_cli
 
 
 def test_short_demo_run_raises_accuracy_and_reward(tmp_path):

@@ -6,7 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"train.prompts_per_step": 4, "rollout.n": 4, "log.eval_size": 16}
 

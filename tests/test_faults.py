@@ -36,14 +36,11 @@ from pathlib import Path
 
 import pytest
 
-from test_checkpoint import FAST, _steps
-from test_train_e2e import SMALL, train_cli
-
-from hybridrl.run import checkpoint
-
-from hybridrl.run import config
-
 from hybridrl.data import prompts as data
+from hybridrl.run import checkpoint, config
+
+from helpers.checkpoints import FAST, _steps
+from helpers.cli import SMALL, train_cli
 
 STEPS = 4  # each run's length; the kill lands in step 3
 
@@ -190,8 +187,9 @@ def test_only_io_errors_while_saving_are_survived(tmp_path, capsys, error, handl
     test of the error policy; the real full disk is test_no_space_left_while_checkpointing): an I/O
     error is reported, its partial directory removed and training may go on; a CUDA or NCCL failure
     or a bug propagates instead of reading as a full disk."""
-    import torch
     from types import SimpleNamespace
+
+    import torch
 
     from hybridrl.run.launch import World
 

@@ -9,7 +9,7 @@ from hybridrl.cycle import plan
 from hybridrl.run import config
 from hybridrl.run.config import ConfigError
 
-from tests.test_plan import H100, NODE, gpu_config, shape
+from helpers.plan import H100, NODE, gpu_config, shape
 
 pytestmark = pytest.mark.fast
 
@@ -90,8 +90,7 @@ def test_omp_threads_sets_and_restores_the_count_the_step_runs_with():
 
 
 def test_the_recipe_says_how_many_threads_the_host_optimizer_gets(monkeypatch):
-    from hybridrl.run import environ as env
-    from hybridrl.run import recipe
+    from hybridrl.run import environ as env, recipe
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(env, "host_cores", lambda: 208)

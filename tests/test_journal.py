@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
+from hybridrl.observe.progress import RunLog
 from hybridrl.run import config as C
 from hybridrl.run.journal import Journal, keep_upto
 from hybridrl.run.launch import World
-from hybridrl.observe.progress import RunLog
 
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 

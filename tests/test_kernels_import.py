@@ -34,6 +34,32 @@ def test_hf_kernels_and_hybridrl_kernels_import_side_by_side():
 
 def test_no_top_level_kernels_package_ships():
     """kernels/ has no __init__.py: a regular package there would shadow Hugging Face's from the
-    repository root; setuptools installs it as hybridrl.kernels only."""
+    repository root; it is installed as hybridrl.kernels only. hybridrl/kernels is a folder, not a
+    link (tools and packaging tripped on the link it was), whose __init__ points the package at
+    kernels/ in a checkout."""
     assert not (ROOT / "kernels" / "__init__.py").exists()
-    assert (ROOT / "hybridrl" / "kernels").resolve() == (ROOT / "kernels").resolve()
+    assert not (ROOT / "hybridrl" / "kernels").is_symlink()
+    import hybridrl.kernels
+    import hybridrl.kernels.logprob
+    assert [Path(p) for p in hybridrl.kernels.__path__] == [ROOT / "kernels"]
+    assert Path(hybridrl.kernels.logprob.__file__).parent == ROOT / "kernels"
+
+
+def test_the_wheel_holds_the_kernels_under_hybridrl(tmp_path):
+    """A wheel built from the checkout holds kernels/ as hybridrl/kernels/ (pyproject's package-dir),
+    no top-level `kernels`, and not the checkout's pointer file."""
+    import zipfile
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    src = tmp_path / "src"
+    for name in files.decode().split("\0"):
+        if name and (ROOT / name).is_file():
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            (src / name).write_bytes((ROOT / name).read_bytes())
+    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                          "-w", str(tmp_path / "whl"), str(src)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (wheel,) = (tmp_path / "whl").glob("hybridrl-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    kernels = sorted(n for n in names if "kernels/" in n)
+    assert kernels == sorted(f"hybridrl/kernels/{p.name}" for p in (ROOT / "kernels").glob("*.py")), kernels
+    assert not any(n.startswith("kernels/") for n in names)

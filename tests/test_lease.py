@@ -1,6 +1,8 @@
-"""python -m bench.lease without a GPU: the plan of calls fits the lease, the dry run writes every stage's
-rows where the device tool fetches them from, and a stage cut short keeps the rows it printed."""
+"""python -m scripts.lease without a GPU: the plan of calls fits the lease, the dry run writes every stage's
+rows where the device tool fetches them from, and a stage cut short keeps the rows it printed; the
+command issue 51 names from before the move to scripts/, `python -m bench.lease`, still runs it."""
 
+import importlib
 import json
 import os
 import subprocess
@@ -9,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import lease
+from scripts import lease
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,8 +34,21 @@ def test_plan_of_calls_fits_the_lease_and_carries_one_part_a_call(capsys):
     assert "call 3: run(timeout_s=" in printed and "give_back" in printed and "within 780 s" in printed
 
 
+
+@pytest.mark.fast
+def test_bench_lease_is_the_moved_module():
+    assert importlib.import_module("bench.lease") is lease
+
+
+def test_the_old_command_runs_the_moved_script():
+    proc = subprocess.run([sys.executable, "-m", "bench.lease", "--plan"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "call 3: run(timeout_s=" in proc.stdout and "python3 -m scripts.lease" in proc.stdout
+
+
 def test_dry_run_writes_every_stage_to_out(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "bench.lease", "--out", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "scripts.lease", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, env=_no_cuda(tmp_path), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "lease.jsonl").read_text().splitlines()]
@@ -71,7 +86,7 @@ def test_dry_run_writes_every_stage_to_out(tmp_path):
 
 
 def test_a_call_short_of_time_leaves_the_stage_for_the_next(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "bench.lease", "--stages", "trainer_plan", "--left", "1",
+    proc = subprocess.run([sys.executable, "-m", "scripts.lease", "--stages", "trainer_plan", "--left", "1",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=60, env=_no_cuda(tmp_path),
                           cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -76,6 +76,7 @@ def test_the_scoring_modules_never_hold_the_logits_of_a_16k_token_sequence(model
     TokenLogprobs (the trainer's old log-probs and update, the reference: forward, and the fused
     loss's backward) and the critic's value model."""
     from transformers import AutoModel, AutoModelForCausalLM
+
     from hybridrl.engines.critic import _ValueModel
     from hybridrl.engines.policy import TokenLogprobs
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa")
@@ -100,6 +101,7 @@ def test_the_scoring_modules_never_hold_the_logits_of_a_16k_token_sequence(model
 @pytest.mark.slow  # the real engines at 16k tokens: minutes on a loaded 2-core machine
 def test_no_pass_materialises_the_logits_of_a_16k_token_sequence(model, world_of_one):
     from transformers import AutoConfig
+
     from hybridrl.engines.critic import Critic
     from hybridrl.engines.reference import Reference
     from hybridrl.engines.trainer import Trainer
@@ -123,6 +125,7 @@ def test_no_pass_materialises_the_logits_of_a_16k_token_sequence(model, world_of
 
 def test_a_reward_model_scores_a_16k_token_answer_without_vocabulary_logits(model, tmp_path):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
     from hybridrl.engines.reward_model import RewardModel
     rm = tmp_path / "rm"
     AutoModelForSequenceClassification.from_pretrained(model, num_labels=1).save_pretrained(rm)

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from test_checkpoint import N, _assert_same_steps, _resume_pair
-from test_train_e2e import export_cli, train_cli
+from helpers.checkpoints import N, _assert_same_steps, _resume_pair
+from helpers.cli import export_cli, train_cli
 
 # one update per rollout (the demo recipe takes two): the policy still equals the reference when step 1's KL is taken
 LORA = ["--model.lora_rank", "16", "--algo.kl_coef", "0.05", "--train.probe_every", "1", "--train.minibatches", "1"]
@@ -33,11 +33,9 @@ def test_config_sleep_level_and_bad_targets_say_what_to_change():
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hybridrl.run import config
-
     from hybridrl.cycle import engine_cycle
-
     from hybridrl.engines import lora
+    from hybridrl.run import config
     cfg = config.load(overrides={"model.lora_rank": 16})
     assert engine_cycle.keep_base_weights(cfg, main=False).rollout.sleep_level == 1  # 2 would discard the base
     assert engine_cycle.keep_base_weights(config.load(), main=False).rollout.sleep_level == 2  # no LoRA: unchanged

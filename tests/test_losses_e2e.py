@@ -13,7 +13,7 @@ import textwrap
 
 import pytest
 
-from test_train_e2e import train_cli
+from helpers.cli import train_cli
 
 SCRIPT = textwrap.dedent('''
     import json

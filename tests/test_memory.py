@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import hybridrl
+from hybridrl.cycle import engine_cycle, memory
+from hybridrl.engines import ipc, vllm_compat
 from hybridrl.run import config
-from hybridrl.cycle import engine_cycle
-from hybridrl.engines import ipc
-from hybridrl.cycle import memory
-from hybridrl.engines import vllm_compat
 from hybridrl.run.config import ConfigError
+
+from helpers.memory import FakeTrainer
 
 GIB = 1 << 30
 DEMO = str(Path(hybridrl.__file__).parent / "demo_model")
@@ -36,22 +36,6 @@ class FakeLLM:
 
     def reset_prefix_cache(self):
         self.events.append(("vllm.reset_prefix_cache",))
-
-
-class FakeTrainer:
-    names = ["embed", "layer.0", "layer.1", "head"]
-
-    def __init__(self, events):
-        self.events = events
-
-    def offload(self, params=False):
-        self.events.append(("trainer.offload", params))
-
-    def reload(self):
-        self.events.append(("trainer.reload",))
-
-    def named_parameters_for_sync(self, bucket_bytes):
-        return ((n, torch.zeros(2)) for n in self.names)
 
 
 def real_rollout(events, monkeypatch):
@@ -290,11 +274,11 @@ def test_checkpoint_is_saved_from_offloaded_states(zero, world_of_one, tmp_path,
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
     from transformers import AutoTokenizer
 
-    from hybridrl.run import checkpoint
     from hybridrl.data.batch import Batch
     from hybridrl.engines.critic import Critic
-    from hybridrl.run.launch import World
     from hybridrl.engines.trainer import Trainer
+    from hybridrl.run import checkpoint
+    from hybridrl.run.launch import World
 
     cpu = torch.device("cpu")
     cfg = config.load(None, {"train.zero_stage": zero, "algo.advantage": "gae", "ckpt.dir": str(tmp_path / "ck")})

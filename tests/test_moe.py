@@ -15,7 +15,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import make_moe_demo_model  # noqa: E402
-from test_train_e2e import train_cli  # noqa: E402
+
+from helpers.cli import train_cli  # noqa: E402
 
 SEQS = [[1, 5, 9, 3, 12, 7], [1, 4, 4, 8, 13, 6, 14, 2], [1, 3, 13, 3, 14]]
 

@@ -22,8 +22,7 @@ import torch
 
 import hybridrl
 from hybridrl.algorithms import advantages as algo
-from hybridrl.data import envs
-from hybridrl.data import multiturn
+from hybridrl.data import envs, multiturn
 from hybridrl.data.batch import Batch
 
 HERE = Path(__file__).parent
@@ -131,8 +130,8 @@ def test_tool_demo_format_round_trips():
     (special tokens skipped, as multiturn.py decodes) to a Hermes call Calc runs, and the tool turn
     renders as <tool_response>...</tool_response>, as its warm-up saw it."""
     sys.path.insert(0, str(HERE.parent / "examples"))
-    from make_tool_demo_model import TEMPLATE as DEMO_TEMPLATE, build_tokenizer, example
     from calculator_env import Calc
+    from make_tool_demo_model import TEMPLATE as DEMO_TEMPLATE, build_tokenizer, example
     tok = build_tokenizer()
     tok.chat_template = DEMO_TEMPLATE
     ids, mask = example(tok, {"prompt": "123*45=", "answer": "5535"}, call=True)
@@ -285,7 +284,7 @@ def test_failing_tools_do_not_stop_the_run(tmp_path, monkeypatch, nproc, tp):
     with their prompt and transcript, and the trainer still matches vLLM on the assistant tokens.
     At 2 ranks sharing one engine (tp 2) each rank's timeouts decide its own episodes' next turns,
     which the group adds together: the counts are the same, not doubled."""
-    from test_train_e2e import train_cli
+    from helpers.cli import train_cli
     model = demo_with_template(tmp_path / "model")
     monkeypatch.setenv("PYTHONPATH", f"{HERE}:{os.environ.get('PYTHONPATH', '')}")
     out, steps, summary = train_cli(tmp_path / "run", "--model", str(model), "--env.cls", "envs_for_tests:Faulty",
@@ -330,8 +329,9 @@ class _ScriptedGen:
 
 def _episodes(tmp_path):
     from transformers import AutoTokenizer
-    from hybridrl.run import config as C
+
     from hybridrl.data.prompts import Prompt
+    from hybridrl.run import config as C
     tok = AutoTokenizer.from_pretrained(DEMO)
     tok.chat_template = TEMPLATE
 

@@ -10,13 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrl.run import config as C
-from hybridrl.observe import doctor
-from hybridrl.observe import logs
-from hybridrl.observe import report
+from hybridrl.observe import doctor, logs, report
 from hybridrl.observe.canaries import Canaries, distribution_metrics
-from hybridrl.run.launch import World
 from hybridrl.observe.progress import RunLog
+from hybridrl.run import config as C
+from hybridrl.run.launch import World
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4

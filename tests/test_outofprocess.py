@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import hybridrl
-from hybridrl.run import config
 from hybridrl.engines import ipc
-from test_train_e2e import train_cli
+from hybridrl.run import config
+
+from helpers.cli import train_cli
 
 DEMO = str(Path(hybridrl.__file__).parent / "demo_model")
 
@@ -76,7 +77,8 @@ def test_outofprocess_training_and_probe_warns_on_a_garbled_hand_off(tmp_path, m
 def test_probe_stops_a_garbled_in_process_hand_off(tmp_path):
     import subprocess
     import sys
-    from test_train_e2e import SMALL
+
+    from helpers.cli import SMALL
     cmd = [sys.executable, "-m", "hybridrl", "train", *SMALL, "--steps", "2", "--log.run_dir", str(tmp_path / "r"),
            "--log.no_progress"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,

@@ -13,7 +13,8 @@ import datasets
 import pytest
 
 from hybridrl.data.tasks import arithmetic
-from test_train_e2e import train_cli
+
+from helpers.cli import train_cli
 
 EVAL_SIZE, EVAL_N = 16, 4
 

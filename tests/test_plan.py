@@ -10,29 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from hybridrl.run import config
-
 from hybridrl.cycle import plan
-
-from hybridrl.run import recipe
+from hybridrl.run import config, recipe
 from hybridrl.run.config import ConfigError
+
+from helpers.plan import H100, NODE, gpu_config, shape
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 1 << 30
-H100 = int(plan.DEFAULT_GPU_GIB * GIB)
-NODE = int(plan.DEFAULT_HOST_GIB * GIB)
-
-
-def shape(name: str) -> plan.Shape:
-    return plan.Shape.from_config(plan.read_config(name))
-
-
-def gpu_config(model: str, world: int, **over) -> config.Config:
-    """A run's config as `hybridrl train` resolves it on a GPU (the real-model recipe)."""
-    cfg = recipe.auto_dtype(config.load(None, {"model.path": model, **over}), on_cpu=False)
-    conf = plan.read_config(model)
-    return recipe.resolve(cfg, plan.info_of(model, conf, plan.Shape.from_config(conf)), on_cpu=False,
-                          world_size=world)
 
 
 @pytest.mark.fast
@@ -336,6 +321,7 @@ def test_32b_and_72b_with_8k_answers_plan_in_waves(name, tp, waves):
 @pytest.mark.fast
 def test_the_kv_floor_keeps_the_longest_sequences_running():
     from hybridrl.cycle import memory
+
     # at least KV_FLOOR_SEQS full-length sequences, or all of the step's where it has fewer
     assert memory.kv_floor(128, 3 * GIB) == memory.KV_FLOOR_SEQS * 3 * GIB
     assert memory.kv_floor(2, 3 * GIB) == 6 * GIB

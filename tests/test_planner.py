@@ -8,13 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridrl.cycle import engine_cycle, memory
 from hybridrl.run import config
-
-from hybridrl.cycle import engine_cycle
-
-from hybridrl.cycle import memory
 from hybridrl.run.config import ConfigError
-from test_memory import FakeTrainer  # records the planner's offload and reload calls
+
+from helpers.memory import FakeTrainer  # records the planner's offload and reload calls
 
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 
@@ -77,6 +75,7 @@ def test_a_short_kv_cache_runs_the_step_in_waves_down_to_the_longest_sequences()
 
 def test_kv_cache_need():
     import transformers
+
     # Qwen2.5-0.5B: 24 layers, 2 KV heads of 64 -> 2 * 24 * 2 * 64 * 2 bytes = 12 KiB per bf16 token
     qwen = transformers.Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
                                     num_key_value_heads=2)
@@ -177,9 +176,8 @@ def test_an_oom_or_a_dead_engine_is_one_line_naming_the_phase_plan_and_knob(tmp_
     vLLM's engine dying mid-generate, each become one line naming the step, the phase, the memory plan
     and the knob, after the rollout side is closed; other errors pass through. The hand-off's temporary
     directory goes at exit however the run ends. Before: a raw traceback and a leaked directory."""
+    from hybridrl.engines import ipc, vllm_compat
     from hybridrl.observe import faults
-    from hybridrl.engines import ipc
-    from hybridrl.engines import vllm_compat
 
     class Rollout:
         closed = 0

@@ -50,6 +50,9 @@ COMMANDS: dict[str, list[str]] = {
         "tests/test_real_model.py::test_yaml_and_flags_win_over_the_recipe"],
     "hybridrl train --steps 50 --algo.advantage gae --algo.kl_coef 0.05": [
         "tests/test_critic.py::test_resume_with_critic_and_reference_is_exact"],
+    # from Python: the notebook (a python block, not a command) and the accelerate script
+    "accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no "
+    "examples/accelerate_train.py train.steps=20": ["tests/test_examples.py::test_accelerate_example_runs_two_ranks"],
     "hybridrl plan": ["tests/test_plan.py::test_plan_command_prints_the_7b_table_and_refuses_72b_on_one_gpu"],
     "hybridrl plan --model Qwen/Qwen2.5-7B-Instruct --nproc 8": [
         "tests/test_readme.py::test_the_plan_output_shown_is_todays",
@@ -89,6 +92,8 @@ COMMANDS: dict[str, list[str]] = {
     "python -m bench.<name>": ["tests/test_gpu_check.py::test_gpu_check_without_cuda_lists_every_claim_unmeasured",
                                "tests/test_lease.py::test_dry_run_writes_every_stage_to_out",
                                "tests/test_shapes.py::test_scale_bench_prints_its_table_at_the_tiny_shape"],
+    "python -m scripts.lease": ["tests/test_lease.py::test_dry_run_writes_every_stage_to_out",
+                                "tests/test_lease.py::test_plan_of_calls_fits_the_lease_and_carries_one_part_a_call"],
     # the rendered tables' footnotes: the bench that measured them (its --help; a real run installs TRL and
     # takes minutes, see docs/testing.md) and the renderer
     "python -m bench.peers": ["tests/test_bench_results.py::test_every_bench_module_runs_as_a_module"],

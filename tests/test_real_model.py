@@ -15,12 +15,10 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from hybridrl.run import config as C
-from hybridrl.run import resolve
 from hybridrl.engines import models
-from hybridrl.run import recipe
-from hybridrl.observe.canaries import Canaries
 from hybridrl.engines.trainer import lr_factor
+from hybridrl.observe.canaries import Canaries
+from hybridrl.run import config as C, recipe, resolve
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -135,6 +133,7 @@ def test_the_printed_layout_is_the_trainers(tiny):
     """policy.layout, from the model's facts before any engine (models.inspect), decides as the Trainer
     does holding the model (policy.packs, policy.share_prompt), for each setting that changes it."""
     from transformers import AutoModelForCausalLM
+
     from hybridrl.engines import policy
     for path in ("demo", str(tiny)):
         info = models.inspect(path)

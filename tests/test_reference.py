@@ -5,13 +5,13 @@ the whole model (2 ranks). The KL in the loss is checked with the critic's resum
 import pytest
 import torch
 
-from test_train_e2e import train_cli
+from helpers.cli import train_cli
 
 
 @pytest.mark.fast
 def test_no_reference_model_is_loaded_when_beta_is_zero():
-    from hybridrl.run import config
     from hybridrl.engines.reference import Reference
+    from hybridrl.run import config
     cfg = config.load(overrides={"algo.kl_coef": 0.0})
     kw = dict(device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
     assert Reference.load(cfg, "/no/such/model", **kw) is None  # would raise if it tried to load anything

@@ -9,15 +9,15 @@ import pytest
 import torch
 import transformers
 
-from hybridrl.run import config
-
 from hybridrl.cycle import memory
-from hybridrl.run.config import ConfigError, RewardConfig
 from hybridrl.cycle.memory import GIB
-from hybridrl.engines.reward_model import RewardModel, load_all
 from hybridrl.data.rewards import Scorer, load_terms, model_terms, parse_spec
 from hybridrl.data.tasks.arithmetic import DEMO_MODEL_DIR
-from test_train_e2e import train_cli
+from hybridrl.engines.reward_model import RewardModel, load_all
+from hybridrl.run import config
+from hybridrl.run.config import ConfigError, RewardConfig
+
+from helpers.cli import train_cli
 
 
 def make_rm(path, num_labels=1):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from test_train_e2e import train_cli
+from helpers.cli import train_cli
 
 HERE = Path(__file__).parent
 

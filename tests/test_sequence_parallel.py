@@ -21,7 +21,8 @@ from hybridrl.engines import ulysses
 from hybridrl.engines.policy import TokenLogprobs
 from hybridrl.engines.trainer import Trainer
 from hybridrl.run.config import Config, ConfigError
-from test_packing import V, rows
+
+from helpers.packing import V, rows
 
 
 def test_shards_cover_the_row_once():  # pure: no process group
@@ -136,7 +137,7 @@ def test_train_with_sequences_longer_than_a_micro_batch(tmp_path):
     the demo's sequences (up to 11 tokens) only fit split over the two ranks (one rank refuses them:
     test_one_rank_refuses_a_sequence_longer_than_its_micro_batch). The probe (the trainer's
     sequence-parallel log-probs against vLLM's) holds after every hand-off and the weights move."""
-    from test_train_e2e import train_cli
+    from helpers.cli import train_cli
     out, steps, _ = train_cli(tmp_path / "run", "--nproc", "2", "--train.sequence_parallel_size", "2",
                               "--train.max_tokens_per_micro_batch", "6", "--steps", "2")
     assert "sequence parallel 2 (a sequence <= 12 tokens)" in out.stdout

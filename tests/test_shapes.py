@@ -3,6 +3,7 @@
 The big shapes are built by bench.scale and bench.peers; here the tiny one, in seconds."""
 
 import json
+
 import pytest
 
 from bench import shapes

@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from hybridrl.data.batch import Batch, shared_micro_batches
-from hybridrl.run.config import Config
 from hybridrl.engines.policy import TokenLogprobs
 from hybridrl.engines.trainer import Trainer
-from test_packing import V, assert_same_loss_and_grads, loss_and_grads, tiny_model
+from hybridrl.run.config import Config
+
+from helpers.packing import V, assert_same_loss_and_grads, loss_and_grads, tiny_model
 
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 

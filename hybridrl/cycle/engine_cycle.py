@@ -25,16 +25,10 @@ from dataclasses import replace
 
 import torch
 
+from hybridrl.cycle import memory, sync
+from hybridrl.engines import deepspeed_compat, vllm_compat
 from hybridrl.observe import faults
-
 from hybridrl.run import launch
-
-from hybridrl.cycle import memory
-
-from hybridrl.cycle import sync
-
-from hybridrl.engines import deepspeed_compat
-from hybridrl.engines import vllm_compat
 from hybridrl.run.config import Config, ConfigError, UserError
 
 

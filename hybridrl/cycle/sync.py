@@ -13,13 +13,11 @@ import logging
 
 import torch
 
-from hybridrl.observe import faults
-
-from hybridrl.run import launch
 from hybridrl.data.batch import Batch
 from hybridrl.engines.rollout import Rollout
 from hybridrl.engines.trainer import Trainer
-
+from hybridrl.observe import faults
+from hybridrl.run import launch
 
 log = logging.getLogger("hybridrl")
 
@@ -28,20 +26,13 @@ class StaleWeightsError(RuntimeError):
     """vLLM's weights do not match the trainer's after a hand-off."""
 
 
-_hand_offs = 0
-
-
 def push_weights(trainer: Trainer, rollout: Rollout, bucket_mb: int) -> dict:
     """Every parameter, every time: a level-2 sleep discarded vLLM's copy, and a partial push
     would leave it a mix of two policies. With LoRA, every adapter tensor (the base never
     changes). Returns what was handed over: sync/tensors, sync/bytes."""
-    global _hand_offs
-    _hand_offs += 1
     sent = {"sync/tensors": 0, "sync/bytes": 0}
     named = _counted(trainer.named_parameters_for_sync(bucket_mb << 20), sent)
-    if faults.injected("corrupt_hand_off", _hand_offs):  # tests only
-        named = _garbled(named)
-    rollout.update_weights(named)
+    rollout.update_weights(faults.hand_off(named))  # the tensors themselves, unless a test garbles one
     return sent
 
 
@@ -51,15 +42,6 @@ def _counted(named, sent: dict):
         sent["sync/bytes"] += t.numel() * t.element_size()
         yield name, t
 
-
-def _garbled(named):
-    """One tensor arrives shifted by 1: what the probe must catch (tests only). The first, or with
-    LoRA the first B (A alone would change nothing while B is still ~0)."""
-    done = False
-    for name, t in named:
-        hit = not done and (".lora_A." not in name)
-        done |= hit
-        yield name, (t + 1.0 if hit else t)
 
 
 def probe_batch(seqs: list[list[int]]) -> Batch:

@@ -26,18 +26,15 @@ from dataclasses import dataclass
 import torch
 
 from hybridrl.algorithms import dapo
-
-from hybridrl.run import launch
-
 from hybridrl.data import multiturn
-
-from hybridrl.engines import reward_model
-from hybridrl.run.config import Config, UserError, completion_budget
 from hybridrl.data.prompts import Prompt, Sampler
-from hybridrl.observe.progress import Phases
-from hybridrl.engines.reward_model import RewardModel
 from hybridrl.data.rewards import Scorer
+from hybridrl.engines import reward_model
+from hybridrl.engines.reward_model import RewardModel
 from hybridrl.engines.rollout import Rollout, Sample
+from hybridrl.observe.progress import Phases
+from hybridrl.run import launch
+from hybridrl.run.config import Config, UserError, completion_budget
 
 log = logging.getLogger("hybridrl")
 

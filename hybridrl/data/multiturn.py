@@ -39,11 +39,10 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from hybridrl.data import envs
-
 from hybridrl.engines import vllm_compat
+from hybridrl.engines.rollout import Generation, Rollout, Sample
 from hybridrl.run.config import Config, UserError, completion_budget
 from hybridrl.run.journal import DEAD_LETTER_CAP, Journal
-from hybridrl.engines.rollout import Generation, Rollout, Sample
 
 log = logging.getLogger("hybridrl")
 _A, _B = "\x00hybridrl-user\x00", "\x00hybridrl-assistant\x00"  # placeholders no real message contains

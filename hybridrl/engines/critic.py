@@ -28,14 +28,12 @@ import torch
 from torch import nn
 
 from hybridrl.algorithms import advantages as algo
-
-from hybridrl.engines import deepspeed_compat
-from hybridrl.engines import platform
 from hybridrl.data.batch import Batch, per_token
-from hybridrl.run.config import Config, ConfigError, UserError
-from hybridrl.run.launch import all_sum, world_size
+from hybridrl.engines import deepspeed_compat, platform
 from hybridrl.engines.trainer import (ds_config, from_pretrained, load_engine_checkpoint, lr_scheduler,
                                       minibatch_updates, plan_micro_batches)
+from hybridrl.run.config import Config, ConfigError, UserError
+from hybridrl.run.launch import all_sum, world_size
 
 TAG = "critic"  # its DeepSpeed checkpoint's directory inside a hybridrl checkpoint
 # where a one-output head sits in a saved model: transformers' sequence/token classification models

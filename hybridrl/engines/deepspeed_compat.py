@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 
 
-
 # --- the config ---------------------------------------------------------------------------------
 def cpu_config(conf: dict, world_size: int) -> dict:
     """The CPU branch of a DeepSpeed config written for a GPU (trainer.ds_config), in place: what

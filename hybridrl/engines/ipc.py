@@ -22,10 +22,10 @@ from __future__ import annotations
 import hashlib
 import inspect
 import itertools
-import time
 import pickle
 import shutil
 import tempfile
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field

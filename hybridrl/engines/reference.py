@@ -22,9 +22,9 @@ import deepspeed
 import torch
 
 from hybridrl.data.batch import Batch, micro_batches, per_token, shared_micro_batches
-from hybridrl.run.config import Config
 from hybridrl.engines.policy import TokenLogprobs, module_inputs, share_prompt
 from hybridrl.engines.trainer import from_pretrained, plan_micro_batches
+from hybridrl.run.config import Config
 
 
 def ds_config(cfg: Config, bf16: bool, cuda: bool) -> dict:

@@ -24,15 +24,9 @@ from typing import Iterable, Iterator
 import torch
 from vllm import LLM, SamplingParams
 
-from hybridrl.engines import ipc
-
-from hybridrl.run import launch
-
-from hybridrl.engines import lora
-
 from hybridrl.cycle import memory
-
-from hybridrl.engines import vllm_compat
+from hybridrl.engines import ipc, lora, vllm_compat
+from hybridrl.run import launch
 from hybridrl.run.config import Config
 
 log = logging.getLogger("hybridrl")

@@ -17,23 +17,17 @@ import deepspeed
 import torch
 from torch import nn
 
-from hybridrl.kernels.ppo_loss import importance_ratio
-
-from hybridrl.observe import faults
-
-from hybridrl.engines import deepspeed_compat
-from hybridrl.engines import lora
-from hybridrl.engines import platform
-from hybridrl.engines import routing
-from hybridrl.engines import ulysses
-from hybridrl.data.batch import Batch, micro_batches, per_token, shared_micro_batches
-from hybridrl.observe.canaries import distribution_metrics
-from hybridrl.run.config import Config, ConfigError, completion_budget
-from hybridrl.run import environ as env
-from hybridrl.run.launch import all_max, all_sum, world_size
 from hybridrl.cycle.memory import trim_host_heap
+from hybridrl.data.batch import Batch, micro_batches, per_token, shared_micro_batches
+from hybridrl.engines import deepspeed_compat, lora, platform, routing, ulysses
 from hybridrl.engines.models import is_native
 from hybridrl.engines.policy import TokenLogprobs, kernel_provider, module_inputs, packs, share_prompt
+from hybridrl.kernels.ppo_loss import importance_ratio
+from hybridrl.observe import faults
+from hybridrl.observe.canaries import distribution_metrics
+from hybridrl.run import environ as env
+from hybridrl.run.config import Config, ConfigError, completion_budget
+from hybridrl.run.launch import all_max, all_sum, world_size
 
 log = logging.getLogger("hybridrl")
 

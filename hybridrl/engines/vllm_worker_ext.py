@@ -9,9 +9,7 @@ loader stays vllm_compat.py.
 
 from __future__ import annotations
 
-from hybridrl.engines import ipc
-
-from hybridrl.engines import vllm_compat
+from hybridrl.engines import ipc, vllm_compat
 
 
 class WeightReceiver:

@@ -224,8 +224,8 @@ def _other_rows(cuda: int) -> list[dict]:
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
     on = "expandable_segments:true" in conf.lower().replace(" ", "")
     if cuda:  # hybridrl turns them on for training and off around vLLM's pool (memory.py)
-        from hybridrl.run import config
         from hybridrl.cycle import memory
+        from hybridrl.run import config
         try:
             memory.check_alloc_conf(os.environ, config.Config(), can_toggle=memory.can_toggle())
             problem = ""

@@ -192,7 +192,7 @@ _FAULT = os.environ.get("HYBRIDRL_TEST_FAULT", "")
 FILL_NAME = "test-disk-filler"
 # and faults in the data, counted by the code they concern (read here, the one place that reads
 # test variables):
-#   HYBRIDRL_TEST_CORRUPT_HAND_OFF=<n>  the n-th hand-off sends its first tensor shifted by 1 (sync.push_weights)
+#   HYBRIDRL_TEST_CORRUPT_HAND_OFF=<n>  the n-th hand-off sends its first tensor shifted by 1 (hand_off below)
 #   HYBRIDRL_TEST_NAN_AT_STEP=<n>       optimizer step n gets a NaN loss (Trainer.step)
 _INJECT_AT = {kind: int(os.environ[var]) for kind, var in (("corrupt_hand_off", "HYBRIDRL_TEST_CORRUPT_HAND_OFF"),
                                                            ("nan_loss", "HYBRIDRL_TEST_NAN_AT_STEP"))
@@ -202,6 +202,28 @@ _INJECT_AT = {kind: int(os.environ[var]) for kind, var in (("corrupt_hand_off", 
 def injected(kind: str, count: int) -> bool:
     """Whether the test-only fault `kind` ('corrupt_hand_off', 'nan_loss') fires at this count."""
     return _INJECT_AT.get(kind) == count
+
+
+_hand_offs = 0  # this process's hand-offs, counted for HYBRIDRL_TEST_CORRUPT_HAND_OFF
+
+
+def hand_off(named):
+    """The seam sync.push_weights sends its (name, tensor) stream through: the stream itself, except
+    on the hand-off HYBRIDRL_TEST_CORRUPT_HAND_OFF names, where one tensor arrives shifted by 1, what
+    the probe must catch. Here rather than in sync.py, so the hand-off carries no test state."""
+    global _hand_offs
+    _hand_offs += 1
+    return _garbled(named) if injected("corrupt_hand_off", _hand_offs) else named
+
+
+def _garbled(named):
+    """The first tensor shifted by 1, or with LoRA the first B (A alone would change nothing while B
+    is still ~0)."""
+    done = False
+    for name, t in named:
+        hit = not done and (".lora_A." not in name)
+        done |= hit
+        yield name, (t + 1.0 if hit else t)
 
 
 def _inject(step: int, phase: str, where: Path | None = None) -> None:

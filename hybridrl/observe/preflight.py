@@ -11,14 +11,9 @@ file's rows are read (and judged) later by data.py, a hub model name is resolved
 from __future__ import annotations
 
 import os
-
 from pathlib import Path
 
-from hybridrl.data import prompts as data
-
-from hybridrl.data import envs
-
-from hybridrl.data import rewards
+from hybridrl.data import envs, prompts as data, rewards
 from hybridrl.run.config import Config, ConfigError
 
 

@@ -61,7 +61,8 @@ def load(run_dir: str | Path) -> Run:
 
 def phase_names(run: Run) -> list[str]:
     """The phases a run timed, in the loop's order (progress.PHASES)."""
-    from hybridrl.observe.progress import PHASES  # here, not at the top: progress imports torch, `report` alone needs none
+    from hybridrl.observe.progress import (
+        PHASES)  # here, not at the top: progress imports torch, `report` alone needs none
 
     seen = {k.split("/", 1)[1] for r in run.steps for k in r if k.startswith("time/")}
     return [p for p in PHASES if p in seen] + sorted(seen - set(PHASES))  # a phase added since: last

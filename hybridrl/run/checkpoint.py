@@ -56,7 +56,6 @@ import yaml
 
 from hybridrl.engines import deepspeed_compat
 from hybridrl.observe import faults
-
 from hybridrl.run import launch
 from hybridrl.run.config import Config, UserError, to_dict
 from hybridrl.run.journal import fsync_dir

@@ -116,9 +116,8 @@ def _train(**kw) -> None:
     cfg, launch_opts = _config_of(kw)
     nproc = launch_opts["nproc"]
     try:
+        from hybridrl.observe import logs, preflight
         from hybridrl.run import environ as env
-        from hybridrl.observe import logs
-        from hybridrl.observe import preflight
         env.setup(verbose=cfg.log.verbose)  # still before torch/vLLM/DeepSpeed are imported
         logs.quiet_stdout()
         preflight.check(cfg, nproc)  # paths, the reward module, settings: in a second, not after the imports
@@ -320,6 +319,7 @@ def evaluate(target: str = typer.Argument(..., help="A run directory (its newest
     """Evaluate a run's newest checkpoint or a model on held-out prompts, as training's evaluation does
     (greedy accuracy at log.eval_threshold, mean reward; mean@n with log.eval_n); prints one line and a JSON one."""
     from pathlib import Path
+
     from hybridrl.run import evaluate as E
     overrides: dict[str, typing.Any] = {}
     for item in sets or []:

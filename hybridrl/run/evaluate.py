@@ -73,14 +73,10 @@ class Evaluator:
 def run(target: str, cfg) -> dict:
     """`hybridrl eval`: load the model (a run directory's newest checkpoint, exported to a temporary
     HF directory, or a model directory / hub name), build vLLM alone and evaluate once."""
-    from hybridrl.data import prompts as data
-    from hybridrl.run import environ as env
-    from hybridrl.run import export
-    from hybridrl.run import recipe
-    from hybridrl.run import resolve
-    from hybridrl.data import rewards
-    from hybridrl.run.config import UserError
+    from hybridrl.data import prompts as data, rewards
     from hybridrl.engines.rollout import Rollout
+    from hybridrl.run import environ as env, export, recipe, resolve
+    from hybridrl.run.config import UserError
 
     env.setup()
     world = launch.init_distributed()

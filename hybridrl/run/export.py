@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 import yaml
 
-from hybridrl.run.checkpoint import DS_TAG, ckpt_root, complete_checkpoints, is_complete
 from hybridrl.engines import models
+from hybridrl.run.checkpoint import DS_TAG, ckpt_root, complete_checkpoints, is_complete
 from hybridrl.run.config import Config, UserError, torch_dtype
 
 

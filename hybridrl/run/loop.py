@@ -16,27 +16,21 @@ import numpy as np
 import torch
 
 from hybridrl.algorithms import advantages as algo
-from hybridrl.cycle import engine_cycle
-from hybridrl.cycle import sync
-from hybridrl.data import prompts as data
-from hybridrl.data import rewards
-from hybridrl.engines import reward_model
-from hybridrl.observe import faults
-from hybridrl.run import checkpoint
-from hybridrl.run import environ as env
-from hybridrl.run import launch
-from hybridrl.run import recipe
-from hybridrl.run import resolve
+from hybridrl.cycle import engine_cycle, sync
+from hybridrl.data import prompts as data, rewards
 from hybridrl.data.batch import Batch
-from hybridrl.observe.canaries import distribution_metrics
 from hybridrl.data.collect import Collector
-from hybridrl.run.config import Config, torch_dtype
+from hybridrl.engines import reward_model
 from hybridrl.engines.critic import Critic
-from hybridrl.run.evaluate import Evaluator
-from hybridrl.observe.progress import Phases, RunLog
 from hybridrl.engines.reference import Reference
 from hybridrl.engines.rollout import Rollout
 from hybridrl.engines.trainer import Trainer
+from hybridrl.observe import faults
+from hybridrl.observe.canaries import distribution_metrics
+from hybridrl.observe.progress import Phases, RunLog
+from hybridrl.run import checkpoint, environ as env, launch, recipe, resolve
+from hybridrl.run.config import Config, torch_dtype
+from hybridrl.run.evaluate import Evaluator
 
 log = logging.getLogger("hybridrl")
 

@@ -21,10 +21,10 @@ import math
 import os
 
 from hybridrl.cycle import memory
-from hybridrl.run import environ as env
-from hybridrl.run.config import DEMO, DEMO_SOURCE, Config, ConfigError, leaves, validate  # noqa: F401
-from hybridrl.run.config import default, demo_recipe, explicit, get, put as _set  # noqa: F401
 from hybridrl.engines.models import ModelInfo
+from hybridrl.run import environ as env
+from hybridrl.run.config import (DEMO, DEMO_SOURCE, Config, ConfigError, default, demo_recipe, explicit,  # noqa: F401
+                                 get, leaves, put as _set, validate)
 
 # each policy loss's own clip range, for the keys the user leaves unset (the schema's 0.2 / 0.28 are PPO's).
 # GSPO clips a length-normalised sequence ratio, which stays within ~1e-3 of 1 where PPO's token ratios

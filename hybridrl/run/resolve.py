@@ -20,14 +20,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from hybridrl.cycle import memory
-from hybridrl.cycle import plan
+from hybridrl.cycle import memory, plan
 from hybridrl.data import prompts as data
-from hybridrl.engines import models
-from hybridrl.engines import platform
-from hybridrl.engines import policy
-from hybridrl.run import launch
-from hybridrl.run import recipe
+from hybridrl.engines import models, platform, policy
+from hybridrl.run import launch, recipe
 from hybridrl.run.config import Config, ConfigError
 
 log = logging.getLogger("hybridrl")

@@ -1,60 +1,18 @@
 """fused_logprob_ppo_loss == ppo_loss(*logprob_entropy_reference(...)) in value, metrics, gradients."""
 import pytest
 import torch
-from test_logprob import DEVICE, PROVIDERS, make
 
-from hybridrl.kernels.logprob import logprob_entropy, logprob_entropy_reference
 from hybridrl.kernels.fused_loss import fused_logprob_ppo_loss
-from hybridrl.kernels.ppo_loss import AGGREGATORS, loss_normalizer, ppo_loss
+from hybridrl.kernels.logprob import logprob_entropy
+from hybridrl.kernels.ppo_loss import AGGREGATORS, loss_normalizer
+
+from helpers.kernels import PROVIDERS, N, assert_same, batch, both
 
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
-
-N, D, V = 37, 29, 75
-
-
-def batch(n=N, d=D, v=V, dtype=torch.float32, bias=True, device=DEVICE):
-    hidden, weight, b, targets = make(n, d, v, dtype, bias=bias, device=device)
-    seq = torch.arange(n, device=device) // 6  # 7 packed sequences, the last one short
-    mask = (torch.rand(n, device=device) > 0.25).float()
-    mask[targets < 0] = 0
-    with torch.no_grad():
-        logp, _ = logprob_entropy_reference(hidden.float(), weight.float(), targets, 1.0,
-                                            None if b is None else b.float())
-    noise = lambda s: logp + s * torch.randn(n, device=device)  # noqa: E731
-    data = dict(logp_old=noise(0.3), advantages=torch.randn(n, device=device)[seq], mask=mask)
-    extras = dict(seq_ids=seq, logp_ref=noise(0.2), logp_rollout=noise(0.1))
-    return (hidden, weight, b, targets), data, extras
 
 
 FULL = dict(tis_cap=2.0, tis_level="sequence", kl_coef=0.05, kl_type="k3", entropy_coef=0.01,
             dual_clip=3.0, eps_high=0.28)
-
-
-def both(params, data, loss_kw, temperature=1.0, provider="torch", chunk_size=8):
-    """(loss, metrics, grads) of the fused path and of ppo_loss over the reference log-probs."""
-    hidden, weight, b, targets = params
-    wrt = [p for p in (hidden, weight, b) if p is not None]
-    loss, metrics, logp, ent = fused_logprob_ppo_loss(
-        hidden, weight, targets, data["logp_old"], data["advantages"], data["mask"], temperature,
-        b, provider=provider, chunk_size=chunk_size, **loss_kw)
-    grads = torch.autograd.grad(loss, wrt)
-    r_logp, r_ent = logprob_entropy_reference(hidden, weight, targets, temperature, b)
-    r_loss, r_metrics = ppo_loss(r_logp, data["logp_old"], data["advantages"], data["mask"],
-                                 entropy=r_ent, **loss_kw)
-    r_grads = torch.autograd.grad(r_loss, wrt)
-    torch.testing.assert_close(logp, r_logp.detach(), atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(ent, r_ent.detach(), atol=2e-5, rtol=2e-5)
-    return (loss, metrics, grads), (r_loss, r_metrics, r_grads)
-
-
-def assert_same(got, ref, tol=2e-5):
-    (loss, metrics, grads), (r_loss, r_metrics, r_grads) = got, ref
-    torch.testing.assert_close(loss, r_loss, atol=tol, rtol=tol)
-    assert metrics.keys() == r_metrics.keys()
-    for k in metrics:
-        torch.testing.assert_close(metrics[k], r_metrics[k], atol=tol, rtol=tol, msg=k)
-    for g, r in zip(grads, r_grads):
-        torch.testing.assert_close(g, r, atol=tol * max(1.0, r.abs().max().item()), rtol=tol)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)

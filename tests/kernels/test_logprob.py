@@ -6,27 +6,15 @@ not multiples of any block, V below one block, targets at 0 / V-1 / the last par
 import pytest
 import torch
 
-from hybridrl.kernels import logprob as lp_mod
 from hybridrl.kernels.logprob import logprob_entropy, logprob_entropy_reference
+
+from helpers.kernels import BV, DEVICE, PROVIDERS, make
 
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # Triton under TRITON_INTERPRET on CPU
-PROVIDERS = ["torch"] + (["triton"] if lp_mod.triton is not None else [])
 
-BV = lp_mod.BLOCK_V
 SHAPES = {"ragged": (37, 29, 2 * BV + 11), "tiny_vocab": (21, 19, BV // 2 + 3)}  # N, d, V
 TOL = {torch.float32: dict(val=2e-5, grad=2e-5), torch.bfloat16: dict(val=2e-2, grad=2e-2)}
-
-
-def make(n, d, v, dtype=torch.float32, logit_scale=3.0, bias=False, device=DEVICE):
-    hidden = torch.randn(n, d, device=device).to(dtype).requires_grad_()
-    weight = (torch.randn(v, d, device=device) * logit_scale / d**0.5).to(dtype).requires_grad_()
-    b = (torch.randn(v, device=device) * logit_scale).to(dtype).requires_grad_() if bias else None
-    targets = torch.randint(0, v, (n,), device=device)
-    last_block = (v - 1) // BV * BV  # first column of the last (partial) vocab block
-    targets[:4] = torch.tensor([0, v - 1, last_block + (v - 1 - last_block) // 2, -100])
-    return hidden, weight, b, targets
 
 
 def run(fn, hidden, weight, bias, targets, temperature=1.0, upstream=None, **kw):

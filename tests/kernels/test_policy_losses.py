@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
-from test_fused_loss import assert_same, batch, both
-from test_logprob import PROVIDERS
 
 from hybridrl.kernels.fused_loss import chunks, fused_logprob_ppo_loss
 from hybridrl.kernels.ppo_loss import AGGREGATORS, POLICY_LOSSES, importance_weights, loss_normalizer, ppo_loss
+
+from helpers.kernels import PROVIDERS, assert_same, batch, both
 
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 
