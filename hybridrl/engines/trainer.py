@@ -242,6 +242,9 @@ class Trainer:
         if record and cfg.train.sequence_parallel_size > 1:  # routes are per token, the SP slices are not (yet)
             log.info("routing replay: off with train.sequence_parallel_size > 1; the trainer routes every token itself")
             return None, False
+        if record and cfg.env.cls:  # episodes carry no routes (algo.routing_replay=on is refused at load)
+            log.info("routing replay: off for multi-turn episodes (env.cls); the trainer routes every token itself")
+            return None, False
         if not record:
             if cfg.algo.routing_replay == "on":
                 log.info("algo.routing_replay=on: %s is dense (no experts to route), nothing to replay",

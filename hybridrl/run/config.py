@@ -258,6 +258,9 @@ def validate(cfg: Config, lengths: bool = True) -> None:
          f"algo.routing_replay=on with train.sequence_parallel_size={t.sequence_parallel_size}: replaying vLLM's "
          "experts over sequence-parallel slices is not built yet; set algo.routing_replay auto (off under SP) or "
          "train.sequence_parallel_size 1"),
+        (not cfg.env.cls or cfg.algo.routing_replay != "on",
+         "algo.routing_replay=on with env.cls: a multi-turn episode's routes are not recorded yet (its later turns "
+         "are requests of their own); set algo.routing_replay auto (the trainer routes episodes itself) or off"),
         (cfg.model.dtype != "float16",
          "model.dtype=float16 is not supported: the trainer configures no loss scaling, so small gradients would "
          "underflow to zero; use model.dtype=bfloat16 (or float32)"),

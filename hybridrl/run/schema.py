@@ -241,8 +241,8 @@ class AlgoConfig:
     routing_replay: Literal["auto", "on", "off"] = knob(
         "auto", "Routing replay (R3) for mixture-of-experts models: the trainer's forward routes each sampled "
         "token to the experts vLLM routed it to (the gate weights are still the trainer's, so the router "
-        "learns). auto = off until the recording on CPU is exact (docs/status.md); dense models have nothing to "
-        "replay (ignored, with a note). "
+        "learns). auto = on for MoE models whose routers it supports (off, with a note, for others and under "
+        "sequence parallelism); dense models have nothing to replay (ignored, with a note). "
         "The routing mismatch (routing/mismatch) and the experts' load (router/load_cv) are logged either way.")
     skip_zero_advantage: bool = knob(True, "Train only on samples with a non-zero advantage; groups whose rewards are "
                                      "all equal carry no gradient. The loss normaliser then counts only the kept "
