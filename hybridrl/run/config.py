@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from hybridrl.run.schema import (ADVANTAGES, DEMO, DEMO_SOURCE, GROUPS, AlgoConfig, CkptConfig, Config,  # noqa: F401
+from hybridrl.run.schema import (ADVANTAGES, DEMO, DEMO_SOURCE, DEMO_LONGTAIL, GROUPS, AlgoConfig, CkptConfig, Config,  # noqa: F401
                                  DataConfig, EnvConfig, LogConfig, ModelConfig, RewardConfig, RolloutConfig,
                                  TrainConfig, knob)
 
@@ -136,7 +136,8 @@ def demo_recipe(cfg: Config) -> Config:
     """For model.path=demo, the demo's recipe (schema.DEMO) in every key of it left unset. For any
     other model, the keys it filled go back to their defaults (model.path changed after loading)."""
     demo = cfg.model.path == "demo"
-    for key, value in DEMO.items():
+    # data.path=longtail (tasks/longtail.py, for partial rollouts): its answers need 48 tokens, not 4
+    for key, value in ({**DEMO, **DEMO_LONGTAIL} if cfg.data.path == "longtail" else DEMO).items():
         if explicit(cfg, key):
             continue
         if demo and cfg.sources.get(key) != DEMO_SOURCE:

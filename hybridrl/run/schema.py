@@ -404,3 +404,9 @@ DEMO = {
     "train.max_minutes": 8.0,  # `make demo` ends within minutes on a loaded machine too
     "log.eval_every": 100,
 }
+# data.path=longtail on the demo (tasks/longtail.py, partial rollouts' task): answers of up to 40 digits
+# and EOS; the model is the demo model warmed on it (resolve.configure picks hybridrl/demo_model_longtail)
+DEMO_LONGTAIL = {
+    "rollout.max_new_tokens": 48,
+    "data.max_prompt_len": 12,
+}
