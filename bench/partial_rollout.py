@@ -1,0 +1,108 @@
+"""Partial rollouts against the synchronous step on the long-tailed task, side by side in one run.
+
+For each seed, `hybridrl train --data.path longtail` (tasks/longtail.py: answers of 2 to 48 tokens,
+the demo model warmed on them) runs once with `--rollout.partial off` and once with `on`, one after
+the other, same seeds, same steps; printed, one table: the median step time, rollout tokens/s (the
+tokens vLLM generated over the generate phase's time, the first step's engine warm-up left out),
+the held-out accuracy curve against the engine clock (train.max_minutes' clock: it counts the
+evaluations, the same for both) and the time to an accuracy, then the ratio of the two rows. On a
+machine shared with other jobs timings wobble: compare the two rows of one run, not runs.
+
+    python -m bench.partial_rollout                       # 1 seed, 120 steps each, eval every 20
+    python -m bench.partial_rollout --seeds 0 1 --steps 200 --target 0.3
+
+One row per run in bench/results/partial_rollout.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.results import record
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(mode: str, seed: int, steps: int, eval_every: int, out: Path, extra: list[str]) -> dict:
+    run_dir = out / f"{mode}-seed{seed}"
+    cmd = [sys.executable, "-m", "hybridrl", "train", "--data.path", "longtail", "--rollout.partial", mode,
+           "--steps", str(steps), "--train.seed", str(seed), "--log.eval_every", str(eval_every),
+           "--train.max_minutes", "0", "--log.run_dir", str(run_dir), *extra]
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    if res.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stdout[-2000:]}{res.stderr[-3000:]}")
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps_ = [r for r in rows if "reward" in r]
+    at = {r["step"]: r["elapsed_s"] for r in steps_}
+    curve = [(r["step"], at.get(r["step"], 0.0), r["heldout_acc"]) for r in rows if "heldout_acc" in r]
+    warm = steps_[1:]  # the first step pays vLLM's and the trainer's first calls
+    walls = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steps_, steps_[1:])]
+    gen = sum(r["time/generate"] for r in warm)
+    return {"mode": mode, "seed": seed, "wall_s": time.perf_counter() - t0,
+            "step_s": statistics.median(walls), "generate_s": statistics.median(r["time/generate"] for r in warm),
+            "rollout_tok_s": sum(r["rollout_tokens"] for r in warm) / gen,
+            "response_len": statistics.mean(r["response_len"] for r in warm),
+            "truncated_frac": statistics.mean(r["truncated_frac"] for r in warm),
+            "stale_token_frac": statistics.mean(r.get("partial/stale_token_frac", 0.0) for r in warm),
+            "curve": curve, "reward_last20": statistics.mean(r["reward"] for r in steps_[-20:])}
+
+
+def time_to(curve: list[tuple[int, float, float]], target: float) -> float | None:
+    return next((t for _, t, acc in curve if acc >= target), None)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0])
+    ap.add_argument("--steps", type=int, default=120)
+    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--target", type=float, default=0.25, help="held-out accuracy for the time-to-accuracy column")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_partial")
+    ap.add_argument("--set", nargs="*", default=[], help="more flags for both runs, e.g. --set --train.prompts_per_step 16")
+    args = ap.parse_args()
+    got = []
+    for seed in args.seeds:
+        for mode in ("off", "on"):
+            got.append(run(mode, seed, args.steps, args.eval_every, args.out, args.set))
+            print(f"  done: partial {mode}, seed {seed}, {got[-1]['wall_s']:.0f} s", flush=True)
+    by = {m: [g for g in got if g["mode"] == m] for m in ("off", "on")}
+    mean = {m: {k: statistics.mean(g[k] for g in by[m]) for k in ("step_s", "generate_s", "rollout_tok_s",
+                                                                     "response_len", "truncated_frac",
+                                                                     "stale_token_frac", "reward_last20")}
+            for m in by}
+    for m in by:
+        tt = [time_to(g["curve"], args.target) for g in by[m]]
+        mean[m]["time_to_target_s"] = statistics.mean(tt) if all(t is not None for t in tt) else None
+        mean[m]["final_acc"] = statistics.mean(g["curve"][-1][2] for g in by[m])
+    print(f"\npartial rollouts on the long-tailed task: {args.steps} steps, seeds {args.seeds}; "
+          "a machine shared with other jobs: compare the rows of this run only")
+    head = f"{'partial':8} {'step ms':>8} {'generate ms':>12} {'rollout tok/s':>14} {'resp len':>9} " \
+           f"{'stale tok':>10} {'t to ' + format(args.target, '.0%'):>9} {'final acc':>10}"
+    print(head)
+    for m in ("off", "on"):
+        x = mean[m]
+        tt = "-" if x["time_to_target_s"] is None else f"{x['time_to_target_s']:.0f} s"
+        print(f"{m:8} {x['step_s'] * 1e3:8.0f} {x['generate_s'] * 1e3:12.0f} {x['rollout_tok_s']:14.0f} "
+              f"{x['response_len']:9.1f} {x['stale_token_frac']:10.1%} {tt:>9} {x['final_acc']:10.1%}")
+    ratio = mean["on"]["rollout_tok_s"] / mean["off"]["rollout_tok_s"]
+    print(f"on / off: rollout tokens/s x{ratio:.2f}, step time x{mean['on']['step_s'] / mean['off']['step_s']:.2f}")
+    print("\nheld-out accuracy (greedy, 256 prompts) at each evaluation: step, engine-clock seconds, accuracy")
+    for g in got:
+        print(f"  {g['mode']:3} seed {g['seed']}: " + "  ".join(f"{s}/{t:.0f}s/{a:.1%}" for s, t, a in g["curve"]))
+    record("partial_rollout", {"task": "longtail", "steps": args.steps, "seeds": args.seeds,
+                               "eval_every": args.eval_every, "set": args.set},
+           {"off": mean["off"], "on": mean["on"], "rollout_tok_s_ratio": ratio,
+            "curves": [{k: g[k] for k in ("mode", "seed", "curve")} for g in got]},
+           note="the two modes run one after the other on the same machine; a shared machine's load moves both")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
