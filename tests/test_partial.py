@@ -178,12 +178,13 @@ def resumed(tmp_path_factory):
 
 @pytest.mark.cpu_only("bit-identical resumes rest on deterministic CPU kernels")
 def test_carried_groups_continue_within_the_cap_and_resume_bit_exactly(resumed):
-    from hybridrl.run.checkpoint import load_rank_state
+    from hybridrl.run.checkpoint import complete_checkpoints, load_rank_state
     from test_checkpoint import K, N
     a, b = resumed["a"], resumed["b2"]
-    # the checkpoint at step K holds groups in flight, with tokens of an older policy
-    saved = load_rank_state(resumed["part"] / "checkpoints" / f"step-{K}" / "rank-0.pt")["partial"]
-    assert saved and any(s for g in saved for s in g["samples"] if s and s["token_ids"])
+    # the run resumed from step K with groups in flight (step K's metrics count what it kept)
+    assert resumed["b1"][K]["partial/carried_groups"] > 0
+    newest = complete_checkpoints(resumed["part"] / "checkpoints")[0]
+    assert "partial" in load_rank_state(newest / "rank-0.pt")  # the buffer's state is saved, even when empty
     # carried samples went on in a later step, none trained older than partial_max_age (1)
     assert sum(a[s]["partial/continued_samples"] for s in a) > 0
     assert max(a[s]["partial/stale_token_frac"] for s in a) > 0
@@ -194,3 +195,16 @@ def test_carried_groups_continue_within_the_cap_and_resume_bit_exactly(resumed):
         for key in ("loss", "reward", "grad_norm", "rollout_tokens", "partial/stale_token_frac",
                     "partial/carried_groups"):
             assert a[s][key] == b[s][key], (s, key, a[s][key], b[s][key])  # bit-identical
+
+
+@pytest.mark.slow
+def test_longtail_task_runs_with_partial_rollouts(tmp_path):
+    """The README's command, shortened: the long-tailed task's lengths spread to the limit, and the
+    partial step carries samples over without training any token older than the cap."""
+    from test_train_e2e import train_cli
+    _, steps, summary = train_cli(tmp_path / "run", "--data.path", "longtail", "--rollout.partial", "on",
+                                  "--steps", "6", "--train.prompts_per_step", "16", "--rollout.n", "8")
+    assert summary["steps"] == 6
+    assert max(s["response_len/p90"] for s in steps) > 4 * min(s["response_len/p10"] for s in steps)
+    assert sum(s["partial/continued_samples"] for s in steps) > 0
+    assert all(s["partial/age_0"] + s.get("partial/age_1", 0.0) == pytest.approx(1.0) for s in steps)
