@@ -9,7 +9,7 @@ evaluations, the same for both) and the time to an accuracy, then the ratio of t
 machine shared with other jobs timings wobble: compare the two rows of one run, not runs.
 
     python -m bench.partial_rollout                       # 1 seed, 120 steps each, eval every 20
-    python -m bench.partial_rollout --seeds 0 1 --steps 200 --target 0.3
+    python -m bench.partial_rollout --seeds 0 1 --steps 200 --target 0.3 --log.eval_size 128   # flags go to both runs
 
 One row per run in bench/results/partial_rollout.jsonl.
 """
@@ -65,12 +65,11 @@ def main() -> int:
     ap.add_argument("--eval-every", type=int, default=20)
     ap.add_argument("--target", type=float, default=0.25, help="held-out accuracy for the time-to-accuracy column")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_partial")
-    ap.add_argument("--set", nargs="*", default=[], help="more flags for both runs, e.g. --set --train.prompts_per_step 16")
-    args = ap.parse_args()
+    args, extra = ap.parse_known_args()  # the rest: flags for both runs, e.g. --log.eval_size 128
     got = []
     for seed in args.seeds:
         for mode in ("off", "on"):
-            got.append(run(mode, seed, args.steps, args.eval_every, args.out, args.set))
+            got.append(run(mode, seed, args.steps, args.eval_every, args.out, extra))
             print(f"  done: partial {mode}, seed {seed}, {got[-1]['wall_s']:.0f} s", flush=True)
     by = {m: [g for g in got if g["mode"] == m] for m in ("off", "on")}
     mean = {m: {k: statistics.mean(g[k] for g in by[m]) for k in ("step_s", "generate_s", "rollout_tok_s",
@@ -97,7 +96,7 @@ def main() -> int:
     for g in got:
         print(f"  {g['mode']:3} seed {g['seed']}: " + "  ".join(f"{s}/{t:.0f}s/{a:.1%}" for s, t, a in g["curve"]))
     record("partial_rollout", {"task": "longtail", "steps": args.steps, "seeds": args.seeds,
-                               "eval_every": args.eval_every, "set": args.set},
+                               "eval_every": args.eval_every, "flags": extra},
            {"off": mean["off"], "on": mean["on"], "rollout_tok_s_ratio": ratio,
             "curves": [{k: g[k] for k in ("mode", "seed", "curve")} for g in got]},
            note="the two modes run one after the other on the same machine; a shared machine's load moves both")

@@ -38,7 +38,8 @@ def evaluate(model, tokenizer, rows, encoded) -> dict:
     model.train()
     asks = [r["answer"] != str(sum(int(x) for x in r["prompt"].rstrip("=").split("+"))) for r in rows]
     long = [len(o) > LONG for o in outs]
-    correct = [arithmetic.verify(tokenizer.decode(o, skip_special_tokens=True), r["answer"]) for r, o in zip(rows, outs)]
+    correct = [arithmetic.verify(tokenizer.decode(o, skip_special_tokens=True), r["answer"])
+               for r, o in zip(rows, outs)]
     return {"acc": sum(correct) / len(rows),
             "repeat_share": sum(lg for lg, a in zip(long, asks) if a) / max(sum(asks), 1),
             "mean_len": sum(len(o) for o in outs) / len(outs)}

@@ -154,7 +154,8 @@ def is_metrics(logp_old: torch.Tensor | None, logp_behaviour: torch.Tensor, loss
     for name, sel in (("stale", loss_mask & stale), ("fresh", loss_mask & ~stale)):
         x = w[sel]
         if x.numel():
-            out.update({f"partial/is_{name}_mean": float(x.mean()), f"partial/is_{name}_std": float(x.std(unbiased=False)),
+            out.update({f"partial/is_{name}_mean": float(x.mean()),
+                        f"partial/is_{name}_std": float(x.std(unbiased=False)),
                         f"partial/is_{name}_min": float(x.min()), f"partial/is_{name}_max": float(x.max())})
     return out
 
@@ -173,7 +174,8 @@ class Buffer:
                              for s in g.samples]} for g in self.groups]
 
     def load(self, state: list[dict] | None) -> None:
-        self.groups = [Group(d["index"], [None if s is None else Sample(0, s["token_ids"], s["logprobs"], s["finished"], j,
-                                                                         versions=s["versions"])
-                                          for j, s in enumerate(d["samples"])], list(d["done"]), d["born"])
+        def sample(j: int, s: dict | None) -> Sample | None:
+            return None if s is None else Sample(0, s["token_ids"], s["logprobs"], s["finished"], j,
+                                                 versions=s["versions"])
+        self.groups = [Group(d["index"], [sample(j, s) for j, s in enumerate(d["samples"])], list(d["done"]), d["born"])
                        for d in state or []]

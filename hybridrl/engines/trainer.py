@@ -403,7 +403,7 @@ class Trainer:
             ratios.append((logp - old).clamp(-20, 20).exp())
             if not grad_norms:  # no update yet: the trainer holds the weights vLLM sampled with, so the gap is
                 diff = logp - m.logp_rollout[sel][part]  # [N] the hand-off's alone (later minibatches' add the update's)
-                if m.stale is not None:  # partial rollouts: an older policy's tokens differ by its updates, not the hand-off
+                if m.stale is not None:  # partial rollouts: an older policy's tokens differ by its updates too
                     diff = diff[~m.stale[sel][part]]
                 rollout_ratios.append(diff.clamp(-20, 20).exp())
                 gap_sum, gap_n = gap_sum + float(diff.abs().sum()), gap_n + len(diff)

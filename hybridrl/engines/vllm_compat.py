@@ -583,7 +583,8 @@ def step_finished(llm: LLM, refill=None, rng: SamplingRNG | None = None) -> Iter
             refill()
 
 
-def abort_keeping_tokens(llm: LLM, request_ids: list[str]) -> dict[str, list[tuple[int, list[int], list[float], str | None]]]:
+def abort_keeping_tokens(llm: LLM, request_ids: list[str]
+                         ) -> dict[str, list[tuple[int, list[int], list[float], str | None]]]:
     """Abort `request_ids` (ours, as given to add_request) and return what each had generated: per
     request, (sample index, token ids, their log-probs, finish reason) for each of its n samples. vLLM's
     LLMEngine returns nothing for an aborted request (only the async engine's queue gets a final

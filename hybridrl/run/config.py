@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from hybridrl.run.schema import (ADVANTAGES, DEMO, DEMO_SOURCE, DEMO_LONGTAIL, GROUPS, AlgoConfig, CkptConfig, Config,  # noqa: F401
+from hybridrl.run.schema import (ADVANTAGES, DEMO, DEMO_LONGTAIL, DEMO_SOURCE, GROUPS, AlgoConfig, CkptConfig, Config,  # noqa: F401
                                  DataConfig, EnvConfig, LogConfig, ModelConfig, RewardConfig, RolloutConfig,
                                  TrainConfig, knob)
 
@@ -255,7 +255,8 @@ def validate(cfg: Config, lengths: bool = True) -> None:
         (r.partial == "off" or r.tensor_parallel_size == 1, "rollout.partial=on aborts requests on its own engine; "
          "a tensor-parallel group would have to abort the same ones at the same engine step on every rank: set "
          "rollout.tensor_parallel_size 1 or rollout.partial off"),
-        (r.partial == "off" or cfg.algo.tis_cap or cfg.algo.is_correction == "mask" or not explicit(cfg, "algo.tis_cap"),
+        (r.partial == "off" or cfg.algo.tis_cap or cfg.algo.is_correction == "mask"
+         or not explicit(cfg, "algo.tis_cap"),
          "rollout.partial=on trains tokens an older policy sampled and needs the importance correction: set "
          "algo.tis_cap > 0 (unset: 2) or algo.is_correction mask"),
         (r.partial == "off" or cfg.algo.routing_replay != "on", "rollout.partial=on does not carry a sample's MoE "
