@@ -10,6 +10,7 @@ machine shared with other jobs timings wobble: compare the two rows of one run, 
 
     python -m bench.partial_rollout                       # 1 seed, 120 steps each, eval every 20
     python -m bench.partial_rollout --seeds 0 1 --steps 200 --target 0.55 --log.eval_size 128   # flags go to both runs
+    python -m bench.partial_rollout --generate-only --steps 20  # rollout throughput alone, alternated in one process
 
 One row per run in bench/results/partial_rollout.jsonl.
 """
@@ -54,6 +55,48 @@ def run(mode: str, seed: int, steps: int, eval_every: int, out: Path, extra: lis
             "curve": curve, "reward_last20": statistics.mean(r["reward"] for r in steps_[-20:])}
 
 
+def generate_only(steps: int, seed: int, extra: list[str]) -> dict:
+    """Rollout throughput alone, in one process on one engine: a synchronous step's generation and
+    a partial step's, alternated step by step (which goes first alternates too), the policy fixed
+    (no training), the prefix cache reset between steps as a hand-off does. A shared machine's load
+    then moves both modes alike, which separate training runs cannot promise."""
+    import tempfile
+
+    from hybridrl.run import environ as env
+    env.setup()
+    from hybridrl.data import prompts as data
+    from hybridrl.data import rewards
+    from hybridrl.data.collect import Collector
+    from hybridrl.engines.rollout import Rollout
+    from hybridrl.observe.progress import Phases
+    from hybridrl.run import config as C
+    from hybridrl.run import launch, resolve
+    world = launch.init_distributed()
+    flags = dict(zip(extra[::2], extra[1::2]))
+    over = {"data.path": "longtail", "train.seed": seed, **{k.lstrip("-"): v for k, v in flags.items()}}
+    cfgs = {m: resolve.run_config(C.load(None, {**over, "rollout.partial": m}), world) for m in ("off", "on")}
+    res = cfgs["on"]  # its KV cache holds the groups in flight
+    rollout = Rollout(res.cfg, res.model_path, on_cpu=True, eos_token_id=res.tokenizer.eos_token_id, rank=0)
+    scorer = rewards.Scorer(res.cfg.reward, rank=0)
+    scorer.run_dir = Path(tempfile.mkdtemp(prefix="bench-partial-"))
+    cols = {m: Collector(r.cfg, rollout, scorer, r.tokenizer, r.prompts, data.Sampler(len(r.prompts), seed), world, [])
+            for m, r in cfgs.items()}
+    got = {m: {"tokens": 0.0, "seconds": 0.0, "steps": []} for m in cols}
+    for step in range(1, steps + 1):
+        for m in (("off", "on") if step % 2 else ("on", "off")):
+            ph = Phases(step)
+            ro = cols[m].batch(step, ph)
+            rollout.llm.reset_prefix_cache()
+            if step > 1:  # the first step pays the engine's first calls
+                got[m]["tokens"] += ro.metrics["rollout_tokens"]
+                got[m]["seconds"] += ph["generate"]
+            got[m]["steps"].append((ph["generate"], ro.metrics["rollout_tokens"], len(ro.prompts)))
+    rollout.close()
+    scorer.close()
+    return {m: {"rollout_tok_s": g["tokens"] / g["seconds"], "generate_s": g["seconds"] / max(steps - 1, 1),
+                "steps": g["steps"]} for m, g in got.items()}
+
+
 def time_to(curve: list[tuple[int, float, float]], target: float) -> float | None:
     return next((t for _, t, acc in curve if acc >= target), None)
 
@@ -66,7 +109,23 @@ def main() -> int:
     ap.add_argument("--target", type=float, default=0.5, help="held-out accuracy for the time-to-accuracy column "
                     "(the warmed model starts near 0.4)")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_partial")
+    ap.add_argument("--generate-only", action="store_true",
+                    help="rollout throughput alone: both modes alternated in one process, no training")
     args, extra = ap.parse_known_args()  # the rest: flags for both runs, e.g. --log.eval_size 128
+    if args.generate_only:
+        g = generate_only(args.steps, args.seeds[0], extra)
+        ratio = g["on"]["rollout_tok_s"] / g["off"]["rollout_tok_s"]
+        print(f"\ngeneration alone, {args.steps} steps each, alternated in one process (a shared machine: its load "
+              "moves both alike)")
+        print(f"{'partial':8} {'generate ms/step':>17} {'rollout tok/s':>14}")
+        for m in ("off", "on"):
+            print(f"{m:8} {g[m]['generate_s'] * 1e3:17.0f} {g[m]['rollout_tok_s']:14.0f}")
+        print(f"on / off: rollout tokens/s x{ratio:.2f}")
+        record("partial_rollout", {"task": "longtail", "mode": "generate_only", "steps": args.steps,
+                                   "seed": args.seeds[0], "flags": extra},
+               {"off": g["off"], "on": g["on"], "rollout_tok_s_ratio": ratio},
+               note="both modes alternated step by step on one engine, policy fixed")
+        return 0
     got = []
     for seed in args.seeds:
         for mode in ("off", "on"):
@@ -93,7 +152,8 @@ def main() -> int:
               f"{x['response_len']:9.1f} {x['stale_token_frac']:10.1%} {tt:>9} {x['final_acc']:10.1%}")
     ratio = mean["on"]["rollout_tok_s"] / mean["off"]["rollout_tok_s"]
     print(f"on / off: rollout tokens/s x{ratio:.2f}, step time x{mean['on']['step_s'] / mean['off']['step_s']:.2f}")
-    print("\nheld-out accuracy (greedy, 256 prompts) at each evaluation: step, engine-clock seconds, accuracy")
+    print("\nheld-out accuracy (greedy, log.eval_size prompts) at each evaluation: step, engine-clock seconds, "
+          "accuracy")
     for g in got:
         print(f"  {g['mode']:3} seed {g['seed']}: " + "  ".join(f"{s}/{t:.0f}s/{a:.1%}" for s, t, a in g["curve"]))
     record("partial_rollout", {"task": "longtail", "steps": args.steps, "seeds": args.seeds,
