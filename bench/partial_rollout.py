@@ -93,8 +93,10 @@ def generate_only(steps: int, seed: int, extra: list[str]) -> dict:
             got[m]["steps"].append((ph["generate"], ro.metrics["rollout_tokens"], len(ro.prompts)))
     rollout.close()
     scorer.close()
+    # the median step's tokens/s as well: a load spike from another job lands in one mode's step
     return {m: {"rollout_tok_s": g["tokens"] / g["seconds"], "generate_s": g["seconds"] / max(steps - 1, 1),
-                "steps": g["steps"]} for m, g in got.items()}
+                "median_tok_s": statistics.median(n / t for t, n, _ in g["steps"][1:]), "steps": g["steps"]}
+            for m, g in got.items()}
 
 
 def time_to(curve: list[tuple[int, float, float]], target: float) -> float | None:
@@ -117,10 +119,11 @@ def main() -> int:
         ratio = g["on"]["rollout_tok_s"] / g["off"]["rollout_tok_s"]
         print(f"\ngeneration alone, {args.steps} steps each, alternated in one process (a shared machine: its load "
               "moves both alike)")
-        print(f"{'partial':8} {'generate ms/step':>17} {'rollout tok/s':>14}")
+        print(f"{'partial':8} {'generate ms/step':>17} {'rollout tok/s':>14} {'median step tok/s':>18}")
         for m in ("off", "on"):
-            print(f"{m:8} {g[m]['generate_s'] * 1e3:17.0f} {g[m]['rollout_tok_s']:14.0f}")
-        print(f"on / off: rollout tokens/s x{ratio:.2f}")
+            print(f"{m:8} {g[m]['generate_s'] * 1e3:17.0f} {g[m]['rollout_tok_s']:14.0f} {g[m]['median_tok_s']:18.0f}")
+        print(f"on / off: rollout tokens/s x{ratio:.2f}, median step's x"
+              f"{g['on']['median_tok_s'] / g['off']['median_tok_s']:.2f}")
         record("partial_rollout", {"task": "longtail", "mode": "generate_only", "steps": args.steps,
                                    "seed": args.seeds[0], "flags": extra},
                {"off": g["off"], "on": g["on"], "rollout_tok_s_ratio": ratio},
