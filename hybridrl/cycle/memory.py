@@ -26,6 +26,7 @@ torch is imported inside the functions: `env.setup` calls `training_defaults` be
 
 from __future__ import annotations
 
+import math
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -163,8 +164,10 @@ def kv_bytes_per_token(hf_config, dtype_bytes: int) -> int:
 
 
 def step_seqs(cfg: Config, world_size: int) -> int:
-    """The sequences one rank generates at once in a step: its share of the prompts x rollout.n."""
-    return -(-cfg.train.prompts_per_step // world_size) * cfg.rollout.n
+    """The sequences one rank generates at once in a step: its share of the prompts x rollout.n (x
+    rollout.partial_oversample with partial rollouts: the carried groups run beside the new ones)."""
+    over = cfg.rollout.partial_oversample if cfg.rollout.partial == "on" else 1.0
+    return math.ceil(-(-cfg.train.prompts_per_step // world_size) * over - 1e-9) * cfg.rollout.n
 
 
 def engine_seqs(cfg: Config, world_size: int, tp: int = 1) -> int:

@@ -51,6 +51,7 @@ class Batch:
     values: torch.Tensor | None = None  # [B, T] float, the critic's values before this update (gae)
     returns: torch.Tensor | None = None  # [B, T] float, the critic's targets (gae)
     routes: torch.Tensor | None = None  # [B, T, L, k] int16, MoE: vLLM's experts per token and layer, -1 = unknown
+    stale: torch.Tensor | None = None  # [B, T] bool, partial rollouts: tokens an older policy sampled (data/partial.py)
 
     @classmethod
     def from_rows(cls, prompts: list[list[int]], completions: list[list[int]],

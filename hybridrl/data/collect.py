@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from hybridrl.algorithms import dapo
-from hybridrl.data import multiturn
+from hybridrl.data import multiturn, partial
 from hybridrl.data.prompts import Prompt, Sampler
 from hybridrl.data.rewards import Scorer
 from hybridrl.engines import reward_model
@@ -73,6 +73,8 @@ class Collector:
         self.model_sums = {name: 0.0 for name, _, _ in self.models}  # this step's sum of each RM's scores
         self.episodes = multiturn.Episodes(cfg, rollout, tokenizer, rank=world.rank, run_dir=scorer.run_dir) \
             if cfg.env.cls else None  # multi-turn: an environment between assistant turns
+        # rollout.partial: groups in flight between steps (partial.py); the checkpoint holds them
+        self.buffer = partial.Buffer() if cfg.rollout.partial == "on" else None
 
     def batch(self, step: int, phases: Phases) -> Rollouts:
         cfg, a, world = self.cfg, self.cfg.algo, self.world
@@ -88,7 +90,7 @@ class Collector:
 
         def rounds():  # each pull generates and scores one more round
             while True:
-                groups, dropped = self._round(step, phases)
+                groups, dropped = (self._round_partial if self.buffer else self._round)(step, phases)
                 seen.append(groups)
                 rejected.append(dropped)
                 yield torch.stack([g.rewards for g in groups]) if groups else torch.zeros(0, n)
@@ -107,8 +109,14 @@ class Collector:
         truncated = torch.tensor([not s.finished for s in samples])
         masked = truncated if a.overlong_filter else torch.zeros(len(samples), dtype=torch.bool)
         masked |= filler
-        return Rollouts([g.prompt for g in kept], samples, torch.stack([g.rewards for g in kept]), masked,
-                        self._metrics(every, [] if filler else kept, sum(rejected), plan))
+        out = self._metrics(every, [] if filler else kept, sum(rejected), plan)
+        if self.buffer:  # the tokens generated this step (a carried sample's earlier ones were counted then)
+            c = self.buffer.counts
+            sums = launch.all_sum([c["generated"], c["aborted"], c["carried"], c["continued"], c["expired"]])
+            out.update(rollout_tokens=sums[0], **{f"partial/{k}": v for k, v in zip(
+                ("aborted_samples", "carried_groups", "continued_samples", "expired_groups"), sums[1:])})
+            out.update(partial.metrics(samples, partial.version_of(step), self.cfg.rollout.partial_max_age))
+        return Rollouts([g.prompt for g in kept], samples, torch.stack([g.rewards for g in kept]), masked, out)
 
     def _round(self, step: int, phases: Phases) -> tuple[list[_Group], int]:
         """Generate n samples for each of this rank's share of `prompts_per_step` new prompts and
@@ -153,6 +161,80 @@ class Collector:
                                                                cfg.algo.overlong_buffer, cfg.algo.overlong_penalty)
             groups.append(_Group(batch[i], samples, raw, shaped))
         return groups, len(gen.rejected)
+
+    def _round_partial(self, step: int, phases: Phases) -> tuple[list[_Group], int]:
+        """rollout.partial: continue the carried groups and start fresh ones, stop vLLM once this rank's
+        share of prompts_per_step groups is complete (and every group at the staleness cap is), keep the
+        rest for the next step (partial.py); returns the complete groups, scored, and the prompts vLLM
+        rejected. A complete group is trained once, in the step that completes it."""
+        cfg, w, r, n = self.cfg, self.world, self.cfg.rollout, self.cfg.rollout.n
+        version, target = partial.version_of(step), len(range(w.rank, cfg.train.prompts_per_step, w.size))
+        carried, expired = partial.triage(self.buffer.groups, version, r.partial_max_age)
+        # fresh rows from the shared sampler: every rank draws its count, in rank order, from one draw
+        want = partial.to_issue(target, r.partial_oversample, len(carried))
+        draw = max(0, want - len(expired))  # an expired group's prompt starts again, from scratch
+        counts = [0.0] * w.size
+        counts[w.rank] = float(draw)
+        counts = [int(x) for x in launch.all_sum(counts)]
+        rows = self.sampler.next(sum(counts)) if sum(counts) else []
+        start = sum(counts[: w.rank])
+        rows = [g.index for g in expired] + list(rows[start:start + draw])
+        new = [partial.fresh(i, n, version) for i in rows]
+        groups = carried + new  # generation's prompt index: a new group i is 0.., a carried group g is len(new) + g
+        continued = partial.continuations(carried, [self.prompts[g.index].ids for g in carried], r.max_new_tokens,
+                                          first=len(new))
+        waiting = {id(g) for g in carried if partial.must_finish(g, version, r.partial_max_age)}
+        complete: list[int] = []  # indices into groups
+        before = sum(len(s.token_ids) for g in carried for s in g.samples if s is not None)
+
+        def at(i: int) -> int:  # generation's prompt index -> index into groups
+            return len(carried) + i if i < len(new) else i - len(new)
+
+        with phases("generate"):  # vLLM is awake: the hand-off (or engine start) woke it
+            gen = self.rollout.generate_partial([self.prompts[g.index].ids for g in new], n, continued,
+                                                temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens)
+            rejected = {at(i) for i in gen.rejected}
+            for finished in gen:
+                for s in finished:
+                    k = at(s.prompt_idx)
+                    g = groups[k]
+                    partial.put(g, s.sample_idx, s, version, done=True)
+                    if g.complete:
+                        complete.append(k)
+                        waiting.discard(id(g))
+                        p = self.prompts[g.index]
+                        meta = {"prompt_index": g.index}
+                        if self.scorer.batched:
+                            self.scorer.submit((k, None), p.text, [self._text(x) for x in g.samples], p.answer, meta)
+                        else:
+                            for j, x in enumerate(g.samples):
+                                self.scorer.submit((k, j), p.text, [self._text(x)], p.answer, {**meta, "sample": j})
+                self.scorer.poll()
+                if partial.enough(len(complete), target, len(waiting)):
+                    break
+            cut = gen.abort() if gen.requests else []
+            for s, done in cut:
+                partial.put(groups[at(s.prompt_idx)], s.sample_idx, s, version, done)
+        with phases("reward"):
+            scores = self.scorer.wait()
+        self.buffer.groups = [g for k, g in enumerate(groups) if k not in rejected and not g.complete]
+        after = sum(len(s.token_ids) for g in groups for s in g.samples if s is not None)
+        self.buffer.counts = dict(generated=after - before, aborted=sum(not d for _, d in cut),
+                                  carried=len(self.buffer.groups), continued=len(continued), expired=len(expired))
+        pending = {k: groups[k].samples for k in complete}
+        raws = {k: scores[(k, None)] if self.scorer.batched else [scores[(k, j)][0] for j in range(n)]
+                for k in complete}
+        batch = {k: self.prompts[groups[k].index] for k in complete}
+        if self.models:
+            with phases("reward_model"):
+                self._add_model_scores(batch, pending, raws)
+        out = []
+        for k in complete:
+            lengths = torch.tensor([len(s.token_ids) for s in pending[k]])
+            shaped = torch.tensor(raws[k]) + dapo.overlong_penalty(lengths, completion_budget(cfg),
+                                                                   cfg.algo.overlong_buffer, cfg.algo.overlong_penalty)
+            out.append(_Group(batch[k], pending[k], raws[k], shaped))
+        return out, len(rejected)
 
     def _add_model_scores(self, batch: list[Prompt], pending: dict[int, list[Sample]],
                           raws: dict[int, list[float]]) -> None:

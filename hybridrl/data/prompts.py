@@ -169,6 +169,9 @@ def load_rows(cfg: DataConfig, split: str) -> list[Row]:
     if cfg.path == "demo" and not (split == "heldout" and cfg.heldout_path):
         from hybridrl.data.tasks import arithmetic
         return [Row(f"demo {split} row {i}", r) for i, r in enumerate(arithmetic.load(split))]
+    if cfg.path == "longtail" and not (split == "heldout" and cfg.heldout_path):  # partial rollouts' task
+        from hybridrl.data.tasks import longtail
+        return [Row(f"longtail {split} row {i}", r) for i, r in enumerate(longtail.load(split))]
     path = cfg.path if split == "train" else cfg.heldout_path
     return read_rows(path, cfg.split if split == "train" else cfg.heldout_split) if path else []
 

@@ -46,6 +46,9 @@ class Sample:
     # MoE: the experts vLLM routed each token of prompt + completion to, [T, layers, k] int16, -1 where
     # unknown (routing.py); None for a dense model or where they could not be recorded
     routes: torch.Tensor | None = None
+    # partial rollouts (data/partial.py): the policy version (optimizer updates before it) that sampled
+    # each completion token; None = all by the version of this step
+    versions: list[int] | None = None
 
 
 @dataclass
@@ -87,6 +90,21 @@ class Generation:
             self.requests[rid] = at
         else:
             self.others.add(rid)
+
+    def abort(self) -> list[tuple[Sample, bool]]:
+        """Stop every request still running and return its samples as they stand, each with `done`:
+        True for a sample of an n-sample request that had finished before the abort (its request is
+        only reported when all n have), False for one cut short. Partial rollouts (data/partial.py)
+        keep them for the next step; not in tensor parallel, where every rank of a group would have to
+        abort the same requests at the same engine step."""
+        if self.tp is not None:
+            raise RuntimeError("partial rollouts cannot abort requests under vLLM tensor parallelism")
+        out = []
+        for rid, got in vllm_compat.abort_keeping_tokens(self.llm, list(self.requests)).items():
+            i, j = self.requests.pop(rid)
+            for k, ids, lps, reason in got:
+                out.append((Sample(i, ids, lps, reason == "stop", k if j is None else j), reason is not None))
+        return out
 
     def _add_queued(self) -> None:
         """Tensor parallel: every rank's extend()s of the last engine step, in member order, on
@@ -272,6 +290,32 @@ class Rollout:
                     if mine:
                         gen.rejected[i] = str(e)
                         log.warning("vLLM rejected prompt %d of this batch (%d tokens), dropped: %s", i, len(ids), e)
+        return gen
+
+    def generate_partial(self, prompts: list[list[int]], n: int, carried: list[tuple[int, int, list[int], int]], *,
+                         temperature: float, top_p: float, max_tokens: int) -> "Generation":
+        """generate() for partial rollouts: n samples of each of `prompts`, and before them (vLLM serves
+        requests first come, first served) the continuations `carried`, each (prompt index, sample
+        index, prompt + the tokens generated so far, tokens left): one request per sample, its prefix
+        re-fed as prompt (the prefix cache computes it once per group's prompt). A continuation's
+        prompt index is one past `prompts` (the caller's numbering). `Generation.abort` stops the rest."""
+        if self.tp is not None:
+            raise RuntimeError("partial rollouts run one engine per rank (rollout.tensor_parallel_size 1)")
+        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
+                                stop_token_ids=[self.eos], **self._stop())
+        self._calls += 1
+        gen = Generation(self.llm, {}, {}, params, None, str(self._calls), self.lora_request, None)
+        for i, j, ids, left in carried:
+            gen.extend(i, j, ids, left, turn=0)  # no REJECTED: its prompt and tokens fit max_model_len before
+        for i, ids in enumerate(prompts):
+            rid = f"{self._calls}-{i}"
+            try:
+                vllm_compat.add_request(self.llm, rid, ids, params, self.lora_request)
+            except vllm_compat.REJECTED as e:
+                gen.rejected[i] = str(e)
+                log.warning("vLLM rejected prompt %d of this batch (%d tokens), dropped: %s", i, len(ids), e)
+                continue
+            gen.requests[rid] = (i, None)
         return gen
 
     def _stop(self) -> dict:

@@ -400,9 +400,11 @@ class Trainer:
             ratios.append((logp - old).clamp(-20, 20).exp())
             if not grad_norms:  # no update yet: the trainer holds the weights vLLM sampled with, so the gap is
                 diff = logp - m.logp_rollout[sel][part]  # [N] the hand-off's alone (later minibatches' add the update's)
+                if m.stale is not None:  # partial rollouts: an older policy's tokens differ by its updates too
+                    diff = diff[~m.stale[sel][part]]
                 rollout_ratios.append(diff.clamp(-20, 20).exp())
-                gap_sum, gap_n = gap_sum + float(diff.abs().sum()), gap_n + w
-                gap_max = max(gap_max, float(diff.abs().max()) if w else 0.0)
+                gap_sum, gap_n = gap_sum + float(diff.abs().sum()), gap_n + len(diff)
+                gap_max = max(gap_max, float(diff.abs().max()) if len(diff) else 0.0)
             is_ratios.append(importance_ratio(old, m.logp_rollout[sel][part], seq_ids, a.tis_level))  # [N]
             sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())  # micro losses sum to the minibatch's
             for k, v in metrics.items():

@@ -583,6 +583,36 @@ def step_finished(llm: LLM, refill=None, rng: SamplingRNG | None = None) -> Iter
             refill()
 
 
+def abort_keeping_tokens(llm: LLM, request_ids: list[str]
+                         ) -> dict[str, list[tuple[int, list[int], list[float], str | None]]]:
+    """Abort `request_ids` (ours, as given to add_request) and return what each had generated: per
+    request, (sample index, token ids, their log-probs, finish reason) for each of its n samples. vLLM's
+    LLMEngine returns nothing for an aborted request (only the async engine's queue gets a final
+    output), so the tokens are read, before the abort, from the output processor's per-sample state
+    (its detokenizer's token ids and its log-prob processor's list, both cumulative with
+    FINAL_ONLY outputs) and, for a request of n samples, from the parent's aggregator, which holds
+    the samples that finished already (their finish reason, "stop" or "length"; None: cut short)."""
+    engine = llm.llm_engine
+    proc = engine.output_processor
+    got: dict[str, list[tuple[int, list[int], list[float], str | None]]] = {}
+    for rid in request_ids:
+        states = [proc.request_states[i] for i in proc.external_req_ids.get(rid, []) if i in proc.request_states]
+        out = []
+        parent = states[0].parent_req if states else None
+        if parent is not None:
+            for c in parent.output_aggregator:
+                if c is not None:  # this sample finished before the abort
+                    ids = list(c.token_ids)
+                    out.append((c.index, ids, [d[t].logprob for t, d in zip(ids, c.logprobs)], c.finish_reason))
+        for st in states:
+            ids = list(st.detokenizer.output_token_ids)
+            lps = [d[t].logprob for t, d in zip(ids, st.logprobs_processor.logprobs)]
+            out.append((st.request_index, ids, lps, None))
+        got[rid] = sorted(out, key=lambda x: x[0])
+    engine.abort_request(list(request_ids))
+    return got
+
+
 def kv_blocks(llm: LLM) -> tuple[int, int]:
     """(tokens per KV block, blocks sequences can hold) of an in-process engine: what the CPU KV
     sizing (recipe.cpu_kv_mb) counts on. vLLM keeps one block of its pool for itself."""

@@ -55,7 +55,7 @@ def reward_named(cfg: Config) -> None:
 
 
 def _data_paths(cfg: Config) -> list[tuple[str, str]]:
-    out = [] if cfg.data.path == "demo" else [("data.path", cfg.data.path)]
+    out = [] if cfg.data.path in ("demo", "longtail") else [("data.path", cfg.data.path)]  # built-in tasks
     return out + ([("data.heldout_path", cfg.data.heldout_path)] if cfg.data.heldout_path else [])
 
 

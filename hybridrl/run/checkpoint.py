@@ -199,7 +199,7 @@ class Saver:
         return final or bool(self.cfg.ckpt.every and step % self.cfg.ckpt.every == 0)
 
     def save(self, step: int, trainer, sampler, probe, history: dict, final: bool = False,
-             critic=None) -> Path | None:
+             critic=None, buffer=None) -> Path | None:
         """Every rank calls this at the same step. Returns the checkpoint directory, or None when
         it could not be written (no space left, an I/O error): the partial one is removed, the
         previous one is kept, the user is told, and training goes on (`final`: the run is ending,
@@ -233,7 +233,9 @@ class Saver:
                                                exclude_frozen_parameters=trainer.peft is not None)
                 if critic:  # PPO's value model: its own DeepSpeed checkpoint, critic/
                     critic.save_checkpoint(str(tmp))
-                _save_torch({"rng": rng_state(), "probe_last": probe.last}, tmp / f"rank-{self.world.rank}.pt")
+                _save_torch({"rng": rng_state(), "probe_last": probe.last,  # buffer: partial rollouts' groups in flight
+                             **({"partial": buffer.state()} if buffer is not None else {})},
+                            tmp / f"rank-{self.world.rank}.pt")
                 if main:
                     state = {"step": step, "cursor": sampler.cursor, "world_size": self.world.size,
                              "run_dir": str(self.run_dir), "history": history}
@@ -412,7 +414,8 @@ class Resume:
         """The config, continuing in the checkpoint's run dir."""
         return dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, run_dir=str(self.run_dir)))
 
-    def restore(self, trainer, rollout, sampler, probe, run, hand_off, critic=None) -> tuple[int, float | None]:
+    def restore(self, trainer, rollout, sampler, probe, run, hand_off, critic=None,
+                buffer=None) -> tuple[int, float | None]:
         """Load everything saved after step N; returns (N, held-out accuracy before training)."""
         trainer.load_checkpoint(str(self.path), DS_TAG)
         if critic:
@@ -421,6 +424,8 @@ class Resume:
         probe(trainer, rollout, self.step)  # raises if vLLM and the trainer disagree
         mine = load_rank_state(self.path / f"rank-{dist.get_rank() if dist.is_initialized() else 0}.pt")
         probe.last = mine["probe_last"]
+        if buffer is not None:  # partial rollouts: the groups in flight (none if saved with rollout.partial off)
+            buffer.load(mine.get("partial"))
         sampler.cursor = self.state["cursor"]
         history = self.state["history"]
         evals = [r["heldout_acc"] for r in self.records if "heldout_acc" in r]  # incl. the one after the save

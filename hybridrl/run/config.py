@@ -17,9 +17,9 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from hybridrl.run.schema import (ADVANTAGES, DEMO, DEMO_SOURCE, GROUPS, AlgoConfig, CkptConfig, Config,  # noqa: F401
-                                 DataConfig, EnvConfig, LogConfig, ModelConfig, RewardConfig, RolloutConfig,
-                                 TrainConfig, knob)
+from hybridrl.run.schema import (ADVANTAGES, DEMO, DEMO_LONGTAIL, DEMO_SOURCE, GROUPS, AlgoConfig,  # noqa: F401
+                                 CkptConfig, Config, DataConfig, EnvConfig, LogConfig, ModelConfig, RewardConfig,
+                                 RolloutConfig, TrainConfig, knob)
 
 
 class UserError(ValueError):
@@ -136,7 +136,8 @@ def demo_recipe(cfg: Config) -> Config:
     """For model.path=demo, the demo's recipe (schema.DEMO) in every key of it left unset. For any
     other model, the keys it filled go back to their defaults (model.path changed after loading)."""
     demo = cfg.model.path == "demo"
-    for key, value in DEMO.items():
+    # data.path=longtail (tasks/longtail.py, for partial rollouts): its answers need 48 tokens, not 4
+    for key, value in ({**DEMO, **DEMO_LONGTAIL} if cfg.data.path == "longtail" else DEMO).items():
         if explicit(cfg, key):
             continue
         if demo and cfg.sources.get(key) != DEMO_SOURCE:
@@ -246,6 +247,20 @@ def validate(cfg: Config, lengths: bool = True) -> None:
          "engine with offloaded parameters off the device while vLLM runs): set train.optimizer_offload on or auto"),
         (not (t.offload_params and t.probe_every), "train.offload_params needs train.probe_every=0: the probe's "
          "trainer forward runs after the hand-off, when the parameters would be off the device"),
+        (r.partial == "off" or not cfg.env.cls, "rollout.partial=on continues single-turn samples; a multi-turn "
+         "episode (env.cls) cannot be cut and resumed yet: set rollout.partial off"),
+        (r.partial == "off" or not cfg.algo.dynamic_sampling, "rollout.partial=on already over-samples and keeps "
+         "groups across steps; DAPO's dynamic sampling rounds do not compose with it: set algo.dynamic_sampling "
+         "false or rollout.partial off"),
+        (r.partial == "off" or r.tensor_parallel_size == 1, "rollout.partial=on aborts requests on its own engine; "
+         "a tensor-parallel group would have to abort the same ones at the same engine step on every rank: set "
+         "rollout.tensor_parallel_size 1 or rollout.partial off"),
+        (r.partial == "off" or cfg.algo.tis_cap or cfg.algo.is_correction == "mask"
+         or not explicit(cfg, "algo.tis_cap"),
+         "rollout.partial=on trains tokens an older policy sampled and needs the importance correction: set "
+         "algo.tis_cap > 0 (unset: 2) or algo.is_correction mask"),
+        (r.partial == "off" or cfg.algo.routing_replay != "on", "rollout.partial=on does not carry a sample's MoE "
+         "routes across steps: set algo.routing_replay auto/off or rollout.partial off"),
         (r.tensor_parallel_size == 1 or r.mode == "inprocess",
          f"rollout.tensor_parallel_size={r.tensor_parallel_size} runs vLLM inside the ranks (its external launcher): "
          "use rollout.mode=inprocess"),

@@ -17,7 +17,7 @@ import torch
 
 from hybridrl.algorithms import advantages as algo
 from hybridrl.cycle import engine_cycle, sync
-from hybridrl.data import prompts as data, rewards
+from hybridrl.data import partial, prompts as data, rewards
 from hybridrl.data.batch import Batch
 from hybridrl.data.collect import Collector
 from hybridrl.engines import reward_model
@@ -85,7 +85,8 @@ def train(cfg: Config) -> dict:
     start = time.perf_counter()  # engines are up: the clock of train.max_minutes starts here
     if resumed:  # weights (handed to vLLM and probed), optimizer, data cursor, RNG, history
         engine_cycle.release(trainer, rollout, None, cfg=cfg, critic=critic)  # the states back to load into
-        done, acc_before = resumed.restore(trainer, rollout, sampler, probe, run, hand_off, critic=critic)
+        done, acc_before = resumed.restore(trainer, rollout, sampler, probe, run, hand_off, critic=critic,
+                                           buffer=collector.buffer)
         start -= resumed.state["history"]["elapsed_s"]
     else:
         done, acc_before = 0, evaluate(0)
@@ -106,9 +107,13 @@ def train(cfg: Config) -> dict:
                                     [s.logprobs for s in samples], [0.0] * len(samples),
                                     [s.loss_mask for s in samples],  # multi-turn: environment tokens carry no loss
                                     [s.routes for s in samples])  # MoE: vLLM's experts, for routing replay
+            if collector.buffer:  # partial rollouts: the tokens an older policy sampled (data/partial.py)
+                batch.stale = partial.stale_mask(samples, partial.version_of(step), batch.loss_mask)
             if trainer.needs_old_logprobs:  # several updates per rollout, TIS, KL in the reward
                 with phases("old_logprob"):
                     batch.logp_old = trainer.old_logprobs(batch)  # vLLM's, or a trainer forward
+            if batch.stale is not None:  # the IS weights' spread on stale and on fresh tokens
+                ro.metrics.update(partial.is_metrics(batch.logp_old, batch.logp_rollout, batch.loss_mask, batch.stale))
             if ref:
                 with phases("ref_logprob"):
                     batch.logp_ref = ref.logprobs(batch, cfg.rollout.temperature)
@@ -150,7 +155,8 @@ def train(cfg: Config) -> dict:
             last = out_of_time or bool(stop_signal) or step == cfg.train.steps
             if saver.due(step, final=last):  # a failed save is reported; the run goes on (ends non-zero if last)
                 saver.save(step, trainer, sampler, probe, dict(acc_before=acc_before, last_acc=run.last_acc,
-                                                               elapsed_s=elapsed), final=last, critic=critic)
+                                                               elapsed_s=elapsed), final=last, critic=critic,
+                           buffer=collector.buffer)
             if out_of_time or stop_signal:
                 break
     # a signal asks for a quick exit (preemption grace periods are short): no final evaluation

@@ -56,6 +56,8 @@ def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
     demo = cfg.model.path == "demo"
     cfg = demo_recipe(cfg)  # loaded configs have it already; not one built in code (hybridrl.train(Config()))
     cfg = loss_clip(cfg)
+    if cfg.rollout.partial == "on" and not explicit(cfg, "algo.tis_cap") and cfg.algo.is_correction == "tis":
+        cfg = _set(cfg, "algo.tis_cap", 2.0, "rollout.partial=on (stale tokens are importance-weighted)")
     if explicit(cfg, "train.steps") and not explicit(cfg, "train.data_epochs") and cfg.train.data_epochs:
         cfg = _set(cfg, "train.data_epochs", 0.0, "train.steps")  # the user gave a step count: no passes
     cfg = cfg if demo else _context(cfg, info)

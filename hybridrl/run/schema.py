@@ -91,6 +91,17 @@ class RolloutConfig:
                                "graphs, captured for batches up to rollout.max_num_seqs, their memory in the plan; "
                                "LoRA engines stay eager); on CPU False for a model of 50M parameters or more "
                                "(vLLM's compiled decoder), True for smaller ones (fast start).")
+    partial: Literal["off", "on"] = knob(
+        "off", "Partial rollouts (docs/partial.md): issue rollout.partial_oversample x the step's groups, stop vLLM "
+        "once train.prompts_per_step groups are complete (all n samples finished), and continue the rest in the "
+        "next step from their tokens (prefix re-fed to vLLM); their older tokens are trained with the importance "
+        "correction against their stored log-probs (algo.tis_cap 2 unless set). For long-tailed answer lengths, "
+        "where a step waits for its few longest answers. Single-turn, one engine per rank.")
+    partial_max_age: int = knob(1, "Partial rollouts: the most optimizer updates a trained token may be older than "
+                                "the policy it trains (a group at the cap is finished, not carried again).",
+                                valid=">= 1")
+    partial_oversample: float = knob(1.5, "Partial rollouts: groups in flight per group trained (the carried ones "
+                                     "included).", valid="[1, 8]")
     sleep_level: int = knob(2, "vLLM sleep level between rollouts on GPU. 2 (default): weights discarded, since every "
                             "hand-off rewrites them all anyway (level 1 copies the weights to pinned host memory, "
                             "one copy per rank); 1: weights kept in host memory (for hand-offs that send only part of the weights: with "
@@ -392,4 +403,10 @@ DEMO = {
     "train.data_epochs": 0.0,  # train.steps' 600 (~2.5 min), not passes over the prompts
     "train.max_minutes": 8.0,  # `make demo` ends within minutes on a loaded machine too
     "log.eval_every": 100,
+}
+# data.path=longtail on the demo (tasks/longtail.py, partial rollouts' task): answers of up to 40 digits
+# and EOS; the model is the demo model warmed on it (resolve.configure picks hybridrl/demo_model_longtail)
+DEMO_LONGTAIL = {
+    "rollout.max_new_tokens": 48,
+    "data.max_prompt_len": 12,
 }
