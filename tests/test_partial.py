@@ -171,16 +171,16 @@ def test_vllm_abort_keeps_tokens_and_the_prefix_continues(world_of_one):
 
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
-    from test_checkpoint import _resume_pair
+    from helpers.checkpoints import _resume_pair
     return _resume_pair(tmp_path_factory.mktemp("partial"), "--rollout.partial", "on", "--rollout.partial_oversample",
                         "2", "--rollout.max_new_tokens", "8")
 
 
 @pytest.mark.cpu_only("bit-identical resumes rest on deterministic CPU kernels")
 def test_carried_groups_continue_within_the_cap_and_resume_bit_exactly(resumed):
-    from test_checkpoint import K, N
-
     from hybridrl.run.checkpoint import complete_checkpoints, load_rank_state
+
+    from helpers.checkpoints import K, N
     a, b = resumed["a"], resumed["b2"]
     # the run resumed from step K with groups in flight (step K's metrics count what it kept)
     assert resumed["b1"][K]["partial/carried_groups"] > 0
@@ -202,7 +202,7 @@ def test_carried_groups_continue_within_the_cap_and_resume_bit_exactly(resumed):
 def test_longtail_task_runs_with_partial_rollouts(tmp_path):
     """The README's command, shortened: the long-tailed task's lengths spread to the limit, and the
     partial step carries samples over without training any token older than the cap."""
-    from test_train_e2e import train_cli
+    from helpers.cli import train_cli
     _, steps, summary = train_cli(tmp_path / "run", "--data.path", "longtail", "--rollout.partial", "on",
                                   "--steps", "6", "--train.prompts_per_step", "16", "--rollout.n", "8")
     assert summary["steps"] == 6
