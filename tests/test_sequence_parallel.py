@@ -22,6 +22,7 @@ import transformers
 from hybridrl.data.batch import Batch
 from hybridrl.engines import ulysses
 from hybridrl.engines.policy import TokenLogprobs
+from hybridrl.engines.reference import Reference
 from hybridrl.engines.trainer import Trainer
 from hybridrl.run.config import Config, ConfigError
 from test_packing import V, rows
@@ -189,6 +190,17 @@ def _zero3_rank(rank: int, init: str, model: str, out: str, checkpointing: bool)
             whole = ref(packed.tokens, None, packed.loss_mask, 0.7, position_ids=packed.position_ids)[0]
         lp = t.logprobs(mine, 0.7)
         torch.testing.assert_close(lp[mine.loss_mask], whole, rtol=0, atol=1e-5)
+        # the reference scores like the trainer: no forward of more than the rank's 8 tokens (it scored the
+        # 14-token sample whole before), the same log-probs
+        reference = Reference(cfg, model, device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa",
+                              sp=t.sp)
+        widest = []
+        embed = (reference.module.module if reference.sharded else reference.module).hf.get_input_embeddings()
+        hook = embed.register_forward_pre_hook(lambda _, args: widest.append(args[0].shape[-1]))
+        lp_ref = reference.logprobs(mine, 0.7)
+        hook.remove()
+        assert max(widest) == 8, widest
+        torch.testing.assert_close(lp_ref[mine.loss_mask], whole, rtol=0, atol=1e-5)
         full.logp_old = t.logprobs(full, 1.0) + 0.05 * full.loss_mask  # off-policy: ratio 0.95
         r_loss, _, r_grads = loss_and_grads(ref_trainer(ref), full)
         loss_sum = torch.zeros(())

@@ -280,12 +280,11 @@ class Trainer:
         """Log-probs (and the loss) of mb's masked tokens, in the order of `mb.loss_mask`'s True
         entries whether packed or padded."""
         if self.sp.size > 1:  # this rank's slice of the packed row, and of the per-token loss inputs
-            s = ulysses.shard(mb, self.sp.rank, self.sp.size)
+            s, args, kw = ulysses.module_inputs(mb, self.sp)
             self._part = s.part
             if loss is not None:
                 loss = {k: v[s.part] if isinstance(v, torch.Tensor) else v for k, v in loss.items()}
-            return self.engine(s.tokens, None, None, temperature, loss, position_ids=s.position_ids, shard=dict(
-                targets=s.targets, sel=s.sel, segments=s.segments, full_position_ids=s.full_position_ids))
+            return self.engine(*args, temperature, loss, **kw)
         args, kw = module_inputs(mb, self.packing, self.share_prompt)
         return self.engine(*args, temperature, loss, **kw)
 
@@ -307,10 +306,8 @@ class Trainer:
     def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
         """Trainer log-probs of every masked token, laid out like `batch.loss_mask`: [B, T]."""
         if self.sp.size > 1:  # the group scores its ranks' rows together, each rank a slice of every row
-            group_batch, start = ulysses.gather_batch(batch, self.sp)
-            out = per_token(lambda mb: ulysses.gather_tokens(self._forward(mb, temperature)[0], self.sp),
-                            group_batch, self._plan(group_batch), self.device)
-            return ulysses.rows_of(out, start, batch)
+            return ulysses.group_logprobs(lambda mb: self._forward(mb, temperature)[0], batch, self._plan, self.sp,
+                                          self.device)
 
         def forward(mb):
             with self._routed(mb):
