@@ -244,3 +244,14 @@ def test_sequence_parallel_under_zero3_equals_one_rank(tmp_path, checkpointing):
     torch.multiprocessing.spawn(_zero3_rank, args=(f"file://{tmp_path}/init", str(tmp_path / "model"),
                                                    str(tmp_path / "done"), checkpointing), nprocs=2)
     assert (tmp_path / "done.0").exists() and (tmp_path / "done.1").exists()
+
+
+@pytest.mark.fast
+def test_the_critic_is_refused_with_sequence_parallelism():
+    """The critic trains on whole rows: with S > 1 a sequence of S x the budget would be one critic micro-batch,
+    activations no plan counts. Refused in one line naming the fix; the planner never picks S > 1 for it."""
+    from hybridrl.run import config
+    with pytest.raises(ConfigError, match="algo.advantage=gae with train.sequence_parallel_size=2: .* or "
+                                          "train.sequence_parallel_size 1"):
+        config.load(None, {"algo.advantage": "gae", "train.sequence_parallel_size": 2})
+    config.load(None, {"algo.advantage": "grpo", "train.sequence_parallel_size": 2})
