@@ -31,6 +31,7 @@ from hybridrl.algorithms import advantages as algo
 
 from hybridrl.engines import deepspeed_compat
 from hybridrl.engines import platform
+from hybridrl.engines.models import enable_checkpointing
 from hybridrl.data.batch import Batch, per_token
 from hybridrl.run.config import Config, ConfigError, UserError
 from hybridrl.run.launch import all_sum, world_size
@@ -69,7 +70,7 @@ class Critic:
         base = from_pretrained(AutoModel, cfg.algo.critic_path or model_path, conf, dtype=dtype,
                                attn_implementation=attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
         if cfg.model.gradient_checkpointing:
-            base.gradient_checkpointing_enable()
+            enable_checkpointing(base)
         model = _ValueModel(base)  # under ZeRO-3 the new head is partitioned by deepspeed.initialize
         if cfg.algo.critic_path:
             _check_vocabulary(cfg.algo.critic_path, base, model_path, cfg.model.trust_remote_code)

@@ -95,7 +95,7 @@ class Reference:
         """Reference log-probs of every completion token at the sampling temperature: [B, T]."""
         budget = self.cfg.train.max_tokens_per_micro_batch
         if self.sp is not None:  # the group's rows in packed micro-batches of its ranks' budgets, each rank a slice
-            def plan(rows):  # the trainer's (a sequence longer than a micro-batch gets one of its own; the update refuses it)
+            def plan(rows):  # the trainer's: a longer sequence gets a micro-batch of its own, the update refuses it
                 return plan_micro_batches(rows, budget * self.sp.size, packed=True)
 
             def forward_slice(mb):

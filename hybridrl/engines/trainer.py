@@ -32,7 +32,7 @@ from hybridrl.run.config import Config, ConfigError, completion_budget
 from hybridrl.run import environ as env
 from hybridrl.run.launch import all_max, all_sum, world_size
 from hybridrl.cycle.memory import trim_host_heap
-from hybridrl.engines.models import is_native
+from hybridrl.engines.models import enable_checkpointing, is_native
 from hybridrl.engines.policy import TokenLogprobs, kernel_provider, module_inputs, packs, share_prompt
 
 log = logging.getLogger("hybridrl")
@@ -207,7 +207,7 @@ class Trainer:
         # LoRA: the adapter is injected into `hf` in place; only its parameters train (see lora.py)
         self.peft = lora.attach(hf, cfg.model) if cfg.model.lora_rank else None
         if cfg.model.gradient_checkpointing:
-            hf.gradient_checkpointing_enable()
+            enable_checkpointing(hf)
             if self.peft is not None:  # frozen embeddings: checkpointed blocks need an input that requires grad
                 hf.enable_input_require_grads()
         self.router, self.replay = self._router(cfg, hf)  # MoE: routing replay and its metrics
