@@ -136,3 +136,27 @@ def test_a_reward_model_scores_a_16k_token_answer_without_vocabulary_logits(mode
     scores = []
     assert widest(vocab, lambda: scores.extend(scorer.score(["what is 1+1?"], [answer]))) == 0
     assert len(scores) == 1 and scores[0] == scores[0]  # a finite score of the whole answer
+
+
+def test_gradient_checkpointing_recomputes_every_layer_in_the_update(model, world_of_one):
+    """model.gradient_checkpointing keeps each layer's input and recomputes the layer in backward. The
+    trainer's model runs in eval mode (no dropout), and transformers checkpoints only in training mode:
+    the knob did nothing, every layer's activations stayed (bench.plan_check: 1.5x the plan at one
+    4096-token sequence). Now an update runs each layer twice (the forward, and its recomputation in
+    backward), the no-grad log-probs once, and dropout stays off."""
+    from hybridrl.data.batch import Batch
+    from hybridrl.engines.trainer import Trainer
+    cfg = long_config(**{"model.gradient_checkpointing": True, "train.minibatches": 1})
+    trainer = Trainer(cfg, str(model), device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
+    batch = Batch.from_rows([[5, 6, 7]], [[8, 9, 10, 11]], [[-1.0] * 4], [1.0])
+    batch.logp_old = None
+    mlp, runs = trainer.hf.model.layers[0].mlp, []
+    forward = type(mlp).forward
+    # a patched forward, not a hook: torch's checkpoint runs the recomputation without the module's hooks
+    mlp.forward = lambda *a, **kw: (runs.append(torch.is_grad_enabled()), forward(mlp, *a, **kw))[1]
+    trainer.logprobs(batch, 1.0)
+    assert runs == [False]
+    runs.clear()
+    trainer.step(batch)
+    assert len(runs) == 2, runs  # the checkpointed forward, then its recomputation for backward
+    assert not any(m.training for m in trainer.hf.modules() if isinstance(m, torch.nn.Dropout))

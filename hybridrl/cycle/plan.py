@@ -586,13 +586,13 @@ def ladder(cfg: Config, shape: Shape, base: Knobs, world: int, local: int, devic
     """Settings to try, cheapest first, varying only what the user left unset (recipe.explicit):
     halved micro-batches, gradient checkpointing, ZeRO-3, a larger vLLM tensor-parallel group, and
     only then the optimizer in host memory; then sequence parallelism, where one sequence's
-    activations fit in none of those (its all-to-alls cost every layer, and a sequence-level loss
-    rules it out: config.validate); the parameters in host memory last."""
+    activations fit in none of those (its all-to-alls cost every layer, and a sequence-level loss or
+    the critic rules it out: config.validate); the parameters in host memory last."""
     from hybridrl.run.config import _sequence_level
     from hybridrl.run.recipe import explicit
     free = {key: not explicit(cfg, key) for key in FREE}
     sps = [base.sp] + [s for s in (2, 4, 8) if free["train.sequence_parallel_size"] and s > base.sp and world % s == 0
-                       and shape.heads % s == 0 and not _sequence_level(cfg)]
+                       and shape.heads % s == 0 and not _sequence_level(cfg) and cfg.algo.advantage != "gae"]
     for params in (False, True):
         for sp in sps:
             yield from _ladder_at(cfg, shape, base, world, local, device, free, sp, params)

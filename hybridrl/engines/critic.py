@@ -30,6 +30,7 @@ from torch import nn
 from hybridrl.algorithms import advantages as algo
 from hybridrl.data.batch import Batch, per_token
 from hybridrl.engines import deepspeed_compat, platform
+from hybridrl.engines.models import enable_checkpointing
 from hybridrl.engines.trainer import (ds_config, from_pretrained, load_engine_checkpoint, lr_scheduler,
                                       minibatch_updates, plan_micro_batches)
 from hybridrl.run.config import Config, ConfigError, UserError
@@ -67,7 +68,7 @@ class Critic:
         base = from_pretrained(AutoModel, cfg.algo.critic_path or model_path, conf, dtype=dtype,
                                attn_implementation=attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
         if cfg.model.gradient_checkpointing:
-            base.gradient_checkpointing_enable()
+            enable_checkpointing(base)
         model = _ValueModel(base)  # under ZeRO-3 the new head is partitioned by deepspeed.initialize
         if cfg.algo.critic_path:
             _check_vocabulary(cfg.algo.critic_path, base, model_path, cfg.model.trust_remote_code)

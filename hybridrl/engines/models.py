@@ -245,3 +245,16 @@ def _count_params(config, trust_remote_code: bool) -> tuple[int, bool]:
         log.debug("could not count the model's parameters: %s", e)
         remote = trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {})
         return 0, not remote
+
+
+def enable_checkpointing(hf) -> None:
+    """transformers' gradient checkpointing, working in eval mode. transformers recomputes a layer in
+    backward only while the module that checks it is in training mode (`gradient_checkpointing and
+    self.training`: each GradientCheckpointingLayer, or an older model's base model), and hybridrl's
+    models run in eval mode (no dropout: the trainer scores what vLLM sampled), so without this the
+    knob did nothing and every layer's activations stayed. Only those modules' own flag is set: their
+    submodules (attention and any dropout) stay in eval mode."""
+    hf.gradient_checkpointing_enable()
+    for module in hf.modules():
+        if getattr(module, "gradient_checkpointing", False) is True:
+            module.training = True

@@ -11,7 +11,9 @@ is copied back, since they never change. On CPU those moves are no-ops. `Referen
 None when algo.kl_coef == 0: no reference model is loaded at all. With LoRA (model.lora_rank > 0)
 the reference is the base model, which the trainer already holds: `BaseModelReference` runs the
 trainer's own model with the adapter disabled, so nothing is loaded either (unless algo.ref_path
-names another model).
+names another model). With sequence parallelism (train.sequence_parallel_size > 1) it scores like the
+trainer: the group's rows together, each rank a slice of every packed micro-batch (ulysses.py), so no
+rank runs more than train.max_tokens_per_micro_batch tokens of a long sequence.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import deepspeed
 import torch
 
 from hybridrl.data.batch import Batch, micro_batches, per_token, shared_micro_batches
+from hybridrl.engines import ulysses
 from hybridrl.engines.policy import TokenLogprobs, module_inputs, share_prompt
 from hybridrl.engines.trainer import from_pretrained, plan_micro_batches
 from hybridrl.run.config import Config
@@ -48,13 +51,15 @@ class Reference:
         if cfg.model.lora_rank and not cfg.algo.ref_path and trainer is not None:
             return BaseModelReference(trainer)
         return Reference(cfg, cfg.algo.ref_path or model_path, device=device, dtype=dtype,
-                         attn_implementation=attn_implementation)
+                         attn_implementation=attn_implementation, sp=trainer.sp if trainer is not None else None)
 
     def __init__(self, cfg: Config, path: str, *, device: torch.device, dtype: torch.dtype,
-                 attn_implementation: str):
+                 attn_implementation: str, sp: ulysses.Group | None = None):
+        """`sp`: the trainer's sequence-parallel group (None or a group of one: none)."""
         from transformers import AutoModelForCausalLM
 
         self.cfg, self.device = cfg, device
+        self.sp = sp if sp is not None and sp.size > 1 else None
         cuda = device.type == "cuda"
         conf = ds_config(cfg, dtype == torch.bfloat16, cuda)
         hf = from_pretrained(AutoModelForCausalLM, path, conf, dtype=dtype, attn_implementation=attn_implementation,
@@ -65,6 +70,9 @@ class Reference:
         # are the policy's to the bit, so the KL starts at 0
         provider = {"auto": "torch", "liger": "torch"}.get(kernels, kernels)
         self.module = TokenLogprobs(hf, provider, cfg.train.logprob_chunk)
+        if self.sp is not None:  # the trainer checked that the model can read packed rows
+            ulysses.install(hf)
+            self.module.sp = self.sp
         self.sharded = cfg.train.zero_stage == 3
         # the policy's shared-prompt layout (and so, at step 1, exactly the policy's log-probs)
         self.share = share_prompt(cfg, hf, "liger" if kernels == "liger" else provider, attn_implementation,
@@ -86,6 +94,18 @@ class Reference:
     def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
         """Reference log-probs of every completion token at the sampling temperature: [B, T]."""
         budget = self.cfg.train.max_tokens_per_micro_batch
+        if self.sp is not None:  # the group's rows in packed micro-batches of its ranks' budgets, each rank a slice
+            def plan(rows):  # the trainer's: a longer sequence gets a micro-batch of its own, the update refuses it
+                return plan_micro_batches(rows, budget * self.sp.size, packed=True)
+
+            def forward_slice(mb):
+                _, args, kw = ulysses.module_inputs(mb, self.sp)
+                return self.module(*args, temperature, **kw)[0]
+            self._place(self.device)
+            try:
+                return ulysses.group_logprobs(forward_slice, batch, plan, self.sp, self.device)
+            finally:
+                self._place(torch.device("cpu"))
         # sharded: every rank runs as many forwards as the busiest (each gathers collectively)
         if self.sharded:
             groups = plan_micro_batches(batch, budget, shared=self.share)

@@ -20,7 +20,7 @@ from torch import nn
 from hybridrl.cycle.memory import trim_host_heap
 from hybridrl.data.batch import Batch, micro_batches, per_token, shared_micro_batches
 from hybridrl.engines import deepspeed_compat, lora, platform, routing, ulysses
-from hybridrl.engines.models import is_native
+from hybridrl.engines.models import enable_checkpointing, is_native
 from hybridrl.engines.policy import TokenLogprobs, kernel_provider, module_inputs, packs, share_prompt
 from hybridrl.kernels.ppo_loss import importance_ratio
 from hybridrl.observe import faults
@@ -201,7 +201,7 @@ class Trainer:
         # LoRA: the adapter is injected into `hf` in place; only its parameters train (see lora.py)
         self.peft = lora.attach(hf, cfg.model) if cfg.model.lora_rank else None
         if cfg.model.gradient_checkpointing:
-            hf.gradient_checkpointing_enable()
+            enable_checkpointing(hf)
             if self.peft is not None:  # frozen embeddings: checkpointed blocks need an input that requires grad
                 hf.enable_input_require_grads()
         self.router, self.replay = self._router(cfg, hf)  # MoE: routing replay and its metrics
@@ -277,12 +277,11 @@ class Trainer:
         """Log-probs (and the loss) of mb's masked tokens, in the order of `mb.loss_mask`'s True
         entries whether packed or padded."""
         if self.sp.size > 1:  # this rank's slice of the packed row, and of the per-token loss inputs
-            s = ulysses.shard(mb, self.sp.rank, self.sp.size)
+            s, args, kw = ulysses.module_inputs(mb, self.sp)
             self._part = s.part
             if loss is not None:
                 loss = {k: v[s.part] if isinstance(v, torch.Tensor) else v for k, v in loss.items()}
-            return self.engine(s.tokens, None, None, temperature, loss, position_ids=s.position_ids, shard=dict(
-                targets=s.targets, sel=s.sel, segments=s.segments, full_position_ids=s.full_position_ids))
+            return self.engine(*args, temperature, loss, **kw)
         args, kw = module_inputs(mb, self.packing, self.share_prompt)
         return self.engine(*args, temperature, loss, **kw)
 
@@ -304,10 +303,8 @@ class Trainer:
     def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
         """Trainer log-probs of every masked token, laid out like `batch.loss_mask`: [B, T]."""
         if self.sp.size > 1:  # the group scores its ranks' rows together, each rank a slice of every row
-            group_batch, start = ulysses.gather_batch(batch, self.sp)
-            out = per_token(lambda mb: ulysses.gather_tokens(self._forward(mb, temperature)[0], self.sp),
-                            group_batch, self._plan(group_batch), self.device)
-            return ulysses.rows_of(out, start, batch)
+            return ulysses.group_logprobs(lambda mb: self._forward(mb, temperature)[0], batch, self._plan, self.sp,
+                                          self.device)
 
         def forward(mb):
             with self._routed(mb):

@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from hybridrl.data.batch import Batch
+from hybridrl.data.batch import Batch, per_token
 
 
 class Group(NamedTuple):
@@ -113,6 +113,23 @@ def shard(mb: Batch, rank: int, size: int) -> Shard:
     dev = mb.tokens.device
     return Shard(tokens[a:b][None].to(dev), positions[a:b][None].to(dev), targets[a:b][None].to(dev),
                  sel[a:b][None].to(dev), segments.to(dev), positions[None].to(dev), part)
+
+
+def module_inputs(mb: Batch, group: Group) -> tuple[Shard, tuple, dict]:
+    """This rank's slice of mb (`shard`) and TokenLogprobs' (tokens, attention_mask, loss_mask) and
+    keyword inputs for it. The trainer and the reference run their slices alike."""
+    s = shard(mb, group.rank, group.size)
+    return s, (s.tokens, None, None), dict(position_ids=s.position_ids, shard=dict(
+        targets=s.targets, sel=s.sel, segments=s.segments, full_position_ids=s.full_position_ids))
+
+
+def group_logprobs(forward, batch: Batch, plan, group: Group, device) -> torch.Tensor:
+    """[B, T] per-token values of this rank's `batch`, scored by the group together: its ranks' rows
+    gathered, cut into `plan(group_batch)`'s micro-batches, `forward(mb) -> [n]` run on this rank's slice
+    of each (the group's slices gathered in order), and this rank's rows taken back."""
+    group_batch, start = gather_batch(batch, group)
+    out = per_token(lambda mb: gather_tokens(forward(mb), group), group_batch, plan(group_batch), device)
+    return rows_of(out, start, batch)
 
 
 def gather_tokens(x: torch.Tensor, group: Group) -> torch.Tensor:

@@ -269,6 +269,12 @@ def validate(cfg: Config, lengths: bool = True) -> None:
          f"{_sequence_level(cfg)} needs each sequence whole on one rank: use algo.loss_agg token_mean (or "
          "seq_mean_token_sum_norm), algo.policy_loss ppo/cispo, algo.tis_level token and train.kernels auto/torch/"
          "triton, or train.sequence_parallel_size 1"),
+        # the critic trains on whole padded rows: under SP a sequence of up to S x the budget would be one
+        # critic micro-batch, activations the plan does not count (its slices are not built yet)
+        (t.sequence_parallel_size == 1 or cfg.algo.advantage != "gae",
+         f"algo.advantage=gae with train.sequence_parallel_size={t.sequence_parallel_size}: the critic scores and "
+         "trains on whole sequences, not sequence-parallel slices; use an advantage without a critic (grpo, "
+         "dr_grpo, rloo, reinforce_pp) or train.sequence_parallel_size 1"),
         (t.sequence_parallel_size == 1 or cfg.algo.routing_replay != "on",
          f"algo.routing_replay=on with train.sequence_parallel_size={t.sequence_parallel_size}: replaying vLLM's "
          "experts over sequence-parallel slices is not built yet; set algo.routing_replay auto (off under SP) or "
