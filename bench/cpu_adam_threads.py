@@ -9,7 +9,7 @@ ZeRO) and the thread counts alternate step by step, so the machine's load hits e
 time is the slowest rank's, the median over --steps steps per count.
 
 Run: python -m bench.cpu_adam_threads [--ranks 2] [--params 20000000] [--steps 7] [--threads 1,N]
-(N: the share env.optimizer_threads gives, cores // ranks). One row in bench/results/cpu_adam_threads.jsonl.
+(N: the share environ.optimizer_threads gives, cores // ranks). One row in bench/results/cpu_adam_threads.jsonl.
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from bench.results import record
 def _rank(rank: int, ranks: int, params: int, steps: int, threads: list[int], barrier, out) -> None:
     os.environ.update(OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from hybridrl.run import environ as env
-    env.setup()
+    from hybridrl.run import environ
+    environ.setup()
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -36,12 +36,12 @@ def _rank(rank: int, ranks: int, params: int, steps: int, threads: list[int], ba
     for p in ps:
         p.grad = torch.randn_like(p) * 1e-3
     opt = DeepSpeedCPUAdam(ps, lr=1e-5, adamw_mode=True)
-    with env.omp_threads(max(threads)):
+    with environ.omp_threads(max(threads)):
         opt.step()  # moments allocated and touched, so no step below pays for first-touch pages
     times: dict[int, list[float]] = {n: [] for n in threads}
     for _ in range(steps):
         for n in threads:
-            with env.omp_threads(n):
+            with environ.omp_threads(n):
                 barrier.wait()
                 t0 = time.perf_counter()
                 opt.step()
@@ -56,8 +56,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=7, help="steps per thread count")
     ap.add_argument("--threads", default="", help="comma-separated counts (default: 1 and the rank's share)")
     args = ap.parse_args(argv)
-    from hybridrl.run import environ as env
-    share = env.optimizer_threads({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(args.ranks)})
+    from hybridrl.run import environ
+    share = environ.optimizer_threads({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(args.ranks)})
     threads = sorted({int(x) for x in args.threads.split(",") if x} or {1, share})
     load_before = os.getloadavg()[0]  # the machine's other work: OpenMP's loops stall on a busy core
     ctx = mp.get_context("spawn")
@@ -73,7 +73,7 @@ def main(argv=None) -> dict:
     step_s = {n: statistics.median(max(per_rank[r][n][i] for r in per_rank) for i in range(args.steps))
               for n in threads}
     base = step_s[1] if 1 in step_s else step_s[threads[0]]
-    print(f"CPU Adam step, {args.ranks} ranks x {args.params / 1e6:g}M fp32 parameters, {env.host_cores()} cores "
+    print(f"CPU Adam step, {args.ranks} ranks x {args.params / 1e6:g}M fp32 parameters, {environ.host_cores()} cores "
           f"(share: {share} thread(s) per rank); median of {args.steps} steps, slowest rank")
     print(f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(f"{'threads/rank':>12} {'step s':>8} {'vs 1':>6} {'Gparam/s/rank':>14}")
@@ -82,7 +82,7 @@ def main(argv=None) -> dict:
     figures = {"step_s": {str(n): round(s, 4) for n, s in step_s.items()},
                "speedup_vs_1": {str(n): round(base / s, 3) for n, s in step_s.items()}, "share": share}
     record("cpu_adam_threads", {"ranks": args.ranks, "params_per_rank": args.params, "steps": args.steps,
-                                "threads": threads, "cores": env.host_cores()}, figures,
+                                "threads": threads, "cores": environ.host_cores()}, figures,
            note="side by side in one run, thread counts alternating step by step",
            load_avg=[round(load_before, 1), round(os.getloadavg()[0], 1)])
     return figures

@@ -56,8 +56,8 @@ def acc_at(curve, t: float) -> float:
 
 
 def main() -> None:
-    from hybridrl.run import environ as env
-    env.setup()  # matplotlib's and the engines' caches go under the project's cache dir, not ~/.cache
+    from hybridrl.run import environ
+    environ.setup()  # matplotlib's and the engines' caches go under the project's cache dir, not ~/.cache
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--minutes", type=float, default=2.5)

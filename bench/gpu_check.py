@@ -105,9 +105,9 @@ def main() -> int:
     ap.add_argument("--check", help=argparse.SUPPRESS)
     ap.add_argument("--fragment", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    from hybridrl.run import environ as env
-    env.setup()
-    cuda = env.has_cuda()
+    from hybridrl.run import environ
+    environ.setup()
+    cuda = environ.has_cuda()
     if a.fragment:
         engine.fragment()
         return 0

@@ -21,7 +21,7 @@ KERNEL_SHAPE = (16384, 896, 151936)
 CLAIMS: dict[str, tuple[int, list[tuple[str, str]]]] = {
     "stack": (120, [("software stack", "")]),
     "expandable": (180, [
-        ("expandable segments set for training (env.setup)", "expandable_segments:True"),
+        ("expandable segments set for training (environ.setup)", "expandable_segments:True"),
         ("expandable segments off inside vLLM's pool, back on after", "False inside, True after"),
         ("fragmentation case (7x512 MiB freed, 7x300 MiB, then 1 GiB, under a 4 GiB cap)",
          "OOM without, fits with"),
@@ -87,8 +87,8 @@ def verdict(ok: bool) -> str:
 
 def half_b_model() -> str:
     """A Qwen2.5-0.5B-shaped model with random weights (built once, on the GPU, into the cache)."""
-    from hybridrl.run import environ as env
-    dest = env.cache_dir() / "bench-qwen2-0.5b"
+    from hybridrl.run import environ
+    dest = environ.cache_dir() / "bench-qwen2-0.5b"
     if (dest / "config.json").exists():
         return str(dest)
     import shutil

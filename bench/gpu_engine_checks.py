@@ -38,8 +38,8 @@ def _config(overrides: dict):
 
 
 def _world():
-    from hybridrl.run import environ as env, launch
-    env.setup()
+    from hybridrl.run import environ, launch
+    environ.setup()
     return launch.init_distributed()
 
 
@@ -62,8 +62,8 @@ def check_stack(cuda: bool) -> None:
 
 def check_expandable(cuda: bool) -> None:
     from hybridrl.cycle import memory
-    from hybridrl.run import environ as env
-    env.setup()
+    from hybridrl.run import environ
+    environ.setup()
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     row(CLAIMS["expandable"][1][0][0], conf or "(unset)", "expandable_segments:True",
         verdict(memory.parse_conf(conf).get("expandable_segments") == "True"))

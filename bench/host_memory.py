@@ -83,8 +83,8 @@ class Sampler:
 def rank_main(local_rank: int, args, port: int, model: str, out_dir: str) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.ranks),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from hybridrl.run import environ as env
-    env.setup()
+    from hybridrl.run import environ
+    environ.setup()
     sampler = Sampler()
     import torch
 
@@ -168,12 +168,12 @@ def main() -> None:
     args = ap.parse_args()
     import tempfile
 
-    from hybridrl.run import environ as env
-    env.setup()
+    from hybridrl.run import environ
+    environ.setup()
     model = args.model
     if model == "qwen0.5b":
         from bench.memory import qwen2_half_b
-        model = str(qwen2_half_b(env.cache_dir() / "bench-qwen2-0.5b"))
+        model = str(qwen2_half_b(environ.cache_dir() / "bench-qwen2-0.5b"))
     elif model == "demo":
         model = str(DEMO)
     import torch.multiprocessing as mp
@@ -193,7 +193,7 @@ def main() -> None:
                 for d in t.get_shape():
                     n *= d
                 model_bytes += n * (2 if args.dtype == "bfloat16" else 4)
-    device = "cuda" if env.has_cuda() else "cpu"
+    device = "cuda" if environ.has_cuda() else "cpu"
     print(f"\n{device}, model {Path(model).name}, {args.ranks} ranks, ZeRO-{args.zero}, {args.dtype}, "
           f"reference {'on' if args.reference else 'off'}, critic {'on' if args.critic else 'off'}"
           f"{'' if args.step else ', no step'}\n")

@@ -152,8 +152,8 @@ def table(s: dict) -> str:
 
 
 def main() -> None:
-    from hybridrl.run import environ as env
-    env.setup()
+    from hybridrl.run import environ
+    environ.setup()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="134m", choices=[s for s in shapes.SHAPES if s != "tiny"])
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=["bfloat16", "float32"])

@@ -50,9 +50,9 @@ def generate_cost(model: str, rank: int, repeats: int = 7) -> dict:
 
     from hybridrl.data.tasks import arithmetic
     from hybridrl.engines import lora, vllm_compat
-    from hybridrl.run import environ as env
+    from hybridrl.run import environ
     from hybridrl.run.config import ModelConfig
-    env.setup()
+    environ.setup()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     kw = vllm_compat.engine_kwargs(on_cpu=True, kv_cache_bytes=64 << 20, gpu_memory_utilization=None, lora_rank=rank)
     kw["distributed_executor_backend"] = None  # one engine in this process, no torch.distributed group

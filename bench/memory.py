@@ -129,12 +129,12 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
     args = ap.parse_args()
-    from hybridrl.run import environ as env
-    env.setup()
-    cuda = env.has_cuda()
+    from hybridrl.run import environ
+    environ.setup()
+    cuda = environ.has_cuda()
     model = args.model or ("qwen0.5b" if cuda else "demo")
     if model == "qwen0.5b":
-        model = str(qwen2_half_b(env.cache_dir() / "bench-qwen2-0.5b"))
+        model = str(qwen2_half_b(environ.cache_dir() / "bench-qwen2-0.5b"))
     elif model == "demo":
         model = str(DEMO)
     res = {}

@@ -62,9 +62,9 @@ def generate_only(steps: int, seed: int, extra: list[str]) -> dict:
     then moves both modes alike, which separate training runs cannot promise."""
     import tempfile
 
-    from hybridrl.run import environ as env
-    env.setup()
-    from hybridrl.data import prompts as data, rewards
+    from hybridrl.run import environ
+    environ.setup()
+    from hybridrl.data import prompts, rewards
     from hybridrl.data.collect import Collector
     from hybridrl.engines.rollout import Rollout
     from hybridrl.observe.progress import Phases
@@ -77,7 +77,7 @@ def generate_only(steps: int, seed: int, extra: list[str]) -> dict:
     rollout = Rollout(res.cfg, res.model_path, on_cpu=True, eos_token_id=res.tokenizer.eos_token_id, rank=0)
     scorer = rewards.Scorer(res.cfg.reward, rank=0)
     scorer.run_dir = Path(tempfile.mkdtemp(prefix="bench-partial-"))
-    cols = {m: Collector(r.cfg, rollout, scorer, r.tokenizer, r.prompts, data.Sampler(len(r.prompts), seed), world, [])
+    cols = {m: Collector(r.cfg, rollout, scorer, r.tokenizer, r.prompts, prompts.Sampler(len(r.prompts), seed), world, [])
             for m, r in cfgs.items()}
     got = {m: {"tokens": 0.0, "seconds": 0.0, "steps": []} for m in cols}
     for step in range(1, steps + 1):

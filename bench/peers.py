@@ -20,7 +20,7 @@ AdamW betas (0.9, 0.99), gradient clip 1, and one dtype (--dtype):
     bf16: bfloat16 weights and compute, float32 master weights and Adam moments); TRL bf16=True on
     the model loaded in bfloat16 (pure bfloat16, AdamW moments in bfloat16 too: less memory
     traffic than ours, TRL's fastest setting); vLLM in bfloat16 on both sides.
-Both processes start through hybridrl's `env.setup()` (cache directories, and on CPU its host-heap
+Both processes start through hybridrl's `environ.setup()` (cache directories, and on CPU its host-heap
 setting, memory.keep_host_pages), so TRL runs with the same allocator behaviour as hybridrl
 (--peer-host-heap default: glibc's own, as TRL runs for its users).
 What had to change in TRL to run on this CPU (each is set in `trl_run`):
@@ -139,10 +139,10 @@ def run_hybridrl(args, out: Path) -> dict:
 
 
 def _demo_rows(split: str) -> list[dict]:
-    from hybridrl.data import prompts as data
+    from hybridrl.data import prompts
     from hybridrl.run import config
     return [{"prompt": r.value["prompt"], "answer": str(r.value["answer"])}
-            for r in data.load_rows(config.Config().data, split)]
+            for r in prompts.load_rows(config.Config().data, split)]
 
 
 def trl_run(args) -> dict:
@@ -405,8 +405,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.prompts:
         WORKLOADS[args.workload] = dict(WORKLOADS[args.workload], prompts=args.prompts)
-    from hybridrl.run import environ as env
-    env.setup()
+    from hybridrl.run import environ
+    environ.setup()
     if args.part:
         print(json.dumps(trl_run(args)))
         return

@@ -127,8 +127,8 @@ def main() -> None:
         args.tokens = int(args.tokens)
         return worker(args)
     from bench import shapes
-    from hybridrl.run import environ as env
-    dtype = args.dtype or ("bfloat16" if env.fast_bf16() else "float32")
+    from hybridrl.run import environ
+    dtype = args.dtype or ("bfloat16" if environ.fast_bf16() else "float32")
     cpu = platform.processor() or platform.machine()
     try:
         cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))

@@ -171,8 +171,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", default="runs/routing_replay")
     args = ap.parse_args()
-    from hybridrl.run import environ as env
-    env.setup()
+    from hybridrl.run import environ
+    environ.setup()
     if not args.learn:
         f = cost_and_agreement(args.model, args.reps)
         print(f"\n{args.model}: {f['samples']} samples (64 prompts x 8), {f['with_routes']} with vLLM's routes; "

@@ -69,12 +69,12 @@ def prompt_batches(cfg, steps: int):
     the step), so a standalone engine built from it has the loop's settings."""
     from transformers import AutoTokenizer
 
-    from hybridrl.data import prompts as data
+    from hybridrl.data.prompts import Sampler, encode, load_rows
     from hybridrl.run import resolve
     cfg, path, _ = resolve.configure(cfg, on_cpu=True)
     tok = AutoTokenizer.from_pretrained(path)
-    prompts, _ = data.encode(data.load_rows(cfg.data, "train"), tok, cfg.data, cfg.data.path)
-    sampler = data.Sampler(len(prompts), cfg.train.seed)
+    prompts, _ = encode(load_rows(cfg.data, "train"), tok, cfg.data, cfg.data.path)
+    sampler = Sampler(len(prompts), cfg.train.seed)
     return cfg, path, tok, [[prompts[i].ids for i in sampler.next(cfg.train.prompts_per_step)] for _ in range(steps)]
 
 
@@ -249,8 +249,8 @@ def main() -> None:
     ap.add_argument("--out", default="", help="keep the run here (default: a temporary directory, removed)")
     ap.add_argument("--part", choices=["standalone", "hf"], help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from hybridrl.run import environ as env
-    env.setup()
+    from hybridrl.run import environ
+    environ.setup()
     if args.part:
         part = standalone if args.part == "standalone" else hf_generate
         print(json.dumps(part(args.set, args.batches)))

@@ -221,8 +221,8 @@ def describe_machine() -> str:
 
 
 def main() -> None:
-    from hybridrl.run import environ as env
-    env.setup()
+    from hybridrl.run import environ
+    environ.setup()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="0.5b", choices=list(SHAPES))
     args = ap.parse_args()

@@ -97,8 +97,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="config override, e.g. train.prompts_per_step=64")
     ap.add_argument("--part", choices=["standalone", "hf"], help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from hybridrl.run import config, environ as env
-    env.setup()
+    from hybridrl.run import config, environ
+    environ.setup()
     if args.part:
         cfg = config.load(None, dict(s.split("=", 1) for s in args.set))
         print(json.dumps((standalone if args.part == "standalone" else hf_generate)(cfg, args.steps)))

@@ -59,14 +59,14 @@ def __dir__() -> list[str]:
 def train(config: Config | str | None = None, overrides: dict | None = None) -> dict:
     """Train in the calling process (a notebook, a script under torchrun/accelerate)."""
     from hybridrl.observe import preflight
-    from hybridrl.run import environ as env
+    from hybridrl.run import environ
     from hybridrl.run.config import Config, apply, load
     if isinstance(config, str):
         config = load(config, overrides)
     elif overrides:
         config = apply(config or Config(), overrides)
     config = config or Config()
-    env.setup(verbose=config.log.verbose)  # before torch/vLLM/DeepSpeed are imported by the loop
+    environ.setup(verbose=config.log.verbose)  # before torch/vLLM/DeepSpeed are imported by the loop
     preflight.check(config)  # a missing file or a bad reward module fails now, not after the imports
     from hybridrl.run import launch
     from hybridrl.run.loop import train as _train

@@ -255,10 +255,10 @@ def run_stage(stage: Stage, seconds: float, rows: Rows, log: Path, argv: list[st
 
 
 def run(names: list[str], left: float, out: Path, skip_done: bool = True) -> int:
-    from hybridrl.run import environ as env
-    env.setup()
-    cuda = env.has_cuda()
-    done_file = env.cache_dir() / "lease" / "done"
+    from hybridrl.run import environ
+    environ.setup()
+    cuda = environ.has_cuda()
+    done_file = environ.cache_dir() / "lease" / "done"
     done_file.parent.mkdir(parents=True, exist_ok=True)
     done = set(done_file.read_text().split()) if done_file.exists() else set()
     device = "no CUDA (dry run)"
@@ -491,10 +491,10 @@ def decode(mode: str, config: str = "qwen2.5-7b") -> None:
     from bench.gpu_claims import row, verdict
     from hybridrl.cycle import memory, plan
     from hybridrl.engines import vllm_compat
-    from hybridrl.run import environ as env
+    from hybridrl.run import environ
     engine._world()
     src, label = plan.shipped_config(config), DECODE_SHAPES[config]
-    model = env.cache_dir() / f"lease-{config}-config"
+    model = environ.cache_dir() / f"lease-{config}-config"
     model.mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text(src.read_text())
     from vllm import LLM, SamplingParams
@@ -711,14 +711,14 @@ def main() -> int:
     if a.plan:
         return print_plan()
     if a.stage or a.decode:
-        from hybridrl.run import environ as env
-        env.setup()
+        from hybridrl.run import environ
+        environ.setup()
         if a.decode == "asleep":
             asleep()
         elif a.decode:
             decode(a.decode, a.decode_config)
         else:
-            STAGE_FUNCS[a.stage](env.has_cuda())
+            STAGE_FUNCS[a.stage](environ.has_cuda())
         return 0
     names = [n for n in a.stages.split(",") if n] or list(BY_NAME)
     unknown = [n for n in names if n not in BY_NAME]

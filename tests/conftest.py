@@ -5,16 +5,16 @@ from pathlib import Path
 import pytest
 
 # Caches go where the setup built them (the Makefile's .cache in the work tree), never ~/.cache and
-# never a directory other users can write to (env.check_cache_dir).
+# never a directory other users can write to (environ.check_cache_dir).
 os.environ.setdefault("HYBRIDRL_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache"))
 # The suite needs no hub: an empty Hugging Face home, offline (hybridrl itself never moves HF_HOME,
 # so a user's token and model cache stay where they are), and no test can reach the network.
 os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="hybridrl-test-hf-")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from hybridrl.run import environ as env  # noqa: E402
+from hybridrl.run import environ  # noqa: E402
 
-env.setup()
+environ.setup()
 pytest_plugins = ["pytester"]  # test_machine.py runs the hook on a pretend CUDA machine
 
 import tiers  # noqa: E402  the fast tier (`-m fast`) and its guard

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from hybridrl.run import environ as env
+from hybridrl.run import environ
 
 
 def skip_reason(*, cuda: bool, n_gpus: int, cpu_only: str | None, devices: int) -> str | None:
@@ -30,7 +30,7 @@ def skip_reason(*, cuda: bool, n_gpus: int, cpu_only: str | None, devices: int) 
 
 def gpus() -> tuple[bool, int]:
     """(CUDA usable, device count) as the run sees them (launch.init_distributed's test)."""
-    if not env.has_cuda():  # no driver: no need to ask torch
+    if not environ.has_cuda():  # no driver: no need to ask torch
         return False, 0
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # ask NVML: forked test processes stay usable
     import torch

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from hybridrl.algorithms.advantages import advantages
+from hybridrl.algorithms import advantages
 from hybridrl.kernels.ppo_loss import ppo_loss
 
 
@@ -12,7 +12,7 @@ from hybridrl.kernels.ppo_loss import ppo_loss
 def test_grpo_hand_derived():
     # group [1, 0, 0, 1]: mean 0.5, unbiased std sqrt(4 * 0.25 / 3) = 0.57735 -> +-0.5 / 0.57735
     R = torch.tensor([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]])
-    A = advantages("grpo", R)
+    A = advantages.advantages("grpo", R)
     a = 0.5 / math.sqrt(1 / 3)
     torch.testing.assert_close(A[0], torch.tensor([a, -a, -a, a]), atol=1e-5, rtol=0)
     assert torch.equal(A[1], torch.zeros(4))  # no signal in a solved group
@@ -21,9 +21,9 @@ def test_grpo_hand_derived():
 @pytest.mark.fast
 def test_dr_grpo_and_rloo_hand_derived():
     R = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
-    torch.testing.assert_close(advantages("dr_grpo", R), torch.tensor([[0.5, -0.5, -0.5, 0.5]]))
+    torch.testing.assert_close(advantages.advantages("dr_grpo", R), torch.tensor([[0.5, -0.5, -0.5, 0.5]]))
     # RLOO: 1 - mean(0, 0, 1) = 2/3 ; 0 - mean(1, 0, 1) = -2/3
-    torch.testing.assert_close(advantages("rloo", R), torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3]]))
+    torch.testing.assert_close(advantages.advantages("rloo", R), torch.tensor([[2 / 3, -2 / 3, -2 / 3, 2 / 3]]))
 
 
 def _loss(logp, old, adv, **kw):
@@ -65,7 +65,6 @@ def test_on_policy_ratio_is_one():
 
 
 # --- REINFORCE++ baseline, GAE, KL in the reward, the critic's loss ---------------------------------
-from hybridrl.algorithms import advantages as algo  # noqa: E402
 from hybridrl.algorithms.advantages import ADVANTAGES, Experience  # noqa: E402
 
 
@@ -106,7 +105,7 @@ def test_reinforce_pp_discounts_the_kl_penalty():
     # returns: G2 = 0.4, G1 = -0.1 + 0.5 * 0.4 = 0.1, G0 = -0.1 + 0.5 * 0.1 = -0.05; row 1: -0.6
     R, mask = torch.tensor([[1.0, 0.0]]), _mask(2, [3, 1])
     base = (R - R.mean(1, keepdim=True)).flatten()
-    G = algo.discounted_returns(algo.token_rewards(base, mask, 0.1 * mask.float()), mask, 0.5)
+    G = advantages.discounted_returns(advantages.token_rewards(base, mask, 0.1 * mask.float()), mask, 0.5)
     assert _tokens(G, mask)[0] == pytest.approx([-0.05, 0.1, 0.4]) and _tokens(G, mask)[1] == pytest.approx([-0.6])
     adv, _ = ADVANTAGES["reinforce_pp"](Experience(R, mask, kl=0.1 * mask.float(), gamma=0.5))
     vals = [-0.05, 0.1, 0.4, -0.6]  # then whitened: mean -0.0375, population std
@@ -150,7 +149,7 @@ def test_kl_in_the_reward_of_a_group_estimator():
     adv, returns = ADVANTAGES["dr_grpo"](Experience(torch.tensor([[1.0, 0.0]]), mask, kl))
     assert adv.tolist() == pytest.approx([0.55, -0.55]) and returns is None
     adv, _ = ADVANTAGES["grpo"](Experience(torch.tensor([[1.0, 0.0]]), mask))  # no KL: plain GRPO, one per sample
-    torch.testing.assert_close(adv, advantages("grpo", torch.tensor([[1.0, 0.0]])).flatten())
+    torch.testing.assert_close(adv, advantages.advantages("grpo", torch.tensor([[1.0, 0.0]])).flatten())
 
 
 @pytest.mark.fast
@@ -166,7 +165,7 @@ def test_kl_is_zero_when_policy_equals_reference(kl_type, grad_at_0):
     assert float(loss) == 0.0 and float(m["kl_mean"]) == 0.0
     assert logp.grad.tolist() == pytest.approx([grad_at_0 / 2] * 2)
     lp = torch.tensor([[-30.0, 30.0, 15.0, 0.0]])
-    pen = algo.kl_penalty(lp, torch.zeros_like(lp), torch.ones_like(lp, dtype=torch.bool), kl_type, 0.5)
+    pen = advantages.kl_penalty(lp, torch.zeros_like(lp), torch.ones_like(lp, dtype=torch.bool), kl_type, 0.5)
     _, m = ppo_loss(lp[0], None, torch.zeros(4), torch.ones(4), logp_ref=torch.zeros(4), kl_coef=0.5, kl_type=kl_type)
     assert float(pen[0, 3]) == 0.0 and float(pen.mean()) == pytest.approx(0.5 * float(m["kl_mean"]))
 
@@ -179,11 +178,11 @@ def test_clipped_value_loss_hand_derived():
     # loss = 0.5 * (1 + 0.09) / 2 = 0.2725; without clipping 0.5 * (1 + 0.01) / 2 = 0.2525
     V = torch.tensor([1.0, 0.9], requires_grad=True)
     old, R = torch.tensor([0.5, 0.5]), torch.tensor([0.0, 1.0])
-    loss, m = algo.value_loss(V, old, R, clip=0.2, normalizer=2.0)
+    loss, m = advantages.value_loss(V, old, R, clip=0.2, normalizer=2.0)
     loss.backward()
     assert float(loss) == pytest.approx(0.2725) and float(m["value_clip_frac"]) == 0.5
     assert V.grad.tolist() == pytest.approx([0.5, 0.0])
-    loss, _ = algo.value_loss(V, old, R, clip=0.0, normalizer=2.0)
+    loss, _ = advantages.value_loss(V, old, R, clip=0.0, normalizer=2.0)
     assert float(loss) == pytest.approx(0.2525)
 
 

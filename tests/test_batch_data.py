@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hybridrl.data import prompts as data
+from hybridrl.data import prompts
 from hybridrl.data.batch import Batch, micro_batches
 
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
@@ -50,7 +50,7 @@ def test_micro_batches_respect_token_budget():
 
 
 def test_sampler_is_seeded_and_covers_each_epoch():
-    s1, s2 = data.Sampler(10, seed=3), data.Sampler(10, seed=3)
+    s1, s2 = prompts.Sampler(10, seed=3), prompts.Sampler(10, seed=3)
     first = s1.next(10)
     assert sorted(first) == list(range(10)) and first == s2.next(10)
     second = s1.next(10)

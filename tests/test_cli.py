@@ -13,7 +13,7 @@ from hybridrl.run.cli import bool_words
 
 
 def fresh_shell() -> dict:
-    """This process's environment without the quiet variables conftest's env.setup put in it, as
+    """This process's environment without the quiet variables conftest's environ.setup put in it, as
     a user's shell has it: the CLI must set them itself."""
     return {k: v for k, v in os.environ.items() if k not in logs.ENV_QUIET}
 
@@ -128,20 +128,20 @@ def test_verbose_shows_what_quiet_hides(tmp_path):
 def test_the_cache_is_per_user_0700_and_refused_when_others_can_plant_code(tmp_path, monkeypatch):
     """issue 40 (8): the default was /tmp/hybridrl-cache for every user, whose compiled ops later
     runs load and execute."""
-    from hybridrl.run import environ as env
+    from hybridrl.run import environ
     monkeypatch.delenv("HYBRIDRL_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    root = env.cache_dir()
+    root = environ.cache_dir()
     assert root == tmp_path / "xdg" / "hybridrl"
-    env.check_cache_dir(root)
+    environ.check_cache_dir(root)
     assert root.stat().st_mode & 0o777 == 0o700
     root.chmod(0o777)
     with pytest.raises(C.UserError, match=f"writable by other users .*: chmod go-w {root}"):
-        env.check_cache_dir(root)
+        environ.check_cache_dir(root)
     root.chmod(0o700)
     monkeypatch.setattr(os, "getuid", lambda: root.stat().st_uid + 1)  # as another user sees it
     with pytest.raises(C.UserError, match="belongs to another user .*point HYBRIDRL_CACHE_DIR at a directory of your own"):
-        env.check_cache_dir(root)
+        environ.check_cache_dir(root)
     monkeypatch.undo()
     shared = tmp_path / "shared"  # the CLI refuses it in one line, before anything is imported
     shared.mkdir(mode=0o777)

@@ -10,7 +10,7 @@ from pathlib import Path
 from hybridrl.engines import platform
 from hybridrl.engines.deepspeed_compat import cpu_config
 from hybridrl.engines.trainer import ds_config
-from hybridrl.run import config, environ as env
+from hybridrl.run import config, environ
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hybridrl"
 BOUNDARY = PACKAGE / "engines" / "deepspeed_compat.py"
@@ -73,7 +73,7 @@ def test_cpu_paths_are_off_on_a_gpu(monkeypatch):
     assert gpu.cuda and not (gpu.repack_vllm_weights or gpu.amx_bf16 or gpu.fresh_adam_powers or gpu.cpu_ds_config)
     assert gpu.one_pass_zero_step  # measured on both
     for flags, amx in (({"avx512_bf16", "amx_bf16"}, True), ({"avx512_bf16"}, False)):
-        monkeypatch.setattr(env, "cpu_flags", lambda: set(flags))
+        monkeypatch.setattr(environ, "cpu_flags", lambda: set(flags))
         cpu = platform.Platform.detect(cuda=False)
         assert not cpu.cuda and cpu.repack_vllm_weights and cpu.fresh_adam_powers and cpu.cpu_ds_config
         assert cpu.amx_bf16 is amx

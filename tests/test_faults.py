@@ -36,7 +36,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridrl.data import prompts as data
+from hybridrl.data import prompts
 from hybridrl.run import checkpoint, config
 
 from helpers.checkpoints import FAST, _steps
@@ -254,9 +254,9 @@ def test_malformed_rows_name_the_row(tmp_path):
                        (['{"prompt": null, "answer": "2"}'], "x.jsonl:1: 'prompt' must be a non-empty string, got None"),
                        (['{"prompt": 12, "answer": "2"}'], "x.jsonl:1: 'prompt' must be a non-empty string, got 12")]:
         (tmp_path / "x.jsonl").write_text("\n".join(lines) + "\n")
-        rows = data.read_rows(str(tmp_path / "x.jsonl"))
-        with pytest.raises(data.DataError, match=msg.replace("(", r"\(").replace(")", r"\)")):
-            data.encode(rows, lambda text: {"input_ids": [1]}, cfg, "x")
+        rows = prompts.read_rows(str(tmp_path / "x.jsonl"))
+        with pytest.raises(prompts.DataError, match=msg.replace("(", r"\(").replace(")", r"\)")):
+            prompts.encode(rows, lambda text: {"input_ids": [1]}, cfg, "x")
 
 
 class _Store:

@@ -79,21 +79,21 @@ def test_the_host_optimizer_step_gets_the_ranks_share_of_the_cores():
 def test_omp_threads_sets_and_restores_the_count_the_step_runs_with():
     import torch
 
-    from hybridrl.run import environ as env
+    from hybridrl.run import environ
     before = torch.get_num_threads()
-    assert env._omp_runtimes()  # torch's libgomp at least
-    with env.omp_threads(1):
+    assert environ._omp_runtimes()  # torch's libgomp at least
+    with environ.omp_threads(1):
         assert torch.get_num_threads() == 1
-    with env.omp_threads(0):  # 0: left alone
+    with environ.omp_threads(0):  # 0: left alone
         assert torch.get_num_threads() == before
     assert torch.get_num_threads() == before
 
 
 def test_the_recipe_says_how_many_threads_the_host_optimizer_gets(monkeypatch):
-    from hybridrl.run import environ as env, recipe
+    from hybridrl.run import environ, recipe
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setattr(env, "host_cores", lambda: 208)
+    monkeypatch.setattr(environ, "host_cores", lambda: 208)
     cfg = gpu_config("Qwen/Qwen2.5-32B-Instruct", 8, **{"train.optimizer_offload": "on"})
     info = plan.info_of("Qwen/Qwen2.5-32B-Instruct", plan.read_config("Qwen/Qwen2.5-32B-Instruct"),
                         shape("Qwen/Qwen2.5-32B-Instruct"))

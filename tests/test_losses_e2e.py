@@ -18,8 +18,8 @@ from helpers.cli import train_cli
 SCRIPT = textwrap.dedent('''
     import json
     import torch
-    from hybridrl.run import environ as env
-    env.setup()
+    from hybridrl.run import environ
+    environ.setup()
     from hybridrl.cycle import engine_cycle
     from hybridrl.run import launch
     from hybridrl.data.batch import Batch

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import hybridrl
-from hybridrl.algorithms import advantages as algo
+from hybridrl.algorithms import advantages
 from hybridrl.data import envs, multiturn
 from hybridrl.data.batch import Batch
 
@@ -172,13 +172,13 @@ def test_masked_returns_and_gae_skip_environment_tokens():
     returns are 0.25, 0.5, -, -, 1 (the env tokens are not steps). GAE on the row with gaps equals
     GAE on the row with the env columns removed, token for token."""
     mask = torch.tensor([[True, True, False, False, True]])
-    r = algo.token_rewards(torch.tensor([1.0]), mask, None)
-    assert algo.discounted_returns(r, mask, 0.5).tolist() == [[0.25, 0.5, 0.0, 0.0, 1.0]]
+    r = advantages.token_rewards(torch.tensor([1.0]), mask, None)
+    assert advantages.discounted_returns(r, mask, 0.5).tolist() == [[0.25, 0.5, 0.0, 0.0, 1.0]]
     values = torch.tensor([[0.1, 0.2, 9.0, 9.0, 0.4]])
-    x = algo.Experience(torch.tensor([[1.0]]), mask, values=values, gamma=0.9, lam=0.8)
-    dense = algo.Experience(torch.tensor([[1.0]]), torch.ones(1, 3, dtype=torch.bool), values=values[:, [0, 1, 4]],
+    x = advantages.Experience(torch.tensor([[1.0]]), mask, values=values, gamma=0.9, lam=0.8)
+    dense = advantages.Experience(torch.tensor([[1.0]]), torch.ones(1, 3, dtype=torch.bool), values=values[:, [0, 1, 4]],
                             gamma=0.9, lam=0.8)
-    (adv, ret), (adv_d, ret_d) = algo.gae(x), algo.gae(dense)
+    (adv, ret), (adv_d, ret_d) = advantages.gae(x), advantages.gae(dense)
     torch.testing.assert_close(adv[mask], adv_d.flatten())
     torch.testing.assert_close(ret[mask], ret_d.flatten())
     # by hand, before whitening: delta_2 = 1 - 0.4 = 0.6; delta_1 = 0.9 * 0.4 - 0.2 = 0.16, A_1 = 0.16 + 0.72 * 0.6
@@ -199,8 +199,8 @@ def test_batch_masks_environment_tokens():
 # --- the real engines ----------------------------------------------------------------------------
 EPISODE_SCRIPT = textwrap.dedent('''
     import json, sys
-    from hybridrl.run import environ as env
-    env.setup()
+    from hybridrl.run import environ
+    environ.setup()
     import torch
     from hybridrl.run import launch
     from hybridrl.data import multiturn

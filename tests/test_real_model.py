@@ -251,11 +251,11 @@ def test_bfloat16_on_a_cpu_without_amx_warns(monkeypatch, caplog):
     """bfloat16 on CPU without AMX-BF16 warns, AVX512-BF16 or not (on an Intel Xeon with it alone a
     bfloat16 GEMM ran half float32's speed); with AMX, or in float32, nothing is said."""
     from hybridrl.engines import platform
-    from hybridrl.run import environ as env
+    from hybridrl.run import environ
     monkeypatch.setattr(platform, "current", lambda: platform.Platform.detect(cuda=False))  # from the flags below
 
     def warned(flags, dtype):
-        monkeypatch.setattr(env, "cpu_flags", lambda: set(flags))
+        monkeypatch.setattr(environ, "cpu_flags", lambda: set(flags))
         caplog.clear()
         resolve.machine(C.load(None, {"model.path": "m", "model.dtype": dtype}), on_cpu=True)
         return "slower than float32" in caplog.text
@@ -438,21 +438,21 @@ def test_cpu_dtype_auto_is_bfloat16_for_a_real_size_model_with_amx():
 @pytest.mark.fast
 def test_configure_picks_bfloat16_only_where_the_cpu_has_amx(tiny, monkeypatch, tmp_path):
     """resolve.configure (what `hybridrl train`, `hybridrl eval` and the benches resolve a config with)
-    passes the platform's amx_bf16 (env.fast_bf16) to the recipe: with AMX-BF16 a real-size model gets
+    passes the platform's amx_bf16 (environ.fast_bf16) to the recipe: with AMX-BF16 a real-size model gets
     bfloat16, without it float32."""
     from hybridrl.engines import platform
-    from hybridrl.run import environ as env
+    from hybridrl.run import environ
     monkeypatch.setattr(platform, "current", lambda: platform.Platform.detect(cuda=False))  # from the flags below
     monkeypatch.setattr(recipe, "COMPILE_MIN_PARAMS", 0)  # the tiny model counts as real-size here
     for flags, dtype in (({"avx512_bf16", "amx_bf16"}, "bfloat16"), ({"avx512_bf16"}, "float32")):
-        monkeypatch.setattr(env, "cpu_flags", lambda: set(flags))
+        monkeypatch.setattr(environ, "cpu_flags", lambda: set(flags))
         cfg, path, info = resolve.configure(C.load(None, {"model.path": str(tiny)}), on_cpu=True)
         assert (cfg.model.dtype, Path(path), info.vocab) == (dtype, tiny, 320)
     # a checkpoint's config.yaml holds the dtype its run resolved (checkpoint.Saver writes the resolved
     # config): resumed on a CPU without AMX, the run goes on in bfloat16, as its weights were saved
-    monkeypatch.setattr(env, "cpu_flags", lambda: {"avx512_bf16", "amx_bf16"})
+    monkeypatch.setattr(environ, "cpu_flags", lambda: {"avx512_bf16", "amx_bf16"})
     saved = tmp_path / "config.yaml"
     resolved = resolve.configure(C.load(None, {"model.path": str(tiny)}), on_cpu=True)[0]
     saved.write_text(yaml.safe_dump(C.to_dict(resolved)))
-    monkeypatch.setattr(env, "cpu_flags", lambda: {"avx512_bf16"})
+    monkeypatch.setattr(environ, "cpu_flags", lambda: {"avx512_bf16"})
     assert resolve.configure(C.load(saved, {}), on_cpu=True)[0].model.dtype == "bfloat16"

@@ -39,8 +39,8 @@ def test_kl_in_the_reward_is_zero_at_step_one_then_grows(tmp_path, advantage):
 
 ZERO3_SCRIPT = '''
 import json, sys
-from hybridrl.run import environ as env
-env.setup()
+from hybridrl.run import environ
+environ.setup()
 import deepspeed, torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM

@@ -62,8 +62,8 @@ def test_dynamic_sampling_two_ranks(tmp_path):
 
 DROP_SCRIPT = textwrap.dedent('''
     import json
-    from hybridrl.run import environ as env
-    env.setup()
+    from hybridrl.run import environ
+    environ.setup()
     from hybridrl.run import launch
     from hybridrl.data.collect import Collector
     from hybridrl.run.config import Config, apply

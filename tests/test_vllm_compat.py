@@ -112,7 +112,7 @@ def test_engine_env_per_mode(monkeypatch):
     """Out of process: V1 multiprocessing, spawned, on this rank's device only; in process: none."""
     import os
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # env.setup's default
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # environ.setup's default
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     with vllm_compat.engine_env(out_of_process=True, local_rank=1, cuda=True):
         assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"

@@ -1,7 +1,7 @@
 """Device memory policy of the hybrid engine: the allocator setting, the plan of vLLM's budget.
 
 - Expandable segments: PyTorch's `expandable_segments:True` removes the trainer's fragmentation
-  OOMs, but vLLM's sleep-mode memory pool breaks with it (pytorch#147851). So `env.setup` turns it
+  OOMs, but vLLM's sleep-mode memory pool breaks with it (pytorch#147851). So `environ.setup` turns it
   on for training when the user set nothing, `check_alloc_conf` refuses at start the settings
   that sleep mode cannot live with (saying what to change), and `vllm_pool()` switches it off
   around everything that touches vLLM's pool (construction, wake, hand-off, sleep) and back on
@@ -15,13 +15,13 @@
   (the logits chunks, DeepSpeed's flat gradient and master-weight buffers). glibc serves each one
   over 32 MiB with a fresh mmap and unmaps it on free, so every step pays page faults on all of
   them again, a large share of a CPU step at real shapes (docs/speed.md, "the host heap").
-  `keep_host_pages()` (env.setup, CPU only) makes glibc serve them from its heap and keep freed
+  `keep_host_pages()` (environ.setup, CPU only) makes glibc serve them from its heap and keep freed
   pages for reuse; `trim_host_heap()` still hands free pages back where the loop frees memory
   for good (after a load). HYBRIDRL_HOST_HEAP=default leaves glibc as it is.
 - Host memory: `host_memory()` is this process's resident and peak host memory; the run prints it
   for every rank once its engines are built (before vLLM starts), and logs rank 0's each step.
 
-torch is imported inside the functions: `env.setup` calls `training_defaults` before torch loads.
+torch is imported inside the functions: `environ.setup` calls `training_defaults` before torch loads.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def with_expandable(conf: str, on: bool) -> str:
 
 
 def training_defaults(environ: Mapping[str, str], cuda: bool) -> dict[str, str]:
-    """What `env.setup` adds: expandable segments for training on CUDA, unless the user chose."""
+    """What `environ.setup` adds: expandable segments for training on CUDA, unless the user chose."""
     if not cuda or alloc_conf(environ)[0]:
         return {}
     return {"PYTORCH_CUDA_ALLOC_CONF": TRAINING_DEFAULT}

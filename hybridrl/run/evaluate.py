@@ -73,12 +73,12 @@ class Evaluator:
 def run(target: str, cfg) -> dict:
     """`hybridrl eval`: load the model (a run directory's newest checkpoint, exported to a temporary
     HF directory, or a model directory / hub name), build vLLM alone and evaluate once."""
-    from hybridrl.data import prompts as data, rewards
+    from hybridrl.data import prompts, rewards
     from hybridrl.engines.rollout import Rollout
-    from hybridrl.run import environ as env, export, recipe, resolve
+    from hybridrl.run import environ, export, recipe, resolve
     from hybridrl.run.config import UserError
 
-    env.setup()
+    environ.setup()
     world = launch.init_distributed()
     on_cpu = world.device.type == "cpu"
     with tempfile.TemporaryDirectory(prefix="hybridrl-eval-") as tmp:
@@ -89,7 +89,7 @@ def run(target: str, cfg) -> dict:
         cfg, path, _ = resolve.configure(cfg, on_cpu, world.size, model_dir)
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-        heldout, dropped = data.encode(data.load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")
+        heldout, dropped = prompts.encode(prompts.load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")
         heldout = heldout[: cfg.log.eval_size or None]
         if not heldout:
             raise UserError("no held-out prompts to evaluate: pass --data FILE (or set data.heldout_path)")

@@ -15,11 +15,12 @@ import time
 import numpy as np
 import torch
 
-from hybridrl.algorithms import advantages as algo
+from hybridrl.algorithms import advantages
 from hybridrl.cycle import engine_cycle, sync
-from hybridrl.data import partial, prompts as data, rewards
+from hybridrl.data import partial, rewards
 from hybridrl.data.batch import Batch
 from hybridrl.data.collect import Collector
+from hybridrl.data.prompts import Sampler, encode, load_rows
 from hybridrl.engines import reward_model
 from hybridrl.engines.critic import Critic
 from hybridrl.engines.reference import Reference
@@ -28,7 +29,7 @@ from hybridrl.engines.trainer import Trainer
 from hybridrl.observe import faults
 from hybridrl.observe.canaries import distribution_metrics
 from hybridrl.observe.progress import Phases, RunLog
-from hybridrl.run import checkpoint, environ as env, launch, recipe, resolve
+from hybridrl.run import checkpoint, environ, launch, recipe, resolve
 from hybridrl.run.config import Config, torch_dtype
 from hybridrl.run.evaluate import Evaluator
 
@@ -37,7 +38,7 @@ log = logging.getLogger("hybridrl")
 
 def train(cfg: Config) -> dict:
     """Run RL training as configured; returns the summary (accuracy before/after, timings)."""
-    env.setup()
+    environ.setup()
     world = launch.init_distributed(timeout_s=2 * cfg.train.watchdog_s)
     on_cpu = world.device.type == "cpu"
     engine_cycle.check(cfg, cuda=not on_cpu)  # allocator settings that would break vLLM's sleep mode
@@ -47,9 +48,9 @@ def train(cfg: Config) -> dict:
     seed_everything(cfg.train.seed + world.rank)
     tp = launch.tp_groups(world, cfg.rollout.tensor_parallel_size)  # every rank keeps its own prompts
 
-    heldout, _ = data.encode(data.load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")
+    heldout, _ = encode(load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")
     heldout = heldout[: cfg.log.eval_size or None]
-    sampler = data.Sampler(len(prompts), cfg.train.seed)
+    sampler = Sampler(len(prompts), cfg.train.seed)
     resumed = checkpoint.Resume.find(cfg, world)  # None: a fresh run
     if resumed:
         cfg = resumed.adopt(cfg)  # continue in that run's directory
@@ -120,9 +121,9 @@ def train(cfg: Config) -> dict:
             if critic:
                 with phases("values"):
                     batch.values = critic.values(batch)
-            batch.advantages, batch.returns, adv_metrics = algo.estimate(cfg.algo, R, batch)  # [P * n] or [P * n, T]
+            batch.advantages, batch.returns, adv_metrics = advantages.estimate(cfg.algo, R, batch)  # [P * n] or [P * n, T]
             batch.advantages[ro.masked] = 0.0  # overlong-filtered samples and a filler group carry no gradient
-            signal = algo.nonzero_advantage(batch.advantages)  # [P * n] bool
+            signal = advantages.nonzero_advantage(batch.advantages)  # [P * n] bool
             # 3. train on the samples that carry a gradient (equal-reward groups have A == 0, but
             # with the KL in the loss every unmasked sample still has one)
             skip = cfg.algo.skip_zero_advantage and not (cfg.algo.kl_coef and cfg.algo.kl_in == "loss")

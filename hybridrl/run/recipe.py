@@ -22,7 +22,7 @@ import os
 
 from hybridrl.cycle import memory
 from hybridrl.engines.models import ModelInfo
-from hybridrl.run import environ as env
+from hybridrl.run import environ
 from hybridrl.run.config import (DEMO, DEMO_SOURCE, Config, ConfigError, default, demo_recipe, explicit,  # noqa: F401
                                  get, leaves, put as _set, validate)
 
@@ -52,7 +52,7 @@ def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
     """The config with the recipe's values in every key the user left unset. The demo gets DEMO,
     its recipe; any other model keeps the defaults, a real model's, with a context that fits both
     lengths and the model. On CPU every model gets a KV cache sized for the step. `fast_bf16`:
-    every rank's CPU has AMX-BF16 (env.fast_bf16), where a real-size model computes in bfloat16."""
+    every rank's CPU has AMX-BF16 (environ.fast_bf16), where a real-size model computes in bfloat16."""
     demo = cfg.model.path == "demo"
     cfg = demo_recipe(cfg)  # loaded configs have it already; not one built in code (hybridrl.train(Config()))
     cfg = loss_clip(cfg)
@@ -295,7 +295,7 @@ def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | Non
                      f"{planned_ranks} OpenMP threads; OMP_NUM_THREADS > 1 sets it)")
     elif not on_cpu and t.optimizer_offload == "on":  # the trainer's host_step_threads, from this node's numbers
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
-        lines.append(f"  optimizer on the host: CPU Adam on {env.optimizer_threads()} OpenMP threads per rank "
-                     f"({env.host_cores()} cores, {ranks} rank{'s' * (ranks != 1)} on this node; OMP_NUM_THREADS > 1 "
+        lines.append(f"  optimizer on the host: CPU Adam on {environ.optimizer_threads()} OpenMP threads per rank "
+                     f"({environ.host_cores()} cores, {ranks} rank{'s' * (ranks != 1)} on this node; OMP_NUM_THREADS > 1 "
                      "sets it)")
     return lines

@@ -21,7 +21,7 @@ import logging
 from dataclasses import dataclass, replace
 
 from hybridrl.cycle import memory, plan
-from hybridrl.data import prompts as data
+from hybridrl.data.prompts import encode, load_rows
 from hybridrl.engines import models, platform, policy
 from hybridrl.run import launch, recipe
 from hybridrl.run.config import Config, ConfigError
@@ -64,7 +64,7 @@ def run_config(cfg: Config, world) -> Resolved:
         raise ConfigError(f"train.sequence_parallel_size={sp} must divide the model's {heads} attention heads (each "
                           "rank of the group attends with its share of them)")
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
-    prompts, dropped = data.encode(data.load_rows(cfg.data, "train"), tokenizer, cfg.data, cfg.data.path)
+    prompts, dropped = encode(load_rows(cfg.data, "train"), tokenizer, cfg.data, cfg.data.path)
     cfg = recipe.set_steps(cfg, len(prompts))  # train.data_epochs -> train.steps
     layout = policy.layout(cfg, cfg.model.attn_implementation, native=info.native, plain_cache=info.plain_cache,
                            name=info.arch)
