@@ -147,6 +147,12 @@ class Collector:
                 self.scorer.poll()
         with phases("reward"):  # what the verifiers have not finished by the end of generation
             scores = self.scorer.wait()
+        return self._scored(batch, pending, scores, phases), len(gen.rejected)
+
+    def _scored(self, batch, pending: dict[int, list[Sample]], scores: dict, phases: Phases) -> list[_Group]:
+        """The groups of `pending` (key -> its n samples; `batch[key]` its prompt) with their rewards: the
+        verifiers' `scores`, the reward models', the environment's and the overlong penalty."""
+        cfg, n = self.cfg, self.cfg.rollout.n
         raws = {i: scores[(i, None)] if self.scorer.batched else [scores[(i, j)][0] for j in range(n)]
                 for i in pending}
         if self.models:
@@ -154,13 +160,12 @@ class Collector:
                 self._add_model_scores(batch, pending, raws)
         groups = []
         for i, samples in pending.items():
-            raw = raws[i]
-            raw = [x + s.env_reward for x, s in zip(raw, samples)]  # 0 without an environment
+            raw = [x + s.env_reward for x, s in zip(raws[i], samples)]  # 0 without an environment
             lengths = torch.tensor([len(s.token_ids) for s in samples])
             shaped = torch.tensor(raw) + dapo.overlong_penalty(lengths, completion_budget(cfg),
                                                                cfg.algo.overlong_buffer, cfg.algo.overlong_penalty)
             groups.append(_Group(batch[i], samples, raw, shaped))
-        return groups, len(gen.rejected)
+        return groups
 
     def _round_partial(self, step: int, phases: Phases) -> tuple[list[_Group], int]:
         """rollout.partial: continue the carried groups and start fresh ones, stop vLLM once this rank's
@@ -222,19 +227,8 @@ class Collector:
         self.buffer.counts = dict(generated=after - before, aborted=sum(not d for _, d in cut),
                                   carried=len(self.buffer.groups), continued=len(continued), expired=len(expired))
         pending = {k: groups[k].samples for k in complete}
-        raws = {k: scores[(k, None)] if self.scorer.batched else [scores[(k, j)][0] for j in range(n)]
-                for k in complete}
         batch = {k: self.prompts[groups[k].index] for k in complete}
-        if self.models:
-            with phases("reward_model"):
-                self._add_model_scores(batch, pending, raws)
-        out = []
-        for k in complete:
-            lengths = torch.tensor([len(s.token_ids) for s in pending[k]])
-            shaped = torch.tensor(raws[k]) + dapo.overlong_penalty(lengths, completion_budget(cfg),
-                                                                   cfg.algo.overlong_buffer, cfg.algo.overlong_penalty)
-            out.append(_Group(batch[k], pending[k], raws[k], shaped))
-        return out, len(rejected)
+        return self._scored(batch, pending, scores, phases), len(rejected)
 
     def _add_model_scores(self, batch: list[Prompt], pending: dict[int, list[Sample]],
                           raws: dict[int, list[float]]) -> None:
