@@ -3,6 +3,7 @@
     python -m bench.plan_check                         # 134m and 0.5b, checkpointing off/on, 1 rank ZeRO-2, 2 ranks ZeRO-3
     python -m bench.plan_check --shapes 134m --runs 1:2,1:3,2:2,2:3 --tokens 1024
     python -m bench.plan_check --shapes 0.5b --runs 1:2 --ckpt-modes on --seqs 1 --tokens 4096,8192,16384   # long answers
+    python -m bench.plan_check --replan --shapes 0.5b --runs 1:2 --ckpt-modes on --seqs 1 --tokens 1024,4096,8192,16384
 
 Each row is one process group (torch.distributed.run for 2 ranks) that builds the real trainer
 (DeepSpeed ZeRO, the shape's random weights from bench/shapes.py) and runs two updates on one
@@ -16,6 +17,8 @@ column less the reserve (plan.build on the same settings). The weights are rando
 shapes matter here. `measure(..., cuda=True)` and `planned(..., on_cpu=False)` are the same
 comparison on a GPU (bench/lease.py): the device's torch.cuda.max_memory_allocated during the
 second update against the GPU plan's train column.
+With --replan nothing is measured: today's plan is set against the newest recorded measurement of
+each row (a measured peak does not depend on the plan's code).
 Results: the table, and a row in bench/results/plan_check.jsonl.
 """
 
@@ -108,6 +111,45 @@ def planned(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtyp
     return sum(row.get("train", 0) for name, row in p.rows.items() if name in TRAINER_ROWS)
 
 
+def replan(args) -> None:
+    """Today's plan beside the newest recorded measurement of each row asked for: a measured peak
+    does not depend on the plan's code, so a change to the plan's arithmetic is checked against the
+    measurements already made (each row keeps the commit and date it was measured at)."""
+    from bench import shapes
+    from bench.results import load
+    dtype = args.dtype or "bfloat16"
+    measured = {}
+    for r in load("plan_check"):  # oldest first: the newest of each row wins
+        w = r["workload"]
+        if w.get("replanned") or w.get("seqs", 4) != args.seqs or w.get("dtype") != dtype:
+            continue
+        for x in r["figures"]["rows"]:
+            if x.get("measured"):
+                key = (x["shape"], x["ranks"], x["zero"], x["ckpt"], x.get("tokens", w.get("tokens")))
+                measured[key] = dict(x, tokens=key[-1], measured_commit=r["commit"], measured_date=r["date"])
+    print(f"today's plan against the newest measurement of each row ({dtype}, {args.seqs} sequence(s) per micro-batch)")
+    print(f"{'shape':>6} {'ranks':>5} {'ZeRO':>4} {'ckpt':>5} {'tokens':>6} {'plan GiB':>9} {'measured GiB':>13} "
+          f"{'measured/plan':>14}  measured at")
+    rows = []
+    for name in args.shapes.split(","):
+        path = str(shapes.build(name))
+        for ranks, zero in (map(int, run.split(":")) for run in args.runs.split(",")):
+            for n in (int(t) for t in args.tokens.split(",")):
+                for ckpt in (mode == "on" for mode in args.ckpt_modes.split(",")):
+                    m = measured.get((name, ranks, zero, ckpt, n))
+                    if m is None:
+                        print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6}  never measured")
+                        continue
+                    m["plan"] = planned(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs)
+                    rows.append(m)
+                    print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6} {m['plan'] / 2**30:>9.2f} "
+                          f"{m['measured'] / 2**30:>13.2f} {m['measured'] / m['plan']:>14.2f}  "
+                          f"{m['measured_commit']} {m['measured_date'][:16]}", flush=True)
+    record("plan_check", {"shapes": args.shapes.split(","), "runs": args.runs.split(","),
+                          "tokens": [r["tokens"] for r in rows], "seqs": args.seqs, "dtype": dtype, "replanned": True},
+           {"rows": rows}, **({"note": args.note} if args.note else {}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--worker", action="store_true")
@@ -122,10 +164,14 @@ def main() -> None:
     ap.add_argument("--shapes", default="134m,0.5b")
     ap.add_argument("--runs", default="1:2,2:3", help="ranks:zero_stage pairs")
     ap.add_argument("--note", default="", help="kept with the results row (the machine's load, say)")
+    ap.add_argument("--replan", action="store_true", help="no new measurement: today's plan against the newest "
+                    "recorded measurement of each row asked for (the plan changed, the trainer did not)")
     args = ap.parse_args()
     if args.worker:
         args.tokens = int(args.tokens)
         return worker(args)
+    if args.replan:
+        return replan(args)
     from bench import shapes
     from hybridrl.run import environ
     dtype = args.dtype or ("bfloat16" if environ.fast_bf16() else "float32")

@@ -249,6 +249,9 @@ def render_plan_check(args: list[str], filters: dict) -> str:
     head = ["shape", "ranks", "ZeRO", "gradient checkpointing"] + (["sequence tokens"] if long else []) \
         + ["plan GiB", "measured GiB", "measured / plan"]
     what = "one sequence per micro-batch" if long else f"one micro-batch of {w.get('tokens')} tokens"
+    if w.get("replanned"):  # bench.plan_check --replan: this commit's plan, each row's newest measurement
+        what += "; the plan of the commit below against each row's newest measurement (measured at " + ", ".join(
+            f"{x['measured_commit']} {x['measured_date'][:10]}" for x in r["figures"]["rows"]) + ")"
     note = f" ({r['note']})" if long and r.get("note") else ""
     return (table(head, "lrrl" + "r" * (len(head) - 4), out)
             + f"\n\n{w.get('dtype')}, {what}; " + _about(r, "plan_check") + note + ".")

@@ -24,7 +24,10 @@ of the trainer's data parallelism, TP vLLM's tensor-parallel size):
   token's top-k experts and the router's probabilities, Shape.layer_activations), b hidden with it
   (each layer's input) plus one layer recomputed;
   one more layer's worth for the backward's working set; the fused LM head's chunk of logits
-  (train.logprob_chunk x vocabulary x (b + 8)), never the full logits. These coefficients were
+  (train.logprob_chunk x vocabulary x (b + 8); on CPU the torch path's five buffers, 2 b + 12), never
+  the full logits, and the head's weight gradient, whole on every rank (vocabulary x hidden x (4 + b):
+  its float32 accumulator and a low-precision copy; from 8k tokens on the 0.5B shape the backward, not
+  the step, is the trainer's peak, bench/plan_check.py). These coefficients were
   measured by counting the tensors autograd saves in transformers' Qwen2, Qwen3 and Qwen3-MoE (sdpa
   attention; tests/test_plan.py counts them again);
   bench/plan_check.py compares the whole trainer's measured peak with the plan.
@@ -452,8 +455,14 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
     else:
         saved = tokens * (fixed + shape.all_layer_activations(b))
     backward = tokens * per_layer + shape.layer_params * b  # a layer's activation and weight gradients
-    head = min(k.chunk, tokens) * shape.vocab * (b + 8)
-    act = saved + backward + head
+    # a chunk's logits and their gradient; on CPU the torch path's workspace keeps five [chunk, vocab]
+    # buffers (float32 log-softmax, softmax and scratch, the low-precision logits and gradient)
+    head = min(k.chunk, tokens) * shape.vocab * ((2 * b + 12) if k.on_cpu else (b + 8))
+    # the head's weight gradient, whole on every rank whatever the ZeRO stage: the fused path's float32
+    # accumulator and one low-precision copy at a time (a chunk's product, then the one backward returns);
+    # none where the head is frozen (LoRA)
+    vocab_grads = shape.vocab * shape.hidden * (4 + b) if T >= P else 0
+    act = saved + backward + head + vocab_grads
     fwd_only = tokens * per_layer + head  # a no-grad forward (log-probs, values): one layer at a time
 
     vllm_w = shape.vllm_rank_params(k.tp) * b  # every expert split over the TP ranks, the router on each
