@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import hybridrl
-from hybridrl.cycle import memory
+from hybridrl.core import memory
 
 
 @pytest.mark.fast

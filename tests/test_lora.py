@@ -33,9 +33,9 @@ def test_config_sleep_level_and_bad_targets_say_what_to_change():
     import torch
     from transformers import AutoModelForCausalLM
 
+    from hybridrl.core import config
     from hybridrl.cycle import engine_cycle
     from hybridrl.engines import lora
-    from hybridrl.run import config
     cfg = config.load(overrides={"model.lora_rank": 16})
     assert engine_cycle.keep_base_weights(cfg, main=False).rollout.sleep_level == 1  # 2 would discard the base
     assert engine_cycle.keep_base_weights(config.load(), main=False).rollout.sleep_level == 2  # no LoRA: unchanged

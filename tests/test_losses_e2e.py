@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent('''
     from hybridrl.cycle import engine_cycle
     from hybridrl.run import launch
     from hybridrl.data.batch import Batch
-    from hybridrl.run.config import Config, apply
+    from hybridrl.core.config import Config, apply
     from hybridrl.engines.critic import Critic
     from hybridrl.run.resolve import machine
     from hybridrl.engines.rollout import Rollout

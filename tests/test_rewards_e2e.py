@@ -65,8 +65,8 @@ DROP_SCRIPT = textwrap.dedent('''
     from hybridrl.run import environ
     environ.setup()
     from hybridrl.run import launch
-    from hybridrl.data.collect import Collector
-    from hybridrl.run.config import Config, apply
+    from hybridrl.run.collect import Collector
+    from hybridrl.core.config import Config, apply
     from hybridrl.data.prompts import Prompt, Sampler
     from hybridrl.run.resolve import machine
     from hybridrl.observe.progress import Phases

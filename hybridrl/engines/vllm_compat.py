@@ -21,7 +21,7 @@ import vllm
 from vllm import LLM, RequestOutput, SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
-from hybridrl.engines import platform
+from hybridrl.core import platform
 
 VERSION = vllm.__version__
 
@@ -58,7 +58,7 @@ def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: 
     else:
         kw["distributed_executor_backend"] = "external_launcher"  # this process is the worker
     if "use_tqdm_on_load" in fields:  # its "Loading safetensors checkpoint shards" bars, only with log.verbose
-        from hybridrl.observe import logs
+        from hybridrl.core import logs
         kw["use_tqdm_on_load"] = logs.verbose()
     if "logprobs_mode" in fields:
         # log-probs of the distribution actually sampled from (after temperature), which is
@@ -82,7 +82,7 @@ def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: 
         if not enforce_eager and max_num_seqs and "compilation_config" in fields:
             # graphs only for the batch sizes this engine can run: each captured size costs capture
             # time at start and memory in the graph pool (plan.graph_bytes counts it)
-            from hybridrl.cycle.plan import capture_sizes
+            from hybridrl.core.memory import capture_sizes
             kw["compilation_config"] = {"cudagraph_capture_sizes": capture_sizes(max_num_seqs)}
     return kw
 

@@ -54,11 +54,10 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from hybridrl.core import faults, launch
+from hybridrl.core.config import Config, UserError, to_dict
+from hybridrl.core.journal import fsync_dir
 from hybridrl.engines import deepspeed_compat
-from hybridrl.observe import faults
-from hybridrl.run import launch
-from hybridrl.run.config import Config, UserError, to_dict
-from hybridrl.run.journal import fsync_dir
 
 log = logging.getLogger("hybridrl")
 DS_TAG = "ds"

@@ -16,21 +16,21 @@ import numpy as np
 import torch
 
 from hybridrl.algorithms import advantages
+from hybridrl.core import environ, faults, launch, recipe
+from hybridrl.core.canaries import distribution_metrics
+from hybridrl.core.config import Config, torch_dtype
 from hybridrl.cycle import engine_cycle, sync
 from hybridrl.data import partial, rewards
 from hybridrl.data.batch import Batch
-from hybridrl.data.collect import Collector
 from hybridrl.data.prompts import Sampler, encode, load_rows
 from hybridrl.engines import reward_model
 from hybridrl.engines.critic import Critic
 from hybridrl.engines.reference import Reference
 from hybridrl.engines.rollout import Rollout
 from hybridrl.engines.trainer import Trainer
-from hybridrl.observe import faults
-from hybridrl.observe.canaries import distribution_metrics
 from hybridrl.observe.progress import Phases, RunLog
-from hybridrl.run import checkpoint, environ, launch, recipe, resolve
-from hybridrl.run.config import Config, torch_dtype
+from hybridrl.run import checkpoint, resolve
+from hybridrl.run.collect import Collector
 from hybridrl.run.evaluate import Evaluator
 
 log = logging.getLogger("hybridrl")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from hybridrl.run import environ
+from hybridrl.core import environ
 
 
 @dataclass(frozen=True)
