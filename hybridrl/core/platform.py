@@ -7,8 +7,9 @@ vLLM detail. The fields only decide; the code that reaches into DeepSpeed lives 
 deepspeed_compat.py, the code that reaches into vLLM in vllm_compat.py.
 
 `current()` builds the Platform once per process (the trainer's rank, or vLLM's engine-core
-process, whose worker loads the hand-off): engines/ rather than run/, because the engines are what
-it switches. A field that is True on a GPU too says so in its comment.
+process, whose worker loads the hand-off). It is on the ground floor, core/, because launch asks it
+for the rank's device as the engines ask it for their paths. A field that is True on a GPU too says
+so in its comment.
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ print("DOCTOR " + json.dumps({"platform": p.device_type, "sleep": bool(p.is_slee
 DS_PROBE = """
 import json
 from hybridrl.engines import deepspeed_compat
-# the ops hybridrl.core.environ.build_ops builds
+# the ops a run loads (environ.DEEPSPEED_OPS), which `python -m hybridrl.env` builds
 print("DOCTOR " + json.dumps(deepspeed_compat.op_report(__OPS__, __CPU_OPS__)))
 """.replace("__OPS__", repr(environ.DEEPSPEED_OPS)).replace("__CPU_OPS__", repr(environ.DEEPSPEED_CPU_OPS))
 
