@@ -83,7 +83,7 @@ import torch, json
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from pathlib import Path
 import hybridrl
-from hybridrl.run import environ; environ.setup()
+from hybridrl.core import environ; environ.setup()
 demo = Path(hybridrl.__file__).parent / "demo_model"
 m = AutoModelForCausalLM.from_pretrained({str(out)!r}).eval()
 tok = AutoTokenizer.from_pretrained({str(out)!r})

@@ -91,7 +91,7 @@ def test_export_writes_an_adapter_peft_and_vllm_load(runs, tmp_path):
     assert (out / "merged" / "model.safetensors").exists()
     script = f"""
 import json, torch
-from hybridrl.run import environ; environ.setup()
+from hybridrl.core import environ; environ.setup()
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 from vllm import LLM, SamplingParams
@@ -132,11 +132,11 @@ print(json.dumps(dict(
 
 REFERENCE_SCRIPT = """
 import gc, json, sys
-from hybridrl.run import environ
+from hybridrl.core import environ
 environ.setup()
 import torch
-from hybridrl.run import config
-from hybridrl.run import launch
+from hybridrl.core import config
+from hybridrl.core import launch
 from hybridrl.data.batch import Batch
 from hybridrl.engines.reference import Reference
 from hybridrl.engines.trainer import Trainer

@@ -18,10 +18,10 @@ from helpers.cli import train_cli
 SCRIPT = textwrap.dedent('''
     import json
     import torch
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     environ.setup()
     from hybridrl.cycle import engine_cycle
-    from hybridrl.run import launch
+    from hybridrl.core import launch
     from hybridrl.data.batch import Batch
     from hybridrl.core.config import Config, apply
     from hybridrl.engines.critic import Critic

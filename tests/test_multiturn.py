@@ -200,11 +200,11 @@ def test_batch_masks_environment_tokens():
 # --- the real engines ----------------------------------------------------------------------------
 EPISODE_SCRIPT = textwrap.dedent('''
     import json, sys
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     environ.setup()
     import torch
-    from hybridrl.run import launch
-    from hybridrl.data import multiturn
+    from hybridrl.core import launch
+    from hybridrl.run import multiturn
     from hybridrl.data.batch import Batch
     from hybridrl.run.collect import Collector
     from hybridrl.core.config import Config, apply

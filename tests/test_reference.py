@@ -39,13 +39,13 @@ def test_kl_in_the_reward_is_zero_at_step_one_then_grows(tmp_path, advantage):
 
 ZERO3_SCRIPT = '''
 import json, sys
-from hybridrl.run import environ
+from hybridrl.core import environ
 environ.setup()
 import deepspeed, torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
-from hybridrl.run import config
-from hybridrl.run import launch
+from hybridrl.core import config
+from hybridrl.core import launch
 from hybridrl.data.batch import Batch, micro_batches, per_token
 from hybridrl.engines.critic import Critic
 from hybridrl.engines.reference import Reference

@@ -62,9 +62,9 @@ def test_dynamic_sampling_two_ranks(tmp_path):
 
 DROP_SCRIPT = textwrap.dedent('''
     import json
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     environ.setup()
-    from hybridrl.run import launch
+    from hybridrl.core import launch
     from hybridrl.run.collect import Collector
     from hybridrl.core.config import Config, apply
     from hybridrl.data.prompts import Prompt, Sampler
