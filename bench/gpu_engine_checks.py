@@ -31,14 +31,14 @@ def _timed(fn) -> float:
 
 
 def _config(overrides: dict):
-    from hybridrl.run import config
+    from hybridrl.core import config
     base = {"rollout.max_new_tokens": 64, "rollout.max_model_len": 512, "data.max_prompt_len": 48,
             "model.dtype": "bfloat16"}
     return config.load(None, {**base, **overrides})
 
 
 def _world():
-    from hybridrl.run import environ, launch
+    from hybridrl.core import environ, launch
     environ.setup()
     return launch.init_distributed()
 
@@ -61,8 +61,7 @@ def check_stack(cuda: bool) -> None:
 
 
 def check_expandable(cuda: bool) -> None:
-    from hybridrl.cycle import memory
-    from hybridrl.run import environ
+    from hybridrl.core import environ, memory
     environ.setup()
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     row(CLAIMS["expandable"][1][0][0], conf or "(unset)", "expandable_segments:True",

@@ -20,7 +20,7 @@ from bench.gpu_claims import CLAIMS, GIB, ROOT, half_b_model, row, verdict
 
 def _train(args: list[str], timeout: int, env: dict | None = None) -> dict:
     """One `hybridrl train` run; its steps, summary and the tail of its output."""
-    from hybridrl.run.environ import cache_dir
+    from hybridrl.core.environ import cache_dir
     (cache_dir() / "runs").mkdir(parents=True, exist_ok=True)  # not /tmp: 0.5B checkpoints are ~6 GB each
     run_dir = Path(tempfile.mkdtemp(prefix="gpu-check-", dir=cache_dir() / "runs"))
     cmd = [sys.executable, "-m", "hybridrl", "train", "--log.run_dir", str(run_dir), "--log.no_progress", *args]

@@ -83,15 +83,15 @@ class Sampler:
 def rank_main(local_rank: int, args, port: int, model: str, out_dir: str) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.ranks),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     environ.setup()
     sampler = Sampler()
     import torch
 
+    from hybridrl.core import config, launch
     from hybridrl.data.batch import Batch
     from hybridrl.engines.reference import Reference
     from hybridrl.engines.trainer import Trainer
-    from hybridrl.run import config, launch
 
     world = launch.init_distributed()
     sampler.stage("imports, process group")
@@ -168,7 +168,7 @@ def main() -> None:
     args = ap.parse_args()
     import tempfile
 
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     environ.setup()
     model = args.model
     if model == "qwen0.5b":
@@ -178,7 +178,7 @@ def main() -> None:
         model = str(DEMO)
     import torch.multiprocessing as mp
 
-    from hybridrl.run.launch import _free_port
+    from hybridrl.core.launch import _free_port
     with tempfile.TemporaryDirectory() as out_dir:
         mp.start_processes(rank_main, args=(args, _free_port(), model, out_dir), nprocs=args.ranks,
                            start_method="spawn")

@@ -152,7 +152,7 @@ def table(s: dict) -> str:
 
 
 def main() -> None:
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     environ.setup()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="134m", choices=[s for s in shapes.SHAPES if s != "tiny"])

@@ -48,10 +48,10 @@ def generate_cost(model: str, rank: int, repeats: int = 7) -> dict:
     import torch
     from vllm import LLM, SamplingParams
 
+    from hybridrl.core import environ
+    from hybridrl.core.config import ModelConfig
     from hybridrl.data.tasks import arithmetic
     from hybridrl.engines import lora, vllm_compat
-    from hybridrl.run import environ
-    from hybridrl.run.config import ModelConfig
     environ.setup()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     kw = vllm_compat.engine_kwargs(on_cpu=True, kv_cache_bytes=64 << 20, gpu_memory_utilization=None, lora_rank=rank)

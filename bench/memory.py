@@ -129,7 +129,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
     args = ap.parse_args()
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     environ.setup()
     cuda = environ.has_cuda()
     model = args.model or ("qwen0.5b" if cuda else "demo")

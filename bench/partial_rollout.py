@@ -62,13 +62,14 @@ def generate_only(steps: int, seed: int, extra: list[str]) -> dict:
     then moves both modes alike, which separate training runs cannot promise."""
     import tempfile
 
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     environ.setup()
+    from hybridrl.core import config as C, launch
     from hybridrl.data import prompts, rewards
-    from hybridrl.data.collect import Collector
     from hybridrl.engines.rollout import Rollout
     from hybridrl.observe.progress import Phases
-    from hybridrl.run import config as C, launch, resolve
+    from hybridrl.run import resolve
+    from hybridrl.run.collect import Collector
     world = launch.init_distributed()
     flags = dict(zip(extra[::2], extra[1::2]))
     over = {"data.path": "longtail", "train.seed": seed, **{k.lstrip("-"): v for k, v in flags.items()}}

@@ -139,8 +139,8 @@ def run_hybridrl(args, out: Path) -> dict:
 
 
 def _demo_rows(split: str) -> list[dict]:
+    from hybridrl.core import config
     from hybridrl.data import prompts
-    from hybridrl.run import config
     return [{"prompt": r.value["prompt"], "answer": str(r.value["answer"])}
             for r in prompts.load_rows(config.Config().data, split)]
 
@@ -158,9 +158,9 @@ def trl_run(args) -> dict:
     steps = args.steps or w["steps"]
     out = Path(args.out)
     if args.workload == "demo":
+        from hybridrl.core.config import load
         from hybridrl.data import verifiers
         from hybridrl.run import resolve
-        from hybridrl.run.config import load
         demo = load()  # with the demo's recipe (lr, context): the schema's defaults are a real model's
         model = resolve.machine(demo, on_cpu=True)[1]
         rows, lr, ctx = _demo_rows("train"), demo.train.lr, demo.rollout.max_model_len
@@ -172,7 +172,8 @@ def trl_run(args) -> dict:
         sets = dict(s.split("=", 1) for s in hybridrl_sets(args, out))
         model, lr, ctx = sets["model.path"], float(sets["train.lr"]), int(sets["rollout.max_model_len"])
         kv_mb = int(sets["rollout.kv_cache_mb"])
-        from hybridrl.run import config, resolve
+        from hybridrl.core import config
+        from hybridrl.run import resolve
         eager = resolve.configure(config.load(None, sets), on_cpu=True)[0].rollout.enforce_eager  # as hybridrl decides
         rows = [json.loads(line) for line in Path(sets["data.path"]).read_text().splitlines()]
         reward = shapes.hash_rewards
@@ -405,7 +406,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.prompts:
         WORKLOADS[args.workload] = dict(WORKLOADS[args.workload], prompts=args.prompts)
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     environ.setup()
     if args.part:
         print(json.dumps(trl_run(args)))

@@ -42,10 +42,9 @@ def worker(args) -> None:
     """One rank: build the trainer, two updates, print rank 0's figures as JSON."""
     import torch
 
-    from hybridrl.cycle import memory
+    from hybridrl.core import config, launch, memory
     from hybridrl.data.batch import Batch
     from hybridrl.engines.trainer import Trainer  # DeepSpeed and transformers imported: not the plan's to count
-    from hybridrl.run import config, launch
 
     world = launch.init_distributed()
     device = world.device if args.cuda else torch.device("cpu")
@@ -101,8 +100,8 @@ def planned(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtyp
             seqs: int = 4) -> int:
     """The plan's train column, the trainer's rows alone: no vLLM engine in the measured process, and
     the reserve (rollout.memory_margin_mb) is not the allocator's."""
+    from hybridrl.core import config
     from hybridrl.cycle import plan
-    from hybridrl.run import config
     cfg = config.load(None, {"model.gradient_checkpointing": ckpt, "train.zero_stage": zero, "model.dtype": dtype,
                              "train.max_tokens_per_micro_batch": tokens, "rollout.max_model_len": tokens // seqs})
     shape = plan.Shape.from_config(plan.read_config(shape_dir))
@@ -173,7 +172,7 @@ def main() -> None:
     if args.replan:
         return replan(args)
     from bench import shapes
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     dtype = args.dtype or ("bfloat16" if environ.fast_bf16() else "float32")
     cpu = platform.processor() or platform.machine()
     try:

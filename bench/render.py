@@ -270,8 +270,8 @@ PLAN_LONG = [("Qwen/Qwen2.5-7B-Instruct", 16384, 0), ("Qwen/Qwen2.5-7B-Instruct"
 @renderer("plan_long")
 def render_plan_long(args: list[str], filters: dict) -> str:
     """What `hybridrl plan --nproc 8` says of long answers on 8 x 80 GiB (the plan itself, run now: no results file)."""
+    from hybridrl.core import config
     from hybridrl.cycle import plan
-    from hybridrl.run import config
     gib = 2.0 ** 30
     out = []
     for what, tokens, context in PLAN_LONG:

@@ -171,7 +171,7 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--out", default="runs/routing_replay")
     args = ap.parse_args()
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     environ.setup()
     if not args.learn:
         f = cost_and_agreement(args.model, args.reps)

@@ -59,7 +59,7 @@ def workload(args, out: Path) -> list[str]:
 
 
 def _cfg(sets: list[str]):
-    from hybridrl.run import config
+    from hybridrl.core import config
     return config.load(None, dict(s.split("=", 1) for s in sets))
 
 
@@ -82,8 +82,8 @@ def standalone(sets: list[str], batches_n: int) -> dict:
     """vLLM alone with the loop's settings: hybridrl's Rollout.generate and LLM.generate, alternating."""
     from vllm import SamplingParams
 
+    from hybridrl.core import launch
     from hybridrl.engines.rollout import Rollout
-    from hybridrl.run import launch
     launch.init_distributed()
     cfg, path, tok, batches = prompt_batches(_cfg(sets), batches_n)
     r = cfg.rollout
@@ -249,7 +249,7 @@ def main() -> None:
     ap.add_argument("--out", default="", help="keep the run here (default: a temporary directory, removed)")
     ap.add_argument("--part", choices=["standalone", "hf"], help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     environ.setup()
     if args.part:
         part = standalone if args.part == "standalone" else hf_generate

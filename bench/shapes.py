@@ -199,7 +199,7 @@ def describe_machine() -> str:
     import time
     from importlib.metadata import PackageNotFoundError, version
 
-    from hybridrl.run.environ import cpu_flags
+    from hybridrl.core.environ import cpu_flags
 
     cpu, flags = platform.processor(), cpu_flags()
     try:
@@ -221,7 +221,7 @@ def describe_machine() -> str:
 
 
 def main() -> None:
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     environ.setup()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="0.5b", choices=list(SHAPES))

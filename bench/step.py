@@ -31,8 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def standalone(cfg, steps: int) -> dict:
     """vLLM alone, built with the loop's settings (hybridrl.engines.rollout.Rollout without a trainer)."""
+    from hybridrl.core import launch
     from hybridrl.engines.rollout import Rollout
-    from hybridrl.run import launch
     launch.init_distributed()
     cfg, path, tok, batches = prompt_batches(cfg, steps)
     ro = Rollout(cfg, path, on_cpu=True, eos_token_id=tok.eos_token_id, rank=0)
@@ -97,7 +97,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], help="config override, e.g. train.prompts_per_step=64")
     ap.add_argument("--part", choices=["standalone", "hf"], help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from hybridrl.run import config, environ
+    from hybridrl.core import config, environ
     environ.setup()
     if args.part:
         cfg = config.load(None, dict(s.split("=", 1) for s in args.set))

@@ -8,7 +8,7 @@
         --config examples/recipes/qwen2.5-7b-8xh100.yaml data.path=train.jsonl
 
 Arguments are `group.field=value` overrides, optionally after `--config FILE`. hybridrl reads
-RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR from the launcher (hybridrl.run.launch.init_distributed),
+RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR from the launcher (hybridrl.core.launch.init_distributed),
 creates the process group both engines need (gloo on CPU, gloo + NCCL on GPU) and builds its own
 DeepSpeed engine, so no `Accelerator` or `PartialState` is involved: an accelerate-made group
 would be NCCL-only on GPU, which the loop's CPU-side collectives cannot use. The group is gone

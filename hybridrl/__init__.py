@@ -19,19 +19,19 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # for readers and type checkers; at run time __getattr__ imports on first use
+    from hybridrl.core.config import Config, ConfigError, UserError, load as load_config
     from hybridrl.data.envs import ToolEnv
     from hybridrl.data.rewards import batched
     from hybridrl.data.verifiers import exact_match, extract_answer, format_check, last_boxed, math_verify
-    from hybridrl.run.config import Config, ConfigError, UserError, load as load_config
 
 __version__ = "0.1.0"
 
 # public name -> (the module that defines it, its name there)
 _PUBLIC = {
-    "Config": ("hybridrl.run.config", "Config"),  # the config tree (every setting: hybridrl train --help)
-    "load_config": ("hybridrl.run.config", "load"),  # YAML + dotted overrides -> Config
-    "ConfigError": ("hybridrl.run.config", "ConfigError"),  # a bad setting, one line naming the fix
-    "UserError": ("hybridrl.run.config", "UserError"),  # any error of the user's input (ConfigError's base)
+    "Config": ("hybridrl.core.config", "Config"),  # the config tree (every setting: hybridrl train --help)
+    "load_config": ("hybridrl.core.config", "load"),  # YAML + dotted overrides -> Config
+    "ConfigError": ("hybridrl.core.config", "ConfigError"),  # a bad setting, one line naming the fix
+    "UserError": ("hybridrl.core.config", "UserError"),  # any error of the user's input (ConfigError's base)
     "ToolEnv": ("hybridrl.data.envs", "ToolEnv"),  # the environment base class for env.cls (multi-turn, tools)
     "batched": ("hybridrl.data.rewards", "batched"),  # marks fn(prompts, completions, answers) -> list[float]
     "exact_match": ("hybridrl.data.verifiers", "exact_match"),  # the built-in verifiers, fn(prompt, completion, answer)
@@ -58,9 +58,9 @@ def __dir__() -> list[str]:
 
 def train(config: Config | str | None = None, overrides: dict | None = None) -> dict:
     """Train in the calling process (a notebook, a script under torchrun/accelerate)."""
-    from hybridrl.observe import preflight
-    from hybridrl.run import environ
-    from hybridrl.run.config import Config, apply, load
+    from hybridrl.core import environ
+    from hybridrl.core.config import Config, apply, load
+    from hybridrl.run import preflight
     if isinstance(config, str):
         config = load(config, overrides)
     elif overrides:
@@ -68,7 +68,7 @@ def train(config: Config | str | None = None, overrides: dict | None = None) -> 
     config = config or Config()
     environ.setup(verbose=config.log.verbose)  # before torch/vLLM/DeepSpeed are imported by the loop
     preflight.check(config)  # a missing file or a bad reward module fails now, not after the imports
-    from hybridrl.run import launch
+    from hybridrl.core import launch
     from hybridrl.run.loop import train as _train
     try:
         return _train(config)

@@ -123,7 +123,7 @@ def calls() -> list[Call]:
     checks call's command passes lease.py the seconds its timeout leaves (bash's $SECONDS)."""
     def checks(timeout: int) -> str:  # 15 s kept back for the last rows and the transfer of $OUT
         return f"python3 -m scripts.lease --left $(({timeout} - SECONDS - 15))"
-    install = (f"bash {WHEELS}/install.sh $PWD/{WHEELS}/site 2>&1 | tail -3 && python3 -m hybridrl.run.environ 2>&1 | tail -2 "
+    install = (f"bash {WHEELS}/install.sh $PWD/{WHEELS}/site 2>&1 | tail -3 && python3 -m hybridrl.env 2>&1 | tail -2 "
                "|| echo 'install FAILED: the stages below say what is missing'; ")
     return [
         Call((f"{WHEELS}/site.part0", f"{WHEELS}/site.sha256", f"{WHEELS}/install.sh"), 90,
@@ -132,7 +132,7 @@ def calls() -> list[Call]:
              "bundle part 1 of 2 and install.sh; builds the shapes' weights (no vLLM yet)"),
         Call((f"{WHEELS}/site.part1", deepspeed_sdist()), 240, ENV + install + checks(240),
              "bundle part 2 and DeepSpeed's source (the smaller part); install.sh (unpack, DeepSpeed), "
-             "python -m hybridrl.run.environ (fused Adam); the stages in order while time lasts"),
+             "python -m hybridrl.env (fused Adam); the stages in order while time lasts"),
         Call((), 270, ENV + checks(270), "the stages not done, in order, while time lasts; then give_back"),
     ]
 
@@ -255,7 +255,7 @@ def run_stage(stage: Stage, seconds: float, rows: Rows, log: Path, argv: list[st
 
 
 def run(names: list[str], left: float, out: Path, skip_done: bool = True) -> int:
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     environ.setup()
     cuda = environ.has_cuda()
     done_file = environ.cache_dir() / "lease" / "done"
@@ -435,7 +435,8 @@ def stage_critic(cuda: bool) -> None:
 def decode_plan(graphs: bool, config: str = "qwen2.5-7b") -> dict[str, int]:
     """The plan's vLLM rows for a decode of `config`'s shape (bf16, one GPU, 64 sequences): its
     weights are every expert's, its activations go by the active parameters."""
-    from hybridrl.cycle import memory, plan
+    from hybridrl.core import memory
+    from hybridrl.cycle import plan
     shape = plan.Shape.from_config(plan.read_config(config))
     weights = shape.params * 2
     kv = DECODE_SEQS * (DECODE_PROMPT + DECODE_TOKENS) * 2 * shape.layers * shape.kv_dim * 2
@@ -489,9 +490,9 @@ def decode(mode: str, config: str = "qwen2.5-7b") -> None:
 
     from bench import gpu_engine_checks as engine
     from bench.gpu_claims import row, verdict
-    from hybridrl.cycle import memory, plan
+    from hybridrl.core import environ, memory
+    from hybridrl.cycle import plan
     from hybridrl.engines import vllm_compat
-    from hybridrl.run import environ
     engine._world()
     src, label = plan.shipped_config(config), DECODE_SHAPES[config]
     model = environ.cache_dir() / f"lease-{config}-config"
@@ -605,7 +606,7 @@ def _half_b_engine(enforce_eager: bool, sleep_mode: bool):
 
     from bench import gpu_engine_checks as engine
     from bench.gpu_claims import half_b_model
-    from hybridrl.cycle import memory
+    from hybridrl.core import memory
     from hybridrl.engines import vllm_compat
     engine._world()
     kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=GIB, gpu_memory_utilization=0.3,
@@ -629,7 +630,7 @@ def asleep() -> None:
     awake = engine._used() - before
     llm.generate([{"prompt_token_ids": list(range(100, 164))}] * 8, SamplingParams(max_tokens=32, ignore_eos=True),
                  use_tqdm=False)
-    from hybridrl.cycle import memory
+    from hybridrl.core import memory
     with memory.vllm_pool(True):  # as Rollout.sleep
         llm.sleep(level=2)
     kept = engine._used() - before
@@ -711,7 +712,7 @@ def main() -> int:
     if a.plan:
         return print_plan()
     if a.stage or a.decode:
-        from hybridrl.run import environ
+        from hybridrl.core import environ
         environ.setup()
         if a.decode == "asleep":
             asleep()

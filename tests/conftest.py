@@ -12,7 +12,7 @@ os.environ.setdefault("HYBRIDRL_CACHE_DIR", str(Path(__file__).resolve().parents
 os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="hybridrl-test-hf-")
 os.environ["HF_HUB_OFFLINE"] = "1"
 
-from hybridrl.run import environ  # noqa: E402
+from hybridrl.core import environ  # noqa: E402
 
 environ.setup()
 pytest_plugins = ["pytester"]  # test_machine.py runs the hook on a pretend CUDA machine
@@ -70,7 +70,7 @@ def pytest_collection_modifyitems(config, items):
 def world_of_one():
     """torch.distributed in this process; its variables are gone afterwards (launch.forget_world),
     so a later test's subprocess (`hybridrl train --nproc 2`) is not taken for a launched rank."""
-    from hybridrl.run import launch
+    from hybridrl.core import launch
     before = {k: os.environ.get(k) for k in launch.LAUNCHER_VARS}
     launch.init_distributed()
     yield

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from hybridrl.run import environ
+from hybridrl.core import environ
 
 
 def skip_reason(*, cuda: bool, n_gpus: int, cpu_only: str | None, devices: int) -> str | None:

@@ -210,7 +210,7 @@ def test_reinforce_pp_normalises_over_every_rank(tmp_path):
 
 @pytest.mark.fast
 def test_estimator_names_match_the_config():
-    from hybridrl.run import config
+    from hybridrl.core import config
     assert tuple(ADVANTAGES) == config.ADVANTAGES
     with pytest.raises(config.ConfigError, match="choose grpo, dr_grpo, rloo, reinforce_pp, gae"):
         config.load(overrides={"algo.advantage": "ppo"})

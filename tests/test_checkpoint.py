@@ -53,7 +53,8 @@ def test_checkpoint_layout_keep_and_latest(runs):
 def test_incomplete_or_truncated_checkpoint_is_never_loaded(runs, tmp_path):
     import shutil
 
-    from hybridrl.run import checkpoint, config
+    from hybridrl.core import config
+    from hybridrl.run import checkpoint
     root = tmp_path / "run" / "checkpoints"
     shutil.copytree(runs["part"] / "checkpoints", root)
     shutil.copytree(root / f"step-{N}", root / "tmp-step-9")  # a crash mid-save: never renamed
@@ -82,7 +83,7 @@ import torch, json
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from pathlib import Path
 import hybridrl
-from hybridrl.run import environ; environ.setup()
+from hybridrl.core import environ; environ.setup()
 demo = Path(hybridrl.__file__).parent / "demo_model"
 m = AutoModelForCausalLM.from_pretrained({str(out)!r}).eval()
 tok = AutoTokenizer.from_pretrained({str(out)!r})
@@ -173,8 +174,9 @@ class _Fake:
 def _saver(run_dir, **ckpt):
     import torch
 
-    from hybridrl.run import checkpoint, config
-    from hybridrl.run.launch import World
+    from hybridrl.core import config
+    from hybridrl.core.launch import World
+    from hybridrl.run import checkpoint
     cfg = config.load(overrides={"log.run_dir": str(run_dir), **{f"ckpt.{k}": v for k, v in ckpt.items()}})
     saver = checkpoint.Saver(cfg, run_dir, World(0, 1, 0, torch.device("cpu")), _Fake())
     trainer = _Fake(engine=_Fake(), peft=None, hf=_Fake(config=_Fake(), generation_config=None,
@@ -186,7 +188,8 @@ def _saver(run_dir, **ckpt):
 def test_keep_rotates_by_save_order_and_resume_auto_follows_the_branch(tmp_path):
     """issue 40 (2): --resume .../step-2 --steps 3 --ckpt.keep 1 deleted step-3 (just written) and kept
     the abandoned step-4, which --resume auto then continued."""
-    from hybridrl.run import checkpoint, config
+    from hybridrl.core import config
+    from hybridrl.run import checkpoint
     run = tmp_path / "run"
     _, save = _saver(run, keep=2)
     for step in (2, 4):  # a 4-step run saving every 2
@@ -207,7 +210,8 @@ def test_keep_rotates_by_save_order_and_resume_auto_follows_the_branch(tmp_path)
 def test_resaving_a_step_never_leaves_it_missing(tmp_path, monkeypatch):
     """issue 40 (2): the old step-N was deleted before the new one was renamed in; a kill in between
     left no step-N. Now it is moved aside, and a crash there leaves it findable and restored."""
-    from hybridrl.run import checkpoint, config
+    from hybridrl.core import config
+    from hybridrl.run import checkpoint
     run = tmp_path / "run"
     _, save = _saver(run, keep=2)
     save(2)
@@ -265,8 +269,8 @@ def test_rank_state_loads_with_weights_only(tmp_path):
     import numpy as np
     import torch
 
+    from hybridrl.core.config import UserError
     from hybridrl.run import checkpoint
-    from hybridrl.run.config import UserError
     checkpoint._save_torch({"rng": checkpoint.rng_state(), "probe_last": torch.ones(2)}, tmp_path / "new.pt")
     torch.load(tmp_path / "new.pt", weights_only=True)  # plain tuples and tensors now
     old = {"rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
@@ -288,7 +292,8 @@ def test_rank_state_loads_with_weights_only(tmp_path):
 @pytest.mark.fast
 def test_a_saved_config_grants_no_remote_code_and_names_its_imports(tmp_path, capsys):
     """issue 40 (9): resume and `hybridrl eval RUN` took trust_remote_code from the run's config."""
-    from hybridrl.run import checkpoint, config
+    from hybridrl.core import config
+    from hybridrl.run import checkpoint
     cfg = config.load(overrides={"model.trust_remote_code": True, "reward.fn": "arithmetic,mymod:score",
                                  "env.cls": "envs_for_tests:Echo"})
     got = checkpoint.from_run_dir(cfg, {}, tmp_path / "config.yaml")
@@ -305,7 +310,8 @@ def test_export_takes_trust_remote_code_from_today_only(tmp_path, monkeypatch):
     import transformers
     import yaml
 
-    from hybridrl.run import config, export
+    from hybridrl.core import config
+    from hybridrl.run import export
     ck = tmp_path / "step-1"
     ck.mkdir()
     (ck / "complete.json").write_text('{"files": {}}')

@@ -7,8 +7,7 @@ import time
 
 import pytest
 
-from hybridrl.observe import logs
-from hybridrl.run import config as C
+from hybridrl.core import config as C, logs
 from hybridrl.run.cli import bool_words
 
 
@@ -128,7 +127,7 @@ def test_verbose_shows_what_quiet_hides(tmp_path):
 def test_the_cache_is_per_user_0700_and_refused_when_others_can_plant_code(tmp_path, monkeypatch):
     """issue 40 (8): the default was /tmp/hybridrl-cache for every user, whose compiled ops later
     runs load and execute."""
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     monkeypatch.delenv("HYBRIDRL_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     root = environ.cache_dir()

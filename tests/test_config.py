@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from hybridrl.run import config as C
+from hybridrl.core import config as C
 from hybridrl.run.cli import _strip_launch_flags
 
 

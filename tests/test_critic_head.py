@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import hybridrl
+from hybridrl.core import config
+from hybridrl.core.config import ConfigError
 from hybridrl.data.batch import Batch
-from hybridrl.run import config
-from hybridrl.run.config import ConfigError
 
 from helpers.cli import export_cli, train_cli
 

@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from transformers import AutoTokenizer
 
+from hybridrl.core.config import ConfigError, DataConfig
 from hybridrl.data import prompts as data
 from hybridrl.data.tasks.arithmetic import DEMO_MODEL_DIR
-from hybridrl.run.config import ConfigError, DataConfig
 
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 

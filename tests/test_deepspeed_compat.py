@@ -7,10 +7,9 @@ import ast
 import re
 from pathlib import Path
 
-from hybridrl.engines import platform
+from hybridrl.core import config, environ, platform
 from hybridrl.engines.deepspeed_compat import cpu_config
 from hybridrl.engines.trainer import ds_config
-from hybridrl.run import config, environ
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hybridrl"
 BOUNDARY = PACKAGE / "engines" / "deepspeed_compat.py"

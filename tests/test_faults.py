@@ -1,7 +1,7 @@
 """The fault-injection suite of issue 7: each fault, what must be kept, and what the user is told.
 
 Real engines through the CLI. Faults land at a chosen phase of a chosen step through the
-test-only variable HYBRIDRL_TEST_FAULT="<action>@<step>:<phase>[:rank<R>]" (hybridrl/observe/faults.py:
+test-only variable HYBRIDRL_TEST_FAULT="<action>@<step>:<phase>[:rank<R>]" (hybridrl/core/faults.py:
 kill, term, hang, fill, enospc); a NaN loss through HYBRIDRL_TEST_NAN_AT_STEP (trainer.py).
 
 Where each fault of the issue's list is tested (the ones that already worked stay where they were):
@@ -36,8 +36,9 @@ from pathlib import Path
 
 import pytest
 
+from hybridrl.core import config
 from hybridrl.data import prompts
-from hybridrl.run import checkpoint, config
+from hybridrl.run import checkpoint
 
 from helpers.checkpoints import FAST, _steps
 from helpers.cli import SMALL, train_cli
@@ -191,7 +192,7 @@ def test_only_io_errors_while_saving_are_survived(tmp_path, capsys, error, handl
 
     import torch
 
-    from hybridrl.run.launch import World
+    from hybridrl.core.launch import World
 
     def save_checkpoint(path, **kw):
         (Path(path) / "ds").mkdir(parents=True)  # a partial shard directory
@@ -280,7 +281,7 @@ class _Store:
     ({0: "9 3 train", 2: "9 3 train"}, "ranks [1] never reported (dead?)"),
 ])
 def test_watchdog_verdict_names_the_rank_furthest_behind(reports, expected):
-    from hybridrl.observe import faults
+    from hybridrl.core import faults
     dog = faults.Watchdog(10, rank=0, size=3, run_dir=".")
     dog._store, dog.n, dog.step, dog.phase = _Store(reports), 9, 3, "train"
     assert dog.verdict().startswith("rank 0 has made no progress for 0 s (train.watchdog_s=10), in phase "

@@ -40,7 +40,7 @@ def _env():
 def test_cuda_arch_list_made_parsable_for_deepspeed():
     """CUDA images set TORCH_CUDA_ARCH_LIST with architecture suffixes ('9.0a'), which DeepSpeed's
     JIT builder cannot parse (it stopped the trainer on the H100 image): environ.setup strips them."""
-    from hybridrl.run.environ import deepspeed_arch_list
+    from hybridrl.core.environ import deepspeed_arch_list
     assert deepspeed_arch_list("9.0a") == "9.0"
     assert deepspeed_arch_list("8.0 9.0a+PTX") == "8.0;9.0+PTX"
     assert deepspeed_arch_list("7.5;8.6;8.6") == "7.5;8.6"

@@ -5,9 +5,9 @@ engine starts here."""
 
 import pytest
 
+from hybridrl.core import config
+from hybridrl.core.config import ConfigError
 from hybridrl.cycle import plan
-from hybridrl.run import config
-from hybridrl.run.config import ConfigError
 
 from helpers.plan import H100, NODE, gpu_config, shape
 
@@ -41,7 +41,7 @@ def test_the_save_phase_limit_grows_with_the_bytes_to_write(tmp_path):
     ckpt.write_mb_s, and the next phase is back to train.watchdog_s."""
     import faulthandler
 
-    from hybridrl.observe import faults
+    from hybridrl.core import faults
     nbytes = int(72.7e9) * (2 + 12)
     cfg = config.load(None, {})
     limit = faults.save_limit_s(cfg.train.watchdog_s, nbytes, cfg.ckpt.write_mb_s)
@@ -64,7 +64,7 @@ def test_the_save_phase_limit_grows_with_the_bytes_to_write(tmp_path):
 def test_the_host_optimizer_step_gets_the_ranks_share_of_the_cores():
     """torchrun sets OMP_NUM_THREADS=1 for --nproc-per-node > 1: the ZeRO-Offload step (an OpenMP
     loop over billions of parameters at 32B/72B) would run on one core per rank."""
-    from hybridrl.engines.platform import Platform
+    from hybridrl.core.platform import Platform
     from hybridrl.engines.trainer import host_step_threads
     gpu, cpu = Platform.detect(cuda=True), Platform.detect(cuda=False)
     torchrun = {"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "8"}
@@ -79,7 +79,7 @@ def test_the_host_optimizer_step_gets_the_ranks_share_of_the_cores():
 def test_omp_threads_sets_and_restores_the_count_the_step_runs_with():
     import torch
 
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     before = torch.get_num_threads()
     assert environ._omp_runtimes()  # torch's libgomp at least
     with environ.omp_threads(1):
@@ -90,7 +90,7 @@ def test_omp_threads_sets_and_restores_the_count_the_step_runs_with():
 
 
 def test_the_recipe_says_how_many_threads_the_host_optimizer_gets(monkeypatch):
-    from hybridrl.run import environ, recipe
+    from hybridrl.core import environ, recipe
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(environ, "host_cores", lambda: 208)

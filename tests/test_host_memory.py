@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import hybridrl
-from hybridrl.cycle import memory
+from hybridrl.core import memory
 
 
 @pytest.mark.fast
@@ -35,7 +35,7 @@ def test_phase_peak_rss_is_the_phase_own_peak():
 
 _REALLOC = """
 import ctypes, os, resource, sys
-from hybridrl.cycle import memory
+from hybridrl.core import memory
 kept = memory.keep_host_pages(os.environ)
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p

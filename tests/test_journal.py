@@ -8,10 +8,10 @@ import os
 import pytest
 import torch
 
+from hybridrl.core import config as C
+from hybridrl.core.journal import Journal, keep_upto
+from hybridrl.core.launch import World
 from hybridrl.observe.progress import RunLog
-from hybridrl.run import config as C
-from hybridrl.run.journal import Journal, keep_upto
-from hybridrl.run.launch import World
 
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 

@@ -26,7 +26,7 @@ def test_plan_of_calls_fits_the_lease_and_carries_one_part_a_call(capsys):
     calls = lease.calls()
     assert [c for c in calls[0].carry if "site.part" in c] == [".gpu_wheels/site.part0"]
     assert [c for c in calls[1].carry if "site.part" in c] == [".gpu_wheels/site.part1"]
-    assert "install.sh" in calls[1].command and "python3 -m hybridrl.run.environ" in calls[1].command
+    assert "install.sh" in calls[1].command and "python3 -m hybridrl.env" in calls[1].command
     assert all(len(c.command) <= 2000 and c.timeout_s <= 600 for c in calls)  # the device tool's limits
     assert sum(s for _, s in lease.budget(calls)) <= lease.LEASE_S
     assert lease.print_plan() == 0

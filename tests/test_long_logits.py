@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from hybridrl.run import config
+from hybridrl.core import config
 
 sys.path.insert(0, str(Path(__file__).parent))
 import tiny_model  # noqa: E402

@@ -33,9 +33,9 @@ def test_config_sleep_level_and_bad_targets_say_what_to_change():
     import torch
     from transformers import AutoModelForCausalLM
 
+    from hybridrl.core import config
     from hybridrl.cycle import engine_cycle
     from hybridrl.engines import lora
-    from hybridrl.run import config
     cfg = config.load(overrides={"model.lora_rank": 16})
     assert engine_cycle.keep_base_weights(cfg, main=False).rollout.sleep_level == 1  # 2 would discard the base
     assert engine_cycle.keep_base_weights(config.load(), main=False).rollout.sleep_level == 2  # no LoRA: unchanged
@@ -91,7 +91,7 @@ def test_export_writes_an_adapter_peft_and_vllm_load(runs, tmp_path):
     assert (out / "merged" / "model.safetensors").exists()
     script = f"""
 import json, torch
-from hybridrl.run import environ; environ.setup()
+from hybridrl.core import environ; environ.setup()
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 from vllm import LLM, SamplingParams
@@ -132,11 +132,11 @@ print(json.dumps(dict(
 
 REFERENCE_SCRIPT = """
 import gc, json, sys
-from hybridrl.run import environ
+from hybridrl.core import environ
 environ.setup()
 import torch
-from hybridrl.run import config
-from hybridrl.run import launch
+from hybridrl.core import config
+from hybridrl.core import launch
 from hybridrl.data.batch import Batch
 from hybridrl.engines.reference import Reference
 from hybridrl.engines.trainer import Trainer

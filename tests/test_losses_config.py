@@ -2,7 +2,7 @@
 errors that name the fix."""
 import pytest
 
-from hybridrl.run import config as C
+from hybridrl.core import config as C
 
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 

@@ -18,12 +18,12 @@ from helpers.cli import train_cli
 SCRIPT = textwrap.dedent('''
     import json
     import torch
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     environ.setup()
     from hybridrl.cycle import engine_cycle
-    from hybridrl.run import launch
+    from hybridrl.core import launch
     from hybridrl.data.batch import Batch
-    from hybridrl.run.config import Config, apply
+    from hybridrl.core.config import Config, apply
     from hybridrl.engines.critic import Critic
     from hybridrl.run.resolve import machine
     from hybridrl.engines.rollout import Rollout

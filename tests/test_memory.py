@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import hybridrl
-from hybridrl.cycle import engine_cycle, memory
+from hybridrl.core import config, memory
+from hybridrl.core.config import ConfigError
+from hybridrl.cycle import engine_cycle
 from hybridrl.engines import ipc, vllm_compat
-from hybridrl.run import config
-from hybridrl.run.config import ConfigError
 
 from helpers.memory import FakeTrainer
 
@@ -274,11 +274,11 @@ def test_checkpoint_is_saved_from_offloaded_states(zero, world_of_one, tmp_path,
     from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
     from transformers import AutoTokenizer
 
+    from hybridrl.core.launch import World
     from hybridrl.data.batch import Batch
     from hybridrl.engines.critic import Critic
     from hybridrl.engines.trainer import Trainer
     from hybridrl.run import checkpoint
-    from hybridrl.run.launch import World
 
     cpu = torch.device("cpu")
     cfg = config.load(None, {"train.zero_stage": zero, "algo.advantage": "gae", "ckpt.dir": str(tmp_path / "ck")})

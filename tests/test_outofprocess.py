@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import hybridrl
+from hybridrl.core import config
 from hybridrl.engines import ipc
-from hybridrl.run import config
 
 from helpers.cli import train_cli
 

@@ -7,10 +7,9 @@ import json
 import pytest
 import torch
 
+from hybridrl.core import config as C, models, recipe
 from hybridrl.data import partial
-from hybridrl.engines import models
-from hybridrl.engines.rollout import Sample
-from hybridrl.run import config as C, recipe
+from hybridrl.data.batch import Sample
 
 
 def _s(tokens, version=None, finished=False):

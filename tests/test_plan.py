@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from hybridrl.core import config, recipe
+from hybridrl.core.config import ConfigError
 from hybridrl.cycle import plan
-from hybridrl.run import config, recipe
-from hybridrl.run.config import ConfigError
 
 from helpers.plan import H100, NODE, gpu_config, shape
 
@@ -139,7 +139,7 @@ def test_what_vllm_keeps_asleep_is_planned_in_every_phase():
     assert plan.buffer_bytes(s, 2, 4) == 16384 * (8192 * 2 + 24) + 2 * plan.NCCL_COMM
     assert plan.buffer_bytes(s, 2, 1) == 16384 * (8192 * 2 + 24)
     # the planner that runs keeps the same bytes back beside vLLM's budget
-    from hybridrl.cycle import memory
+    from hybridrl.core import memory
     m = memory.plan(80 * GIB, 70 * GIB, 76 * GIB, margin=2 * GIB, weights=GIB, need=2 * GIB, asleep=64 * GIB)
     assert m.offload and m.asleep == 64 * GIB and "graphs and buffers (kept asleep) 64.00 GiB" in m.describe()
 
@@ -322,7 +322,7 @@ def test_32b_and_72b_with_8k_answers_plan_in_waves(name, tp, waves):
 
 @pytest.mark.fast
 def test_the_kv_floor_keeps_the_longest_sequences_running():
-    from hybridrl.cycle import memory
+    from hybridrl.core import memory
 
     # at least KV_FLOOR_SEQS full-length sequences, or all of the step's where it has fewer
     assert memory.kv_floor(128, 3 * GIB) == memory.KV_FLOOR_SEQS * 3 * GIB

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridrl.cycle import engine_cycle, memory
-from hybridrl.run import config
-from hybridrl.run.config import ConfigError
+from hybridrl.core import config, memory
+from hybridrl.core.config import ConfigError
+from hybridrl.cycle import engine_cycle
 
 from helpers.memory import FakeTrainer  # records the planner's offload and reload calls
 
@@ -176,8 +176,8 @@ def test_an_oom_or_a_dead_engine_is_one_line_naming_the_phase_plan_and_knob(tmp_
     vLLM's engine dying mid-generate, each become one line naming the step, the phase, the memory plan
     and the knob, after the rollout side is closed; other errors pass through. The hand-off's temporary
     directory goes at exit however the run ends. Before: a raw traceback and a leaked directory."""
+    from hybridrl.core import faults
     from hybridrl.engines import ipc, vllm_compat
-    from hybridrl.observe import faults
 
     class Rollout:
         closed = 0

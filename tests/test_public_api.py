@@ -21,7 +21,7 @@ COMPAT = {
     "hybridrl.envs": "hybridrl.data.envs",
     "hybridrl.tasks": "hybridrl.data.tasks",
     "hybridrl.tasks.arithmetic": "hybridrl.data.tasks.arithmetic",
-    "hybridrl.env": "hybridrl.run.environ",
+    "hybridrl.env": "hybridrl.core.environ",
 }
 
 
@@ -39,7 +39,7 @@ def test_the_public_api_is_what_the_docs_name():
     expected = {"train", "Config", "load_config", "ConfigError", "UserError", "ToolEnv", "batched",
                 "exact_match", "math_verify", "format_check", "extract_answer", "last_boxed"}
     assert set(hybridrl.__all__) == expected
-    assert hybridrl.Config is importlib.import_module("hybridrl.run.config").Config
+    assert hybridrl.Config is importlib.import_module("hybridrl.core.config").Config
     assert issubclass(hybridrl.ConfigError, hybridrl.UserError)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         hybridrl.nope  # noqa: B018
@@ -94,6 +94,6 @@ def test_an_environment_written_against_hybridrl_envs_runs(tmp_path, monkeypatch
 
 def test_import_hybridrl_stays_light():
     """A reward worker or a script's `import hybridrl` pulls in no torch, vLLM or config tree."""
-    code = "import sys, hybridrl; print(sorted(m for m in ('torch', 'vllm', 'deepspeed', 'hybridrl.run.config') if m in sys.modules))"
+    code = "import sys, hybridrl; print(sorted(m for m in ('torch', 'vllm', 'deepspeed', 'hybridrl.core.config') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

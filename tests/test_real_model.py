@@ -15,10 +15,10 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from hybridrl.engines import models
+from hybridrl.core import config as C, models, recipe
+from hybridrl.core.canaries import Canaries
 from hybridrl.engines.trainer import lr_factor
-from hybridrl.observe.canaries import Canaries
-from hybridrl.run import config as C, recipe, resolve
+from hybridrl.run import resolve
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -250,8 +250,7 @@ def test_cpu_attention_eager_only_for_short_bf16_contexts():
 def test_bfloat16_on_a_cpu_without_amx_warns(monkeypatch, caplog):
     """bfloat16 on CPU without AMX-BF16 warns, AVX512-BF16 or not (on an Intel Xeon with it alone a
     bfloat16 GEMM ran half float32's speed); with AMX, or in float32, nothing is said."""
-    from hybridrl.engines import platform
-    from hybridrl.run import environ
+    from hybridrl.core import environ, platform
     monkeypatch.setattr(platform, "current", lambda: platform.Platform.detect(cuda=False))  # from the flags below
 
     def warned(flags, dtype):
@@ -440,8 +439,7 @@ def test_configure_picks_bfloat16_only_where_the_cpu_has_amx(tiny, monkeypatch, 
     """resolve.configure (what `hybridrl train`, `hybridrl eval` and the benches resolve a config with)
     passes the platform's amx_bf16 (environ.fast_bf16) to the recipe: with AMX-BF16 a real-size model gets
     bfloat16, without it float32."""
-    from hybridrl.engines import platform
-    from hybridrl.run import environ
+    from hybridrl.core import environ, platform
     monkeypatch.setattr(platform, "current", lambda: platform.Platform.detect(cuda=False))  # from the flags below
     monkeypatch.setattr(recipe, "COMPILE_MIN_PARAMS", 0)  # the tiny model counts as real-size here
     for flags, dtype in (({"avx512_bf16", "amx_bf16"}, "bfloat16"), ({"avx512_bf16"}, "float32")):

@@ -10,8 +10,8 @@ from helpers.cli import train_cli
 
 @pytest.mark.fast
 def test_no_reference_model_is_loaded_when_beta_is_zero():
+    from hybridrl.core import config
     from hybridrl.engines.reference import Reference
-    from hybridrl.run import config
     cfg = config.load(overrides={"algo.kl_coef": 0.0})
     kw = dict(device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
     assert Reference.load(cfg, "/no/such/model", **kw) is None  # would raise if it tried to load anything
@@ -39,13 +39,13 @@ def test_kl_in_the_reward_is_zero_at_step_one_then_grows(tmp_path, advantage):
 
 ZERO3_SCRIPT = '''
 import json, sys
-from hybridrl.run import environ
+from hybridrl.core import environ
 environ.setup()
 import deepspeed, torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
-from hybridrl.run import config
-from hybridrl.run import launch
+from hybridrl.core import config
+from hybridrl.core import launch
 from hybridrl.data.batch import Batch, micro_batches, per_token
 from hybridrl.engines.critic import Critic
 from hybridrl.engines.reference import Reference
@@ -107,7 +107,7 @@ def test_zero3_engines_load_partitioned_and_match_the_checkpoint(tmp_path):
     from pathlib import Path
 
     import hybridrl
-    from hybridrl.run.launch import _free_port
+    from hybridrl.core.launch import _free_port
     demo = str(Path(hybridrl.__file__).parent / "demo_model")
     script = tmp_path / "zero3_load.py"
     script.write_text(ZERO3_SCRIPT)

@@ -9,13 +9,12 @@ import pytest
 import torch
 import transformers
 
-from hybridrl.cycle import memory
-from hybridrl.cycle.memory import GIB
+from hybridrl.core import config, memory
+from hybridrl.core.config import ConfigError, RewardConfig
+from hybridrl.core.memory import GIB
 from hybridrl.data.rewards import Scorer, load_terms, model_terms, parse_spec
 from hybridrl.data.tasks.arithmetic import DEMO_MODEL_DIR
 from hybridrl.engines.reward_model import RewardModel, load_all
-from hybridrl.run import config
-from hybridrl.run.config import ConfigError, RewardConfig
 
 from helpers.cli import train_cli
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from hybridrl.core.config import ConfigError, RewardConfig
 from hybridrl.data.rewards import RewardError, Scorer, parse_spec
 from hybridrl.data.verifiers import extract_answer, format_check, math_verify
-from hybridrl.run.config import ConfigError, RewardConfig
 
 sys.path.insert(0, str(Path(__file__).parent))  # reward_fns, for the in-process scorer
 HERE = str(Path(__file__).parent)

@@ -62,11 +62,11 @@ def test_dynamic_sampling_two_ranks(tmp_path):
 
 DROP_SCRIPT = textwrap.dedent('''
     import json
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     environ.setup()
-    from hybridrl.run import launch
-    from hybridrl.data.collect import Collector
-    from hybridrl.run.config import Config, apply
+    from hybridrl.core import launch
+    from hybridrl.run.collect import Collector
+    from hybridrl.core.config import Config, apply
     from hybridrl.data.prompts import Prompt, Sampler
     from hybridrl.run.resolve import machine
     from hybridrl.observe.progress import Phases

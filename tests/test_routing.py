@@ -177,7 +177,7 @@ def test_dense_models_record_nothing_and_auto_replays_moe():
 def test_replay_on_with_multi_turn_episodes_is_refused_in_one_line():
     """An episode's later turns are requests of their own whose routes are not recorded: `on` with an
     environment is refused before any engine starts; `auto` leaves the trainer routing episodes itself."""
-    from hybridrl.run import config
+    from hybridrl.core import config
     env = {"env.cls": "hybridrl.data.envs:ToolEnv"}
     with pytest.raises(config.ConfigError, match="algo.routing_replay=on with env.cls: .* set algo.routing_replay "
                                                  "auto") as e:

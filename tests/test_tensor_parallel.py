@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hybridrl.core import launch
 from hybridrl.engines import rollout as R, vllm_compat
-from hybridrl.run import launch
 
 from helpers.cli import tool_demo_cli, train_cli
 
@@ -46,7 +46,7 @@ def test_a_group_of_one_needs_no_process_group():
     g = launch.tp_groups(world, 1)
     assert (g.index, g.member, g.size, g.count, g.pg) == (3, 0, 1, 4, None)
     assert g.gather({"x": 1}) == [{"x": 1}]
-    from hybridrl.run.config import ConfigError
+    from hybridrl.core.config import ConfigError
     with pytest.raises(ConfigError, match="must divide the 4 ranks: use --nproc a multiple of 3"):
         launch.tp_groups(world, 3)
 
@@ -276,7 +276,7 @@ def test_lora_at_tp2(tmp_path):
 def test_two_nodes_one_rank_each_share_an_engine(tmp_path):
     # 2 "nodes" x 1 rank on this machine, through the c10d rendezvous (torchrun's multi-node path);
     # the run directory is shared, as a cluster's filesystem would be
-    from hybridrl.run.launch import _free_port
+    from hybridrl.core.launch import _free_port
 
     from helpers.cli import SMALL
     endpoint = f"127.0.0.1:{_free_port()}"

@@ -95,7 +95,7 @@ def test_liger_micro_batches_sum_to_the_batch(agg):
 def test_models_that_transform_their_logits_are_refused_with_a_clear_error(attr, value):
     """The fused path reads the head's weight, not lm_head's forward: a model that softcaps or scales
     its logits (Gemma 2, Cohere) would be scored wrong, so it is refused with a one-line UserError."""
-    from hybridrl.run.config import UserError
+    from hybridrl.core.config import UserError
     model = tiny_model()
     setattr(model.config, attr, value)
     with pytest.raises(UserError, match=f"applies {attr}={value} to its logits.*use a model without it") as e:

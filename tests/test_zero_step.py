@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
+from hybridrl.core import config
 from hybridrl.engines import deepspeed_compat
 from hybridrl.engines.trainer import ds_config
-from hybridrl.run import config
 
 
 def engine(dtype: torch.dtype, fused: bool):

@@ -26,12 +26,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hybridrl.core.launch import all_sum
 from hybridrl.kernels.ppo_loss import KL_ESTIMATORS
-from hybridrl.run.launch import all_sum
 
 if TYPE_CHECKING:
+    from hybridrl.core.config import AlgoConfig
     from hybridrl.data.batch import Batch
-    from hybridrl.run.config import AlgoConfig
 
 EPS = 1e-6
 

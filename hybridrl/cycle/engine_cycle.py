@@ -25,11 +25,10 @@ from dataclasses import replace
 
 import torch
 
-from hybridrl.cycle import memory, sync
+from hybridrl.core import faults, launch, memory
+from hybridrl.core.config import Config, ConfigError, UserError
+from hybridrl.cycle import sync
 from hybridrl.engines import deepspeed_compat, vllm_compat
-from hybridrl.observe import faults
-from hybridrl.run import launch
-from hybridrl.run.config import Config, ConfigError, UserError
 
 
 def _phase(phases, name: str):

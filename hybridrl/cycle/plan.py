@@ -57,15 +57,15 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hybridrl.cycle import memory
-from hybridrl.run.config import Config, ConfigError
+from hybridrl.core import memory
+from hybridrl.core.config import Config, ConfigError
+from hybridrl.core.memory import GRAPH_SIZES_MAX, capture_sizes
 
 GIB = memory.GIB
 MIB = memory.MIB
 REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements), which ds_config keeps
 STAGE3_LIVE = 1_000_000_000  # DeepSpeed's default stage3_max_live_parameters: gathered ZeRO-3 parameters kept
 SUB_GROUP = 1_000_000_000  # DeepSpeed's default sub_group_size: ZeRO-3 flattens a rank's fp32 partition in these
-GRAPH_SIZES_MAX = 512  # the largest batch vLLM captures a CUDA graph for
 CONFIGS = Path(__file__).resolve().parents[1] / "model_configs"  # config.json of real models (no weights), for planning offline
 DEFAULT_GPU_GIB = 79.2  # an 80 GB H100 as CUDA reports it (torch.cuda.mem_get_info's total)
 DEFAULT_HOST_GIB = 2048.0  # an 8-GPU H100 node (DGX H100: 2 TiB)
@@ -274,7 +274,7 @@ def read_config(path: str) -> dict:
     if shipped is not None:
         return json.loads(shipped.read_text())
     if path == "demo":
-        from hybridrl.engines.models import DEMO
+        from hybridrl.core.models import DEMO
         return json.loads((DEMO / "config.json").read_text())
     try:
         from huggingface_hub import hf_hub_download
@@ -428,11 +428,6 @@ def buffer_bytes(shape: Shape, b: int, tp: int) -> int:
 def asleep_bytes(shape: Shape, b: int, max_num_seqs: int, tp: int, graphs: bool) -> int:
     """vLLM's device memory that a sleep does not release (graph pool and buffers): in every phase."""
     return (graph_bytes(shape, b, max_num_seqs, tp) if graphs else 0) + buffer_bytes(shape, b, tp)
-
-
-def capture_sizes(top: int) -> list[int]:
-    """The batch sizes vLLM captures graphs for, bounded by max_num_seqs: 1, 2, 4, then every 8."""
-    return [s for s in [1, 2, 4] + list(range(8, GRAPH_SIZES_MAX + 1, 8)) if s <= top] or [1]
 
 
 def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
@@ -597,8 +592,8 @@ def ladder(cfg: Config, shape: Shape, base: Knobs, world: int, local: int, devic
     only then the optimizer in host memory; then sequence parallelism, where one sequence's
     activations fit in none of those (its all-to-alls cost every layer, and a sequence-level loss or
     the critic rules it out: config.validate); the parameters in host memory last."""
-    from hybridrl.run.config import _sequence_level
-    from hybridrl.run.recipe import explicit
+    from hybridrl.core.config import _sequence_level
+    from hybridrl.core.recipe import explicit
     free = {key: not explicit(cfg, key) for key in FREE}
     sps = [base.sp] + [s for s in (2, 4, 8) if free["train.sequence_parallel_size"] and s > base.sp and world % s == 0
                        and shape.heads % s == 0 and not _sequence_level(cfg) and cfg.algo.advantage != "gae"]
@@ -652,7 +647,7 @@ def decide(cfg: Config, shape: Shape, *, device: int, host: int, world: int, loc
     """The cheapest plan that fits (see `ladder`), its choices written into the config (source
     "memory plan"); ConfigError in one line when none fits. On CPU nothing is decided: the plan
     only checks that the run fits the node's memory."""
-    from hybridrl.run.recipe import _set, explicit
+    from hybridrl.core.recipe import _set, explicit
     base = knobs(cfg, shape, world=world, local=local, on_cpu=on_cpu)
     first = build(shape, base, device=device, host=host)
     if on_cpu:
@@ -722,7 +717,7 @@ def _refusal(cfg: Config, shape: Shape, base: Knobs, device: int, host: int, wor
                 f"({last.pinned_total / GIB:.0f} GiB of it pinned host memory), more than "
                 f"90% of {host / GIB:.0f} GiB: use more nodes, LoRA (model.lora_rank), or a node with more memory "
                 "(`hybridrl plan` shows the table)")
-    from hybridrl.run.recipe import explicit
+    from hybridrl.core.recipe import explicit
     k = last.knobs
     levers = [fix for key, fix, done in (
         ("model.gradient_checkpointing", "model.gradient_checkpointing true", k.ckpt),
@@ -763,7 +758,7 @@ def summary(p: MemoryPlan) -> str:
 
 def info_of(name: str, conf: dict, shape: Shape):
     """models.ModelInfo from config.json alone (no tokenizer, no weights): what the recipe reads."""
-    from hybridrl.engines.models import ModelInfo
+    from hybridrl.core.models import ModelInfo
     text = conf.get("text_config") or conf
     archs = conf.get("architectures") or ["?"]
     return ModelInfo(name=name, path=name, arch=archs[0], params=shape.params, vocab=shape.vocab,
@@ -774,7 +769,7 @@ def info_of(name: str, conf: dict, shape: Shape):
 def dry_run(cfg: Config, *, nproc: int, nnodes: int, gpu_gib: float, host_gib: float) -> tuple[Config, MemoryPlan, list[str]]:
     """`hybridrl plan`: the recipe and the plan a run of `cfg` would get on nnodes x nproc GPUs of
     gpu_gib each, from the model's config.json alone. Returns (config, plan, recipe lines)."""
-    from hybridrl.run import recipe
+    from hybridrl.core import recipe
     conf = read_config(cfg.model.path)
     shape = Shape.from_config(conf)
     info = info_of(cfg.model.path, conf, shape)

@@ -13,11 +13,10 @@ import logging
 
 import torch
 
+from hybridrl.core import faults, launch
 from hybridrl.data.batch import Batch
 from hybridrl.engines.rollout import Rollout
 from hybridrl.engines.trainer import Trainer
-from hybridrl.observe import faults
-from hybridrl.run import launch
 
 log = logging.getLogger("hybridrl")
 

@@ -1,2 +1,3 @@
-"""What goes in and what is scored: prompts (prompts.py), the batch type (batch.py), rewards and
-verifiers, multi-turn environments (envs.py, multiturn.py), and collecting one batch (collect.py)."""
+"""What goes in and what is scored: prompts (prompts.py), the sample and batch types (batch.py),
+rewards and verifiers, the environment protocol (envs.py), partial rollouts' buffer (partial.py).
+Driving the engine to collect a batch is the run's (run/collect.py, run/multiturn.py)."""

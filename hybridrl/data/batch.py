@@ -1,4 +1,5 @@
-"""The one batch type that flows from rollout to trainer: padded token rows plus per-row data.
+"""The one batch type that flows from rollout to trainer: padded token rows plus per-row data, and
+the rollout's Sample (one completion) it is built from.
 
 Position t of a row holds token t; `loss_mask[b, t]` marks completion tokens, whose log-prob
 log p(tokens[b, t] | tokens[b, :t]) the trainer computes (in a multi-turn episode only the
@@ -16,6 +17,26 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+
+
+@dataclass
+class Sample:
+    """One completion as the rollout returns it (engines/rollout.py), before it joins a Batch."""
+    prompt_idx: int  # index into the prompt list passed to generate
+    token_ids: list[int]  # completion tokens
+    logprobs: list[float]  # vLLM's log-prob of each completion token (after temperature)
+    finished: bool  # stopped on EOS / stop token rather than on the length limit
+    sample_idx: int = 0  # which of the prompt's n samples
+    # multi-turn episodes (run/multiturn.py): 1 on the assistant's tokens, 0 on the environment's, whose
+    # logprobs are 0.0 placeholders; None = every token is the model's (single turn)
+    loss_mask: list[int] | None = None
+    env_reward: float = 0.0  # the environment's rewards, summed over the episode's turns
+    # MoE: the experts vLLM routed each token of prompt + completion to, [T, layers, k] int16, -1 where
+    # unknown (engines/routing.py); None for a dense model or where they could not be recorded
+    routes: torch.Tensor | None = None
+    # partial rollouts (data/partial.py): the policy version (optimizer updates before it) that sampled
+    # each completion token; None = all by the version of this step
+    versions: list[int] | None = None
 
 
 class Packed(NamedTuple):

@@ -40,7 +40,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from hybridrl.run.config import ConfigError, import_spec
+from hybridrl.core.config import ConfigError, import_spec
 
 # the counters an environment's info may report (anything else is ignored); summed over episodes and ranks
 COUNTS = ("tools/calls", "tools/errors", "tools/timeouts", "tools/malformed", "tools/truncated", "tools/latency_s")

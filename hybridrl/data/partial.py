@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridrl.engines.rollout import Sample
+from hybridrl.data.batch import Sample
 
 
 @dataclass

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridrl.run.config import ConfigError, DataConfig, UserError
+from hybridrl.core.config import ConfigError, DataConfig, UserError
 
 log = logging.getLogger("hybridrl")
 

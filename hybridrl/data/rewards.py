@@ -40,9 +40,9 @@ from multiprocessing.connection import wait as wait_ready
 from pathlib import Path
 from typing import Any, Callable
 
+from hybridrl.core.config import ConfigError, RewardConfig, UserError, import_spec
+from hybridrl.core.journal import DEAD_LETTER_CAP, Journal
 from hybridrl.data import verifiers
-from hybridrl.run.config import ConfigError, RewardConfig, UserError, import_spec
-from hybridrl.run.journal import DEAD_LETTER_CAP, Journal
 
 log = logging.getLogger("hybridrl")
 

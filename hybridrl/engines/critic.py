@@ -28,13 +28,14 @@ import torch
 from torch import nn
 
 from hybridrl.algorithms import advantages
+from hybridrl.core import platform
+from hybridrl.core.config import Config, ConfigError, UserError
+from hybridrl.core.launch import all_sum, world_size
+from hybridrl.core.models import enable_checkpointing
 from hybridrl.data.batch import Batch, per_token
-from hybridrl.engines import deepspeed_compat, platform
-from hybridrl.engines.models import enable_checkpointing
+from hybridrl.engines import deepspeed_compat
 from hybridrl.engines.trainer import (ds_config, from_pretrained, load_engine_checkpoint, lr_scheduler,
                                       minibatch_updates, plan_micro_batches)
-from hybridrl.run.config import Config, ConfigError, UserError
-from hybridrl.run.launch import all_sum, world_size
 
 TAG = "critic"  # its DeepSpeed checkpoint's directory inside a hybridrl checkpoint
 # where a one-output head sits in a saved model: transformers' sequence/token classification models
@@ -212,7 +213,7 @@ def _check_vocabulary(path: str, base: nn.Module, model_path: str, trust_remote_
     vocabulary would fail on the first token past its end, mid-run."""
     from transformers import AutoConfig
 
-    from hybridrl.cycle.memory import vocab_size
+    from hybridrl.core.memory import vocab_size
     policy = vocab_size(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code))
     rows = base.get_input_embeddings().num_embeddings
     if rows < policy:

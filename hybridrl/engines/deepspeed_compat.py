@@ -190,6 +190,18 @@ def op_builder(name: str):
     return get_accelerator().create_op_builder(name)
 
 
+def build_ops(names: list[str]) -> None:
+    """Build DeepSpeed's JIT ops `names` now, into TORCH_EXTENSIONS_DIR, so that the first run does
+    not spend minutes compiling (`python -m hybridrl.env`, which the setup runs after environ.setup)."""
+    import os
+
+    for name in names:
+        builder = op_builder(name)
+        if builder is not None and builder.is_compatible():
+            builder.load(verbose=False)
+            print(f"built DeepSpeed op {name} into {os.environ['TORCH_EXTENSIONS_DIR']}")
+
+
 def op_report(names: list[str], cpu_names: list[str]) -> dict:
     """{"accelerator": its name, "ops": {name: {"dir", "compatible"} or None}} for `names`, plus
     `cpu_names` on the CPU accelerator (what `hybridrl doctor` reports, in a fresh interpreter)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from hybridrl.run.config import ModelConfig
+from hybridrl.core.config import ModelConfig
 
 
 def spec(m: ModelConfig) -> dict:
@@ -33,7 +33,7 @@ def attach(hf: nn.Module, m: ModelConfig):
     step 0) and freeze everything else; returns the PeftModel wrapping `hf`."""
     from peft import LoraConfig, get_peft_model
 
-    from hybridrl.run.config import UserError
+    from hybridrl.core.config import UserError
 
     present = {name.rsplit(".", 1)[-1] for name, mod in hf.named_modules() if isinstance(mod, nn.Linear)}
     missing = sorted(set(m.lora_target_modules) - present)

@@ -16,14 +16,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybridrl.core.config import Config, UserError
+from hybridrl.core.models import is_native, plain_cache
 from hybridrl.data.batch import Batch, Shared
 from hybridrl.engines import ulysses
-from hybridrl.engines.models import is_native, plain_cache
 from hybridrl.kernels.fused_loss import fused_logprob_ppo_loss
 from hybridrl.kernels.liger_loss import liger_ppo_loss
 from hybridrl.kernels.logprob import logprob_entropy
 from hybridrl.kernels.ppo_loss import importance_weights
-from hybridrl.run.config import Config, UserError
 
 log = logging.getLogger("hybridrl")
 # the warning when train.share_prompt=on cannot be honoured (bench/peers.py reads it from the run's output)

@@ -23,11 +23,11 @@ from itertools import chain
 import deepspeed
 import torch
 
+from hybridrl.core.config import Config
 from hybridrl.data.batch import Batch, micro_batches, per_token, shared_micro_batches
 from hybridrl.engines import ulysses
 from hybridrl.engines.policy import TokenLogprobs, module_inputs, share_prompt
 from hybridrl.engines.trainer import from_pretrained, plan_micro_batches
-from hybridrl.run.config import Config
 
 
 def ds_config(cfg: Config, bf16: bool, cuda: bool) -> dict:

@@ -27,8 +27,8 @@ from itertools import chain
 
 import torch
 
+from hybridrl.core.config import Config, ConfigError, torch_dtype
 from hybridrl.data.rewards import model_terms
-from hybridrl.run.config import Config, ConfigError, torch_dtype
 
 
 class RewardModel:

@@ -24,31 +24,12 @@ from typing import Iterable, Iterator
 import torch
 from vllm import LLM, SamplingParams
 
-from hybridrl.cycle import memory
+from hybridrl.core import launch, memory
+from hybridrl.core.config import Config
+from hybridrl.data.batch import Sample
 from hybridrl.engines import ipc, lora, vllm_compat
-from hybridrl.run import launch
-from hybridrl.run.config import Config
 
 log = logging.getLogger("hybridrl")
-
-
-@dataclass
-class Sample:
-    prompt_idx: int  # index into the prompt list passed to generate
-    token_ids: list[int]  # completion tokens
-    logprobs: list[float]  # vLLM's log-prob of each completion token (after temperature)
-    finished: bool  # stopped on EOS / stop token rather than on the length limit
-    sample_idx: int = 0  # which of the prompt's n samples
-    # multi-turn episodes (multiturn.py): 1 on the assistant's tokens, 0 on the environment's, whose
-    # logprobs are 0.0 placeholders; None = every token is the model's (single turn)
-    loss_mask: list[int] | None = None
-    env_reward: float = 0.0  # the environment's rewards, summed over the episode's turns
-    # MoE: the experts vLLM routed each token of prompt + completion to, [T, layers, k] int16, -1 where
-    # unknown (routing.py); None for a dense model or where they could not be recorded
-    routes: torch.Tensor | None = None
-    # partial rollouts (data/partial.py): the policy version (optimizer updates before it) that sampled
-    # each completion token; None = all by the version of this step
-    versions: list[int] | None = None
 
 
 @dataclass

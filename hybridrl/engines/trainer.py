@@ -17,17 +17,17 @@ import deepspeed
 import torch
 from torch import nn
 
-from hybridrl.cycle.memory import trim_host_heap
+from hybridrl.core import faults, platform
+from hybridrl.core.canaries import distribution_metrics
+from hybridrl.core.config import Config, ConfigError, completion_budget
+from hybridrl.core.environ import omp_threads, optimizer_threads
+from hybridrl.core.launch import all_max, all_sum, world_size
+from hybridrl.core.memory import trim_host_heap
+from hybridrl.core.models import enable_checkpointing, is_native
 from hybridrl.data.batch import Batch, micro_batches, per_token, shared_micro_batches
-from hybridrl.engines import deepspeed_compat, lora, platform, routing, ulysses
-from hybridrl.engines.models import enable_checkpointing, is_native
+from hybridrl.engines import deepspeed_compat, lora, routing, ulysses
 from hybridrl.engines.policy import TokenLogprobs, kernel_provider, module_inputs, packs, share_prompt
 from hybridrl.kernels.ppo_loss import importance_ratio
-from hybridrl.observe import faults
-from hybridrl.observe.canaries import distribution_metrics
-from hybridrl.run.config import Config, ConfigError, completion_budget
-from hybridrl.run.environ import omp_threads, optimizer_threads
-from hybridrl.run.launch import all_max, all_sum, world_size
 
 log = logging.getLogger("hybridrl")
 

@@ -1,2 +1,2 @@
-"""What a run shows and checks: progress and logs, the report, canaries, `hybridrl doctor`, the
-preflight checks before any engine starts, and the fault watchdog."""
+"""What a run shows: the live progress line and the run's sinks (progress.py) and `hybridrl report`
+(report.py). The ground utilities they use (logs, canaries, the watchdog) are in core/."""

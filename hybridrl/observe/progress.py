@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 import yaml
 
-from hybridrl.cycle.memory import host_memory, peak_since_reset, reset_peak
-from hybridrl.observe import faults
-from hybridrl.observe.canaries import Canaries
-from hybridrl.run.config import Config, ConfigError, to_dict
-from hybridrl.run.journal import Journal, keep_upto
-from hybridrl.run.launch import from_main
+from hybridrl.core import faults
+from hybridrl.core.canaries import Canaries
+from hybridrl.core.config import Config, ConfigError, to_dict
+from hybridrl.core.journal import Journal, keep_upto
+from hybridrl.core.launch import from_main
+from hybridrl.core.memory import host_memory, peak_since_reset, reset_peak
 
 # every phase a step times, in the order the loop runs them (engine_cycle.py: sleep ... wake_kv);
 # `hybridrl report` stacks them in this order

@@ -1,5 +1,5 @@
-"""Checkpoints: save every `ckpt.every` steps and at the end, resume bit-exactly, stop cleanly on
-SIGTERM/SIGINT (exporting one as a Hugging Face model directory: export.py).
+"""Checkpoints: save every `ckpt.every` steps and at the end, resume bit-exactly (stopping cleanly
+on SIGTERM/SIGINT: signals.py; exporting one as a Hugging Face model directory: export.py).
 
 Layout of one checkpoint, `<ckpt.dir>/step-N/`:
 
@@ -44,7 +44,6 @@ import os
 import random
 import re
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -54,11 +53,10 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from hybridrl.core import faults, launch
+from hybridrl.core.config import Config, UserError, to_dict
+from hybridrl.core.journal import fsync_dir
 from hybridrl.engines import deepspeed_compat
-from hybridrl.observe import faults
-from hybridrl.run import launch
-from hybridrl.run.config import Config, UserError, to_dict
-from hybridrl.run.journal import fsync_dir
 
 log = logging.getLogger("hybridrl")
 DS_TAG = "ds"
@@ -452,48 +450,3 @@ def load_rank_state(path: Path) -> dict:
         why = next((x.strip() for x in str(e).splitlines() if "GLOBAL" in x), str(e).strip().splitlines()[0])
         raise UserError(f"{path}: not a checkpoint this version can read safely ({why[:200]}); "
                         "start a fresh run, or resume it with the hybridrl version that wrote it") from None
-
-
-# --- stopping on a signal -----------------------------------------------------------------------
-class StopSignals:
-    """SIGTERM/SIGINT ask the loop to finish its step, save and exit (0 / 130). A second SIGINT
-    interrupts at once. `requested()` is collective: every rank stops at the same step."""
-
-    EXIT = {signal.SIGTERM: 0, signal.SIGINT: 130}
-
-    def __init__(self, main: bool):
-        self.main, self.signum, self._old, self._at = main, 0, {}, 0.0
-
-    def __enter__(self):
-        try:
-            for s in self.EXIT:
-                self._old[s] = signal.signal(s, self._handle)
-        except ValueError:  # not the main thread (e.g. a notebook's worker thread): no handlers
-            pass
-        return self
-
-    def __exit__(self, *exc):
-        for s, h in self._old.items():
-            signal.signal(s, h)
-
-    def _handle(self, signum, frame):
-        if self.signum == signal.SIGINT and signum == signal.SIGINT:
-            # under --nproc a Ctrl-C reaches a worker twice (the terminal, then the launcher
-            # forwarding it): only a second press, a moment later, means "now"
-            if time.monotonic() - self._at > 1.0:
-                raise KeyboardInterrupt
-            return
-        self.signum, self._at = signum, time.monotonic()
-        if self.main:
-            print(f"\nreceived {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
-                  "(SIGINT again to stop now)", flush=True)
-
-    def requested(self) -> int:
-        return int(launch.all_max(self.signum))
-
-    def summary(self, signum: int, step: int, ckpt: Path | None, run_dir: Path) -> dict:
-        name = signal.Signals(signum).name
-        if self.main:
-            print(f"stopped by {name} after step {step}; checkpoint: {ckpt}\n"
-                  f"continue with: hybridrl train --resume {run_dir}", flush=True)
-        return {"stopped_by": name, "exit_code": self.EXIT[signal.Signals(signum)], "checkpoint": str(ckpt)}

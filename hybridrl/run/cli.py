@@ -21,7 +21,7 @@ from typing import Optional
 import typer
 import typer.core
 
-from hybridrl.run import config as C
+from hybridrl.core import config as C
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
                   help="hybridrl: colocated vLLM + DeepSpeed RL trainer for LLMs.")
@@ -116,17 +116,17 @@ def _train(**kw) -> None:
     cfg, launch_opts = _config_of(kw)
     nproc = launch_opts["nproc"]
     try:
-        from hybridrl.observe import logs, preflight
-        from hybridrl.run import environ
+        from hybridrl.core import environ, logs
+        from hybridrl.run import preflight
         environ.setup(verbose=cfg.log.verbose)  # still before torch/vLLM/DeepSpeed are imported
         logs.quiet_stdout()
         preflight.check(cfg, nproc)  # paths, the reward module, settings: in a second, not after the imports
-        from hybridrl.engines import models
+        from hybridrl.core import models
         models.inspect(cfg.model.path, cfg.model.trust_remote_code)  # a bad model.path: one line, before any engine
     except C.UserError as e:
         _fail(str(e))
 
-    from hybridrl.run import launch
+    from hybridrl.core import launch
     multi_node = str(launch_opts["nnodes"]) != "1"  # one rank per node still goes through the rendezvous
     if (nproc > 1 or multi_node) and not launch.under_launcher():
         argv = _strip_launch_flags(sys.argv[1:])
@@ -342,7 +342,7 @@ def evaluate(target: str = typer.Argument(..., help="A run directory (its newest
         if adopted:
             from hybridrl.run.checkpoint import from_run_dir
             cfg = from_run_dir(cfg, overrides, config)
-        from hybridrl.observe import preflight
+        from hybridrl.run import preflight
         preflight.reward_named(cfg)
         E.run(target, cfg)
     except C.UserError as e:
@@ -377,7 +377,7 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="Print the checks 
            timeout: float = typer.Option(240.0, help="Seconds allowed for each of the vLLM and DeepSpeed imports.")
            ) -> None:
     """Check that this machine's stack can train (versions, devices, vLLM, DeepSpeed ops); exit 1 if not."""
-    from hybridrl.observe import doctor as D
+    from hybridrl.run import doctor as D
     rows = D.checks(timeout)
     if as_json:
         typer.echo(json.dumps(rows, indent=1))
@@ -387,7 +387,7 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="Print the checks 
 
 
 def main() -> None:
-    from hybridrl.run import environ
+    from hybridrl.core import environ
     try:
         environ.setup()  # caches and platform variables before anything imports torch/vLLM/DeepSpeed
         args = bool_words(sys.argv[1:])

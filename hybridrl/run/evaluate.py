@@ -15,8 +15,8 @@ import json
 import tempfile
 from pathlib import Path
 
-from hybridrl.data.collect import single_turn_greedy
-from hybridrl.run import launch
+from hybridrl.core import launch
+from hybridrl.run.collect import single_turn_greedy
 
 
 def heldout_eval(cfg, rollout, scorer, tokenizer, heldout: list, world, step: int,
@@ -60,7 +60,7 @@ class Evaluator:
     def __call__(self, step: int) -> float | None:
         if not self.heldout:
             return None
-        from hybridrl.observe import faults
+        from hybridrl.core import faults
         faults.progress(step, "eval")
         self.rollout.wake(["kv_cache"])
         acc, extra, rows = heldout_eval(self.cfg, self.rollout, self.scorer, self.tokenizer, self.heldout,
@@ -73,10 +73,11 @@ class Evaluator:
 def run(target: str, cfg) -> dict:
     """`hybridrl eval`: load the model (a run directory's newest checkpoint, exported to a temporary
     HF directory, or a model directory / hub name), build vLLM alone and evaluate once."""
+    from hybridrl.core import environ, recipe
+    from hybridrl.core.config import UserError
     from hybridrl.data import prompts, rewards
     from hybridrl.engines.rollout import Rollout
-    from hybridrl.run import environ, export, recipe, resolve
-    from hybridrl.run.config import UserError
+    from hybridrl.run import export, resolve
 
     environ.setup()
     world = launch.init_distributed()

@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from hybridrl.engines import models
+from hybridrl.core import models
+from hybridrl.core.config import Config, UserError, torch_dtype
 from hybridrl.run.checkpoint import DS_TAG, ckpt_root, complete_checkpoints, is_complete
-from hybridrl.run.config import Config, UserError, torch_dtype
 
 
 def checkpoint_of(src: str | Path) -> Path:
@@ -21,7 +21,7 @@ def checkpoint_of(src: str | Path) -> Path:
     src = Path(src)
     if is_complete(src):
         return src
-    from hybridrl.run.config import load
+    from hybridrl.core.config import load
     cfg = load(src / "config.yaml") if (src / "config.yaml").exists() else Config()
     found = complete_checkpoints(ckpt_root(cfg, src))
     if not found:
@@ -73,8 +73,8 @@ def export_adapter(ck: Path, cfg: dict, state: dict, out: Path, merged: bool, dt
     The base model is model.path, which the run read its frozen weights from."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from hybridrl.core.config import ModelConfig
     from hybridrl.engines import lora
-    from hybridrl.run.config import ModelConfig
 
     m = ModelConfig(**{**cfg["model"], "trust_remote_code": trust_remote_code})
     base = str(models.DEMO) if m.path == "demo" else m.path

@@ -16,21 +16,21 @@ import numpy as np
 import torch
 
 from hybridrl.algorithms import advantages
+from hybridrl.core import environ, faults, launch, recipe
+from hybridrl.core.canaries import distribution_metrics
+from hybridrl.core.config import Config, torch_dtype
 from hybridrl.cycle import engine_cycle, sync
 from hybridrl.data import partial, rewards
 from hybridrl.data.batch import Batch
-from hybridrl.data.collect import Collector
 from hybridrl.data.prompts import Sampler, encode, load_rows
 from hybridrl.engines import reward_model
 from hybridrl.engines.critic import Critic
 from hybridrl.engines.reference import Reference
 from hybridrl.engines.rollout import Rollout
 from hybridrl.engines.trainer import Trainer
-from hybridrl.observe import faults
-from hybridrl.observe.canaries import distribution_metrics
 from hybridrl.observe.progress import Phases, RunLog
-from hybridrl.run import checkpoint, environ, launch, recipe, resolve
-from hybridrl.run.config import Config, torch_dtype
+from hybridrl.run import checkpoint, resolve, signals
+from hybridrl.run.collect import Collector
 from hybridrl.run.evaluate import Evaluator
 
 log = logging.getLogger("hybridrl")
@@ -94,7 +94,7 @@ def train(cfg: Config) -> dict:
     last_eval, step, stop_signal = start, done, 0
     watchdog = faults.Watchdog(cfg.train.watchdog_s, world.rank, world.size, run.dir)  # a stalled rank stops the run
     # SIGTERM/SIGINT: finish the step, save, exit; a device OOM or a dead vLLM engine: one line naming the phase
-    with checkpoint.StopSignals(world.main) as stop, watchdog, engine_cycle.failures(cfg, rollout):
+    with signals.StopSignals(world.main) as stop, watchdog, engine_cycle.failures(cfg, rollout):
         for step in range(done + 1, cfg.train.steps + 1):
             phases = Phases(step)
             # 1. rollout and rewards: n samples per prompt (this rank's share), each scored as it

@@ -20,11 +20,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from hybridrl.cycle import memory, plan
+from hybridrl.core import launch, memory, models, platform, recipe
+from hybridrl.core.config import Config, ConfigError
+from hybridrl.cycle import plan
 from hybridrl.data.prompts import encode, load_rows
-from hybridrl.engines import models, platform, policy
-from hybridrl.run import launch, recipe
-from hybridrl.run.config import Config, ConfigError
+from hybridrl.engines import policy
 
 log = logging.getLogger("hybridrl")
 

@@ -4,10 +4,10 @@ test_sequence_parallel)."""
 import torch
 import transformers
 
+from hybridrl.core.config import Config
 from hybridrl.data.batch import Batch
 from hybridrl.engines.policy import TokenLogprobs
 from hybridrl.engines.trainer import Trainer
-from hybridrl.run.config import Config
 
 V = 40
 

@@ -1,7 +1,7 @@
 """The planner's inputs: an H100's and a node's bytes, the shapes of shipped model configs, and a run's
 config as `hybridrl train` resolves it on a GPU (test_plan, test_gpu_path_decisions)."""
+from hybridrl.core import config, recipe
 from hybridrl.cycle import plan
-from hybridrl.run import config, recipe
 
 GIB = 1 << 30
 

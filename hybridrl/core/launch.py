@@ -18,8 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hybridrl.engines import platform
-from hybridrl.observe.faults import WATCHDOG_EXIT
+from hybridrl.core import platform
+from hybridrl.core.faults import WATCHDOG_EXIT
 
 
 @dataclass
@@ -131,7 +131,7 @@ def tp_groups(world: World, tp: int) -> TPGroup:
     """This rank's tensor-parallel group. Every rank creates every group (torch's new_group is
     collective over the world), so all ranks call this, in the same order."""
     if world.size % tp:
-        from hybridrl.run.config import ConfigError
+        from hybridrl.core.config import ConfigError
         raise ConfigError(f"rollout.tensor_parallel_size={tp} must divide the {world.size} ranks: use "
                           f"--nproc a multiple of {tp}")
     index, member = tp_group_of(world.rank, tp)

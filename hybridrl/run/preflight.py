@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from hybridrl.core.config import Config, ConfigError
 from hybridrl.data import envs, prompts, rewards
-from hybridrl.run.config import Config, ConfigError
 
 
 def check(cfg: Config, nproc: int = 1) -> None:

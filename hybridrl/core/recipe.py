@@ -20,11 +20,10 @@ import dataclasses
 import math
 import os
 
-from hybridrl.cycle import memory
-from hybridrl.engines.models import ModelInfo
-from hybridrl.run import environ
-from hybridrl.run.config import (DEMO, DEMO_SOURCE, Config, ConfigError, default, demo_recipe, explicit,  # noqa: F401
-                                 get, leaves, put as _set, validate)
+from hybridrl.core import environ, memory
+from hybridrl.core.config import (DEMO, DEMO_SOURCE, Config, ConfigError, default, demo_recipe, explicit,  # noqa: F401
+                                  get, leaves, put as _set, validate)
+from hybridrl.core.models import ModelInfo
 
 # each policy loss's own clip range, for the keys the user leaves unset (the schema's 0.2 / 0.28 are PPO's).
 # GSPO clips a length-normalised sequence ratio, which stays within ~1e-3 of 1 where PPO's token ratios

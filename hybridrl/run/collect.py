@@ -26,15 +26,17 @@ from dataclasses import dataclass
 import torch
 
 from hybridrl.algorithms import dapo
-from hybridrl.data import multiturn, partial
+from hybridrl.core import launch
+from hybridrl.core.config import Config, UserError, completion_budget
+from hybridrl.data import partial
+from hybridrl.data.batch import Sample
 from hybridrl.data.prompts import Prompt, Sampler
 from hybridrl.data.rewards import Scorer
 from hybridrl.engines import reward_model
 from hybridrl.engines.reward_model import RewardModel
-from hybridrl.engines.rollout import Rollout, Sample
+from hybridrl.engines.rollout import Rollout
 from hybridrl.observe.progress import Phases
-from hybridrl.run import launch
-from hybridrl.run.config import Config, UserError, completion_budget
+from hybridrl.run import multiturn
 
 log = logging.getLogger("hybridrl")
 

@@ -38,11 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from hybridrl.core.config import Config, UserError, completion_budget
+from hybridrl.core.journal import DEAD_LETTER_CAP, Journal
 from hybridrl.data import envs
+from hybridrl.data.batch import Sample
 from hybridrl.engines import vllm_compat
-from hybridrl.engines.rollout import Generation, Rollout, Sample
-from hybridrl.run.config import Config, UserError, completion_budget
-from hybridrl.run.journal import DEAD_LETTER_CAP, Journal
+from hybridrl.engines.rollout import Generation, Rollout
 
 log = logging.getLogger("hybridrl")
 _A, _B = "\x00hybridrl-user\x00", "\x00hybridrl-assistant\x00"  # placeholders no real message contains

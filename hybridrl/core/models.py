@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from hybridrl.run.config import UserError
+from hybridrl.core.config import UserError
 
 log = logging.getLogger("hybridrl")
 
@@ -153,7 +153,7 @@ def inspect(name: str, trust_remote_code: bool = False) -> ModelInfo:
         raise ModelError(f"model.path {name}: the tokenizer has no EOS token, so no completion could end before "
                          "rollout.max_new_tokens; set one (tokenizer.eos_token = '<|endoftext|>' or your end "
                          "token) and save the tokenizer again")
-    from hybridrl.cycle.memory import kv_bytes_per_token
+    from hybridrl.core.memory import kv_bytes_per_token
     try:
         kv_values = kv_bytes_per_token(text, 1)
     except (AttributeError, TypeError, ZeroDivisionError):  # an unusual attention layout: the KV size is then a guess

@@ -17,9 +17,9 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from hybridrl.run.schema import (ADVANTAGES, DEMO, DEMO_LONGTAIL, DEMO_SOURCE, GROUPS, AlgoConfig,  # noqa: F401
-                                 CkptConfig, Config, DataConfig, EnvConfig, LogConfig, ModelConfig, RewardConfig,
-                                 RolloutConfig, TrainConfig, knob)
+from hybridrl.core.schema import (ADVANTAGES, DEMO, DEMO_LONGTAIL, DEMO_SOURCE, GROUPS, AlgoConfig,  # noqa: F401
+                                  CkptConfig, Config, DataConfig, EnvConfig, LogConfig, ModelConfig, RewardConfig,
+                                  RolloutConfig, TrainConfig, knob)
 
 
 class UserError(ValueError):
@@ -334,22 +334,23 @@ def _in_one(v: float, spec: str) -> bool:
     return v == float(spec)
 
 
-# Where each module lived before the package was grouped into role folders: a run directory's saved
-# config (or a user's) that names `hybridrl.envs:ToolEnv` or `hybridrl.rewards:...` still resolves.
+# Where each module lived before the package was grouped into role folders (and now lives: core/ is
+# the ground floor): a run directory's saved config (or a user's) that names `hybridrl.envs:ToolEnv`
+# or `hybridrl.rewards:...` still resolves.
 MOVED = {"trainer": "engines.trainer", "policy": "engines.policy", "critic": "engines.critic",
          "reference": "engines.reference", "reward_model": "engines.reward_model",
          "rollout": "engines.rollout", "vllm_compat": "engines.vllm_compat",
          "vllm_worker_ext": "engines.vllm_worker_ext", "ipc": "engines.ipc", "lora": "engines.lora",
-         "models": "engines.models", "zero_step": "engines.deepspeed_compat", "engine_cycle": "cycle.engine_cycle",
-         "sync": "cycle.sync", "plan": "cycle.plan", "memory": "cycle.memory", "algo": "algorithms.advantages",
+         "models": "core.models", "zero_step": "engines.deepspeed_compat", "engine_cycle": "cycle.engine_cycle",
+         "sync": "cycle.sync", "plan": "cycle.plan", "memory": "core.memory", "algo": "algorithms.advantages",
          "dapo": "algorithms.dapo", "data": "data.prompts", "batch": "data.batch", "rewards": "data.rewards",
-         "verifiers": "data.verifiers", "envs": "data.envs", "multiturn": "data.multiturn",
-         "collect": "data.collect", "tasks": "data.tasks", "loop": "run.loop", "config": "run.config",
-         "schema": "run.schema", "recipe": "run.recipe", "cli": "run.cli", "launch": "run.launch",
+         "verifiers": "data.verifiers", "envs": "data.envs", "multiturn": "run.multiturn",
+         "collect": "run.collect", "tasks": "data.tasks", "loop": "run.loop", "config": "core.config",
+         "schema": "core.schema", "recipe": "core.recipe", "cli": "run.cli", "launch": "core.launch",
          "checkpoint": "run.checkpoint", "export": "run.export", "evaluate": "run.evaluate",
-         "journal": "run.journal", "env": "run.environ", "progress": "observe.progress",
-         "logs": "observe.logs", "report": "observe.report", "canaries": "observe.canaries",
-         "doctor": "observe.doctor", "preflight": "observe.preflight", "faults": "observe.faults"}
+         "journal": "core.journal", "env": "core.environ", "progress": "observe.progress",
+         "logs": "core.logs", "report": "observe.report", "canaries": "core.canaries",
+         "doctor": "run.doctor", "preflight": "run.preflight", "faults": "core.faults"}
 
 
 def import_spec(key: str, spec: str, name: str, what: str = "attribute"):
