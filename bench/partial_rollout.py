@@ -81,20 +81,33 @@ def generate_only(steps: int, seed: int, extra: list[str]) -> dict:
     cols = {m: Collector(r.cfg, rollout, scorer, r.tokenizer, r.prompts, prompts.Sampler(len(r.prompts), seed), world, [])
             for m, r in cfgs.items()}
     got = {m: {"tokens": 0.0, "seconds": 0.0, "steps": []} for m in cols}
+    # vLLM's engine steps (decode iterations) per training step: what partial rollouts cut. A GPU's decode
+    # step costs about the same at any batch up to hundreds of sequences; this CPU's grows with the batch
+    engine = rollout.llm.llm_engine
+    engine_step, calls = engine.step, []
+
+    def counted():
+        calls.append(engine.get_num_unfinished_requests())
+        return engine_step()
+    engine.step = counted
     for step in range(1, steps + 1):
         for m in (("off", "on") if step % 2 else ("on", "off")):
             ph = Phases(step)
+            calls.clear()
             ro = cols[m].batch(step, ph)
             rollout.llm.reset_prefix_cache()
             if step > 1:  # the first step pays the engine's first calls
                 got[m]["tokens"] += ro.metrics["rollout_tokens"]
                 got[m]["seconds"] += ph["generate"]
-            got[m]["steps"].append((ph["generate"], ro.metrics["rollout_tokens"], len(ro.prompts)))
+            got[m]["steps"].append((ph["generate"], ro.metrics["rollout_tokens"], len(ro.prompts), len(calls),
+                                    sum(calls) / max(len(calls), 1)))
     rollout.close()
     scorer.close()
     # the median step's tokens/s as well: a load spike from another job lands in one mode's step
     return {m: {"rollout_tok_s": g["tokens"] / g["seconds"], "generate_s": g["seconds"] / max(steps - 1, 1),
-                "median_tok_s": statistics.median(n / t for t, n, _ in g["steps"][1:]), "steps": g["steps"]}
+                "median_tok_s": statistics.median(s[1] / s[0] for s in g["steps"][1:]),
+                "engine_steps": statistics.mean(s[3] for s in g["steps"][1:]),
+                "batch": statistics.mean(s[4] for s in g["steps"][1:]), "steps": g["steps"]}
             for m, g in got.items()}
 
 
@@ -118,11 +131,14 @@ def main() -> int:
         ratio = g["on"]["rollout_tok_s"] / g["off"]["rollout_tok_s"]
         print(f"\ngeneration alone, {args.steps} steps each, alternated in one process (a shared machine: its load "
               "moves both alike)")
-        print(f"{'partial':8} {'generate ms/step':>17} {'rollout tok/s':>14} {'median step tok/s':>18}")
+        print(f"{'partial':8} {'generate ms/step':>17} {'rollout tok/s':>14} {'median step tok/s':>18} "
+              f"{'engine steps/step':>18} {'mean batch':>11}")
         for m in ("off", "on"):
-            print(f"{m:8} {g[m]['generate_s'] * 1e3:17.0f} {g[m]['rollout_tok_s']:14.0f} {g[m]['median_tok_s']:18.0f}")
+            print(f"{m:8} {g[m]['generate_s'] * 1e3:17.0f} {g[m]['rollout_tok_s']:14.0f} {g[m]['median_tok_s']:18.0f} "
+                  f"{g[m]['engine_steps']:18.1f} {g[m]['batch']:11.1f}")
         print(f"on / off: rollout tokens/s x{ratio:.2f}, median step's x"
-              f"{g['on']['median_tok_s'] / g['off']['median_tok_s']:.2f}")
+              f"{g['on']['median_tok_s'] / g['off']['median_tok_s']:.2f}; engine steps per step "
+              f"x{g['off']['engine_steps'] / g['on']['engine_steps']:.2f} fewer")
         record("partial_rollout", {"task": "longtail", "mode": "generate_only", "steps": args.steps,
                                    "seed": args.seeds[0], "flags": extra},
                {"off": g["off"], "on": g["on"], "rollout_tok_s_ratio": ratio},
