@@ -52,3 +52,34 @@ def test_tis_weight_scales_the_loss_and_carries_no_gradient(packing, tis_level, 
     torch.testing.assert_close(metrics["tis_mean"], (w * n_tok).sum() / n_tok.sum(), rtol=1e-5, atol=1e-6)
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("over,needed", [
+    ({"algo.tis_cap": 2.0}, False),  # one update: its own forward is pi_old (the case above, on_policy)
+    ({"algo.is_correction": "mask"}, False),
+    ({"algo.tis_cap": 2.0, "train.minibatches": 2}, True),  # the second update's pi_old is not its own
+    ({"algo.tis_cap": 2.0, "model.lora_rank": 8, "model.lora_dropout": 0.1}, True),  # dropout: not pi_old
+    ({"algo.kl_coef": 0.01, "algo.kl_in": "reward"}, True),
+    ({}, False)])
+def test_importance_correction_with_one_update_runs_no_separate_pi_old_forward(over, needed):
+    over = {"train.minibatches": 1, **over}  # the recipes' setting (the demo's default is 2)
+    """The step's own forward gives pi_old's log-probs when one update consumes the rollout: a
+    separate no-grad forward over the batch (one more forward per step) is spent only where it differs."""
+    from hybridrl.core import config
+    from hybridrl.engines.trainer import Trainer
+    t = Trainer.__new__(Trainer)
+    t.cfg = config.load(None, over)
+    t.peft = object() if t.cfg.model.lora_rank else None
+    assert t.needs_old_logprobs is needed
+
+
+def test_the_step_reports_partial_weights_as_the_loop_did():
+    """Without a separate pi_old the trainer reports partial rollouts' IS weights from the update
+    (weight_metrics over the tokens it trained): the loop's figures on the same log-probs."""
+    from hybridrl.data import partial
+    g = torch.Generator().manual_seed(0)
+    old, behaviour = -torch.rand(3, 6, generator=g), -torch.rand(3, 6, generator=g)
+    mask = torch.rand(3, 6, generator=g) > 0.3
+    stale = torch.rand(3, 6, generator=g) > 0.5
+    w = (old[mask] - behaviour[mask]).exp()
+    assert partial.weight_metrics(w, stale[mask]) == partial.is_metrics(old, behaviour, mask, stale)

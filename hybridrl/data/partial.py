@@ -147,11 +147,16 @@ def is_metrics(logp_old: torch.Tensor | None, logp_behaviour: torch.Tensor, loss
     """The token importance weights pi_old / pi_behaviour (before truncation or masking) on stale and
     on fresh tokens: mean, std, min, max. A stale token's weight carries its policy's drift since it
     was sampled; a fresh token's only the engines' mismatch (~1)."""
-    if logp_old is None:
+    if logp_old is None:  # one update per step: the trainer reports them from that update (weight_metrics)
         return {}
     w = (logp_old - logp_behaviour).clamp(-20, 20).exp()  # [B, T]
+    return weight_metrics(w[loss_mask], stale[loss_mask])
+
+
+def weight_metrics(w: torch.Tensor, stale: torch.Tensor) -> dict[str, float]:
+    """is_metrics' figures from per-token weights `w` [N] and their stale flags [N]."""
     out = {}
-    for name, sel in (("stale", loss_mask & stale), ("fresh", loss_mask & ~stale)):
+    for name, sel in (("stale", stale), ("fresh", ~stale)):
         x = w[sel]
         if x.numel():
             out.update({f"partial/is_{name}_mean": float(x.mean()),

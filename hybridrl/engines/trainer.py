@@ -24,6 +24,7 @@ from hybridrl.core.environ import omp_threads, optimizer_threads
 from hybridrl.core.launch import all_max, all_sum, world_size
 from hybridrl.core.memory import trim_host_heap
 from hybridrl.core.models import enable_checkpointing, is_native
+from hybridrl.data import partial
 from hybridrl.data.batch import Batch, micro_batches, per_token, shared_micro_batches
 from hybridrl.engines import deepspeed_compat, lora, routing, ulysses
 from hybridrl.engines.policy import TokenLogprobs, kernel_provider, module_inputs, packs, share_prompt
@@ -328,11 +329,15 @@ class Trainer:
 
     @property
     def needs_old_logprobs(self) -> bool:
-        """Several updates per rollout (ratio != 1 after the first), TIS, or the KL in the reward need
-        the log-probs of the policy that sampled, before the first update (`old_logprobs`)."""
-        a = self.cfg.algo
-        return (self.cfg.train.epochs * self.cfg.train.minibatches > 1 or self.importance_correction
-                or (a.kl_coef > 0 and a.kl_in == "reward"))
+        """Several updates per rollout (ratio != 1 after the first) or the KL in the reward need the
+        log-probs of the policy that sampled, before the first update (`old_logprobs`). Importance
+        correction with one update does not: that update's own forward runs pi_old's weights, and the
+        loss weighs each token by its detached log-prob (logp_old None), one forward fewer per step;
+        unless LoRA's dropout makes the training forward differ from pi_old."""
+        a, t = self.cfg.algo, self.cfg.train
+        dropout = self.peft is not None and self.cfg.model.lora_dropout > 0
+        return (t.epochs * t.minibatches > 1 or (a.kl_coef > 0 and a.kl_in == "reward")
+                or (self.importance_correction and dropout))
 
     def old_logprobs(self, batch: Batch) -> torch.Tensor:
         """pi_old, [B, T] like `batch.loss_mask`: vLLM's log-probs of the sampled tokens (algo.old_logprobs:
@@ -368,6 +373,7 @@ class Trainer:
         sums: dict[str, float] = {}
         ratios, rollout_ratios = [], []  # per token: pi/pi_old, and trainer/vLLM (~1 when the engines agree)
         is_ratios = []  # per token: the importance ratio TIS caps (or IS masks), pi_old/pi_vllm at algo.tis_level
+        stale_is = []  # partial rollouts with pi_old from the update itself: (token weight pi_old/pi_vllm, stale)
         grad_norms: list[float] = []  # one per update
         gap_sum, gap_n, gap_max = 0.0, 0.0, 0.0  # |trainer - vLLM| on the sampled tokens, before the first update
         if self.peft is not None:
@@ -403,6 +409,8 @@ class Trainer:
                 gap_sum, gap_n = gap_sum + float(diff.abs().sum()), gap_n + len(diff)
                 gap_max = max(gap_max, float(diff.abs().max()) if len(diff) else 0.0)
             is_ratios.append(importance_ratio(old, m.logp_rollout[sel][part], seq_ids, a.tis_level))  # [N]
+            if m.stale is not None and m.logp_old is None:  # the loop had no pi_old for partial.is_metrics
+                stale_is.append(((old - m.logp_rollout[sel][part]).clamp(-20, 20).exp(), m.stale[sel][part]))
             sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())  # micro losses sum to the minibatch's
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * w
@@ -432,6 +440,8 @@ class Trainer:
                 out["tis/clip_frac"] = float((is_ratio > a.tis_cap).float().mean())
             if a.is_correction == "mask":  # share of tokens whose weight is 0 (their sequence's, above token level)
                 out["is/masked_frac"] = float(((is_ratio < a.is_mask_low) | (is_ratio > a.is_mask_high)).float().mean())
+        if stale_is:
+            out.update(partial.weight_metrics(torch.cat([w for w, _ in stale_is]), torch.cat([x for _, x in stale_is])))
         return out
 
     # --- checkpoints ----------------------------------------------------------------------------

@@ -110,7 +110,7 @@ def train(cfg: Config) -> dict:
                                     [s.routes for s in samples])  # MoE: vLLM's experts, for routing replay
             if collector.buffer:  # partial rollouts: the tokens an older policy sampled (data/partial.py)
                 batch.stale = partial.stale_mask(samples, partial.version_of(step), batch.loss_mask)
-            if trainer.needs_old_logprobs:  # several updates per rollout, TIS, KL in the reward
+            if trainer.needs_old_logprobs:  # several updates per rollout, KL in the reward, LoRA dropout with IS
                 with phases("old_logprob"):
                     batch.logp_old = trainer.old_logprobs(batch)  # vLLM's, or a trainer forward
             if batch.stale is not None:  # the IS weights' spread on stale and on fresh tokens
