@@ -73,7 +73,7 @@ class Evaluator:
 def run(target: str, cfg) -> dict:
     """`hybridrl eval`: load the model (a run directory's newest checkpoint, exported to a temporary
     HF directory, or a model directory / hub name), build vLLM alone and evaluate once."""
-    from hybridrl.core import environ, recipe
+    from hybridrl.core import config, environ
     from hybridrl.core.config import UserError
     from hybridrl.data import prompts, rewards
     from hybridrl.engines.rollout import Rollout
@@ -95,7 +95,7 @@ def run(target: str, cfg) -> dict:
         if not heldout:
             raise UserError("no held-out prompts to evaluate: pass --data FILE (or set data.heldout_path)")
         if not on_cpu and cfg.rollout.gpu_memory_utilization == "auto":  # vLLM alone on the device
-            cfg = recipe._set(cfg, "rollout.gpu_memory_utilization", "0.85", "hybridrl eval")
+            cfg = config.put(cfg, "rollout.gpu_memory_utilization", "0.85", "hybridrl eval")
         rollout = Rollout(cfg, path, on_cpu=on_cpu, eos_token_id=tokenizer.eos_token_id, rank=world.rank,
                           local_rank=world.local_rank, tp=launch.tp_groups(world, cfg.rollout.tensor_parallel_size))
         scorer = rewards.Scorer(cfg.reward, rank=world.rank)
