@@ -34,11 +34,11 @@ def test_config_sleep_level_and_bad_targets_say_what_to_change():
     from transformers import AutoModelForCausalLM
 
     from hybridrl.core import config
-    from hybridrl.cycle import engine_cycle
     from hybridrl.engines import lora
+    from hybridrl.run import resolve
     cfg = config.load(overrides={"model.lora_rank": 16})
-    assert engine_cycle.keep_base_weights(cfg, main=False).rollout.sleep_level == 1  # 2 would discard the base
-    assert engine_cycle.keep_base_weights(config.load(), main=False).rollout.sleep_level == 2  # no LoRA: unchanged
+    assert resolve.keep_base_weights(cfg, main=False).rollout.sleep_level == 1  # 2 would discard the base
+    assert resolve.keep_base_weights(config.load(), main=False).rollout.sleep_level == 2  # no LoRA: unchanged
     with pytest.raises(config.ConfigError, match="model.lora_rank=600"):
         config.load(overrides={"model.lora_rank": 600})
     with pytest.raises(config.ConfigError, match="lora_dropout"):

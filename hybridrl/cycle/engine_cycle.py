@@ -11,7 +11,7 @@ trainer still holds memory is the most reported colocation OOM: NeMo-RL#191, vll
 cache wakes only after the hand-off: waking it restores nothing of the weights, so weights
 synced before it cannot be overwritten by a stale CPU copy (TRL#5312). Every hand-off sends all
 parameters, which is what a level-2 sleep (weights discarded) requires (with LoRA it sends the
-whole adapter, and vLLM sleeps at level 1, keeping its base weights: `keep_base_weights`); `Rollout.wake` refuses to
+whole adapter, and vLLM sleeps at level 1, keeping its base weights: resolve.keep_base_weights); `Rollout.wake` refuses to
 wake the KV cache over discarded weights. Expandable segments are off while vLLM's pool is touched
 (memory.py). On CPU the sleep, wake, offload and allocator verbs are no-ops; the order is the same.
 """
@@ -74,18 +74,6 @@ def check(cfg: Config, cuda: bool) -> None:
         memory.check_alloc_conf(os.environ, cfg, can_toggle=memory.can_toggle())
 
 
-def keep_base_weights(cfg: Config, main: bool) -> Config:
-    """LoRA hands vLLM the adapter only, so vLLM must keep its base weights while it sleeps: a
-    level-2 sleep (the default) discards them and nothing would bring them back. Level 1 keeps
-    them in host memory (one pinned copy per rank)."""
-    if not cfg.model.lora_rank or cfg.rollout.sleep_level != 2:
-        return cfg
-    if main:
-        print("note: model.lora_rank > 0: rollout.sleep_level 2 -> 1 (only the adapter is handed to vLLM, so its "
-              "base weights must survive its sleep; level 2 would discard them)", flush=True)
-    return replace(cfg, rollout=replace(cfg.rollout, sleep_level=1))
-
-
 def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, world_size: int = 1,
                  visitors: int = 0) -> Config:
     """Size vLLM before it is built, as it will run, and decide where the trainer's states live
@@ -95,9 +83,8 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     the plan. Returns the config with the decisions filled in (a utilization, rollout.kv_cache_mb,
     train.offload_states on/off; on GPU rollout.max_num_seqs, memory.engine_seqs). The critic
     always leaves: it takes no part in generating.
-    With LoRA, vLLM's sleep keeps its base weights (keep_base_weights). `visitors`: device bytes
-    of the reward models, which score while vLLM is awake; the plan keeps them free."""
-    cfg = keep_base_weights(cfg, main)
+    `visitors`: device bytes of the reward models, which score while vLLM is awake; the plan keeps
+    them free."""
     if critic is not None:
         critic.offload()
     per_rank = launch.all_gather(memory.host_memory())

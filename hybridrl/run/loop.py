@@ -51,9 +51,7 @@ def train(cfg: Config) -> dict:
     heldout, _ = encode(load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")
     heldout = heldout[: cfg.log.eval_size or None]
     sampler = Sampler(len(prompts), cfg.train.seed)
-    resumed = checkpoint.Resume.find(cfg, world)  # None: a fresh run
-    if resumed:
-        cfg = resumed.adopt(cfg)  # continue in that run's directory
+    resumed = res.resumed  # None: a fresh run; else the run continues in that run's directory
     scorer = rewards.Scorer(cfg.reward, rank=world.rank)  # a bad reward.fn fails here; its workers start now
     run = RunLog(cfg, world, recipe.describe(cfg, info, on_cpu=on_cpu, n_prompts=len(prompts),
                                              engines=res.layout.recipe(cfg)),
