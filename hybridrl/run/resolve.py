@@ -71,8 +71,8 @@ def run_config(cfg: Config, world) -> Resolved:
     cfg = recipe.set_steps(cfg, len(prompts))  # train.data_epochs -> train.steps
     cfg = keep_base_weights(cfg, world.main)  # LoRA: vLLM's sleep keeps its base weights
     resumed = checkpoint.Resume.find(cfg, world)  # None: a fresh run
-    if resumed:
-        cfg = resumed.adopt(cfg)  # continue in that run's directory
+    if resumed:  # continue in that run's directory
+        cfg = replace(cfg, log=replace(cfg.log, run_dir=str(resumed.run_dir)))
     layout = policy.layout(cfg, cfg.model.attn_implementation, native=info.native, plain_cache=info.plain_cache,
                            name=info.arch)
     return Resolved(cfg, model_path, info, tokenizer, prompts, dropped, layout, resumed)
