@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass, replace
 
 from hybridrl.core import launch, memory, models, platform, recipe
-from hybridrl.core.config import Config, ConfigError, put
+from hybridrl.core.config import Config, ConfigError, freeze, put
 from hybridrl.cycle import plan
 from hybridrl.data.prompts import encode, load_rows
 from hybridrl.engines import policy
@@ -75,7 +75,9 @@ def run_config(cfg: Config, world) -> Resolved:
         cfg = replace(cfg, log=replace(cfg.log, run_dir=str(resumed.run_dir)))
     layout = policy.layout(cfg, cfg.model.attn_implementation, native=info.native, plain_cache=info.plain_cache,
                            name=info.arch)
-    return Resolved(cfg, model_path, info, tokenizer, prompts, dropped, layout, resumed)
+    # frozen from here: what the engines read is what the run prints and records (plan_rollout's
+    # measured sizes come back beside it, engine_cycle.plan_rollout)
+    return Resolved(freeze(cfg), model_path, info, tokenizer, prompts, dropped, layout, resumed)
 
 
 def eval_config(cfg: Config, on_cpu: bool, world_size: int = 1,
@@ -85,7 +87,7 @@ def eval_config(cfg: Config, on_cpu: bool, world_size: int = 1,
     cfg, path, info = configure(cfg, on_cpu, world_size, model_dir)
     if not on_cpu and cfg.rollout.gpu_memory_utilization == "auto":
         cfg = put(cfg, "rollout.gpu_memory_utilization", "0.85", "hybridrl eval")
-    return cfg, path, info
+    return freeze(cfg), path, info
 
 
 def keep_base_weights(cfg: Config, main: bool) -> Config:
