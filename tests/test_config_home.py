@@ -90,6 +90,17 @@ def test_no_module_outside_the_homes_rewrites_a_config():
                            "engine_cycle.plan_rollout's EngineSizing): " + "; ".join(offenders))
 
 
+def test_knobs_are_declared_in_the_schema_only():
+    """Every setting is a field declared with schema.knob (its default, help and range): no module
+    but core/schema.py declares one, and each of its groups is reachable from Config."""
+    elsewhere = [f"{path.relative_to(PACKAGE)}:{node.lineno}" for path in sorted(PACKAGE.rglob("*.py"))
+                 if path.relative_to(PACKAGE).as_posix() != "core/schema.py"
+                 for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
+                 and ast.unparse(node.func).split(".")[-1] == "knob"]
+    assert not elsewhere, elsewhere
+    assert all(f.metadata.get("help") for f in config.leaves().values())
+
+
 def test_the_walk_sees_each_way_of_rewriting():
     source = '''
 import dataclasses
