@@ -305,28 +305,28 @@ def check_planner(cuda: bool) -> None:
     # prints its plan), and keeps them on the device if they fit beside vLLM
     planned = engine_cycle.plan_rollout(cfg, trainer, cuda=True, main=True)
     total = torch.cuda.mem_get_info()[1]
-    budget = float(planned.rollout.gpu_memory_utilization) * total  # vLLM counts its fraction per instance
+    budget = float(planned.gpu_memory_utilization) * total  # vLLM counts its fraction per instance
     before = _used()
-    rollout = Rollout(planned, model, on_cpu=False, eos_token_id=tok.eos_token_id, rank=world.rank)
+    rollout = Rollout(cfg, model, on_cpu=False, eos_token_id=tok.eos_token_id, rank=world.rank, sizing=planned)
     footprint = _used() - before
     err = footprint / budget - 1
-    kept = planned.train.offload_states == "off"
+    kept = planned.offload_states == "off"
     row(CLAIMS["planner"][1][0][0], f"vLLM uses {footprint / GIB:.2f} GiB, plan {budget / GIB:.2f} GiB "
-        f"({err:+.1%}) of {total / GIB:.2f} GiB; KV cache {planned.rollout.kv_cache_mb} MiB; trainer states "
+        f"({err:+.1%}) of {total / GIB:.2f} GiB; KV cache {planned.kv_cache_mb} MiB; trainer states "
         f"{'kept on the device' if kept else 'offloaded'}", "within 5%", verdict(abs(err) <= 0.05),
-        footprint_gib=footprint / GIB, budget_gib=budget / GIB, utilization=planned.rollout.gpu_memory_utilization,
+        footprint_gib=footprint / GIB, budget_gib=budget / GIB, utilization=planned.gpu_memory_utilization,
         states_kept=kept)
     try:
         prompts = _prompts(tok, 16)
         gen = rollout.generate(prompts, 4, temperature=1.0, top_p=1.0, max_tokens=256, seed=0)
         samples = [s for done in gen for s in done]
         peak_gen = _used()
-        engine_cycle.release(trainer, rollout, None, cfg=planned)
+        engine_cycle.release(trainer, rollout, None, cfg=cfg)
         batch = Batch.from_rows([prompts[s.prompt_idx] for s in samples], [s.token_ids for s in samples],
                                 [s.logprobs for s in samples], [float(i % 3 - 1) for i in range(len(samples))])
         trainer.step(batch)
         peak_train = _used()
-        engine_cycle.hand_off(trainer, rollout, None, cfg=planned, cuda=True)
+        engine_cycle.hand_off(trainer, rollout, None, cfg=cfg, cuda=True, sizing=planned)
         diff, _ = sync.probe(trainer, rollout, [p + [5, 6, 2] for p in prompts[:4]])
         row(CLAIMS["planner"][1][1][0], f"no OOM; device used: generate {peak_gen / GIB:.1f} GiB, train "
             f"{peak_train / GIB:.1f} GiB; probe gap {float(diff.max()):.3f}", "no OOM", "pass",

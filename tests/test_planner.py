@@ -112,7 +112,7 @@ def test_tensor_parallel_engines_run_the_groups_sequences_as_planned():
     # what runs: the planner's caller with the same settings (a fraction given: nothing to measure)
     fixed = replace(cfg, rollout=replace(cfg.rollout, gpu_memory_utilization="0.9"))
     out = engine_cycle.plan_rollout(fixed, FakeTrainer([]), cuda=True, main=False, world_size=8)
-    assert out.rollout.max_num_seqs == p.knobs.max_num_seqs
+    assert out.max_num_seqs == p.knobs.max_num_seqs
 
 
 def test_plan_rollout_fills_auto(monkeypatch, capsys):
@@ -133,29 +133,29 @@ def test_plan_rollout_fills_auto(monkeypatch, capsys):
     out = engine_cycle.plan_rollout(cfg, trainer, cuda=True, main=True)
     # measured with the states on, then offloaded, then (they fit) reloaded
     assert events == [("trainer.offload", False), ("trainer.reload",)]
-    assert out.train.offload_states == "off" and out.rollout.kv_cache_mb == 1024
+    assert out.offload_states == "off" and out.kv_cache_mb == 1024
     # vLLM runs the step's 32 prompts x 8 samples (or the 256 held-out prompts) at once: its sampler's 256
     # float32 rows are planned
-    assert out.rollout.max_num_seqs == 256
+    assert out.max_num_seqs == 256
     weights = (1024 * 1024 + 1024) * 4
     budget = weights + GIB + GIB + weights // 10 + 256 * 1000 * 4
-    assert out.rollout.gpu_memory_utilization == str(int(budget / (24 * GIB) * 1e4) / 1e4)
+    assert out.gpu_memory_utilization == str(int(budget / (24 * GIB) * 1e4) / 1e4)
     assert "memory plan: device 24.0 GiB" in capsys.readouterr().out
     # 19 GiB of reward models score while vLLM is awake: 1 + 19 > 20 - 2 with the states kept, so they
     # leave, and the KV cache shrinks to what is left (in whole MiB: this path once failed on a float)
     frees = iter([(20 * GIB, 24 * GIB), (22 * GIB, 24 * GIB)])
     out = engine_cycle.plan_rollout(cfg, trainer, cuda=True, main=True, visitors=19 * GIB)
-    assert out.train.offload_states == "on"
-    assert out.rollout.kv_cache_mb == (22 * GIB - 20 * GIB - weights - GIB - weights // 10 - 256 * 1000 * 4) >> 20
+    assert out.offload_states == "on"
+    assert out.kv_cache_mb == (22 * GIB - 20 * GIB - weights - GIB - weights // 10 - 256 * 1000 * 4) >> 20
     # CPU, or a fraction the user set: offload as asked, nothing measured; vLLM's default sequences on CPU
     events.clear()
     out = engine_cycle.plan_rollout(cfg, trainer, cuda=False, main=True)
-    assert out.train.offload_states == "on" and out.rollout.max_num_seqs == 0
+    assert out.offload_states == "on" and out.max_num_seqs == 0
     fixed = config.load(None, {"rollout.gpu_memory_utilization": "0.6", "train.offload_states": "off",
                                "rollout.max_num_seqs": 100})
     out = engine_cycle.plan_rollout(fixed, trainer, cuda=True, main=True)
-    assert out.rollout.gpu_memory_utilization == "0.6" and out.train.offload_states == "off"
-    assert out.rollout.max_num_seqs == 100  # set by the user: kept
+    assert out.gpu_memory_utilization == "0.6" and out.offload_states == "off"
+    assert out.max_num_seqs == 100  # set by the user: kept
     assert events == [("trainer.offload", False)]  # only the CPU call offloaded
     with pytest.raises(ConfigError, match="sleep_level=0 set a fraction"):
         engine_cycle.plan_rollout(config.load(None, {"rollout.sleep_level": 0}), trainer, cuda=True, main=True)

@@ -121,6 +121,33 @@ def put(cfg: Config, key: str, value, source: str) -> Config:
                                **{group: dataclasses.replace(getattr(cfg, group), **{name: value})})
 
 
+class _FrozenSources(dict):
+    """A frozen config's `sources`: read like a dict, refusing changes (config.freeze)."""
+
+    def _refuse(self, *args, **kw):
+        raise TypeError("the config's sources are frozen with it (config.freeze): config.put returns a copy")
+
+    __setitem__ = __delitem__ = __ior__ = clear = pop = popitem = setdefault = update = _refuse
+
+    def __reduce__(self):  # pickled and deep-copied as what it holds, not key by key
+        return type(self), (dict(self),)
+
+
+def freeze(cfg: Config) -> Config:
+    """A copy of `cfg` that refuses every assignment, to a group's field or to its sources
+    (schema.Freezable): the run's resolved config, which the engines read (run/resolve.py). The caller's
+    `cfg` stays settable (a notebook may change it for its next run)."""
+    out = dataclasses.replace(cfg, sources=_FrozenSources(cfg.sources),
+                              **{g: dataclasses.replace(getattr(cfg, g)) for g in GROUPS})
+    for obj in (*(getattr(out, g) for g in GROUPS), out):
+        object.__setattr__(obj, "_frozen", True)
+    return out
+
+
+def frozen(cfg: Config) -> bool:
+    return all(obj.__dict__.get("_frozen", False) for obj in (cfg, *(getattr(cfg, g) for g in GROUPS)))
+
+
 def explicit(cfg: Config, key: str) -> bool:
     """Set in YAML or by flag, or changed by a script from the value it had: its default, or the
     demo recipe's (not by any other recipe)."""

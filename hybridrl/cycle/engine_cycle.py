@@ -11,8 +11,8 @@ trainer still holds memory is the most reported colocation OOM: NeMo-RL#191, vll
 cache wakes only after the hand-off: waking it restores nothing of the weights, so weights
 synced before it cannot be overwritten by a stale CPU copy (TRL#5312). Every hand-off sends all
 parameters, which is what a level-2 sleep (weights discarded) requires (with LoRA it sends the
-whole adapter, and vLLM sleeps at level 1, keeping its base weights: `keep_base_weights`); `Rollout.wake` refuses to
-wake the KV cache over discarded weights. Expandable segments are off while vLLM's pool is touched
+whole adapter, and vLLM sleeps at level 1, keeping its base weights: resolve.keep_base_weights);
+`Rollout.wake` refuses to wake the KV cache over discarded weights. Expandable segments are off while vLLM's pool is touched
 (memory.py). On CPU the sleep, wake, offload and allocator verbs are no-ops; the order is the same.
 """
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 import math
 import os
 from contextlib import contextmanager, nullcontext
-from dataclasses import replace
 
 import torch
 
@@ -29,17 +28,20 @@ from hybridrl.core import faults, launch, memory
 from hybridrl.core.config import Config, ConfigError, UserError
 from hybridrl.cycle import sync
 from hybridrl.engines import deepspeed_compat, vllm_compat
+from hybridrl.engines.rollout import EngineSizing
 
 
 def _phase(phases, name: str):
     return phases(name) if phases is not None else nullcontext()
 
 
-def hand_off(trainer, rollout, phases=None, *, cfg: Config, cuda: bool, critic=None) -> dict:
+def hand_off(trainer, rollout, phases=None, *, cfg: Config, cuda: bool, critic=None,
+             sizing: EngineSizing | None = None) -> dict:
     """Trainer -> vLLM, leaving vLLM awake and ready to generate. Returns what was handed over
-    (sync/tensors, sync/bytes: with LoRA, the adapter's only)."""
+    (sync/tensors, sync/bytes: with LoRA, the adapter's only). `sizing`: plan_rollout's (None: as
+    configured)."""
     with _phase(phases, "offload"):
-        if cfg.train.offload_states != "off":  # plan_rollout decided (on GPU with the planner)
+        if (sizing or EngineSizing.of(cfg)).offload_states != "off":  # plan_rollout decided (on GPU with the planner)
             trainer.offload()  # optimizer states, fp32 master weights, gradients
         if critic is not None:  # the value model (algo.advantage=gae): all of it, it takes no part in the hand-off
             critic.offload()
@@ -74,44 +76,31 @@ def check(cfg: Config, cuda: bool) -> None:
         memory.check_alloc_conf(os.environ, cfg, can_toggle=memory.can_toggle())
 
 
-def keep_base_weights(cfg: Config, main: bool) -> Config:
-    """LoRA hands vLLM the adapter only, so vLLM must keep its base weights while it sleeps: a
-    level-2 sleep (the default) discards them and nothing would bring them back. Level 1 keeps
-    them in host memory (one pinned copy per rank)."""
-    if not cfg.model.lora_rank or cfg.rollout.sleep_level != 2:
-        return cfg
-    if main:
-        print("note: model.lora_rank > 0: rollout.sleep_level 2 -> 1 (only the adapter is handed to vLLM, so its "
-              "base weights must survive its sleep; level 2 would discard them)", flush=True)
-    return replace(cfg, rollout=replace(cfg.rollout, sleep_level=1))
-
-
 def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, world_size: int = 1,
-                 visitors: int = 0) -> Config:
+                 visitors: int = 0) -> EngineSizing:
     """Size vLLM before it is built, as it will run, and decide where the trainer's states live
     while it generates. With rollout.gpu_memory_utilization=auto (GPU): measure the device with
     the trainer's states on it and offloaded, plan (memory.plan: weights, a KV cache for the
     step's sequences, activations), keep the states on the device if they fit beside vLLM, print
-    the plan. Returns the config with the decisions filled in (a utilization, rollout.kv_cache_mb,
-    train.offload_states on/off; on GPU rollout.max_num_seqs, memory.engine_seqs). The critic
-    always leaves: it takes no part in generating.
-    With LoRA, vLLM's sleep keeps its base weights (keep_base_weights). `visitors`: device bytes
-    of the reward models, which score while vLLM is awake; the plan keeps them free."""
-    cfg = keep_base_weights(cfg, main)
+    the plan. Returns the decisions (a utilization, the KV cache's MiB, offload_states on/off; on
+    GPU max_num_seqs, memory.engine_seqs) as an EngineSizing the rollout engine and the hand-off
+    read: the resolved config is frozen, and stays as the run recorded it. The critic always
+    leaves: it takes no part in generating. `visitors`: device bytes of the reward models, which
+    score while vLLM is awake; the plan keeps them free."""
     if critic is not None:
         critic.offload()
     per_rank = launch.all_gather(memory.host_memory())
     if main:
         print(memory.describe_host(per_rank), flush=True)
     t, r = cfg.train, cfg.rollout
-    if cuda and not r.max_num_seqs:  # vLLM runs a step's or an evaluation's sequences at once (memory.sampler_bytes)
-        r = replace(r, max_num_seqs=memory.engine_seqs(cfg, world_size, r.tensor_parallel_size))  # the group's
-        cfg = replace(cfg, rollout=r)
+    seqs_at_once = r.max_num_seqs
+    if cuda and not seqs_at_once:  # vLLM runs a step's or an evaluation's sequences at once (memory.sampler_bytes)
+        seqs_at_once = memory.engine_seqs(cfg, world_size, r.tensor_parallel_size)  # the group's
     if not cuda or r.gpu_memory_utilization != "auto":  # the user sized vLLM (or CPU: rollout.kv_cache_mb)
         offload = "off" if t.offload_states == "off" else "on"
         if offload == "on":
             trainer.offload()
-        return replace(cfg, train=replace(t, offload_states=offload))
+        return EngineSizing(r.gpu_memory_utilization, r.kv_cache_mb, seqs_at_once, offload)
     if r.sleep_level == 0:  # vLLM would keep the planned memory while the trainer reloads
         raise ConfigError("rollout.gpu_memory_utilization=auto plans for vLLM sleeping while the trainer trains; with "
                           "rollout.sleep_level=0 set a fraction that leaves room for the trainer")
@@ -132,18 +121,18 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     free_kept, free_offloaded = (int(-launch.all_max(-free)) for free in (free_kept, free_offloaded))
     plan = memory.plan(total, free_kept, free_offloaded, margin=r.memory_margin_mb << 20, weights=weights,
                        need=need, offload=t.offload_states, visitors=visitors,
-                       sampler=memory.sampler_bytes(r.max_num_seqs, memory.vocab_size(hf.config)),
-                       asleep=_asleep_bytes(cfg, hf), floor=memory.kv_floor(seqs, seq), seqs=seqs, seq=seq)
+                       sampler=memory.sampler_bytes(seqs_at_once, memory.vocab_size(hf.config)),
+                       asleep=_asleep_bytes(cfg, hf, seqs_at_once), floor=memory.kv_floor(seqs, seq), seqs=seqs,
+                       seq=seq)
     if not plan.offload:
         trainer.reload()
     if main:  # the engine's max_num_seqs too: `hybridrl plan` prints the same figure (a TP group's)
-        print(f"{plan.describe()}; rollout.max_num_seqs={r.max_num_seqs}", flush=True)
+        print(f"{plan.describe()}; rollout.max_num_seqs={seqs_at_once}", flush=True)
     fraction = math.floor(plan.utilization * 1e4) / 1e4  # rounded down: never more than is free
-    return replace(cfg, rollout=replace(r, gpu_memory_utilization=str(fraction), kv_cache_mb=plan.kv >> 20),
-                   train=replace(t, offload_states="on" if plan.offload else "off"))
+    return EngineSizing(str(fraction), plan.kv >> 20, seqs_at_once, "on" if plan.offload else "off")
 
 
-def _asleep_bytes(cfg: Config, hf) -> int:
+def _asleep_bytes(cfg: Config, hf, max_num_seqs: int) -> int:
     """vLLM's graph pool and buffers that no sleep releases, as `hybridrl plan` counts them
     (plan.asleep_bytes); 0 for a config the plan cannot read (it then plans by measurement alone)."""
     from hybridrl.cycle import plan
@@ -152,7 +141,7 @@ def _asleep_bytes(cfg: Config, hf) -> int:
         shape = plan.Shape.from_config(hf.config.to_dict())
     except (AttributeError, ConfigError):
         return 0
-    return plan.asleep_bytes(shape, hf.dtype.itemsize, r.max_num_seqs, r.tensor_parallel_size, not r.enforce_eager)
+    return plan.asleep_bytes(shape, hf.dtype.itemsize, max_num_seqs, r.tensor_parallel_size, not r.enforce_eager)
 
 
 class EngineFailure(UserError):
@@ -171,12 +160,14 @@ KNOBS = {"wake_weights": _VLLM, "wake_kv": _VLLM, "generate": _VLLM, "reward": _
          "critic": _TRAINER}
 
 
-def failure_line(e: BaseException, cfg: Config, step: int, phase: str) -> str | None:
-    """One line for a device out-of-memory or a dead vLLM engine: the phase, the memory plan and the
-    knob; None for any other error."""
-    r, t = cfg.rollout, cfg.train
-    plan = (f"the plan: rollout.gpu_memory_utilization={r.gpu_memory_utilization}, rollout.kv_cache_mb="
-            f"{r.kv_cache_mb}, rollout.memory_margin_mb={r.memory_margin_mb}, train.offload_states={t.offload_states}, "
+def failure_line(e: BaseException, cfg: Config, step: int, phase: str,
+                 sizing: EngineSizing | None = None) -> str | None:
+    """One line for a device out-of-memory or a dead vLLM engine: the phase, the memory plan (`sizing`,
+    plan_rollout's; else as configured) and the knob; None for any other error."""
+    r, t, size = cfg.rollout, cfg.train, sizing or EngineSizing.of(cfg)
+    plan = (f"the plan: rollout.gpu_memory_utilization={size.gpu_memory_utilization}, rollout.kv_cache_mb="
+            f"{size.kv_cache_mb}, rollout.memory_margin_mb={r.memory_margin_mb}, "
+            f"train.offload_states={size.offload_states}, "
             f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch}")
     who, knob = KNOBS.get(phase, ("the run", _VLLM[1] + "; or " + _TRAINER[1]))
     where = f"step {step}, phase {phase}" if step else f"phase {phase}"
@@ -189,14 +180,14 @@ def failure_line(e: BaseException, cfg: Config, step: int, phase: str) -> str | 
 
 
 @contextmanager
-def failures(cfg: Config, rollout):
+def failures(cfg: Config, rollout, sizing: EngineSizing | None = None):
     """Around the steps: a device out-of-memory or a dead vLLM engine becomes an EngineFailure naming the
-    phase, the plan and the knob, after the rollout side is closed (the hand-off's temporary directory
-    and vLLM's engine process go with it)."""
+    phase, the plan (`sizing`, plan_rollout's) and the knob, after the rollout side is closed (the
+    hand-off's temporary directory and vLLM's engine process go with it)."""
     try:
         yield
     except (torch.OutOfMemoryError, *vllm_compat.ENGINE_DEAD) as e:
-        line = failure_line(e, cfg, *faults.last)
+        line = failure_line(e, cfg, *faults.last, sizing=sizing)
         try:
             rollout.close()
         except Exception:  # noqa: BLE001 (a dead engine may not close cleanly; the line matters more)

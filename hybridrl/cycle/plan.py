@@ -647,7 +647,7 @@ def decide(cfg: Config, shape: Shape, *, device: int, host: int, world: int, loc
     """The cheapest plan that fits (see `ladder`), its choices written into the config (source
     "memory plan"); ConfigError in one line when none fits. On CPU nothing is decided: the plan
     only checks that the run fits the node's memory."""
-    from hybridrl.core.recipe import _set, explicit
+    from hybridrl.core.config import explicit, put
     base = knobs(cfg, shape, world=world, local=local, on_cpu=on_cpu)
     first = build(shape, base, device=device, host=host)
     if on_cpu:
@@ -678,7 +678,7 @@ def decide(cfg: Config, shape: Shape, *, device: int, host: int, world: int, loc
               "train.param_offload": ("on" if k.param_offload else "off", cfg.train.param_offload)}
     for key, (value, before) in chosen.items():
         if value != before:
-            cfg = _set(cfg, key, value, "memory plan")
+            cfg = put(cfg, key, value, "memory plan")
             if value != "off":
                 p.choices.append(f"{key}={str(value).lower()}")
     if p.choices:

@@ -18,7 +18,6 @@ starts from it, as OpenRLHF initialises its critic from a reward model.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -64,8 +63,7 @@ class Critic:
         from transformers import AutoModel
 
         self.cfg, self.device, self.platform = cfg, device, platform.current()
-        own = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, lr=cfg.algo.critic_lr))
-        conf = ds_config(own, dtype == torch.bfloat16, self.platform)
+        conf = ds_config(cfg, dtype == torch.bfloat16, self.platform, lr=cfg.algo.critic_lr)
         base = from_pretrained(AutoModel, cfg.algo.critic_path or model_path, conf, dtype=dtype,
                                attn_implementation=attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
         if cfg.model.gradient_checkpointing:
@@ -79,7 +77,7 @@ class Critic:
                 if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
                     print(f"critic: value head from the trained head in {cfg.algo.critic_path}")
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf,
-                                               lr_scheduler=lr_scheduler(own))
+                                               lr_scheduler=lr_scheduler(cfg))
         if self.platform.one_pass_zero_step:
             deepspeed_compat.fuse_overflow_check(self.engine.optimizer, world_size())
         self.offload()

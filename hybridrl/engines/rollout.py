@@ -32,6 +32,24 @@ from hybridrl.engines import ipc, lora, vllm_compat
 log = logging.getLogger("hybridrl")
 
 
+@dataclass(frozen=True)
+class EngineSizing:
+    """What is decided once the trainer is built, measured rather than configured: vLLM's share of
+    the device and its KV cache, its sequences at once, whether the trainer's states leave the
+    device while vLLM runs (engine_cycle.plan_rollout). Kept beside the resolved config, which
+    stays as the run recorded it; the rollout engine and the engine cycle read these."""
+    gpu_memory_utilization: str  # a fraction, or 'auto' (CPU: unused)
+    kv_cache_mb: int
+    max_num_seqs: int  # 0: vLLM's default
+    offload_states: str  # on/off once planned; 'auto' as configured offloads
+
+    @classmethod
+    def of(cls, cfg: Config) -> "EngineSizing":
+        """As configured, nothing measured: the config's own values."""
+        r = cfg.rollout
+        return cls(r.gpu_memory_utilization, r.kv_cache_mb, r.max_num_seqs, cfg.train.offload_states)
+
+
 @dataclass
 class Generation:
     """Queued requests; iterate for lists of finished Samples (see Rollout.generate)."""
@@ -129,9 +147,10 @@ class Rollout:
     record_routes = False
 
     def __init__(self, cfg: Config, model_path: str, *, on_cpu: bool, eos_token_id: int, rank: int,
-                 local_rank: int = 0, tp: launch.TPGroup | None = None):
+                 local_rank: int = 0, tp: launch.TPGroup | None = None, sizing: EngineSizing | None = None):
         r = cfg.rollout
         self.cfg = cfg
+        size = sizing or EngineSizing.of(cfg)  # engine_cycle.plan_rollout's, or as configured
         self.tp = tp if tp is not None and tp.size > 1 else None  # None: this rank's engine is its own
         self.eos = eos_token_id
         self.cuda = not on_cpu
@@ -158,10 +177,10 @@ class Rollout:
                 enable_prefix_caching=r.enable_prefix_caching,
                 tensor_parallel_size=r.tensor_parallel_size,
                 trust_remote_code=cfg.model.trust_remote_code,
-                **vllm_compat.engine_kwargs(on_cpu=on_cpu, kv_cache_bytes=r.kv_cache_mb << 20,
-                                            gpu_memory_utilization=memory.utilization(r.gpu_memory_utilization),
+                **vllm_compat.engine_kwargs(on_cpu=on_cpu, kv_cache_bytes=size.kv_cache_mb << 20,
+                                            gpu_memory_utilization=memory.utilization(size.gpu_memory_utilization),
                                             sleep_mode=r.sleep_level > 0, out_of_process=self.out_of_process,
-                                            lora_rank=cfg.model.lora_rank, max_num_seqs=r.max_num_seqs,
+                                            lora_rank=cfg.model.lora_rank, max_num_seqs=size.max_num_seqs,
                                             enforce_eager=r.enforce_eager,
                                             tensor_parallel_size=r.tensor_parallel_size),
                 **(vllm_compat.route_kwargs(on_cpu) if self.moe else {}),
@@ -323,7 +342,7 @@ class Rollout:
         process: through the staging buckets), then drop the prefix cache: its KV entries were
         computed by the old weights. Always the full set, so it also restores a level-2 sleep.
         LoRA: the tensors are the adapter, which replaces the previous one (the base weights stay;
-        a level-2 sleep, which discards them, is not used with LoRA: engine_cycle.keep_base_weights)."""
+        a level-2 sleep, which discards them, is not used with LoRA: resolve.keep_base_weights)."""
         if self.sender is not None:
             self.last_receipt = self.sender.send(named_tensors, lambda address, **kw: vllm_compat.receive_weights(
                 self.llm, address, adapter=self.adapter, **kw), digest=self.digest)

@@ -33,9 +33,9 @@ from hybridrl.kernels.ppo_loss import importance_ratio
 log = logging.getLogger("hybridrl")
 
 
-def ds_config(cfg: Config, bf16: bool, plat: platform.Platform | None = None) -> dict:
+def ds_config(cfg: Config, bf16: bool, plat: platform.Platform | None = None, lr: float | None = None) -> dict:
     """The policy's (and the critic's) DeepSpeed config on this process's platform (`plat`:
-    platform.current() unless given)."""
+    platform.current() unless given); `lr`: the critic's (algo.critic_lr) in place of train.lr."""
     plat = plat or platform.current()
     t = cfg.train
     conf = {
@@ -45,7 +45,7 @@ def ds_config(cfg: Config, bf16: bool, plat: platform.Platform | None = None) ->
         "managed_gradient_accumulation": False,
         "gradient_clipping": t.grad_clip,
         "optimizer": {"type": "AdamW", "params": {  # DeepSpeed's own, so states can be offloaded
-            "lr": t.lr, "betas": list(t.betas), "eps": 1e-8, "weight_decay": t.weight_decay}},
+            "lr": t.lr if lr is None else lr, "betas": list(t.betas), "eps": 1e-8, "weight_decay": t.weight_decay}},
         "zero_optimization": {
             "stage": t.zero_stage,
             "stage3_param_persistence_threshold": 0,  # else small params are never partitioned

@@ -238,8 +238,9 @@ class Saver:
                     state = {"step": step, "cursor": sampler.cursor, "world_size": self.world.size,
                              "run_dir": str(self.run_dir), "history": history}
                     (tmp / "state.json").write_text(json.dumps(state, indent=1))
-                    cfg = dataclasses.replace(self.cfg, log=dataclasses.replace(self.cfg.log, run_dir=str(self.run_dir)))
-                    (tmp / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+                    tree = to_dict(self.cfg)
+                    tree["log"]["run_dir"] = str(self.run_dir)
+                    (tmp / "config.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
                     trainer.hf.config.save_pretrained(tmp / "hf")
                     if getattr(trainer.hf, "generation_config", None) is not None:
                         trainer.hf.generation_config.save_pretrained(tmp / "hf")
@@ -407,10 +408,6 @@ class Resume:
         if world.main:
             print(f"resuming from {r.path} (step {r.step})", flush=True)
         return r
-
-    def adopt(self, cfg: Config) -> Config:
-        """The config, continuing in the checkpoint's run dir."""
-        return dataclasses.replace(cfg, log=dataclasses.replace(cfg.log, run_dir=str(self.run_dir)))
 
     def restore(self, trainer, rollout, sampler, probe, run, hand_off, critic=None,
                 buffer=None) -> tuple[int, float | None]:

@@ -73,7 +73,7 @@ class Evaluator:
 def run(target: str, cfg) -> dict:
     """`hybridrl eval`: load the model (a run directory's newest checkpoint, exported to a temporary
     HF directory, or a model directory / hub name), build vLLM alone and evaluate once."""
-    from hybridrl.core import environ, recipe
+    from hybridrl.core import environ
     from hybridrl.core.config import UserError
     from hybridrl.data import prompts, rewards
     from hybridrl.engines.rollout import Rollout
@@ -87,15 +87,13 @@ def run(target: str, cfg) -> dict:
         if Path(target).is_dir() and not (Path(target) / "config.json").exists():  # a run directory
             export.export(target, tmp, trust_remote_code=cfg.model.trust_remote_code)  # today's flag
             model_dir = tmp
-        cfg, path, _ = resolve.configure(cfg, on_cpu, world.size, model_dir)
+        cfg, path, _ = resolve.eval_config(cfg, on_cpu, world.size, model_dir)  # vLLM alone on the device
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
         heldout, dropped = prompts.encode(prompts.load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")
         heldout = heldout[: cfg.log.eval_size or None]
         if not heldout:
             raise UserError("no held-out prompts to evaluate: pass --data FILE (or set data.heldout_path)")
-        if not on_cpu and cfg.rollout.gpu_memory_utilization == "auto":  # vLLM alone on the device
-            cfg = recipe._set(cfg, "rollout.gpu_memory_utilization", "0.85", "hybridrl eval")
         rollout = Rollout(cfg, path, on_cpu=on_cpu, eos_token_id=tokenizer.eos_token_id, rank=world.rank,
                           local_rank=world.local_rank, tp=launch.tp_groups(world, cfg.rollout.tensor_parallel_size))
         scorer = rewards.Scorer(cfg.reward, rank=world.rank)

@@ -51,9 +51,7 @@ def train(cfg: Config) -> dict:
     heldout, _ = encode(load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")
     heldout = heldout[: cfg.log.eval_size or None]
     sampler = Sampler(len(prompts), cfg.train.seed)
-    resumed = checkpoint.Resume.find(cfg, world)  # None: a fresh run
-    if resumed:
-        cfg = resumed.adopt(cfg)  # continue in that run's directory
+    resumed = res.resumed  # None: a fresh run; else the run continues in that run's directory
     scorer = rewards.Scorer(cfg.reward, rank=world.rank)  # a bad reward.fn fails here; its workers start now
     run = RunLog(cfg, world, recipe.describe(cfg, info, on_cpu=on_cpu, n_prompts=len(prompts),
                                              engines=res.layout.recipe(cfg)),
@@ -69,10 +67,11 @@ def train(cfg: Config) -> dict:
     ref = Reference.load(cfg, model_path, trainer=trainer, **engine_kw)  # None when kl_coef == 0; LoRA: the base
     critic = Critic(cfg, model_path, **engine_kw) if cfg.algo.advantage == "gae" else None
     reward_models = reward_model.load_all(cfg, world.device)  # rm: terms; they score while vLLM is awake
-    cfg = engine_cycle.plan_rollout(cfg, trainer, cuda=not on_cpu, main=world.main, critic=critic, world_size=world.size,
-                                     visitors=sum(m.nbytes for _, _, m in reward_models))  # vLLM's memory, the states'
+    # vLLM's memory, the states' (measured now the trainer is built; the config stays as resolved)
+    sizing = engine_cycle.plan_rollout(cfg, trainer, cuda=not on_cpu, main=world.main, critic=critic,
+                                       world_size=world.size, visitors=sum(m.nbytes for _, _, m in reward_models))
     rollout = Rollout(cfg, model_path, on_cpu=on_cpu, eos_token_id=tokenizer.eos_token_id, rank=world.rank,
-                      local_rank=world.local_rank, tp=tp)  # tp: the ranks that share its engine
+                      local_rank=world.local_rank, tp=tp, sizing=sizing)  # tp: the ranks that share its engine
     probe = sync.Probe([p.ids + tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
                         for p in (heldout or prompts)[:8]],
                       cfg.train.probe_tol or sync.PROBE[cfg.model.dtype][1], cfg.train.probe_action,
@@ -81,7 +80,8 @@ def train(cfg: Config) -> dict:
 
     evaluate = Evaluator(cfg, rollout, scorer, tokenizer, heldout, world, run, collector)  # held-out split
     # trainer -> vLLM: offload, wake weights, hand-off, wake KV cache (the order, and why: engine_cycle.py)
-    hand_off = functools.partial(engine_cycle.hand_off, trainer, rollout, cfg=cfg, cuda=not on_cpu, critic=critic)
+    hand_off = functools.partial(engine_cycle.hand_off, trainer, rollout, cfg=cfg, cuda=not on_cpu, critic=critic,
+                                 sizing=sizing)
 
     start = time.perf_counter()  # engines are up: the clock of train.max_minutes starts here
     if resumed:  # weights (handed to vLLM and probed), optimizer, data cursor, RNG, history
@@ -94,7 +94,7 @@ def train(cfg: Config) -> dict:
     last_eval, step, stop_signal = start, done, 0
     watchdog = faults.Watchdog(cfg.train.watchdog_s, world.rank, world.size, run.dir)  # a stalled rank stops the run
     # SIGTERM/SIGINT: finish the step, save, exit; a device OOM or a dead vLLM engine: one line naming the phase
-    with signals.StopSignals(world.main) as stop, watchdog, engine_cycle.failures(cfg, rollout):
+    with signals.StopSignals(world.main) as stop, watchdog, engine_cycle.failures(cfg, rollout, sizing):
         for step in range(done + 1, cfg.train.steps + 1):
             phases = Phases(step)
             # 1. rollout and rewards: n samples per prompt (this rank's share), each scored as it

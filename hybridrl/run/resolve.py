@@ -1,17 +1,18 @@
 """A run's configuration, resolved once, before any engine starts: `run_config`.
 
 The config as loaded (defaults <- YAML <- flags, and the demo's recipe for the demo) becomes the
-one a run uses in four stages, each filling only what the user left unset:
+one a run uses in five stages, each filling only what the user left unset:
 
     machine      this machine's 'auto' settings: model.dtype, model.attn_implementation
     recipe       the model's (recipe.resolve): lengths and context, the CPU KV cache, on CPU the
                  dtype, attention and compiled decoder of a real-size model
     memory plan  what fits the device (plan.fit): micro-batch tokens, ZeRO stage, offloading, ...
     data         train.steps from train.data_epochs and the prompts left once too-long ones drop
+    engines      with LoRA, vLLM's sleep level 1 (keep_base_weights); a resumed run, its run directory
 
 and the trainer's layout (kernels, packing, shared prompt: policy.layout) is decided from it, so
 the recipe the run prints (recipe.describe) says what the engines will do. `hybridrl train`
-(loop.train) resolves with `run_config`; `hybridrl eval` and the benches, which do not train,
+(loop.train) resolves with `run_config`, `hybridrl eval` with `eval_config`, the benches, which do not train,
 with `configure` (machine and recipe).
 """
 
@@ -21,10 +22,11 @@ import logging
 from dataclasses import dataclass, replace
 
 from hybridrl.core import launch, memory, models, platform, recipe
-from hybridrl.core.config import Config, ConfigError
+from hybridrl.core.config import Config, ConfigError, freeze, put
 from hybridrl.cycle import plan
 from hybridrl.data.prompts import encode, load_rows
 from hybridrl.engines import policy
+from hybridrl.run import checkpoint
 
 log = logging.getLogger("hybridrl")
 
@@ -40,6 +42,7 @@ class Resolved:
     prompts: list
     dropped: dict
     layout: policy.Layout  # what the trainer will run with (recipe.describe's `engines`)
+    resumed: checkpoint.Resume | None = None  # the checkpoint the run continues from (ckpt.resume)
 
 
 def run_config(cfg: Config, world) -> Resolved:
@@ -66,9 +69,37 @@ def run_config(cfg: Config, world) -> Resolved:
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     prompts, dropped = encode(load_rows(cfg.data, "train"), tokenizer, cfg.data, cfg.data.path)
     cfg = recipe.set_steps(cfg, len(prompts))  # train.data_epochs -> train.steps
+    cfg = keep_base_weights(cfg, world.main)  # LoRA: vLLM's sleep keeps its base weights
+    resumed = checkpoint.Resume.find(cfg, world)  # None: a fresh run
+    if resumed:  # continue in that run's directory
+        cfg = replace(cfg, log=replace(cfg.log, run_dir=str(resumed.run_dir)))
     layout = policy.layout(cfg, cfg.model.attn_implementation, native=info.native, plain_cache=info.plain_cache,
                            name=info.arch)
-    return Resolved(cfg, model_path, info, tokenizer, prompts, dropped, layout)
+    # frozen from here: what the engines read is what the run prints and records (plan_rollout's
+    # measured sizes come back beside it, engine_cycle.plan_rollout)
+    return Resolved(freeze(cfg), model_path, info, tokenizer, prompts, dropped, layout, resumed)
+
+
+def eval_config(cfg: Config, on_cpu: bool, world_size: int = 1,
+                model_dir: str | None = None) -> tuple[Config, str, models.ModelInfo]:
+    """The config `hybridrl eval` runs with: `configure`'s, and on a GPU with
+    rollout.gpu_memory_utilization=auto a fixed fraction, since vLLM has the device to itself."""
+    cfg, path, info = configure(cfg, on_cpu, world_size, model_dir)
+    if not on_cpu and cfg.rollout.gpu_memory_utilization == "auto":
+        cfg = put(cfg, "rollout.gpu_memory_utilization", "0.85", "hybridrl eval")
+    return freeze(cfg), path, info
+
+
+def keep_base_weights(cfg: Config, main: bool) -> Config:
+    """LoRA hands vLLM the adapter only, so vLLM must keep its base weights while it sleeps: a
+    level-2 sleep (the default) discards them and nothing would bring them back. Level 1 keeps
+    them in host memory (one pinned copy per rank)."""
+    if not cfg.model.lora_rank or cfg.rollout.sleep_level != 2:
+        return cfg
+    if main:
+        print("note: model.lora_rank > 0: rollout.sleep_level 2 -> 1 (only the adapter is handed to vLLM, so its "
+              "base weights must survive its sleep; level 2 would discard them)", flush=True)
+    return replace(cfg, rollout=replace(cfg.rollout, sleep_level=1))
 
 
 def configure(cfg: Config, on_cpu: bool, world_size: int = 1,
