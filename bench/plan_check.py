@@ -110,11 +110,21 @@ def planned(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtyp
     return sum(row.get("train", 0) for name, row in p.rows.items() if name in TRAINER_ROWS)
 
 
+def grid(args):
+    """(shape, its directory, ranks, ZeRO stage, tokens, checkpointing) for each row asked for."""
+    from bench import shapes
+    for name in args.shapes.split(","):
+        path = str(shapes.build(name))
+        for ranks, zero in (map(int, run.split(":")) for run in args.runs.split(",")):
+            for n in (int(t) for t in args.tokens.split(",")):
+                for ckpt in (mode == "on" for mode in args.ckpt_modes.split(",")):
+                    yield name, path, ranks, zero, n, ckpt
+
+
 def replan(args) -> None:
     """Today's plan beside the newest recorded measurement of each row asked for: a measured peak
     does not depend on the plan's code, so a change to the plan's arithmetic is checked against the
     measurements already made (each row keeps the commit and date it was measured at)."""
-    from bench import shapes
     from bench.results import load
     dtype = args.dtype or "bfloat16"
     measured = {}
@@ -130,20 +140,16 @@ def replan(args) -> None:
     print(f"{'shape':>6} {'ranks':>5} {'ZeRO':>4} {'ckpt':>5} {'tokens':>6} {'plan GiB':>9} {'measured GiB':>13} "
           f"{'measured/plan':>14}  measured at")
     rows = []
-    for name in args.shapes.split(","):
-        path = str(shapes.build(name))
-        for ranks, zero in (map(int, run.split(":")) for run in args.runs.split(",")):
-            for n in (int(t) for t in args.tokens.split(",")):
-                for ckpt in (mode == "on" for mode in args.ckpt_modes.split(",")):
-                    m = measured.get((name, ranks, zero, ckpt, n))
-                    if m is None:
-                        print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6}  never measured")
-                        continue
-                    m["plan"] = planned(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs)
-                    rows.append(m)
-                    print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6} {m['plan'] / 2**30:>9.2f} "
-                          f"{m['measured'] / 2**30:>13.2f} {m['measured'] / m['plan']:>14.2f}  "
-                          f"{m['measured_commit']} {m['measured_date'][:16]}", flush=True)
+    for name, path, ranks, zero, n, ckpt in grid(args):
+        m = measured.get((name, ranks, zero, ckpt, n))
+        if m is None:
+            print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6}  never measured")
+            continue
+        m["plan"] = planned(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs)
+        rows.append(m)
+        print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6} {m['plan'] / 2**30:>9.2f} "
+              f"{m['measured'] / 2**30:>13.2f} {m['measured'] / m['plan']:>14.2f}  "
+              f"{m['measured_commit']} {m['measured_date'][:16]}", flush=True)
     record("plan_check", {"shapes": args.shapes.split(","), "runs": args.runs.split(","),
                           "tokens": [r["tokens"] for r in rows], "seqs": args.seqs, "dtype": dtype, "replanned": True},
            {"rows": rows}, **({"note": args.note} if args.note else {}))
@@ -171,7 +177,6 @@ def main() -> None:
         return worker(args)
     if args.replan:
         return replan(args)
-    from bench import shapes
     from hybridrl.core import environ
     dtype = args.dtype or ("bfloat16" if environ.fast_bf16() else "float32")
     cpu = platform.processor() or platform.machine()
@@ -180,29 +185,24 @@ def main() -> None:
     except (OSError, StopIteration):
         pass
     tokens = [int(t) for t in args.tokens.split(",")]
-    ckpts = [mode == "on" for mode in args.ckpt_modes.split(",")]
     print(f"trainer peak on CPU vs the plan: {cpu}, {dtype}, one micro-batch of {args.tokens} tokens in "
           f"{args.seqs} sequence(s), {date.today()}")
     print(f"{'shape':>6} {'ranks':>5} {'ZeRO':>4} {'ckpt':>5} {'tokens':>6} {'plan GiB':>9} {'measured GiB':>13} "
           f"{'measured/plan':>14}")
     results = []
-    for name in args.shapes.split(","):
-        path = str(shapes.build(name))
-        for ranks, zero in (map(int, run.split(":")) for run in args.runs.split(",")):
-            for n in tokens:
-                for ckpt in ckpts:
-                    p = planned(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs)
-                    try:
-                        m = measure(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs)
-                    except RuntimeError as e:  # one row's failure (a worker killed for memory) keeps the others
-                        results.append(dict(shape=name, ranks=ranks, zero=zero, ckpt=ckpt, tokens=n, plan=p,
-                                            measured=None, error=str(e).splitlines()[0]))
-                        print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6} {p / 2**30:>9.2f} "
-                              f"{str(e).splitlines()[0]}", flush=True)
-                        continue
-                    results.append(dict(shape=name, ranks=ranks, zero=zero, ckpt=ckpt, tokens=n, plan=p, measured=m))
-                    print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6} {p / 2**30:>9.2f} "
-                          f"{m / 2**30:>13.2f} {m / p:>14.2f}", flush=True)
+    for name, path, ranks, zero, n, ckpt in grid(args):
+        p = planned(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs)
+        try:
+            m = measure(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs)
+        except RuntimeError as e:  # one row's failure (a worker killed for memory) keeps the others
+            results.append(dict(shape=name, ranks=ranks, zero=zero, ckpt=ckpt, tokens=n, plan=p,
+                                measured=None, error=str(e).splitlines()[0]))
+            print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6} {p / 2**30:>9.2f} "
+                  f"{str(e).splitlines()[0]}", flush=True)
+            continue
+        results.append(dict(shape=name, ranks=ranks, zero=zero, ckpt=ckpt, tokens=n, plan=p, measured=m))
+        print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6} {p / 2**30:>9.2f} "
+              f"{m / 2**30:>13.2f} {m / p:>14.2f}", flush=True)
     record("plan_check", {"shapes": args.shapes.split(","), "runs": args.runs.split(","),
                           "tokens": tokens[0] if len(tokens) == 1 else tokens, "seqs": args.seqs, "dtype": dtype},
            {"rows": results}, **({"note": args.note} if args.note else {}))
