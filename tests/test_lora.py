@@ -37,8 +37,8 @@ def test_config_sleep_level_and_bad_targets_say_what_to_change():
     from hybridrl.engines import lora
     from hybridrl.run import resolve
     cfg = config.load(overrides={"model.lora_rank": 16})
-    assert resolve.keep_base_weights(cfg, main=False).rollout.sleep_level == 1  # 2 would discard the base
-    assert resolve.keep_base_weights(config.load(), main=False).rollout.sleep_level == 2  # no LoRA: unchanged
+    assert resolve.configure(cfg, on_cpu=True)[0].rollout.sleep_level == 1  # 2 would discard the base
+    assert resolve.configure(config.load(), on_cpu=True)[0].rollout.sleep_level == 2  # no LoRA: unchanged
     with pytest.raises(config.ConfigError, match="model.lora_rank=600"):
         config.load(overrides={"model.lora_rank": 600})
     with pytest.raises(config.ConfigError, match="lora_dropout"):

@@ -541,3 +541,16 @@ def test_qwen3_dense_plans_with_its_own_head_dim():
     kv_per_token = 2 * 28 * 8 * 128 * 2  # K and V, 28 layers, 8 KV heads of 128, bf16
     need = 64 * 8 * 1536 * kv_per_token  # 64 prompts x 8 samples of 1536 tokens, one engine
     assert p.rows["vLLM KV cache"]["generate"] <= 2 * need
+
+
+@pytest.mark.fast
+def test_a_lora_plan_counts_the_base_weights_vllm_keeps_asleep():
+    # LoRA hands vLLM the adapter only, so vLLM sleeps at level 1 and pins a host copy of its base
+    # weights; the plan (`hybridrl plan` and a run's) must be built at that level, not the default 2
+    cfg = config.load(None, {"model.path": "Qwen/Qwen2.5-7B-Instruct", "model.lora_rank": 16})
+    cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
+    assert cfg.rollout.sleep_level == 1 and "model.lora_rank" in cfg.sources["rollout.sleep_level"]
+    assert p.pinned.get("vLLM weights (sleep level 1)", 0) > 8 * 14 * GIB  # 7.6B bfloat16 weights per rank
+    full = plan.dry_run(config.load(None, {"model.path": "Qwen/Qwen2.5-7B-Instruct"}), nproc=8, nnodes=1,
+                        gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)[1]
+    assert "vLLM weights (sleep level 1)" not in full.pinned  # level 2 discards them

@@ -57,6 +57,10 @@ def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
     cfg = loss_clip(cfg)
     if cfg.rollout.partial == "on" and not explicit(cfg, "algo.tis_cap") and cfg.algo.is_correction == "tis":
         cfg = put(cfg, "algo.tis_cap", 2.0, "rollout.partial=on (stale tokens are importance-weighted)")
+    if cfg.model.lora_rank and cfg.rollout.sleep_level == 2:
+        # LoRA hands vLLM the adapter only, so its base weights must survive its sleep: a level-2 sleep
+        # discards them, level 1 keeps them in pinned host memory (one copy per rank, which the plan counts)
+        cfg = put(cfg, "rollout.sleep_level", 1, "model.lora_rank > 0 (vLLM keeps its base weights asleep)")
     if explicit(cfg, "train.steps") and not explicit(cfg, "train.data_epochs") and cfg.train.data_epochs:
         cfg = put(cfg, "train.data_epochs", 0.0, "train.steps")  # the user gave a step count: no passes
     cfg = cfg if demo else _context(cfg, info)

@@ -342,7 +342,7 @@ class Rollout:
         process: through the staging buckets), then drop the prefix cache: its KV entries were
         computed by the old weights. Always the full set, so it also restores a level-2 sleep.
         LoRA: the tensors are the adapter, which replaces the previous one (the base weights stay;
-        a level-2 sleep, which discards them, is not used with LoRA: resolve.keep_base_weights)."""
+        a level-2 sleep, which discards them, is not used with LoRA: recipe.resolve)."""
         if self.sender is not None:
             self.last_receipt = self.sender.send(named_tensors, lambda address, **kw: vllm_compat.receive_weights(
                 self.llm, address, adapter=self.adapter, **kw), digest=self.digest)

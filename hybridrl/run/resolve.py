@@ -4,11 +4,11 @@ The config as loaded (defaults <- YAML <- flags, and the demo's recipe for the d
 one a run uses in five stages, each filling only what the user left unset:
 
     machine      this machine's 'auto' settings: model.dtype, model.attn_implementation
-    recipe       the model's (recipe.resolve): lengths and context, the CPU KV cache, on CPU the
-                 dtype, attention and compiled decoder of a real-size model
+    recipe       the model's (recipe.resolve): lengths and context, the CPU KV cache, with LoRA
+                 vLLM's sleep level 1, on CPU the dtype, attention and compiled decoder of a real-size model
     memory plan  what fits the device (plan.fit): micro-batch tokens, ZeRO stage, offloading, ...
     data         train.steps from train.data_epochs and the prompts left once too-long ones drop
-    engines      with LoRA, vLLM's sleep level 1 (keep_base_weights); a resumed run, its run directory
+    resume       a resumed run's directory (checkpoint.Resume.find)
 
 and the trainer's layout (kernels, packing, shared prompt: policy.layout) is decided from it, so
 the recipe the run prints (recipe.describe) says what the engines will do. `hybridrl train`
@@ -19,7 +19,7 @@ with `configure` (machine and recipe).
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from hybridrl.core import launch, memory, models, platform, recipe
 from hybridrl.core.config import Config, ConfigError, freeze, put
@@ -69,10 +69,9 @@ def run_config(cfg: Config, world) -> Resolved:
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     prompts, dropped = encode(load_rows(cfg.data, "train"), tokenizer, cfg.data, cfg.data.path)
     cfg = recipe.set_steps(cfg, len(prompts))  # train.data_epochs -> train.steps
-    cfg = keep_base_weights(cfg, world.main)  # LoRA: vLLM's sleep keeps its base weights
     resumed = checkpoint.Resume.find(cfg, world)  # None: a fresh run
     if resumed:  # continue in that run's directory
-        cfg = replace(cfg, log=replace(cfg.log, run_dir=str(resumed.run_dir)))
+        cfg = put(cfg, "log.run_dir", str(resumed.run_dir), "the resumed run")
     layout = policy.layout(cfg, cfg.model.attn_implementation, native=info.native, plain_cache=info.plain_cache,
                            name=info.arch)
     # frozen from here: what the engines read is what the run prints and records (plan_rollout's
@@ -88,18 +87,6 @@ def eval_config(cfg: Config, on_cpu: bool, world_size: int = 1,
     if not on_cpu and cfg.rollout.gpu_memory_utilization == "auto":
         cfg = put(cfg, "rollout.gpu_memory_utilization", "0.85", "hybridrl eval")
     return freeze(cfg), path, info
-
-
-def keep_base_weights(cfg: Config, main: bool) -> Config:
-    """LoRA hands vLLM the adapter only, so vLLM must keep its base weights while it sleeps: a
-    level-2 sleep (the default) discards them and nothing would bring them back. Level 1 keeps
-    them in host memory (one pinned copy per rank)."""
-    if not cfg.model.lora_rank or cfg.rollout.sleep_level != 2:
-        return cfg
-    if main:
-        print("note: model.lora_rank > 0: rollout.sleep_level 2 -> 1 (only the adapter is handed to vLLM, so its "
-              "base weights must survive its sleep; level 2 would discard them)", flush=True)
-    return replace(cfg, rollout=replace(cfg.rollout, sleep_level=1))
 
 
 def configure(cfg: Config, on_cpu: bool, world_size: int = 1,
@@ -123,20 +110,19 @@ def machine(cfg: Config, on_cpu: bool) -> tuple[Config, str]:
     """Fill the 'auto' settings for this machine; returns the config and the model directory."""
     cfg = recipe.auto_dtype(cfg, on_cpu)
     m = cfg.model
-    attn, sources = m.attn_implementation, cfg.sources
-    if attn == "auto":  # recipe.resolve may still pick eager (short contexts in bfloat16 on CPU)
-        attn, sources = "sdpa", {**sources, "model.attn_implementation": "auto"}
+    if m.attn_implementation == "auto":  # recipe.resolve may still pick eager (short contexts in bfloat16 on CPU)
+        attn = "sdpa"
         if not on_cpu:
             try:
                 import flash_attn  # noqa: F401
                 attn = "flash_attention_2"
             except ImportError:
                 pass
+        cfg = put(cfg, "model.attn_implementation", attn, "auto")
     if on_cpu and m.dtype != "float32" and not platform.current().amx_bf16:
         log.warning("model.dtype=%s on a CPU without AMX-BF16: often slower than float32 there "
                     "(docs/speed.md); compare with --model.dtype float32", m.dtype)
-    return replace(cfg, sources=sources, model=replace(m, attn_implementation=attn)), \
-        models.local_path(m.path)
+    return cfg, models.local_path(m.path)
 
 
 def plan_memory(cfg: Config, model_path: str, world, on_cpu: bool) -> Config:
