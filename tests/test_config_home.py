@@ -15,6 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import yaml
 
 from hybridrl.core import config
 
@@ -161,6 +162,11 @@ def test_the_resolved_config_refuses_changes(monkeypatch):
     with pytest.raises(TypeError, match="frozen"):
         cfg.sources.pop("train.steps")
     assert cfg.train.steps == 2 and cfg.sources["train.steps"] == "flag"
+    with pytest.raises(TypeError, match="frozen"):
+        cfg.rollout.stop.append("\n")  # a list-valued knob too
+    with pytest.raises(TypeError, match="frozen"):
+        cfg.train.betas[0] = 0.5
+    assert cfg.train.betas == [0.9, 0.99] and yaml.safe_dump(config.to_dict(cfg))
     mine.train.lr = 1.0  # a notebook's own config: still its own to change
     copied = config.put(cfg, "train.lr", 0.5, "a test")
     assert copied.train.lr == 0.5 and cfg.train.lr != 0.5 and not config.frozen(copied)

@@ -133,12 +133,28 @@ class _FrozenSources(dict):
         return type(self), (dict(self),)
 
 
+class _FrozenList(list):
+    """A frozen config's list-valued knob (rollout.stop, train.betas, ...): read like a list, refusing
+    changes in place."""
+
+    def _refuse(self, *args, **kw):
+        raise TypeError("the config's lists are frozen with it (config.freeze): config.put returns a copy")
+
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = append = extend = insert = remove = pop = clear = sort = \
+        reverse = _refuse
+
+    def __reduce__(self):
+        return type(self), (list(self),)
+
+
 def freeze(cfg: Config) -> Config:
     """A copy of `cfg` that refuses every assignment, to a group's field or to its sources
     (schema.Freezable): the run's resolved config, which the engines read (run/resolve.py). The caller's
     `cfg` stays settable (a notebook may change it for its next run)."""
+    def lists(group):
+        return {f.name: _FrozenList(v) for f in dataclasses.fields(group) if isinstance(v := getattr(group, f.name), list)}
     out = dataclasses.replace(cfg, sources=_FrozenSources(cfg.sources),
-                              **{g: dataclasses.replace(getattr(cfg, g)) for g in GROUPS})
+                              **{g: dataclasses.replace(getattr(cfg, g), **lists(getattr(cfg, g))) for g in GROUPS})
     for obj in (*(getattr(out, g) for g in GROUPS), out):
         object.__setattr__(obj, "_frozen", True)
     return out
@@ -223,7 +239,8 @@ def load(path: str | Path | None = None, overrides: dict[str, Any] | None = None
 
 
 def to_dict(cfg: Config) -> dict:
-    return {g: dataclasses.asdict(getattr(cfg, g)) for g in GROUPS}
+    return {g: {k: list(v) if isinstance(v, list) else v for k, v in dataclasses.asdict(getattr(cfg, g)).items()}
+            for g in GROUPS}  # a frozen config's lists as plain ones (YAML writes no subclass)
 
 
 def validate(cfg: Config, lengths: bool = True) -> None:
