@@ -12,6 +12,13 @@ machine shared with other jobs timings wobble: compare the two rows of one run, 
     python -m bench.partial_rollout --seeds 0 1 --steps 200 --target 0.55 --log.eval_size 128   # flags go to both runs
     python -m bench.partial_rollout --generate-only --steps 20  # rollout throughput alone, alternated in one process
 
+The shape is 16 prompts x 8 samples in one update per rollout unless flags say otherwise (SHAPE):
+on this CPU a decode iteration of the demo model costs ~2.5 ms plus ~0.23 ms per running sequence,
+so at the demo's 32 prompts (256 sequences) the work follows the tokens and partial rollouts save
+little; at 16 a decode iteration costs nearly the same at any batch, as a GPU's does up to hundreds
+of sequences (docs/partial.md). One update per rollout: its own forward is pi_old for the importance
+correction, as in the 7B-72B recipes.
+
 One row per run in bench/results/partial_rollout.jsonl.
 """
 
@@ -25,9 +32,12 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from bench.results import record
 
 ROOT = Path(__file__).resolve().parents[1]
+SHAPE = {"--train.prompts_per_step": "16", "--train.minibatches": "1"}  # flags given win
 
 
 def run(mode: str, seed: int, steps: int, eval_every: int, out: Path, extra: list[str]) -> dict:
@@ -40,15 +50,19 @@ def run(mode: str, seed: int, steps: int, eval_every: int, out: Path, extra: lis
     if res.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stdout[-2000:]}{res.stderr[-3000:]}")
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    conf = yaml.safe_load((run_dir / "config.yaml").read_text())
     steps_ = [r for r in rows if "reward" in r]
     at = {r["step"]: r["elapsed_s"] for r in steps_}
     curve = [(r["step"], at.get(r["step"], 0.0), r["heldout_acc"]) for r in rows if "heldout_acc" in r]
     warm = steps_[1:]  # the first step pays vLLM's and the trainer's first calls
     walls = [b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steps_, steps_[1:])]
     gen = sum(r["time/generate"] for r in warm)
+    # trained samples per second of the whole step: a partial step trains its share or a few more groups
+    groups = [r.get("partial/trained_groups", conf["train"]["prompts_per_step"]) for r in warm]
+    samples_s = conf["rollout"]["n"] * statistics.mean(groups) / statistics.median(walls)
     return {"mode": mode, "seed": seed, "wall_s": time.perf_counter() - t0,
             "step_s": statistics.median(walls), "generate_s": statistics.median(r["time/generate"] for r in warm),
-            "rollout_tok_s": sum(r["rollout_tokens"] for r in warm) / gen,
+            "rollout_tok_s": sum(r["rollout_tokens"] for r in warm) / gen, "samples_s": samples_s,
             "response_len": statistics.mean(r["response_len"] for r in warm),
             "truncated_frac": statistics.mean(r["truncated_frac"] for r in warm),
             "stale_token_frac": statistics.mean(r.get("partial/stale_token_frac", 0.0) for r in warm),
@@ -126,6 +140,7 @@ def main() -> int:
     ap.add_argument("--generate-only", action="store_true",
                     help="rollout throughput alone: both modes alternated in one process, no training")
     args, extra = ap.parse_known_args()  # the rest: flags for both runs, e.g. --log.eval_size 128
+    extra = [x for k, v in SHAPE.items() if k not in extra for x in (k, v)] + extra
     if args.generate_only:
         g = generate_only(args.steps, args.seeds[0], extra)
         ratio = g["on"]["rollout_tok_s"] / g["off"]["rollout_tok_s"]
@@ -151,7 +166,7 @@ def main() -> int:
             print(f"  done: partial {mode}, seed {seed}, {got[-1]['wall_s']:.0f} s", flush=True)
     by = {m: [g for g in got if g["mode"] == m] for m in ("off", "on")}
     mean = {m: {k: statistics.mean(g[k] for g in by[m]) for k in ("step_s", "generate_s", "rollout_tok_s",
-                                                                     "response_len", "truncated_frac",
+                                                                     "samples_s", "response_len", "truncated_frac",
                                                                      "stale_token_frac", "reward_last20")}
             for m in by}
     for m in by:
@@ -160,16 +175,17 @@ def main() -> int:
         mean[m]["final_acc"] = statistics.mean(g["curve"][-1][2] for g in by[m])
     print(f"\npartial rollouts on the long-tailed task: {args.steps} steps, seeds {args.seeds}; "
           "a machine shared with other jobs: compare the rows of this run only")
-    head = f"{'partial':8} {'step ms':>8} {'generate ms':>12} {'rollout tok/s':>14} {'resp len':>9} " \
+    head = f"{'partial':8} {'step ms':>8} {'generate ms':>12} {'rollout tok/s':>14} {'samples/s':>10} {'resp len':>9} " \
            f"{'stale tok':>10} {'t to ' + format(args.target, '.0%'):>9} {'final acc':>10}"
     print(head)
     for m in ("off", "on"):
         x = mean[m]
         tt = "-" if x["time_to_target_s"] is None else f"{x['time_to_target_s']:.0f} s"
-        print(f"{m:8} {x['step_s'] * 1e3:8.0f} {x['generate_s'] * 1e3:12.0f} {x['rollout_tok_s']:14.0f} "
+        print(f"{m:8} {x['step_s'] * 1e3:8.0f} {x['generate_s'] * 1e3:12.0f} {x['rollout_tok_s']:14.0f} {x['samples_s']:10.0f} "
               f"{x['response_len']:9.1f} {x['stale_token_frac']:10.1%} {tt:>9} {x['final_acc']:10.1%}")
     ratio = mean["on"]["rollout_tok_s"] / mean["off"]["rollout_tok_s"]
-    print(f"on / off: rollout tokens/s x{ratio:.2f}, step time x{mean['on']['step_s'] / mean['off']['step_s']:.2f}")
+    print(f"on / off: rollout tokens/s x{ratio:.2f}, trained samples/s x{mean['on']['samples_s'] / mean['off']['samples_s']:.2f}, "
+          f"step time x{mean['on']['step_s'] / mean['off']['step_s']:.2f}")
     print("\nheld-out accuracy (greedy, log.eval_size prompts) at each evaluation: step, engine-clock seconds, "
           "accuracy")
     for g in got:

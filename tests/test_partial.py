@@ -190,10 +190,11 @@ def test_carried_groups_continue_within_the_cap_and_resume_bit_exactly(resumed):
     assert max(a[s]["partial/stale_token_frac"] for s in a) > 0
     assert not [k for s in a for k in a[s] if k.startswith("partial/age_") and k != "partial/age_0"
                 and k != "partial/age_1"]
+    assert all(a[s]["partial/trained_groups"] >= 8 for s in a)  # at least train.prompts_per_step (helpers.FAST)
     assert sorted(b) == list(range(1, N + 1))
     for s in range(1, N + 1):
         for key in ("loss", "reward", "grad_norm", "rollout_tokens", "partial/stale_token_frac",
-                    "partial/carried_groups"):
+                    "partial/carried_groups", "partial/trained_groups"):
             assert a[s][key] == b[s][key], (s, key, a[s][key], b[s][key])  # bit-identical
 
 
@@ -203,7 +204,8 @@ def test_longtail_task_runs_with_partial_rollouts(tmp_path):
     partial step carries samples over without training any token older than the cap."""
     from helpers.cli import train_cli
     _, steps, summary = train_cli(tmp_path / "run", "--data.path", "longtail", "--rollout.partial", "on",
-                                  "--steps", "6", "--train.prompts_per_step", "16", "--rollout.n", "8")
+                                  "--steps", "6", "--train.prompts_per_step", "16", "--train.minibatches", "1",
+                                  "--rollout.n", "8")
     assert summary["steps"] == 6
     assert max(s["response_len/p90"] for s in steps) > 4 * min(s["response_len/p10"] for s in steps)
     assert sum(s["partial/continued_samples"] for s in steps) > 0

@@ -59,7 +59,7 @@ COMMANDS: dict[str, list[str]] = {
         "tests/test_plan.py::test_plan_command_prints_the_7b_table_and_refuses_72b_on_one_gpu"],
     "hybridrl plan --config examples/recipes/qwen2.5-32b-8xh100.yaml --nproc 8": [
         "tests/test_readme.py::test_cheap_commands_run_as_shown", "tests/test_plan.py::test_recipes_fit_8xh100"],
-    "hybridrl train --data.path longtail --rollout.partial on": [
+    "hybridrl train --data.path longtail --rollout.partial on --train.prompts_per_step 16 --train.minibatches 1": [
         "tests/test_partial.py::test_longtail_task_runs_with_partial_rollouts"],
     "hybridrl train --nproc 2": ["tests/test_train_e2e.py::test_loop_runs_and_hand_off_is_exact"],
     "hybridrl train --nproc 2 --rollout.tensor_parallel_size 2": [
@@ -98,6 +98,7 @@ COMMANDS: dict[str, list[str]] = {
                                 "tests/test_lease.py::test_plan_of_calls_fits_the_lease_and_carries_one_part_a_call"],
     # the rendered tables' footnotes: the bench that measured them (its --help; a real run installs TRL and
     # takes minutes, see docs/testing.md) and the renderer
+    "python -m bench.partial_rollout": ["tests/test_bench_results.py::test_every_bench_module_runs_as_a_module"],
     "python -m bench.peers": ["tests/test_bench_results.py::test_every_bench_module_runs_as_a_module"],
     "python -m bench.render": ["tests/test_bench_results.py::test_the_repository_tables_are_current",
                                "tests/test_bench_results.py::test_render_fills_a_marked_region_and_check_finds_it_stale"],

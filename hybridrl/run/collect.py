@@ -114,9 +114,11 @@ class Collector:
         out = self._metrics(every, [] if filler else kept, sum(rejected), plan)
         if self.buffer:  # the tokens generated this step (a carried sample's earlier ones were counted then)
             c = self.buffer.counts
-            sums = launch.all_sum([c["generated"], c["aborted"], c["carried"], c["continued"], c["expired"]])
+            sums = launch.all_sum([c["generated"], c["aborted"], c["carried"], c["continued"], c["expired"],
+                                   0 if filler else len(kept)])  # trained: the share, or a few more that completed
             out.update(rollout_tokens=sums[0], **{f"partial/{k}": v for k, v in zip(
-                ("aborted_samples", "carried_groups", "continued_samples", "expired_groups"), sums[1:])})
+                ("aborted_samples", "carried_groups", "continued_samples", "expired_groups", "trained_groups"),
+                sums[1:])})
             out.update(partial.metrics(samples, partial.version_of(step), self.cfg.rollout.partial_max_age))
         return Rollouts([g.prompt for g in kept], samples, torch.stack([g.rewards for g in kept]), masked, out)
 
