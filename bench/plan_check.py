@@ -102,9 +102,10 @@ def planned(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtyp
     the reserve (rollout.memory_margin_mb) is not the allocator's."""
     from hybridrl.core import config
     from hybridrl.cycle import plan
+    from hybridrl.cycle.shape import Shape, read_config
     cfg = config.load(None, {"model.gradient_checkpointing": ckpt, "train.zero_stage": zero, "model.dtype": dtype,
                              "train.max_tokens_per_micro_batch": tokens, "rollout.max_model_len": tokens // seqs})
-    shape = plan.Shape.from_config(plan.read_config(shape_dir))
+    shape = Shape.from_config(read_config(shape_dir))
     k = plan.knobs(cfg, shape, world=ranks, local=ranks, on_cpu=on_cpu)
     p = plan.build(shape, k, device=1 << 50, host=1 << 50)
     return sum(row.get("train", 0) for name, row in p.rows.items() if name in TRAINER_ROWS)

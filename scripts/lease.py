@@ -437,7 +437,8 @@ def decode_plan(graphs: bool, config: str = "qwen2.5-7b") -> dict[str, int]:
     weights are every expert's, its activations go by the active parameters."""
     from hybridrl.core import memory
     from hybridrl.cycle import plan
-    shape = plan.Shape.from_config(plan.read_config(config))
+    from hybridrl.cycle.shape import Shape, read_config
+    shape = Shape.from_config(read_config(config))
     weights = shape.params * 2
     kv = DECODE_SEQS * (DECODE_PROMPT + DECODE_TOKENS) * 2 * shape.layers * shape.kv_dim * 2
     kv = max(int(memory.KV_HEADROOM * kv), memory.KV_MIN)
@@ -491,10 +492,10 @@ def decode(mode: str, config: str = "qwen2.5-7b") -> None:
     from bench import gpu_engine_checks as engine
     from bench.gpu_claims import row, verdict
     from hybridrl.core import environ, memory
-    from hybridrl.cycle import plan
+    from hybridrl.cycle.shape import shipped_config
     from hybridrl.engines import vllm_compat
     engine._world()
-    src, label = plan.shipped_config(config), DECODE_SHAPES[config]
+    src, label = shipped_config(config), DECODE_SHAPES[config]
     model = environ.cache_dir() / f"lease-{config}-config"
     model.mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text(src.read_text())
@@ -588,7 +589,8 @@ def stage_asleep(cuda: bool) -> None:
     from bench.gpu_claims import row
     if not cuda:
         from hybridrl.cycle import plan
-        shape = plan.Shape.from_config(plan.read_config("qwen2.5-0.5b"))
+        from hybridrl.cycle.shape import Shape, read_config
+        shape = Shape.from_config(read_config("qwen2.5-0.5b"))
         p = {"CUDA graphs": plan.graph_bytes(shape, 2, DECODE_SEQS, 1), "buffers": plan.buffer_bytes(shape, 2, 1)}
         row("0.5B, CUDA graphs: vLLM's device memory after a level-2 sleep vs the plan", "plan " + ", ".join(
             f"{k} {v / GIB:.2f}" for k, v in p.items()) + " GiB; measured: skipped: no CUDA", "", "skipped",
@@ -624,6 +626,7 @@ def asleep() -> None:
     from bench import gpu_engine_checks as engine
     from bench.gpu_claims import row, verdict
     from hybridrl.cycle import plan
+    from hybridrl.cycle.shape import Shape, read_config
     torch.cuda.init()
     before = engine._used()
     llm = _half_b_engine(enforce_eager=False, sleep_mode=True)
@@ -634,7 +637,7 @@ def asleep() -> None:
     with memory.vllm_pool(True):  # as Rollout.sleep
         llm.sleep(level=2)
     kept = engine._used() - before
-    shape = plan.Shape.from_config(plan.read_config("qwen2.5-0.5b"))
+    shape = Shape.from_config(read_config("qwen2.5-0.5b"))
     graphs, buffers = plan.graph_bytes(shape, 2, DECODE_SEQS, 1), plan.buffer_bytes(shape, 2, 1)
     planned = graphs + buffers
     row("0.5B, CUDA graphs: vLLM's device memory after a level-2 sleep vs the plan",

@@ -8,6 +8,7 @@ import pytest
 from hybridrl.core import config
 from hybridrl.core.config import ConfigError
 from hybridrl.cycle import plan
+from hybridrl.cycle.shape import info_of, read_config
 
 from helpers.plan import H100, NODE, gpu_config, shape
 
@@ -95,7 +96,7 @@ def test_the_recipe_says_how_many_threads_the_host_optimizer_gets(monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(environ, "host_cores", lambda: 208)
     cfg = gpu_config("Qwen/Qwen2.5-32B-Instruct", 8, **{"train.optimizer_offload": "on"})
-    info = plan.info_of("Qwen/Qwen2.5-32B-Instruct", plan.read_config("Qwen/Qwen2.5-32B-Instruct"),
+    info = info_of("Qwen/Qwen2.5-32B-Instruct", read_config("Qwen/Qwen2.5-32B-Instruct"),
                         shape("Qwen/Qwen2.5-32B-Instruct"))
     lines = recipe.describe(cfg, info, on_cpu=False)
     assert "  optimizer on the host: CPU Adam on 26 OpenMP threads per rank (208 cores, 8 ranks on this node" in \

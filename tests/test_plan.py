@@ -13,6 +13,7 @@ import pytest
 from hybridrl.core import config, recipe
 from hybridrl.core.config import ConfigError
 from hybridrl.cycle import plan
+from hybridrl.cycle.shape import CONFIGS, Shape
 
 from helpers.plan import H100, NODE, gpu_config, shape
 
@@ -41,10 +42,10 @@ def test_params_match_transformers_for_shipped_configs():
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     for name in ("qwen2.5-0.5b", "qwen2.5-7b", "llama-3.1-8b"):
-        conf = AutoConfig.from_pretrained(str(plan.CONFIGS / f"{name}.json"))
+        conf = AutoConfig.from_pretrained(str(CONFIGS / f"{name}.json"))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(conf)
-        assert plan.Shape.from_config(json.loads((plan.CONFIGS / f"{name}.json").read_text())).params == \
+        assert Shape.from_config(json.loads((CONFIGS / f"{name}.json").read_text())).params == \
             sum(p.numel() for p in model.parameters()), name
 
 
@@ -290,7 +291,7 @@ def test_a_run_that_cannot_fit_stops_before_any_engine(tmp_path):
     for f in demo.iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
             (model / f.name).write_bytes(f.read_bytes())
-    (model / "config.json").write_text((plan.CONFIGS / "qwen2.5-72b.json").read_text())
+    (model / "config.json").write_text((CONFIGS / "qwen2.5-72b.json").read_text())
     out = hybridrl("train", "--model", str(model), "--data", "demo", "--reward", "arithmetic", "--log.run_dir",
                    str(tmp_path / "run"))
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
@@ -417,10 +418,10 @@ def test_qwen3_params_match_transformers(name):
     and against the published totals (model cards: 0.6B with tied embeddings ... 235B)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    path = plan.CONFIGS / f"{name}.json"
+    path = CONFIGS / f"{name}.json"
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)))
-    s = plan.Shape.from_config(json.loads(path.read_text()))
+    s = Shape.from_config(json.loads(path.read_text()))
     assert s.params == sum(p.numel() for p in model.parameters())
     # what is pinned tensor by tensor (the reference) covers every expert and the q/k norms
     assert sorted(s.tensors()) == sorted(p.numel() for p in model.parameters()) and \
@@ -455,7 +456,7 @@ def test_moe_layouts_match_transformers():
                                     num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
     ]
     for conf in cases:
-        s = plan.Shape.from_config(conf.to_dict())
+        s = Shape.from_config(conf.to_dict())
         count = {}
         for key, experts in (("all", s.experts), ("active", s.top_k)):
             c = copy.deepcopy(conf)
@@ -464,11 +465,11 @@ def test_moe_layouts_match_transformers():
                 count[key] = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(c).parameters())
         assert s.params == count["all"], conf.model_type
         assert s.active_params == count["active"] + s.moe_layers * (s.experts - s.top_k) * s.hidden, conf.model_type
-    assert plan.Shape.from_config(cases[0].to_dict()).moe_layers == 1  # layers 1 and 5 by the step, 3 dense: 1
-    assert plan.Shape.from_config(cases[1].to_dict()).describe() == "0.20M parameters, 0.18M active with 2 of 4 " \
+    assert Shape.from_config(cases[0].to_dict()).moe_layers == 1  # layers 1 and 5 by the step, 3 dense: 1
+    assert Shape.from_config(cases[1].to_dict()).describe() == "0.20M parameters, 0.18M active with 2 of 4 " \
         "experts per token"
     with pytest.raises(ConfigError, match="does not know the experts of model_type 'deepseek_v3'"):
-        plan.Shape.from_config({**cases[0].to_dict(), "model_type": "deepseek_v3", "n_routed_experts": 8})
+        Shape.from_config({**cases[0].to_dict(), "model_type": "deepseek_v3", "n_routed_experts": 8})
 
 
 def test_moe_activations_match_what_autograd_saves():
@@ -502,8 +503,8 @@ def test_moe_activations_match_what_autograd_saves():
                                                                **moe), (1, 3))):
         lo, hi = (cls(num_hidden_layers=n, **common, **kw) for n in layers)
         measured = saved(hi) - saved(lo)
-        planned = plan.Shape.from_config(hi.to_dict()).all_layer_activations(2) - \
-            plan.Shape.from_config(lo.to_dict()).all_layer_activations(2)
+        planned = Shape.from_config(hi.to_dict()).all_layer_activations(2) - \
+            Shape.from_config(lo.to_dict()).all_layer_activations(2)
         assert measured == pytest.approx(planned, rel=0.01), cls.__name__
 
 

@@ -136,9 +136,10 @@ def _asleep_bytes(cfg: Config, hf, max_num_seqs: int) -> int:
     """vLLM's graph pool and buffers that no sleep releases, as `hybridrl plan` counts them
     (plan.asleep_bytes); 0 for a config the plan cannot read (it then plans by measurement alone)."""
     from hybridrl.cycle import plan
+    from hybridrl.cycle.shape import Shape
     r = cfg.rollout
     try:
-        shape = plan.Shape.from_config(hf.config.to_dict())
+        shape = Shape.from_config(hf.config.to_dict())
     except (AttributeError, ConfigError):
         return 0
     return plan.asleep_bytes(shape, hf.dtype.itemsize, max_num_seqs, r.tensor_parallel_size, not r.enforce_eager)
