@@ -80,7 +80,7 @@ def generate_only(steps: int, seed: int, extra: list[str]) -> dict:
     environ.setup()
     from hybridrl.core import config as C, launch
     from hybridrl.data import prompts, rewards
-    from hybridrl.engines.rollout import Rollout
+    from hybridrl.engines.rollout import EngineSizing, Rollout
     from hybridrl.observe.progress import Phases
     from hybridrl.run import resolve
     from hybridrl.run.collect import Collector
@@ -89,7 +89,9 @@ def generate_only(steps: int, seed: int, extra: list[str]) -> dict:
     over = {"data.path": "longtail", "train.seed": seed, **{k.lstrip("-"): v for k, v in flags.items()}}
     cfgs = {m: resolve.run_config(C.load(None, {**over, "rollout.partial": m}), world) for m in ("off", "on")}
     res = cfgs["on"]  # its KV cache holds the groups in flight
-    rollout = Rollout(res.cfg, res.model_path, on_cpu=True, eos_token_id=res.tokenizer.eos_token_id, rank=0)
+    cuda = world.device.type == "cuda"  # a GPU (scripts/lease.py's partial stage): vLLM alone, a fixed share of it
+    rollout = Rollout(res.cfg, res.model_path, on_cpu=not cuda, eos_token_id=res.tokenizer.eos_token_id, rank=0,
+                      sizing=EngineSizing("0.3", 0, 0, "off") if cuda else None)
     scorer = rewards.Scorer(res.cfg.reward, rank=0)
     scorer.run_dir = Path(tempfile.mkdtemp(prefix="bench-partial-"))
     cols = {m: Collector(r.cfg, rollout, scorer, r.tokenizer, r.prompts, prompts.Sampler(len(r.prompts), seed), world, [])

@@ -91,6 +91,8 @@ STAGES = [
           "CUDA generator did (issue 47 item 6)"),
     Stage("moe_decode", 240, 100, False, "vLLM alone, a Qwen3-30B-A3B shape with dummy weights (all 128 experts, "
           "57 GiB): 64 x 512 tokens, eager vs CUDA graphs, footprint vs the plan (every expert, top-8 activations)"),
+    Stage("partial", 150, 90, True, "partial rollouts on the long-tailed demo task at its 32 prompts x 8, generation "
+          "alone: rollout tokens/s on / off >= 1.3x (CPU: x1.15 there, its decode cost grows with the batch)"),
 ]
 BY_NAME = {s.name: s for s in STAGES}
 
@@ -432,6 +434,27 @@ def stage_critic(cuda: bool) -> None:
     runs.check_critic(cuda)
 
 
+def stage_partial(cuda: bool) -> None:
+    """bench/partial_rollout.py --generate-only on the device: both modes alternated on one engine, the
+    policy fixed. A GPU's decode iteration costs about the same at any batch, where partial rollouts'
+    fewer iterations should show as throughput (docs/partial.md); `rollout.partial` stays off by default
+    until this passes."""
+    from bench.gpu_claims import row, verdict
+    from bench.results import load
+    claim = "partial rollouts, long-tailed demo task, 32 prompts x 8, generation alone: rollout tokens/s on / off"
+    try:
+        subprocess.run([sys.executable, "-m", "bench.partial_rollout", "--generate-only", "--steps", "20",
+                        "--train.prompts_per_step", "32"], timeout=_seconds(140), cwd=ROOT, check=True)
+    except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as e:
+        row(claim, f"failed: {e}", ">= 1.3x", "fail")
+        return
+    g = load("partial_rollout")[-1]["figures"]
+    row(claim, f"x{g['rollout_tok_s_ratio']:.2f} ({g['off']['rollout_tok_s']:.0f} -> {g['on']['rollout_tok_s']:.0f} "
+        f"tok/s; engine steps per step {g['off']['engine_steps']:.1f} -> {g['on']['engine_steps']:.1f})", ">= 1.3x",
+        verdict(g["rollout_tok_s_ratio"] >= 1.3), figures={m: {k: v for k, v in g[m].items() if k != "steps"}
+                                                           for m in ("off", "on")})
+
+
 def decode_plan(graphs: bool, config: str = "qwen2.5-7b") -> dict[str, int]:
     """The plan's vLLM rows for a decode of `config`'s shape (bf16, one GPU, 64 sequences): its
     weights are every expert's, its activations go by the active parameters."""
@@ -698,7 +721,7 @@ STAGE_FUNCS = {"prepare": stage_prepare, "stack": stage_stack, "allreduce": stag
                "planner": stage_planner, "demo_probe": stage_demo_probe, "graphs": stage_graphs,
                "trainer_plan": stage_trainer_plan, "paths": stage_paths, "critic": stage_critic,
                "decode7b": stage_decode7b, "asleep": stage_asleep, "tp_rng": stage_tp_rng,
-               "moe_decode": stage_moe_decode}
+               "moe_decode": stage_moe_decode, "partial": stage_partial}
 
 
 def main() -> int:
