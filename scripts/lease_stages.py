@@ -1,0 +1,440 @@
+"""The lease's stages (scripts/lease.py): each runs in its own process (`python -m scripts.lease
+--stage NAME`), under the timeout its Stage gives it, and reports rows with bench.gpu_claims.row.
+Without CUDA a stage measures what runs anywhere (the plan's side) and marks the rest skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+GIB = 2.0 ** 30
+TRAINER_TOKENS = 8192  # train.max_tokens_per_micro_batch's default: one micro-batch of it
+DECODE_SEQS, DECODE_TOKENS, DECODE_PROMPT = 64, 512, 64  # the 7B-shape and MoE decodes
+# the decodes' shapes (shipped config.json, dummy weights): the whole 30B-A3B is 57 GiB of bf16 weights,
+# which one H100 holds beside the decode's KV cache
+DECODE_SHAPES = {"qwen2.5-7b": "7B shape", "qwen3-30b-a3b": "Qwen3-30B-A3B shape (128 experts, 8 per token)"}
+_STAGE_END = time.perf_counter() + float(os.environ.get("LEASE_STAGE_S", 1e9))  # the runner kills the stage then
+
+
+def _seconds(default: float, margin: float = 10) -> float:
+    """A run's timeout inside the stage: what the stage has left, less a margin for its rows, at most
+    `default`."""
+    return max(10.0, min(default, _STAGE_END - time.perf_counter() - margin))
+
+
+def stage_prepare(cuda: bool) -> None:
+    from bench import shapes
+    from bench.gpu_claims import half_b_model, row
+    for name in ("0.5b", "1.5b"):
+        t = time.perf_counter()
+        path = shapes.build(name)
+        row(f"prepare: the {name} shape's random weights (bench/shapes.py)",
+            f"{path} ({time.perf_counter() - t:.0f} s)")
+    t = time.perf_counter()
+    model = half_b_model()
+    row("prepare: the checks' 0.5B model (gpu_claims.half_b_model)", f"{model} ({time.perf_counter() - t:.0f} s)")
+
+
+def stage_stack(cuda: bool) -> None:
+    import importlib
+
+    from bench import gpu_engine_checks as engine
+    from bench.gpu_claims import row, verdict
+    engine.check_stack(cuda)
+    claim = "scripts/gpu_bundle.sh's stack imports (vLLM, DeepSpeed, Liger)"
+    if not cuda:  # the CPU stack's imports are the test suite's to check
+        row(claim, "skipped: no CUDA", "all import", "skipped")
+        return
+    missing = []
+    for name in ("vllm", "deepspeed", "liger_kernel"):
+        try:
+            importlib.import_module(name)
+        except Exception as e:  # noqa: BLE001 - the row says what failed
+            missing.append(f"{name}: {type(e).__name__}: {str(e)[:120]}")
+    import torch
+    p = torch.cuda.get_device_properties(0)
+    row("device", f"{p.name}, {p.total_memory / GIB:.1f} GiB, {p.multi_processor_count} SMs, "
+        f"capability {p.major}.{p.minor}", verdict="info")
+    row(claim, "; ".join(missing) or "all import", "all import", verdict(not missing))
+
+
+def stage_planner(cuda: bool) -> None:
+    from bench import gpu_engine_checks as engine
+    engine.check_planner(cuda)
+
+
+def stage_demo_probe(cuda: bool) -> None:
+    from bench import gpu_run_checks as runs
+    from bench.gpu_claims import row, verdict
+    r = runs._train(["--steps", "20", "--train.probe_every", "1", "--train.probe_action", "warn",
+                     "--train.max_minutes", "0", "--log.eval_every", "0", "--ckpt.every", "0"], _seconds(90))
+    err = runs._failed(r)
+    claim = "demo, float32, 20 steps, probe after every hand-off: largest gap (abs dlogp)"
+    if err:
+        row(claim, err, "<= 1e-4", "fail", tail=r["tail"])
+        return
+    gaps = [s["probe_gap"] for s in r["steps"] if "probe_gap" in s]
+    worst = max(gaps, default=float("nan"))
+    row(claim, f"{worst:.3g} over {len(gaps)} probes (the last lease, before TRITON_F32_DEFAULT=ieee: 0.018)",
+        "<= 1e-4", verdict(len(gaps) >= 19 and worst <= 1e-4), gaps=gaps)
+    ph = runs._phases(r["steps"])
+    row("demo, float32: ms/step and phases", f"{sum(ph.values()) * 1e3:.0f} ms/step: " + ", ".join(
+        f"{k} {v * 1e3:.0f}" for k, v in sorted(ph.items(), key=lambda kv: -kv[1])), verdict="info", phases=ph)
+
+
+def stage_graphs(cuda: bool) -> None:
+    """0.5B, the last leases' workload (8 prompts x 4 x 256 tokens), 6 steps each way, the probe
+    after every hand-off: the level-2 wake rebuilds the weights under the captured graphs."""
+    from bench import gpu_run_checks as runs
+    from bench.gpu_claims import half_b_model, row, verdict
+    args = runs._half_b_args(half_b_model()) + ["--steps", "6", "--train.probe_every", "1"]
+    got = {}
+    for name, flag in (("eager", "--rollout.enforce_eager"), ("CUDA graphs", "--rollout.no_enforce_eager")):
+        r = runs._train(args + [flag], _seconds(100) if name == "eager" else _seconds(120))
+        err = runs._failed(r)
+        if err:
+            row(f"0.5B, {name}: s/step, rollout tok/s", err, "", "fail", tail=r["tail"])
+            continue
+        ph = runs._phases(r["steps"], 2)
+        step, tok = sum(ph.values()), runs._med(r["steps"], "rollout_tok_s", 2)
+        got[name] = (step, tok)
+        row(f"0.5B, {name}: s/step, rollout tok/s", f"{step:.2f} s/step, rollout {tok:.0f} tok/s, generate "
+            f"{ph.get('generate', 0) / step:.0%} of the step (the last lease, eager: 4.36 s, 2,177 tok/s, 86%)",
+            verdict="info", phases=ph, plan=r["plan"])
+        means = [s["probe_gap_mean"] for s in r["steps"] if "probe_gap_mean" in s]
+        worst = max(means, default=float("nan"))
+        row(f"0.5B, {name}: probe after every level-2 wake and hand-off, bf16 mean gap", f"{worst:.3g} over "
+            f"{len(means)} probes", "<= 2e-2", verdict(len(means) >= 5 and worst <= 2e-2), gaps=means)
+    if len(got) == 2:
+        (se, te), (sg, tg) = got["eager"], got["CUDA graphs"]
+        row("0.5B: CUDA graphs vs eager (rollout.enforce_eager unset: graphs on a GPU)",
+            f"rollout {tg / te:.2f}x the tokens/s, step {sg / se:.2f}x the time", "graphs faster", verdict(tg > te))
+
+
+def stage_trainer_plan(cuda: bool) -> None:
+    """bench/plan_check.py on the device: the plan's trainer rows (train column, bf16, ZeRO-2, one
+    GPU) against torch.cuda.max_memory_allocated in the second update of one full micro-batch."""
+    from bench import plan_check, shapes
+    from bench.gpu_claims import row, verdict
+    for name in ("0.5b", "1.5b"):
+        src = str(shapes.build(name)) if cuda else f"qwen2.5-{name}"  # the same shape, shipped config.json
+        for ckpt in (False, True):
+            claim = (f"trainer peak, {name}, gradient checkpointing {'on' if ckpt else 'off'}, ZeRO-2, bf16, one "
+                     f"{TRAINER_TOKENS}-token micro-batch: measured vs plan")
+            p = plan_check.planned(src, 1, 2, ckpt, TRAINER_TOKENS, "bfloat16", on_cpu=False)
+            if not cuda:
+                row(claim, f"plan {p / GIB:.2f} GiB; measured: skipped: no CUDA", "within 10%", "skipped",
+                    plan_gib=p / GIB)
+                continue
+            try:
+                m = plan_check.measure(src, 1, 2, ckpt, TRAINER_TOKENS, "bfloat16", cuda=True, timeout=_seconds(120))
+            except Exception as e:  # noqa: BLE001 - the row carries the worker's output
+                row(claim, f"plan {p / GIB:.2f} GiB; measure failed: {str(e)[-300:]}", "within 10%", "fail")
+                continue
+            row(claim, f"{m / GIB:.2f} vs {p / GIB:.2f} GiB ({m / p - 1:+.1%})", "within 10%",
+                verdict(abs(m / p - 1) <= 0.10), plan_gib=p / GIB, measured_gib=m / GIB)
+
+
+def stage_paths(cuda: bool) -> None:
+    from bench import gpu_run_checks as runs
+    runs.check_paths(cuda)
+
+
+def stage_critic(cuda: bool) -> None:
+    from bench import gpu_run_checks as runs
+    runs.check_critic(cuda)
+
+
+def stage_partial(cuda: bool) -> None:
+    """bench/partial_rollout.py --generate-only on the device: both modes alternated on one engine, the
+    policy fixed. A GPU's decode iteration costs about the same at any batch, where partial rollouts'
+    fewer iterations should show as throughput (docs/partial.md); `rollout.partial` stays off by default
+    until this passes."""
+    from bench.gpu_claims import row, verdict
+    from bench.results import load
+    claim = "partial rollouts, long-tailed demo task, 32 prompts x 8, generation alone: rollout tokens/s on / off"
+    try:
+        subprocess.run([sys.executable, "-m", "bench.partial_rollout", "--generate-only", "--steps", "20",
+                        "--train.prompts_per_step", "32"], timeout=_seconds(140), cwd=ROOT, check=True)
+    except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as e:
+        row(claim, f"failed: {e}", ">= 1.3x", "fail")
+        return
+    g = load("partial_rollout")[-1]["figures"]
+    row(claim, f"x{g['rollout_tok_s_ratio']:.2f} ({g['off']['rollout_tok_s']:.0f} -> {g['on']['rollout_tok_s']:.0f} "
+        f"tok/s; engine steps per step {g['off']['engine_steps']:.1f} -> {g['on']['engine_steps']:.1f})", ">= 1.3x",
+        verdict(g["rollout_tok_s_ratio"] >= 1.3), figures={m: {k: v for k, v in g[m].items() if k != "steps"}
+                                                           for m in ("off", "on")})
+
+
+def decode_plan(graphs: bool, config: str = "qwen2.5-7b") -> dict[str, int]:
+    """The plan's vLLM rows for a decode of `config`'s shape (bf16, one GPU, 64 sequences): its
+    weights are every expert's, its activations go by the active parameters."""
+    from hybridrl.core import memory
+    from hybridrl.cycle import plan
+    from hybridrl.cycle.shape import Shape, read_config
+    shape = Shape.from_config(read_config(config))
+    weights = shape.params * 2
+    kv = DECODE_SEQS * (DECODE_PROMPT + DECODE_TOKENS) * 2 * shape.layers * shape.kv_dim * 2
+    kv = max(int(memory.KV_HEADROOM * kv), memory.KV_MIN)
+    return {"weights": weights, "KV cache": kv,
+            "activations": int(GIB + shape.active_params * 2 // 10 + memory.sampler_bytes(DECODE_SEQS, shape.vocab)),
+            "CUDA graphs": plan.graph_bytes(shape, 2, DECODE_SEQS, 1) if graphs else 0,
+            "buffers": plan.buffer_bytes(shape, 2, 1)}
+
+
+def stage_decode7b(cuda: bool) -> None:
+    from bench.gpu_claims import row
+    plans = {mode: decode_plan(mode == "graphs") for mode in ("eager", "graphs")}
+    for mode, p in plans.items():
+        if not cuda:
+            row(f"7B shape, dummy weights, {mode}: {DECODE_SEQS} x {DECODE_TOKENS} tokens", "plan " + ", ".join(
+                f"{k} {v / GIB:.2f}" for k, v in p.items()) + " GiB; measured: skipped: no CUDA", "", "skipped",
+                plan_gib={k: v / GIB for k, v in p.items()})
+            continue
+        # each engine in its own process: an in-process vLLM engine does not give all its memory back
+        try:
+            subprocess.run([sys.executable, "-m", "scripts.lease", "--decode", mode], timeout=_seconds(110), cwd=ROOT)
+        except subprocess.TimeoutExpired as e:
+            row(f"7B shape, dummy weights, {mode}: {DECODE_SEQS} x {DECODE_TOKENS} tokens", f"cut at {e.timeout:.0f} s",
+                "", "fail")
+
+
+def stage_moe_decode(cuda: bool) -> None:
+    """decode7b's measurement for a mixture of experts: vLLM's fused-MoE kernels, every expert's
+    weights in the footprint, and CUDA graphs' gain where a token reads only 8 of 128 experts."""
+    from bench.gpu_claims import row
+    config, label = "qwen3-30b-a3b", DECODE_SHAPES["qwen3-30b-a3b"]
+    for mode in ("eager", "graphs"):
+        p = decode_plan(mode == "graphs", config)
+        claim = f"{label}, dummy weights, {mode}: {DECODE_SEQS} x {DECODE_TOKENS} tokens"
+        if not cuda:
+            row(claim, "plan " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.items()) + " GiB; measured: skipped: "
+                "no CUDA", "", "skipped", plan_gib={k: v / GIB for k, v in p.items()})
+            continue
+        try:  # its own process, as decode7b's
+            subprocess.run([sys.executable, "-m", "scripts.lease", "--decode", mode, "--decode-config", config],
+                           timeout=_seconds(110), cwd=ROOT)
+        except subprocess.TimeoutExpired as e:
+            row(claim, f"cut at {e.timeout:.0f} s", "", "fail")
+
+
+def decode(mode: str, config: str = "qwen2.5-7b") -> None:
+    """One engine: vLLM with a shipped shape's config (DECODE_SHAPES) and dummy weights (no download),
+    64 sequences of 512 new tokens after a 64-token prompt; its footprint against the plan's rows."""
+    import torch
+
+    from bench import gpu_engine_checks as engine
+    from bench.gpu_claims import row, verdict
+    from hybridrl.core import environ, memory
+    from hybridrl.cycle.shape import shipped_config
+    from hybridrl.engines import vllm_compat
+    engine._world()
+    src, label = shipped_config(config), DECODE_SHAPES[config]
+    model = environ.cache_dir() / f"lease-{config}-config"
+    model.mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(src.read_text())
+    from vllm import LLM, SamplingParams
+    p = decode_plan(mode == "graphs", config)
+    kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=p["KV cache"], gpu_memory_utilization=0.9,
+                                   sleep_mode=False, max_num_seqs=DECODE_SEQS, enforce_eager=mode == "eager")
+    before = engine._used()
+    t = time.perf_counter()
+    with memory.vllm_pool(True), vllm_compat.engine_env(out_of_process=False, local_rank=0, cuda=True):  # as Rollout
+        llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+                  enforce_eager=mode == "eager", max_model_len=DECODE_PROMPT + DECODE_TOKENS + 64, **kw)
+    start_s = time.perf_counter() - t
+    footprint = engine._used() - before
+    planned = sum(p.values())
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(100, 150000, (DECODE_PROMPT,), generator=g).tolist()}
+               for _ in range(DECODE_SEQS)]
+    params = SamplingParams(max_tokens=DECODE_TOKENS, ignore_eos=True, temperature=1.0, detokenize=False)
+    llm.generate(prompts[:8], SamplingParams(max_tokens=16, ignore_eos=True, detokenize=False), use_tqdm=False)
+    times = []
+    for _ in range(2):
+        times.append(engine._timed(lambda: llm.generate(prompts, params, use_tqdm=False)))
+    best = min(times)
+    row(f"{label}, dummy weights, {mode}: {DECODE_SEQS} x {DECODE_TOKENS} tokens",
+        f"{DECODE_SEQS * DECODE_TOKENS / best:.0f} tok/s ({best:.2f} s, best of {len(times)}); engine start "
+        f"{start_s:.0f} s", "reported", "info", times=times, start_s=start_s)
+    err = footprint / planned - 1
+    row(f"{label}, {mode}: vLLM's footprint vs the plan", f"{footprint / GIB:.2f} vs {planned / GIB:.2f} GiB "
+        f"({err:+.1%}; plan " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in p.items()) + ")", "within 5%",
+        verdict(abs(err) <= 0.05), footprint_gib=footprint / GIB, plan_gib={k: v / GIB for k, v in p.items()})
+
+
+# --- issue 47's GPU-only checks (items 2, 5, 6, 7): the decision runs anywhere, the effect needs CUDA ---
+def stage_allreduce(cuda: bool) -> None:
+    """vLLM picks its symmetric-memory all-reduce from VLLM_ALLREDUCE_USE_SYMM_MEM alone; the
+    installed vLLM's default (0.32 on CPU, 0.26 on the lease's GPU) and what a TP engine sets."""
+    from bench.gpu_claims import row, verdict
+    from hybridrl.engines import vllm_compat
+    default = vllm_compat.env_default(vllm_compat.SYMM_MEM)
+    env = vllm_compat.all_reduce_env({}, tensor_parallel_size=2, on_cpu=False)
+    row(f"vLLM {vllm_compat.VERSION}: {vllm_compat.SYMM_MEM} default, and a colocated TP 2 engine's setting",
+        f"default {default}; set {env or 'nothing'}", "off for TP engines", verdict(not default or env.get(
+            vllm_compat.SYMM_MEM) == "0"), default=default, env=env)
+
+
+def _plan_seqs(args: list[str]) -> int | None:
+    """rollout.max_num_seqs as `hybridrl plan ARGS` prints it."""
+    import re
+    out = subprocess.run([sys.executable, "-m", "hybridrl", "plan", *args], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT).stdout
+    found = re.search(r"rollout\.max_num_seqs=(\d+) per engine", out)
+    return int(found.group(1)) if found else None
+
+
+def stage_tp_seqs(cuda: bool) -> None:
+    """A TP engine serves its group's requests: max_num_seqs as planned (the 72B recipe, anywhere) and,
+    on 2 GPUs, as a TP 2 demo run's engine gets it against `hybridrl plan` with the same arguments."""
+    import re
+
+    from bench.gpu_claims import row, verdict
+    planned = _plan_seqs(["--config", "examples/recipes/qwen2.5-72b-8xh100.yaml", "--nproc", "8"])
+    row("72B recipe, 8 GPUs, TP 4: max_num_seqs per engine as planned", f"{planned} (the step's 4 x 32 and the "
+        "held-out 4 x 64 sequences of the group; one rank's share was 64)", "256", verdict(planned == 256))
+    claim = "TP 2 on 2 GPUs, the demo: max_num_seqs the engine gets vs `hybridrl plan`"
+    gpus = 0
+    if cuda:
+        import torch
+        gpus = torch.cuda.device_count()
+    if gpus < 2:
+        row(claim, f"unmeasured (needs 2 GPUs, this machine has {gpus})" if cuda else "skipped: no CUDA", "equal",
+            "unmeasured" if cuda else "skipped")
+        return
+    from bench import gpu_run_checks as runs
+    args = ["--nproc", "2", "--rollout.tensor_parallel_size", "2"]
+    r = runs._train(args + ["--steps", "1", "--train.max_minutes", "0", "--log.eval_every", "0", "--ckpt.every", "0"],
+                    _seconds(200))
+    err = runs._failed(r)
+    ran = re.search(r"rollout\.max_num_seqs=(\d+)", r["plan"])
+    printed = _plan_seqs(args)
+    if err or not ran:
+        row(claim, err or f"no max_num_seqs in the run's plan line: {r['plan']!r}", "equal", "fail", tail=r["tail"])
+        return
+    row(claim, f"{ran.group(1)} run vs {printed} planned; the group's ranks sampled in step (the run finished)",
+        "equal", verdict(int(ran.group(1)) == printed))
+
+
+def stage_asleep(cuda: bool) -> None:
+    """The plan's rows for what vLLM keeps asleep (0.5B, bf16, TP 1, 64 sequences, CUDA graphs) and, on a
+    GPU, the device memory vLLM still holds after a level-2 sleep, in its own process."""
+    from bench.gpu_claims import row
+    if not cuda:
+        from hybridrl.cycle import plan
+        from hybridrl.cycle.shape import Shape, read_config
+        shape = Shape.from_config(read_config("qwen2.5-0.5b"))
+        p = {"CUDA graphs": plan.graph_bytes(shape, 2, DECODE_SEQS, 1), "buffers": plan.buffer_bytes(shape, 2, 1)}
+        row("0.5B, CUDA graphs: vLLM's device memory after a level-2 sleep vs the plan", "plan " + ", ".join(
+            f"{k} {v / GIB:.2f}" for k, v in p.items()) + " GiB; measured: skipped: no CUDA", "", "skipped",
+            plan_gib={k: v / GIB for k, v in p.items()})
+        return
+    try:
+        subprocess.run([sys.executable, "-m", "scripts.lease", "--decode", "asleep"], timeout=_seconds(180), cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        row("0.5B, CUDA graphs: vLLM's device memory after a level-2 sleep vs the plan", f"cut at {e.timeout:.0f} s",
+            "", "fail")
+
+
+def _half_b_engine(enforce_eager: bool, sleep_mode: bool):
+    from vllm import LLM
+
+    from bench import gpu_engine_checks as engine
+    from bench.gpu_claims import half_b_model
+    from hybridrl.core import memory
+    from hybridrl.engines import vllm_compat
+    engine._world()
+    kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=GIB, gpu_memory_utilization=0.3,
+                                   sleep_mode=sleep_mode, max_num_seqs=DECODE_SEQS, enforce_eager=enforce_eager)
+    with memory.vllm_pool(True), vllm_compat.engine_env(out_of_process=False, local_rank=0, cuda=True):
+        return LLM(model=half_b_model(), dtype="bfloat16", seed=0, enforce_eager=enforce_eager, max_model_len=1024,
+                   **kw)
+
+
+def asleep() -> None:
+    """One 0.5B engine with CUDA graphs and sleep mode: what it holds after a level-2 sleep."""
+    import torch
+    from vllm import SamplingParams
+
+    from bench import gpu_engine_checks as engine
+    from bench.gpu_claims import row, verdict
+    from hybridrl.cycle import plan
+    from hybridrl.cycle.shape import Shape, read_config
+    torch.cuda.init()
+    before = engine._used()
+    llm = _half_b_engine(enforce_eager=False, sleep_mode=True)
+    awake = engine._used() - before
+    llm.generate([{"prompt_token_ids": list(range(100, 164))}] * 8, SamplingParams(max_tokens=32, ignore_eos=True),
+                 use_tqdm=False)
+    from hybridrl.core import memory
+    with memory.vllm_pool(True):  # as Rollout.sleep
+        llm.sleep(level=2)
+    kept = engine._used() - before
+    shape = Shape.from_config(read_config("qwen2.5-0.5b"))
+    graphs, buffers = plan.graph_bytes(shape, 2, DECODE_SEQS, 1), plan.buffer_bytes(shape, 2, 1)
+    planned = graphs + buffers
+    row("0.5B, CUDA graphs: vLLM's device memory after a level-2 sleep vs the plan",
+        f"{kept / GIB:.2f} GiB kept of {awake / GIB:.2f} awake vs plan {planned / GIB:.2f} (graphs "
+        f"{graphs / GIB:.2f}, buffers {buffers / GIB:.2f}; the CUDA context is the reserve's)", "plan >= measured",
+        verdict(kept <= planned), kept_gib=kept / GIB, awake_gib=awake / GIB, plan_gib=planned / GIB)
+
+
+def stage_tp_rng(cuda: bool) -> None:
+    """The group's sampling state (vllm_compat.SamplingRNG): on CPU that it is isolated from the global
+    generator; on a GPU that it, not the global CUDA generator, decides vLLM's unseeded samples."""
+    import torch
+
+    from bench.gpu_claims import row, verdict
+    from hybridrl.engines import vllm_compat
+    rng = vllm_compat.SamplingRNG(7, cuda=False)
+    with rng.active():
+        a = torch.rand(4)
+    torch.rand(10)  # a rank-local random op
+    again = vllm_compat.SamplingRNG(7, cuda=False)
+    with again.active():
+        b = torch.rand(4)
+    row("SamplingRNG on CPU: a rank-local random op outside does not change the draws inside",
+        "identical" if torch.equal(a, b) else "DIFFER", "identical", verdict(torch.equal(a, b)))
+    claim = "0.5B on a GPU: unseeded samples under the group's state, a rank-local CUDA random op between"
+    if not cuda:
+        row(claim, "skipped: no CUDA", "identical", "skipped")
+        return
+    from vllm import SamplingParams
+    llm = _half_b_engine(enforce_eager=True, sleep_mode=False)
+    prompts = [{"prompt_token_ids": list(range(100 + i, 132 + i))} for i in range(8)]
+    params = SamplingParams(max_tokens=32, temperature=1.0, ignore_eos=True, detokenize=False)
+
+    def sample(state: bool) -> list:
+        if state:
+            with vllm_compat.SamplingRNG(11, cuda=True).active():
+                outs = llm.generate(prompts, params, use_tqdm=False)
+        else:
+            torch.cuda.manual_seed(11)
+            outs = llm.generate(prompts, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+    first = sample(True)
+    torch.rand(1000, device="cuda")  # a rank-local random op on the global CUDA generator
+    second = sample(True)
+    g1 = sample(False)
+    torch.rand(1000, device="cuda")
+    g2 = sample(False)
+    torch.cuda.manual_seed(11)
+    torch.rand(1000, device="cuda")
+    g3 = llm.generate(prompts, params, use_tqdm=False)
+    moved = [list(o.outputs[0].token_ids) for o in g3] != g1
+    row(claim, f"{'identical' if first == second else 'DIFFER'}; the global generator alone: same seed "
+        f"{'identical' if g1 == g2 else 'differs'}, moved by the op {'differs' if moved else 'identical'}",
+        "identical (and the moved global generator differs)", verdict(first == second and moved))
+
+
+STAGE_FUNCS = {"prepare": stage_prepare, "stack": stage_stack, "allreduce": stage_allreduce, "tp_seqs": stage_tp_seqs,
+               "planner": stage_planner, "demo_probe": stage_demo_probe, "graphs": stage_graphs,
+               "trainer_plan": stage_trainer_plan, "paths": stage_paths, "critic": stage_critic,
+               "decode7b": stage_decode7b, "asleep": stage_asleep, "tp_rng": stage_tp_rng,
+               "moe_decode": stage_moe_decode, "partial": stage_partial}
