@@ -210,3 +210,21 @@ def test_longtail_task_runs_with_partial_rollouts(tmp_path):
     assert max(s["response_len/p90"] for s in steps) > 4 * min(s["response_len/p10"] for s in steps)
     assert sum(s["partial/continued_samples"] for s in steps) > 0
     assert all(s["partial/age_0"] + s.get("partial/age_1", 0.0) == pytest.approx(1.0) for s in steps)
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_only("bit-identical resumes rest on deterministic CPU kernels")
+def test_two_ranks_carry_their_own_groups_and_resume_bit_exactly(tmp_path):
+    """Each rank stops once its own share is complete and keeps its own groups in flight (the
+    sampler's draws agreed over the ranks); each rank's checkpoint holds its buffer, so a resumed
+    2-rank run repeats the uninterrupted one."""
+    from helpers.checkpoints import N, _assert_same_steps, _resume_pair
+    runs = _resume_pair(tmp_path, "--rollout.partial", "on", "--rollout.partial_oversample", "2",
+                        "--rollout.max_new_tokens", "8", "--nproc", "2")
+    a = runs["a"]
+    assert sum(a[s]["partial/continued_samples"] for s in a) > 0 and max(a[s]["partial/stale_token_frac"] for s in a) > 0
+    assert all(a[s]["partial/trained_groups"] >= 8 for s in a)  # both ranks' shares of prompts_per_step (8)
+    _assert_same_steps(runs)
+    for s in range(1, N + 1):
+        for key in ("partial/carried_groups", "partial/trained_groups", "partial/stale_token_frac"):
+            assert a[s][key] == runs["b2"][s][key], (s, key)
