@@ -228,3 +228,15 @@ def test_two_ranks_carry_their_own_groups_and_resume_bit_exactly(tmp_path):
     for s in range(1, N + 1):
         for key in ("partial/carried_groups", "partial/trained_groups", "partial/stale_token_frac"):
             assert a[s][key] == runs["b2"][s][key], (s, key)
+
+
+@pytest.mark.slow
+def test_partial_rollouts_out_of_process(tmp_path):
+    """vLLM in its own process (rollout.mode outofprocess): the abort keeps each cut sample's tokens
+    and log-probs there, and the carried samples go on in the next step."""
+    from helpers.cli import train_cli
+    _, steps, summary = train_cli(tmp_path / "run", "--data.path", "longtail", "--rollout.partial", "on",
+                                  "--rollout.mode", "outofprocess", "--steps", "4", "--train.prompts_per_step", "16",
+                                  "--train.minibatches", "1", "--log.eval_every", "0")
+    assert summary["steps"] == 4 and sum(s["partial/continued_samples"] for s in steps) > 0
+    assert all(s["partial/trained_groups"] >= 16 and s["logp_gap_max"] <= 1e-4 for s in steps)
