@@ -1,6 +1,6 @@
 """DeepSpeed's CPU Adam step at several ranks on one node, with 1 thread per rank (what torchrun's
 OMP_NUM_THREADS=1 leaves it) vs the rank's share of the cores (what the trainer gives the step with
-train.optimizer_offload: trainer.host_step_threads), side by side in one run.
+train.optimizer_offload: zero_engine.host_step_threads), side by side in one run.
 
 Each rank is a process of its own with OMP_NUM_THREADS=1 and LOCAL_WORLD_SIZE set, as under torchrun,
 holding DeepSpeedCPUAdam (the optimizer ZeRO-Offload steps on the host) over --params fp32 parameters

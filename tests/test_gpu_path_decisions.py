@@ -66,7 +66,7 @@ def test_the_host_optimizer_step_gets_the_ranks_share_of_the_cores():
     """torchrun sets OMP_NUM_THREADS=1 for --nproc-per-node > 1: the ZeRO-Offload step (an OpenMP
     loop over billions of parameters at 32B/72B) would run on one core per rank."""
     from hybridrl.core.platform import Platform
-    from hybridrl.engines.trainer import host_step_threads
+    from hybridrl.engines.zero_engine import host_step_threads
     gpu, cpu = Platform.detect(cuda=True), Platform.detect(cuda=False)
     torchrun = {"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "8"}
     offload = config.load(None, {"train.optimizer_offload": "on"}).train

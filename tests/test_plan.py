@@ -242,7 +242,7 @@ def test_gpus_decode_with_cuda_graphs_unless_set():
 
 @pytest.mark.fast
 def test_optimizer_and_param_offload_reach_deepspeed():
-    from hybridrl.engines.trainer import ds_config
+    from hybridrl.engines.zero_engine import ds_config
     cfg = config.load(None, {"train.optimizer_offload": "on", "train.param_offload": "on", "train.zero_stage": 3})
     zero = ds_config(cfg, bf16=True)["zero_optimization"]
     assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"

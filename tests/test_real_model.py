@@ -17,7 +17,7 @@ import yaml
 
 from hybridrl.core import config as C, models, recipe
 from hybridrl.core.canaries import Canaries
-from hybridrl.engines.trainer import lr_factor
+from hybridrl.engines.zero_engine import lr_factor
 from hybridrl.run import resolve
 
 HERE = Path(__file__).parent

@@ -50,7 +50,8 @@ from hybridrl.data.batch import Batch, micro_batches, per_token
 from hybridrl.engines.critic import Critic
 from hybridrl.engines.reference import Reference
 from hybridrl.engines.policy import TokenLogprobs
-from hybridrl.engines.trainer import Trainer, ds_config, from_pretrained
+from hybridrl.engines.trainer import Trainer
+from hybridrl.engines.zero_engine import ds_config, from_pretrained
 
 DEMO = sys.argv[1]
 world = launch.init_distributed()

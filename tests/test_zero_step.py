@@ -8,7 +8,7 @@ from torch import nn
 
 from hybridrl.core import config
 from hybridrl.engines import deepspeed_compat
-from hybridrl.engines.trainer import ds_config
+from hybridrl.engines.zero_engine import ds_config
 
 
 def engine(dtype: torch.dtype, fused: bool):

@@ -296,7 +296,7 @@ def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | Non
     if not on_cpu and t.optimizer_offload == "on" and planned_ranks:  # `hybridrl plan`: another node's cores
         lines.append(f"  optimizer on the host: CPU Adam on each rank's share of the node's cores (its cores / "
                      f"{planned_ranks} OpenMP threads; OMP_NUM_THREADS > 1 sets it)")
-    elif not on_cpu and t.optimizer_offload == "on":  # the trainer's host_step_threads, from this node's numbers
+    elif not on_cpu and t.optimizer_offload == "on":  # zero_engine.host_step_threads, from this node's numbers
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
         lines.append(f"  optimizer on the host: CPU Adam on {environ.optimizer_threads()} OpenMP threads per rank "
                      f"({environ.host_cores()} cores, {ranks} rank{'s' * (ranks != 1)} on this node; OMP_NUM_THREADS > 1 "

@@ -33,8 +33,8 @@ from hybridrl.core.launch import all_sum, world_size
 from hybridrl.core.models import enable_checkpointing
 from hybridrl.data.batch import Batch, per_token
 from hybridrl.engines import deepspeed_compat
-from hybridrl.engines.trainer import (ds_config, from_pretrained, load_engine_checkpoint, lr_scheduler,
-                                      minibatch_updates, plan_micro_batches)
+from hybridrl.engines.zero_engine import (ds_config, from_pretrained, load_engine_checkpoint, lr_scheduler,
+                                          minibatch_updates, plan_micro_batches)
 
 TAG = "critic"  # its DeepSpeed checkpoint's directory inside a hybridrl checkpoint
 # where a one-output head sits in a saved model: transformers' sequence/token classification models

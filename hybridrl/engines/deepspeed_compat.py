@@ -21,7 +21,7 @@ import torch
 
 # --- the config ---------------------------------------------------------------------------------
 def cpu_config(conf: dict, world_size: int) -> dict:
-    """The CPU branch of a DeepSpeed config written for a GPU (trainer.ds_config), in place: what
+    """The CPU branch of a DeepSpeed config written for a GPU (zero_engine.ds_config), in place: what
     platform.Platform.cpu_ds_config turns on. Returns `conf`."""
     zero = conf["zero_optimization"]
     for key in ("offload_optimizer", "offload_param"):  # ZeRO-Offload's host copies: page-locked memory

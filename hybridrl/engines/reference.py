@@ -2,7 +2,7 @@
 
 Verb: `logprobs(batch, temperature)`, the loop's `ref_logprob` phase. It is colocated with the
 trainer on every rank and holds no device memory while idle. Under ZeRO-3 it is sharded like the
-policy: loaded partitioned (trainer.from_pretrained), run as a DeepSpeed ZeRO-3 engine without an
+policy: loaded partitioned (zero_engine.from_pretrained), run as a DeepSpeed ZeRO-3 engine without an
 optimizer that gathers one layer at a time during the phase, its shard kept in pinned host memory
 on a GPU (`offload_param`, as OpenRLHF's reference does): one copy of the weights per node, not
 per rank. Under ZeRO-2 (whose policy is replicated anyway) it is a plain module, its weights in
@@ -27,7 +27,7 @@ from hybridrl.core.config import Config
 from hybridrl.data.batch import Batch, micro_batches, per_token, shared_micro_batches
 from hybridrl.engines import ulysses
 from hybridrl.engines.policy import TokenLogprobs, module_inputs, share_prompt
-from hybridrl.engines.trainer import from_pretrained, plan_micro_batches
+from hybridrl.engines.zero_engine import from_pretrained, plan_micro_batches
 
 
 def ds_config(cfg: Config, bf16: bool, cuda: bool) -> dict:
