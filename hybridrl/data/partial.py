@@ -149,8 +149,13 @@ def is_metrics(logp_old: torch.Tensor | None, logp_behaviour: torch.Tensor, loss
     was sampled; a fresh token's only the engines' mismatch (~1)."""
     if logp_old is None:  # one update per step: the trainer reports them from that update (weight_metrics)
         return {}
-    w = (logp_old - logp_behaviour).clamp(-20, 20).exp()  # [B, T]
+    w = token_weights(logp_old, logp_behaviour)  # [B, T]
     return weight_metrics(w[loss_mask], stale[loss_mask])
+
+
+def token_weights(logp_old: torch.Tensor, logp_behaviour: torch.Tensor) -> torch.Tensor:
+    """pi_old / pi_behaviour per token, before truncation or masking (the exponent clamped to +-20)."""
+    return (logp_old - logp_behaviour).clamp(-20, 20).exp()
 
 
 def weight_metrics(w: torch.Tensor, stale: torch.Tensor) -> dict[str, float]:

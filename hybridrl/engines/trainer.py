@@ -256,7 +256,7 @@ class Trainer:
                 gap_max = max(gap_max, float(diff.abs().max()) if len(diff) else 0.0)
             is_ratios.append(importance_ratio(old, m.logp_rollout[sel][part], seq_ids, a.tis_level))  # [N]
             if m.stale is not None and m.logp_old is None:  # the loop had no pi_old for partial.is_metrics
-                stale_is.append(((old - m.logp_rollout[sel][part]).clamp(-20, 20).exp(), m.stale[sel][part]))
+                stale_is.append((partial.token_weights(old, m.logp_rollout[sel][part]), m.stale[sel][part]))
             sums["loss"] = sums.get("loss", 0.0) + float(loss.detach())  # micro losses sum to the minibatch's
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + float(v) * w
