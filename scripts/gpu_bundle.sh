@@ -3,12 +3,16 @@
 # transfers: ~107 MiB of xz in two parts, where scripts/fetch_gpu_wheels.sh's wheels are ~500 MB.
 # It holds requirements-gpu.txt's wheels less what a CUDA PyTorch image already has or an H100 with a
 # dense model never loads. From vLLM's wheel it drops FlashAttention 2 (Hopper runs FlashAttention
-# 3), the MoE and FlashMLA kernels, and the Rust frontend. It does not hold flashinfer (set
-# VLLM_USE_FLASHINFER_SAMPLER=0) or DeepSpeed, whose source distribution lies beside the parts.
+# 3), the FlashMLA kernels and the Rust frontend; its fused-MoE kernels (a mixture of experts' routing
+# and sums, 39 MiB of xz) go to moe.tar.xz beside the parts, for the lease's third call, whose
+# carry has room (the two parts' calls each carry ~63 of the device tool's 64 MiB with the working
+# tree). It does not hold flashinfer (set VLLM_USE_FLASHINFER_SAMPLER=0) or DeepSpeed, whose source
+# distribution lies beside the parts.
 #   scripts/gpu_bundle.sh DIR [PART_MB=55]     # on a connected machine
 # On the GPU machine, once DIR and all its parts are there (checks the archive, unpacks it into SITE,
 # builds DeepSpeed into it):
 #   bash DIR/install.sh SITE && export PYTHONPATH=SITE VLLM_USE_FLASHINFER_SAMPLER=0
+#   tar xJf DIR/moe.tar.xz -C SITE          # for a mixture-of-experts model
 # `python -m bench.gpu_check` then runs as `make gpu-check` does (2026-11-26, H100: stack, planner,
 # e2e and oop ran from it).
 set -euo pipefail
@@ -16,7 +20,8 @@ dest=${1:?usage: scripts/gpu_bundle.sh DIR [PART_MB]}
 part_mb=${2:-55}
 root=$(cd "$(dirname "$0")/.." && pwd)
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
-mkdir -p "$dest" "$work/whl" "$work/site"
+mkdir -p "$dest" "$work/whl" "$work/site" "$work/moe"
+dest=$(cd "$dest" && pwd)
 # in a CUDA PyTorch image already, or never loaded for a dense model's text generation on Hopper
 leave='^(flashinfer-python|humming-kernels|quack-kernels|nvidia-cutlass-dsl.*|nvidia-cuda-.*|nvidia-nvvm|nvidia-ml-py|cuda-core|cuda-python|cuda-tile|torchaudio|torchvision|torchcodec|opencv-python-headless|grpcio|ninja|six|tabulate|py-cpuinfo|ml-dtypes|deepspeed)=='
 grep -v -e '^#' -e '^$' "$root/requirements-gpu.txt" | grep -v -E "$leave" > "$work/reqs.txt"
@@ -31,8 +36,9 @@ python3 - "$work/whl" "$work/site" <<'EOF'
 import os, sys, zipfile
 from pathlib import Path
 whl, site = Path(sys.argv[1]), Path(sys.argv[2])
-drop = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/_moe_C_stable_libtorch.abi3.so", "vllm/vllm-rs",
+drop = ("vllm/vllm_flash_attn/_vllm_fa2_C.abi3.so", "vllm/vllm-rs",
         "vllm/_flashmla_C.abi3.so", "vllm/_flashmla_extension_C.abi3.so")
+moe = "vllm/_moe_C_stable_libtorch.abi3.so"  # into its own archive (moe.tar.xz)
 for w in sorted(whl.glob("*.whl")):
     with zipfile.ZipFile(w) as z:
         for i in z.infolist():
@@ -44,10 +50,12 @@ for w in sorted(whl.glob("*.whl")):
                 if kind not in ("purelib", "platlib"):
                     continue
                 i.filename = rest
-            z.extract(i, site)
+            into = site.parent / "moe" if i.filename == moe else site
+            z.extract(i, into)
             if i.external_attr >> 16 & 0o111:
-                os.chmod(site / i.filename, 0o755)
+                os.chmod(into / i.filename, 0o755)
 EOF
+(cd "$work/moe" && tar cf - . | xz -T0 -6 > "$dest/moe.tar.xz")
 (cd "$work/site" && tar cf - . | xz -T0 -6 > "$work/site.tar.xz")
 (cd "$work" && sha256sum site.tar.xz) > "$dest/site.sha256"
 rm -f "$dest"/site.part*

@@ -45,7 +45,7 @@ from pathlib import Path
 from bench.results import record
 
 ROOT = Path(__file__).resolve().parents[1]
-LEASE_S = 13 * 60  # of the task's 15 device-minutes: the rest is slack for a slow start or a rerun
+LEASE_S = 810  # of the task's 15 device-minutes: the rest is slack for a slow start or a failed one
 
 @dataclass(frozen=True)
 class Stage:
@@ -56,44 +56,47 @@ class Stage:
     what: str
 
 
-# in order of value: each stage's claim was left unverified by the last leases (docs/gpu.md)
+# in order of value: first the claims no lease has measured (H100-3 measured stack to trainer_plan and
+# the reference's device copy on 2026-11-28; docs/gpu.md), then those it measured, to track them
 STAGES = [
     Stage("prepare", 90, 30, True, "the 0.5B and 1.5B shapes' random weights and the checks' 0.5B model, "
           "into the cache"),
     Stage("stack", 60, 10, False, "versions, the device, and whether scripts/gpu_bundle.sh's vLLM and DeepSpeed "
           "import"),
-    Stage("allreduce", 60, 10, False, "the installed vLLM's symmetric-memory all-reduce default, and that a colocated "
-          "TP engine turns it off (issue 47 item 7)"),
-    Stage("tp_seqs", 240, 10, False, "max_num_seqs of a TP 2 engine as run vs as `hybridrl plan` prints it (issue 47 "
-          "item 2; 2 GPUs, else the plan side)"),
-    Stage("planner", 150, 100, True, "vLLM's footprint vs the plan (max_num_seqs and the sampler term; was +11.8%), "
-          "a whole cycle at the plan"),
-    Stage("demo_probe", 100, 45, True, "the demo in float32, 20 steps, probe every step: gap <= 1e-4 "
-          "(TRITON_F32_DEFAULT=ieee; was 0.018)"),
-    Stage("graphs", 220, 110, True, "0.5B, eager vs CUDA graphs (the GPU default now): s/step, rollout tok/s, "
-          "probe after every level-2 wake"),
-    Stage("trainer_plan", 200, 60, False, "trainer: planned vs measured device peak, 0.5B and 1.5B, gradient "
-          "checkpointing off and on"),
-    Stage("paths", 240, 90, True, "the reference's device copy (ZeRO-2), LoRA on vLLM 0.26, ZeRO-3 with zero.Init "
-          "onto the device: KL 0 at step 1, probe gap <= 1e-4"),
+    Stage("demo_probe", 120, 90, True, "the demo in float32, 20 steps, probe every step: gap <= 1e-4 "
+          "(TRITON_F32_DEFAULT=ieee; was 0.018; H100-3 cut it at 44 s, while vLLM captured its graphs)"),
+    Stage("paths", 240, 90, True, "LoRA on vLLM 0.26 in bfloat16 (H100-3: float32 crashed in vLLM's LoRA kernels), "
+          "ZeRO-3 with zero.Init onto the device, the reference's device copy: KL 0 at step 1, the probe's gap"),
     Stage("critic", 150, 60, True, "PPO with a critic and checkpoints, since sleep level 2 became the default"),
-    Stage("decode7b", 240, 100, False, "vLLM alone, a 7B shape with dummy weights: 64 x 512 tokens, eager vs CUDA "
-          "graphs, footprint vs the plan"),
     Stage("asleep", 200, 120, False, "0.5B with CUDA graphs: what vLLM keeps on the device asleep vs the plan's graph "
           "and buffer rows (issue 47 item 5)"),
-    Stage("tp_rng", 150, 80, False, "0.5B: the group's own sampling state decides vLLM's samples whatever the global "
-          "CUDA generator did (issue 47 item 6)"),
+    Stage("decode7b", 240, 100, False, "vLLM alone, a 7B shape with dummy weights: 64 x 512 tokens, eager vs CUDA "
+          "graphs, footprint vs the plan"),
     Stage("moe_decode", 240, 100, False, "vLLM alone, a Qwen3-30B-A3B shape with dummy weights (all 128 experts, "
           "57 GiB): 64 x 512 tokens, eager vs CUDA graphs, footprint vs the plan (every expert, top-8 activations)"),
+    Stage("tp_rng", 150, 80, False, "0.5B: the group's own sampling state decides vLLM's samples whatever the global "
+          "CUDA generator did (issue 47 item 6)"),
     Stage("partial", 150, 90, True, "partial rollouts on the long-tailed demo task at its 32 prompts x 8, generation "
           "alone: rollout tokens/s on / off >= 1.3x (CPU: x1.15 there, its decode cost grows with the batch)"),
+    Stage("planner", 150, 100, True, "vLLM's footprint vs the plan, after start and after generating (H100-3: "
+          "-6.4% after start), a whole cycle at the plan"),
+    Stage("allreduce", 60, 10, False, "the installed vLLM's symmetric-memory all-reduce default, and that a colocated "
+          "TP engine turns it off (issue 47 item 7; H100-3: pass)"),
+    Stage("tp_seqs", 240, 10, False, "max_num_seqs of a TP 2 engine as run vs as `hybridrl plan` prints it (issue 47 "
+          "item 2; 2 GPUs, else the plan side)"),
+    Stage("graphs", 220, 110, True, "0.5B, eager vs CUDA graphs (the GPU default now): s/step, rollout tok/s, "
+          "probe after every level-2 wake (H100-3: x4.28 tok/s)"),
+    Stage("trainer_plan", 200, 60, False, "trainer: planned vs measured device peak, 0.5B and 1.5B, gradient "
+          "checkpointing off and on (H100-3: within 10%)"),
 ]
 BY_NAME = {s.name: s for s in STAGES}
 
 
 # --- the plan of calls ---------------------------------------------------------------------------
 WHEELS = ".gpu_wheels"  # scripts/gpu_bundle.sh's DIR: git-ignored, so it travels only when carried
-START_S, GAP_S, CARRY_S, GIVE_BACK_S = 90, 20, 15, 10  # a cold start, our turn between calls, a part's transfer
+# a cold start (H100-3: ~30 s), our turn between calls, a part's transfer (H100-3: all three calls' overheads
+# together, start included, were 45 s)
+START_S, GAP_S, CARRY_S, GIVE_BACK_S = 60, 20, 15, 10
 ENV = ("set -o pipefail; export HYBRIDRL_CACHE_DIR=$PWD/.cache PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/{w}/site "
        "VLLM_USE_FLASHINFER_SAMPLER=0 HYBRIDRL_BENCH_RESULTS=$OUT/results; ").format(w=WHEELS)
 
@@ -121,6 +124,7 @@ def calls() -> list[Call]:
         return f"python3 -m scripts.lease --left $(({timeout} - SECONDS - 15))"
     install = (f"bash {WHEELS}/install.sh $PWD/{WHEELS}/site 2>&1 | tail -3 && python3 -m hybridrl.env 2>&1 | tail -2 "
                "|| echo 'install FAILED: the stages below say what is missing'; ")
+    moe = f"tar xJf {WHEELS}/moe.tar.xz -C $PWD/{WHEELS}/site || echo 'no MoE kernels: moe_decode will fail'; "
     return [
         Call((f"{WHEELS}/site.part0", f"{WHEELS}/site.sha256", f"{WHEELS}/install.sh"), 90,
              ENV + "nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; "
@@ -129,7 +133,9 @@ def calls() -> list[Call]:
         Call((f"{WHEELS}/site.part1", deepspeed_sdist()), 240, ENV + install + checks(240),
              "bundle part 2 and DeepSpeed's source (the smaller part); install.sh (unpack, DeepSpeed), "
              "python -m hybridrl.env (fused Adam); the stages in order while time lasts"),
-        Call((), 270, ENV + checks(270), "the stages not done, in order, while time lasts; then give_back"),
+        Call((f"{WHEELS}/moe.tar.xz",), 320, ENV + moe + checks(320),
+             "vLLM's fused-MoE kernels (for moe_decode); the stages not done, in order, while time lasts; then "
+             "give_back"),
     ]
 
 
@@ -147,8 +153,9 @@ def print_plan() -> int:
     steps = budget(cs)
     total = sum(s for _, s in steps)
     print(f"The lease: {len(cs)} calls back to back, then give_back; at most {total} s = {total / 60:.1f} of "
-          f"{LEASE_S / 60:.0f} device-minutes (the task has 15).")
-    print(f"First, here: scripts/gpu_bundle.sh {WHEELS}  (two ~55 MiB parts + install.sh + DeepSpeed's source)")
+          f"{LEASE_S / 60:.1f} device-minutes (the task has 15).")
+    print(f"First, here: scripts/gpu_bundle.sh {WHEELS}  (two ~55 MiB parts + install.sh + DeepSpeed's source + "
+          "vLLM's MoE kernels)")
     listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], capture_output=True,
                             text=True, cwd=ROOT).stdout.split("\n")
     tree = sum((ROOT / f).stat().st_size for f in listed if f and (ROOT / f).is_file())  # what travels every call
@@ -163,7 +170,9 @@ def print_plan() -> int:
         if len(c.command) > 2000:
             print("  TOO LONG: the device tool takes 2000 characters")
         most = max(most, sum(known) + tree)
-    print("\ngive_back() at once after call 3 (or after the last call you make).")
+    print(f"\nCall 3 may run longer where call 2's reply leaves more: timeout_s = budget_left_s - 60 (at most 600), "
+          f"the same number in its command's $((... - SECONDS - 15)) (H100-3 ran it at 480 s with 585 left).")
+    print("give_back() at once after call 3 (or after the last call you make).")
     print("Then, here: append each call's results/lease.jsonl (under files_at) to bench/results/lease.jsonl, "
           "one run a line, and run python -m bench.render for the tables made from the results.")
     print("\nstages, in order (timeout / least s):")

@@ -31,7 +31,7 @@ def test_plan_of_calls_fits_the_lease_and_carries_one_part_a_call(capsys):
     assert sum(s for _, s in lease.budget(calls)) <= lease.LEASE_S
     assert lease.print_plan() == 0
     printed = capsys.readouterr().out
-    assert "call 3: run(timeout_s=" in printed and "give_back" in printed and "within 780 s" in printed
+    assert "call 3: run(timeout_s=" in printed and "give_back" in printed and "within 810 s" in printed
 
 
 
@@ -69,8 +69,8 @@ def test_dry_run_writes_every_stage_to_out(tmp_path):
     # issue 47's stages: each decision checked here, its GPU effect skipped
     verdicts = [(r["stage"], r["verdict"]) for r in rows if r["stage"] in ("allreduce", "tp_seqs", "tp_rng")
                 and "wall time" not in r["claim"]]
-    assert verdicts == [("allreduce", "pass"), ("tp_seqs", "pass"), ("tp_seqs", "skipped"), ("tp_rng", "pass"),
-                        ("tp_rng", "skipped")], verdicts
+    assert sorted(verdicts) == [("allreduce", "pass"), ("tp_rng", "pass"), ("tp_rng", "skipped"), ("tp_seqs", "pass"),
+                                ("tp_seqs", "skipped")], verdicts
     asleep = [r["data"]["plan_gib"] for r in rows if r["stage"] == "asleep" and "plan_gib" in r.get("data", {})]
     assert len(asleep) == 1 and asleep[0]["CUDA graphs"] > 0 and asleep[0]["buffers"] > 0
     # the mixture-of-experts decode: vLLM holds all 128 experts (57 GiB), its activations go by the 3.35B active
