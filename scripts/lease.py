@@ -78,6 +78,8 @@ STAGES = [
           "CUDA generator did (issue 47 item 6)"),
     Stage("partial", 150, 90, True, "partial rollouts on the long-tailed demo task at its 32 prompts x 8, generation "
           "alone: rollout tokens/s on / off >= 1.3x (CPU: x1.15 there, its decode cost grows with the batch)"),
+    Stage("cpu_adam", 200, 100, True, "DeepSpeed's CPU Adam over a 1.5B shape's optimizer (train.optimizer_offload) "
+          "on the node's cores: torchrun's 1 thread vs the rank's share, 1 and 8 ranks"),
     Stage("planner", 150, 100, True, "vLLM's footprint vs the plan, after start and after generating (H100-3: "
           "-6.4% after start), a whole cycle at the plan"),
     Stage("allreduce", 60, 10, False, "the installed vLLM's symmetric-memory all-reduce default, and that a colocated "

@@ -171,6 +171,31 @@ def stage_partial(cuda: bool) -> None:
                                                            for m in ("off", "on")})
 
 
+def stage_cpu_adam(cuda: bool) -> None:
+    """bench/cpu_adam_threads.py on the lent machine's cores: DeepSpeed's CPU Adam over a 1.5B shape's
+    optimizer, which train.optimizer_offload steps on the host, with torchrun's one thread vs the
+    rank's share of the cores (zero_engine.host_step_threads). One GPU holds the whole optimizer; on
+    an 8-GPU node each rank steps an eighth. DS_ACCELERATOR=cuda: the op call 2 built, as a run uses."""
+    from bench.gpu_claims import row, verdict
+    from bench.results import load
+    from hybridrl.cycle.shape import Shape, read_config
+    params = Shape.from_config(read_config("qwen2.5-1.5b")).params
+    for ranks in (1, 8):
+        claim = (f"CPU Adam step, 1.5B shape ({params / 1e9:.2f}B fp32 parameters) over {ranks} rank(s): 1 thread "
+                 "vs the rank's share of the cores")
+        try:
+            subprocess.run([sys.executable, "-m", "bench.cpu_adam_threads", "--ranks", str(ranks), "--params",
+                            str(params // ranks), "--steps", "3"], timeout=_seconds(100), cwd=ROOT, check=True,
+                           env={**os.environ, "DS_ACCELERATOR": "cuda"})
+        except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as e:
+            row(claim, f"failed: {e}", "the share faster", "fail")
+            continue
+        g = load("cpu_adam_threads")[-1]["figures"]
+        share, t = str(g["share"]), g["step_s"]
+        row(claim, f"{t['1']:.2f} s with 1 thread, {t[share]:.2f} s with {share} (x{t['1'] / t[share]:.2f})",
+            "the share faster", verdict(t[share] < t["1"]) if share != "1" else "info", figures=g)
+
+
 def decode_plan(graphs: bool, config: str = "qwen2.5-7b") -> dict[str, int]:
     """The plan's vLLM rows for a decode of `config`'s shape (bf16, one GPU, 64 sequences): its
     weights are every expert's, its activations go by the active parameters."""
@@ -437,4 +462,4 @@ STAGE_FUNCS = {"prepare": stage_prepare, "stack": stage_stack, "allreduce": stag
                "planner": stage_planner, "demo_probe": stage_demo_probe, "graphs": stage_graphs,
                "trainer_plan": stage_trainer_plan, "paths": stage_paths, "critic": stage_critic,
                "decode7b": stage_decode7b, "asleep": stage_asleep, "tp_rng": stage_tp_rng,
-               "moe_decode": stage_moe_decode, "partial": stage_partial}
+               "moe_decode": stage_moe_decode, "partial": stage_partial, "cpu_adam": stage_cpu_adam}
