@@ -7,7 +7,7 @@
 
 A lent machine gives one task 15 minutes, start-up and installs included, and takes at most 64 MiB
 a call: the stack comes over as scripts/gpu_bundle.sh's two parts, one per call, and the checks
-follow in the time left. The stages (STAGES here; their bodies in scripts/lease_stages.py) run in a
+follow in the time left. The stages (STAGES here; their bodies in scripts/lease_stages.py and lease_engines.py) run in a
 fixed order of value, each in its own process under its own timeout (killed with its children when
 it runs over). Every row goes to $OUT/lease.jsonl
 and $OUT/lease.md as soon as it is measured, so a stage cut short still returns what it had; at
@@ -322,13 +322,13 @@ def main() -> int:
     if a.stage or a.decode:
         from hybridrl.core import environ
         environ.setup()
-        from scripts.lease_stages import STAGE_FUNCS, asleep, decode
+        from scripts import lease_engines, lease_stages
         if a.decode == "asleep":
-            asleep()
+            lease_engines.asleep()
         elif a.decode:
-            decode(a.decode, a.decode_config)
+            lease_engines.decode(a.decode, a.decode_config)
         else:
-            STAGE_FUNCS[a.stage](environ.has_cuda())
+            {**lease_stages.STAGE_FUNCS, **lease_engines.STAGE_FUNCS}[a.stage](environ.has_cuda())
         return 0
     names = [n for n in a.stages.split(",") if n] or list(BY_NAME)
     unknown = [n for n in names if n not in BY_NAME]
