@@ -202,6 +202,8 @@ class Rows:
 
     def add(self, stage: str, r: dict) -> None:
         r = {"stage": stage, **r, "t_s": round(time.perf_counter() - self.t0, 1)}
+        # committed to bench/results: paths in the checkout as the repository names them
+        r = json.loads(json.dumps(r, default=str).replace(f"{ROOT}/", ""))
         with self.lock:
             self.rows.append(r)
             with open(self.out / "lease.jsonl", "a") as f:

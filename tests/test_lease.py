@@ -112,3 +112,15 @@ def test_gpu_check_variants_name_eager_decoding_now_that_graphs_are_the_gpu_defa
     for name, args in gpu_run_checks.VARIANTS.items():
         assert ("--rollout.enforce_eager" in args) == ("eager" in name), name
     assert sum("--rollout.enforce_eager" not in a for a in gpu_run_checks.VARIANTS.values()) == 1
+
+
+@pytest.mark.fast
+def test_rows_name_paths_in_the_checkout_as_the_repository_does(tmp_path):
+    """The rows are committed (bench/results/lease.jsonl): a path inside the lent machine's checkout is
+    written relative to it, as a user's clone names it."""
+    rows = lease.Rows(tmp_path, "test")
+    rows.add("prepare", {"claim": "weights", "value": f"{lease.ROOT}/.cache/shapes/0.5b (3 s)", "verdict": "info",
+                         "data": {"tail": f"File {lease.ROOT}/hybridrl/x.py"}})
+    got = json.loads((tmp_path / "lease.jsonl").read_text())
+    assert got["value"] == ".cache/shapes/0.5b (3 s)" and got["data"]["tail"] == "File hybridrl/x.py"
+    assert rows.rows[0]["value"] == got["value"] and str(lease.ROOT) not in (tmp_path / "lease.md").read_text()
