@@ -1,4 +1,4 @@
-"""The next GPU lease, prepared: every GPU claim not yet measured, in at most 13 device-minutes.
+"""The next GPU lease, prepared: the GPU claims, unmeasured ones first, in at most 13.5 device-minutes.
 
     python -m scripts.lease --plan                # the calls to make: carry, command, timeout_s, device-minutes
     python -m scripts.lease --stages prepare      # on the lent machine, call 1 (no vLLM there yet)
