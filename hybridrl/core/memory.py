@@ -425,6 +425,11 @@ def describe_host(per_rank: list[tuple[float, float]]) -> str:
 
 
 def capture_sizes(top: int) -> list[int]:
-    """The batch sizes vLLM captures graphs for, bounded by max_num_seqs: 1, 2, 4, then every 8 (the
-    engine's compilation config, engines/vllm_compat.py, and the plan's graph pool, cycle/plan.py)."""
-    return [s for s in [1, 2, 4] + list(range(8, GRAPH_SIZES_MAX + 1, 8)) if s <= top] or [1]
+    """The batch sizes vLLM captures graphs for, bounded by max_num_seqs: 1, 2, 4, then every 8, and
+    max_num_seqs itself (the engine's compilation config, engines/vllm_compat.py, and the plan's graph
+    pool, cycle/plan.py). Without the last, a max_num_seqs that is not a multiple of 8 left every
+    decode step with more sequences than the largest capture to run eagerly: vLLM pads a batch up
+    to the next captured size and runs eagerly above the largest."""
+    top = max(1, min(top, GRAPH_SIZES_MAX))
+    sizes = [s for s in [1, 2, 4] + list(range(8, GRAPH_SIZES_MAX + 1, 8)) if s < top]
+    return sizes + [top]

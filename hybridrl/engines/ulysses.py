@@ -6,8 +6,8 @@ padded to a multiple of the group's size, and each rank runs the model on its co
 it (`shard`): the embeddings, MLPs, norms and rotary positions are per token, so only attention
 needs the rest of the sequence. Around attention an all-to-all trades the sequence for the heads
 (each rank gets the whole sequence for heads/size of the heads), the model's own attention runs
-on that (sdpa/eager with the packed samples' block-causal mask, flash-attention with the full
-position ids, its varlen path), and a second all-to-all trades them back. This is DeepSpeed's
+on that (sdpa causally per packed sample, eager with the samples' block-causal mask,
+flash-attention with the full position ids, its varlen path), and a second all-to-all trades them back. This is DeepSpeed's
 `deepspeed.sequence.layer.DistributedAttention` and verl's `verl/utils/ulysses.py`, hooked in
 through transformers' AttentionInterface (an implementation named `ulysses_<inner>` that wraps the
 model's own) rather than a patch of transformers' flash-attention function. Departures: KV heads
@@ -24,6 +24,8 @@ data-parallel average DeepSpeed takes over all ranks (trainer.py).
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import sys
 from dataclasses import dataclass, fields, replace
@@ -209,6 +211,14 @@ class Active:
     segments: torch.Tensor  # [L]
     position_ids: torch.Tensor  # [1, L]
 
+    @functools.cached_property
+    def bounds(self) -> list[tuple[int, int]]:
+        """[start, end) of each packed sample in the whole row (padding is a sample of its own), read
+        once per forward: every layer's attention uses them."""
+        counts = torch.unique_consecutive(self.segments, return_counts=True)[1].tolist()
+        ends = list(itertools.accumulate(counts))
+        return list(zip([0] + ends[:-1], ends))
+
 
 # Set by policy.TokenLogprobs at the start of every forward (None without sequence parallelism), and
 # left in place until the next one: gradient checkpointing recomputes the layers in backward.
@@ -216,14 +226,25 @@ ACTIVE: Active | None = None
 PREFIX = "ulysses_"
 
 
-class _Heads:
-    """The attention module as the inner attention sees it after the KV heads were repeated."""
+class _Seen:
+    """What `__getattr__` does not find here comes from the wrapped object: the attention module as
+    the inner attention sees it (its KV heads repeated: `num_key_value_groups`; its config naming
+    the inner implementation: `config`), or that config."""
 
-    def __init__(self, module, groups: int):
-        self._module, self.num_key_value_groups = module, groups
+    def __init__(self, inner, **seen):
+        self._inner = inner
+        self.__dict__.update(seen)
 
     def __getattr__(self, name):
-        return getattr(self._module, name)
+        return getattr(self._inner, name)
+
+
+def _as_seen_by(module, implementation: str):
+    """`module` with a config whose `_attn_implementation` is the inner `implementation`:
+    transformers' flash-attention wrapper picks its kernel by that name, and the model's own is
+    `ulysses_<inner>`, which no kernel has ("Could not find the currently requested flash
+    attention implementation")."""
+    return _Seen(module, config=_Seen(module.config, _attn_implementation=implementation))
 
 
 def _inner(name: str, module):
@@ -238,6 +259,8 @@ def _attention(inner_name: str):
         """transformers' attention signature: query [1, H, S, D], key/value [1, KVH, S, D] ->
         ([1, S, H, D], None)."""
         inner = _inner(inner_name, module)
+        if inner_name.startswith("flash"):
+            module = _as_seen_by(module, inner_name)
         act = ACTIVE
         if act is None:  # not a sequence-parallel forward (the LoRA reference on the trainer's model)
             return inner(module, query, key, value, attention_mask, **kw)
@@ -245,18 +268,22 @@ def _attention(inner_name: str):
         if key.shape[1] % g.size:  # too few KV heads to share out: repeat them to the query heads
             rep = query.shape[1] // key.shape[1]
             key, value = (torch.repeat_interleave(x, rep, dim=1) for x in (key, value))
-            module = _Heads(module, 1)
+            module = _Seen(module, num_key_value_groups=1)
         q, k, v = (seq_to_heads(x, g) for x in (query, key, value))  # [1, H/n, L, D]
         kw.pop("position_ids", None)
         if inner_name.startswith("flash"):  # varlen over the packed samples, from their positions
             out, _ = inner(module, q, k, v, None, position_ids=act.position_ids, **kw)
-        else:
+        elif inner_name == "sdpa":
+            # one causal call per packed sample: a block-causal [L, L] mask would be built per layer
+            # and kept by sdpa for the backward in float (2 GiB a layer at 32k tokens), where the
+            # plan counts activations linear in the tokens; causal sdpa builds no mask
+            out = torch.cat([inner(module, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, **kw)[0]
+                             for a, b in act.bounds], dim=1)
+        else:  # eager: the [L, L] scores are its own; it adds the block-causal mask to them
             L = act.segments.shape[0]
             causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril_()
-            mask = (causal & (act.segments[:, None] == act.segments[None]))[None, None]  # [1, 1, L, L]
-            if inner_name != "sdpa":  # eager adds its mask to the scores
-                mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
-                    ~mask, torch.finfo(q.dtype).min)
+            keep = (causal & (act.segments[:, None] == act.segments[None]))[None, None]  # [1, 1, L, L]
+            mask = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, torch.finfo(q.dtype).min)
             out, _ = inner(module, q, k, v, mask, **kw)
         out = heads_to_seq(out.transpose(1, 2), g)  # [1, H, S, D]
         return out.transpose(1, 2).contiguous(), None

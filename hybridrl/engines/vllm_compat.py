@@ -283,6 +283,18 @@ def load_adapter(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]], sp
     return load_adapter_into_worker(_worker(llm), named_tensors, spec)
 
 
+def lora_weights_mapper(mapper):
+    """The model's HF-to-vLLM name mapper as vLLM's own LoRA loader applies it to adapter names: its
+    renames and prefixes, without the maps that stack q/k/v into `qkv_proj` (gate/up into
+    `gate_up_proj`), since the LoRA manager packs the constituent adapters itself. Stacked maps left
+    in send every q/k/v adapter to `qkv_proj`, where they overwrite each other and `set_lora` raises
+    IndexError. vLLM 0.32 names that variant `get_rename_mapper`, 0.26 `get_unstacked_mapper`."""
+    for name in ("get_rename_mapper", "get_unstacked_mapper"):
+        if hasattr(mapper, name):
+            return getattr(mapper, name)()
+    return mapper
+
+
 def load_adapter_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]], spec: dict) -> int:
     """Build vLLM's LoRAModel from tensors and make it the adapter under ADAPTER_ID, replacing the
     previous version: the steps of vLLM's LRUCacheWorkerLoRAManager.add_adapter with
@@ -305,9 +317,9 @@ def load_adapter_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Te
     for name, t in named_tensors:
         tensors[name] = t.detach().to(device, copy=True)
         nbytes += t.numel() * t.element_size()
-    mapper = getattr(getattr(manager._adapter_manager, "model", None), "hf_to_vllm_mapper", None)
+    mapper = lora_weights_mapper(getattr(getattr(manager._adapter_manager, "model", None), "hf_to_vllm_mapper", None))
     kw = dict(device=device, dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
-              weights_mapper=mapper.get_rename_mapper() if hasattr(mapper, "get_rename_mapper") else mapper)
+              weights_mapper=mapper)
     adapter = LoRAModel.from_lora_tensors(ADAPTER_ID, tensors, helper,
                                           **{k: v for k, v in kw.items() if _accepts(LoRAModel.from_lora_tensors, k)})
     slots = manager._adapter_manager
@@ -364,11 +376,17 @@ class SamplingRNG:
     other tokens, and the group's ranks desynchronise. So each generation gets a state built from
     one seed the group agrees on (the first member's `draw`), swapped in around every engine step
     and out after it, as verl swaps its rollout's generator state around generation. The seed is
-    drawn from the global CPU generator, which checkpoints save, so a resume samples as before."""
+    drawn from the global CPU generator, which checkpoints save, so a resume samples as before.
+    NumPy's global generator is swapped alike: vLLM 0.26's Model Runner V2 (its default for dense
+    models on CUDA) samples with per-request seeds it draws from `np.random` when a request without
+    a seed is added to the worker, which happens inside the engine step."""
 
     def __init__(self, seed: int, cuda: bool):
+        import numpy as np
+
         self.cuda = cuda
         self.state = torch.Generator(device="cuda" if cuda else "cpu").manual_seed(seed).get_state()
+        self.np_state = np.random.RandomState(seed % 2 ** 32).get_state()
 
     @staticmethod
     def draw() -> int:
@@ -376,15 +394,19 @@ class SamplingRNG:
 
     @contextmanager
     def active(self):
+        import numpy as np
+
         get, put = (torch.cuda.get_rng_state, torch.cuda.set_rng_state) if self.cuda else \
             (torch.get_rng_state, torch.set_rng_state)
-        outside = get()
+        outside, np_outside = get(), np.random.get_state()
         put(self.state)
+        np.random.set_state(self.np_state)
         try:
             yield
         finally:
-            self.state = get()
+            self.state, self.np_state = get(), np.random.get_state()
             put(outside)
+            np.random.set_state(np_outside)
 
 
 def step_finished(llm: LLM, refill=None, rng: SamplingRNG | None = None) -> Iterator[list[RequestOutput]]:
@@ -415,11 +437,13 @@ def abort_keeping_tokens(llm: LLM, request_ids: list[str]
     engine = llm.llm_engine
     proc = engine.output_processor
     got: dict[str, list[tuple[int, list[int], list[float], str | None]]] = {}
+    parents = []
     for rid in request_ids:
         states = [proc.request_states[i] for i in proc.external_req_ids.get(rid, []) if i in proc.request_states]
         out = []
         parent = states[0].parent_req if states else None
         if parent is not None:
+            parents.append(parent.request_id)
             for c in parent.output_aggregator:
                 if c is not None:  # this sample finished before the abort
                     ids = list(c.token_ids)
@@ -430,7 +454,19 @@ def abort_keeping_tokens(llm: LLM, request_ids: list[str]
             out.append((st.request_index, ids, lps, None))
         got[rid] = sorted(out, key=lambda x: x[0])
     engine.abort_request(list(request_ids))
+    for pid in parents:
+        # aborting by our (external) id removes the samples' states, not their parent, which holds
+        # the finished siblings' outputs in its aggregator: every group cut with n > 1 stayed in
+        # host memory for the rest of the run (vLLM 0.26 and 0.32 alike)
+        proc.parent_requests.pop(pid, None)
     return got
+
+
+def requests_held(llm: LLM) -> int:
+    """Requests the in-process engine's output processor still holds (samples' states and parents of
+    n > 1 requests): 0 once every request finished or was aborted."""
+    proc = llm.llm_engine.output_processor
+    return len(proc.request_states) + len(proc.parent_requests)
 
 
 def kv_blocks(llm: LLM) -> tuple[int, int]:
