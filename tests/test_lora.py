@@ -238,3 +238,41 @@ def test_resume_and_export_with_zero3_on_two_ranks(tmp_path):
     out = tmp_path / "adapter"
     export_cli(runs["part"], out)
     assert (out / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.vllm
+def test_in_process_adapter_hand_off_serves_peft_s_log_probs(world_of_one):
+    """Issue 59: the adapter alone, handed to an in-process engine, and vLLM's log-probs equal
+    transformers + peft's with that adapter (float32). On vLLM 0.26 the model's whole name mapper
+    (its q/k/v -> qkv_proj stacking included) sent every q/k/v adapter tensor to `qkv_proj`, where
+    they overwrote each other and set_lora raised IndexError: every LoRA run on a GPU died at its
+    first hand-off. `make test` runs this on both ends of the supported vLLM range."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hybridrl.core import config
+    from hybridrl.engines import lora
+    from hybridrl.engines.rollout import Rollout
+
+    cfg = config.load(None, {"model.lora_rank": 8, "model.dtype": "float32", "rollout.kv_cache_mb": 16})
+    tok = AutoTokenizer.from_pretrained(_demo())
+    seqs = [tok(f"{i} + {2 * i + 3} =")["input_ids"] + [tok.eos_token_id] for i in range(4)]
+    hf = AutoModelForCausalLM.from_pretrained(_demo(), dtype=torch.float32).eval()
+    lora.attach(hf, cfg.model)  # in place: hf's forward runs the adapter
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            if lora.is_adapter(n):
+                p.normal_(0, 0.3)  # B != 0: the adapter moves every projection it adapts
+    ro = Rollout(cfg, str(_demo()), on_cpu=True, eos_token_id=tok.eos_token_id, rank=0)
+    try:
+        base = torch.tensor([x for row in ro.prompt_logprobs(seqs) for x in row])
+        ro.update_weights([(lora.sync_name(n), p) for n, p in hf.named_parameters() if lora.is_adapter(n)])
+        served = torch.tensor([x for row in ro.prompt_logprobs(seqs) for x in row])
+    finally:
+        ro.close()
+    with torch.no_grad():
+        want = torch.cat([torch.log_softmax(hf(torch.tensor([s])).logits[0, :-1], -1)
+                          .gather(1, torch.tensor(s[1:])[:, None])[:, 0] for s in seqs])
+    assert (served - base).abs().max() > 1e-2  # the adapter is served...
+    assert (served - want).abs().max() < 1e-4  # ...all of it, each projection's own

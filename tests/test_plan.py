@@ -221,6 +221,7 @@ def test_cpu_runs_are_checked_not_decided():
                     on_cpu=True)
 
 
+@pytest.mark.vllm
 def test_cuda_graph_sizes_are_bounded_by_max_num_seqs():
     """Issue 59: the largest capture is max_num_seqs itself, also where it is not a multiple of 8 (a
     decode step of 20 sequences with captures up to 16 ran eagerly)."""

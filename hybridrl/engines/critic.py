@@ -76,6 +76,8 @@ class Critic:
                 model.head.load_state_dict({k: v.to(model.head.weight.dtype) for k, v in head.items()})
                 if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
                     print(f"critic: value head from the trained head in {cfg.algo.critic_path}")
+        if cfg.train.zero_stage == 3:
+            deepspeed_compat.moe_leaf_modules(base)  # as the trainer: ranks routing differently gather alike
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf,
                                                lr_scheduler=lr_scheduler(cfg))
         if self.platform.one_pass_zero_step:

@@ -25,7 +25,7 @@ import torch
 
 from hybridrl.core.config import Config
 from hybridrl.data.batch import Batch, micro_batches, per_token, shared_micro_batches
-from hybridrl.engines import ulysses
+from hybridrl.engines import deepspeed_compat, ulysses
 from hybridrl.engines.policy import TokenLogprobs, module_inputs, share_prompt
 from hybridrl.engines.zero_engine import from_pretrained, plan_micro_batches
 
@@ -80,6 +80,7 @@ class Reference:
         self._host = []
         if self.sharded:  # the head's weight is used by this module's forward, not by lm_head's
             deepspeed.zero.register_external_parameter(self.module, hf.get_output_embeddings().weight)
+            deepspeed_compat.moe_leaf_modules(hf)  # as the trainer: ranks routing differently gather alike
             self.module, *_ = deepspeed.initialize(model=self.module, config=conf)
             self.module.eval()
         else:  # (tensor, its CPU master copy): the device copy is made from the master for each phase

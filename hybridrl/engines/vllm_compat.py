@@ -52,6 +52,7 @@ def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: 
             kw["disable_custom_all_reduce"] = True
         import os
         os.environ.update(all_reduce_env(os.environ, tensor_parallel_size=tensor_parallel_size, on_cpu=on_cpu))
+        environment_changed()
         if on_cpu:
             _unique_cpu_shm_names()
     if lora_rank:  # one adapter slot, the policy's (load_adapter); its buffers padded to a rank vLLM allows
@@ -82,12 +83,29 @@ def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: 
         kw["enable_sleep_mode"] = sleep_mode
         if kv_cache_bytes and "kv_cache_memory_bytes" in fields:  # planned (or set): not the whole budget
             kw["kv_cache_memory_bytes"] = kv_cache_bytes
-        if not enforce_eager and max_num_seqs and "compilation_config" in fields:
+        compilation = {}
+        if not enforce_eager and max_num_seqs:
             # graphs only for the batch sizes this engine can run: each captured size costs capture
             # time at start and memory in the graph pool (plan.graph_bytes counts it)
             from hybridrl.core.memory import capture_sizes
-            kw["compilation_config"] = {"cudagraph_capture_sizes": capture_sizes(max_num_seqs)}
+            compilation["cudagraph_capture_sizes"] = capture_sizes(max_num_seqs)
+        if tensor_parallel_size > 1 and _pass_config_has("fuse_allreduce_rms"):
+            # vLLM (0.26 at its default optimization level) fuses all-reduce and RMSNorm through
+            # FlashInfer for TP > 1 on SM90/SM100 when flashinfer is installed (the GPU requirements
+            # pin it): IPC workspaces shared by the group's ranks, the class the custom and
+            # symmetric-memory all-reduces are turned off for above, and uncounted by the plan
+            compilation["pass_config"] = {"fuse_allreduce_rms": False}
+        if compilation and "compilation_config" in fields:
+            kw["compilation_config"] = compilation
     return kw
+
+
+def _pass_config_has(name: str) -> bool:
+    try:
+        from vllm.config.compilation import PassConfig
+    except ImportError:
+        return False
+    return name in getattr(PassConfig, "__dataclass_fields__", {}) or hasattr(PassConfig, name)
 
 
 SYMM_MEM = "VLLM_ALLREDUCE_USE_SYMM_MEM"
@@ -123,6 +141,16 @@ def all_reduce_env(environ, *, tensor_parallel_size: int, on_cpu: bool, default=
         return {}
     default = env_default(SYMM_MEM) if default is ... else default
     return {SYMM_MEM: "0"} if default else {}
+
+
+def environment_changed() -> None:
+    """Make vLLM read its variables afresh. An engine core freezes vllm.envs once it is built
+    (`enable_envs_cache`, 0.26 and 0.32): a second engine in the same process (a notebook's next run,
+    a test) read the first one's VLLM_ENABLE_V1_MULTIPROCESSING and VLLM_ALLREDUCE_USE_SYMM_MEM,
+    so an out-of-process engine was built in process and a TP group kept symmetric memory on."""
+    import vllm.envs as envs
+    if hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
 
 
 def _unique_cpu_shm_names() -> None:
@@ -174,6 +202,7 @@ def engine_env(*, out_of_process: bool, local_rank: int, cuda: bool):
             want["CUDA_VISIBLE_DEVICES"] = ids[local_rank] if ids else str(local_rank)
     saved = {k: os.environ.get(k) for k in want}
     os.environ.update(want)
+    environment_changed()
     try:
         yield
     finally:
@@ -223,13 +252,30 @@ def load_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]]) 
     runner = worker.model_runner
     named_tensors = _vllm_names(runner.model, named_tensors)
     unquantized = getattr(getattr(runner, "model_config", None), "quantization", None) is None
-    layerwise = _accepts(getattr(runner, "reload_weights", None), "weights_iterator")
+    layerwise = reloads_layerwise(runner)
     if platform.current().repack_vllm_weights:
         vllm_cpu.load_into_worker(worker, named_tensors, unquantized=unquantized, layerwise=layerwise)
     elif not unquantized and layerwise:
         worker.reload_weights(weights_iterator=iter(named_tensors))
     else:
         runner.model.load_weights(iter(named_tensors))
+
+
+def reloads_layerwise(runner) -> bool:
+    """Whether the model runner's `reload_weights` takes `weights_iterator` (vLLM's layerwise reload).
+    vLLM 0.26's Model Runner V2 (its default for dense models on CUDA) declares `(*args, **kwargs)`
+    and hands them to V1's, which takes it: read through to that, or quantized models were never
+    reloaded layerwise there."""
+    fn = getattr(runner, "reload_weights", None)
+    if _accepts(fn, "weights_iterator"):
+        return True
+    try:
+        kinds = {p.kind for p in inspect.signature(fn).parameters.values()}
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except (TypeError, ValueError, ImportError):
+        return False
+    forwards = kinds == {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}
+    return forwards and _accepts(GPUModelRunner.reload_weights, "weights_iterator")
 
 
 def _vllm_names(model, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
