@@ -318,6 +318,10 @@ class Rollout:
             gen.requests[rid] = (i, None)
         return gen
 
+    def requests_held(self) -> int:
+        """Requests vLLM's output processor still holds: 0 between generations unless aborted ones leak."""
+        return vllm_compat.requests_held(self.llm)
+
     def _stop(self) -> dict:
         """rollout.stop: vLLM matches stop strings on the detokenised text, so only then does it
         detokenise. The completion's tokens run to the one that completed the stop string (its

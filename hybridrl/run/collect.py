@@ -115,10 +115,11 @@ class Collector:
         if self.buffer:  # the tokens generated this step (a carried sample's earlier ones were counted then)
             c = self.buffer.counts
             sums = launch.all_sum([c["generated"], c["aborted"], c["carried"], c["continued"], c["expired"],
-                                   0 if filler else len(kept)])  # trained: the share, or a few more that completed
+                                   0 if filler else len(kept), c["held"]])  # trained: the share, or a few more
+            # vllm_requests_held: what vLLM still holds after the abort, 0 unless cut requests leak
             out.update(rollout_tokens=sums[0], **{f"partial/{k}": v for k, v in zip(
-                ("aborted_samples", "carried_groups", "continued_samples", "expired_groups", "trained_groups"),
-                sums[1:])})
+                ("aborted_samples", "carried_groups", "continued_samples", "expired_groups", "trained_groups",
+                 "vllm_requests_held"), sums[1:])})
             out.update(partial.metrics(samples, partial.version_of(step), self.cfg.rollout.partial_max_age))
         return Rollouts([g.prompt for g in kept], samples, torch.stack([g.rewards for g in kept]), masked, out)
 
@@ -229,7 +230,8 @@ class Collector:
         self.buffer.groups = [g for k, g in enumerate(groups) if k not in rejected and not g.complete]
         after = sum(len(s.token_ids) for g in groups for s in g.samples if s is not None)
         self.buffer.counts = dict(generated=after - before, aborted=sum(not d for _, d in cut),
-                                  carried=len(self.buffer.groups), continued=len(continued), expired=len(expired))
+                                  carried=len(self.buffer.groups), continued=len(continued), expired=len(expired),
+                                  held=self.rollout.requests_held())
         pending = {k: groups[k].samples for k in complete}
         batch = {k: self.prompts[groups[k].index] for k in complete}
         return self._scored(batch, pending, scores, phases), len(rejected)
