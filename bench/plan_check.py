@@ -4,11 +4,14 @@
     python -m bench.plan_check --shapes 134m --runs 1:2,1:3,2:2,2:3 --tokens 1024
     python -m bench.plan_check --shapes 0.5b --runs 1:2 --ckpt-modes on --seqs 1 --tokens 4096,8192,16384   # long answers
     python -m bench.plan_check --replan --shapes 0.5b --runs 1:2 --ckpt-modes on --seqs 1 --tokens 1024,4096,8192,16384
+    python -m bench.plan_check --shapes 134m --runs 2:2 --sp 2 --ckpt-modes on --seqs 1 --tokens 4096,8192   # Ulysses
 
 Each row is one process group (torch.distributed.run for 2 ranks) that builds the real trainer
 (DeepSpeed ZeRO, the shape's random weights from bench/shapes.py) and runs two updates on one
 micro-batch of --tokens tokens (the first creates Adam's moments): --seqs sequences of equal length
-(4; 1 for one long sequence, as a long answer trains). On CPU every term of the plan
+(4; 1 for one long sequence, as a long answer trains). With --sp N (train.sequence_parallel_size) each
+rank brings its --seqs sequences and the group trains them as one micro-batch, each rank computing its
+--tokens share of the group's tokens, which is what the plan counts. On CPU every term of the plan
 lives in host memory, so the measured figure is rank 0's resident-memory high-water mark during
 the second update, less what the process held before the model was loaded (torch, DeepSpeed and
 transformers imported), with glibc's default heap (HYBRIDRL_HOST_HEAP=default: freed tensors go
@@ -52,7 +55,7 @@ def worker(args) -> None:
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
     cfg = config.load(None, {"model.gradient_checkpointing": args.ckpt, "train.zero_stage": args.zero,
                              "train.max_tokens_per_micro_batch": args.tokens, "train.minibatches": 1,
-                             "model.dtype": args.dtype, "train.lr": 1e-6})
+                             "model.dtype": args.dtype, "train.lr": 1e-6, "train.sequence_parallel_size": args.sp})
     trainer = Trainer(cfg, args.model, device=device, dtype=dtype, attn_implementation="sdpa")
     rows, length = args.seqs, args.tokens // args.seqs  # one micro-batch of exactly --tokens tokens
     g = torch.Generator().manual_seed(world.rank)
@@ -77,9 +80,10 @@ def worker(args) -> None:
 
 
 def measure(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtype: str, cuda: bool = False,
-            timeout: float = 1800, seqs: int = 4) -> float:
+            timeout: float = 1800, seqs: int = 4, sp: int = 1) -> float:
     cmd = [sys.executable, "-m", "bench.plan_check", "--worker", "--model", shape_dir, "--zero", str(zero),
-           "--tokens", str(tokens), "--dtype", dtype, "--seqs", str(seqs)] + (["--ckpt"] if ckpt else []) \
+           "--tokens", str(tokens), "--dtype", dtype, "--seqs", str(seqs), "--sp", str(sp)] \
+        + (["--ckpt"] if ckpt else []) \
         + (["--cuda"] if cuda else [])
     if ranks > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
@@ -97,14 +101,15 @@ TRAINER_ROWS = ("trainer params", "trainer grads", "fp32 master + Adam", "activa
 
 
 def planned(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtype: str, on_cpu: bool = True,
-            seqs: int = 4) -> int:
+            seqs: int = 4, sp: int = 1) -> int:
     """The plan's train column, the trainer's rows alone: no vLLM engine in the measured process, and
     the reserve (rollout.memory_margin_mb) is not the allocator's."""
     from hybridrl.core import config
     from hybridrl.cycle import plan
     from hybridrl.cycle.shape import Shape, read_config
     cfg = config.load(None, {"model.gradient_checkpointing": ckpt, "train.zero_stage": zero, "model.dtype": dtype,
-                             "train.max_tokens_per_micro_batch": tokens, "rollout.max_model_len": tokens // seqs})
+                             "train.max_tokens_per_micro_batch": tokens, "rollout.max_model_len": tokens // seqs,
+                             "train.sequence_parallel_size": sp})
     shape = Shape.from_config(read_config(shape_dir))
     k = plan.knobs(cfg, shape, world=ranks, local=ranks, on_cpu=on_cpu)
     p = plan.build(shape, k, device=1 << 50, host=1 << 50)
@@ -131,7 +136,7 @@ def replan(args) -> None:
     measured = {}
     for r in load("plan_check"):  # oldest first: the newest of each row wins
         w = r["workload"]
-        if w.get("replanned") or w.get("seqs", 4) != args.seqs or w.get("dtype") != dtype:
+        if w.get("replanned") or w.get("seqs", 4) != args.seqs or w.get("dtype") != dtype or w.get("sp", 1) != args.sp:
             continue
         for x in r["figures"]["rows"]:
             if x.get("measured"):
@@ -146,7 +151,7 @@ def replan(args) -> None:
         if m is None:
             print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6}  never measured")
             continue
-        m["plan"] = planned(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs)
+        m["plan"] = planned(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs, sp=args.sp)
         rows.append(m)
         print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6} {m['plan'] / 2**30:>9.2f} "
               f"{m['measured'] / 2**30:>13.2f} {m['measured'] / m['plan']:>14.2f}  "
@@ -165,6 +170,7 @@ def main() -> None:
     ap.add_argument("--cuda", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--tokens", default="1024", help="tokens of the micro-batch; several: comma-separated")
     ap.add_argument("--seqs", type=int, default=4, help="sequences in the micro-batch, of equal length")
+    ap.add_argument("--sp", type=int, default=1, help="train.sequence_parallel_size (ranks must be a multiple)")
     ap.add_argument("--ckpt-modes", default="off,on", help="gradient checkpointing: off, on or both")
     ap.add_argument("--dtype", default="")
     ap.add_argument("--shapes", default="134m,0.5b")
@@ -192,9 +198,9 @@ def main() -> None:
           f"{'measured/plan':>14}")
     results = []
     for name, path, ranks, zero, n, ckpt in grid(args):
-        p = planned(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs)
+        p = planned(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs, sp=args.sp)
         try:
-            m = measure(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs)
+            m = measure(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs, sp=args.sp)
         except RuntimeError as e:  # one row's failure (a worker killed for memory) keeps the others
             results.append(dict(shape=name, ranks=ranks, zero=zero, ckpt=ckpt, tokens=n, plan=p,
                                 measured=None, error=str(e).splitlines()[0]))
@@ -205,7 +211,8 @@ def main() -> None:
         print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6} {p / 2**30:>9.2f} "
               f"{m / 2**30:>13.2f} {m / p:>14.2f}", flush=True)
     record("plan_check", {"shapes": args.shapes.split(","), "runs": args.runs.split(","),
-                          "tokens": tokens[0] if len(tokens) == 1 else tokens, "seqs": args.seqs, "dtype": dtype},
+                          "tokens": tokens[0] if len(tokens) == 1 else tokens, "seqs": args.seqs, "dtype": dtype,
+                          **({"sp": args.sp} if args.sp > 1 else {})},
            {"rows": results}, **({"note": args.note} if args.note else {}))
 
 

@@ -56,17 +56,26 @@ class Stage:
     what: str
 
 
-# in order of value: first the claims no lease has measured (H100-3 measured stack to trainer_plan and
-# the reference's device copy on 2026-11-28; docs/gpu.md), then those it measured, to track them
+# in order of value: first what issue 59's fixes need a GPU to confirm (LoRA's first hand-off on vLLM 0.26,
+# sequence parallel with flash-attention, partial rollouts' memory and gain), then the claims no lease has
+# measured (H100-3 measured stack to trainer_plan and the reference's device copy on 2026-11-28; docs/gpu.md),
+# then those it measured, to track them
 STAGES = [
     Stage("prepare", 90, 30, True, "the 0.5B and 1.5B shapes' random weights and the checks' 0.5B model, "
           "into the cache"),
     Stage("stack", 60, 10, False, "versions, the device, and whether scripts/gpu_bundle.sh's vLLM and DeepSpeed "
           "import"),
+    Stage("paths", 240, 90, True, "LoRA's first bf16 hand-off on vLLM 0.26 with the probe (issue 59: the stacked "
+          "name mapper crashed it; H100-3: float32 crashed in vLLM's LoRA kernels), ZeRO-3 with zero.Init onto the "
+          "device, the reference's device copy: KL 0 at step 1, the probe's gap"),
+    Stage("sp_flash", 120, 60, True, "sequence parallel's attention through the wrapper, flash-attention where the "
+          "bundle has it (else sdpa), 4k-16k tokens: runs (issue 59: flash raised), peak linear in the tokens"),
+    Stage("partial_memory", 150, 90, True, "partial rollouts, 100 steps: vLLM holds no aborted request after any "
+          "step (issue 59: their parents leaked), host RSS"),
+    Stage("partial", 150, 90, True, "partial rollouts on the long-tailed demo task at its 32 prompts x 8, generation "
+          "alone: rollout tokens/s on / off >= 1.3x (CPU: x1.15 there, its decode cost grows with the batch)"),
     Stage("demo_probe", 120, 90, True, "the demo in float32, 20 steps, probe every step: gap <= 1e-4 "
           "(TRITON_F32_DEFAULT=ieee; was 0.018; H100-3 cut it at 44 s, while vLLM captured its graphs)"),
-    Stage("paths", 240, 90, True, "LoRA on vLLM 0.26 in bfloat16 (H100-3: float32 crashed in vLLM's LoRA kernels), "
-          "ZeRO-3 with zero.Init onto the device, the reference's device copy: KL 0 at step 1, the probe's gap"),
     Stage("critic", 150, 60, True, "PPO with a critic and checkpoints, since sleep level 2 became the default"),
     Stage("asleep", 200, 120, False, "0.5B with CUDA graphs: what vLLM keeps on the device asleep vs the plan's graph "
           "and buffer rows (issue 47 item 5)"),
@@ -76,8 +85,6 @@ STAGES = [
           "57 GiB): 64 x 512 tokens, eager vs CUDA graphs, footprint vs the plan (every expert, top-8 activations)"),
     Stage("tp_rng", 150, 80, False, "0.5B: the group's own sampling state decides vLLM's samples whatever the global "
           "CUDA generator did (issue 47 item 6)"),
-    Stage("partial", 150, 90, True, "partial rollouts on the long-tailed demo task at its 32 prompts x 8, generation "
-          "alone: rollout tokens/s on / off >= 1.3x (CPU: x1.15 there, its decode cost grows with the batch)"),
     Stage("cpu_adam", 200, 100, True, "DeepSpeed's CPU Adam over a 1.5B shape's optimizer (train.optimizer_offload) "
           "on the node's cores: torchrun's 1 thread vs the rank's share, 1 and 8 ranks"),
     Stage("planner", 150, 100, True, "vLLM's footprint vs the plan, after start and after generating (H100-3: "

@@ -168,6 +168,45 @@ def stage_partial(cuda: bool) -> None:
                                                            for m in ("off", "on")})
 
 
+def stage_sp_flash(cuda: bool) -> None:
+    """bench/sp_attention.py on the device: one attention layer through the sequence-parallel wrapper
+    with flash-attention where the bundle has it (else sdpa), rows of 4k-16k tokens. Before issue 59's
+    fix the flash path raised at its first forward and the sdpa path built an [L, L] mask per layer:
+    it must run, and its peak grow with the tokens, not their square."""
+    from bench.gpu_claims import row, verdict
+    from bench.results import load
+    claim = "sequence parallel's attention (flash where installed), one layer, 4k-16k tokens: peak MiB per 1k tokens"
+    try:
+        subprocess.run([sys.executable, "-m", "bench.sp_attention", "--cuda"], timeout=_seconds(110), cwd=ROOT,
+                       check=True)
+    except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as e:
+        row(claim, f"failed: {e}", "runs; 16k within 1.5x of 4k per token", "fail")
+        return
+    r = load("sp_attention")[-1]
+    per = {x["tokens"]: x["wrapper_mib"] / x["tokens"] * 1024 for x in r["figures"]["rows"]}
+    row(claim, f"{r['workload']['impl']}: " + ", ".join(f"{k // 1024}k {v:.1f}" for k, v in per.items()),
+        "runs; 16k within 1.5x of 4k per token", verdict(per[16384] <= 1.5 * per[4096]), figures=r["figures"])
+
+
+def stage_partial_memory(cuda: bool) -> None:
+    """bench/partial_memory.py on the device: 100 steps of partial rollouts on the long-tailed task at its
+    32 prompts x 8; vLLM must hold no request after any step's abort (issue 59: aborted groups' parents
+    stayed, ~3 MB per 8k-token sample with a MoE model's routed experts attached)."""
+    from bench.gpu_claims import row, verdict
+    from bench.results import load
+    claim = "partial rollouts, 100 steps: requests vLLM holds after each abort; host RSS from step 10"
+    try:
+        subprocess.run([sys.executable, "-m", "bench.partial_memory", "--steps", "100", "--train.prompts_per_step",
+                        "32"], timeout=_seconds(140), cwd=ROOT, check=True)
+    except (subprocess.TimeoutExpired, subprocess.CalledProcessError) as e:
+        row(claim, f"failed: {e}", "0 held", "fail")
+        return
+    f = load("partial_memory")[-1]["figures"]
+    held = max(int(x["held"] or 0) for x in f["table"])
+    row(claim, f"held at most {held}; RSS {f['rss_growth_mib']:+.0f} MiB over {f['aborted_samples']:.0f} aborted "
+        "samples", "0 held", verdict(held == 0), figures=f)
+
+
 def stage_cpu_adam(cuda: bool) -> None:
     """bench/cpu_adam_threads.py on the lent machine's cores: DeepSpeed's CPU Adam over a 1.5B shape's
     optimizer, which train.optimizer_offload steps on the host, with torchrun's one thread vs the
@@ -250,4 +289,5 @@ def stage_tp_seqs(cuda: bool) -> None:
 STAGE_FUNCS = {"prepare": stage_prepare, "stack": stage_stack, "allreduce": stage_allreduce, "tp_seqs": stage_tp_seqs,
                "planner": stage_planner, "demo_probe": stage_demo_probe, "graphs": stage_graphs,
                "trainer_plan": stage_trainer_plan, "paths": stage_paths, "critic": stage_critic,
-               "partial": stage_partial, "cpu_adam": stage_cpu_adam}
+               "partial": stage_partial, "cpu_adam": stage_cpu_adam, "sp_flash": stage_sp_flash,
+               "partial_memory": stage_partial_memory}
