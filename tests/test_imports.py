@@ -24,7 +24,7 @@ PACKAGE = ROOT / "hybridrl"
 KERNELS = ROOT / "kernels"  # imported as hybridrl.kernels (hybridrl/kernels/__init__.py)
 LOOP_IMPORTERS = {"hybridrl", "hybridrl.run.cli"}  # `hybridrl.train` and `hybridrl train`
 # folder under hybridrl/ -> its floor; folders on one floor may import each other (no circles)
-FLOORS = {"core": 0, "data": 1, "observe": 1, "algorithms": 2, "kernels": 2, "engines": 3, "cycle": 4, "run": 5}
+FLOORS = {"core": 0, "data": 1, "sandbox": 1, "observe": 1, "algorithms": 2, "kernels": 2, "engines": 3, "cycle": 4, "run": 5}
 ROOF = 6  # hybridrl/__init__.py, __main__.py and the public modules beside it
 ABOVE = 7  # bench/, scripts/, tests/: never imported by the package
 OUTSIDE = ("bench", "scripts", "tests", "helpers")
