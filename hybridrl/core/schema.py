@@ -291,7 +291,8 @@ class AlgoConfig(Freezable):
 class RewardConfig(Freezable):
     fn: str = knob("arithmetic", "Reward: comma-separated terms NAME[:WEIGHT], each a built-in (arithmetic, the "
                    "demo's verifier and the default, which a run on other data must name to keep; "
-                   "exact_match, math_verify, format), module:function with fn(prompt, completion, answer) -> float "
+                   "exact_match, math_verify, format, code_tests: the row's tests run in the code sandbox), "
+                   "module:function with fn(prompt, completion, answer) -> float "
                    "(async def too; batched if fn.batched), or rm:PATH (a sequence-classification reward model scored "
                    "on the device), e.g. math_verify:1.0,format:0.1 or arithmetic,rm:/models/rm:0.5.")
     rm_batch_size: int = knob(32, "Texts per forward of an rm:PATH reward model.", valid=">= 1")
@@ -304,6 +305,8 @@ class RewardConfig(Freezable):
                             valid="> 0")
     format_pattern: str = knob(r"<think>.*?</think>\s*<answer>.*?</answer>",
                                "Regular expression the whole completion must match for the 'format' reward.")
+    code_all_or_nothing: bool = knob(False, "The 'code_tests' reward scores 1 when every test passes, else 0 "
+                                     "(default: the fraction passed).")
 
 
 @dataclass

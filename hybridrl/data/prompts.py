@@ -197,10 +197,24 @@ def _chat_problem(turns: list, cfg: DataConfig) -> str:
     return ""
 
 
+def _code_tests(row: dict) -> tuple[dict | None, str]:
+    """The row's code tests (code_tests.spec_of) and what is wrong with them ('' if nothing)."""
+    from hybridrl.data import code_tests
+    try:
+        return code_tests.spec_of(row), ""
+    except ValueError as e:
+        return None, str(e)
+
+
 def _problem(row: Any, cfg: DataConfig) -> str:
     """What is wrong with a parsed row ('' if nothing)."""
     if not isinstance(row, dict):
         return f"expected an object with a '{cfg.prompt_key}' field, got {type(row).__name__}"
+    spec, bad = _code_tests(row)
+    if bad:
+        return bad
+    if spec is not None and cfg.answer_key and cfg.answer_key not in row:  # its tests are its answer
+        row = {**row, cfg.answer_key: ""}
     turns = _turns(row, cfg)
     if turns is not None:
         if cfg.answer_key and cfg.answer_key not in row:
@@ -223,6 +237,15 @@ def _problem(row: Any, cfg: DataConfig) -> str:
 
 def _answer(value: Any) -> str:
     return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def _row_answer(row: dict, cfg: DataConfig) -> str:
+    """What the reward gets as the answer: the row's code tests, as JSON, when it has them (the
+    code_tests reward reads them), else its `data.answer_key` column."""
+    spec, _ = _code_tests(row)
+    if spec is not None:
+        return json.dumps({"code_tests": spec})
+    return _answer(row[cfg.answer_key]) if cfg.answer_key else ""
 
 
 def encode(rows: list[Row], tokenizer, cfg: DataConfig, source: str) -> tuple[list[Prompt], dict[str, int]]:
@@ -258,7 +281,7 @@ def encode(rows: list[Row], tokenizer, cfg: DataConfig, source: str) -> tuple[li
         if len(ids) > cfg.max_prompt_len:
             too_long += 1
             continue
-        out.append(Prompt(text, list(ids), _answer(row.value[cfg.answer_key]) if cfg.answer_key else ""))
+        out.append(Prompt(text, list(ids), _row_answer(row.value, cfg)))
     if malformed:
         log.warning("%s: skipped %d of %d malformed rows (data.on_error=skip); the first: %s",
                     source, malformed, len(rows), first)

@@ -101,7 +101,8 @@ def model_terms(spec: str) -> list[tuple[str, float]]:
     return [(name[3:], weight) for name, weight in parse_spec(spec) if name.startswith("rm:")]
 
 
-def load_terms(spec: str, format_pattern: str = verifiers.DEFAULT_FORMAT) -> list[Term]:
+def load_terms(spec: str, format_pattern: str = verifiers.DEFAULT_FORMAT, code_all_or_nothing: bool = False
+               ) -> list[Term]:
     """The rule-based terms (built-ins and functions) of a spec; rm: terms are the collector's."""
     terms = []
     for name, weight in parse_spec(spec):
@@ -109,6 +110,8 @@ def load_terms(spec: str, format_pattern: str = verifiers.DEFAULT_FORMAT) -> lis
             continue
         if name == "format":
             fn = _FormatCheck(format_pattern)
+        elif name == "code_tests":
+            fn = _CodeTests(code_all_or_nothing)
         else:
             fn = BUILTIN.get(name) or _import(name, spec)
         terms.append(Term(name, weight, fn, bool(getattr(fn, "batched", False)),
@@ -122,6 +125,14 @@ class _FormatCheck:
 
     def __call__(self, prompt: str, completion: str, answer: str) -> float:
         return verifiers.format_check(prompt, completion, answer, pattern=self.pattern)
+
+
+@dataclass
+class _CodeTests:
+    all_or_nothing: bool
+
+    def __call__(self, prompt: str, completion: str, answer: str) -> float:
+        return verifiers.code_tests(prompt, completion, answer, all_or_nothing=self.all_or_nothing)
 
 
 def evaluate(terms: list[Term], prompt: str, completions: list[str], answer: str,
@@ -177,10 +188,10 @@ def total(terms: list[Term], values: list[float]) -> float:
 
 
 # --- worker processes ----------------------------------------------------------------------------
-def _worker(conn, spec: str, format_pattern: str) -> None:
+def _worker(conn, spec: str, format_pattern: str, code_all_or_nothing: bool = False) -> None:
     """A reward worker: load the terms, then answer (key, prompt, completions, answer) messages."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle (save, stop)
-    terms = load_terms(spec, format_pattern)
+    terms = load_terms(spec, format_pattern, code_all_or_nothing)
     conn.send(("ready",))
     while True:
         msg = conn.recv()
@@ -231,7 +242,7 @@ class Scorer:
     workers: int = field(init=False)
 
     def __post_init__(self):
-        self.terms = load_terms(self.cfg.fn, self.cfg.format_pattern)  # fails fast here, in the trainer
+        self.terms = load_terms(self.cfg.fn, self.cfg.format_pattern, self.cfg.code_all_or_nothing)  # fails fast here
         self.n_model_terms = len(model_terms(self.cfg.fn))  # scored by the collector (reward_model.py)
         self.batched = any(t.batched for t in self.terms)
         w = self.cfg.workers
@@ -347,8 +358,8 @@ class Scorer:
     # --- the pool -----------------------------------------------------------------------------
     def _start(self) -> _Worker:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker, args=(child, self.cfg.fn, self.cfg.format_pattern), daemon=True,
-                                 name="hybridrl-reward")
+        proc = self._ctx.Process(target=_worker, daemon=True, name="hybridrl-reward",
+                                 args=(child, self.cfg.fn, self.cfg.format_pattern, self.cfg.code_all_or_nothing))
         proc.start()
         child.close()
         return _Worker(proc, parent)

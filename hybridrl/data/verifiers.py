@@ -8,6 +8,8 @@
                  Face's `math-verify` (so "\\boxed{1/2}" matches "0.5" and "\\frac{1}{2}")
     format       the whole completion matches `reward.format_pattern` (default: R1's
                  "<think>...</think><answer>...</answer>")
+    code_tests   the fraction of the row's tests the completion's program passes, run in the code
+                 sandbox (code_tests.py; `reward.code_all_or_nothing` for 0/1)
 
 They are plain functions: import them to test a reward by hand.
 """
@@ -101,6 +103,12 @@ def format_check(prompt: str, completion: str, answer: str, *, pattern: str = DE
     return float(re.fullmatch(pattern, completion.strip(), flags=re.S) is not None)
 
 
-BUILTIN = {"arithmetic": arithmetic, "exact_match": exact_match, "math_verify": math_verify, "format": format_check}
+def code_tests(prompt: str, completion: str, answer: str, *, all_or_nothing: bool = False) -> float:
+    from hybridrl.data import code_tests as task
+    return task.code_tests(prompt, completion, answer, all_or_nothing=all_or_nothing)
+
+
+BUILTIN = {"arithmetic": arithmetic, "exact_match": exact_match, "math_verify": math_verify, "format": format_check,
+           "code_tests": code_tests}
 # microseconds per call and cannot hang: worth no worker process (see rewards.Scorer)
 FAST = {"arithmetic", "exact_match", "format"}

@@ -29,7 +29,12 @@ def check(cfg: Config, nproc: int = 1) -> None:
         raise ConfigError(f"ckpt.resume={resume}: no such run directory or checkpoint (use 'auto' to continue the "
                           f"newest run under log.run_dir, or a directory that `hybridrl train` wrote)")
     reward_named(cfg)
-    rewards.load_terms(cfg.reward.fn, cfg.reward.format_pattern)  # imports a user module: its errors show now
+    terms = rewards.load_terms(cfg.reward.fn, cfg.reward.format_pattern)  # imports a user module: its errors show now
+    if any(t.name == "code_tests" for t in terms):
+        from hybridrl import sandbox
+        why = sandbox.available()  # no weaker fallback: model-written code runs sandboxed or not at all
+        if why is not None:
+            raise ConfigError(f"reward.fn={cfg.reward.fn!r}: {why}")
     if cfg.env.cls:
         envs.load(cfg.env.cls)  # likewise the environment's module (before: only once the engines had started)
     sp = cfg.train.sequence_parallel_size
