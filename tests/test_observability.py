@@ -346,6 +346,7 @@ def test_doctor_reports_this_cpu_machine():
     assert rows["expandable_segments"]["value"] is False
     assert rows["vllm_import"]["status"] == "ok" and rows["vllm_requires"]["status"] == "ok"
     assert rows["deepspeed"]["status"] == "ok" and rows["torch"]["value"] == torch.__version__
+    assert rows["code_sandbox"]["status"] == "ok" and rows["code_sandbox"]["value"] is True  # issue 60
     assert all(set(r) == {"id", "name", "status", "found", "fix", "value"} for r in rows.values())
 
 

@@ -237,6 +237,11 @@ def _other_rows(cuda: int) -> list[dict]:
         rows.append(_row("expandable_segments", "expandable segments", "info",
                          "not applicable: a CUDA allocator setting" + ("; the setting is ignored on CPU" if on else ""),
                          value=False))
+    from hybridrl import sandbox
+    why = sandbox.available()  # "warn", not "fail": only the code_tests reward needs it, and refuses without it
+    rows.append(_row("code_sandbox", "code sandbox", "warn" if why else "ok",
+                     why or "namespaces, rlimits and seccomp work: the code_tests reward can run model-written code",
+                     "" if why is None else why.rsplit(": ", 1)[-1], value=why is None))
     rows.append(_row("caches", "caches", "ok" if os.access(environ.cache_dir().parent, os.W_OK) else "fail",
                      f"{environ.cache_dir()} (HYBRIDRL_CACHE_DIR)", "" if os.access(environ.cache_dir().parent, os.W_OK) else
                      "point HYBRIDRL_CACHE_DIR at a writable directory", value=str(environ.cache_dir())))
