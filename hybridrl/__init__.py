@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # for readers and type checkers; at run time __getattr__ imports on first use
     from hybridrl.core.config import Config, ConfigError, UserError, load as load_config
-    from hybridrl.data.envs import ToolEnv
+    from hybridrl.data.envs import PythonEnv, ToolEnv, python as python_tool
     from hybridrl.data.rewards import batched
     from hybridrl.data.verifiers import exact_match, extract_answer, format_check, last_boxed, math_verify
 
@@ -33,6 +33,8 @@ _PUBLIC = {
     "ConfigError": ("hybridrl.core.config", "ConfigError"),  # a bad setting, one line naming the fix
     "UserError": ("hybridrl.core.config", "UserError"),  # any error of the user's input (ConfigError's base)
     "ToolEnv": ("hybridrl.data.envs", "ToolEnv"),  # the environment base class for env.cls (multi-turn, tools)
+    "PythonEnv": ("hybridrl.data.envs", "PythonEnv"),  # a ToolEnv whose one tool runs the model's code, sandboxed
+    "python_tool": ("hybridrl.data.envs", "python"),  # that tool: python(code) -> what it printed
     "batched": ("hybridrl.data.rewards", "batched"),  # marks fn(prompts, completions, answers) -> list[float]
     "exact_match": ("hybridrl.data.verifiers", "exact_match"),  # the built-in verifiers, fn(prompt, completion, answer)
     "math_verify": ("hybridrl.data.verifiers", "math_verify"),

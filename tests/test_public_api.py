@@ -36,7 +36,8 @@ def test_every_public_name_imports(name):
 
 @pytest.mark.fast
 def test_the_public_api_is_what_the_docs_name():
-    expected = {"train", "Config", "load_config", "ConfigError", "UserError", "ToolEnv", "batched",
+    expected = {"train", "Config", "load_config", "ConfigError", "UserError", "ToolEnv", "PythonEnv", "python_tool",
+                "batched",
                 "exact_match", "math_verify", "format_check", "extract_answer", "last_boxed"}
     assert set(hybridrl.__all__) == expected
     assert hybridrl.Config is importlib.import_module("hybridrl.core.config").Config

@@ -112,7 +112,8 @@ def test_a_child_that_outlives_the_program_dies_with_it():
 
 
 def test_it_cannot_kill_its_parents():
-    res = sandbox.run("import os, signal\nfor pid in (os.getppid(), 1):\n    try:\n        os.kill(pid, signal.SIGKILL)\n"
+    res = sandbox.run("import os, signal\nfor pid in (os.getppid(), 1):\n    try:\n"
+                      "        os.kill(pid, signal.SIGKILL)\n"
                       "    except OSError as e:\n        print(pid, e.errno)\nprint(os.getpid())", limits=LIMITS)
     assert res.ok and res.stdout.splitlines()[:2] == ["1 1", "1 1"]  # its parent is the namespace's PID 1: EPERM
 
@@ -134,3 +135,22 @@ def test_filtered_system_calls_fail(call):
     res = sandbox.run(f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint({src}, ctypes.get_errno())",
                       limits=LIMITS)
     assert res.ok and res.stdout == "-1 1\n", res.stdout + res.stderr  # EPERM
+
+
+def test_the_python_tool_runs_the_models_code_in_the_sandbox():
+    """hybridrl.PythonEnv (ReTool-style): a tool call's code runs sandboxed; what it prints, or its error,
+    is the tool turn, and the episode goes on."""
+    import asyncio
+
+    import hybridrl
+    env = hybridrl.PythonEnv()
+    env.reset({"prompt": "What is 2**100 mod 7?", "answer": "2", "index": 0})
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(pow(2, 100, 7))"}}</tool_call>'
+    msgs, reward, done, info = asyncio.run(env.step(call))
+    assert msgs == [{"role": "tool", "content": "2"}] and not done and info["tools/calls"] == 1
+    code = 'import os\\nprint(os.listdir(\\"/root\\"))\\n1/0'
+    bad = '<tool_call>{"name": "python", "arguments": {"code": "' + code + '"}}</tool_call>'
+    msgs, _, _, _ = asyncio.run(env.step(bad))
+    listed = eval(msgs[0]["content"].splitlines()[0])  # /root holds the interpreter's prefix (pyenv) at most
+    assert "ZeroDivisionError" in msgs[0]["content"] and set(listed) <= {".pyenv"}
+    assert hybridrl.python_tool("import time\ntime.sleep(60)").endswith("[timed out after 8.0 s]")

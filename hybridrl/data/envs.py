@@ -254,3 +254,30 @@ class ToolEnv:
         info["tools/calls"] = info.get("tools/calls", 0) + 1
         info["tools/latency_s"] = info.get("tools/latency_s", 0.0) + time.perf_counter() - t0
         return out
+
+
+# --- model-written code as a tool: the sandbox --------------------------------------------------
+TOOL_LIMITS = {"wall_s": 8.0, "cpu_s": 5, "memory_mb": 512, "output_bytes": 4000}
+
+
+def python(code: str) -> str:
+    """Run Python code and return what it prints (stdout; then the error, if it raised)."""
+    from hybridrl import sandbox
+    res = sandbox.run(code, limits=sandbox.Limits(**TOOL_LIMITS))
+    out = res.stdout
+    if res.status == "timeout":
+        out += f"\n[timed out after {TOOL_LIMITS['wall_s']} s]"
+    elif res.status == "killed":
+        out += "\n[killed: CPU, memory or output limit]"
+    elif res.status == "jail":
+        raise RuntimeError(res.stderr.strip())  # the sandbox itself failed: an error, counted, not the model's
+    elif not res.ok:
+        out += "\n" + "\n".join(res.stderr.strip().splitlines()[-3:])  # the traceback's last lines
+    return out.strip() or "(no output)"
+
+
+class PythonEnv(ToolEnv):
+    """A ReTool-style environment: the model may call `python` (its code runs in the code sandbox,
+    what it prints comes back as the tool turn) before it answers; `reward.fn` scores the answer."""
+
+    tools = [python]
