@@ -1,0 +1,86 @@
+"""The code sandbox's cost: startup per program, and programs per second with several workers.
+
+    python -m bench.sandbox                   # 60 programs per row; workers 1 and the machine's cores
+    python -m bench.sandbox --programs 200 --workers 1,2,4
+
+Rows, one workload at a time: `print(1)` run bare (`python -I -S`, no sandbox: the floor), then in
+the sandbox (hybridrl.sandbox.run: the jail's interpreter, namespaces, the root's binds, seccomp, the
+program's interpreter); then an MBPP-style sample through the code_tests reward (the harness, three
+asserts) with 1..N workers in threads, each program its own sandbox. Medians of the single-program
+rows; the throughput rows count programs finished over wall time. A row per run in
+bench/results/sandbox.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from bench.results import record
+
+SAMPLE = "```python\ndef add(a, b):\n    return a + b\n```"
+ROW = {"prompt": "Write add(a, b).", "test_list": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0",
+                                                   "assert add(2, 2) == 4"]}
+
+
+def bare(n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-I", "-S", "-c", "print(1)"], capture_output=True, check=True, env={})
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def sandboxed(n: int) -> list[float]:
+    from hybridrl import sandbox
+    out = []
+    for _ in range(n):
+        res = sandbox.run("print(1)")
+        assert res.ok, res.stderr
+        out.append(res.wall_s)
+    return out
+
+
+def throughput(n: int, workers: int) -> float:
+    from hybridrl.data import code_tests
+    answer = json.dumps({"code_tests": code_tests.spec_of(ROW)})
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(workers) as pool:
+        scores = list(pool.map(lambda _: code_tests.code_tests("", SAMPLE, answer), range(n)))
+    assert all(s == 1.0 for s in scores), scores
+    return n / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--programs", type=int, default=60)
+    ap.add_argument("--workers", default=f"1,{os.cpu_count() or 1}")
+    args = ap.parse_args()
+    from hybridrl import sandbox
+    why = sandbox.available()
+    if why:
+        raise SystemExit(why)
+    n = args.programs
+    b, s = bare(n), sandboxed(n)
+    print(f"{n} programs a row, {os.cpu_count()} cores")
+    print(f"{'what':>44} {'median ms':>10} {'programs/s':>11}")
+    for what, walls in (("print(1), bare python -I -S (the floor)", b), ("print(1), in the sandbox", s)):
+        print(f"{what:>44} {statistics.median(walls) * 1e3:>10.1f} {1 / statistics.median(walls):>11.1f}")
+    rates = {}
+    for w in (int(x) for x in args.workers.split(",")):
+        rates[w] = throughput(n, w)
+        print(f"{f'code_tests, 3 asserts, {w} worker(s)':>44} {'':>10} {rates[w]:>11.1f}")
+    record("sandbox", {"programs": n, "workers": sorted(rates)},
+           {"bare_ms": round(statistics.median(b) * 1e3, 1), "sandbox_ms": round(statistics.median(s) * 1e3, 1),
+            "programs_per_s": {str(w): round(r, 1) for w, r in rates.items()}})
+
+
+if __name__ == "__main__":
+    main()
