@@ -362,3 +362,22 @@ def test_pending_state_bytes(world_of_one):
     assert trainer.pending_state_bytes() == 8 * n
     trainer.step(Batch.from_rows([[1, 2, 3]] * 2, [[4, 5]] * 2, [[-1.0] * 2] * 2, [1.0, -1.0]))
     assert trainer.pending_state_bytes() == 0
+
+
+def test_a_trainer_after_the_world_group_was_destroyed_outside_deepspeed(world_of_one):
+    """DeepSpeed caches its clone of the world group; an in-process vLLM engine's teardown (a notebook's
+    earlier run, a test) can destroy the group under it, and the next DeepSpeed engine then failed
+    with "Group ... is not registered" (found when a new vLLM test ran before this file in CI).
+    zero_engine.from_pretrained drops the stale clone first."""
+    import torch.distributed as dist
+
+    from hybridrl.core import launch
+    from hybridrl.engines.trainer import Trainer
+
+    def trainer():
+        return Trainer(config.load(None, {}), DEMO, device=torch.device("cpu"), dtype=torch.float32,
+                       attn_implementation="sdpa")
+    del trainer().engine  # an earlier engine in this process: DeepSpeed clones the world group
+    dist.destroy_process_group()  # what the teardown does, outside DeepSpeed
+    launch.init_distributed()  # the next run's world of one
+    assert trainer().pending_state_bytes() > 0

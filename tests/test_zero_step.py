@@ -13,11 +13,10 @@ from hybridrl.engines.zero_engine import ds_config
 
 def engine(dtype: torch.dtype, fused: bool):
     import deepspeed
-    from deepspeed.utils import groups
 
-    # DeepSpeed caches its clone of the world group; an earlier test's engines (vLLM's teardown in
-    # test_vllm_compat) can leave it unregistered in torch, and initialize would then fail on it
-    groups._release_process_group_references()
+    # an earlier test's vLLM teardown (test_vllm_compat) can leave DeepSpeed's clone of the world group
+    # unregistered in torch; the trainer's engines drop it in zero_engine.from_pretrained, this one here
+    deepspeed_compat.forget_stale_groups()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 3000)).to(dtype)  # > 1 chunk of grads
     cfg = config.load(None, {"train.lr": 1e-3, "train.grad_clip": 0.5})  # the norm is above 0.5: clipped

@@ -150,6 +150,24 @@ def reload_states(engine) -> None:
         engine.reload_states(non_blocking=False)
 
 
+def forget_stale_groups() -> None:
+    """DeepSpeed caches its clone of the world process group (deepspeed.utils.groups) for the life of
+    the process. When that group is destroyed outside DeepSpeed (an in-process vLLM engine's teardown,
+    in a notebook or a test that built one), DeepSpeed's next engine fails on the stale clone ("Group
+    ... is not registered"). Its references are dropped, as DeepSpeed's own teardown drops them, so
+    the next engine clones the live world."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    cached = getattr(groups, "_WORLD_GROUP", None)
+    if cached is None or not dist.is_initialized() or not hasattr(groups, "_release_process_group_references"):
+        return
+    try:
+        dist.get_process_group_ranks(cached)
+    except (ValueError, RuntimeError, KeyError):  # torch knows it no more
+        groups._release_process_group_references()
+
+
 # --- parameters and checkpoints ------------------------------------------------------------------
 def moe_leaf_modules(model: torch.nn.Module) -> list[str]:
     """Make every mixture-of-experts block a ZeRO-3 leaf module (DeepSpeed's `set_z3_leaf_modules`):

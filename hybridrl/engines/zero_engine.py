@@ -157,6 +157,7 @@ def from_pretrained(auto_cls, path: str, conf: dict, **kw) -> nn.Module:
     then holds the whole model, in host memory or on the device; without it every rank loads all of
     it (a private copy whenever the checkpoint's dtype differs), and DeepSpeed moves it whole onto
     the device before partitioning. The policy, the critic and the reference all load this way."""
+    deepspeed_compat.forget_stale_groups()  # before zero.Init or the engine that follows use them
     if conf["zero_optimization"]["stage"] != 3:
         return auto_cls.from_pretrained(path, **kw)
     import copy
