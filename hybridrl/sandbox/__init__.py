@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 JAIL = Path(__file__).with_name("jail.py")
@@ -54,7 +54,6 @@ class Result:
     stderr: str
     wall_s: float
     truncated: bool = False  # stdout or stderr was longer than Limits.output_bytes
-    files: dict = field(default_factory=dict)  # not used yet: files the program left, by name
 
     @property
     def ok(self) -> bool:
