@@ -95,6 +95,14 @@ def test_auto_workers_keep_fast_builtins_in_process():
     s.close()
 
 
+def test_sandboxed_rewards_get_the_cores_the_engines_leave():
+    """code_tests runs a CPU-bound program per sample: its pool is the node's cores less two a rank,
+    shared by the ranks (an 8-GPU node with 208 cores: 24 a rank), never fewer than 2."""
+    from hybridrl.data.rewards import sandbox_workers
+    assert sandbox_workers(cores=208, ranks=8) == 24 and sandbox_workers(cores=2, ranks=1) == 2
+    assert sandbox_workers(cores=512, ranks=1) == 32
+
+
 def test_pool_isolates_raise_hang_and_death(tmp_path):
     """Two workers, 1 s timeout: the raising, hanging and dying calls score 0, are counted and
     dead-lettered; the hung and the dead worker are replaced (the pool keeps two live workers)

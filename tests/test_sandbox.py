@@ -16,15 +16,18 @@ LIMITS = sandbox.Limits(wall_s=4, cpu_s=2, memory_mb=256, output_bytes=4096)
 
 
 def _left_over() -> list[int]:
-    """Sandboxed programs still running anywhere on this machine (their command line names prog.py)."""
+    """Sandboxed programs still running anywhere on this machine: processes in a PID namespace nested
+    two deep below this one's (a jail's, then a program's own)."""
     found = []
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
-                if b"/tmp/prog.py" in Path(f"/proc/{d}/cmdline").read_bytes():
-                    found.append(int(d))
+                status = Path(f"/proc/{d}/status").read_text()
             except OSError:
-                pass
+                continue
+            depth = next((len(line.split()) - 1 for line in status.splitlines() if line.startswith("NSpid:")), 1)
+            if depth >= 3:
+                found.append(int(d))
     return found
 
 
@@ -154,3 +157,27 @@ def test_the_python_tool_runs_the_models_code_in_the_sandbox():
     listed = eval(msgs[0]["content"].splitlines()[0])  # /root holds the interpreter's prefix (pyenv) at most
     assert "ZeroDivisionError" in msgs[0]["content"] and set(listed) <= {".pyenv"}
     assert hybridrl.python_tool("import time\ntime.sleep(60)").endswith("[timed out after 8.0 s]")
+
+
+def test_programs_see_nothing_of_each_other():
+    """Jails are kept warm and reused, but each program gets its own /tmp, process tree and file
+    descriptors: what one leaves (a file, a process, a sleeping child) the next never sees."""
+    first = sandbox.run("import os, time\nopen('/tmp/mark', 'w').write('x')\nif os.fork() == 0:\n"
+                        "    time.sleep(60)\nprint(os.getpid())", limits=LIMITS)
+    second = sandbox.run("import os\nprint(os.path.exists('/tmp/mark'), sorted(os.listdir('/tmp')))\n"
+                         "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+                         "print(sorted(os.listdir('/proc/self/fd')))", limits=LIMITS)
+    assert first.ok and first.stdout == "2\n", first.stderr  # PID 1 is the program's own reaper
+    exists, processes, fds = second.stdout.splitlines()
+    assert exists == "False ['prog.py']" and processes == "[1, 2]", second.stdout
+    assert eval(fds) == ["0", "1", "2", "3"]  # stdin, stdout, stderr, and listdir's own: no pipe to the jail
+
+
+def test_the_left_over_check_sees_a_running_program():
+    """The autouse fixture's check is not vacuous: a program still running is found."""
+    import threading
+    t = threading.Thread(target=sandbox.run, args=("import time\ntime.sleep(1.5)",))
+    t.start()
+    time.sleep(0.7)
+    assert _left_over()
+    t.join()

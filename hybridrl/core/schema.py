@@ -299,7 +299,8 @@ class RewardConfig(Freezable):
     on_error: Literal["zero", "raise"] = knob("zero", "A reward function that raises, hangs past timeout_s or kills "
                                               "its worker scores 0 (counted, dead-lettered) or stops the run.")
     workers: int = knob(-1, "Reward worker processes (0 = in this process, no timeout for plain functions; "
-                        "-1 = auto: in-process for the built-in arithmetic/exact_match/format, else min(4, CPUs)).",
+                        "-1 = auto: in-process for the built-in arithmetic/exact_match/format; for code_tests the "
+                        "cores the engines leave free, shared by the node's ranks; else min(4, CPUs)).",
                         valid=">= -1")
     timeout_s: float = knob(30.0, "Per-call reward timeout in seconds; the hung worker is killed and replaced.",
                             valid="> 0")

@@ -21,7 +21,9 @@ keeps its size) all score 0, are counted (`reward_errors`, `reward_timeouts`) an
 workers the calls run in this process, between engine steps: no timeout for plain functions
 (async ones get `asyncio.wait_for`), no IPC. The default (-1, auto) keeps the microsecond
 built-ins (arithmetic, exact_match, format) in-process, where a worker's IPC would cost more than
-the call, and uses min(4, CPUs) workers for anything else: math_verify and user code can hang.
+the call, gives code_tests (a sandboxed program per sample, CPU-bound) the cores the engines leave
+free (`sandbox_workers`), and uses min(4, CPUs) workers for anything else: math_verify and user code
+can hang.
 """
 
 from __future__ import annotations
@@ -226,6 +228,15 @@ class _Task:
     meta: dict
 
 
+def sandbox_workers(cores: int | None = None, ranks: int | None = None) -> int:
+    """Workers for sandboxed rewards on each rank: the node's cores less two a rank (its vLLM engine's
+    loop and the trainer's), shared by the node's ranks; at least 2, at most 32."""
+    from hybridrl.core import memory
+    cores = cores or len(os.sched_getaffinity(0))
+    ranks = ranks or memory.local_ranks()
+    return max(2, min(32, (cores - 2 * ranks) // ranks))
+
+
 @dataclass
 class Scorer:
     """Scores submitted samples, in-process or in a pool of worker processes (see module doc).
@@ -247,7 +258,9 @@ class Scorer:
         self.batched = any(t.batched for t in self.terms)
         w = self.cfg.workers
         if w < 0:  # auto
-            w = 0 if all(t.name in verifiers.FAST for t in self.terms) else min(4, os.cpu_count() or 1)
+            w = 0 if all(t.name in verifiers.FAST for t in self.terms) else \
+                sandbox_workers() if any(t.name in verifiers.SANDBOXED for t in self.terms) else \
+                min(4, os.cpu_count() or 1)
         self.workers = w
         self.pending: list[_Task] = []
         self.running: dict[Any, _Task] = {}

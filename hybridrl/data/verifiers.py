@@ -112,3 +112,4 @@ BUILTIN = {"arithmetic": arithmetic, "exact_match": exact_match, "math_verify": 
            "code_tests": code_tests}
 # microseconds per call and cannot hang: worth no worker process (see rewards.Scorer)
 FAST = {"arithmetic", "exact_match", "format"}
+SANDBOXED = {"code_tests"}  # a sandboxed program per sample: rewards.sandbox_workers sizes their pool

@@ -1,30 +1,35 @@
 """Run untrusted (model-written) Python in a local sandbox: `run(source, stdin, limits) -> Result`.
 
-Each program runs in a fresh process tree (`jail.py`, started as its own interpreter with an empty
-environment) in its own user, PID, network, mount, IPC and UTS namespaces: no network at all (a
-loopback interface, down), a private writable /tmp and read-only views of the system's /usr and
-/lib and the interpreter's prefix (nothing of the run directory, the checkpoints, the home directory,
-the site-packages or the trainer's environment variables); rlimits on CPU seconds, address space, file
-size, processes and open files; no capabilities and a seccomp filter (no ptrace, mount, kexec, bpf,
-keyctl, namespaces, packet or raw sockets, ...). A wall-clock limit kills the whole tree: the jail's
-PID 1 waits for the program, and when it goes every process left in the namespace goes too, also
-children that called setsid or double-forked. Output is kept up to `Limits.output_bytes` a stream
-(its files are bounded by the file-size limit).
+Each program runs in a fresh process tree in its own PID, network, mount, IPC and UTS namespaces,
+under a user namespace of the jail's (`jail.py`, an interpreter started with an empty environment):
+no network at all (a loopback interface, down), a private writable /tmp (a tmpfs of its own) and
+read-only views of the system's /usr and /lib and the interpreter's prefix (nothing of the run
+directory, the checkpoints, the home directory, the site-packages or the trainer's environment
+variables); rlimits on CPU seconds, address space, file size, processes and open files; no
+capabilities and a seccomp filter (no ptrace, mount, kexec, bpf, keyctl, namespaces, packet or raw
+sockets, ...). A wall-clock limit kills the whole tree: the program's PID 1 waits for it, and when it
+goes every process left in the namespace goes too, also children that called setsid or
+double-forked. Output is kept up to `Limits.output_bytes` a stream; more than the file-size limit
+kills the program.
 
-The cost is two interpreter starts per program (the jail's and the program's); `bench/sandbox.py`
-measures it. Where the kernel refuses what the jail needs (user namespaces off, seccomp missing),
+Jails are kept warm, one per calling thread at a time: a program is forked from the jail's running
+interpreter, so it starts in milliseconds rather than an interpreter start's tens (`bench/sandbox.py`
+measures both). Where the kernel refuses what the jail needs (user namespaces off, seccomp missing),
 `available()` says so in one line naming the fix, and callers refuse to start (no silent weakening).
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -85,26 +90,15 @@ def _processes_of(uid: int) -> int:
     return n
 
 
-def _config(base: Path, argv: list[str], limits: Limits) -> dict:
-    exe, prefix = _python()
-    root = os.getuid() == 0
+def _config(base: Path) -> dict:
+    _, prefix = _python()
     uid, gid = os.getuid(), os.getgid()
-    if root:  # the namespace's root is root (it builds the jail); the program is nobody, whom NPROC binds
+    if uid == 0:  # the namespace's root is root (it builds the jail); the program is nobody, whom NPROC binds
         maps = {"uid_map": f"0 0 1\n{PROGRAM_UID} {NOBODY} 1", "gid_map": f"0 0 1\n{PROGRAM_UID} {NOBODY} 1"}
-        processes = limits.processes + _processes_of(NOBODY)
     else:  # one id only: the program is this user, whose other processes count against NPROC too
         maps = {"uid_map": f"0 {uid} 1", "gid_map": f"0 {gid} 1"}
-        processes = limits.processes + _processes_of(uid)
-    return {"root": str(base / "root"), "work": str(base / "work"), "binds": _binds(prefix),
-            "argv": [exe if a == "{python}" else a for a in argv], "program_uid": PROGRAM_UID if root else 0,
-            "cpu_s": limits.cpu_s, "memory_bytes": limits.memory_mb << 20, "file_bytes": limits.file_mb << 20,
-            "processes": processes, "open_files": limits.open_files, **maps}
-
-
-def _read(path: Path, cap: int) -> tuple[str, bool]:
-    with open(path, "rb") as f:
-        data = f.read(cap + 1)
-    return data[:cap].decode("utf-8", "replace"), len(data) > cap
+    return {"root": str(base / "root"), "binds": _binds(prefix), "program_uid": PROGRAM_UID if uid == 0 else 0,
+            **maps}
 
 
 def _remove(base: Path) -> None:
@@ -118,45 +112,115 @@ def _remove(base: Path) -> None:
     shutil.rmtree(base, onerror=fix)
 
 
+class _Jail:
+    """One jail kept warm (jail.py's serve mode): started once, then a program per request, each in
+    namespaces and a /tmp of its own. Used by one thread at a time."""
+
+    def __init__(self) -> None:
+        self.base = Path(tempfile.mkdtemp(prefix="hybridrl-sandbox-"))
+        (self.base / "root").mkdir()
+        cfg = _config(self.base)
+        with open(self.base / "jail.err", "wb") as err:
+            self.proc = subprocess.Popen([sys.executable, "-I", "-S", str(JAIL), json.dumps(cfg)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env={},
+                                         close_fds=True, start_new_session=True, cwd=str(self.base))
+        self.pending = b""
+
+    def ask(self, req: dict, timeout: float) -> dict | None:
+        """The jail's answer, or None if it died or did not answer in `timeout` seconds."""
+        try:
+            self.proc.stdin.write(json.dumps(req).encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError:
+            return None
+        fd, deadline = self.proc.stdout.fileno(), time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return None
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def why(self) -> str:
+        """What the jail said on its way out (its own failures only)."""
+        try:
+            return (self.base / "jail.err").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def close(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the jail's PID 1 with it: its namespace empties
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            f.close()
+        _remove(self.base)
+
+
+_IDLE: list[_Jail] = []
+_LOCK = threading.Lock()
+_OWNER = [os.getpid()]
+
+
+def _take() -> _Jail:
+    with _LOCK:
+        if _OWNER[0] != os.getpid():  # a forked child: the parent's jails answer the parent only
+            _IDLE.clear()
+            _OWNER[0] = os.getpid()
+        if _IDLE:
+            return _IDLE.pop()
+    return _Jail()
+
+
+def _give(jail: _Jail) -> None:
+    with _LOCK:
+        if _OWNER[0] == os.getpid() and len(_IDLE) < max(4, os.cpu_count() or 1):
+            _IDLE.append(jail)
+            return
+    jail.close()
+
+
+@atexit.register
+def shutdown() -> None:
+    """Stop the jails kept warm (also at exit)."""
+    with _LOCK:
+        jails = list(_IDLE) if _OWNER[0] == os.getpid() else []
+        _IDLE.clear()
+    for jail in jails:
+        jail.close()
+
+
 def run(source: str, stdin: str = "", limits: Limits = Limits(), files: dict[str, str] | None = None,
         argv: list[str] | None = None) -> Result:
-    """Run `source` as a Python program (`python -I -S prog.py` in /tmp, the work dir, beside `files`)
-    with `stdin` as its standard input; never raises for what the program does."""
-    base = Path(tempfile.mkdtemp(prefix="hybridrl-sandbox-"))
-    try:
-        work = base / "work"
-        work.mkdir()
-        (base / "root").mkdir()
-        (work / "prog.py").write_text(source, encoding="utf-8")
-        for name, text in (files or {}).items():
-            (work / name).write_text(text, encoding="utf-8")
-        if os.getuid() == 0:  # the program is nobody: its /tmp must be its own
-            for p in [work, *work.iterdir()]:
-                os.chown(p, NOBODY, NOBODY)
-        os.chmod(base, 0o755)  # nobody walks through to /tmp's mount source; nothing else is in base
-        (base / "stdin").write_text(stdin, encoding="utf-8")
-        cfg = _config(base, argv or ["{python}", "-I", "-S", "/tmp/prog.py"], limits)
-        t0 = time.perf_counter()
-        with open(base / "stdin", "rb") as fin, open(base / "stdout", "wb") as fout, \
-                open(base / "stderr", "wb") as ferr:
-            proc = subprocess.Popen([sys.executable, "-I", "-S", str(JAIL), json.dumps(cfg)], stdin=fin, stdout=fout,
-                                    stderr=ferr, env={}, close_fds=True, start_new_session=True, cwd=str(base))
-            try:
-                code = proc.wait(timeout=limits.wall_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # the jail's PID 1 with it: the namespace empties
-                except ProcessLookupError:
-                    pass
-                code = proc.wait()
-        wall = time.perf_counter() - t0
-        out, cut_out = _read(base / "stdout", limits.output_bytes)
-        err, cut_err = _read(base / "stderr", limits.output_bytes)
-    finally:
-        _remove(base)
-    if timed_out:
+    """Run `source` as a Python program (as `python -I -S /tmp/prog.py`, beside `files` in its private
+    /tmp) with `stdin` as its standard input; never raises for what the program does. `argv` runs
+    that command instead ("{python}" names the interpreter), for a program that must be exec'd."""
+    exe, _ = _python()
+    uid = NOBODY if os.getuid() == 0 else os.getuid()
+    req = {"source": source, "stdin": stdin, "files": files or {}, "wall_s": limits.wall_s,
+           "output_bytes": limits.output_bytes, "argv": [exe if a == "{python}" else a for a in argv or []],
+           "limits": {"cpu_s": limits.cpu_s, "memory_bytes": limits.memory_mb << 20,
+                      "file_bytes": limits.file_mb << 20, "tmp_bytes": max(4 * limits.file_mb, 64) << 20,
+                      "processes": limits.processes + _processes_of(uid), "open_files": limits.open_files}}
+    t0 = time.perf_counter()
+    jail = _take()
+    reply = jail.ask(req, limits.wall_s + 10)
+    wall = time.perf_counter() - t0
+    if reply is None:  # the jail died (it could not start here) or hung: a fresh one serves the next
+        why = jail.why()
+        jail.close()
+        if "sandbox: " in why:
+            return Result("jail", JAIL_FAILED, "", why, wall)
+        return Result("timeout", -signal.SIGKILL, "", "", wall)
+    _give(jail)
+    code, err = reply["code"], reply["stderr"]
+    if reply["timeout"]:
         status = "timeout"
     elif code == JAIL_FAILED and "sandbox: " in err:
         status = "jail"
@@ -166,7 +230,7 @@ def run(source: str, stdin: str = "", limits: Limits = Limits(), files: dict[str
         status = "killed"
     else:
         status = "error"
-    return Result(status, code, out, err, wall, truncated=cut_out or cut_err)
+    return Result(status, code, reply["stdout"], err, wall, truncated=reply["truncated"])
 
 
 _AVAILABLE: list = []

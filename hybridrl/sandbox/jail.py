@@ -1,33 +1,47 @@
-"""The sandbox's launcher: run one program in fresh Linux namespaces, under limits and a seccomp filter.
+"""The sandbox's jail: programs run in fresh Linux namespaces, under limits and a seccomp filter.
 
-Started by `hybridrl.sandbox.run` as `python -I -S jail.py CONFIG` with an empty environment, never
+Started by `hybridrl.sandbox` as `python -I -S jail.py CONFIG` with an empty environment, never
 imported by the trainer: it uses the standard library only, so the trainer's packages need not be
-visible to it. Three processes, each with one job:
+visible to it. A jail is kept warm: it reads one request a line on its stdin (a program, its stdin,
+files and limits) and answers a line on its stdout (exit status, output). Its processes:
 
   outer  - stays in the caller's namespaces; forks `ns`, writes its uid/gid maps, waits, exits with its
            status. As root it maps the namespace's root to root (to build the jail) and `program_uid`
-           to nobody, whom the program runs as: root is exempt from RLIMIT_NPROC, nobody is not.
+           to nobody, whom programs run as: root is exempt from RLIMIT_NPROC, nobody is not.
   ns     - unshares user, mount, PID, network, IPC and UTS namespaces, then forks `init`.
-  init   - PID 1 of the new PID namespace: builds a root of read-only binds (the system's /usr, /lib,
-           the interpreter's prefix) and the program's private work dir as /tmp on a tmpfs, chroots
-           there, forks the program and waits for it. When init exits, the kernel kills every process
-           left in the namespace: children that called setsid or double-forked die with it.
-  program- rlimits (CPU seconds, address space, file size, processes, open files), no new
-           privileges, no capabilities, the seccomp filter, then exec of the interpreter, isolated
-           (-I -S: no site-packages, no user paths, no environment).
+  init   - PID 1 of the jail: builds a root of read-only binds (the system's /usr, /lib, the
+           interpreter's prefix), a fresh /proc and four devices, chroots there, and serves requests.
 
-The network namespace has only a loopback interface, down: nothing on this machine or beyond is
-reachable, not even a loopback service. Exit status: the program's, or 128 + signal; 125 when the
-jail itself failed (its reason on stderr, prefixed "sandbox:").
+Each program then gets a process tree of its own, forked from this already-started interpreter (a
+fork costs a few milliseconds where an interpreter start costs tens):
+
+  fork   - unshares mount, PID, network, IPC and UTS namespaces again (new ones under the jail's user
+           namespace), mounts a new tmpfs on /tmp holding the program and its files, forks `pid1`,
+           reports its pid, exits.
+  pid1   - PID 1 of the program's own PID namespace: mounts its /proc, forks the program, waits for
+           it. When pid1 exits, the kernel kills every process left in the namespace: children that
+           called setsid or double-forked die with it.
+  program- rlimits (CPU seconds, address space, file size, processes, open files), no new privileges,
+           no capabilities, the seccomp filter; then the source runs in this interpreter as
+           `__main__` (run_source: what `python -I -S /tmp/prog.py` does), or an argv is exec'd.
+
+`init` writes the program's stdin, keeps its stdout and stderr (capped), and kills `pid1`, so the
+whole namespace, at the wall-clock limit or when output passes the file-size limit. Programs see
+nothing of each other: every namespace but the user one, and /tmp, are new per program. The network
+namespace has only a loopback interface, down: nothing on this machine or beyond is reachable, not
+even a loopback service. Exit status: the program's, or 128 + signal; 125 when the jail failed (its
+reason on stderr, prefixed "sandbox:").
 """
 
 import ctypes
 import json
 import os
 import resource
+import select
 import signal
 import struct
 import sys
+import time
 
 CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x02000000, 0x04000000, 0x08000000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
@@ -110,7 +124,7 @@ def seccomp_filter() -> bytes:
 
 
 def install_seccomp() -> None:
-    code = seccomp_filter()
+    code = getattr(install_seccomp, "code", None) or seccomp_filter()
     buf = ctypes.create_string_buffer(code)
 
     class Fprog(ctypes.Structure):
@@ -138,9 +152,9 @@ def drop_privileges(uid: int) -> None:
 
 
 # --- the file system -----------------------------------------------------------------------------------
-def build_root(root: str, work: str, binds: list[str]) -> None:
+def build_root(root: str, binds: list[str]) -> None:
     """`root`: a tmpfs holding read-only binds of `binds` at their own paths (symlinks such as a
-    merged /bin copied as links), `work` at /tmp, a fresh /proc and four device nodes."""
+    merged /bin copied as links), an empty /tmp, a fresh /proc and four device nodes."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
     for path in binds:
@@ -159,8 +173,7 @@ def build_root(root: str, work: str, binds: list[str]) -> None:
         for st_flag, ms_flag in LOCKED:
             flags |= ms_flag if st.f_flag & st_flag else 0
         _mount(None, dst, None, flags)
-    os.makedirs(root + "/tmp")
-    _mount(work, root + "/tmp", None, MS_BIND)
+    os.makedirs(root + "/tmp")  # where each program's own tmpfs goes
     os.makedirs(root + "/proc")
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     os.makedirs(root + "/dev")
@@ -183,30 +196,223 @@ def _status(status: int) -> int:
     return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-def program(cfg: dict) -> None:
-    set_limits(cfg)
-    drop_privileges(cfg["program_uid"])  # root outside: the unprivileged user mapped to program_uid
-    install_seccomp()
-    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
-           "PYTHONHASHSEED": "0", "TMPDIR": "/tmp"}
-    os.execve(cfg["argv"][0], cfg["argv"], env)
+ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
+       "PYTHONHASHSEED": "0", "TMPDIR": "/tmp"}
 
 
 def init(cfg: dict) -> int:
-    """PID 1 of the namespace: the root, then the program, waited for."""
+    """PID 1 of the jail: the root, then requests served until the caller closes their pipe."""
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    build_root(cfg["root"], cfg["work"], cfg["binds"])
-    pid = os.fork()
-    if pid == 0:
+    build_root(cfg["root"], cfg["binds"])
+    return serve(cfg)
+
+
+# --- kept warm: a program per request, each in namespaces of its own --------------------------------
+PROGRAM_NS = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+
+
+def serve(cfg: dict) -> int:
+    """Answer requests (a JSON line each on fd 0) until end of input; the control pipes move above
+    the program's fds, so no program inherits them."""
+    ctl_in, ctl_out = os.dup(0), os.dup(1)
+    null = os.open("/dev/null", os.O_RDWR)
+    os.dup2(null, 0), os.dup2(null, 1), os.close(null)
+    install_seccomp.code = seccomp_filter()  # built once, installed by every program
+    import atexit  # noqa: F401  what run_source needs, imported once: each program is spared it
+    import io  # noqa: F401
+    import traceback  # noqa: F401
+    import types  # noqa: F401
+    pending = b""
+    while True:
+        while b"\n" not in pending:
+            chunk = os.read(ctl_in, 1 << 16)
+            if not chunk:
+                return 0
+            pending += chunk
+        line, pending = pending.split(b"\n", 1)
+        reply = run_one(cfg, json.loads(line), ctl=(ctl_in, ctl_out))
+        os.write(ctl_out, json.dumps(reply).encode() + b"\n")
+
+
+def run_one(cfg: dict, req: dict, ctl: tuple) -> dict:
+    lim = req["limits"]
+    r0, w0 = os.pipe()
+    r1, w1 = os.pipe()
+    r2, w2 = os.pipe()
+    rp, wp = os.pipe()
+    a = os.fork()
+    if a == 0:  # fork: fresh namespaces and /tmp, then pid1
+        code = JAIL_FAILED
         try:
-            program(cfg)
-        except BaseException as e:  # noqa: BLE001  anything before exec is the jail's failure
-            os.write(2, f"sandbox: {e}\n".encode())
-        os._exit(JAIL_FAILED)
-    while True:  # PID 1 also reaps the orphans the program leaves
+            for fd in (w0, r1, r2, rp, *ctl):
+                os.close(fd)
+            _check(libc.unshare(PROGRAM_NS), "unshare")
+            uid = cfg["program_uid"]
+            _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
+                   f"size={lim['tmp_bytes']},nr_inodes=4096,mode=700,uid={uid},gid={uid}")
+            for name, text in {"prog.py": req["source"], **req["files"]}.items():
+                with open(f"/tmp/{name}", "w", encoding="utf-8") as f:
+                    f.write(text)
+                os.chown(f"/tmp/{name}", uid, uid)
+            b = os.fork()
+            if b == 0:
+                os.close(wp)
+                os._exit(pid1(cfg, req, (r0, w1, w2)))
+            os.write(wp, str(b).encode())
+            code = 0
+        except BaseException as e:  # noqa: BLE001
+            os.write(w2, f"sandbox: {e}\n".encode())
+        os._exit(code)
+    for fd in (r0, w1, w2, wp):
+        os.close(fd)
+    got = b""
+    while chunk := os.read(rp, 32):
+        got += chunk
+    os.close(rp)
+    os.waitpid(a, 0)
+    b = int(got) if got else None
+    out, err, timed_out, cut = _talk(b, w0, r1, r2, req["stdin"].encode(), lim, req["wall_s"], req["output_bytes"])
+    if b is None:
+        return {"code": JAIL_FAILED, "stdout": out, "stderr": err, "timeout": False, "truncated": cut}
+    _, status = os.waitpid(b, 0)  # pid1 is this process's child once `fork` has exited
+    return {"code": _status(status), "stdout": out, "stderr": err, "timeout": timed_out, "truncated": cut}
+
+
+def _talk(b, w0, r1, r2, data: bytes, lim: dict, wall_s: float, cap: int) -> tuple:
+    """Feed stdin, keep up to `cap` bytes of stdout and of stderr, until both close; kill pid1 (and
+    so the namespace) at the deadline or past the file-size limit. Returns (out, err, timed_out, cut)."""
+    deadline = time.monotonic() + wall_s
+    bufs, total, timed_out, killed = {r1: bytearray(), r2: bytearray()}, 0, False, b is None
+    open_r = [r1, r2]
+    if not data or b is None:
+        os.close(w0)
+        w0 = None
+    else:
+        os.set_blocking(w0, False)
+    while open_r:
+        left = deadline - time.monotonic()
+        if left <= 0 and not killed:
+            timed_out = killed = _kill(b)
+            left = 5.0
+        ready_r, ready_w, _ = select.select(open_r, [w0] if w0 is not None else [], [], max(left, 0.0))
+        if w0 is not None and ready_w:
+            try:
+                data = data[os.write(w0, data[:1 << 16]):]
+            except OSError:  # the program closed its stdin
+                data = b""
+            if not data:
+                os.close(w0)
+                w0 = None
+        for fd in ready_r:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                open_r.remove(fd)
+                os.close(fd)
+                continue
+            total += len(chunk)
+            if len(bufs[fd]) <= cap:
+                bufs[fd] += chunk[:cap + 1 - len(bufs[fd])]
+            if total > lim["file_bytes"] and not killed:  # what RLIMIT_FSIZE does to a file
+                killed = _kill(b)
+    if w0 is not None:
+        os.close(w0)
+    cut = any(len(v) > cap for v in bufs.values())
+    text = (lambda v: bytes(v[:cap]).decode("utf-8", "replace"))
+    return text(bufs[r1]), text(bufs[r2]), timed_out, cut
+
+
+def _kill(pid: int) -> bool:
+    try:
+        os.kill(pid, signal.SIGKILL)  # PID 1 of the program's namespace: the kernel kills the rest
+    except ProcessLookupError:
+        pass
+    return True
+
+
+def pid1(cfg: dict, req: dict, fds: tuple) -> int:
+    try:
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # this namespace's processes only
+        c = os.fork()
+        if c == 0:
+            try:
+                serve_program(cfg, req, fds)
+            except BaseException as e:  # noqa: BLE001
+                os.write(fds[2], f"sandbox: {e}\n".encode())
+            os._exit(JAIL_FAILED)
+    except BaseException as e:  # noqa: BLE001
+        os.write(fds[2], f"sandbox: {e}\n".encode())
+        return JAIL_FAILED
+    for fd in fds:
+        os.close(fd)
+    while True:
         done, status = os.wait()
-        if done == pid:
+        if done == c:
             return _status(status)
+
+
+def serve_program(cfg: dict, req: dict, fds: tuple) -> None:
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    os.closerange(3, 1 << 20)
+    os.chdir("/tmp")
+    set_limits(req["limits"])
+    drop_privileges(cfg["program_uid"])
+    install_seccomp()
+    if req.get("argv"):
+        os.execve(req["argv"][0], req["argv"], ENV)
+    os._exit(run_source(req["source"]))
+
+
+def run_source(source: str) -> int:
+    """What `python -I -S /tmp/prog.py` does, in this interpreter: a fresh __main__, sys.argv and
+    sys.path[0] for /tmp, new standard streams, the traceback without this frame, atexit handlers
+    and non-daemon threads awaited. Returns the exit status."""
+    import atexit
+    import builtins
+    import io
+    import traceback
+    import types  # all imported already by serve()
+    os.environ.clear()
+    os.environ.update(ENV)
+    sys.argv, sys.path[0] = ["/tmp/prog.py"], "/tmp"
+    main = types.ModuleType("__main__")
+    main.__file__, main.__builtins__ = "/tmp/prog.py", builtins
+    sys.modules["__main__"] = main
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+    sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8")
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
+                                                    errors="backslashreplace", line_buffering=True)
+    code = 0
+    try:
+        exec(compile(source, "/tmp/prog.py", "exec"), main.__dict__)
+    except SystemExit as e:
+        code = _exit_code(e)
+    except BaseException as e:  # noqa: BLE001
+        traceback.print_exception(type(e), e, e.__traceback__.tb_next)
+        code = 1
+    try:
+        if "threading" in sys.modules:
+            sys.modules["threading"]._shutdown()
+        atexit._run_exitfuncs()
+    except SystemExit as e:
+        code = _exit_code(e)
+    except BaseException:  # noqa: BLE001
+        code = code or 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:  # noqa: BLE001  a closed or full pipe
+            code = code or 120
+    return code
+
+
+def _exit_code(e: SystemExit) -> int:
+    if e.code is None:
+        return 0
+    if isinstance(e.code, int):
+        return e.code & 0xFF
+    print(e.code, file=sys.stderr)
+    return 1
 
 
 def main() -> int:
