@@ -169,3 +169,17 @@ def test_every_module_moved_still_imports_under_its_new_name():
     import importlib
     for new in C.MOVED.values():
         importlib.import_module(f"hybridrl.{new}")
+
+
+def test_built_in_tasks_bring_their_lengths_and_reward_on_the_demo_model():
+    """data.path=code on the demo model: its programs' length and the code_tests reward, unless set;
+    back to the demo's task (or another model), what the code task's recipe put goes back."""
+    cfg = C.load(None, {"data.path": "code"})
+    assert (cfg.reward.fn, cfg.rollout.max_new_tokens, cfg.data.max_prompt_len) == ("code_tests", 28, 20)
+    assert not C.explicit(cfg, "reward.fn")
+    cfg = C.apply(cfg, {"data.path": "longtail"})
+    assert (cfg.reward.fn, cfg.rollout.max_new_tokens) == ("arithmetic", 48)
+    cfg = C.apply(cfg, {"data.path": "demo"})
+    assert (cfg.reward.fn, cfg.rollout.max_new_tokens) == ("arithmetic", C.DEMO["rollout.max_new_tokens"])
+    mine = C.load(None, {"data.path": "code", "reward.fn": "code_tests:2", "rollout.max_new_tokens": "40"})
+    assert (mine.reward.fn, mine.rollout.max_new_tokens) == ("code_tests:2", 40)

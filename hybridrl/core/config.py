@@ -17,7 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from hybridrl.core.schema import (ADVANTAGES, DEMO, DEMO_LONGTAIL, DEMO_SOURCE, GROUPS, AlgoConfig,  # noqa: F401
+from hybridrl.core.schema import (ADVANTAGES, DEMO, DEMO_SOURCE, DEMO_TASKS, GROUPS, AlgoConfig,  # noqa: F401
                                   CkptConfig, Config, DataConfig, EnvConfig, LogConfig, ModelConfig, RewardConfig,
                                   RolloutConfig, TrainConfig, knob)
 
@@ -170,22 +170,31 @@ def explicit(cfg: Config, key: str) -> bool:
     src = cfg.sources.get(key)
     if src is None:
         return get(cfg, key) != default(key)
-    if src == DEMO_SOURCE and key in DEMO:  # (the demo's KV cache is sized, not in DEMO)
-        return get(cfg, key) != DEMO[key]
+    if src == DEMO_SOURCE and key in _DEMO_KEYS:  # (the demo's KV cache is sized, not in DEMO)
+        return get(cfg, key) not in _demo_values(key)
     return src in ("YAML", "flag")
+
+
+_DEMO_KEYS = set(DEMO).union(*DEMO_TASKS.values())
+
+
+def _demo_values(key: str) -> list:
+    """What the demo's recipe may have put in `key`, for its own task or a built-in one."""
+    return [r[key] for r in (DEMO, *DEMO_TASKS.values()) if key in r]
 
 
 def demo_recipe(cfg: Config) -> Config:
     """For model.path=demo, the demo's recipe (schema.DEMO) in every key of it left unset. For any
     other model, the keys it filled go back to their defaults (model.path changed after loading)."""
     demo = cfg.model.path == "demo"
-    # data.path=longtail (tasks/longtail.py, for partial rollouts): its answers need 48 tokens, not 4
-    for key, value in ({**DEMO, **DEMO_LONGTAIL} if cfg.data.path == "longtail" else DEMO).items():
+    # a built-in task (data.path=longtail, code) has its own lengths, and code its reward
+    recipe = {**DEMO, **DEMO_TASKS.get(cfg.data.path, {})} if demo else {}
+    for key in sorted(_DEMO_KEYS):
         if explicit(cfg, key):
             continue
-        if demo and cfg.sources.get(key) != DEMO_SOURCE:
-            cfg = put(cfg, key, value, DEMO_SOURCE)
-        elif not demo and cfg.sources.get(key) == DEMO_SOURCE:
+        if key in recipe and (cfg.sources.get(key) != DEMO_SOURCE or get(cfg, key) != recipe[key]):
+            cfg = put(cfg, key, recipe[key], DEMO_SOURCE)
+        elif key not in recipe and cfg.sources.get(key) == DEMO_SOURCE:
             cfg = put(cfg, key, default(key), DEMO_SOURCE)
             del cfg.sources[key]  # put copied the sources: this config's own
     return cfg

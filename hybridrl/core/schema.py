@@ -312,8 +312,9 @@ class RewardConfig(Freezable):
 
 @dataclass
 class DataConfig(Freezable):
-    path: str = knob("demo", "Prompts: 'demo' (built-in addition task), a .jsonl/.json/.parquet/.csv file, or a "
-                     "directory written by datasets' save_to_disk.")
+    path: str = knob("demo", "Prompts: a built-in task ('demo': addition; 'longtail': its long-tailed variant for "
+                     "partial rollouts; 'code': write a function, scored by running it), a .jsonl/.json/.parquet/"
+                     ".csv file, or a directory written by datasets' save_to_disk.")
     heldout_path: str = knob("", "Held-out prompts for evaluation (default: the demo's held-out split, or none).")
     prompt_key: str = knob("prompt", "Column holding the prompt text.")
     answer_key: str = knob("answer", "Column holding the reference answer passed to the reward.")
@@ -432,3 +433,11 @@ DEMO_LONGTAIL = {
     "rollout.max_new_tokens": 48,
     "data.max_prompt_len": 12,
 }
+# data.path=code on the demo (tasks/code.py, a function from two of its values): programs of up to 23
+# characters and EOS, scored by running them (code_tests); the model is hybridrl/demo_model_code
+DEMO_CODE = {
+    "rollout.max_new_tokens": 28,
+    "data.max_prompt_len": 20,
+    "reward.fn": "code_tests",
+}
+DEMO_TASKS = {"demo": {}, "longtail": DEMO_LONGTAIL, "code": DEMO_CODE}  # data.path's built-in tasks

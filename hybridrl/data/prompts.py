@@ -166,12 +166,9 @@ def read_rows(path: str, split: str = "train") -> list[Row]:
 
 def load_rows(cfg: DataConfig, split: str) -> list[Row]:
     """split is 'train' or 'heldout'."""
-    if cfg.path == "demo" and not (split == "heldout" and cfg.heldout_path):
-        from hybridrl.data.tasks import arithmetic
-        return [Row(f"demo {split} row {i}", r) for i, r in enumerate(arithmetic.load(split))]
-    if cfg.path == "longtail" and not (split == "heldout" and cfg.heldout_path):  # partial rollouts' task
-        from hybridrl.data.tasks import longtail
-        return [Row(f"longtail {split} row {i}", r) for i, r in enumerate(longtail.load(split))]
+    from hybridrl.data import tasks
+    if cfg.path in tasks.BUILT_IN and not (split == "heldout" and cfg.heldout_path):
+        return [Row(f"{cfg.path} {split} row {i}", r) for i, r in enumerate(tasks.task(cfg.path).load(split))]
     path = cfg.path if split == "train" else cfg.heldout_path
     return read_rows(path, cfg.split if split == "train" else cfg.heldout_split) if path else []
 

@@ -63,7 +63,8 @@ def reward_named(cfg: Config) -> None:
 
 
 def _data_paths(cfg: Config) -> list[tuple[str, str]]:
-    out = [] if cfg.data.path in ("demo", "longtail") else [("data.path", cfg.data.path)]  # built-in tasks
+    from hybridrl.data.tasks import BUILT_IN
+    out = [] if cfg.data.path in BUILT_IN else [("data.path", cfg.data.path)]
     return out + ([("data.heldout_path", cfg.data.heldout_path)] if cfg.data.heldout_path else [])
 
 

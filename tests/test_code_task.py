@@ -1,0 +1,29 @@
+"""The shipped code task (data.path=code): its fixed splits, and its tests run by the code_tests
+reward in the real sandbox. The demo that learns from it is the slow test at the end."""
+import json
+
+import pytest
+
+from hybridrl.data import code_tests
+from hybridrl.data.tasks import code
+
+
+def test_the_splits_are_fixed_and_disjoint():
+    train, held = code.load("train"), code.load("heldout")
+    assert (len(train), len(held)) == (2244, 256)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    assert held[0] == {"prompt": "f(0)=21;f(1)=21;", "test_list": ["assert f(0) == 21", "assert f(1) == 21",
+                       "assert f(2) == 21", "assert f(3) == 21", "assert f(10) == 21"]}  # a = 0, b = 21
+
+
+def test_programs_are_scored_by_what_they_do():
+    """The warm-up's program passes all five; the right b with a wrong a passes f(0) only; an
+    equivalent program the model was never shown passes too; garbage scores 0."""
+    row = code.load("heldout")[100]
+    a, b = code.coefficients(row["prompt"])
+    answer = json.dumps({"code_tests": code_tests.spec_of(row)})
+    score = (lambda program: code_tests.code_tests(row["prompt"], program, answer))
+    assert score(code.program_text(a, b)) == 1.0
+    assert score(code.program_text(a + 1, b)) == pytest.approx(0.2)
+    assert score(f"def f(x):\n    return sum([{a}] * x) + {b}") == 1.0
+    assert score("def f(x):return )") == 0.0
