@@ -27,3 +27,15 @@ def test_programs_are_scored_by_what_they_do():
     assert score(code.program_text(a + 1, b)) == pytest.approx(0.2)
     assert score(f"def f(x):\n    return sum([{a}] * x) + {b}") == 1.0
     assert score("def f(x):return )") == 0.0
+
+
+def test_a_code_run_scores_programs_in_the_sandbox(tmp_path):
+    """`hybridrl train --data.path code`, two steps: the demo model warmed on the task, the code_tests
+    reward from its recipe, the probe's sequences within the model's 64 positions (a code row's answer
+    is its tests as JSON, which the probe used to append whole: 119 tokens), and rewards in fifths:
+    each program ran against five asserts."""
+    from helpers.cli import train_cli
+    out, steps, summary = train_cli(tmp_path / "run", "--data.path", "code", "--steps", "2")
+    assert "reward.fn=code_tests" in out.stdout and summary["steps"] == 2
+    assert all(s["reward_errors"] == 0 and 0 < s["reward"] < 1 for s in steps)
+    assert all(s[k] * 5 == pytest.approx(round(s[k] * 5)) for s in steps for k in ("reward/p10", "reward/p90"))

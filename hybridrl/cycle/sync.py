@@ -43,6 +43,15 @@ def _counted(named, sent: dict):
 
 
 
+def probe_sequences(prompts: list, tokenizer, max_new_tokens: int) -> list[list[int]]:
+    """The probe's sequences: each prompt followed by its answer's tokens and EOS as a completion, cut
+    at `max_new_tokens` so it fits where a sampled one does (a code row's answer is its tests, as JSON:
+    longer than any program, and than the model's context)."""
+    eos = tokenizer.eos_token_id
+    return [p.ids + (tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [eos])[:max_new_tokens]
+            for p in prompts]
+
+
 def probe_batch(seqs: list[list[int]]) -> Batch:
     """Score every token after the first of each sequence."""
     n = [len(s) for s in seqs]

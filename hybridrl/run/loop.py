@@ -72,10 +72,9 @@ def train(cfg: Config) -> dict:
                                        world_size=world.size, visitors=sum(m.nbytes for _, _, m in reward_models))
     rollout = Rollout(cfg, model_path, on_cpu=on_cpu, eos_token_id=tokenizer.eos_token_id, rank=world.rank,
                       local_rank=world.local_rank, tp=tp, sizing=sizing)  # tp: the ranks that share its engine
-    probe = sync.Probe([p.ids + tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-                        for p in (heldout or prompts)[:8]],
-                      cfg.train.probe_tol or sync.PROBE[cfg.model.dtype][1], cfg.train.probe_action,
-                      stat=sync.PROBE[cfg.model.dtype][0], every=cfg.train.probe_every)
+    probe = sync.Probe(sync.probe_sequences((heldout or prompts)[:8], tokenizer, cfg.rollout.max_new_tokens),
+                       cfg.train.probe_tol or sync.PROBE[cfg.model.dtype][1], cfg.train.probe_action,
+                       stat=sync.PROBE[cfg.model.dtype][0], every=cfg.train.probe_every)
     collector = Collector(cfg, rollout, scorer, tokenizer, prompts, sampler, world, reward_models)
 
     evaluate = Evaluator(cfg, rollout, scorer, tokenizer, heldout, world, run, collector)  # held-out split
