@@ -181,3 +181,21 @@ def test_the_left_over_check_sees_a_running_program():
     time.sleep(0.7)
     assert _left_over()
     t.join()
+
+
+def test_a_killed_callers_jail_leaves_nothing_behind():
+    """A reward worker killed past its timeout cannot close its jail: the jail goes when its pipe
+    closes, and its directory when the next jail starts."""
+    import subprocess
+    import sys
+    import tempfile
+    src = "import os, signal\nfrom hybridrl import sandbox\nassert sandbox.run('print(1)').ok\n" \
+          "print(os.getpid(), flush=True)\nos.kill(os.getpid(), signal.SIGKILL)"
+    out = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, timeout=60)
+    pid = out.stdout.strip()
+    assert pid.isdigit(), out.stderr
+    left = list(Path(tempfile.gettempdir()).glob(f"hybridrl-sandbox-{pid}-*"))
+    assert left  # what it could not close
+    sandbox.shutdown()
+    assert sandbox.run("print(1)").ok  # a new jail sweeps
+    assert not any(d.exists() for d in left)

@@ -117,7 +117,8 @@ class _Jail:
     namespaces and a /tmp of its own. Used by one thread at a time."""
 
     def __init__(self) -> None:
-        self.base = Path(tempfile.mkdtemp(prefix="hybridrl-sandbox-"))
+        _sweep()
+        self.base = Path(tempfile.mkdtemp(prefix=f"hybridrl-sandbox-{os.getpid()}-"))
         (self.base / "root").mkdir()
         cfg = _config(self.base)
         with open(self.base / "jail.err", "wb") as err:
@@ -161,6 +162,18 @@ class _Jail:
         for f in (self.proc.stdin, self.proc.stdout):
             f.close()
         _remove(self.base)
+
+
+def _sweep() -> None:
+    """Remove the directories of jails whose starter is gone without closing them (killed: a reward
+    worker past its timeout). Each holds an empty mount point and the jail's error log."""
+    for d in Path(tempfile.gettempdir()).glob("hybridrl-sandbox-*-*"):
+        pid = d.name.split("-")[2]
+        try:
+            if pid.isdigit() and not os.path.exists(f"/proc/{pid}") and d.stat().st_uid == os.getuid():
+                _remove(d)
+        except OSError:  # another process swept it first
+            pass
 
 
 _IDLE: list[_Jail] = []
