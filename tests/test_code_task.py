@@ -39,3 +39,17 @@ def test_a_code_run_scores_programs_in_the_sandbox(tmp_path):
     assert "reward.fn=code_tests" in out.stdout and summary["steps"] == 2
     assert all(s["reward_errors"] == 0 and 0 < s["reward"] < 1 for s in steps)
     assert all(s[k] * 5 == pytest.approx(round(s[k] * 5)) for s in steps for k in ("reward/p10", "reward/p90"))
+
+
+@pytest.mark.slow
+def test_the_code_demo_learns_from_executed_code(tmp_path):
+    """The README's command at its recipe (16 prompts x 8 programs a step, lr 5e-5), 150 of its 200
+    steps: the share of held-out functions whose program passes all five tests rises by a clear
+    margin (23.4% -> 32.8% at step 150 in the README's run), from rewards the sandbox alone gave."""
+    from helpers.cli import train_cli
+    _, steps, summary = train_cli(tmp_path / "run", "--data.path", "code", "--steps", "150",
+                                  "--train.prompts_per_step", "16", "--rollout.n", "8", "--train.lr", "5e-5",
+                                  "--log.eval_size", "256", "--train.max_minutes", "0", timeout=3600)
+    before, after = summary["heldout_acc_before"], summary["heldout_acc_after"]
+    assert before == 0.234375 and after >= before + 0.05, (before, after)  # 60 / 256 at the start
+    assert sum(s["reward_errors"] + s["reward_timeouts"] for s in steps) == 0

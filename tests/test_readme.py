@@ -59,6 +59,8 @@ COMMANDS: dict[str, list[str]] = {
         "tests/test_plan.py::test_plan_command_prints_the_7b_table_and_refuses_72b_on_one_gpu"],
     "hybridrl plan --config examples/recipes/qwen2.5-32b-8xh100.yaml --nproc 8": [
         "tests/test_readme.py::test_cheap_commands_run_as_shown", "tests/test_plan.py::test_recipes_fit_8xh100"],
+    "hybridrl train --data.path code": ["tests/test_code_task.py::test_a_code_run_scores_programs_in_the_sandbox",
+                                        "tests/test_code_task.py::test_the_code_demo_learns_from_executed_code"],
     "hybridrl train --data.path longtail --rollout.partial on --train.prompts_per_step 16 --train.minibatches 1": [
         "tests/test_partial.py::test_longtail_task_runs_with_partial_rollouts"],
     "hybridrl train --nproc 2": ["tests/test_train_e2e.py::test_loop_runs_and_hand_off_is_exact"],

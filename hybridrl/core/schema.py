@@ -434,10 +434,18 @@ DEMO_LONGTAIL = {
     "data.max_prompt_len": 12,
 }
 # data.path=code on the demo (tasks/code.py, a function from two of its values): programs of up to 23
-# characters and EOS, scored by running them (code_tests); the model is hybridrl/demo_model_code
+# characters and EOS, scored by running them (code_tests); the model is hybridrl/demo_model_code. A step
+# costs ~20x the addition's (24-token samples, a sandboxed program each), so fewer, cheaper steps: 16
+# prompts in one update (as tests/test_demo_learns.py), 200 of them. lr stays 5e-5: 1e-4 lowered the
+# training reward within 20 steps (0.28 -> 0.21), where 5e-5 raised it steadily.
 DEMO_CODE = {
     "rollout.max_new_tokens": 28,
     "data.max_prompt_len": 20,
     "reward.fn": "code_tests",
+    "train.prompts_per_step": 16,
+    "train.minibatches": 1,
+    "train.steps": 200,
+    "train.max_minutes": 30.0,
+    "log.eval_every": 50,
 }
 DEMO_TASKS = {"demo": {}, "longtail": DEMO_LONGTAIL, "code": DEMO_CODE}  # data.path's built-in tasks

@@ -45,10 +45,10 @@ class Limits:
     wall_s: float = 10.0  # wall clock of the whole tree
     cpu_s: int = 10  # CPU seconds of each process (RLIMIT_CPU)
     memory_mb: int = 1024  # address space of each process (RLIMIT_AS)
-    file_mb: int = 16  # the largest file a process may write, its stdout and stderr included
+    file_mb: int = 16  # the largest file a process may write; /tmp holds 4x this (64 MiB at least)
     processes: int = 32  # processes and threads (RLIMIT_NPROC)
     open_files: int = 64
-    output_bytes: int = 64 << 10  # kept of stdout and of stderr
+    output_bytes: int = 64 << 10  # kept of stdout and of stderr; past file_mb in all, the program is killed
 
 
 @dataclass
