@@ -293,7 +293,8 @@ def _talk(b, w0, r1, r2, data: bytes, lim: dict, wall_s: float, cap: int) -> tup
         left = deadline - time.monotonic()
         if left <= 0 and not killed:
             timed_out = killed = _kill(b)
-            left = 5.0
+        if killed:  # the namespace is going: its pipes close in a moment
+            left = 1.0
         ready_r, ready_w, _ = select.select(open_r, [w0] if w0 is not None else [], [], max(left, 0.0))
         if w0 is not None and ready_w:
             try:
