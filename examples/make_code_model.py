@@ -17,9 +17,7 @@ Run:  python examples/make_code_model.py [--out hybridrl/demo_model_code]
 
 from __future__ import annotations
 
-import argparse
 import json
-import random
 import re
 import sys
 import time
@@ -56,19 +54,11 @@ def evaluate(model, tokenizer, rows, encoded) -> tuple[float, list[str]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=code.MODEL_DIR)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--max-steps", type=int, default=3000)
+    ap = base.warmup_args(__doc__, code.MODEL_DIR, 3000)
     ap.add_argument("--eval-every", type=int, default=10)
     args = ap.parse_args()
     t0 = time.time()
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(1)
+    base.deterministic(args.seed)
     tokenizer = base.build_tokenizer(CHARS)
     sample = "f(0)=3;f(1)=7;def f(x):return 4*x+3"
     assert tokenizer.decode(tokenizer(sample, add_special_tokens=False).input_ids) == sample
@@ -76,23 +66,12 @@ def main() -> None:
     train = base.encode_rows(tokenizer, rows_with_programs("train"))
     held_rows = rows_with_programs("heldout")
     held = base.encode_rows(tokenizer, held_rows)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
-    rng, order, trajectory = random.Random(args.seed), [], []
-    model.train()
-    for step in range(1, args.max_steps + 1):
-        if len(order) < args.batch_size:
-            order += rng.sample(range(len(train)), len(train))
-        batch, order = [train[i] for i in order[:args.batch_size]], order[args.batch_size:]
-        input_ids, labels = base.sft_batch(batch, tokenizer.pad_token_id)
-        loss = model(input_ids=input_ids, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if step % args.eval_every:
-            continue
+    trajectory = []
+    for step, loss in base.sft_steps(model, tokenizer, train, seed=args.seed, lr=args.lr, batch_size=args.batch_size,
+                                     max_steps=args.max_steps, every=args.eval_every):
         acc, texts = evaluate(model, tokenizer, held_rows, held)
-        trajectory.append({"step": step, "loss": round(loss.item(), 4), "heldout_right": acc})
-        print(f"step {step:4d}  loss {loss.item():.4f}  held-out right {acc:.3f}  e.g. {texts[0]!r}", flush=True)
+        trajectory.append({"step": step, "loss": round(loss, 4), "heldout_right": acc})
+        print(f"step {step:4d}  loss {loss:.4f}  held-out right {acc:.3f}  e.g. {texts[0]!r}", flush=True)
         if acc >= BAND[0]:
             if acc > BAND[1]:
                 raise RuntimeError(f"held-out jumped past the band to {acc:.3f}; lower --lr or --eval-every")

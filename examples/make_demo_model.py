@@ -191,17 +191,34 @@ def greedy_accuracy(model, tokenizer, rows, encoded) -> tuple[float, float]:
     return correct / len(rows), formed / len(rows)
 
 
-def warm_up(model, tokenizer, *, seed: int, lr: float, batch_size: int, max_steps: int) -> list:
-    train = encode_rows(tokenizer, arithmetic.load("train"))
-    held_rows = arithmetic.load("heldout")
-    held = encode_rows(tokenizer, held_rows)
+def warmup_args(doc: str, out: Path, max_steps: int) -> argparse.ArgumentParser:
+    """The arguments every warm-up script takes (its own are added after)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=out)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--max-steps", type=int, default=max_steps)
+    return ap
+
+
+def deterministic(seed: int) -> None:
+    """Seeds, deterministic algorithms and one thread (CPU matmul reductions can depend on the
+    thread count): two runs give byte-identical weights."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+
+
+def sft_steps(model, tokenizer, train, *, seed: int, lr: float, batch_size: int, max_steps: int, every: int):
+    """Supervised steps on `train` ((prompt, target) ids; reshuffled each epoch from the seed), AdamW;
+    yields (step, loss) every `every` steps, the model in train mode (evaluate, then set it back)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-    rng = random.Random(seed)
-    order: list[int] = []
-    trajectory = []
+    rng, order = random.Random(seed), []
     model.train()
     for step in range(1, max_steps + 1):
-        if len(order) < batch_size:  # new epoch: reshuffle, deterministic from the seed
+        if len(order) < batch_size:
             order += rng.sample(range(len(train)), len(train))
         batch, order = [train[i] for i in order[:batch_size]], order[batch_size:]
         input_ids, labels = sft_batch(batch, tokenizer.pad_token_id)
@@ -209,12 +226,21 @@ def warm_up(model, tokenizer, *, seed: int, lr: float, batch_size: int, max_step
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        if step % every == 0:
+            yield step, loss.item()
+
+
+def warm_up(model, tokenizer, *, seed: int, lr: float, batch_size: int, max_steps: int) -> list:
+    train = encode_rows(tokenizer, arithmetic.load("train"))
+    held_rows = arithmetic.load("heldout")
+    held = encode_rows(tokenizer, held_rows)
+    trajectory = []
+    for step, loss in sft_steps(model, tokenizer, train, seed=seed, lr=lr, batch_size=batch_size,
+                                max_steps=max_steps, every=1):
         acc, formed = greedy_accuracy(model, tokenizer, held_rows, held)
-        trajectory.append({"step": step, "loss": round(loss.item(), 4), "heldout_acc": acc,
-                           "well_formed": formed})
+        trajectory.append({"step": step, "loss": round(loss, 4), "heldout_acc": acc, "well_formed": formed})
         if step % 10 == 0 or acc >= ACC_BAND[0]:
-            print(f"step {step:4d}  loss {loss.item():.4f}  heldout_acc {acc:.3f}  "
-                  f"well_formed {formed:.3f}", flush=True)
+            print(f"step {step:4d}  loss {loss:.4f}  heldout_acc {acc:.3f}  well_formed {formed:.3f}", flush=True)
         if acc >= ACC_BAND[0]:
             if acc > ACC_BAND[1]:
                 raise RuntimeError(f"held-out accuracy jumped past the band to {acc:.3f}; "
@@ -272,21 +298,13 @@ def check_vllm(model_dir: Path) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=arithmetic.DEMO_MODEL_DIR)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--max-steps", type=int, default=3000)
+    ap = warmup_args(__doc__, arithmetic.DEMO_MODEL_DIR, 3000)
     ap.add_argument("--check-vllm", action="store_true",
                     help="after saving, load the model in vLLM and compare with transformers")
     args = ap.parse_args()
 
     t0 = time.time()
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(1)
+    deterministic(args.seed)
 
     tokenizer = build_tokenizer()
     model = build_model(tokenizer)

@@ -13,9 +13,7 @@ Run:  python examples/make_longtail_model.py [--out hybridrl/demo_model_longtail
 
 from __future__ import annotations
 
-import argparse
 import json
-import random
 import shutil
 import sys
 import time
@@ -47,20 +45,12 @@ def evaluate(model, tokenizer, rows, encoded) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", type=Path, default=longtail.MODEL_DIR)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--batch-size", type=int, default=64)
-    ap.add_argument("--max-steps", type=int, default=2000)
+    ap = base.warmup_args(__doc__, longtail.MODEL_DIR, 2000)
     ap.add_argument("--eval-every", type=int, default=25)
     ap.add_argument("--eval-size", type=int, default=64, help="held-out prompts evaluated (every k-th row)")
     args = ap.parse_args()
     t0 = time.time()
-    random.seed(args.seed)
-    torch.manual_seed(args.seed)
-    torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(1)
+    base.deterministic(args.seed)
     from transformers import AutoModelForCausalLM, AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(arithmetic.DEMO_MODEL_DIR)
     model = AutoModelForCausalLM.from_pretrained(arithmetic.DEMO_MODEL_DIR, dtype=torch.float32)
@@ -68,23 +58,12 @@ def main() -> None:
     held_rows = longtail.load("heldout")
     held_rows = held_rows[:: max(1, len(held_rows) // args.eval_size)]  # greedy to 48 tokens is the slow part
     held = base.encode_rows(tokenizer, held_rows)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.0)
-    rng, order, trajectory = random.Random(args.seed), [], []
-    model.train()
-    for step in range(1, args.max_steps + 1):
-        if len(order) < args.batch_size:
-            order += rng.sample(range(len(train)), len(train))
-        batch, order = [train[i] for i in order[:args.batch_size]], order[args.batch_size:]
-        input_ids, labels = base.sft_batch(batch, tokenizer.pad_token_id)
-        loss = model(input_ids=input_ids, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if step % args.eval_every:
-            continue
+    trajectory = []
+    for step, loss in base.sft_steps(model, tokenizer, train, seed=args.seed, lr=args.lr, batch_size=args.batch_size,
+                                     max_steps=args.max_steps, every=args.eval_every):
         ev = evaluate(model, tokenizer, held_rows, held)
-        trajectory.append({"step": step, "loss": round(loss.item(), 4), **ev})
-        print(f"step {step:4d}  loss {loss.item():.4f}  {ev}", flush=True)
+        trajectory.append({"step": step, "loss": round(loss, 4), **ev})
+        print(f"step {step:4d}  loss {loss:.4f}  {ev}", flush=True)
         if ev["repeat_share"] >= 0.5:
             break
     else:
