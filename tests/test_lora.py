@@ -223,7 +223,8 @@ def test_lora_demo_run_learns(tmp_path):
     (21.9% -> 54.7% at step 300 in the README's run; full fine-tuning reaches 44.5-53.5%)."""
     _, steps, summary = train_cli(tmp_path / "run", "--steps", "300", "--train.prompts_per_step", "16",
                                   "--rollout.n", "8", "--model.lora_rank", "16", "--train.lr", "3e-4",
-                                  "--log.eval_size", "256", "--train.max_minutes", "0")
+                                  "--log.eval_size", "256", "--train.max_minutes", "0",
+                                  timeout=1800)  # 288 s alone; past 600 s beside other jobs
     before, after = summary["heldout_acc_before"], summary["heldout_acc_after"]
     assert before == 0.21875 and after >= before + 0.15, (before, after)
     assert all(s["sync/bytes"] == ADAPTER_BYTES for s in steps)
