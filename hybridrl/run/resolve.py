@@ -97,9 +97,10 @@ def configure(cfg: Config, on_cpu: bool, world_size: int = 1,
     are when not at model.path (`hybridrl eval` of a run's exported checkpoint).
     Returns (config, model directory, model info)."""
     cfg, path = machine(cfg, on_cpu)
-    if model_dir is None and cfg.model.path == "demo" and cfg.data.path in ("longtail", "code"):
-        from hybridrl.data import tasks
-        model_dir = str(tasks.task(cfg.data.path).MODEL_DIR)  # the demo model warmed on that task
+    from hybridrl.data import tasks
+    if model_dir is None and cfg.model.path == "demo" and cfg.data.path in tasks.BUILT_IN:
+        own = getattr(tasks.task(cfg.data.path), "MODEL_DIR", None)  # the demo model warmed on that task
+        model_dir = str(own) if own else None
     info = models.inspect(model_dir or cfg.model.path, cfg.model.trust_remote_code)
     fast_bf16 = on_cpu and not launch.all_max(float(not platform.current().amx_bf16))
     cfg = recipe.resolve(cfg, info, on_cpu=on_cpu, world_size=world_size, fast_bf16=fast_bf16)

@@ -214,10 +214,10 @@ def run(source: str, stdin: str = "", limits: Limits = Limits(), files: dict[str
     """Run `source` as a Python program (as `python -I -S /tmp/prog.py`, beside `files` in its private
     /tmp) with `stdin` as its standard input; never raises for what the program does. `argv` runs
     that command instead ("{python}" names the interpreter), for a program that must be exec'd."""
-    exe, _ = _python()
     uid = NOBODY if os.getuid() == 0 else os.getuid()
+    argv = [_python()[0] if a == "{python}" else a for a in argv] if argv else []
     req = {"source": source, "stdin": stdin, "files": files or {}, "wall_s": limits.wall_s,
-           "output_bytes": limits.output_bytes, "argv": [exe if a == "{python}" else a for a in argv or []],
+           "output_bytes": limits.output_bytes, "argv": argv,
            "limits": {"cpu_s": limits.cpu_s, "memory_bytes": limits.memory_mb << 20,
                       "file_bytes": limits.file_mb << 20, "tmp_bytes": max(4 * limits.file_mb, 64) << 20,
                       "processes": limits.processes + _processes_of(uid), "open_files": limits.open_files}}

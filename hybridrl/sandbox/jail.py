@@ -34,6 +34,7 @@ reason on stderr, prefixed "sandbox:").
 """
 
 import ctypes
+import functools
 import json
 import os
 import resource
@@ -85,6 +86,7 @@ AF_PACKET, SOCK_RAW = 17, 3
 EPERM, ENOSYS = 1, 38
 
 
+@functools.lru_cache(maxsize=None)  # built once in the jail, installed by every program
 def seccomp_filter() -> bytes:
     """A classic-BPF program: other architectures killed; the DENIED calls, clone with a namespace flag
     and packet or raw sockets fail with EPERM; clone3 with ENOSYS (its flags are behind a pointer, so
@@ -124,7 +126,7 @@ def seccomp_filter() -> bytes:
 
 
 def install_seccomp() -> None:
-    code = getattr(install_seccomp, "code", None) or seccomp_filter()
+    code = seccomp_filter()
     buf = ctypes.create_string_buffer(code)
 
     class Fprog(ctypes.Structure):
@@ -217,7 +219,7 @@ def serve(cfg: dict) -> int:
     ctl_in, ctl_out = os.dup(0), os.dup(1)
     null = os.open("/dev/null", os.O_RDWR)
     os.dup2(null, 0), os.dup2(null, 1), os.close(null)
-    install_seccomp.code = seccomp_filter()  # built once, installed by every program
+    seccomp_filter()  # built before any program: each fork finds it cached
     import atexit  # noqa: F401  what run_source needs, imported once: each program is spared it
     import io  # noqa: F401
     import traceback  # noqa: F401
