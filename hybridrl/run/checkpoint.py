@@ -231,7 +231,7 @@ class Saver:
                                                exclude_frozen_parameters=trainer.peft is not None)
                 if critic:  # PPO's value model: its own DeepSpeed checkpoint, critic/
                     critic.save_checkpoint(str(tmp))
-                _save_torch({"rng": rng_state(), "probe_last": probe.last,  # buffer: partial rollouts' groups in flight
+                _save_torch({"rng": rng_state(), "probe_last": probe.last, "probe_tol": probe.tol,  # buffer: partial rollouts' groups in flight
                              **({"partial": buffer.state()} if buffer is not None else {})},
                             tmp / f"rank-{self.world.rank}.pt")
                 if main:
@@ -416,8 +416,10 @@ class Resume:
         if critic:
             critic.load_checkpoint(str(self.path))
         hand_off()  # the loaded weights to vLLM, as after any step
-        probe(trainer, rollout, self.step)  # raises if vLLM and the trainer disagree
         mine = load_rank_state(self.path / f"rank-{dist.get_rank() if dist.is_initialized() else 0}.pt")
+        if not probe.calibrated and "probe_tol" in mine:  # the bound the run calibrated at its start
+            probe.tol, probe.calibrated = mine["probe_tol"], True
+        probe(trainer, rollout, self.step)  # raises if vLLM and the trainer disagree
         probe.last = mine["probe_last"]
         if buffer is not None:  # partial rollouts: the groups in flight (none if saved with rollout.partial off)
             buffer.load(mine.get("partial"))

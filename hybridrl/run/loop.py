@@ -74,7 +74,8 @@ def train(cfg: Config) -> dict:
                       local_rank=world.local_rank, tp=tp, sizing=sizing)  # tp: the ranks that share its engine
     probe = sync.Probe(sync.probe_sequences((heldout or prompts)[:8], tokenizer, cfg.rollout.max_new_tokens),
                        cfg.train.probe_tol or sync.PROBE[cfg.model.dtype][1], cfg.train.probe_action,
-                       stat=sync.PROBE[cfg.model.dtype][0], every=cfg.train.probe_every)
+                       stat=sync.PROBE[cfg.model.dtype][0], every=cfg.train.probe_every,
+                       calibrated=bool(cfg.train.probe_tol))
     collector = Collector(cfg, rollout, scorer, tokenizer, prompts, sampler, world, reward_models)
 
     evaluate = Evaluator(cfg, rollout, scorer, tokenizer, heldout, world, run, collector)  # held-out split
@@ -90,6 +91,7 @@ def train(cfg: Config) -> dict:
         start -= resumed.state["history"]["elapsed_s"]
     else:
         done, acc_before = 0, evaluate(0)
+        run.data(probe.calibrate(trainer, rollout))  # the engines' rounding gap on the weights both loaded
     last_eval, step, stop_signal = start, done, 0
     watchdog = faults.Watchdog(cfg.train.watchdog_s, world.rank, world.size, run.dir)  # a stalled rank stops the run
     # SIGTERM/SIGINT: finish the step, save, exit; a device OOM or a dead vLLM engine: one line naming the phase
