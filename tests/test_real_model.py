@@ -91,6 +91,9 @@ BEFORE = {
              "train.lr": 1e-06, "train.prompts_per_step": 64, "train.minibatches": 1, "train.data_epochs": 1.0,
              "train.max_minutes": 0.0, "log.eval_every": 50, "train.steps": 36, "rollout.kv_cache_mb": 385},
 }
+# the tiny model's CPU KV cache since the context follows the data: 64 x 8 sequences of 9 128-token blocks
+# (the demo's prompts in the chat template + 1024 tokens), plus the block vLLM keeps, at 512 bytes a token
+SINCE_KV_MB = 289
 # both, then and now: float32, sdpa (set by "auto"), vLLM eager, nothing the memory plan changes on CPU
 BOTH = {"model.dtype": "float32", "model.attn_implementation": "sdpa", "rollout.enforce_eager": True,
         "model.gradient_checkpointing": False, "train.zero_stage": 2, "train.max_tokens_per_micro_batch": 8192,
@@ -108,6 +111,9 @@ def test_resolved_config_is_the_one_before_real_defaults(tiny, monkeypatch):
         res = resolve.run_config(cfg, world)
         got = C.flatten(C.to_dict(res.cfg))
         pinned = {**BEFORE[name], **BOTH, "model.path": "demo" if name == "demo" else str(tiny)}
+        if name == "tiny":  # since: the context is the data's longest prompt + the completion, not the 512 cap's
+            longest = max(len(p.ids) for p in res.prompts + res.heldout)
+            pinned.update({"rollout.max_model_len": longest + 1024, "rollout.kv_cache_mb": SINCE_KV_MB})
         assert {k: got[k] for k in pinned} == pinned, name
         rest = set(got) - set(pinned)
         assert {k: got[k] for k in rest} == {k: defaults[k] for k in rest}, name
@@ -118,9 +124,9 @@ def test_resolved_config_is_the_one_before_real_defaults(tiny, monkeypatch):
             assert {k for k, v in sources.items() if v == "demo recipe"} == {*recipe.DEMO, "rollout.kv_cache_mb"}
         else:  # the real values are the defaults now: no source; the recipe derives the context and KV cache
             assert not set(recipe.DEMO) - {"rollout.max_model_len"} & set(sources)
+            data = f"the data's longest prompt, {longest} tokens"
             assert {k: sources[k] for k in ("rollout.max_model_len", "rollout.kv_cache_mb", "train.steps")} == {
-                "rollout.max_model_len": "real-model recipe", "rollout.kv_cache_mb": "real-model recipe",
-                "train.steps": "train.data_epochs"}
+                "rollout.max_model_len": data, "rollout.kv_cache_mb": data, "train.steps": "train.data_epochs"}
         # the trainer's choices (kernels, packing, a group's prompt once), in the printed recipe
         assert (res.layout.kernels, res.layout.packing, res.layout.share_prompt) == ("torch", False, True)
         text = "\n".join(recipe.describe(res.cfg, res.info, on_cpu=True, n_prompts=len(res.prompts),

@@ -204,6 +204,28 @@ def _context(cfg: Config, info: ModelInfo) -> Config:
     return put(cfg, "rollout.max_model_len", prompt + completion, "real-model recipe")
 
 
+def fit_to_data(cfg: Config, info: ModelInfo, longest: int, *, on_cpu: bool, world_size: int = 1,
+                free_ram: int | None = None) -> Config:
+    """rollout.max_model_len at the data's longest prompt (`longest` tokens, training and held-out
+    prompts, as encoded) + rollout.max_new_tokens, where the recipe set it from data.max_prompt_len's
+    cap: the KV cache and the memory plan then count the prompts the run has (a chat set of 50-token
+    prompts under the 512 cap needs a tenth of the context). The CPU KV cache follows, unless set.
+    Left alone: a context the user set, the demo's, a multi-turn run's (environment turns grow a
+    prompt past its first turn) and data at or above the cap."""
+    if (cfg.model.path == "demo" or explicit(cfg, "rollout.max_model_len") or cfg.env.cls or not longest
+            or longest >= cfg.data.max_prompt_len):
+        return cfg
+    context = longest + cfg.rollout.max_new_tokens
+    if context >= cfg.rollout.max_model_len:
+        return cfg
+    cfg = put(cfg, "rollout.max_model_len", context, f"the data's longest prompt, {longest} tokens")
+    if on_cpu and not explicit(cfg, "rollout.kv_cache_mb"):
+        mb = cpu_kv_mb(memory.step_seqs(cfg, world_size), context, info.kv_bytes_per_token(cfg.model.dtype),
+                       _free_ram() if free_ram is None else free_ram, world_size)
+        cfg = put(cfg, "rollout.kv_cache_mb", mb, f"the data's longest prompt, {longest} tokens")
+    return cfg
+
+
 def cpu_kv_mb(seqs: int, context: int, bytes_per_token: int, free_ram: int, ranks: int = 1) -> int:
     """MiB of CPU KV cache for a step of `seqs` sequences of `context` tokens: all of them at
     once, but at most half the free RAM (shared by the ranks of this machine) and at least

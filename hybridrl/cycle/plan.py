@@ -349,8 +349,12 @@ def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp
         need = seqs * seq_kv
         kv, floor = max(memory.KV_HEADROOM * need, memory.KV_MIN), max(memory.kv_floor(seqs, seq_kv), memory.KV_MIN)
     trained = shape.lora_params(m.lora_rank, m.lora_target_modules) if m.lora_rank else shape.params
+    # a micro-batch holds at most the rank's whole step: its rows at full context (a short step's
+    # micro-batch is smaller than the token budget), and at least a rank's share of one sequence
+    step_tokens = -(-t.prompts_per_step // world) * r.n * r.max_model_len
+    mb_tokens = max(min(t.max_tokens_per_micro_batch, step_tokens), -(-r.max_model_len // t.sequence_parallel_size))
     return Knobs(world=world, local=local, tp=tp, zero=t.zero_stage, b=b, ckpt=m.gradient_checkpointing,
-                 mb_tokens=max(t.max_tokens_per_micro_batch, -(-r.max_model_len // t.sequence_parallel_size)),
+                 mb_tokens=mb_tokens,
                  optimizer_offload=t.optimizer_offload == "on", param_offload=t.param_offload == "on",
                  trained=trained, reference=cfg.algo.kl_coef > 0 and not m.lora_rank,
                  critic=cfg.algo.advantage == "gae", sleep_level=r.sleep_level, graphs=not r.enforce_eager,
@@ -447,9 +451,10 @@ def decide(cfg: Config, shape: Shape, *, device: int, host: int, world: int, loc
     k = p.knobs
     chosen = {"rollout.tensor_parallel_size": (k.tp, base.tp), "model.gradient_checkpointing": (k.ckpt, base.ckpt),
               # the budget the plan assumed (at least a rank's share of the longest sequence), which the trainer
-              # holds every micro-batch to; the user's own is kept
+              # holds every micro-batch to; the user's own is kept, and so is one a short step never fills
               "train.max_tokens_per_micro_batch": (k.mb_tokens, base.mb_tokens if explicit(
-                  cfg, "train.max_tokens_per_micro_batch") else cfg.train.max_tokens_per_micro_batch),
+                  cfg, "train.max_tokens_per_micro_batch") or base.mb_tokens <= cfg.train.max_tokens_per_micro_batch
+                  else cfg.train.max_tokens_per_micro_batch),
               "train.sequence_parallel_size": (k.sp, base.sp), "train.zero_stage": (k.zero, base.zero),
               "train.optimizer_offload": ("on" if k.optimizer_offload else "off", cfg.train.optimizer_offload),
               "train.param_offload": ("on" if k.param_offload else "off", cfg.train.param_offload)}
@@ -526,6 +531,11 @@ def fit(cfg: Config, model_dir: str, *, world: int, local: int, device: int, hos
     return decide(cfg, shape, device=device, host=host, world=world, local=local, on_cpu=on_cpu)
 
 
+def available_gib() -> float:
+    """This machine's available memory, what a CPU run's plan may use (memory.plan_budget's)."""
+    return (memory.meminfo("MemAvailable") or memory.meminfo("MemTotal")) / GIB
+
+
 def summary(p: MemoryPlan) -> str:
     """One line for CPU runs, where the table would mostly say 'fits'."""
     phase, peak = p.peak
@@ -533,18 +543,42 @@ def summary(p: MemoryPlan) -> str:
             "(`hybridrl plan` prints the table)")
 
 
-def dry_run(cfg: Config, *, nproc: int, nnodes: int, gpu_gib: float, host_gib: float) -> tuple[Config, MemoryPlan, list[str]]:
+def dry_run(cfg: Config, *, nproc: int, nnodes: int, gpu_gib: float, host_gib: float,
+            cpu: bool = False) -> tuple[Config, MemoryPlan, list[str]]:
     """`hybridrl plan`: the recipe and the plan a run of `cfg` would get on nnodes x nproc GPUs of
-    gpu_gib each, from the model's config.json alone. Returns (config, plan, recipe lines)."""
-    from hybridrl.core import recipe
+    gpu_gib each (cpu: on CPU ranks sharing host_gib), from the model's config.json alone, with the
+    context at the data's longest prompt where the model's tokenizer is at hand (as a run's start
+    has it: recipe.fit_to_data). Returns (config, plan, recipe lines)."""
+    from hybridrl.core import platform, recipe
     conf = read_config(cfg.model.path)
     shape = Shape.from_config(conf)
     info = info_of(cfg.model.path, conf, shape)
     world = nproc * nnodes
-    cfg = recipe.auto_dtype(cfg, on_cpu=False)
-    cfg = recipe.resolve(cfg, info, on_cpu=False, world_size=world)
+    ram = int(host_gib * GIB) if cpu else None
+    cfg = recipe.auto_dtype(cfg, on_cpu=cpu)
+    cfg = recipe.resolve(cfg, info, on_cpu=cpu, world_size=world, free_ram=ram,
+                         fast_bf16=cpu and platform.current().amx_bf16)
+    cfg = recipe.fit_to_data(cfg, info, data_longest(cfg), on_cpu=cpu, world_size=world, free_ram=ram)
     if cfg.train.prompts_per_step % world:
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by the {world} ranks")
-    cfg, p = decide(cfg, shape, device=int(gpu_gib * GIB), host=int(host_gib * GIB), world=world, local=nproc,
-                    on_cpu=False)
-    return cfg, p, recipe.describe(cfg, info, on_cpu=False, planned_ranks=nproc)
+    device = int(host_gib * GIB) // nproc if cpu else int(gpu_gib * GIB)
+    cfg, p = decide(cfg, shape, device=device, host=int(host_gib * GIB), world=world, local=nproc, on_cpu=cpu)
+    return cfg, p, recipe.describe(cfg, info, on_cpu=cpu, planned_ranks=nproc)
+
+
+def data_longest(cfg: Config) -> int:
+    """The longest training or held-out prompt in tokens, as a run encodes them; 0 where the model's
+    tokenizer is not on this machine (the plan then counts data.max_prompt_len) or for the demo."""
+    if cfg.model.path == "demo":
+        return 0
+    from transformers import AutoTokenizer
+
+    from hybridrl.core.config import UserError
+    from hybridrl.data.prompts import encode, load_rows
+    try:  # a recipe planned on another machine than its run's may have neither
+        tok = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code,
+                                            local_files_only=True)
+        kept = [p for split in ("train", "heldout") for p in encode(load_rows(cfg.data, split), tok, cfg.data, split)[0]]
+    except (OSError, ValueError, UserError):
+        return 0
+    return max((len(p.ids) for p in kept), default=0)

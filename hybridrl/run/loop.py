@@ -22,7 +22,7 @@ from hybridrl.core.config import Config, torch_dtype
 from hybridrl.cycle import engine_cycle, sync
 from hybridrl.data import partial, rewards
 from hybridrl.data.batch import Batch
-from hybridrl.data.prompts import Sampler, encode, load_rows
+from hybridrl.data.prompts import Sampler
 from hybridrl.engines import reward_model
 from hybridrl.engines.critic import Critic
 from hybridrl.engines.reference import Reference
@@ -44,12 +44,11 @@ def train(cfg: Config) -> dict:
     engine_cycle.check(cfg, cuda=not on_cpu)  # allocator settings that would break vLLM's sleep mode
     # the machine's 'auto' settings, the model's recipe, the memory plan, the steps from the data
     res = resolve.run_config(cfg, world)
-    cfg, model_path, info, tokenizer, prompts = res.cfg, res.model_path, res.info, res.tokenizer, res.prompts
+    cfg, model_path, info, tokenizer, prompts, heldout = (res.cfg, res.model_path, res.info, res.tokenizer, res.prompts,
+                                                          res.heldout)
     seed_everything(cfg.train.seed + world.rank)
     tp = launch.tp_groups(world, cfg.rollout.tensor_parallel_size)  # every rank keeps its own prompts
 
-    heldout, _ = encode(load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")
-    heldout = heldout[: cfg.log.eval_size or None]
     sampler = Sampler(len(prompts), cfg.train.seed)
     resumed = res.resumed  # None: a fresh run; else the run continues in that run's directory
     scorer = rewards.Scorer(cfg.reward, rank=world.rank)  # a bad reward.fn fails here; its workers start now

@@ -7,7 +7,9 @@ one a run uses in five stages, each filling only what the user left unset:
     recipe       the model's (recipe.resolve): lengths and context, the CPU KV cache, with LoRA
                  vLLM's sleep level 1, on CPU the dtype, attention and compiled decoder of a real-size model
     memory plan  what fits the device (plan.fit): micro-batch tokens, ZeRO stage, offloading, ...
-    data         train.steps from train.data_epochs and the prompts left once too-long ones drop
+    data         rollout.max_model_len at the data's longest prompt (recipe.fit_to_data), so the
+                 plan counts the prompts the run has, not data.max_prompt_len's cap; train.steps
+                 from train.data_epochs and the prompts left once too-long ones drop
     resume       a resumed run's directory (checkpoint.Resume.find)
 
 and the trainer's layout (kernels, packing, shared prompt: policy.layout) is decided from it, so
@@ -41,6 +43,7 @@ class Resolved:
     tokenizer: object
     prompts: list
     dropped: dict
+    heldout: list  # the held-out prompts evaluated (log.eval_size of them), encoded like `prompts`
     layout: policy.Layout  # what the trainer will run with (recipe.describe's `engines`)
     resumed: checkpoint.Resume | None = None  # the checkpoint the run continues from (ckpt.resume)
 
@@ -52,6 +55,13 @@ def run_config(cfg: Config, world) -> Resolved:
     Collective: every rank calls it (the plan and bfloat16 on CPU are agreed over the ranks)."""
     on_cpu = world.device.type == "cpu"
     cfg, model_path, info = configure(cfg, on_cpu, world.size)  # the demo's recipe, or a real model's defaults
+    from transformers import AutoConfig, AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    rows = load_rows(cfg.data, "train")
+    prompts, dropped = encode(rows, tokenizer, cfg.data, cfg.data.path)
+    heldout = encode(load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")[0][: cfg.log.eval_size or None]
+    cfg = recipe.fit_to_data(cfg, info, max((len(p.ids) for p in prompts + heldout), default=0), on_cpu=on_cpu,
+                             world_size=world.size)  # the context the data needs, before the plan counts it
     cfg = plan_memory(cfg, model_path, world, on_cpu)  # every phase on the device; what the user left unset
     if cfg.train.prompts_per_step % world.size:
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by "
@@ -60,14 +70,11 @@ def run_config(cfg: Config, world) -> Resolved:
     if world.size % sp:
         raise ConfigError(f"train.sequence_parallel_size={sp} must divide the {world.size} ranks: use --nproc a "
                           f"multiple of {sp}")
-    from transformers import AutoConfig, AutoTokenizer
     heads = getattr(AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code).get_text_config(),
                     "num_attention_heads", sp) if sp > 1 else sp
     if heads % sp:
         raise ConfigError(f"train.sequence_parallel_size={sp} must divide the model's {heads} attention heads (each "
                           "rank of the group attends with its share of them)")
-    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
-    prompts, dropped = encode(load_rows(cfg.data, "train"), tokenizer, cfg.data, cfg.data.path)
     cfg = recipe.set_steps(cfg, len(prompts))  # train.data_epochs -> train.steps
     resumed = checkpoint.Resume.find(cfg, world)  # None: a fresh run
     if resumed:  # continue in that run's directory
@@ -76,7 +83,8 @@ def run_config(cfg: Config, world) -> Resolved:
                            name=info.arch)
     # frozen from here: what the engines read is what the run prints and records (plan_rollout's
     # measured sizes come back beside it, engine_cycle.plan_rollout)
-    return Resolved(freeze(cfg), model_path, info, tokenizer, prompts, dropped, layout, resumed)
+    return Resolved(freeze(cfg), model_path, info, tokenizer, prompts, dropped, heldout, layout,
+                    resumed)
 
 
 def eval_config(cfg: Config, on_cpu: bool, world_size: int = 1,
