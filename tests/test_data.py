@@ -186,3 +186,41 @@ def test_bytes_that_are_not_utf8_name_the_file_and_line(tmp_path, tok):
     (tmp_path / "d.json").write_bytes(b'[{"question": "1+1=", "label": 2},\n {"question": "caf\xe9", "label": 3}]')
     with pytest.raises(data.DataError, match=r"d.json:2: not valid UTF-8 \(byte 0xe9 at character 19\)"):
         load(tmp_path / "d.json", tok)
+
+
+@pytest.fixture(scope="module")
+def chatml():
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    import tiny_model
+    return tiny_model.tokenizer()
+
+
+def test_prompts_rendered_with_the_template_are_not_templated_twice(tmp_path, chatml):
+    """Data converted from verl or OpenRLHF often holds prompts already rendered with the chat template.
+    Under data.chat_template=auto they were wrapped a second time without a word (two system/user
+    headers); now a prompt carrying the template's markers is used as given, tokenized without added
+    special tokens, and the recipe printed at start says which applied."""
+    q = "what is 12+7?"
+    rendered = chatml.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+    assert data.template_markers(chatml) == ["<|im_end|>", "<|im_start|>"]
+    cfg = DataConfig(prompt_key="question", answer_key="label")
+    plain = write(tmp_path, "jsonl", [{"question": q, "label": "19"}], "plain")
+    given = write(tmp_path, "jsonl", [{"question": rendered, "label": "19"}], "given")
+    wrapped = data.encode(data.read_rows(str(plain)), chatml, cfg, "x")[0][0].ids
+    as_given = data.encode(data.read_rows(str(given)), chatml, cfg, "x")[0][0].ids
+    assert as_given == wrapped and chatml.decode(as_given).count("<|im_start|>user") == 1
+    assert data.template_choice(data.read_rows(str(plain)), chatml, cfg) == {
+        "data.chat_template": ("on", "auto, the tokenizer has a chat template")}
+    assert data.template_choice(data.read_rows(str(given)), chatml, cfg) == {
+        "data.chat_template": ("as given", "auto, the prompts carry the chat template's <|im_end|> <|im_start|>")}
+    # asking to wrap rendered prompts, or a file with both kinds: one line naming the fix
+    with pytest.raises(ConfigError, match="already carry the chat template's markers .* set data.chat_template=auto"):
+        data.encode(data.read_rows(str(given)), chatml, DataConfig(prompt_key="question", answer_key="label",
+                                                                   chat_template="on"), "x")
+    mixed = write(tmp_path, "jsonl", [{"question": rendered, "label": "19"}, {"question": q, "label": "19"}], "mixed")
+    with pytest.raises(data.DataError, match="1 of 2 prompts already carry the chat template's markers"):
+        data.encode(data.read_rows(str(mixed)), chatml, cfg, "x")
+    off = DataConfig(prompt_key="question", answer_key="label", chat_template="off")  # off: the text, tokenized
+    assert data.encode(data.read_rows(str(given)), chatml, off, "x")[0][0].ids == chatml(rendered)["input_ids"]

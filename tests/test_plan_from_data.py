@@ -55,6 +55,7 @@ def test_a_run_plans_its_context_at_the_datas_longest_prompt(tiny, chat_data, mo
         f"the data's longest prompt, {longest} tokens"
     assert res.cfg.data.max_prompt_len == 512 and res.cfg.sources["rollout.kv_cache_mb"] == \
         f"the data's longest prompt, {longest} tokens"  # resized for that context (here at its 64 MiB floor)
+    assert res.chat == {"data.chat_template": ("on", "auto, the tokenizer has a chat template")}
 
 
 def test_what_the_data_does_not_decide_is_left_alone(tiny):

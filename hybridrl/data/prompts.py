@@ -8,7 +8,10 @@ Formats: .jsonl (one object per line), .json (a list of objects, or JSON lines a
 without a prompt may be in chat format instead: `data.messages_key` holds a list of
 {"role", "content"} turns (system, user, ...) as in Hugging Face chat datasets, rendered with the
 tokenizer's chat template; a trailing assistant turn is left out, and the reward sees the last
-user turn as the prompt.
+user turn as the prompt. A plain prompt is wrapped in the chat template (data.chat_template=auto,
+where the tokenizer has one) unless it carries the template's markers already (data converted
+from verl or OpenRLHF often comes rendered): then it is used as given, never templated twice
+(`rendered_prompts`).
 
 Readers never judge a row; `encode` does, in one place: a malformed row (bad JSON, not an
 object, a missing key, a prompt that is not a non-empty string, bytes that are not UTF-8) fails
@@ -245,6 +248,51 @@ def _row_answer(row: dict, cfg: DataConfig) -> str:
     return _answer(row[cfg.answer_key]) if cfg.answer_key else ""
 
 
+def template_markers(tokenizer) -> list[str]:
+    """The special tokens the tokenizer's chat template writes around a user turn ('<|im_start|>',
+    '<|start_header_id|>', ...): a prompt carrying one was rendered with a template already."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}], add_generation_prompt=True,
+                                         tokenize=False)
+    special = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())
+    return sorted(t for t in special if len(t) > 1 and t in text)
+
+
+def rendered_prompts(rows: list[Row], tokenizer, cfg: DataConfig, source: str) -> bool:
+    """Whether the plain prompts of `rows` already carry the chat template's markers, so that they
+    are used as given (tokenized without added special tokens) instead of wrapped again. All or
+    none: a mix, or rendered prompts under data.chat_template=on, stops in one line naming the fix."""
+    markers = template_markers(tokenizer)
+    if not markers:
+        return False
+    plain = [r.value[cfg.prompt_key] for r in rows if not r.problem and isinstance(r.value, dict)
+             and isinstance(r.value.get(cfg.prompt_key), str)]
+    carry = sum(any(m in text for m in markers) for text in plain)
+    if not carry:
+        return False
+    if carry < len(plain):
+        raise DataError(f"{source}: {carry} of {len(plain)} prompts already carry the chat template's markers "
+                        f"({', '.join(markers)}) and the others do not: render all of them or none (plain prompts are "
+                        "wrapped under data.chat_template=auto)")
+    if cfg.chat_template == "on":
+        raise ConfigError(f"{source}: the prompts already carry the chat template's markers ({', '.join(markers)}) and "
+                          "data.chat_template=on would wrap them again; set data.chat_template=auto (use them as "
+                          "given) or give plain prompts")
+    return True
+
+
+def template_choice(rows: list[Row], tokenizer, cfg: DataConfig) -> dict[str, tuple[str, str]]:
+    """What data.chat_template=auto does with these rows, for the recipe the run prints at start:
+    {"data.chat_template": (value, why)}; {} where nothing was left to decide."""
+    if cfg.chat_template != "auto" or not getattr(tokenizer, "chat_template", None):
+        return {}
+    if rendered_prompts(rows, tokenizer, cfg, cfg.path):
+        return {"data.chat_template": ("as given", "auto, the prompts carry the chat template's "
+                                       + " ".join(template_markers(tokenizer)))}
+    return {"data.chat_template": ("on", "auto, the tokenizer has a chat template")}
+
+
 def encode(rows: list[Row], tokenizer, cfg: DataConfig, source: str) -> tuple[list[Prompt], dict[str, int]]:
     """Check and tokenize rows; returns the kept prompts and how many were dropped, by reason
     ({"too_long": n, "malformed": m}). `data.answer_key` '' means rows carry no answer."""
@@ -252,6 +300,7 @@ def encode(rows: list[Row], tokenizer, cfg: DataConfig, source: str) -> tuple[li
     if cfg.chat_template == "on" and not has_template:
         raise ConfigError("data.chat_template=on but the tokenizer has no chat template; set data.chat_template=off")
     use_template = cfg.chat_template == "on" or (cfg.chat_template == "auto" and has_template)
+    as_given = cfg.chat_template != "off" and has_template and rendered_prompts(rows, tokenizer, cfg, source)
     out, too_long, malformed, first = [], 0, 0, ""
     for row in rows:
         problem = row.problem or _problem(row.value, cfg)
@@ -268,13 +317,13 @@ def encode(rows: list[Row], tokenizer, cfg: DataConfig, source: str) -> tuple[li
                                 "template; set tokenizer.chat_template or give plain prompts")
             text = [t["content"] for t in turns if t["role"] == "user"][-1]
             ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=False)
-        elif use_template:
+        elif use_template and not as_given:
             text = row.value[cfg.prompt_key]
             ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                                 tokenize=True, return_dict=False)
-        else:
+        else:  # a rendered prompt brings its own special tokens (a second BOS would not be the template's)
             text = row.value[cfg.prompt_key]
-            ids = tokenizer(text)["input_ids"]
+            ids = tokenizer(text, add_special_tokens=not as_given)["input_ids"]
         if len(ids) > cfg.max_prompt_len:
             too_long += 1
             continue

@@ -53,7 +53,7 @@ def train(cfg: Config) -> dict:
     resumed = res.resumed  # None: a fresh run; else the run continues in that run's directory
     scorer = rewards.Scorer(cfg.reward, rank=world.rank)  # a bad reward.fn fails here; its workers start now
     run = RunLog(cfg, world, recipe.describe(cfg, info, on_cpu=on_cpu, n_prompts=len(prompts),
-                                             engines=res.layout.recipe(cfg)),
+                                             engines={**res.layout.recipe(cfg), **res.chat}),
                  resume_step=resumed.step if resumed else None)  # keeps its rows up to the checkpoint
     run.data({"data/prompts": len(prompts), **{f"data/{k}": v for k, v in res.dropped.items()}})
     scorer.run_dir = run.dir  # where reward_dead_letter.jsonl goes

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from hybridrl.core import launch, memory, models, platform, recipe
 from hybridrl.core.config import Config, ConfigError, freeze, put
 from hybridrl.cycle import plan
-from hybridrl.data.prompts import encode, load_rows
+from hybridrl.data.prompts import encode, load_rows, template_choice
 from hybridrl.engines import policy
 from hybridrl.run import checkpoint
 
@@ -44,6 +44,7 @@ class Resolved:
     prompts: list
     dropped: dict
     heldout: list  # the held-out prompts evaluated (log.eval_size of them), encoded like `prompts`
+    chat: dict  # what data.chat_template=auto did, for the recipe printed at start (prompts.template_choice)
     layout: policy.Layout  # what the trainer will run with (recipe.describe's `engines`)
     resumed: checkpoint.Resume | None = None  # the checkpoint the run continues from (ckpt.resume)
 
@@ -83,8 +84,8 @@ def run_config(cfg: Config, world) -> Resolved:
                            name=info.arch)
     # frozen from here: what the engines read is what the run prints and records (plan_rollout's
     # measured sizes come back beside it, engine_cycle.plan_rollout)
-    return Resolved(freeze(cfg), model_path, info, tokenizer, prompts, dropped, heldout, layout,
-                    resumed)
+    return Resolved(freeze(cfg), model_path, info, tokenizer, prompts, dropped, heldout,
+                    template_choice(rows, tokenizer, cfg.data), layout, resumed)
 
 
 def eval_config(cfg: Config, on_cpu: bool, world_size: int = 1,
