@@ -244,16 +244,18 @@ class RunLog:
             if hasattr(s, "samples"):
                 s.samples(step, rows)
 
-    def eval(self, step: int, acc: float, sampled: dict | None = None) -> None:
+    def eval(self, step: int, acc: float, sampled: dict | None = None, seconds: float | None = None) -> None:
         """acc: greedy held-out accuracy (logged as heldout_acc and eval/pass@1); sampled:
-        eval/mean@n and eval/n_samples when log.eval_n > 0."""
+        eval/mean@n and eval/n_samples when log.eval_n > 0; seconds: how long it took (time/eval,
+        which the run's elapsed_s includes: bench/real.py takes it out of a training clock)."""
         self.first_acc = acc if self.first_acc is None else self.first_acc
         self.last_acc = acc
         self.last_sampled = dict(sampled or {})
         if step == 0:
             self.first_sampled = self.last_sampled
         for s in self.sinks:
-            s.scalars(step, {"heldout_acc": acc, "eval/pass@1": acc, **self.last_sampled})
+            s.scalars(step, {"heldout_acc": acc, "eval/pass@1": acc, **self.last_sampled,
+                             **({"time/eval": seconds} if seconds is not None else {})})
         mean = f"  mean@{self.eval_n} {sampled['eval/mean@n']:6.1%}" if "eval/mean@n" in self.last_sampled else ""
         self._line(f"step {step:>4}/{self.total}  held-out accuracy {acc:6.1%}{mean}", force=True)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import tempfile
+import time
 from pathlib import Path
 
 from hybridrl.core import launch
@@ -62,11 +63,12 @@ class Evaluator:
             return None
         from hybridrl.core import faults
         faults.progress(step, "eval")
+        start = time.perf_counter()
         self.rollout.wake(["kv_cache"])
         acc, extra, rows = heldout_eval(self.cfg, self.rollout, self.scorer, self.tokenizer, self.heldout,
                                         self.world, step, greedy=self.collector.greedy)
         self.run.samples(step, rows)
-        self.run.eval(step, acc, extra)
+        self.run.eval(step, acc, extra, seconds=time.perf_counter() - start)
         return acc
 
 
