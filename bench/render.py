@@ -11,11 +11,12 @@
 NAME picks a renderer: `peers` (hybridrl against TRL, the newest run per workload, dtype and
 machine), `scale` (the same for bench.scale), `demo_curve` (a learning curve: held-out accuracy by
 wall time, per seed), `gpu_check` (one GPU self-check's claims), `plan_check` (the memory plan
-against the trainer's measured peak) and `history:<bench>` (every row of one bench, newest first,
-one dated line each). key=value pairs select rows: a key of the row, its workload or its machine
-(`kind=amx`, `workload=demo`, `source=peers-*-amx.txt`, `commit=62971d0`), matched as a shell
-pattern; the picking renderers take the newest row left. `every=N` thins a curve's grid to every N
-seconds. Files: README.md and docs/*.md, or those given.
+against the trainer's measured peak), `real` (time to accuracy on a real pretrained model) and
+`history:<bench>` (every row of one bench, newest first, one dated line each). key=value pairs
+select rows: a key of the row, its workload or its machine (`kind=amx`, `workload=demo`,
+`source=peers-*-amx.txt`, `commit=62971d0`), matched as a shell pattern; the picking renderers
+take the newest row left. `every=N` thins a curve's grid to every N seconds. Files: README.md and
+docs/*.md, or those given.
 """
 
 from __future__ import annotations
@@ -257,6 +258,30 @@ def render_plan_check(args: list[str], filters: dict) -> str:
             + f"\n\n{w.get('dtype')}, {what}; " + _about(r, "plan_check") + note + ".")
 
 
+@renderer("real")
+def render_real(args: list[str], filters: dict) -> str:
+    """Time to accuracy on the real pretrained model (bench.real): held-out accuracy by step, the
+    training seconds to the target per seed, and the ratio."""
+    r = _one("real", filters, "trainers")
+    f, w = r["figures"], r["workload"]
+    target = f["target"]
+    out = []
+    for name, t in f["trainers"].items():
+        steps = [p[0] for p in t["curves"][0]]
+        mean = [sum(c[i][2] for c in t["curves"]) / len(t["curves"]) for i in range(len(steps))]
+        end = sorted(c[-1][1] for c in t["curves"])[len(t["curves"]) // 2]
+        per = ", ".join("-" if x is None else f"{x:.0f}" for x in t["to_target_s"])
+        out.append([name, " / ".join(pct(m) for m in mean), f"{end:.0f}", per])
+    ratio = (f"**{f['ratio']:.2f}x**" if f.get("ratio") else
+             f"at least **{f['ratio_at_least']:.2f}x** (TRL short of it)" if f.get("ratio_at_least") else "-")
+    head = ["trainer", "held-out at step " + " / ".join(str(p[0]) for p in next(iter(f["trainers"].values()))
+                                                         ["curves"][0]) + " (mean of seeds)",
+            f"training s to step {w['steps']} (median)", f"s to {target:.0%} per seed"]
+    return (table(head, "lrrr", out) + f"\n\nTime to {target:.0%}, TRL's over hybridrl's (median seconds; above 1: "
+            f"hybridrl sooner): {ratio}, TRL {w.get('trl', '').split('==')[-1]}. {w['model']}, {w['prompts']} x {w['n']} x {w['tokens']} tokens, lr {w['lr']:g}, "
+            f"{w['dtype']}, seeds {', '.join(map(str, w['seeds']))}; " + _about(r, "real") + ".")
+
+
 # --- the plan of long answers ------------------------------------------------------------------------
 # model or recipe, answer tokens, context (0: the recipe's), on 8 x 80 GiB
 PLAN_LONG = [("Qwen/Qwen2.5-7B-Instruct", 16384, 0), ("Qwen/Qwen2.5-7B-Instruct", 32256, 0),
@@ -341,6 +366,13 @@ def _sum_gpu_check(r: dict) -> str:
 def _sum_plan_check(r: dict) -> str:
     ratios = [x["measured"] / x["plan"] for x in r["figures"]["rows"] if x.get("measured")]
     return f"{len(ratios)} cases, measured / plan {min(ratios):.2f} to {max(ratios):.2f}"
+
+
+@summary("real")
+def _sum_real(r: dict) -> str:
+    f = r["figures"]
+    ratio = f.get("ratio") or f.get("ratio_at_least")
+    return f"to {f['target']:.0%} held-out: " + ("-" if ratio is None else f"{ratio:.2f}x sooner than TRL")
 
 
 @summary("step")
