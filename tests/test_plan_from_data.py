@@ -14,8 +14,6 @@ from hybridrl.core import config as C, models, recipe
 from hybridrl.cycle import plan
 from hybridrl.run import resolve
 
-pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
-
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import tiny_model  # noqa: E402
@@ -41,6 +39,7 @@ def over(tiny, chat_data, **more) -> dict:
             "rollout.max_new_tokens": 16, "train.prompts_per_step": 8, "rollout.n": 8, **more}
 
 
+@pytest.mark.fast
 def test_a_run_plans_its_context_at_the_datas_longest_prompt(tiny, chat_data, monkeypatch):
     """A chat set of ~20-token prompts under the 512-token cap: before, the context was 512 + 16 and the
     CPU KV cache sized for it; now the longest prompt + 16, the source naming it."""
@@ -53,11 +52,16 @@ def test_a_run_plans_its_context_at_the_datas_longest_prompt(tiny, chat_data, mo
     r = res.cfg.rollout
     assert r.max_model_len == longest + 16 and res.cfg.sources["rollout.max_model_len"] == \
         f"the data's longest prompt, {longest} tokens"
-    assert res.cfg.data.max_prompt_len == 512 and res.cfg.sources["rollout.kv_cache_mb"] == \
-        f"the data's longest prompt, {longest} tokens"  # resized for that context (here at its 64 MiB floor)
+    # the prompt cap follows (a saved config stays valid: cap + answer fit the context); the KV cache is
+    # resized for the context (here at its 64 MiB floor)
+    assert res.cfg.data.max_prompt_len == longest
+    assert res.cfg.sources["data.max_prompt_len"] == res.cfg.sources["rollout.kv_cache_mb"] == \
+        f"the data's longest prompt, {longest} tokens"
+    C.validate(C.load(None, C.flatten(C.to_dict(res.cfg))))  # as `hybridrl eval` reloads config.yaml
     assert res.chat == {"data.chat_template": ("on", "auto, the tokenizer has a chat template")}
 
 
+@pytest.mark.fast
 def test_what_the_data_does_not_decide_is_left_alone(tiny):
     info = models.inspect(str(tiny))
 
@@ -69,11 +73,12 @@ def test_what_the_data_does_not_decide_is_left_alone(tiny):
     assert fitted() == 46
     assert fitted(**{"rollout.max_model_len": 600}) == 600  # the user's
     assert fitted(**{"env.cls": "hybridrl.data.envs:ToolEnv"}) == 512 + 16  # multi-turn prompts grow by turns
-    assert fitted(**{"data.max_prompt_len": 30}) == 46  # at the cap: as before
+    assert fitted(**{"data.max_prompt_len": 100}) == 116  # a cap the user set: its context, as before
     demo = recipe.resolve(C.load(), models.inspect("demo"), on_cpu=True, free_ram=8 << 30)
     assert recipe.fit_to_data(demo, models.inspect("demo"), 3, on_cpu=True) is demo
 
 
+@pytest.mark.fast
 def test_a_micro_batch_is_planned_no_larger_than_the_ranks_step():
     """8 prompts x 8 samples of at most 62 tokens are 3,968 tokens: the plan counted the activations
     of an 8,192-token micro-batch (train.max_tokens_per_micro_batch) the step never fills."""
@@ -87,7 +92,7 @@ def test_a_micro_batch_is_planned_no_larger_than_the_ranks_step():
     assert plan.knobs(big, shape, world=8, local=8, on_cpu=False).mb_tokens == 8192  # 8 x 8 x 1536: the budget
 
 
-def test_plan_command_plans_a_cpu_run_from_the_data(tiny, chat_data):
+def test_plan_command_plans_a_cpu_run_from_the_data(tiny, chat_data):  # a subprocess: the default tier
     import subprocess
     res = subprocess.run([sys.executable, "-m", "hybridrl", "plan", "--cpu", "--host-mem-gib", "16",
                           *sum((["--set", f"{k}={v}"] for k, v in over(tiny, chat_data).items()), [])],

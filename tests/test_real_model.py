@@ -113,7 +113,8 @@ def test_resolved_config_is_the_one_before_real_defaults(tiny, monkeypatch):
         pinned = {**BEFORE[name], **BOTH, "model.path": "demo" if name == "demo" else str(tiny)}
         if name == "tiny":  # since: the context is the data's longest prompt + the completion, not the 512 cap's
             longest = max(len(p.ids) for p in res.prompts + res.heldout)
-            pinned.update({"rollout.max_model_len": longest + 1024, "rollout.kv_cache_mb": SINCE_KV_MB})
+            pinned.update({"rollout.max_model_len": longest + 1024, "data.max_prompt_len": longest,
+                           "rollout.kv_cache_mb": SINCE_KV_MB})
         assert {k: got[k] for k in pinned} == pinned, name
         rest = set(got) - set(pinned)
         assert {k: got[k] for k in rest} == {k: defaults[k] for k in rest}, name
@@ -123,10 +124,12 @@ def test_resolved_config_is_the_one_before_real_defaults(tiny, monkeypatch):
         if name == "demo":
             assert {k for k, v in sources.items() if v == "demo recipe"} == {*recipe.DEMO, "rollout.kv_cache_mb"}
         else:  # the real values are the defaults now: no source; the recipe derives the context and KV cache
-            assert not set(recipe.DEMO) - {"rollout.max_model_len"} & set(sources)
+            assert not set(recipe.DEMO) - {"rollout.max_model_len", "data.max_prompt_len"} & set(sources)
             data = f"the data's longest prompt, {longest} tokens"
-            assert {k: sources[k] for k in ("rollout.max_model_len", "rollout.kv_cache_mb", "train.steps")} == {
-                "rollout.max_model_len": data, "rollout.kv_cache_mb": data, "train.steps": "train.data_epochs"}
+            assert {k: sources[k] for k in ("rollout.max_model_len", "data.max_prompt_len", "rollout.kv_cache_mb",
+                                            "train.steps")} == {
+                "rollout.max_model_len": data, "data.max_prompt_len": data, "rollout.kv_cache_mb": data,
+                "train.steps": "train.data_epochs"}
         # the trainer's choices (kernels, packing, a group's prompt once), in the printed recipe
         assert (res.layout.kernels, res.layout.packing, res.layout.share_prompt) == ("torch", False, True)
         text = "\n".join(recipe.describe(res.cfg, res.info, on_cpu=True, n_prompts=len(res.prompts),
@@ -382,14 +385,20 @@ def test_real_model_trains_chat_rows_with_schedule_stop_and_canary(tiny, tmp_pat
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     # the recipe, printed and atop config.yaml: 12 good rows / 4 per step = 3 steps, one pass
     assert "recipe: real-model defaults" in out.stdout
-    assert "4 prompts x 4 samples; completions <= 4 tokens, prompts <= 512, context 516" in out.stdout
+    # the context: the longest prompt kept (the 600-character one is dropped) + 4, not 512 + 4
+    import re
+    context = int(re.search(r"4 prompts x 4 samples; completions <= 4 tokens, prompts <= \d+, context (\d+)",
+                            out.stdout).group(1))
+    line = next(x for x in out.stdout.splitlines() if "the data's longest prompt" in x)
+    assert 4 < context < 64 and f"the data's longest prompt, {context - 4} tokens:" in line
+    assert f"rollout.max_model_len={context}" in line and f"data.max_prompt_len={context - 4}" in line
     assert "lr 1e-05 cosine to 0.1x, 1 warm-up step; 3 steps (1 pass over 12 prompts); no time limit" in out.stdout
     assert "set by   flag: rollout.stop=['!'], rollout.max_new_tokens=4, train.lr=1e-05, reward.fn=" in out.stdout
     assert "YAML: rollout.n=4, train.prompts_per_step=4" in out.stdout
     head = (run_dir / "config.yaml").read_text()
     assert head.startswith("# recipe: real-model defaults")
     saved = C.load(run_dir / "config.yaml")
-    assert (saved.data.max_prompt_len, saved.train.max_minutes, saved.train.steps) == (512, 0.0, 3)
+    assert (saved.data.max_prompt_len, saved.train.max_minutes, saved.train.steps) == (context - 4, 0.0, 3)
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "loss" in r]
     assert len(steps) == 3

@@ -210,15 +210,19 @@ def fit_to_data(cfg: Config, info: ModelInfo, longest: int, *, on_cpu: bool, wor
     prompts, as encoded) + rollout.max_new_tokens, where the recipe set it from data.max_prompt_len's
     cap: the KV cache and the memory plan then count the prompts the run has (a chat set of 50-token
     prompts under the 512 cap needs a tenth of the context). The CPU KV cache follows, unless set.
-    Left alone: a context the user set, the demo's, a multi-turn run's (environment turns grow a
-    prompt past its first turn) and data at or above the cap."""
-    if (cfg.model.path == "demo" or explicit(cfg, "rollout.max_model_len") or cfg.env.cls or not longest
-            or longest >= cfg.data.max_prompt_len):
+    Left alone: a context or a prompt cap the user set, the demo's, a multi-turn run's (environment turns grow a
+    prompt past its first turn) and data at or above the cap. data.max_prompt_len becomes the longest
+    too (it drops nothing of this data), so a run's saved config stays valid and `hybridrl eval` of
+    it drops, counted, a prompt its context could not hold; a cap the user set is kept, and with it
+    the context it implies."""
+    if (cfg.model.path == "demo" or explicit(cfg, "rollout.max_model_len") or explicit(cfg, "data.max_prompt_len")
+            or cfg.env.cls or not longest or longest >= cfg.data.max_prompt_len):
         return cfg
     context = longest + cfg.rollout.max_new_tokens
     if context >= cfg.rollout.max_model_len:
         return cfg
-    cfg = put(cfg, "rollout.max_model_len", context, f"the data's longest prompt, {longest} tokens")
+    why = f"the data's longest prompt, {longest} tokens"
+    cfg = put(put(cfg, "data.max_prompt_len", longest, why), "rollout.max_model_len", context, why)
     if on_cpu and not explicit(cfg, "rollout.kv_cache_mb"):
         mb = cpu_kv_mb(memory.step_seqs(cfg, world_size), context, info.kv_bytes_per_token(cfg.model.dtype),
                        _free_ram() if free_ram is None else free_ram, world_size)
