@@ -324,7 +324,8 @@ class DataConfig(Freezable):
                              "user, ...), rendered with the tokenizer's chat template; used when a row has no "
                              "data.prompt_key. A trailing assistant turn is left out (the model writes it).")
     chat_template: Literal["auto", "on", "off"] = knob(
-        "auto", "Wrap prompts in the tokenizer's chat template (auto = if the tokenizer has one).")
+        "auto", "Wrap prompts in the tokenizer's chat template (auto = if the tokenizer has one; prompts that "
+        "carry its markers already are used as given).")
     split: str = knob("train", "Split of data.path when it is a saved datasets.DatasetDict.")
     heldout_split: str = knob("test", "Split of data.heldout_path when it is a saved datasets.DatasetDict.")
     on_error: Literal["error", "skip"] = knob(
