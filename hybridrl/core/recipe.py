@@ -226,7 +226,7 @@ def fit_to_data(cfg: Config, info: ModelInfo, longest: int, *, on_cpu: bool, wor
     if on_cpu and not explicit(cfg, "rollout.kv_cache_mb"):
         mb = cpu_kv_mb(memory.step_seqs(cfg, world_size), context, info.kv_bytes_per_token(cfg.model.dtype),
                        _free_ram() if free_ram is None else free_ram, world_size)
-        cfg = put(cfg, "rollout.kv_cache_mb", mb, f"the data's longest prompt, {longest} tokens")
+        cfg = put(cfg, "rollout.kv_cache_mb", mb, why)
     return cfg
 
 
