@@ -320,7 +320,7 @@ def test_checkpoint_is_saved_from_offloaded_states(zero, world_of_one, tmp_path,
                     real = getattr(obj, verb)
                     spy.setattr(obj, verb, lambda *a, _r=real, _n=f"{type(obj).__name__}.{verb}", **k: (
                         reloads.append(_n), _r(*a, **k))[1])
-        ck = saver.save(1, trainer, SimpleNamespace(cursor=0), SimpleNamespace(last=None), {}, critic=critic)
+        ck = saver.save(1, trainer, SimpleNamespace(cursor=0), SimpleNamespace(last=None, tol=2e-2), {}, critic=critic)
     assert ck is not None and checkpoint.is_complete(ck)
     assert reloads == []  # nothing came back onto the device for the save
     assert (set(trainer.engine.optimizer.offloaded_states), set(critic.engine.optimizer.offloaded_states)) == offloaded

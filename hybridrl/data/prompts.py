@@ -323,7 +323,7 @@ def encode(rows: list[Row], tokenizer, cfg: DataConfig, source: str) -> tuple[li
                                                 tokenize=True, return_dict=False)
         else:  # a rendered prompt brings its own special tokens (a second BOS would not be the template's)
             text = row.value[cfg.prompt_key]
-            ids = tokenizer(text, add_special_tokens=not as_given)["input_ids"]
+            ids = (tokenizer(text, add_special_tokens=False) if as_given else tokenizer(text))["input_ids"]
         if len(ids) > cfg.max_prompt_len:
             too_long += 1
             continue
