@@ -80,6 +80,8 @@ def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
         # decoding is most of a step on a GPU, and eager decoding launches every kernel of every layer
         # for each token; peers (verl, OpenRLHF, TRL) decode with CUDA graphs by default
         cfg = put(cfg, "rollout.enforce_eager", False, "auto")
+    if cfg.model.dtype == "bfloat16" and cfg.train.precision == "auto":  # moot in float32
+        cfg = put(cfg, "train.precision", "amp" if amp(cfg, on_cpu) else "bf16", "auto")
     if demo:
         validate(cfg)
         return cfg
@@ -103,6 +105,14 @@ def auto_dtype(cfg: Config, on_cpu: bool) -> Config:
     dtype = "float32" if on_cpu or (m.path == "demo" and not m.lora_rank) else "bfloat16"
     return dataclasses.replace(cfg, sources={**cfg.sources, "model.dtype": "auto"},
                                model=dataclasses.replace(m, dtype=dtype))
+
+
+def amp(cfg: Config, on_cpu: bool) -> bool:
+    """Whether the trainer keeps float32 weights under bfloat16 autocast (train.precision=amp) rather than
+    bfloat16 weights: in a bfloat16 run, auto = on CPU, where it was measured (docs/pretrained.md); on a
+    GPU bf16 keeps half the weight memory, which the plans for 7B-72B count on."""
+    p = cfg.train.precision
+    return cfg.model.dtype == "bfloat16" and (p == "amp" or (p == "auto" and on_cpu))
 
 
 def loss_clip(cfg: Config) -> Config:
@@ -300,11 +310,13 @@ def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | Non
     if t.sequence_parallel_size > 1:  # a sequence may be longer than one rank's micro-batch
         kv += (f"; sequence parallel {t.sequence_parallel_size} (a sequence <= "
                f"{t.sequence_parallel_size * t.max_tokens_per_micro_batch} tokens)")
+    amp = (" (trainer: float32 weights, bfloat16 autocast)"
+           if cfg.model.dtype == "bfloat16" and t.precision == "amp" else "")
     lines = [
         "recipe: " + ("the demo's (model.path=demo)" if demo else
                       "real-model defaults (the demo's apply only to model.path=demo)")
         + "; values set in YAML or by flag win",
-        f"  model    {cfg.model.path}: {info.arch}, {params}, vocab {info.vocab}, {cfg.model.dtype}{positions}",
+        f"  model    {cfg.model.path}: {info.arch}, {params}, vocab {info.vocab}, {cfg.model.dtype}{amp}{positions}",
         f"  step     {t.prompts_per_step} prompts x {r.n} samples; completions <= {r.max_new_tokens} tokens, "
         f"prompts <= {d.max_prompt_len}, context {r.max_model_len}",
         f"  train    lr {t.lr:g} {sched}{warm}; {t.steps} steps{epochs}; {limit}; {kv}",

@@ -139,6 +139,11 @@ class TrainConfig(Freezable):
                                  "512 sequences).", valid=">= 1")
     lr: float = knob(1e-6, "AdamW learning rate (1e-6: the range of GRPO on 0.5B-7B).", valid="(0, 1]")
     weight_decay: float = knob(0.0, "AdamW weight decay.", valid=">= 0")
+    precision: Literal["auto", "amp", "bf16"] = knob(
+        "auto", "How the trainer computes in bfloat16 (model.dtype=bfloat16; float32 runs ignore it): amp = float32 "
+        "weights, gradients and optimizer, forward and backward under bfloat16 autocast (TRL's default); bf16 = "
+        "bfloat16 weights, activations and gradients over DeepSpeed's float32 master weights (half the weight memory). "
+        "auto = amp on CPU, bf16 on GPU. vLLM generates in model.dtype either way.")
     betas: list = knob([0.9, 0.99], "AdamW betas.")
     warmup_steps: int = knob(0, "Linear learning-rate warm-up over this many optimizer updates: lr / warmup_steps, "
                              "2 lr / warmup_steps, ..., lr.", valid=">= 0")

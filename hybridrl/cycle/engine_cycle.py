@@ -25,7 +25,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from hybridrl.core import faults, launch, memory
-from hybridrl.core.config import Config, ConfigError, UserError
+from hybridrl.core.config import Config, ConfigError, UserError, torch_dtype
 from hybridrl.cycle import sync
 from hybridrl.engines import deepspeed_compat, vllm_compat
 from hybridrl.engines.rollout import EngineSizing
@@ -105,14 +105,14 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
         raise ConfigError("rollout.gpu_memory_utilization=auto plans for vLLM sleeping while the trainer trains; with "
                           "rollout.sleep_level=0 set a fraction that leaves room for the trainer")
     hf = trainer.hf
+    b = torch_dtype(cfg.model.dtype).itemsize  # vLLM's, not the trainer's (float32 weights under train.precision=amp)
     # a rank's engine holds its tensor-parallel shard of the weights; its KV share covers the group's
     # sequences (tp x a rank's) at 1/tp of the heads: a rank's step at full width, as kv_cache_need counts
-    weights = sum(deepspeed_compat.full_numel(p) * p.element_size() for p in hf.parameters()) \
-        // r.tensor_parallel_size
-    need = (r.kv_cache_mb << 20) or memory.kv_cache_need(cfg, hf.config, world_size, hf.dtype.itemsize)
+    weights = sum(deepspeed_compat.full_numel(p) for p in hf.parameters()) * b // r.tensor_parallel_size
+    need = (r.kv_cache_mb << 20) or memory.kv_cache_need(cfg, hf.config, world_size, b)
     # where memory is short the KV cache may shrink to the longest sequences running, and the step takes waves
     seqs = memory.step_seqs(cfg, world_size)
-    seq = r.max_model_len * memory.kv_bytes_per_token(hf.config, hf.dtype.itemsize)
+    seq = r.max_model_len * memory.kv_bytes_per_token(hf.config, b)
     # with the states kept, what is free now less the Adam moments the first step will add
     free_kept = memory.free_memory()[0] - trainer.pending_state_bytes() if t.offload_states != "on" else 0
     trainer.offload(params=t.offload_params)  # measured as it will run: the parameters leave too when set
@@ -142,7 +142,7 @@ def _asleep_bytes(cfg: Config, hf, max_num_seqs: int) -> int:
         shape = Shape.from_config(hf.config.to_dict())
     except (AttributeError, ConfigError):
         return 0
-    return plan.asleep_bytes(shape, hf.dtype.itemsize, max_num_seqs, r.tensor_parallel_size, not r.enforce_eager)
+    return plan.asleep_bytes(shape, torch_dtype(cfg.model.dtype).itemsize, max_num_seqs, r.tensor_parallel_size, not r.enforce_eager)
 
 
 class EngineFailure(UserError):

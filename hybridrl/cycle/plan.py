@@ -12,7 +12,8 @@ to change.
 
 What each term is (per GPU rank; P parameters, T of them trained, b bytes per weight, N ranks
 of the trainer's data parallelism, TP vLLM's tensor-parallel size):
-- trainer: parameters P b (ZeRO-3: / N), gradients T b / N plus DeepSpeed's reduce bucket, fp32
+- trainer: parameters P b (ZeRO-3: / N), gradients T b / N plus DeepSpeed's reduce bucket (b = 4
+  for both under train.precision=amp, which also keeps autocast's P x 2 bytes of weight copies), fp32
   master weights and Adam's two moments 12 T / N, and at the optimizer step a fp32 gradient
   partition and a flattened copy of the gradients (4 + b) T / N (after the backward has freed the
   activations: on CPU at the 134M shape the step, not the backward, was the peak); the optimizer offloaded:
@@ -97,6 +98,7 @@ class Knobs:
     seqs: int = 0  # sequences one vLLM engine generates in a step (0: not planned, CPU)
     seq_kv: int = 0  # KV bytes per rank of one of them at full rollout.max_model_len
     sp: int = 1  # decided: train.sequence_parallel_size (mb_tokens is then one rank's share of a micro-batch)
+    wb: int = 0  # bytes per trainer weight and gradient where they differ from b (4: train.precision=amp)
 
 
 @dataclass
@@ -210,13 +212,14 @@ def asleep_bytes(shape: Shape, b: int, max_num_seqs: int, tp: int, graphs: bool)
 def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
     """The plan for settings `k` (pure arithmetic: tested by hand in tests/test_plan.py)."""
     P, T, b, N = shape.params, k.trained, k.b, k.world
+    wb = k.wb or b  # the trainer's weights and gradients (amp: float32 under bfloat16 GEMMs)
     z3 = k.zero == 3
-    params = P * b // N if z3 else P * b
+    params = P * wb // N if z3 else P * wb
     if z3 and k.param_offload:  # the shard lives in host memory; a layer or two is gathered at a time
-        params = 2 * shape.layer_params * b
-    grads = T * b // N + min(REDUCE_BUCKET, T) * b
+        params = 2 * shape.layer_params * wb
+    grads = T * wb // N + min(REDUCE_BUCKET, T) * wb
     states = 12 * T // N  # fp32 master weights + Adam's two moments, this rank's partition
-    step_grads = (4 + b) * T // N  # the step's fp32 gradient partition and flattened low-precision copy
+    step_grads = (4 + wb) * T // N  # the step's fp32 gradient partition and flattened copy
     if k.optimizer_offload:  # gradients go to the host partition as they are reduced: only the bucket stays
         grads, states, step_grads = min(REDUCE_BUCKET, T) * b, 0, 0
     tokens = k.mb_tokens
@@ -234,7 +237,9 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
     # accumulator and one low-precision copy at a time (a chunk's product, then the one backward returns);
     # none where the head is frozen (LoRA)
     vocab_grads = shape.vocab * shape.hidden * (4 + b) if T >= P else 0
-    act = saved + backward + head + vocab_grads
+    # amp: autocast's bfloat16 copies of the weights, which the backward keeps (ZeRO-3: the gathered layers')
+    casts = (2 * shape.layer_params if z3 else P) * b if wb != b else 0
+    act = saved + backward + head + vocab_grads + casts
     fwd_only = tokens * per_layer + head  # a no-grad forward (log-probs, values): one layer at a time
 
     vllm_w = shape.vllm_rank_params(k.tp) * b  # every expert split over the TP ranks, the router on each
@@ -267,17 +272,17 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
     rows.setdefault("activations", {})["train"] = max(act, step_grads)
     if k.reference:
         rows["activations"]["reference"] = fwd_only
-        row("reference", P * b if not z3 else 2 * shape.layer_params * b, ("reference",) if not k.on_cpu else everywhere)
+        row("reference", P * wb if not z3 else 2 * shape.layer_params * wb, ("reference",) if not k.on_cpu else everywhere)
     critic_states = 0
     if k.critic:
         cP = P - shape.vocab * shape.hidden * (0 if shape.tied else 1)  # no LM head: a one-output value head
-        critic_states = (cP * b // N + min(REDUCE_BUCKET, cP) * b + 12 * cP // N) * (not k.optimizer_offload)
-        row("critic", (cP * b // N if z3 else cP * b) + critic_states, ("values", "train") if not k.on_cpu else everywhere)
+        critic_states = (cP * wb // N + min(REDUCE_BUCKET, cP) * wb + 12 * cP // N) * (not k.optimizer_offload)
+        row("critic", (cP * wb // N if z3 else cP * wb) + critic_states, ("values", "train") if not k.on_cpu else everywhere)
         rows["activations"]["values"] = fwd_only
     if z3:
         row("hand-off bucket", k.bucket, ("hand-off",))
         # forward and backward gather layers ahead and keep up to STAGE3_LIVE parameters gathered
-        row("ZeRO-3 gathered", min(STAGE3_LIVE, P) * b, ("reference", "values", "train") if not k.on_cpu else everywhere)
+        row("ZeRO-3 gathered", min(STAGE3_LIVE, P) * wb, ("reference", "values", "train") if not k.on_cpu else everywhere)
     row("reserve", k.reserve, everywhere)
     plan = MemoryPlan(device, host, rows, {}, k)
     over = plan.total("generate") - device
@@ -333,6 +338,7 @@ def _sub_groups(numel: int, sub: int, width: int) -> int:
 # --- deciding the knobs the user left unset --------------------------------------------------------
 def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp: int = 0) -> Knobs:
     """The plan's inputs from a resolved config; `tp` other than the config's to try another size."""
+    from hybridrl.core import recipe
     t, r, m = cfg.train, cfg.rollout, cfg.model
     b = 4 if m.dtype == "float32" else 2
     tp = tp or r.tensor_parallel_size
@@ -360,7 +366,8 @@ def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp
                  critic=cfg.algo.advantage == "gae", sleep_level=r.sleep_level, graphs=not r.enforce_eager,
                  max_num_seqs=r.max_num_seqs or memory.engine_seqs(cfg, world, tp), kv=kv, kv_floor=floor, chunk=t.logprob_chunk,
                  bucket=t.sync_bucket_mb << 20, reserve=(r.memory_margin_mb << 20) if not on_cpu else 0,
-                 on_cpu=on_cpu, offload_states=t.offload_states, seqs=seqs, seq_kv=seq_kv, sp=t.sequence_parallel_size)
+                 on_cpu=on_cpu, offload_states=t.offload_states, seqs=seqs, seq_kv=seq_kv, sp=t.sequence_parallel_size,
+                 wb=4 if recipe.amp(cfg, on_cpu) else 0)
 
 
 FREE = ("rollout.tensor_parallel_size", "model.gradient_checkpointing", "train.max_tokens_per_micro_batch",

@@ -34,7 +34,7 @@ from hybridrl.core.models import enable_checkpointing
 from hybridrl.data.batch import Batch, per_token
 from hybridrl.engines import deepspeed_compat
 from hybridrl.engines.zero_engine import (ds_config, from_pretrained, load_engine_checkpoint, lr_scheduler,
-                                          minibatch_updates, plan_micro_batches)
+                                          minibatch_updates, plan_micro_batches, precision)
 
 TAG = "critic"  # its DeepSpeed checkpoint's directory inside a hybridrl checkpoint
 # where a one-output head sits in a saved model: transformers' sequence/token classification models
@@ -44,17 +44,18 @@ HEAD_NAMES = ("score", "value_head", "v_head.summary", "classifier")
 
 
 class _ValueModel(nn.Module):
-    def __init__(self, base: nn.Module):
+    def __init__(self, base: nn.Module, autocast: torch.dtype | None = None):
         super().__init__()
-        self.base = base
+        self.base, self.autocast = base, autocast  # autocast: as the policy's TokenLogprobs
         self.head = nn.Linear(base.config.hidden_size, 1, dtype=base.dtype)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
     def forward(self, tokens, attention_mask, loss_mask) -> torch.Tensor:
         """Values of the masked tokens' states: [N] float32."""
-        hidden = self.base(input_ids=tokens, attention_mask=attention_mask).last_hidden_state
-        return self.head(hidden[:, :-1][loss_mask[:, 1:]]).squeeze(-1).float()  # [N]
+        with torch.autocast(tokens.device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
+            hidden = self.base(input_ids=tokens, attention_mask=attention_mask).last_hidden_state
+            return self.head(hidden[:, :-1][loss_mask[:, 1:]]).squeeze(-1).float()  # [N]
 
 
 class Critic:
@@ -63,12 +64,13 @@ class Critic:
         from transformers import AutoModel
 
         self.cfg, self.device, self.platform = cfg, device, platform.current()
+        dtype, autocast = precision(cfg, dtype)
         conf = ds_config(cfg, dtype == torch.bfloat16, self.platform, lr=cfg.algo.critic_lr)
         base = from_pretrained(AutoModel, cfg.algo.critic_path or model_path, conf, dtype=dtype,
                                attn_implementation=attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
         if cfg.model.gradient_checkpointing:
             enable_checkpointing(base)
-        model = _ValueModel(base)  # under ZeRO-3 the new head is partitioned by deepspeed.initialize
+        model = _ValueModel(base, autocast)  # under ZeRO-3 the new head is partitioned by deepspeed.initialize
         if cfg.algo.critic_path:
             _check_vocabulary(cfg.algo.critic_path, base, model_path, cfg.model.trust_remote_code)
             head = trained_head(cfg.algo.critic_path, base.config.hidden_size, base.config.architectures or ())

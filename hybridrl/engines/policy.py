@@ -36,9 +36,12 @@ class TokenLogprobs(nn.Module):
     """HF causal LM -> log-prob and entropy of the masked tokens, through the fused kernel. The
     trainer's engine wraps it; the reference policy (reference.py) scores with it too."""
 
-    def __init__(self, hf: nn.Module, provider: str, chunk: int, max_len: int | None = None):
+    def __init__(self, hf: nn.Module, provider: str, chunk: int, max_len: int | None = None,
+                 autocast: torch.dtype | None = None):
+        """`autocast`: the dtype the forward (and so its backward) computes in over float32 weights
+        (zero_engine.precision: train.precision=amp), None to compute in the weights' own dtype."""
         super().__init__()
-        self.hf, self.provider, self.chunk, self.max_len = hf, provider, chunk, max_len
+        self.hf, self.provider, self.chunk, self.max_len, self.autocast = hf, provider, chunk, max_len, autocast
         self.sp: ulysses.Group | None = None  # the trainer's sequence-parallel group (train.sequence_parallel_size > 1)
         for attr in ("final_logit_softcapping", "logit_scale"):
             if getattr(hf.config, attr, None) not in (None, 1.0):
@@ -46,8 +49,14 @@ class TokenLogprobs(nn.Module):
                                 "the fused log-prob path (it bypasses the LM head) does not: such models are not "
                                 "supported yet; use a model without it")
 
-    def forward(self, tokens, attention_mask, loss_mask, temperature: float, loss: dict | None = None,
-                position_ids=None, shared: dict | None = None, shard: dict | None = None):
+    def forward(self, *args, **kw):
+        if self.autocast is None:
+            return self._forward(*args, **kw)
+        with torch.autocast(self.hf.get_output_embeddings().weight.device.type, dtype=self.autocast):
+            return self._forward(*args, **kw)
+
+    def _forward(self, tokens, attention_mask, loss_mask, temperature: float, loss: dict | None = None,
+                 position_ids=None, shared: dict | None = None, shard: dict | None = None):
         """Without `loss`: (logp [N], entropy [N]) of the masked tokens. With `loss` (ppo_loss's
         per-token tensors and knobs): (loss, metrics, logp, entropy) from the fused kernel, which
         produces the logits' gradient in the same pass. Packed rows (`Batch.packed()`) come with

@@ -27,7 +27,7 @@ from hybridrl.core.config import Config
 from hybridrl.data.batch import Batch, micro_batches, per_token, shared_micro_batches
 from hybridrl.engines import deepspeed_compat, ulysses
 from hybridrl.engines.policy import TokenLogprobs, module_inputs, share_prompt
-from hybridrl.engines.zero_engine import from_pretrained, plan_micro_batches
+from hybridrl.engines.zero_engine import from_pretrained, plan_micro_batches, precision
 
 
 def ds_config(cfg: Config, bf16: bool, cuda: bool) -> dict:
@@ -61,6 +61,7 @@ class Reference:
         self.cfg, self.device = cfg, device
         self.sp = sp if sp is not None and sp.size > 1 else None
         cuda = device.type == "cuda"
+        dtype, autocast = precision(cfg, dtype)  # the policy's numerics: at step 1 its log-probs to the bit
         conf = ds_config(cfg, dtype == torch.bfloat16, cuda)
         hf = from_pretrained(AutoModelForCausalLM, path, conf, dtype=dtype, attn_implementation=attn_implementation,
                              trust_remote_code=cfg.model.trust_remote_code)
@@ -69,7 +70,7 @@ class Reference:
         # as the trainer picks (train.kernels auto = chunked torch): at step 1 the reference's log-probs
         # are the policy's to the bit, so the KL starts at 0
         provider = {"auto": "torch", "liger": "torch"}.get(kernels, kernels)
-        self.module = TokenLogprobs(hf, provider, cfg.train.logprob_chunk)
+        self.module = TokenLogprobs(hf, provider, cfg.train.logprob_chunk, autocast=autocast)
         if self.sp is not None:  # the trainer checked that the model can read packed rows
             ulysses.install(hf)
             self.module.sp = self.sp

@@ -25,7 +25,7 @@ from hybridrl.data.batch import Batch, per_token
 from hybridrl.engines import deepspeed_compat, lora, routing, ulysses
 from hybridrl.engines.policy import TokenLogprobs, kernel_provider, module_inputs, packs, share_prompt
 from hybridrl.engines.zero_engine import (ds_config, from_pretrained, load_engine_checkpoint, lr_scheduler,
-                                          minibatch_updates, plan_micro_batches)
+                                          minibatch_updates, plan_micro_batches, precision)
 from hybridrl.kernels.ppo_loss import importance_ratio
 
 log = logging.getLogger("hybridrl")
@@ -42,6 +42,7 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         self.cfg, self.device, self.platform = cfg, device, platform.current()
+        dtype, autocast = precision(cfg, dtype)  # amp: float32 weights under bfloat16 autocast
         conf = ds_config(cfg, dtype == torch.bfloat16, self.platform)
         hf = from_pretrained(AutoModelForCausalLM, model_path, conf, dtype=dtype,
                              attn_implementation=attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
@@ -61,7 +62,7 @@ class Trainer:
             log.info("train.packing: not with kernels=%s / attention %s / %s; using padded rows",
                      provider, attn_implementation, type(hf).__name__)
         self.share_prompt = share_prompt(cfg, hf, provider, attn_implementation, self.packing)
-        module = TokenLogprobs(hf, provider, cfg.train.logprob_chunk, completion_budget(cfg))
+        module = TokenLogprobs(hf, provider, cfg.train.logprob_chunk, completion_budget(cfg), autocast)
         self.sp = ulysses.new_groups(cfg.train.sequence_parallel_size)  # collective: every rank, in order
         if self.sp.size > 1:
             if not self.packing:
