@@ -17,8 +17,10 @@ clip 1), GRPO advantages, clip 0.2 / 0.28 on token-mean loss (TRL's loss_type="d
 importance-sampling correction, vLLM in the trainer's process with the same KV cache and eager
 decoding (its compiled decoder costs minutes of compilation at each start, and 16-token answers
 are a small part of a step), the same seed, and one precision: on CPUs with AMX-BF16 bfloat16 compute over
-float32 weights and Adam moments (hybridrl: DeepSpeed's bf16 with float32 master weights; TRL: its
-model loaded in float32 with bf16=True, transformers' autocast), vLLM in bfloat16; else float32.
+float32 weights and Adam moments (hybridrl: train.precision=amp, its CPU default; TRL: its model
+loaded in float32 with bf16=True, transformers' autocast: the same), vLLM in bfloat16; else float32.
+hybridrl with bfloat16 weights (train.precision=bf16, --set it) gains a third as much per step here
+(docs/pretrained.md).
 TRL loaded in bfloat16 (peers.py's fastest setting, pure bfloat16) does not learn here: updates of
 lr 1e-5 round away in bfloat16 weights (seed 0: 40.7% -> 42.9% held-out in 20 steps, where hybridrl
 reached 67.0%), so that is not equal learning. TRL runs as peers.py runs it otherwise (its
