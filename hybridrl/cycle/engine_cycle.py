@@ -25,7 +25,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from hybridrl.core import faults, launch, memory
-from hybridrl.core.config import Config, ConfigError, UserError, torch_dtype
+from hybridrl.core.config import Config, ConfigError, UserError
 from hybridrl.cycle import sync
 from hybridrl.engines import deepspeed_compat, vllm_compat
 from hybridrl.engines.rollout import EngineSizing
@@ -105,7 +105,7 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
         raise ConfigError("rollout.gpu_memory_utilization=auto plans for vLLM sleeping while the trainer trains; with "
                           "rollout.sleep_level=0 set a fraction that leaves room for the trainer")
     hf = trainer.hf
-    b = torch_dtype(cfg.model.dtype).itemsize  # vLLM's, not the trainer's (float32 weights under train.precision=amp)
+    b = trainer.compute_dtype.itemsize  # vLLM's, not the weights' (float32 under train.precision=amp)
     # a rank's engine holds its tensor-parallel shard of the weights; its KV share covers the group's
     # sequences (tp x a rank's) at 1/tp of the heads: a rank's step at full width, as kv_cache_need counts
     weights = sum(deepspeed_compat.full_numel(p) for p in hf.parameters()) * b // r.tensor_parallel_size
@@ -122,7 +122,7 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     plan = memory.plan(total, free_kept, free_offloaded, margin=r.memory_margin_mb << 20, weights=weights,
                        need=need, offload=t.offload_states, visitors=visitors,
                        sampler=memory.sampler_bytes(seqs_at_once, memory.vocab_size(hf.config)),
-                       asleep=_asleep_bytes(cfg, hf, seqs_at_once), floor=memory.kv_floor(seqs, seq), seqs=seqs,
+                       asleep=_asleep_bytes(cfg, hf, b, seqs_at_once), floor=memory.kv_floor(seqs, seq), seqs=seqs,
                        seq=seq)
     if not plan.offload:
         trainer.reload()
@@ -132,7 +132,7 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     return EngineSizing(str(fraction), plan.kv >> 20, seqs_at_once, "on" if plan.offload else "off")
 
 
-def _asleep_bytes(cfg: Config, hf, max_num_seqs: int) -> int:
+def _asleep_bytes(cfg: Config, hf, b: int, max_num_seqs: int) -> int:
     """vLLM's graph pool and buffers that no sleep releases, as `hybridrl plan` counts them
     (plan.asleep_bytes); 0 for a config the plan cannot read (it then plans by measurement alone)."""
     from hybridrl.cycle import plan
@@ -142,7 +142,7 @@ def _asleep_bytes(cfg: Config, hf, max_num_seqs: int) -> int:
         shape = Shape.from_config(hf.config.to_dict())
     except (AttributeError, ConfigError):
         return 0
-    return plan.asleep_bytes(shape, torch_dtype(cfg.model.dtype).itemsize, max_num_seqs, r.tensor_parallel_size, not r.enforce_eager)
+    return plan.asleep_bytes(shape, b, max_num_seqs, r.tensor_parallel_size, not r.enforce_eager)
 
 
 class EngineFailure(UserError):

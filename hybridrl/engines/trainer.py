@@ -42,6 +42,7 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         self.cfg, self.device, self.platform = cfg, device, platform.current()
+        self.compute_dtype = dtype  # model.dtype: vLLM's weights and KV cache, the GEMMs' here
         dtype, autocast = precision(cfg, dtype)  # amp: float32 weights under bfloat16 autocast
         conf = ds_config(cfg, dtype == torch.bfloat16, self.platform)
         hf = from_pretrained(AutoModelForCausalLM, model_path, conf, dtype=dtype,

@@ -5,6 +5,7 @@ import torch
 
 class FakeTrainer:
     names = ["embed", "layer.0", "layer.1", "head"]
+    compute_dtype = torch.float32
 
     def __init__(self, events):
         self.events = events
