@@ -33,7 +33,7 @@ from hybridrl.core.launch import all_sum, world_size
 from hybridrl.core.models import enable_checkpointing
 from hybridrl.data.batch import Batch, per_token
 from hybridrl.engines import deepspeed_compat
-from hybridrl.engines.zero_engine import (ds_config, from_pretrained, load_engine_checkpoint, lr_scheduler,
+from hybridrl.engines.zero_engine import (autocast, ds_config, from_pretrained, load_engine_checkpoint, lr_scheduler,
                                           minibatch_updates, plan_micro_batches, precision)
 
 TAG = "critic"  # its DeepSpeed checkpoint's directory inside a hybridrl checkpoint
@@ -53,7 +53,7 @@ class _ValueModel(nn.Module):
 
     def forward(self, tokens, attention_mask, loss_mask) -> torch.Tensor:
         """Values of the masked tokens' states: [N] float32."""
-        with torch.autocast(tokens.device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None):
+        with autocast(tokens.device.type, self.autocast):
             hidden = self.base(input_ids=tokens, attention_mask=attention_mask).last_hidden_state
             return self.head(hidden[:, :-1][loss_mask[:, 1:]]).squeeze(-1).float()  # [N]
 

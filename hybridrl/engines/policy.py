@@ -20,6 +20,7 @@ from hybridrl.core.config import Config, UserError
 from hybridrl.core.models import is_native, plain_cache
 from hybridrl.data.batch import Batch, Shared
 from hybridrl.engines import ulysses
+from hybridrl.engines.zero_engine import autocast
 from hybridrl.kernels.fused_loss import fused_logprob_ppo_loss
 from hybridrl.kernels.liger_loss import liger_ppo_loss
 from hybridrl.kernels.logprob import logprob_entropy
@@ -50,9 +51,7 @@ class TokenLogprobs(nn.Module):
                                 "supported yet; use a model without it")
 
     def forward(self, *args, **kw):
-        if self.autocast is None:
-            return self._forward(*args, **kw)
-        with torch.autocast(self.hf.get_output_embeddings().weight.device.type, dtype=self.autocast):
+        with autocast(self.hf.get_output_embeddings().weight.device.type, self.autocast):
             return self._forward(*args, **kw)
 
     def _forward(self, tokens, attention_mask, loss_mask, temperature: float, loss: dict | None = None,

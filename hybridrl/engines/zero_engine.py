@@ -5,6 +5,7 @@ ZeRO-3) and a checkpoint, the micro-batch plan every rank agrees on, and the upd
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -160,6 +161,12 @@ def precision(cfg: Config, dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype
     if dtype == torch.bfloat16 and recipe.amp(cfg, on_cpu=not platform.current().cuda):
         return torch.float32, torch.bfloat16
     return dtype, None
+
+
+def autocast(device_type: str, dtype: torch.dtype | None):
+    """The context a model computes in: bfloat16 autocast over float32 weights (`precision`'s second
+    value), or nothing where `dtype` is None."""
+    return contextlib.nullcontext() if dtype is None else torch.autocast(device_type, dtype=dtype)
 
 
 def from_pretrained(auto_cls, path: str, conf: dict, **kw) -> nn.Module:
