@@ -70,3 +70,20 @@ def test_auto_is_amp_on_cpu_and_bf16_on_a_gpu_in_bfloat16_runs_only():
     assert not recipe.amp(cfg, on_cpu=True)  # the user's choice stands
     with pytest.raises(config.ConfigError, match="train.precision"):
         config.load(None, {"train.precision": "fp16"})
+
+
+@pytest.mark.fast
+def test_the_plan_counts_amps_float32_gradients_also_when_the_optimizer_is_offloaded():
+    from hybridrl.cycle import plan
+
+    from helpers.plan import H100, NODE, gpu_config, shape
+    s = shape("qwen2.5-7b")
+    for precision, wb in (("bf16", 2), ("amp", 4)):
+        for offload in ("off", "on"):
+            cfg = gpu_config("qwen2.5-7b", 8, **{"train.precision": precision, "train.optimizer_offload": offload})
+            k = plan.knobs(cfg, s, world=8, local=8, on_cpu=False)
+            p = plan.build(s, k, device=H100, host=NODE)
+            assert p.rows["trainer params"]["train"] == s.params * wb
+            bucket = min(plan.REDUCE_BUCKET, s.params) * wb  # the reduce bucket alone when offloaded
+            grads = bucket if offload == "on" else s.params * wb // 8 + bucket
+            assert p.rows["trainer grads"]["train"] == grads, (precision, offload)

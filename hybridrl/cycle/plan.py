@@ -221,7 +221,7 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
     states = 12 * T // N  # fp32 master weights + Adam's two moments, this rank's partition
     step_grads = (4 + wb) * T // N  # the step's fp32 gradient partition and flattened copy
     if k.optimizer_offload:  # gradients go to the host partition as they are reduced: only the bucket stays
-        grads, states, step_grads = min(REDUCE_BUCKET, T) * b, 0, 0
+        grads, states, step_grads = min(REDUCE_BUCKET, T) * wb, 0, 0
     tokens = k.mb_tokens
     per_layer = shape.layer_activations(b)
     fixed = (4 + b) * shape.hidden  # embedding output, final norm
