@@ -17,12 +17,13 @@ import inspect
 
 import torch
 
+from hybridrl.algorithms.registry import param_names, policy_loss
 from hybridrl.kernels.logprob import (BACKENDS, Workspace, accumulate_grads, logprob_entropy_reference, masked_upstream,
                                       new_grads, resolve)
-from hybridrl.kernels.ppo_loss import (SEQUENCE_LOSSES, check_hparams, loss_metrics, ppo_loss, prepare_tokens,
-                                       token_losses)
+from hybridrl.kernels.ppo_loss import check_hparams, loss_metrics, ppo_loss, prepare_tokens, token_losses
 
-# ppo_loss's keyword arguments and defaults, minus `entropy` (the fused pass computes it)
+# ppo_loss's keyword arguments and defaults, minus `entropy` (the fused pass computes it); each policy
+# loss's own hyperparameters come besides them (registry.param_names)
 _LOSS_DEFAULTS = {k: p.default for k, p in inspect.signature(ppo_loss).parameters.items()
                   if p.kind is inspect.Parameter.KEYWORD_ONLY and k != "entropy"}
 _DATA = ("seq_ids", "logp_rollout", "logp_ref", "agg", "normalizer")  # the rest are hyperparameters
@@ -107,7 +108,7 @@ def fused_logprob_ppo_loss(hidden, weight, targets, logp_old, advantages, mask, 
         logp, ent = logprob_entropy_reference(hidden, weight, targets, temperature, bias)
         loss, metrics = ppo_loss(logp, logp_old, advantages, mask, entropy=ent, **loss_kwargs)
         return loss, metrics, logp.detach(), ent.detach()
-    unknown = set(loss_kwargs) - set(_LOSS_DEFAULTS)
+    unknown = set(loss_kwargs) - set(_LOSS_DEFAULTS) - param_names()
     if unknown:
         raise TypeError(f"unexpected loss arguments {sorted(unknown)}")
     hp = {**_LOSS_DEFAULTS, **loss_kwargs}
@@ -117,7 +118,7 @@ def fused_logprob_ppo_loss(hidden, weight, targets, logp_old, advantages, mask, 
     tok = prepare_tokens(logp_old, advantages, mask, **data, dtype=torch.promote_types(hidden.dtype, torch.float32),
                    hp=hp)
     # the current policy's sequence-level quantities need whole sequences per chunk
-    whole = hp["policy_loss"] in SEQUENCE_LOSSES or (tok["is_w"] is None and data["logp_rollout"] is not None
+    whole = policy_loss(hp["policy_loss"]).sequence or (tok["is_w"] is None and data["logp_rollout"] is not None
                                                     and hp["tis_level"] != "token")
     slices = chunks(hidden.shape[0], chunk, data["seq_ids"] if whole else None)
 

@@ -1,14 +1,9 @@
 """Policy-gradient losses of the PPO family, as pure functions returning (loss, metrics).
 
 The definitions, their derivations and where we depart from the papers: docs/losses.md.
-Policy losses (`policy_loss`, chosen by name from POLICY_LOSSES):
-  ppo         clipped surrogate (Schulman et al. 2017), clip-higher (DAPO, Yu et al. 2025), dual
-              clip (Ye et al. 2020, "Mastering Complex Control in MOBA Games");
-  gspo        sequence-level ratio s_i = exp(mean_t log(pi / pi_old)) and sequence-level clipping
-              (GSPO, Zheng et al. 2025, arXiv 2507.18071);
-  gspo_token  GSPO-token, the same paper: s_i,t = sg[s_i] * pi_t / sg[pi_t], clipped per token;
-  cispo       the clipped IS weight as a stop-gradient coefficient on log pi, no clipping of the
-              gradient path (CISPO, MiniMax-M1, arXiv 2506.13585).
+Policy losses (`policy_loss`): each declared once, in its own module under
+hybridrl/algorithms/losses/ (ppo, gspo, gspo_token, cispo, gmpo), with its hyperparameters as a
+dataclass there (passed here by keyword) and its properties (hybridrl/algorithms/registry.py).
 Aggregations: token-mean (DAPO); seq-mean-token-mean (GRPO, Shao et al. 2024); seq-mean-token-
 sum-norm (Dr.GRPO, Liu et al. 2025). KL estimators k1/k2/k3 (Schulman 2020, "Approximating KL
 divergence"). Importance correction against the rollout engine's log-probs (`is_correction`):
@@ -34,20 +29,9 @@ from __future__ import annotations
 
 import torch
 
-
-def _k1(d):
-    return -d
-
-
-def _k2(d):
-    return 0.5 * d * d
-
-
-def _k3(d):
-    return (torch.expm1(d) - d).clamp(max=10.0)  # expm1: exact near d = 0, where k3 ~ d^2/2
-
-
-KL_ESTIMATORS = {"k1": _k1, "k2": _k2, "k3": _k3}  # each takes d = clamp(logp_ref - logp, +-20)
+from hybridrl.algorithms.kl import KL_ESTIMATORS  # noqa: F401  (each takes d = clamp(logp_ref - logp, +-20))
+from hybridrl.algorithms.losses.common import seq_mean, seq_sum
+from hybridrl.algorithms.registry import POLICY_LOSSES, loss_params, param_names, policy_loss
 
 
 def _seq_index(seq_ids, mask):
@@ -113,24 +97,11 @@ def _seq_info(mask, seq_ids):
     return {"seq": inv, "n_seq": counts.numel(), "seq_len": counts[inv].clamp(min=1.0)}
 
 
-def _seq_sum(x, tok):
-    """Each token gets the sum of x over its sequence's tokens [n]. x is 0 at masked tokens; every
-    sequence of the slice must be whole in it (the fused pass cuts chunks at sequence ends)."""
-    if tok["seq"] is None:
-        raise ValueError("this policy loss / IS level needs seq_ids")
-    inv = tok["seq"]
-    return torch.zeros(tok["n_seq"], dtype=x.dtype, device=x.device).index_add_(0, inv, x)[inv]
-
-
-def _seq_mean(x, tok):
-    return _seq_sum(x, tok) / tok["seq_len"]
-
-
 # --- importance correction against the rollout engine ---------------------------------------
 # log pi_old/pi_rollout per token [n] -> the log weight each token uses
 IS_LEVELS = {"token": lambda lw, tok: lw,
-             "sequence": _seq_sum,  # the product of the sequence's token ratios
-             "geometric": _seq_mean}  # its geometric mean: length-normalised, like GSPO's ratio
+             "sequence": seq_sum,  # the product of the sequence's token ratios
+             "geometric": seq_mean}  # its geometric mean: length-normalised, like GSPO's ratio
 
 
 def _truncate(w, hp):
@@ -165,59 +136,6 @@ def importance_weights(logp_old, logp_rollout, seq_ids=None, *, level="token", c
     return IS_CORRECTIONS[correction](importance_ratio(logp_old, logp_rollout, seq_ids, level), hp)
 
 
-# --- policy losses: per-token policy term [n] (before the IS weight and the aggregation) -------
-def _clipped(ratio, adv, hp):
-    """PPO's pessimistic clipped term; where the clipped branch wins, d/dratio is exactly 0."""
-    surr = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - hp["eps_low"], 1.0 + hp["eps_high"]))
-    if hp["dual_clip"] is not None:  # bound the loss of A < 0 tokens whose ratio exploded
-        surr = torch.where(adv < 0, torch.minimum(surr, -adv * hp["dual_clip"]), surr)
-    return surr
-
-
-def _token_ratio(logp, old, tok):
-    return torch.exp((logp - old).clamp(-20.0, 20.0))  # [n]
-
-
-def _seq_ratio(logp, old, tok):
-    """GSPO's s_i = exp(mean over the sequence's tokens of log(pi / pi_old)), on each token [n]."""
-    return torch.exp(_seq_mean(torch.where(tok["mask"], logp - old, 0.0), tok).clamp(-20.0, 20.0))
-
-
-def _ppo(logp, old, adv, tok, hp):
-    """L_t = max(-A r_t, -A clip(r_t, 1 - eps_low, 1 + eps_high)), r_t = pi / pi_old."""
-    return _clipped(_token_ratio(logp, old, tok), adv, hp)
-
-
-def _gspo(logp, old, adv, tok, hp):
-    """GSPO (Zheng et al. 2025): L_i = max(-A s_i, -A clip(s_i, 1 - eps_low, 1 + eps_high)) on each
-    of sequence i's tokens. d s_i / d logp_t = s_i / n_i: every token of a sequence gets the same
-    gradient, and a clipped sequence none. Departure: a per-token advantage (reinforce_pp, gae)
-    is used as it is, each token then carrying max(-A_t s_i, -A_t clip(s_i))."""
-    return _clipped(_seq_ratio(logp, old, tok), adv, hp)
-
-
-def _gspo_token(logp, old, adv, tok, hp):
-    """GSPO-token (same paper): s_i,t = sg[s_i] * pi_t / sg[pi_t] has the value s_i and the
-    gradient s_i * d logp_t; clipped per token like PPO. With one advantage per sequence its
-    gradient equals GSPO's under seq_mean_token_mean; it differs with per-token advantages."""
-    s = _seq_ratio(logp.detach(), old, tok) * torch.exp(logp - logp.detach())  # value s_i, grad s_i
-    return _clipped(s, adv, hp)
-
-
-def _cispo(logp, old, adv, tok, hp):
-    """CISPO (MiniMax-M1, 2025): L_t = -sg[clip(r_t, 1 - eps_low, 1 + eps_high)] * A * log pi_t.
-    No token's gradient is zeroed: the clip bounds its weight, not its presence (the paper's
-    motivation: PPO's clip drops the rare tokens that open reflective branches). The bounds are
-    algo.cispo_clip_low/high (defaults 1 and 4: no lower bound, upper 5 as Liger's documentation suggests)."""
-    w = _token_ratio(logp, old, tok).detach().clamp(1.0 - hp["cispo_clip_low"], 1.0 + hp["cispo_clip_high"])
-    return -w * adv * logp
-
-
-POLICY_LOSSES = {"ppo": _ppo, "gspo": _gspo, "gspo_token": _gspo_token, "cispo": _cispo}
-SEQUENCE_LOSSES = ("gspo", "gspo_token")  # need a whole sequence's current log-probs at once
-_METRIC_RATIO = {"ppo": _token_ratio, "gspo": _seq_ratio, "gspo_token": _seq_ratio, "cispo": _token_ratio}
-
-
 def prepare_tokens(logp_old, advantages, mask, seq_ids, logp_rollout, logp_ref, *, agg, normalizer, dtype, hp):
     """Everything per token that does not depend on logp: detached, zero at masked tokens."""
     m = mask.bool()
@@ -239,7 +157,8 @@ def token_losses(logp, entropy, tok, **hp):
     m = tok["mask"]
     logp = torch.where(m, logp, 0.0)  # [n]
     old = tok["logp_old"] if tok["logp_old"] is not None else logp.detach()
-    total = POLICY_LOSSES[hp["policy_loss"]](logp, old, tok["adv"], tok, hp)  # [n]
+    spec = POLICY_LOSSES[hp["policy_loss"]]
+    total = spec.term(logp, old, tok["adv"], tok, loss_params(spec, hp))  # [n]
     w = tok["is_w"]
     if w is None and tok["logp_rollout"] is not None:  # on-policy fused pass: old known only now
         w = _is_weight(old, tok, hp)
@@ -257,10 +176,10 @@ def token_losses(logp, entropy, tok, **hp):
 def loss_metrics(logp, entropy, tok, **hp):
     """Token means over this micro-batch's unmasked tokens, as detached 0-d tensors.
 
-    ratio_*: the ratio the loss clips (per token; GSPO's sequence ratio on each of its tokens).
-    clip_frac_low / _high: share of tokens whose gradient the lower (r < 1 - eps_low, A < 0) /
-    upper (r > 1 + eps_high, A > 0) clip zeroes; clip_frac_dual likewise (r > c, A < 0). CISPO:
-    share of tokens whose weight its lower / upper bound truncates (whatever the sign of A).
+    ratio_*: the ratio the loss reports (its spec's `ratio`: per token; GSPO's sequence ratio on each
+    of its tokens). clip_frac_low / _high: share of tokens its spec's `clip_fracs` counts (PPO: the
+    gradient the lower (r < 1 - eps_low, A < 0) / upper (r > 1 + eps_high, A > 0) clip zeroes;
+    CISPO: the weight its bounds truncate); clip_frac_dual likewise (r > c, A < 0).
     """
     m = tok["mask"]
     n = m.sum().clamp(min=1)
@@ -270,12 +189,11 @@ def loss_metrics(logp, entropy, tok, **hp):
 
     logp = torch.where(m, logp, 0.0)
     old = tok["logp_old"] if tok["logp_old"] is not None else logp
-    ratio = _METRIC_RATIO[hp["policy_loss"]](logp, old, tok)
+    spec = POLICY_LOSSES[hp["policy_loss"]]
+    p = loss_params(spec, hp)
+    ratio = spec.ratio(logp, old, tok)
     adv, any_tok = tok["adv"], m.any()
-    if hp["policy_loss"] == "cispo":
-        low, high = ratio < 1.0 - hp["cispo_clip_low"], ratio > 1.0 + hp["cispo_clip_high"]
-    else:
-        low, high = (ratio < 1.0 - hp["eps_low"]) & (adv < 0), (ratio > 1.0 + hp["eps_high"]) & (adv > 0)
+    low, high = spec.clip_fracs(ratio, adv, p)
     out = {
         "clip_frac_low": mean(low),
         "clip_frac_high": mean(high),
@@ -283,8 +201,8 @@ def loss_metrics(logp, entropy, tok, **hp):
         "ratio_min": torch.where(any_tok, torch.where(m, ratio, torch.inf).amin(), 0.0),
         "ratio_max": torch.where(any_tok, torch.where(m, ratio, -torch.inf).amax(), 0.0),
     }
-    if hp["dual_clip"] is not None:
-        out["clip_frac_dual"] = mean((ratio > hp["dual_clip"]) & (adv < 0))
+    if getattr(p, "dual_clip", None):
+        out["clip_frac_dual"] = mean((ratio > p.dual_clip) & (adv < 0))
     if tok["logp_ref"] is not None:
         out["kl_mean"] = mean(KL_ESTIMATORS[hp["kl_type"]]((tok["logp_ref"] - logp).clamp(-20.0, 20.0)))
     if entropy is not None:
@@ -298,39 +216,46 @@ def loss_metrics(logp, entropy, tok, **hp):
 def check_hparams(hp, agg, logp_ref, entropy_given):
     for name, table, key in (("agg", AGGREGATORS, agg), ("kl_type", KL_ESTIMATORS, hp["kl_type"]),
                              ("tis_level", IS_LEVELS, hp["tis_level"]),
-                             ("policy_loss", POLICY_LOSSES, hp["policy_loss"]),
                              ("is_correction", IS_CORRECTIONS, hp["is_correction"])):
         if key not in table:
             raise ValueError(f"{name}={key!r}; choose from {sorted(table)}")
+    spec = policy_loss(hp["policy_loss"])
+    own = spec.knobs()
+    foreign = sorted(k for k in param_names() - set(own) if hp.get(k))  # None, 0: not given
+    if foreign:
+        raise ValueError(f"policy_loss={spec.name} takes no {', '.join(foreign)} (its hyperparameters: "
+                         f"{', '.join(own) or 'none'})")
+    params = loss_params(spec, hp)
+    if hasattr(params, "check"):
+        params.check()
     if hp["kl_coef"] != 0.0 and logp_ref is None:
         raise ValueError("kl_coef != 0 needs logp_ref")
     if hp["entropy_coef"] != 0.0 and not entropy_given:
         raise ValueError("entropy_coef != 0 needs entropy")
-    if hp["dual_clip"] is not None and (hp["dual_clip"] <= 1.0 or hp["policy_loss"] == "cispo"):
-        raise ValueError("dual_clip must be > 1, and applies to the clipped losses (not cispo)")
     if not 0.0 <= hp["is_mask_low"] <= 1.0 <= hp["is_mask_high"]:
         raise ValueError("is_mask_low must be in [0, 1] and is_mask_high >= 1")
-    if hp["cispo_clip_low"] < 0 or hp["cispo_clip_high"] < 0:
-        raise ValueError("cispo_clip_low and cispo_clip_high must be >= 0")
 
 
 def ppo_loss(logp, logp_old, advantages, mask, *, seq_ids=None, logp_rollout=None, logp_ref=None,
-             entropy=None, policy_loss="ppo", eps_low=0.2, eps_high=0.2, dual_clip=None,
-             cispo_clip_low=1.0, cispo_clip_high=4.0, is_correction="tis", tis_cap=None,
-             tis_level="token", is_mask_low=0.5, is_mask_high=2.0, kl_coef=0.0, kl_type="k3",
-             entropy_coef=0.0, agg="token_mean", normalizer=None):
+             entropy=None, policy_loss="ppo", is_correction="tis", tis_cap=None, tis_level="token",
+             is_mask_low=0.5, is_mask_high=2.0, kl_coef=0.0, kl_type="k3", entropy_coef=0.0, agg="token_mean",
+             normalizer=None, **params):
     """agg(w * L) + kl_coef * agg(KL) - entropy_coef * agg(entropy), all token tensors [N].
 
-    L: POLICY_LOSSES[policy_loss] (ppo: max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), min'd
-    with -A * dual_clip where A < 0); w (only with logp_rollout): the detached IS weight from
+    L: the policy loss's term (ppo: max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), min'd with
+    -A * dual_clip where A < 0); `params`: its own hyperparameters (ppo, gspo, gspo_token: eps_low,
+    eps_high, dual_clip; cispo: cispo_clip_low, cispo_clip_high; gmpo: eps_low, eps_high), each
+    loss's defaults where not given; w (only with logp_rollout): the detached IS weight from
     exp(logp_old - logp_rollout) at tis_level, truncated at tis_cap (is_correction="tis") or
     0 outside [is_mask_low, is_mask_high] (is_correction="mask").
     Returns (loss, metrics: dict of detached 0-d tensors).
     """
-    hp = dict(policy_loss=policy_loss, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip,
-              cispo_clip_low=cispo_clip_low, cispo_clip_high=cispo_clip_high, is_correction=is_correction,
-              tis_cap=tis_cap, tis_level=tis_level, is_mask_low=is_mask_low, is_mask_high=is_mask_high,
-              kl_coef=kl_coef, kl_type=kl_type, entropy_coef=entropy_coef)
+    unknown = set(params) - param_names()
+    if unknown:
+        raise TypeError(f"ppo_loss: unexpected arguments {sorted(unknown)}")
+    hp = dict(params, policy_loss=policy_loss, is_correction=is_correction, tis_cap=tis_cap, tis_level=tis_level,
+              is_mask_low=is_mask_low, is_mask_high=is_mask_high, kl_coef=kl_coef, kl_type=kl_type,
+              entropy_coef=entropy_coef)
     check_hparams(hp, agg, logp_ref, entropy is not None)
     logp_old = logp.detach() if logp_old is None else logp_old
     tok = prepare_tokens(logp_old, advantages, mask, seq_ids, logp_rollout, logp_ref, agg=agg, normalizer=normalizer,

@@ -188,10 +188,12 @@ def test_clipped_value_loss_hand_derived():
 
 def _whiten_on_two_ranks(rank: int, init: str, out: str) -> None:
     import torch.distributed as dist
+
+    from hybridrl.core.launch import all_sum
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     R, mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]]), _mask(3, [2, 1, 1, 2])
     mine = slice(2 * rank, 2 * rank + 2)  # rank 0 holds the group [1, 0], rank 1 the group [1, 1]
-    adv, _ = ADVANTAGES["reinforce_pp"](Experience(R[rank: rank + 1], mask[mine]))
+    adv, _ = ADVANTAGES["reinforce_pp"](Experience(R[rank: rank + 1], mask[mine], all_sum=all_sum))
     torch.save(adv, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -212,7 +214,7 @@ def test_reinforce_pp_normalises_over_every_rank(tmp_path):
 def test_estimator_names_match_the_config():
     from hybridrl.core import config
     assert tuple(ADVANTAGES) == config.ADVANTAGES
-    with pytest.raises(config.ConfigError, match="choose grpo, dr_grpo, rloo, reinforce_pp, gae"):
+    with pytest.raises(config.ConfigError, match="must be one of grpo, dr_grpo, rloo, reinforce_pp, gae"):
         config.load(overrides={"algo.advantage": "ppo"})
     with pytest.raises(config.ConfigError, match="train.kernels=liger"):
         config.load(overrides={"algo.advantage": "gae", "train.kernels": "liger"})

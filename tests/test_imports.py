@@ -3,7 +3,8 @@ and only the entry points import the loop.
 
 Floors, bottom to top (docs/design.md, "The floors"): core/ (what every floor needs: the config, its
 recipe, what the model is, launch, the process environment, the journal, memory probes, faults, logs,
-canaries, the platform switch) -> data/ and observe/ -> algorithms/ and kernels/ (the math) ->
+canaries, the platform switch) and algorithms/ (each estimator and policy loss declared once: the
+config reads them) -> data/ and observe/ -> kernels/ (the fused math) ->
 engines/ -> cycle/ -> run/ -> the public modules at the top of the package (`hybridrl`,
 verifiers.py, rewards.py, envs.py, tasks.py, env.py: the roof, which may import anything). A module
 imports from its own floor or below, never from a higher one, counting imports inside functions and
@@ -24,7 +25,8 @@ PACKAGE = ROOT / "hybridrl"
 KERNELS = ROOT / "kernels"  # imported as hybridrl.kernels (hybridrl/kernels/__init__.py)
 LOOP_IMPORTERS = {"hybridrl", "hybridrl.run.cli"}  # `hybridrl.train` and `hybridrl train`
 # folder under hybridrl/ -> its floor; folders on one floor may import each other (no circles)
-FLOORS = {"core": 0, "data": 1, "sandbox": 1, "observe": 1, "algorithms": 2, "kernels": 2, "engines": 3, "cycle": 4, "run": 5}
+FLOORS = {"core": 0, "algorithms": 0, "data": 1, "sandbox": 1, "observe": 1, "kernels": 2, "engines": 3, "cycle": 4,
+          "run": 5}
 ROOF = 6  # hybridrl/__init__.py, __main__.py and the public modules beside it
 ABOVE = 7  # bench/, scripts/, tests/: never imported by the package
 OUTSIDE = ("bench", "scripts", "tests", "helpers")

@@ -7,14 +7,14 @@ from hybridrl.core import config as C
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 
 BAD = [
-    ({"algo.policy_loss": "grpo"}, "algo.policy_loss='grpo': must be one of ppo, gspo, gspo_token, cispo"),
+    ({"algo.policy_loss": "grpo"}, "algo.policy_loss='grpo': must be one of ppo, cispo, gmpo, gspo, gspo_token"),
     ({"algo.policy_loss": "cispo", "algo.dual_clip": 3}, "cispo has not: set algo.dual_clip 0"),
     ({"algo.cispo_clip_high": -1}, "algo.cispo_clip_high=-1.0: must be a finite number >= 0"),
     ({"algo.is_correction": "mask", "algo.is_mask_low": 1.5}, "algo.is_mask_low=1.5: must be a finite number in [0, 1]"),
     ({"algo.is_correction": "mask", "algo.is_mask_high": 0.9}, "algo.is_mask_high=0.9: must be a finite number >= 1"),
     ({"algo.is_correction": "mask", "algo.tis_cap": 2}, "set algo.tis_cap 0 with mask"),
     ({"algo.tis_level": "seq"}, "must be one of token, sequence, geometric"),
-    ({"train.kernels": "liger", "algo.policy_loss": "gspo_token"}, "use algo.policy_loss gspo or train.kernels=auto"),
+    ({"train.kernels": "liger", "algo.policy_loss": "gspo_token"}, "use algo.policy_loss ppo/cispo/gspo or train.kernels=auto"),
     ({"train.kernels": "liger", "algo.policy_loss": "cispo", "algo.loss_agg": "seq_mean_token_mean"},
      "use algo.loss_agg token_mean and algo.cispo_clip_low 1, or train.kernels=auto"),
 ]

@@ -13,7 +13,11 @@ import textwrap
 
 import pytest
 
+from hybridrl.algorithms import POLICY_LOSSES
+
 from helpers.cli import train_cli
+
+LOSSES = [*POLICY_LOSSES, "ppo+mask"]  # every declared policy loss, and PPO with masked IS
 
 SCRIPT = textwrap.dedent('''
     import json
@@ -44,8 +48,8 @@ SCRIPT = textwrap.dedent('''
     trainer = Trainer(cfg, path, device=world.device, dtype=torch.float32, attn_implementation="sdpa")
     out = {}
     # masked IS first, while the trainer still holds the weights vLLM sampled with (ratios ~1 but for the shift)
-    losses = {"ppo+mask": {"algo.is_correction": "mask"}, "ppo": {}, "gspo": {"algo.policy_loss": "gspo"},
-              "gspo_token": {"algo.policy_loss": "gspo_token"}, "cispo": {"algo.policy_loss": "cispo"}}
+    from hybridrl.algorithms import POLICY_LOSSES
+    losses = {"ppo+mask": {"algo.is_correction": "mask"}, **{n: {"algo.policy_loss": n} for n in POLICY_LOSSES}}
     for name, over in losses.items():
         trainer.cfg = apply(cfg, over)
         b = batch
@@ -92,7 +96,7 @@ def test_every_policy_loss_trains_with_the_real_engines(tmp_path):
     run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
     out = json.loads(next(x for x in run.stdout.splitlines() if x.startswith("RESULT "))[7:])
-    for name in ("ppo", "gspo", "gspo_token", "cispo", "ppo+mask"):
+    for name in LOSSES:
         r = out[name]
         assert r["loss"] == r["loss"] and abs(r["loss"]) < 100, (name, r)  # finite
         assert r["moved"] > 1e-6 and r["grad_norm"] > 0, (name, r)
@@ -136,7 +140,7 @@ def learning(run_dir) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss", ["ppo", "gspo", "gspo_token", "cispo", "ppo+mask"])
+@pytest.mark.parametrize("loss", LOSSES)
 def test_learning_per_loss(tmp_path, loss):
     """The demo learns with each loss: 300 steps, two minibatches per rollout (the second update is
     off-policy, so the losses differ); the training reward and the held-out accuracy of samples both

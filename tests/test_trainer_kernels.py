@@ -4,8 +4,11 @@ import pytest
 import torch
 import transformers
 
+from hybridrl.algorithms import POLICY_LOSSES
 from hybridrl.engines.policy import TokenLogprobs
 from hybridrl.kernels.fused_loss import _LOSS_DEFAULTS
+
+OWN = {"eps_low": 0.2, "eps_high": 0.28, "cispo_clip_high": 0.1}  # the policy losses' own hyperparameters
 
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 
@@ -51,9 +54,10 @@ def loss_and_grads(provider, agg, off_policy, normalizer_scale=1.0, row_idx=None
         with torch.no_grad():
             logp, _ = module(tokens, attn, mask, 1.0)
         logp_rollout = logp - shift.flip(1)[sel] * 1.5
+    policy_loss_knobs = POLICY_LOSSES[policy_loss].knobs()  # each loss takes its own hyperparameters only
     loss, metrics, _, _ = module(tokens, attn, mask, 1.0, dict(
         _LOSS_DEFAULTS, logp_old=logp_old, advantages=adv[seq_ids], mask=torch.ones(n_tok), seq_ids=seq_ids,
-        logp_rollout=logp_rollout, policy_loss=policy_loss, eps_low=0.2, eps_high=0.28, cispo_clip_high=0.1,
+        logp_rollout=logp_rollout, policy_loss=policy_loss, **{k: v for k, v in OWN.items() if k in policy_loss_knobs},
         is_correction="mask" if mask_is else "tis", tis_level="geometric", is_mask_low=0.8, is_mask_high=1.25,
         agg=agg, normalizer=full_norm * normalizer_scale))
     loss.backward()

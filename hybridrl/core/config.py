@@ -17,6 +17,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from hybridrl.algorithms import ESTIMATORS, POLICY_LOSSES, estimator, policy_loss
 from hybridrl.core.schema import (ADVANTAGES, DEMO, DEMO_SOURCE, DEMO_TASKS, GROUPS, AlgoConfig,  # noqa: F401
                                   CkptConfig, Config, DataConfig, EnvConfig, LogConfig, ModelConfig, RewardConfig,
                                   RolloutConfig, TrainConfig, knob)
@@ -265,6 +266,10 @@ def validate(cfg: Config, lengths: bool = True) -> None:
             why = f.metadata.get("why")
             raise ConfigError(f"{key}={value!r}: must be {allowed}{f'; {why}' if why else ''}")
     t, r = cfg.train, cfg.rollout
+    for key, specs in (("algo.advantage", ESTIMATORS), ("algo.policy_loss", POLICY_LOSSES)):
+        if get(cfg, key) not in specs:  # a Config built in Python skips coerce's Literal check
+            raise ConfigError(f"{key}={get(cfg, key)!r}: choose {', '.join(specs)}")
+    loss, adv = policy_loss(cfg.algo.policy_loss), estimator(cfg.algo.advantage)
     length_checks = [
         (cfg.data.max_prompt_len + r.max_new_tokens <= r.max_model_len,
          f"data.max_prompt_len + rollout.max_new_tokens must fit rollout.max_model_len "
@@ -273,24 +278,21 @@ def validate(cfg: Config, lengths: bool = True) -> None:
          f"algo.overlong_buffer must be in [0, rollout.max_new_tokens={r.max_new_tokens}]"),
     ]
     checks = length_checks * lengths + [
-        (cfg.algo.dual_clip == 0 or cfg.algo.policy_loss != "cispo",
-         "algo.dual_clip bounds a clipped surrogate, which algo.policy_loss=cispo has not: set algo.dual_clip 0"),
+        (cfg.algo.dual_clip == 0 or "algo.dual_clip" in loss.knobs().values(),
+         f"algo.dual_clip bounds a clipped surrogate, which algo.policy_loss={loss.name} has not: set algo.dual_clip 0"),
         (cfg.algo.tis_cap == 0 or cfg.algo.is_correction == "tis",
          "algo.tis_cap truncates the weight, algo.is_correction=mask masks it: set algo.tis_cap 0 with mask"),
         (cfg.algo.old_logprobs != "rollout" or not (cfg.algo.tis_cap or cfg.algo.is_correction == "mask"),
          "algo.old_logprobs=rollout makes the importance weight pi_old / pi_vllm 1: use algo.old_logprobs trainer "
          "(or auto) with TIS or masked IS"),
-        (cfg.algo.advantage in ADVANTAGES,
-         f"algo.advantage={cfg.algo.advantage!r}: choose {', '.join(ADVANTAGES)}"),
-        (t.kernels != "liger" or (cfg.algo.kl_coef == 0 and cfg.algo.advantage in ("grpo", "dr_grpo", "rloo")),
-         "train.kernels=liger takes one advantage per sample and no KL: use train.kernels=auto with "
-         "algo.kl_coef > 0 or algo.advantage reinforce_pp/gae"),
-        (t.kernels != "liger" or cfg.algo.policy_loss != "gspo_token",
-         "train.kernels=liger has no gspo_token: use algo.policy_loss gspo or train.kernels=auto"),
-        (t.kernels != "liger" or cfg.algo.policy_loss != "cispo" or (
-            cfg.algo.loss_agg == "token_mean" and cfg.algo.cispo_clip_low >= 1),
-         "train.kernels=liger's cispo has no lower bound and reduces by token mean: use algo.loss_agg token_mean "
-         "and algo.cispo_clip_low 1, or train.kernels=auto"),
+        (t.kernels != "liger" or (cfg.algo.kl_coef == 0 and not adv.per_token),
+         f"train.kernels=liger takes one advantage per sample and no KL: use train.kernels=auto with "
+         f"algo.kl_coef > 0 or algo.advantage {adv.name}"),
+        (t.kernels != "liger" or loss.liger is not None,
+         f"train.kernels=liger has no {loss.name}: use algo.policy_loss "
+         f"{'/'.join(n for n, spec in POLICY_LOSSES.items() if spec.liger)} or train.kernels=auto"),
+        (t.kernels != "liger" or loss.liger is None or not loss.liger.needs(cfg.algo),
+         loss.liger and loss.liger.needs(cfg.algo)),
         (_fraction_or_auto(r.gpu_memory_utilization),
          f"rollout.gpu_memory_utilization={r.gpu_memory_utilization!r}: use auto or a fraction in (0, 1]"),
         # DeepSpeed's engine.offload_states asserts that the parameters are not offloaded, and the trainer
@@ -320,14 +322,14 @@ def validate(cfg: Config, lengths: bool = True) -> None:
         (t.sequence_parallel_size == 1 or not _sequence_level(cfg),
          f"train.sequence_parallel_size={t.sequence_parallel_size} splits a sequence's tokens over ranks, and "
          f"{_sequence_level(cfg)} needs each sequence whole on one rank: use algo.loss_agg token_mean (or "
-         "seq_mean_token_sum_norm), algo.policy_loss ppo/cispo, algo.tis_level token and train.kernels auto/torch/"
-         "triton, or train.sequence_parallel_size 1"),
+         f"seq_mean_token_sum_norm), algo.policy_loss {'/'.join(n for n, p in POLICY_LOSSES.items() if not p.sequence)}"
+         ", algo.tis_level token and train.kernels auto/torch/triton, or train.sequence_parallel_size 1"),
         # the critic trains on whole padded rows: under SP a sequence of up to S x the budget would be one
         # critic micro-batch, activations the plan does not count (its slices are not built yet)
-        (t.sequence_parallel_size == 1 or cfg.algo.advantage != "gae",
-         f"algo.advantage=gae with train.sequence_parallel_size={t.sequence_parallel_size}: the critic scores and "
-         "trains on whole sequences, not sequence-parallel slices; use an advantage without a critic (grpo, "
-         "dr_grpo, rloo, reinforce_pp) or train.sequence_parallel_size 1"),
+        (t.sequence_parallel_size == 1 or not adv.critic,
+         f"algo.advantage={adv.name} with train.sequence_parallel_size={t.sequence_parallel_size}: the critic scores "
+         f"and trains on whole sequences, not sequence-parallel slices; use an advantage without a critic "
+         f"({', '.join(n for n, spec in ESTIMATORS.items() if not spec.critic)}) or train.sequence_parallel_size 1"),
         (t.sequence_parallel_size == 1 or cfg.algo.routing_replay != "on",
          f"algo.routing_replay=on with train.sequence_parallel_size={t.sequence_parallel_size}: replaying vLLM's "
          "experts over sequence-parallel slices is not built yet; set algo.routing_replay auto (off under SP) or "
@@ -359,7 +361,7 @@ def _sequence_level(cfg: Config) -> str:
     weight; Liger's rows), which sequence parallelism's token slices cannot give; '' for none."""
     a = cfg.algo
     for key, bad in (("algo.loss_agg=seq_mean_token_mean", a.loss_agg == "seq_mean_token_mean"),
-                     (f"algo.policy_loss={a.policy_loss}", a.policy_loss in ("gspo", "gspo_token")),
+                     (f"algo.policy_loss={a.policy_loss}", policy_loss(a.policy_loss).sequence),
                      (f"algo.tis_level={a.tis_level}", a.tis_level != "token"),
                      ("train.kernels=liger", cfg.train.kernels == "liger")):
         if bad:

@@ -20,20 +20,12 @@ import dataclasses
 import math
 import os
 
+from hybridrl.algorithms import policy_loss
 from hybridrl.core import environ, memory
 from hybridrl.core.config import (DEMO, DEMO_SOURCE, Config, ConfigError, default, demo_recipe, explicit,  # noqa: F401
                                   get, leaves, put, validate)
 from hybridrl.core.models import ModelInfo
 
-# each policy loss's own clip range, for the keys the user leaves unset (the schema's 0.2 / 0.28 are PPO's).
-# GSPO clips a length-normalised sequence ratio, which stays within ~1e-3 of 1 where PPO's token ratios
-# move by tenths: the paper (Zheng et al. 2025) and verl's GSPO recipe clip at 3e-4 / 4e-4. On the demo
-# PPO's range, which a sequence ratio never reaches, left GSPO learning less (docs/losses.md, "Demo runs").
-# cispo bounds its IS weight with its own keys (algo.cispo_clip_low/high), so clip_low/high do not apply.
-LOSS_CLIP = {
-    "gspo": {"algo.clip_low": 3e-4, "algo.clip_high": 4e-4},
-    "gspo_token": {"algo.clip_low": 3e-4, "algo.clip_high": 4e-4},  # the same sequence ratio on every token
-}
 DERIVED = ("rollout.max_model_len", "rollout.kv_cache_mb", "train.steps")  # filled from the model / the data
 CPU_KV_MIN_MB = 64  # the least CPU KV cache any run gets
 # vLLM's LoRA kernels on a GPU (Triton's shrink and expand, vllm/lora/ops/triton_ops/) assert these;
@@ -116,8 +108,10 @@ def amp(cfg: Config, on_cpu: bool) -> bool:
 
 
 def loss_clip(cfg: Config) -> Config:
-    """algo.clip_low / clip_high from the policy loss's own range (LOSS_CLIP) where the user set neither."""
-    for key, value in LOSS_CLIP.get(cfg.algo.policy_loss, {}).items():
+    """algo.clip_low / clip_high from the policy loss's own range (its declaration's `clip`: the schema's
+    0.2 / 0.28 are PPO's) for the keys the user left unset."""
+    clip = policy_loss(cfg.algo.policy_loss).clip
+    for key, value in zip(("algo.clip_low", "algo.clip_high"), clip or ()):
         if not explicit(cfg, key):
             cfg = put(cfg, key, value, f"algo.policy_loss={cfg.algo.policy_loss}'s clip range")
     return cfg

@@ -13,6 +13,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from hybridrl.algorithms import ESTIMATORS, POLICY_LOSSES
+
+# the algorithms' names and one-line summaries, from their declarations (hybridrl/algorithms/)
+AdvantageName = Literal[tuple(ESTIMATORS)]
+PolicyLossName = Literal[tuple(POLICY_LOSSES)]
+
+
+def _choices(specs: dict) -> str:
+    return "; ".join(f"{name}: {spec.summary}" for name, spec in specs.items())
+
 
 def knob(default: Any, help: str, valid: str | None = None, why: str = "", **kw) -> Any:
     """A config field with its help text; a number's allowed range in `valid` (config.in_range: '> 0',
@@ -216,21 +226,16 @@ class TrainConfig(Freezable):
 
 @dataclass
 class AlgoConfig(Freezable):
-    advantage: str = knob("grpo", "Advantage estimator: grpo | dr_grpo | rloo (one per sample, from its group), "
-                          "reinforce_pp (REINFORCE++ baseline: R - group mean, whitened over the global batch) | "
-                          "gae (PPO with a critic: a value model trained alongside the policy).")
-    policy_loss: Literal["ppo", "gspo", "gspo_token", "cispo"] = knob(
-        "ppo", "Policy loss (docs/losses.md): ppo (clipped token ratio), gspo (sequence ratio exp(mean log-ratio), "
-        "sequence clipping; its default clip range is the paper's, algo.clip_low 3e-4, clip_high 4e-4), gspo_token "
-        "(GSPO's token variant, the same clip range), cispo (clipped IS weight as a stop-gradient coefficient on log pi; algo.cispo_clip_low/high).")
+    advantage: AdvantageName = knob("grpo", f"Advantage estimator: {_choices(ESTIMATORS)}.")
+    policy_loss: PolicyLossName = knob("ppo", f"Policy loss (docs/losses.md): {_choices(POLICY_LOSSES)}.")
     loss_agg: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"] = knob(
         "token_mean", "How token losses are reduced (DAPO token_mean, GRPO seq_mean_token_mean, Dr.GRPO sum_norm).")
-    clip_low: float = knob(0.2, "Clip epsilon below 1 (ppo: 0.2; gspo/gspo_token unless set: 3e-4, the paper's).",
-                           valid="[0, 1)")
-    clip_high: float = knob(0.28, "Clip epsilon above 1 (ppo: 0.28, DAPO clip-higher; gspo/gspo_token unless set: "
-                            "4e-4).", valid=">= 0")
-    dual_clip: float = knob(0.0, "Dual-clip constant c > 1 for negative advantages (0 = off; ppo/gspo/gspo_token).",
-                            valid="0 or > 1")
+    clip_low: float = knob(0.2, "Clip epsilon below 1 (ppo: 0.2; a loss with a range of its own takes it unless set: "
+                           "gspo/gspo_token 3e-4, gmpo 0.4 on the log-ratio).", valid="[0, 1)")
+    clip_high: float = knob(0.28, "Clip epsilon above 1 (ppo: 0.28, DAPO clip-higher; unless set: gspo/gspo_token "
+                            "4e-4, gmpo 0.4 on the log-ratio).", valid=">= 0")
+    dual_clip: float = knob(0.0, "Dual-clip constant c > 1 for negative advantages (0 = off; the losses with a "
+                            "clipped surrogate: ppo/gspo/gspo_token).", valid="0 or > 1")
     cispo_clip_low: float = knob(1.0, "CISPO: the IS weight is clipped below at 1 - this (1 = no lower bound, as in "
                                  "MiniMax-M1).", valid=">= 0")
     cispo_clip_high: float = knob(4.0, "CISPO: the IS weight is clipped above at 1 + this (4: the bound 5 that "
@@ -408,7 +413,7 @@ class Config(Freezable):
 
 
 GROUPS = [f.name for f in dataclasses.fields(Config) if f.name != "sources"]
-ADVANTAGES = ("grpo", "dr_grpo", "rloo", "reinforce_pp", "gae")  # algo.ADVANTAGES' names (config stays torch-free)
+ADVANTAGES = tuple(ESTIMATORS)  # the advantage estimators' names (hybridrl/algorithms/estimators.py)
 
 # The demo's recipe: what model.path=demo runs with in the keys the user leaves unset (their source is "demo
 # recipe"), where a real model's defaults above do not suit the 0.86M demo model, its task or the 2-core CPU

@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from hybridrl.algorithms import estimator
 from hybridrl.core import memory
 from hybridrl.core.config import Config, ConfigError
 from hybridrl.core.memory import GRAPH_SIZES_MAX, capture_sizes
@@ -363,7 +364,7 @@ def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp
                  mb_tokens=mb_tokens,
                  optimizer_offload=t.optimizer_offload == "on", param_offload=t.param_offload == "on",
                  trained=trained, reference=cfg.algo.kl_coef > 0 and not m.lora_rank,
-                 critic=cfg.algo.advantage == "gae", sleep_level=r.sleep_level, graphs=not r.enforce_eager,
+                 critic=estimator(cfg.algo.advantage).critic, sleep_level=r.sleep_level, graphs=not r.enforce_eager,
                  max_num_seqs=r.max_num_seqs or memory.engine_seqs(cfg, world, tp), kv=kv, kv_floor=floor, chunk=t.logprob_chunk,
                  bucket=t.sync_bucket_mb << 20, reserve=(r.memory_margin_mb << 20) if not on_cpu else 0,
                  on_cpu=on_cpu, offload_states=t.offload_states, seqs=seqs, seq_kv=seq_kv, sp=t.sequence_parallel_size,
@@ -384,7 +385,7 @@ def ladder(cfg: Config, shape: Shape, base: Knobs, world: int, local: int, devic
     from hybridrl.core.recipe import explicit
     free = {key: not explicit(cfg, key) for key in FREE}
     sps = [base.sp] + [s for s in (2, 4, 8) if free["train.sequence_parallel_size"] and s > base.sp and world % s == 0
-                       and shape.heads % s == 0 and not _sequence_level(cfg) and cfg.algo.advantage != "gae"]
+                       and shape.heads % s == 0 and not _sequence_level(cfg) and not estimator(cfg.algo.advantage).critic]
     for params in (False, True):
         for sp in sps:
             yield from _ladder_at(cfg, shape, base, world, local, device, free, sp, params)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from hybridrl.algorithms import policy_loss
 from hybridrl.core.config import Config, UserError
 from hybridrl.core.models import is_native, plain_cache
 from hybridrl.data.batch import Batch, Shared
@@ -138,9 +139,9 @@ class TokenLogprobs(nn.Module):
                 level=loss["tis_level"], correction=loss["is_correction"], tis_cap=loss["tis_cap"],
                 is_mask_low=loss["is_mask_low"], is_mask_high=loss["is_mask_high"]))
         value, metrics = liger_ppo_loss(hidden, head.weight, targets, sel, adv, old, temperature, head.bias,
-                                        policy_loss=loss["policy_loss"], eps_low=loss["eps_low"],
-                                        eps_high=loss["eps_high"], cispo_clip_high=loss["cispo_clip_high"],
-                                        is_weights=is_w, agg=loss["agg"], normalizer=loss["normalizer"],
+                                        policy_loss=loss["policy_loss"], is_weights=is_w, agg=loss["agg"],
+                                        normalizer=loss["normalizer"],
+                                        **{k: loss[k] for k in policy_loss(loss["policy_loss"]).knobs() if k in loss},
                                         max_len=self.max_len)
         return value, metrics, logp, entropy
 

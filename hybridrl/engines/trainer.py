@@ -15,9 +15,10 @@ import deepspeed
 import torch
 from torch import nn
 
+from hybridrl.algorithms import policy_loss
 from hybridrl.core import faults, platform
 from hybridrl.core.canaries import distribution_metrics
-from hybridrl.core.config import Config, ConfigError, completion_budget
+from hybridrl.core.config import Config, ConfigError, completion_budget, get
 from hybridrl.core.launch import all_sum, world_size
 from hybridrl.core.models import enable_checkpointing, is_native
 from hybridrl.data import partial
@@ -204,11 +205,11 @@ class Trainer:
         return bool(self.cfg.algo.tis_cap) or self.cfg.algo.is_correction == "mask"
 
     def loss_knobs(self) -> dict:
-        """ppo_loss's hyperparameters from algo.*."""
+        """ppo_loss's hyperparameters from algo.*: the policy loss's own (its declaration names their keys)
+        and the shared ones."""
         a = self.cfg.algo
-        return dict(policy_loss=a.policy_loss, eps_low=a.clip_low, eps_high=a.clip_high, dual_clip=a.dual_clip or None,
-                    cispo_clip_low=a.cispo_clip_low, cispo_clip_high=a.cispo_clip_high,
-                    is_correction=a.is_correction, tis_cap=a.tis_cap or None, tis_level=a.tis_level,
+        own = {name: get(self.cfg, key) for name, key in policy_loss(a.policy_loss).knobs().items()}
+        return dict(own, policy_loss=a.policy_loss, is_correction=a.is_correction, tis_cap=a.tis_cap or None, tis_level=a.tis_level,
                     is_mask_low=a.is_mask_low, is_mask_high=a.is_mask_high, kl_type=a.kl_type,
                     kl_coef=a.kl_coef if a.kl_in == "loss" else 0.0, entropy_coef=a.entropy_coef, agg=a.loss_agg)
 

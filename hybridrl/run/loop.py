@@ -15,7 +15,7 @@ import time
 import numpy as np
 import torch
 
-from hybridrl.algorithms import advantages
+from hybridrl.algorithms import advantages, estimator
 from hybridrl.core import environ, faults, launch, recipe
 from hybridrl.core.canaries import distribution_metrics
 from hybridrl.core.config import Config, torch_dtype
@@ -64,7 +64,7 @@ def train(cfg: Config) -> dict:
     engine_kw = dict(device=world.device, dtype=torch_dtype(cfg.model.dtype),
                      attn_implementation=cfg.model.attn_implementation)
     ref = Reference.load(cfg, model_path, trainer=trainer, **engine_kw)  # None when kl_coef == 0; LoRA: the base
-    critic = Critic(cfg, model_path, **engine_kw) if cfg.algo.advantage == "gae" else None
+    critic = Critic(cfg, model_path, **engine_kw) if estimator(cfg.algo.advantage).critic else None
     reward_models = reward_model.load_all(cfg, world.device)  # rm: terms; they score while vLLM is awake
     # vLLM's memory, the states' (measured now the trainer is built; the config stays as resolved)
     sizing = engine_cycle.plan_rollout(cfg, trainer, cuda=not on_cpu, main=world.main, critic=critic,

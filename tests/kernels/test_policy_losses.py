@@ -136,11 +136,14 @@ def test_sequence_losses_need_seq_ids():
 
 
 def knobs(policy_loss, correction="tis"):
-    kw = dict(policy_loss=policy_loss, kl_coef=0.05, kl_type="k3", entropy_coef=0.01, eps_high=0.28,
+    kw = dict(policy_loss=policy_loss, kl_coef=0.05, kl_type="k3", entropy_coef=0.01,
               tis_level="sequence" if correction == "tis" else "geometric", is_correction=correction)
     if correction == "tis":
         kw["tis_cap"] = 2.0
-    if policy_loss != "cispo":
+    own = POLICY_LOSSES[policy_loss].knobs()  # each loss takes only its own hyperparameters
+    if "eps_high" in own:
+        kw["eps_high"] = 0.28
+    if "dual_clip" in own:
         kw["dual_clip"] = 3.0
     if policy_loss == "cispo":
         kw["cispo_clip_low"] = 0.2  # both bounds active on the test's ratios
