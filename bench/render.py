@@ -12,7 +12,8 @@ NAME picks a renderer: `peers` (hybridrl against TRL, the newest run per workloa
 machine), `scale` (the same for bench.scale), `demo_curve` (a learning curve: held-out accuracy by
 wall time, per seed), `gpu_check` (one GPU self-check's claims), `plan_check` (the memory plan
 against the trainer's measured peak), `real` (time to accuracy on a real pretrained model) and
-`history:<bench>` (every row of one bench, newest first, one dated line each). key=value pairs
+`history:<bench>` (every row of one bench, newest first, one dated line each); `settings` is not a
+result but the schema: every config knob, by group (docs/configuration.md). key=value pairs
 select rows: a key of the row, its workload or its machine (`kind=amx`, `workload=demo`,
 `source=peers-*-amx.txt`, `commit=62971d0`), matched as a shell pattern; the picking renderers
 take the newest row left. `every=N` thins a curve's grid to every N seconds. Files: README.md and
@@ -290,6 +291,13 @@ PLAN_LONG = [("Qwen/Qwen2.5-7B-Instruct", 16384, 0), ("Qwen/Qwen2.5-7B-Instruct"
              ("examples/recipes/qwen2.5-32b-8k-8xh100.yaml", 0, 0),
              ("examples/recipes/qwen2.5-72b-8xh100.yaml", 8192, 9216),
              ("examples/recipes/qwen2.5-72b-8xh100.yaml", 31744, 32768)]
+
+
+@renderer("settings")
+def render_settings(args: list[str], filters: dict) -> str:
+    """every config knob by group, from the schema (docs/configuration.md)"""
+    from hybridrl.core.reference import settings_markdown
+    return settings_markdown()
 
 
 @renderer("plan_long")

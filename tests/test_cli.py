@@ -53,6 +53,27 @@ def test_help_at_80_columns_shows_whole_option_names():
         "seq_mean_token_sum_norm]" in lines
 
 
+def test_help_and_the_settings_page_list_the_same_knobs():
+    """docs/configuration.md's "Every setting" is made from the schema (bench.render --check keeps it
+    current); this reads both as a user would: the same group.field options, in the same groups."""
+    import re
+    from pathlib import Path
+
+    out = hybridrl("train", "--help", env={"COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    group, in_help = None, set()
+    for line in out.stdout.splitlines():
+        if line.endswith(":") and not line.startswith(" "):
+            group = line[:-1]
+        elif m := re.match(r"  --([a-z_]+)\.([a-z_0-9]+)", line):
+            assert m[1] == group, line  # under its own group
+            in_help.add(f"{m[1]}.{m[2]}")
+    page = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    in_page = set(re.findall(r"^\| `--([a-z_]+\.[a-z_0-9]+)` \|", page, re.M))
+    assert in_help == in_page, (sorted(in_help - in_page), sorted(in_page - in_help))
+    assert in_help == set(C.leaves())
+
+
 @pytest.mark.parametrize("args,message", [
     (["--data", "missing.jsonl"], "error: data.path=missing.jsonl: no such file or directory"),
     # booleans spelled with a value parse (the error is the data's, not "unexpected extra argument")

@@ -41,7 +41,7 @@ def _liger_needs(algo) -> str:
 
 
 SPEC = register(PolicyLoss(
-    "cispo", "clipped IS weight as a stop-gradient coefficient on log pi; algo.cispo_clip_low/high", term,
+    "cispo", "clipped IS weight as a stop-gradient coefficient on log pi (bounds: algo.cispo_clip_low/high)", term,
     ratio=token_ratio, clip_fracs=clip_fracs, params=CISPOParams,
     # Liger's cispo bounds the ratio itself, above only, and reduces by token mean
     liger=Liger("token", eps=lambda p: (p.cispo_clip_low, 1.0 + p.cispo_clip_high), loss_type="cispo",
