@@ -83,10 +83,13 @@ test-fast: setup
 test-slow: setup
 	$(BIN)/python -m pytest -m slow tests
 
-# import order (setup.cfg's [isort]); `make format` rewrites what `make lint` refuses
+# import order (setup.cfg's [isort]), ruff's pycodestyle and pyflakes checks, and mypy over the seams
+# between the engines and the memory cycle (pyproject.toml); `make format` rewrites the import order
 LINT := hybridrl kernels bench tests examples scripts
 lint: setup
 	$(BIN)/python -m isort --check-only --diff $(LINT)
+	$(BIN)/ruff check $(LINT)
+	$(BIN)/mypy
 
 format: setup
 	$(BIN)/python -m isort $(LINT)
