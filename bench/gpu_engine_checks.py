@@ -295,6 +295,7 @@ def check_planner(cuda: bool) -> None:
     from hybridrl.cycle import engine_cycle, sync
     from hybridrl.data.batch import Batch
     from hybridrl.engines.rollout import Rollout
+    from hybridrl.engines.seams import Engines
     from hybridrl.engines.trainer import Trainer
     world = _world()
     model = half_b_model()
@@ -303,7 +304,7 @@ def check_planner(cuda: bool) -> None:
     trainer = Trainer(cfg, model, device=world.device, dtype=torch.bfloat16, attn_implementation="sdpa")
     # as loop.train does: the planner measures the device with the states on it and offloaded (it
     # prints its plan), and keeps them on the device if they fit beside vLLM
-    planned = engine_cycle.plan_rollout(cfg, trainer, cuda=True, main=True)
+    planned = engine_cycle.plan_rollout(cfg, Engines(trainer), cuda=True, main=True)
     total = torch.cuda.mem_get_info()[1]
     budget = float(planned.gpu_memory_utilization) * total  # vLLM counts its fraction per instance
     before = _used()
@@ -327,12 +328,13 @@ def check_planner(cuda: bool) -> None:
         row("planner: vLLM footprint after generating 16 x 4 x 256 tokens vs planned budget",
             f"{(peak_gen - before) / GIB:.2f} vs {budget / GIB:.2f} GiB ({gen_err:+.1%})", "reported", "info",
             footprint_gib=(peak_gen - before) / GIB, budget_gib=budget / GIB)
-        engine_cycle.release(trainer, rollout, None, cfg=cfg)
+        engine_cycle.release(Engines(trainer, rollout), None, cfg=cfg)
         batch = Batch.from_rows([prompts[s.prompt_idx] for s in samples], [s.token_ids for s in samples],
                                 [s.logprobs for s in samples], [float(i % 3 - 1) for i in range(len(samples))])
         trainer.step(batch)
         peak_train = _used()
-        engine_cycle.hand_off(trainer, rollout, None, cfg=cfg, cuda=True, sizing=planned)
+        engine_cycle.hand_off(Engines(trainer, rollout), None, cfg=cfg, cuda=True,
+                              sizing=planned)
         diff, _ = sync.probe(trainer, rollout, [p + [5, 6, 2] for p in prompts[:4]])
         row(CLAIMS["planner"][1][1][0], f"no OOM; device used: generate {peak_gen / GIB:.1f} GiB, train "
             f"{peak_train / GIB:.1f} GiB; probe gap {float(diff.max()):.3f}", "no OOM", "pass",

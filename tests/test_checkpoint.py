@@ -160,7 +160,7 @@ class _Fake:
     def __init__(self, path="", **kw):
         self.__dict__.update(kw)
 
-    def save_checkpoint(self, d, tag, **kw):
+    def save_checkpoint(self, d, tag="ds", **kw):
         os.makedirs(os.path.join(d, tag), exist_ok=True)
         with open(os.path.join(d, tag, "mp_rank_00_model_states.pt"), "wb") as f:
             f.write(b"shard")
@@ -176,12 +176,13 @@ def _saver(run_dir, **ckpt):
 
     from hybridrl.core import config
     from hybridrl.core.launch import World
+    from hybridrl.engines.seams import Engines
     from hybridrl.run import checkpoint
     cfg = config.load(overrides={"log.run_dir": str(run_dir), **{f"ckpt.{k}": v for k, v in ckpt.items()}})
     saver = checkpoint.Saver(cfg, run_dir, World(0, 1, 0, torch.device("cpu")), _Fake())
     trainer = _Fake(engine=_Fake(), peft=None, hf=_Fake(config=_Fake(), generation_config=None,
                                                        parameters=lambda: [torch.zeros(4)]))
-    return cfg, lambda step: saver.save(step, trainer, _Fake(cursor=step), _Fake(last=None, tol=1e-4),
+    return cfg, lambda step: saver.save(step, Engines(trainer), _Fake(cursor=step), _Fake(last=None, tol=1e-4),
                                         {"elapsed_s": 1.0})
 
 

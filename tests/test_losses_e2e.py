@@ -32,6 +32,7 @@ SCRIPT = textwrap.dedent('''
     from hybridrl.run.resolve import machine
     from hybridrl.engines.rollout import Rollout
     from hybridrl.data.tasks import arithmetic
+    from hybridrl.engines.seams import Engines
     from hybridrl.engines.trainer import Trainer
     from transformers import AutoTokenizer
 
@@ -76,7 +77,7 @@ SCRIPT = textwrap.dedent('''
     # pi_old from vLLM (algo.old_logprobs auto, float32), on a batch sampled with the trained weights handed over:
     # the trainer's own within 1e-4, and the step's vLLM gap is measured before its first update only (the
     # second minibatch's policy has moved; that is not drift)
-    engine_cycle.hand_off(trainer, rollout, cfg=cfg, cuda=False)
+    engine_cycle.hand_off(Engines(trainer, rollout), cfg=cfg, cuda=False)
     gen = rollout.generate(prompts, 4, temperature=1.0, top_p=1.0, max_tokens=4)
     fresh = sorted((s for done in gen for s in done), key=lambda s: (s.prompt_idx, s.sample_idx))
     b = Batch.from_rows([prompts[s.prompt_idx] for s in fresh], [s.token_ids for s in fresh],

@@ -14,6 +14,7 @@ from hybridrl.core import config, memory
 from hybridrl.core.config import ConfigError
 from hybridrl.cycle import engine_cycle
 from hybridrl.engines import ipc, vllm_compat
+from hybridrl.engines.seams import Engines
 
 from helpers.memory import FakeTrainer
 
@@ -54,9 +55,9 @@ def real_rollout(events, monkeypatch):
 def one_step(trainer, rollout, cfg, events):
     """What loop.train does around generation, in its order."""
     events.append(("generate",))
-    engine_cycle.release(trainer, rollout, None, cfg=cfg)
+    engine_cycle.release(Engines(trainer, rollout), None, cfg=cfg)
     events.append(("train",))
-    engine_cycle.hand_off(trainer, rollout, None, cfg=cfg, cuda=False)
+    engine_cycle.hand_off(Engines(trainer, rollout), None, cfg=cfg, cuda=False)
 
 
 @pytest.mark.fast
@@ -67,7 +68,7 @@ def test_phase_order(monkeypatch, level, offload_params):
     cfg = config.load(None, {"rollout.sleep_level": level, "train.offload_params": offload_params,
                              "train.probe_every": 0})
     trainer, rollout = FakeTrainer(events), real_rollout(events, monkeypatch)
-    engine_cycle.hand_off(trainer, rollout, None, cfg=cfg, cuda=False)  # a freshly built engine is awake
+    engine_cycle.hand_off(Engines(trainer, rollout), None, cfg=cfg, cuda=False)  # a freshly built engine is awake
     events.clear()
     one_step(trainer, rollout, cfg, events)
     one_step(trainer, rollout, cfg, events)
@@ -320,7 +321,8 @@ def test_checkpoint_is_saved_from_offloaded_states(zero, world_of_one, tmp_path,
                     real = getattr(obj, verb)
                     spy.setattr(obj, verb, lambda *a, _r=real, _n=f"{type(obj).__name__}.{verb}", **k: (
                         reloads.append(_n), _r(*a, **k))[1])
-        ck = saver.save(1, trainer, SimpleNamespace(cursor=0), SimpleNamespace(last=None, tol=2e-2), {}, critic=critic)
+        ck = saver.save(1, Engines(trainer, critic=critic), SimpleNamespace(cursor=0),
+                        SimpleNamespace(last=None, tol=2e-2), {})
     assert ck is not None and checkpoint.is_complete(ck)
     assert reloads == []  # nothing came back onto the device for the save
     assert (set(trainer.engine.optimizer.offloaded_states), set(critic.engine.optimizer.offloaded_states)) == offloaded

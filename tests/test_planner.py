@@ -11,6 +11,7 @@ import torch
 from hybridrl.core import config, memory
 from hybridrl.core.config import ConfigError
 from hybridrl.cycle import engine_cycle
+from hybridrl.engines.seams import Engines
 
 from helpers.memory import FakeTrainer  # records the planner's offload and reload calls
 
@@ -111,7 +112,7 @@ def test_tensor_parallel_engines_run_the_groups_sequences_as_planned():
     assert p.knobs.max_num_seqs == 256 and "rollout.max_num_seqs=256 per engine (2 engine(s) of TP 4)" in p.table()
     # what runs: the planner's caller with the same settings (a fraction given: nothing to measure)
     fixed = replace(cfg, rollout=replace(cfg.rollout, gpu_memory_utilization="0.9"))
-    out = engine_cycle.plan_rollout(fixed, FakeTrainer([]), cuda=True, main=False, world_size=8)
+    out = engine_cycle.plan_rollout(fixed, Engines(FakeTrainer([])), cuda=True, main=False, world_size=8)
     assert out.max_num_seqs == p.knobs.max_num_seqs
 
 
@@ -130,7 +131,7 @@ def test_plan_rollout_fills_auto(monkeypatch, capsys):
                                            vocab_size=1000))()
     trainer.hf.dtype = torch.float32
     trainer.pending_state_bytes = lambda: 2 * GIB  # Adam's moments, created at the first step
-    out = engine_cycle.plan_rollout(cfg, trainer, cuda=True, main=True)
+    out = engine_cycle.plan_rollout(cfg, Engines(trainer), cuda=True, main=True)
     # measured with the states on, then offloaded, then (they fit) reloaded
     assert events == [("trainer.offload", False), ("trainer.reload",)]
     assert out.offload_states == "off" and out.kv_cache_mb == 1024
@@ -144,21 +145,22 @@ def test_plan_rollout_fills_auto(monkeypatch, capsys):
     # 19 GiB of reward models score while vLLM is awake: 1 + 19 > 20 - 2 with the states kept, so they
     # leave, and the KV cache shrinks to what is left (in whole MiB: this path once failed on a float)
     frees = iter([(20 * GIB, 24 * GIB), (22 * GIB, 24 * GIB)])
-    out = engine_cycle.plan_rollout(cfg, trainer, cuda=True, main=True, visitors=19 * GIB)
+    out = engine_cycle.plan_rollout(cfg, Engines(trainer), cuda=True, main=True, visitors=19 * GIB)
     assert out.offload_states == "on"
     assert out.kv_cache_mb == (22 * GIB - 20 * GIB - weights - GIB - weights // 10 - 256 * 1000 * 4) >> 20
     # CPU, or a fraction the user set: offload as asked, nothing measured; vLLM's default sequences on CPU
     events.clear()
-    out = engine_cycle.plan_rollout(cfg, trainer, cuda=False, main=True)
+    out = engine_cycle.plan_rollout(cfg, Engines(trainer), cuda=False, main=True)
     assert out.offload_states == "on" and out.max_num_seqs == 0
     fixed = config.load(None, {"rollout.gpu_memory_utilization": "0.6", "train.offload_states": "off",
                                "rollout.max_num_seqs": 100})
-    out = engine_cycle.plan_rollout(fixed, trainer, cuda=True, main=True)
+    out = engine_cycle.plan_rollout(fixed, Engines(trainer), cuda=True, main=True)
     assert out.gpu_memory_utilization == "0.6" and out.offload_states == "off"
     assert out.max_num_seqs == 100  # set by the user: kept
     assert events == [("trainer.offload", False)]  # only the CPU call offloaded
     with pytest.raises(ConfigError, match="sleep_level=0 set a fraction"):
-        engine_cycle.plan_rollout(config.load(None, {"rollout.sleep_level": 0}), trainer, cuda=True, main=True)
+        engine_cycle.plan_rollout(config.load(None, {"rollout.sleep_level": 0}), Engines(trainer), cuda=True,
+                                  main=True)
 
 
 def test_gpu_memory_utilization_knob():

@@ -75,7 +75,7 @@ ESTIMATORS: dict[str, Estimator] = {}
 
 
 def register(spec: PolicyLoss | Estimator) -> PolicyLoss | Estimator:
-    table = POLICY_LOSSES if isinstance(spec, PolicyLoss) else ESTIMATORS
+    table: dict = POLICY_LOSSES if isinstance(spec, PolicyLoss) else ESTIMATORS
     if spec.name in table:
         raise ValueError(f"{type(spec).__name__} {spec.name!r} is declared twice")
     table[spec.name] = spec

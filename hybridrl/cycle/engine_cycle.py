@@ -29,22 +29,23 @@ from hybridrl.core.config import Config, ConfigError, UserError
 from hybridrl.cycle import sync
 from hybridrl.engines import deepspeed_compat, vllm_compat
 from hybridrl.engines.rollout import EngineSizing
+from hybridrl.engines.seams import Engines, RolloutEngine
 
 
 def _phase(phases, name: str):
     return phases(name) if phases is not None else nullcontext()
 
 
-def hand_off(trainer, rollout, phases=None, *, cfg: Config, cuda: bool, critic=None,
-             sizing: EngineSizing | None = None) -> dict:
+def hand_off(engines: Engines, phases=None, *, cfg: Config, cuda: bool, sizing: EngineSizing | None = None) -> dict:
     """Trainer -> vLLM, leaving vLLM awake and ready to generate. Returns what was handed over
     (sync/tensors, sync/bytes: with LoRA, the adapter's only). `sizing`: plan_rollout's (None: as
     configured)."""
+    trainer, rollout = engines.trainer, engines.live_rollout
     with _phase(phases, "offload"):
         if (sizing or EngineSizing.of(cfg)).offload_states != "off":  # plan_rollout decided (on GPU with the planner)
             trainer.offload()  # optimizer states, fp32 master weights, gradients
-        if critic is not None:  # the value model (algo.advantage=gae): all of it, it takes no part in the hand-off
-            critic.offload()
+        for resident in engines.residents():  # the critic: all of it, it takes no part in the hand-off
+            resident.offload()
     with memory.vllm_pool(cuda):
         with _phase(phases, "wake_weights"):
             rollout.wake(["weights"])
@@ -58,15 +59,15 @@ def hand_off(trainer, rollout, phases=None, *, cfg: Config, cuda: bool, critic=N
     return sent
 
 
-def release(trainer, rollout, phases, *, cfg: Config, critic=None) -> None:
+def release(engines: Engines, phases, *, cfg: Config) -> None:
     """vLLM -> trainer, after generating: vLLM gives its memory back, the trainer takes its
     states back."""
     with _phase(phases, "sleep"):
-        rollout.sleep(cfg.rollout.sleep_level)
+        engines.live_rollout.sleep(cfg.rollout.sleep_level)
     with _phase(phases, "reload"):
-        trainer.reload()
-        if critic is not None:
-            critic.reload()
+        engines.trainer.reload()
+        for resident in engines.residents():
+            resident.reload()
 
 
 def check(cfg: Config, cuda: bool) -> None:
@@ -76,7 +77,7 @@ def check(cfg: Config, cuda: bool) -> None:
         memory.check_alloc_conf(os.environ, cfg, can_toggle=memory.can_toggle())
 
 
-def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, world_size: int = 1,
+def plan_rollout(cfg: Config, engines: Engines, *, cuda: bool, main: bool, world_size: int = 1,
                  visitors: int = 0) -> EngineSizing:
     """Size vLLM before it is built, as it will run, and decide where the trainer's states live
     while it generates. With rollout.gpu_memory_utilization=auto (GPU): measure the device with
@@ -87,8 +88,9 @@ def plan_rollout(cfg: Config, trainer, *, cuda: bool, main: bool, critic=None, w
     read: the resolved config is frozen, and stays as the run recorded it. The critic always
     leaves: it takes no part in generating. `visitors`: device bytes of the reward models, which
     score while vLLM is awake; the plan keeps them free."""
-    if critic is not None:
-        critic.offload()
+    trainer = engines.trainer
+    for resident in engines.residents():
+        resident.offload()
     per_rank = launch.all_gather(memory.host_memory())
     if main:
         print(memory.describe_host(per_rank), flush=True)
@@ -180,14 +182,17 @@ def failure_line(e: BaseException, cfg: Config, step: int, phase: str,
     return None
 
 
+_FAILURES: tuple[type[BaseException], ...] = (torch.OutOfMemoryError, *vllm_compat.ENGINE_DEAD)
+
+
 @contextmanager
-def failures(cfg: Config, rollout, sizing: EngineSizing | None = None):
+def failures(cfg: Config, rollout: RolloutEngine, sizing: EngineSizing | None = None):
     """Around the steps: a device out-of-memory or a dead vLLM engine becomes an EngineFailure naming the
     phase, the plan (`sizing`, plan_rollout's) and the knob, after the rollout side is closed (the
     hand-off's temporary directory and vLLM's engine process go with it)."""
     try:
         yield
-    except (torch.OutOfMemoryError, *vllm_compat.ENGINE_DEAD) as e:
+    except _FAILURES as e:
         line = failure_line(e, cfg, *faults.last, sizing=sizing)
         try:
             rollout.close()

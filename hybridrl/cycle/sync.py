@@ -15,8 +15,7 @@ import torch
 
 from hybridrl.core import faults, launch
 from hybridrl.data.batch import Batch
-from hybridrl.engines.rollout import Rollout
-from hybridrl.engines.trainer import Trainer
+from hybridrl.engines.seams import PolicyTrainer, RolloutEngine
 
 log = logging.getLogger("hybridrl")
 
@@ -25,7 +24,7 @@ class StaleWeightsError(RuntimeError):
     """vLLM's weights do not match the trainer's after a hand-off."""
 
 
-def push_weights(trainer: Trainer, rollout: Rollout, bucket_mb: int) -> dict:
+def push_weights(trainer: PolicyTrainer, rollout: RolloutEngine, bucket_mb: int) -> dict:
     """Every parameter, every time: a level-2 sleep discarded vLLM's copy, and a partial push
     would leave it a mix of two policies. With LoRA, every adapter tensor (the base never
     changes). Returns what was handed over: sync/tensors, sync/bytes."""
@@ -60,7 +59,7 @@ def probe_batch(seqs: list[list[int]]) -> Batch:
     return batch
 
 
-def probe(trainer: Trainer, rollout: Rollout, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def probe(trainer: PolicyTrainer, rollout: RolloutEngine, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """|logp_vllm - logp_trainer| of every token of a fixed probe batch, and vLLM's log-probs."""
     batch = probe_batch(seqs)
     ours = trainer.logprobs(batch, temperature=1.0)[batch.loss_mask].float().cpu()  # [N]
@@ -93,7 +92,7 @@ class Probe:
         self.last: torch.Tensor | None = None
         self.checked = False  # a hand-off of this process has been probed
 
-    def calibrate(self, trainer: Trainer, rollout: Rollout) -> dict:
+    def calibrate(self, trainer: PolicyTrainer, rollout: RolloutEngine) -> dict:
         """Before any update, while both engines hold the weights they loaded: their gap on the
         probe batch is rounding alone, and the default bound rises to CALIBRATION times it (a bound
         the user set, train.probe_tol, is kept). Returns probe_floor and probe_tol for the run's log."""
@@ -119,7 +118,7 @@ class Probe:
         due = not self.checked or step % self.every == 0 or not gap <= self.tol  # NaN counts as drift
         return launch.all_max(float(due)) > 0  # every rank probes, or none (the trainer's forward may gather)
 
-    def __call__(self, trainer: Trainer, rollout: Rollout, step: int) -> dict:
+    def __call__(self, trainer: PolicyTrainer, rollout: RolloutEngine, step: int) -> dict:
         self.checked = True
         diff, theirs = probe(trainer, rollout, self.seqs)  # [N]
         out = {"probe_gap": float(diff.max()), "probe_gap_mean": float(diff.mean())}  # vLLM vs trainer now: ~0

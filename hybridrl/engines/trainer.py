@@ -30,6 +30,7 @@ from hybridrl.engines.zero_engine import (ds_config, from_pretrained, load_engin
 from hybridrl.kernels.ppo_loss import importance_ratio
 
 log = logging.getLogger("hybridrl")
+TAG = "ds"  # its DeepSpeed checkpoint's directory inside a hybridrl checkpoint
 
 
 class Trainer:
@@ -294,7 +295,13 @@ class Trainer:
         return out
 
     # --- checkpoints ----------------------------------------------------------------------------
-    def load_checkpoint(self, path: str, tag: str) -> None:
+    def save_checkpoint(self, path: str) -> None:
+        """Params, optimizer and LR schedule into `path`/ds/, as they are (after the hand-off the states
+        sit offloaded; DeepSpeed's save reads them there). LoRA: the adapter and its optimizer state; the
+        frozen base is model.path's."""
+        self.engine.save_checkpoint(path, tag=TAG, save_latest=False, exclude_frozen_parameters=self.peft is not None)
+
+    def load_checkpoint(self, path: str, tag: str = TAG) -> None:
         """Params, optimizer and LR schedule as DeepSpeed saved them (any ZeRO stage)."""
         load_engine_checkpoint(self.engine, path, tag, strict=self.peft is None)
 

@@ -57,9 +57,11 @@ from hybridrl.core import faults, launch
 from hybridrl.core.config import Config, UserError, to_dict
 from hybridrl.core.journal import fsync_dir
 from hybridrl.engines import deepspeed_compat
+from hybridrl.engines.seams import Engines
+from hybridrl.engines.trainer import TAG
 
 log = logging.getLogger("hybridrl")
-DS_TAG = "ds"
+DS_TAG = TAG  # the policy's DeepSpeed checkpoint directory (engines/trainer.py)
 MANIFEST = "complete.json"
 
 
@@ -196,14 +198,17 @@ class Saver:
     def due(self, step: int, final: bool) -> bool:
         return final or bool(self.cfg.ckpt.every and step % self.cfg.ckpt.every == 0)
 
-    def save(self, step: int, trainer, sampler, probe, history: dict, final: bool = False,
-             critic=None, buffer=None) -> Path | None:
+    def save(self, step: int, engines: Engines, sampler, probe, history: dict, final: bool = False,
+             buffer=None) -> Path | None:
         """Every rank calls this at the same step. Returns the checkpoint directory, or None when
         it could not be written (no space left, an I/O error): the partial one is removed, the
         previous one is kept, the user is told, and training goes on (`final`: the run is ending,
         so the loop exits non-zero). The engines are saved as they are: after the hand-off their
-        states are offloaded and vLLM holds the device, so nothing is reloaded for the save."""
+        states are offloaded and vLLM holds the device, so nothing is reloaded for the save. Every
+        engine the run has that keeps state (`Engines.stateful`: the policy, the critic) writes its own
+        directory."""
         main, t0 = self.world.main, time.perf_counter()
+        trainer = engines.trainer
         tmp, final_dir = self.root / f"tmp-step-{step}", self.root / f"step-{step}"
         need = self._size_needed(trainer) if main else 0
         problem = None
@@ -226,11 +231,8 @@ class Saver:
                 limit = faults.save_limit_s(self.cfg.train.watchdog_s, need, self.cfg.ckpt.write_mb_s)
                 launch.set_collective_timeout(2 * limit)
                 faults.progress(step, "save", self.root, limit_s=limit)
-                # LoRA: the adapter and its optimizer state; the frozen base is model.path's
-                trainer.engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=False,
-                                               exclude_frozen_parameters=trainer.peft is not None)
-                if critic:  # PPO's value model: its own DeepSpeed checkpoint, critic/
-                    critic.save_checkpoint(str(tmp))
+                for part in engines.stateful().values():  # ds/, critic/
+                    part.save_checkpoint(str(tmp))
                 _save_torch({"rng": rng_state(), "probe_last": probe.last, "probe_tol": probe.tol,  # buffer: partial rollouts' groups in flight
                              **({"partial": buffer.state()} if buffer is not None else {})},
                             tmp / f"rank-{self.world.rank}.pt")
@@ -409,12 +411,11 @@ class Resume:
             print(f"resuming from {r.path} (step {r.step})", flush=True)
         return r
 
-    def restore(self, trainer, rollout, sampler, probe, run, hand_off, critic=None,
-                buffer=None) -> tuple[int, float | None]:
+    def restore(self, engines: Engines, sampler, probe, run, hand_off, buffer=None) -> tuple[int, float | None]:
         """Load everything saved after step N; returns (N, held-out accuracy before training)."""
-        trainer.load_checkpoint(str(self.path), DS_TAG)
-        if critic:
-            critic.load_checkpoint(str(self.path))
+        for part in engines.stateful().values():
+            part.load_checkpoint(str(self.path))
+        trainer, rollout = engines.trainer, engines.live_rollout
         hand_off()  # the loaded weights to vLLM, as after any step
         mine = load_rank_state(self.path / f"rank-{dist.get_rank() if dist.is_initialized() else 0}.pt")
         if not probe.calibrated and "probe_tol" in mine:  # the bound the run calibrated at its start

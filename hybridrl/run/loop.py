@@ -27,6 +27,7 @@ from hybridrl.engines import reward_model
 from hybridrl.engines.critic import Critic
 from hybridrl.engines.reference import Reference
 from hybridrl.engines.rollout import Rollout
+from hybridrl.engines.seams import Engines
 from hybridrl.engines.trainer import Trainer
 from hybridrl.observe.progress import Phases, RunLog
 from hybridrl.run import checkpoint, resolve, signals
@@ -66,11 +67,13 @@ def train(cfg: Config) -> dict:
     ref = Reference.load(cfg, model_path, trainer=trainer, **engine_kw)  # None when kl_coef == 0; LoRA: the base
     critic = Critic(cfg, model_path, **engine_kw) if estimator(cfg.algo.advantage).critic else None
     reward_models = reward_model.load_all(cfg, world.device)  # rm: terms; they score while vLLM is awake
+    engines = Engines(trainer, critic=critic, reference=ref, reward_models=reward_models)  # what this rank owns
     # vLLM's memory, the states' (measured now the trainer is built; the config stays as resolved)
-    sizing = engine_cycle.plan_rollout(cfg, trainer, cuda=not on_cpu, main=world.main, critic=critic,
-                                       world_size=world.size, visitors=sum(m.nbytes for _, _, m in reward_models))
-    rollout = Rollout(cfg, model_path, on_cpu=on_cpu, eos_token_id=tokenizer.eos_token_id, rank=world.rank,
-                      local_rank=world.local_rank, tp=tp, sizing=sizing)  # tp: the ranks that share its engine
+    sizing = engine_cycle.plan_rollout(cfg, engines, cuda=not on_cpu, main=world.main, world_size=world.size,
+                                       visitors=sum(m.nbytes for _, _, m in reward_models))
+    rollout = engines.rollout = Rollout(cfg, model_path, on_cpu=on_cpu, eos_token_id=tokenizer.eos_token_id,
+                                        rank=world.rank, local_rank=world.local_rank, tp=tp,
+                                        sizing=sizing)  # tp: the ranks that share its engine
     probe = sync.Probe(sync.probe_sequences((heldout or prompts)[:8], tokenizer, cfg.rollout.max_new_tokens),
                        cfg.train.probe_tol or sync.PROBE[cfg.model.dtype][1], cfg.train.probe_action,
                        stat=sync.PROBE[cfg.model.dtype][0], every=cfg.train.probe_every,
@@ -79,14 +82,12 @@ def train(cfg: Config) -> dict:
 
     evaluate = Evaluator(cfg, rollout, scorer, tokenizer, heldout, world, run, collector)  # held-out split
     # trainer -> vLLM: offload, wake weights, hand-off, wake KV cache (the order, and why: engine_cycle.py)
-    hand_off = functools.partial(engine_cycle.hand_off, trainer, rollout, cfg=cfg, cuda=not on_cpu, critic=critic,
-                                 sizing=sizing)
+    hand_off = functools.partial(engine_cycle.hand_off, engines, cfg=cfg, cuda=not on_cpu, sizing=sizing)
 
     start = time.perf_counter()  # engines are up: the clock of train.max_minutes starts here
     if resumed:  # weights (handed to vLLM and probed), optimizer, data cursor, RNG, history
-        engine_cycle.release(trainer, rollout, None, cfg=cfg, critic=critic)  # the states back to load into
-        done, acc_before = resumed.restore(trainer, rollout, sampler, probe, run, hand_off, critic=critic,
-                                           buffer=collector.buffer)
+        engine_cycle.release(engines, None, cfg=cfg)  # the states back to load into
+        done, acc_before = resumed.restore(engines, sampler, probe, run, hand_off, buffer=collector.buffer)
         start -= resumed.state["history"]["elapsed_s"]
     else:
         done, acc_before = 0, evaluate(0)
@@ -101,7 +102,7 @@ def train(cfg: Config) -> dict:
             #    finishes while vLLM generates the rest; DAPO's dynamic sampling and overlong shaping
             ro = collector.batch(step, phases)
             samples, src = ro.samples, [p for p in ro.prompts for _ in range(cfg.rollout.n)]
-            engine_cycle.release(trainer, rollout, phases, cfg=cfg, critic=critic)  # vLLM sleeps, trainers reload
+            engine_cycle.release(engines, phases, cfg=cfg)  # vLLM sleeps, trainers reload
             # 2. the sampling policy's, the reference's and the critic's view; advantages
             R = ro.rewards  # [P, n]
             batch = Batch.from_rows([p.ids for p in src], [s.token_ids for s in samples],
@@ -155,9 +156,8 @@ def train(cfg: Config) -> dict:
             stop_signal = stop.requested()  # all ranks agree
             last = out_of_time or bool(stop_signal) or step == cfg.train.steps
             if saver.due(step, final=last):  # a failed save is reported; the run goes on (ends non-zero if last)
-                saver.save(step, trainer, sampler, probe, dict(acc_before=acc_before, last_acc=run.last_acc,
-                                                               elapsed_s=elapsed), final=last, critic=critic,
-                           buffer=collector.buffer)
+                saver.save(step, engines, sampler, probe, dict(acc_before=acc_before, last_acc=run.last_acc,
+                                                               elapsed_s=elapsed), final=last, buffer=collector.buffer)
             if out_of_time or stop_signal:
                 break
     # a signal asks for a quick exit (preemption grace periods are short): no final evaluation
