@@ -89,7 +89,8 @@ def main() -> None:
     phases = {k: statistics.mean(results[s]["phases"][k] for s in args.seeds) for k in results[args.seeds[0]]["phases"]}
     total = sum(phases.values())
     print("\nseconds per step by phase (median per seed, mean over seeds): " +
-          ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in phases.items() if v >= 5e-4) + f"; total {total * 1000:.0f} ms")
+          ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in phases.items() if v >= 5e-4) +
+          f"; total {total * 1000:.0f} ms")
     reached = [time_to(results[s]["curve"], 0.75) for s in args.seeds]
     mean75 = f"{statistics.mean(reached):.0f} s" if None not in reached else "not reached by every seed"
     print(f"mean final accuracy {statistics.mean(finals):.1%}; mean time to 75%: {mean75} (target <= 120 s)")

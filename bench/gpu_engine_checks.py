@@ -208,7 +208,8 @@ def check_offload(cuda: bool) -> None:
         losses, figs = [step(t)], {}
         for params in (False, True):
             before = torch.cuda.memory_allocated()
-            t_off = _timed(lambda: t.offload(params=params) if not params else (t.offload(), t.offload(params=True)))
+            t_off = _timed(lambda t=t: t.offload(params=params) if not params
+                           else (t.offload(), t.offload(params=True)))
             after_off = torch.cuda.memory_allocated()
             t_on = _timed(t.reload)
             after_on = torch.cuda.memory_allocated()
@@ -224,8 +225,8 @@ def check_offload(cuda: bool) -> None:
             row(CLAIMS["offload"][1][(zero - 2) * 2 + i][0],
                 f"{f['out_gib']:.2f} GiB out in {f['offload_s']:.2f} s, {f['back_gib']:.2f} GiB back in "
                 f"{f['reload_s']:.2f} s, {f['resident_gib']:.2f} GiB stays; sum logp after the next step "
-                f"{losses[i + 1]:.4f} vs {plain[i + 1]:.4f} without offload", CLAIMS["offload"][1][0][1], verdict(same and balanced), **f,
-                loss=losses[i + 1], loss_plain=plain[i + 1])
+                f"{losses[i + 1]:.4f} vs {plain[i + 1]:.4f} without offload", CLAIMS["offload"][1][0][1],
+                verdict(same and balanced), **f, loss=losses[i + 1], loss_plain=plain[i + 1])
 
 
 def _prompts(tokenizer, k: int) -> list[list[int]]:

@@ -142,7 +142,8 @@ def check_e2e(cuda: bool) -> None:
         o1 = sum(p1.get(k, 0) for k in HYBRID)
         o2 = sum(p2.get(k, 0) for k in HYBRID)
         row(claims[7], f"level 2 (default): {sum(p2.values()):.2f} s/step, overhead {o2 * 1e3:.0f} ms (sleep "
-            f"{p2.get('sleep', 0) * 1e3:.0f}, wake {p2.get('wake_weights', 0) * 1e3:.0f}+{p2.get('wake_kv', 0) * 1e3:.0f}"
+            f"{p2.get('sleep', 0) * 1e3:.0f}, wake {p2.get('wake_weights', 0) * 1e3:.0f}"
+            f"+{p2.get('wake_kv', 0) * 1e3:.0f}"
             f" ms); level 1: {sum(p1.values()):.2f} s/step, overhead {o1 * 1e3:.0f} ms", "reported", "info",
             level1=p1, level2=p2)
 

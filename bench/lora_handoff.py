@@ -50,7 +50,6 @@ def generate_cost(model: str, rank: int, repeats: int = 7) -> dict:
 
     from hybridrl.core import environ
     from hybridrl.core.config import ModelConfig
-    from hybridrl.data.tasks import arithmetic
     from hybridrl.engines import lora, vllm_compat
     environ.setup()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

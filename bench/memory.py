@@ -64,9 +64,9 @@ def qwen2_half_b(dest: Path) -> Path:
 
 def run(model: str, overrides: list[str], env: dict, steps: int) -> list[dict]:
     run_dir = Path(tempfile.mkdtemp(prefix="bench-memory-"))
-    cmd = [sys.executable, "-m", "hybridrl", "train", "--model", model, "--steps", str(steps), "--train.max_minutes", "0",
-           "--log.eval_every", "0", "--log.eval_size", "16", "--log.no_progress", "--log.run_dir", str(run_dir),
-           "--ckpt.every", "0", "--train.probe_action", "warn", *overrides]
+    cmd = [sys.executable, "-m", "hybridrl", "train", "--model", model, "--steps", str(steps),
+           "--train.max_minutes", "0", "--log.eval_every", "0", "--log.eval_size", "16", "--log.no_progress",
+           "--log.run_dir", str(run_dir), "--ckpt.every", "0", "--train.probe_action", "warn", *overrides]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, cwd=ROOT)
     if out.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-4000:]}")
@@ -105,15 +105,18 @@ def table(res: dict[str, dict], cuda: bool) -> list[tuple[str, str]]:
             rows.append((f"wake latency, {tag} (after a level-{level} sleep)",
                          ms(name, f"time/wake_{tag}") if cuda else UNMEASURED))
     rows.append(("hand-off, in process (one pass, tensors by reference)", ms("inprocess", "time/sync")))
-    rows.append(("hand-off, out of process, bucketed (256 MiB staging, IPC/shared memory)", ms("oop_bucketed", "time/sync")))
+    rows.append(("hand-off, out of process, bucketed (256 MiB staging, IPC/shared memory)",
+                 ms("oop_bucketed", "time/sync")))
     rows.append(("hand-off, out of process, one handle per parameter", ms("oop_per_param", "time/sync")))
-    for name, label in (("inprocess", "expandable segments on (default)"), ("no_expandable", "expandable segments off")):
+    for name, label in (("inprocess", "expandable segments on (default)"),
+                        ("no_expandable", "expandable segments off")):
         r = res.get(name, {})
         peaks = {k.split("/")[1]: v for k, v in r.items() if k.startswith("mem/") and k.endswith("/peak_gb")}
         reserved = {k.split("/")[1]: v for k, v in r.items() if k.startswith("mem/") and k.endswith("/reserved_gb")}
         if cuda and peaks:
             for phase in sorted(peaks):
-                rows.append((f"peak / reserved after {phase}, {label}", f"{peaks[phase]:.2f} / {reserved[phase]:.2f} GiB"))
+                rows.append((f"peak / reserved after {phase}, {label}",
+                             f"{peaks[phase]:.2f} / {reserved[phase]:.2f} GiB"))
         else:
             rows.append((f"peak memory per phase, {label}", UNMEASURED if not cuda else "not run"))
     for name in res:

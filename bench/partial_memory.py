@@ -56,9 +56,11 @@ def main() -> None:
               f"{r['host/rss_gb']:>13.3f}")
     aborted = sum(r.get("partial/aborted_samples", 0) for r in steps)
     growth = steps[-1]["host/rss_gb"] - at[min(10, steps[-1]["step"])]["host/rss_gb"]
-    print(f"aborted samples in all: {int(aborted)}; host RSS from step 10 to {steps[-1]['step']}: {growth * 1024:+.0f} MiB")
+    print(f"aborted samples in all: {int(aborted)}; host RSS from step 10 to {steps[-1]['step']}: "
+          f"{growth * 1024:+.0f} MiB")
     tree = Path(args.tree).resolve()
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True).stdout.strip()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True,
+                          text=True).stdout.strip()
     record("partial_memory", {"steps": args.steps, "flags": FLAGS + extra, "tree_commit": head},
            {"table": table, "aborted_samples": aborted, "rss_growth_mib": round(growth * 1024, 1)})
 

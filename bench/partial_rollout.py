@@ -94,7 +94,8 @@ def generate_only(steps: int, seed: int, extra: list[str]) -> dict:
                       sizing=EngineSizing("0.3", 0, 0, "off") if cuda else None)
     scorer = rewards.Scorer(res.cfg.reward, rank=0)
     scorer.run_dir = Path(tempfile.mkdtemp(prefix="bench-partial-"))
-    cols = {m: Collector(r.cfg, rollout, scorer, r.tokenizer, r.prompts, prompts.Sampler(len(r.prompts), seed), world, [])
+    cols = {m: Collector(r.cfg, rollout, scorer, r.tokenizer, r.prompts, prompts.Sampler(len(r.prompts), seed),
+                         world, [])
             for m, r in cfgs.items()}
     got = {m: {"tokens": 0.0, "seconds": 0.0, "steps": []} for m in cols}
     # vLLM's engine steps (decode iterations) per training step: what partial rollouts cut. A GPU's decode
@@ -177,16 +178,18 @@ def main() -> int:
         mean[m]["final_acc"] = statistics.mean(g["curve"][-1][2] for g in by[m])
     print(f"\npartial rollouts on the long-tailed task: {args.steps} steps, seeds {args.seeds}; "
           "a machine shared with other jobs: compare the rows of this run only")
-    head = f"{'partial':8} {'step ms':>8} {'generate ms':>12} {'rollout tok/s':>14} {'samples/s':>10} {'resp len':>9} " \
-           f"{'stale tok':>10} {'t to ' + format(args.target, '.0%'):>9} {'final acc':>10}"
+    head = f"{'partial':8} {'step ms':>8} {'generate ms':>12} {'rollout tok/s':>14} {'samples/s':>10} " \
+           f"{'resp len':>9} {'stale tok':>10} {'t to ' + format(args.target, '.0%'):>9} {'final acc':>10}"
     print(head)
     for m in ("off", "on"):
         x = mean[m]
         tt = "-" if x["time_to_target_s"] is None else f"{x['time_to_target_s']:.0f} s"
-        print(f"{m:8} {x['step_s'] * 1e3:8.0f} {x['generate_s'] * 1e3:12.0f} {x['rollout_tok_s']:14.0f} {x['samples_s']:10.0f} "
-              f"{x['response_len']:9.1f} {x['stale_token_frac']:10.1%} {tt:>9} {x['final_acc']:10.1%}")
+        print(f"{m:8} {x['step_s'] * 1e3:8.0f} {x['generate_s'] * 1e3:12.0f} {x['rollout_tok_s']:14.0f} "
+              f"{x['samples_s']:10.0f} {x['response_len']:9.1f} {x['stale_token_frac']:10.1%} {tt:>9} "
+              f"{x['final_acc']:10.1%}")
     ratio = mean["on"]["rollout_tok_s"] / mean["off"]["rollout_tok_s"]
-    print(f"on / off: rollout tokens/s x{ratio:.2f}, trained samples/s x{mean['on']['samples_s'] / mean['off']['samples_s']:.2f}, "
+    print(f"on / off: rollout tokens/s x{ratio:.2f}, "
+          f"trained samples/s x{mean['on']['samples_s'] / mean['off']['samples_s']:.2f}, "
           f"step time x{mean['on']['step_s'] / mean['off']['step_s']:.2f}")
     print("\nheld-out accuracy (greedy, log.eval_size prompts) at each evaluation: step, engine-clock seconds, "
           "accuracy")

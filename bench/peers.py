@@ -270,8 +270,8 @@ def _heldout_acc(model, tok, max_tokens: int) -> float:
 
 def run_trl(args, mode: str, out: Path) -> dict:
     py = peers_venv()
-    cmd = [str(py), "-m", "bench.peers", "--part", "trl", "--mode", mode, "--workload", args.workload, "--out", str(out),
-           "--dtype", args.dtype, "--peer-grad-ckpt", args.peer_grad_ckpt,
+    cmd = [str(py), "-m", "bench.peers", "--part", "trl", "--mode", mode, "--workload", args.workload,
+           "--out", str(out), "--dtype", args.dtype, "--peer-grad-ckpt", args.peer_grad_ckpt,
            *(["--steps", str(args.steps)] if args.steps else []),
            *(["--prompts", str(args.prompts)] if args.prompts else []), *sum((["--set", s] for s in args.set), [])]
     env = {**scale._env(), "HYBRIDRL_HOST_HEAP": args.peer_host_heap}
@@ -296,7 +296,8 @@ def ceiling(args, ours: dict, best: dict, target: float, peak: float) -> list[st
     need_step = best["step_s"] / target
     others = ours["step_s"] - ph["train"]  # every phase but training, as measured
     lines = [f"\nceiling: the step's matmul work against this CPU's GEMM peak ({peak:.0f} GFLOP/s: the best of the "
-             f"MLP's and the LM head's GEMMs over 1024 tokens, {args.dtype}, {torch_threads()} threads, just before our run)",
+             f"MLP's and the LM head's GEMMs over 1024 tokens, {args.dtype}, {torch_threads()} threads, just before "
+             f"our run)",
              f"  our training phase: {train / 1e12:.2f} TFLOP (forward and backward; {prompt + comp:.0f} tokens "
              f"through the body, prompts {'once per group' if ours['shared_prompt'] else 'in every row'}; "
              f"{comp:.0f} through the LM head) in {ph['train']:.1f} s = {rate:.0f} GFLOP/s, {rate / peak:.0%} of "
@@ -309,9 +310,10 @@ def ceiling(args, ours: dict, best: dict, target: float, peak: float) -> list[st
                      f"{others:.1f} s")
     else:
         need = train / (need_step - others) / 1e9
-        lines.append(f"  {target}x needs a step <= {need_step:.1f} s: with our other phases as measured ({others:.1f} s), "
-                     f"training in {need_step - others:.1f} s = {need:.0f} GFLOP/s, {need / rate - 1:+.0%} on ours, "
-                     f"{need / peak:.0%} of the peak" + (" (beyond it)" if need > peak else ""))
+        lines.append(f"  {target}x needs a step <= {need_step:.1f} s: with our other phases as measured "
+                     f"({others:.1f} s), training in {need_step - others:.1f} s = {need:.0f} GFLOP/s, "
+                     f"{need / rate - 1:+.0%} on ours, {need / peak:.0%} of the peak"
+                     + (" (beyond it)" if need > peak else ""))
     return lines
 
 
@@ -345,9 +347,9 @@ def report(args, results: dict) -> str:
         lines.append(f"{name:<26}{r['step_s']:>9.3f}{ratio:>21}{r['tok_s']:>15.0f}{acc:>14}{gemm:>13}  {ph}")
     probes = [r["gemm_before"] for r in results.values() if r.get("gemm_before")]
     if len(probes) > 1:
-        lines.append(f"GEMM before: this CPU's GEMM peak in GFLOP/s just before each trainer ran ({probe_shape(args)}'s "
-                     f"MLP and LM head, {args.dtype}): {min(probes):.0f} to {max(probes):.0f}, {max(probes) / min(probes) - 1:.0%} "
-                     "apart, the machine's own drift between rows")
+        lines.append(f"GEMM before: this CPU's GEMM peak in GFLOP/s just before each trainer ran "
+                     f"({probe_shape(args)}'s MLP and LM head, {args.dtype}): {min(probes):.0f} to {max(probes):.0f}, "
+                     f"{max(probes) / min(probes) - 1:.0%} apart, the machine's own drift between rows")
     if best and "hybridrl" in results:
         target = 1.5 if args.workload == "demo" else 2.0
         got = best["step_s"] / results["hybridrl"]["step_s"]
@@ -394,7 +396,8 @@ def main() -> None:
                     help="TRL's process: keep = hybridrl's CPU host-heap setting, as hybridrl runs (the strict "
                     "comparison); default = glibc as a TRL user has it")
     ap.add_argument("--peer-grad-ckpt", default="on", choices=["on", "off"],
-                    help="TRL's gradient_checkpointing: on = its GRPO default; off = no recomputation, as hybridrl runs")
+                    help="TRL's gradient_checkpointing: on = its GRPO default; off = no recomputation, "
+                    "as hybridrl runs")
     ap.add_argument("--steps", type=int, default=0, help="steps per trainer (default: the workload's)")
     ap.add_argument("--prompts", type=int, default=0, help="prompts per step (default: the workload's)")
     ap.add_argument("--only", default="hybridrl,trl-generate,trl-vllm", help="which trainers, comma-separated")

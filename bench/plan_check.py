@@ -1,8 +1,9 @@
 """The memory plan's training phase against the trainer's measured peak, on CPU.
 
-    python -m bench.plan_check                         # 134m and 0.5b, checkpointing off/on, 1 rank ZeRO-2, 2 ranks ZeRO-3
+    python -m bench.plan_check   # 134m and 0.5b, checkpointing off/on, 1 rank ZeRO-2, 2 ranks ZeRO-3
     python -m bench.plan_check --shapes 134m --runs 1:2,1:3,2:2,2:3 --tokens 1024
-    python -m bench.plan_check --shapes 0.5b --runs 1:2 --ckpt-modes on --seqs 1 --tokens 4096,8192,16384   # long answers
+    # long answers
+    python -m bench.plan_check --shapes 0.5b --runs 1:2 --ckpt-modes on --seqs 1 --tokens 4096,8192,16384
     python -m bench.plan_check --replan --shapes 0.5b --runs 1:2 --ckpt-modes on --seqs 1 --tokens 1024,4096,8192,16384
     python -m bench.plan_check --shapes 134m --runs 2:2 --sp 2 --ckpt-modes on --seqs 1 --tokens 4096,8192   # Ulysses
 

@@ -94,7 +94,8 @@ def hybridrl_sets(args, model: Path, out: Path, seed: int) -> list[str]:
 def run_hybridrl(args, model: Path, out: Path, seed: int) -> dict:
     run_dir = out / f"hybridrl-{seed}"
     sets = hybridrl_sets(args, model, out, seed)
-    cmd = [sys.executable, "-m", "hybridrl", "train", "--log.run_dir", str(run_dir), *sum((["--set", s] for s in sets), [])]
+    cmd = [sys.executable, "-m", "hybridrl", "train", "--log.run_dir", str(run_dir),
+           *sum((["--set", s] for s in sets), [])]
     res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=scale._env())
     if res.returncode:
         raise SystemExit(f"hybridrl train failed ({res.returncode}):\n{res.stdout[-3000:]}")

@@ -279,7 +279,8 @@ def render_real(args: list[str], filters: dict) -> str:
                                                          ["curves"][0]) + " (mean of seeds)",
             f"training s to step {w['steps']} (median)", f"s to {target:.0%} per seed"]
     return (table(head, "lrrr", out) + f"\n\nTime to {target:.0%}, TRL's over hybridrl's (median seconds; above 1: "
-            f"hybridrl sooner): {ratio}, TRL {w.get('trl', '').split('==')[-1]}. {w['model']}, {w['prompts']} x {w['n']} x {w['tokens']} tokens, lr {w['lr']:g}, "
+            f"hybridrl sooner): {ratio}, TRL {w.get('trl', '').split('==')[-1]}. {w['model']}, "
+            f"{w['prompts']} x {w['n']} x {w['tokens']} tokens, lr {w['lr']:g}, "
             f"{w['dtype']}, seeds {', '.join(map(str, w['seeds']))}; " + _about(r, "real") + ".")
 
 

@@ -192,7 +192,7 @@ def main() -> None:
         for replay in ("on", "off"):
             runs[f"{replay}-seed{seed}"] = learn(args.model, replay, seed, args.steps, out)
             print(replay, seed, runs[f"{replay}-seed{seed}"], flush=True)
-    print(f"\nheld-out: greedy and mean@8 (8 samples at T = 1) at the first and last evaluation; reward: "
+    print("\nheld-out: greedy and mean@8 (8 samples at T = 1) at the first and last evaluation; reward: "
           "mean of the first and last 20 steps")
     print(f"\n{'run':<14}{'greedy':>16}{'mean@8':>16}{'reward':>14}{'probe gap max':>15}{'mismatch':>10}"
           f"{'load cv':>9}")
@@ -200,7 +200,8 @@ def main() -> None:
         print(f"{name:<14}{_f(r['heldout_start'], '.1%'):>7} -> {_f(r['heldout_end'], '.1%'):>5}"
               f"{_f(r['sampled_start'], '.1%'):>7} -> {_f(r['sampled_end'], '.1%'):>5}"
               f"{_f(r['reward_first'], '.3f'):>6} -> {_f(r['reward_last'], '.3f'):>5}"
-              f"{_f(r['probe_gap_max'], '.1e'):>15}{_f(r['mismatch_mean'], '.4f'):>10}{_f(r['load_cv_mean'], '.3f'):>9}")
+              f"{_f(r['probe_gap_max'], '.1e'):>15}{_f(r['mismatch_mean'], '.4f'):>10}"
+              f"{_f(r['load_cv_mean'], '.3f'):>9}")
     record("routing_replay", {"mode": "learn", "model": args.model, "steps": args.steps, "seeds": args.seeds,
                               "args": LEARN}, runs)
 

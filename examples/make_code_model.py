@@ -82,7 +82,9 @@ def main() -> None:
     model.save_pretrained(args.out)
     base.save_tokenizer(tokenizer, args.out)
     from hybridrl.data import code_tests
-    spec = (lambda r: json.dumps({"code_tests": code_tests.spec_of(r)}))
+
+    def spec(r):
+        return json.dumps({"code_tests": code_tests.spec_of(r)})
     scores = [code_tests.code_tests(r["prompt"], t, spec(r)) for r, t in zip(held_rows, texts)]
     final = trajectory[-1]
     info = {"seed": args.seed, "lr": args.lr, "batch_size": args.batch_size,

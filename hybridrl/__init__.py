@@ -19,10 +19,10 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # for readers and type checkers; at run time __getattr__ imports on first use
-    from hybridrl.core.config import Config, ConfigError, UserError, load as load_config
-    from hybridrl.data.envs import PythonEnv, ToolEnv, python as python_tool
-    from hybridrl.data.rewards import batched
-    from hybridrl.data.verifiers import exact_match, extract_answer, format_check, last_boxed, math_verify
+    from hybridrl.core.config import Config, ConfigError, UserError, load as load_config  # noqa: F401
+    from hybridrl.data.envs import PythonEnv, ToolEnv, python as python_tool  # noqa: F401
+    from hybridrl.data.rewards import batched  # noqa: F401
+    from hybridrl.data.verifiers import exact_match, extract_answer, format_check, last_boxed, math_verify  # noqa: F401
 
 __version__ = "0.1.0"
 

@@ -179,8 +179,8 @@ def print_plan() -> int:
         if len(c.command) > 2000:
             print("  TOO LONG: the device tool takes 2000 characters")
         most = max(most, sum(known) + tree)
-    print(f"\nCall 3 may run longer where call 2's reply leaves more: timeout_s = budget_left_s - 60 (at most 600), "
-          f"the same number in its command's $((... - SECONDS - 15)) (H100-3 ran it at 480 s with 585 left).")
+    print("\nCall 3 may run longer where call 2's reply leaves more: timeout_s = budget_left_s - 60 (at most 600), "
+          "the same number in its command's $((... - SECONDS - 15)) (H100-3 ran it at 480 s with 585 left).")
     print("give_back() at once after call 3 (or after the last call you make).")
     print("Then, here: append each call's results/lease.jsonl (under files_at) to bench/results/lease.jsonl, "
           "one run a line, and run python -m bench.render for the tables made from the results.")

@@ -33,7 +33,9 @@ def test_splits_are_fixed_disjoint_and_cover_all_pairs():
         {"prompt": "2+25=", "answer": "27"}, {"prompt": "8+23=", "answer": "31"},
         {"prompt": "1+9=", "answer": "10"},
     ]
-    digest = lambda rows: hashlib.sha256(" ".join(r["prompt"] for r in rows).encode()).hexdigest()
+
+    def digest(rows):
+        return hashlib.sha256(" ".join(r["prompt"] for r in rows).encode()).hexdigest()
     assert digest(held)[:16] == HELDOUT_DIGEST
     assert digest(train)[:16] == TRAIN_DIGEST
 

@@ -77,7 +77,8 @@ def test_export_loads_in_transformers_with_the_trainers_logits(runs, tmp_path):
     state in the checkpoint, loaded without hybridrl), and vLLM loads it."""
     out = tmp_path / "hf"
     export_cli(runs["full"], out)
-    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {p.name for p in out.iterdir()}
+    assert ({"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"}
+            <= {p.name for p in out.iterdir()})
     script = f"""
 import torch, json
 from transformers import AutoModelForCausalLM, AutoTokenizer

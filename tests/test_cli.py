@@ -112,7 +112,9 @@ def test_quiet_environment_leaves_the_users_variables():
 def test_harmless_lines_are_recognised():
     import logging
     f = logs.Harmless()
-    record = lambda msg: logging.LogRecord("vllm", logging.WARNING, "x.py", 1, msg, None, None)
+
+    def record(msg):
+        return logging.LogRecord("vllm", logging.WARNING, "x.py", 1, msg, None, None)
     assert not f.filter(record("libtcmalloc is not found in LD_PRELOAD. For best performance, ..."))
     assert not f.filter(record("CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding"))
     assert f.filter(record("vLLM rejected prompt 3 of this batch (70 tokens), dropped"))
@@ -160,7 +162,8 @@ def test_the_cache_is_per_user_0700_and_refused_when_others_can_plant_code(tmp_p
         environ.check_cache_dir(root)
     root.chmod(0o700)
     monkeypatch.setattr(os, "getuid", lambda: root.stat().st_uid + 1)  # as another user sees it
-    with pytest.raises(C.UserError, match="belongs to another user .*point HYBRIDRL_CACHE_DIR at a directory of your own"):
+    with pytest.raises(C.UserError, match="belongs to another user .*point HYBRIDRL_CACHE_DIR at a directory of "
+                                          "your own"):
         environ.check_cache_dir(root)
     monkeypatch.undo()
     shared = tmp_path / "shared"  # the CLI refuses it in one line, before anything is imported

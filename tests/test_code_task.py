@@ -22,7 +22,9 @@ def test_programs_are_scored_by_what_they_do():
     row = code.load("heldout")[100]
     a, b = code.coefficients(row["prompt"])
     answer = json.dumps({"code_tests": code_tests.spec_of(row)})
-    score = (lambda program: code_tests.code_tests(row["prompt"], program, answer))
+
+    def score(program):
+        return code_tests.code_tests(row["prompt"], program, answer)
     assert score(code.program_text(a, b)) == 1.0
     assert score(code.program_text(a + 1, b)) == pytest.approx(0.2)
     assert score(f"def f(x):\n    return sum([{a}] * x) + {b}") == 1.0

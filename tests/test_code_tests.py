@@ -57,7 +57,8 @@ class _Tokenizer:
 def test_a_code_row_needs_no_answer_column_its_tests_are_the_answer(tmp_path):
     path = tmp_path / "code.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in (MBPP, HUMANEVAL, APPS)) + "\n")
-    got, dropped = prompts.encode(prompts.read_rows(str(path)), _Tokenizer(), DataConfig(chat_template="off"), str(path))
+    got, dropped = prompts.encode(prompts.read_rows(str(path)), _Tokenizer(), DataConfig(chat_template="off"),
+                                  str(path))
     assert [json.loads(p.answer)["code_tests"]["kind"] for p in got] == ["asserts", "check", "io"]
     assert dropped == {"too_long": 0, "malformed": 0}
 

@@ -83,7 +83,8 @@ def test_launch_flags_are_not_passed_to_workers():
 
 
 def test_cli_help_shows_groups_and_rejects_typos():
-    run = lambda *a: subprocess.run([sys.executable, "-m", "hybridrl", "train", *a], capture_output=True, text=True)
+    def run(*a):
+        return subprocess.run([sys.executable, "-m", "hybridrl", "train", *a], capture_output=True, text=True)
     out = run("--help")
     assert out.returncode == 0
     for group in C.GROUPS:

@@ -61,7 +61,8 @@ def _rewrites(source: str, where: str) -> list[str]:
                 continue
             bad = False
             if isinstance(child, ast.Call) and child.args:
-                bad = (ast.unparse(child.func).split(".")[-1] in ("replace", "put", "_set", "setattr", "apply", "demo_recipe")
+                bad = (ast.unparse(child.func).split(".")[-1] in ("replace", "put", "_set", "setattr", "apply",
+                                                                   "demo_recipe")
                        and _is_config(child.args[0], names))
             elif isinstance(child, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
                 targets = child.targets if isinstance(child, (ast.Assign, ast.Delete)) else [child.target]

@@ -65,5 +65,6 @@ def test_overlong_penalty_hand_derived():
     # 17 -> -0.25, 18 -> -0.5, 20 -> -1.0; factor 0.5 halves them; beyond L_max stays at -factor
     L = torch.tensor([3, 16, 17, 18, 20, 25])
     torch.testing.assert_close(dapo.overlong_penalty(L, 20, 4), torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0, -1.0]))
-    torch.testing.assert_close(dapo.overlong_penalty(L, 20, 4, 0.5), torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5, -0.5]))
+    torch.testing.assert_close(dapo.overlong_penalty(L, 20, 4, 0.5),
+                               torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5, -0.5]))
     assert torch.equal(dapo.overlong_penalty(L, 20, 0), torch.zeros(6))  # off

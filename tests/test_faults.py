@@ -252,7 +252,8 @@ def test_malformed_rows_name_the_row(tmp_path):
     cfg = config.DataConfig()
     for lines, msg in [(['{"prompt": "1+1=", "answer": "2"}', '["1+1="]'],
                         "x.jsonl:2: expected an object with a 'prompt' field, got list"),
-                       (['{"prompt": null, "answer": "2"}'], "x.jsonl:1: 'prompt' must be a non-empty string, got None"),
+                       (['{"prompt": null, "answer": "2"}'],
+                        "x.jsonl:1: 'prompt' must be a non-empty string, got None"),
                        (['{"prompt": 12, "answer": "2"}'], "x.jsonl:1: 'prompt' must be a non-empty string, got 12")]:
         (tmp_path / "x.jsonl").write_text("\n".join(lines) + "\n")
         rows = prompts.read_rows(str(tmp_path / "x.jsonl"))

@@ -22,7 +22,7 @@ model = transformers.AutoModelForCausalLM.from_config(cfg)
 h = model.model(torch.tensor([[1, 2, 3]])).last_hidden_state
 out = lp.logprob_entropy_reference(h[0], model.lm_head.weight, torch.tensor([2, 3, 4]))
 print("ok", type(out).__name__)
-"""
+"""  # noqa: E501 - the script's lines are run as they are
 
 
 def test_hf_kernels_and_hybridrl_kernels_import_side_by_side():

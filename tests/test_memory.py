@@ -143,7 +143,8 @@ def test_allocator_settings_that_break_sleep_mode(env, match):
 def test_allocator_settings_sleep_mode_lives_with():
     cfg = config.load()
     for env in ({}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:512"},
-                {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"}, {"PYTORCH_CUDA_ALLOC_CONF": "backend:native"}):
+                {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"},
+                {"PYTORCH_CUDA_ALLOC_CONF": "backend:native"}):
         memory.check_alloc_conf(env, cfg)
     with pytest.raises(ConfigError, match="cannot switch expandable_segments off at run time"):
         memory.check_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, cfg, can_toggle=False)

@@ -130,12 +130,13 @@ def test_moe_lora_targets_attention_or_is_refused():
     cfg = recipe._moe_lora(config.load(None, {"model.lora_rank": 8}), info)
     assert cfg.model.lora_target_modules == recipe.ATTENTION_TARGETS
     with pytest.raises(config.ConfigError, match=r"\['down_proj'\] on a mixture-of-experts model"):
-        recipe._moe_lora(config.load(None, {"model.lora_rank": 8, "model.lora_target_modules": ["q_proj", "down_proj"]}),
-                         info)
+        recipe._moe_lora(config.load(None, {"model.lora_rank": 8,
+                                            "model.lora_target_modules": ["q_proj", "down_proj"]}), info)
     with pytest.raises(config.ConfigError, match="LoRA on a mixture-of-experts model .* not supported on CPU"):
         recipe._moe_lora(config.load(None, {"model.lora_rank": 8}), info, on_cpu=True)
     dense = replace(info, moe="")
-    assert recipe._moe_lora(config.load(None, {"model.lora_rank": 8}), dense).model.lora_target_modules[-1] == "down_proj"
+    assert (recipe._moe_lora(config.load(None, {"model.lora_rank": 8}), dense).model.lora_target_modules[-1]
+            == "down_proj")
 
 
 @pytest.mark.fast

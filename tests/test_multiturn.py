@@ -177,8 +177,8 @@ def test_masked_returns_and_gae_skip_environment_tokens():
     assert advantages.discounted_returns(r, mask, 0.5).tolist() == [[0.25, 0.5, 0.0, 0.0, 1.0]]
     values = torch.tensor([[0.1, 0.2, 9.0, 9.0, 0.4]])
     x = advantages.Experience(torch.tensor([[1.0]]), mask, values=values, gamma=0.9, lam=0.8)
-    dense = advantages.Experience(torch.tensor([[1.0]]), torch.ones(1, 3, dtype=torch.bool), values=values[:, [0, 1, 4]],
-                            gamma=0.9, lam=0.8)
+    dense = advantages.Experience(torch.tensor([[1.0]]), torch.ones(1, 3, dtype=torch.bool),
+                                  values=values[:, [0, 1, 4]], gamma=0.9, lam=0.8)
     (adv, ret), (adv_d, ret_d) = advantages.gae(x), advantages.gae(dense)
     torch.testing.assert_close(adv[mask], adv_d.flatten())
     torch.testing.assert_close(ret[mask], ret_d.flatten())

@@ -226,7 +226,8 @@ def test_two_ranks_carry_their_own_groups_and_resume_bit_exactly(tmp_path):
     runs = _resume_pair(tmp_path, "--rollout.partial", "on", "--rollout.partial_oversample", "2",
                         "--rollout.max_new_tokens", "8", "--nproc", "2")
     a = runs["a"]
-    assert sum(a[s]["partial/continued_samples"] for s in a) > 0 and max(a[s]["partial/stale_token_frac"] for s in a) > 0
+    assert (sum(a[s]["partial/continued_samples"] for s in a) > 0
+            and max(a[s]["partial/stale_token_frac"] for s in a) > 0)
     assert all(a[s]["partial/trained_groups"] >= 8 for s in a)  # both ranks' shares of prompts_per_step (8)
     _assert_same_steps(runs)
     for s in range(1, N + 1):

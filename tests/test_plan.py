@@ -190,7 +190,8 @@ def test_plan_respects_what_the_user_set():
     pinned = {"model.gradient_checkpointing": False, "train.max_tokens_per_micro_batch": 8192, "train.zero_stage": 2,
               "train.optimizer_offload": "off", "train.param_offload": "off"}
     with pytest.raises(ConfigError, match="no setting fits: phase train needs .*set model.gradient_checkpointing true, "
-                                          "a smaller train.max_tokens_per_micro_batch, train.zero_stage 3, train.optimizer_offload on, or"):
+                                          "a smaller train.max_tokens_per_micro_batch, train.zero_stage 3, "
+                                          "train.optimizer_offload on, or"):
         plan.decide(gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **pinned), s, device=H100, host=NODE, world=8, local=8,
                     on_cpu=False)
 

@@ -89,12 +89,14 @@ def test_an_environment_written_against_hybridrl_envs_runs(tmp_path, monkeypatch
     assert issubclass(cls, hybridrl.ToolEnv)
     env = cls()
     env.reset({"prompt": "1+2?", "answer": "3"})
-    obs, reward, done, info = asyncio.run(env.step('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call>'))
+    obs, reward, done, info = asyncio.run(env.step('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}'
+                                                   '</tool_call>'))
     assert (obs, done) == ([{"role": "tool", "content": "3"}], False)
 
 
 def test_import_hybridrl_stays_light():
     """A reward worker or a script's `import hybridrl` pulls in no torch, vLLM or config tree."""
-    code = "import sys, hybridrl; print(sorted(m for m in ('torch', 'vllm', 'deepspeed', 'hybridrl.core.config') if m in sys.modules))"
+    code = ("import sys, hybridrl; print(sorted(m for m in ('torch', 'vllm', 'deepspeed', 'hybridrl.core.config') "
+            "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -84,7 +84,8 @@ COMMANDS: dict[str, list[str]] = {
     "hybridrl train --resume auto": [
         "tests/test_faults.py::test_kill_9_mid_step_then_resume_repeats_the_run",
         "tests/test_checkpoint.py::test_signal_stops_after_a_checkpoint_and_resume_auto_continues"],
-    "hybridrl export runs/RUN OUT": ["tests/test_checkpoint.py::test_export_loads_in_transformers_with_the_trainers_logits"],
+    "hybridrl export runs/RUN OUT": [
+        "tests/test_checkpoint.py::test_export_loads_in_transformers_with_the_trainers_logits"],
     "hybridrl eval runs/RUN --data heldout.jsonl": [
         "tests/test_real_model.py::test_real_model_trains_chat_rows_with_schedule_stop_and_canary"],
     "hybridrl report runs/RUN": ["tests/test_readme.py::test_report_on_a_small_run",
@@ -260,7 +261,8 @@ def test_report_on_a_small_run(tmp_path):
     assert (tmp_path / "report.png").stat().st_size > 0 and (tmp_path / "report.html").exists()
 
 
-@pytest.mark.parametrize("cmd", [c for c in COMMANDS if c.startswith("hybridrl train") or c.startswith("hybridrl plan")])
+@pytest.mark.parametrize("cmd", [c for c in COMMANDS
+                                 if c.startswith("hybridrl train") or c.startswith("hybridrl plan")])
 def test_train_and_plan_options_exist(cmd):
     """Every option a README `hybridrl train` / `plan` command uses is one the CLI takes (parsed, not
     run: a renamed setting fails here in a second, not in the end-to-end test)."""

@@ -134,8 +134,6 @@ def test_a_rank_local_random_op_does_not_change_what_the_group_samples(monkeypat
     tokens, generation after generation, and a random op between engine steps (a reward function,
     rank-local code) changes nothing either."""
     from types import SimpleNamespace as NS
-
-    from vllm import SamplingParams
     monkeypatch.setattr(vllm_compat, "add_request", lambda llm, rid, ids, params, lora=None:
                         llm.llm_engine.queued.append(rid))
     _Pair.sent = []

@@ -36,6 +36,7 @@ def test_no_test_module_imports_another():
 
 def test_the_rule_sees_both_spellings(tmp_path):
     bad = tmp_path / "test_x.py"
-    bad.write_text("import pytest\nfrom test_train_e2e import train_cli\n\ndef f():\n    from tests.test_plan import shape\n")
+    bad.write_text("import pytest\nfrom test_train_e2e import train_cli\n\ndef f():\n"
+                   "    from tests.test_plan import shape\n")
     assert {n for n in _imported(bad) if _is_test_module(n)} == {"test_train_e2e", "tests.test_plan"}
     assert not _is_test_module("helpers.cli")

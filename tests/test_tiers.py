@@ -78,7 +78,8 @@ def test_fast_tier_guard(pytester, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")])))
     pytester.makeini("[pytest]\nmarkers =\n    fast: the fast tier\n")
     pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_inner=TESTS_FILE, test_engines="raise RuntimeError('a file with no fast test was imported')")
+    pytester.makepyfile(test_inner=TESTS_FILE,
+                        test_engines="raise RuntimeError('a file with no fast test was imported')")
     res = pytester.runpytest_subprocess("-m", "fast", "-p", "no:cacheprovider", timeout=300)
     res.assert_outcomes(passed=3, failed=6)
     out = res.stdout.str()

@@ -48,7 +48,8 @@ def test_the_tool_demo_recipe_imports_its_environment_from_the_working_directory
     took = time.perf_counter() - t0
     lines = [x for x in (bad.stdout + bad.stderr).splitlines() if x.strip()]
     assert bad.returncode != 0 and lines == [
-        "error: env.cls='examples.calculator_env:Nope': module 'examples.calculator_env' has no attribute 'Nope'"], lines
+        "error: env.cls='examples.calculator_env:Nope': module 'examples.calculator_env' has no attribute "
+        "'Nope'"], lines
     assert took < 15, took  # the preflight: ~1-2 s idle, before torch is imported
     ok = console_script("train", "--config", recipe, cwd=tmp_path)
     out = ok.stdout + ok.stderr

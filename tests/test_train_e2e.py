@@ -91,7 +91,8 @@ def test_a_dead_rank_stops_the_others_with_its_name(tmp_path):
     deadline = time.time() + 300
     while time.time() < deadline and (not metrics.exists() or metrics.read_text().count('"reward"') < 2):
         time.sleep(1)
-    workers = subprocess.run(["pgrep", "-f", f"hybridrl train.*{run_dir}"], capture_output=True, text=True).stdout.split()
+    workers = subprocess.run(["pgrep", "-f", f"hybridrl train.*{run_dir}"], capture_output=True,
+                             text=True).stdout.split()
     workers = [int(p) for p in workers if int(p) != proc.pid]
     ranks = [p for p in workers if "--nproc" not in open(f"/proc/{p}/cmdline").read().replace("\0", " ")]
     assert len(ranks) == 2, workers

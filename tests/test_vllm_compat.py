@@ -185,7 +185,8 @@ def test_tensor_parallel_turns_off_symmetric_memory_all_reduce(monkeypatch):
     assert kw["compilation_config"] == {"pass_config": {"fuse_allreduce_rms": False}}
     kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, tensor_parallel_size=2,
                                    max_num_seqs=4, enforce_eager=False)
-    assert kw["compilation_config"] == {"cudagraph_capture_sizes": [1, 2, 4], "pass_config": {"fuse_allreduce_rms": False}}
+    assert kw["compilation_config"] == {"cudagraph_capture_sizes": [1, 2, 4],
+                                        "pass_config": {"fuse_allreduce_rms": False}}
     from vllm.config import CompilationConfig
     assert CompilationConfig(**kw["compilation_config"]).pass_config.fuse_allreduce_rms is False
     assert "compilation_config" not in vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0,

@@ -153,7 +153,8 @@ def freeze(cfg: Config) -> Config:
     (schema.Freezable): the run's resolved config, which the engines read (run/resolve.py). The caller's
     `cfg` stays settable (a notebook may change it for its next run)."""
     def lists(group):
-        return {f.name: _FrozenList(v) for f in dataclasses.fields(group) if isinstance(v := getattr(group, f.name), list)}
+        return {f.name: _FrozenList(v) for f in dataclasses.fields(group)
+                if isinstance(v := getattr(group, f.name), list)}
     out = dataclasses.replace(cfg, sources=_FrozenSources(cfg.sources),
                               **{g: dataclasses.replace(getattr(cfg, g), **lists(getattr(cfg, g))) for g in GROUPS})
     for obj in (*(getattr(out, g) for g in GROUPS), out):
@@ -279,7 +280,8 @@ def validate(cfg: Config, lengths: bool = True) -> None:
     ]
     checks = length_checks * lengths + [
         (cfg.algo.dual_clip == 0 or "algo.dual_clip" in loss.knobs().values(),
-         f"algo.dual_clip bounds a clipped surrogate, which algo.policy_loss={loss.name} has not: set algo.dual_clip 0"),
+         f"algo.dual_clip bounds a clipped surrogate, which algo.policy_loss={loss.name} has not: "
+         "set algo.dual_clip 0"),
         (cfg.algo.tis_cap == 0 or cfg.algo.is_correction == "tis",
          "algo.tis_cap truncates the weight, algo.is_correction=mask masks it: set algo.tis_cap 0 with mask"),
         (cfg.algo.old_logprobs != "rollout" or not (cfg.algo.tis_cap or cfg.algo.is_correction == "mask"),

@@ -102,7 +102,8 @@ def check_alloc_conf(environ: Mapping[str, str], cfg: Config, *, can_toggle: boo
 
 def can_toggle() -> bool:
     import torch
-    return hasattr(torch._C, "_accelerator_setAllocatorSettings") or hasattr(torch.cuda.memory, "_set_allocator_settings")
+    return (hasattr(torch._C, "_accelerator_setAllocatorSettings")
+            or hasattr(torch.cuda.memory, "_set_allocator_settings"))
 
 
 def _set(conf: str) -> None:
@@ -240,7 +241,8 @@ class Plan:
     need: int  # the KV cache the step needs (kv < need: vLLM queues sequences)
     visitors: int = 0  # models copied to the device while vLLM is awake (reward models), kept back too
     sampler: int = 0  # of the activations, the sampler's logits (sampler_bytes)
-    asleep: int = 0  # vLLM's graph pool and buffers, outside its sleep-mode pool: kept in every phase (plan.asleep_bytes)
+    # vLLM's graph pool and buffers, outside its sleep-mode pool: kept in every phase (plan.asleep_bytes)
+    asleep: int = 0
     seqs: int = 0  # sequences one engine generates in a step (step_seqs), for `waves`
     seq: int = 0  # KV bytes of one of them at full rollout.max_model_len
 
@@ -285,7 +287,8 @@ def plan(total: int, free_kept: int, free_offloaded: int, *, margin: int, weight
     buffers (plan.asleep_bytes), which no sleep releases, kept back likewise."""
     act = GIB + weights // 10 + sampler
     kept = margin + visitors + asleep
-    beside = f"a {margin / GIB:.2f} GiB margin" + (f" and {visitors / GIB:.2f} GiB of reward models" if visitors else "") \
+    beside = f"a {margin / GIB:.2f} GiB margin" \
+        + (f" and {visitors / GIB:.2f} GiB of reward models" if visitors else "") \
         + (f" and {asleep / GIB:.2f} GiB of vLLM's graphs and buffers" if asleep else "")
     if offload != "on" and free_kept - kept >= weights + need + act:
         return Plan(total, free_kept, margin, weights, need, act, False, need, visitors, sampler, asleep, seqs, seq)
@@ -302,7 +305,8 @@ def plan(total: int, free_kept: int, free_offloaded: int, *, margin: int, weight
             f"{beside} that leaves too little for vLLM's {weights / GIB:.2f} GiB of weights, "
             f"{act / GIB:.2f} GiB of activations and a KV cache of {least / GIB:.2f} GiB (the longest sequences "
             "running): lower rollout.memory_margin_mb, a shorter rollout.max_model_len, "
-            "set rollout.tensor_parallel_size, or use more ranks with train.zero_stage 3 (`hybridrl plan` shows the table)")
+            "set rollout.tensor_parallel_size, or use more ranks with train.zero_stage 3 "
+            "(`hybridrl plan` shows the table)")
     return Plan(total, free_offloaded, margin, weights, min(need, room), act, True, need, visitors, sampler, asleep,
                 seqs, seq)
 

@@ -65,8 +65,9 @@ def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
     if on_cpu and not demo:
         cfg = _cpu_dtype(cfg, info, fast_bf16)  # before the KV cache, whose bytes per token it sets
     if on_cpu and not explicit(cfg, "rollout.kv_cache_mb"):
-        mb = cpu_kv_mb(memory.step_seqs(cfg, world_size), cfg.rollout.max_model_len, info.kv_bytes_per_token(cfg.model.dtype),
-                       _free_ram() if free_ram is None else free_ram, world_size)
+        mb = cpu_kv_mb(memory.step_seqs(cfg, world_size), cfg.rollout.max_model_len,
+                       info.kv_bytes_per_token(cfg.model.dtype), _free_ram() if free_ram is None else free_ram,
+                       world_size)
         cfg = put(cfg, "rollout.kv_cache_mb", mb, DEMO_SOURCE if demo else "real-model recipe")
     if not on_cpu and not explicit(cfg, "rollout.enforce_eager") and not cfg.model.lora_rank:
         # decoding is most of a step on a GPU, and eager decoding launches every kernel of every layer
@@ -338,6 +339,6 @@ def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | Non
     elif not on_cpu and t.optimizer_offload == "on":  # zero_engine.host_step_threads, from this node's numbers
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
         lines.append(f"  optimizer on the host: CPU Adam on {environ.optimizer_threads()} OpenMP threads per rank "
-                     f"({environ.host_cores()} cores, {ranks} rank{'s' * (ranks != 1)} on this node; OMP_NUM_THREADS > 1 "
-                     "sets it)")
+                     f"({environ.host_cores()} cores, {ranks} rank{'s' * (ranks != 1)} on this node; "
+                     "OMP_NUM_THREADS > 1 sets it)")
     return lines

@@ -56,18 +56,19 @@ class Freezable:
 class ModelConfig(Freezable):
     path: str = knob("demo", "Policy model: a local HF directory, a hub name, or 'demo' (the shipped tiny model).")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = knob(
-        "auto", "Weight/compute dtype for both engines; auto = bfloat16 on GPU; on CPU float32, or bfloat16 for a model "
-        "of 50M+ parameters on CPUs with AMX-BF16 (its bfloat16 GEMMs run in hardware). float16 is refused: "
+        "auto", "Weight/compute dtype for both engines; auto = bfloat16 on GPU; on CPU float32, or bfloat16 for a "
+        "model of 50M+ parameters on CPUs with AMX-BF16 (its bfloat16 GEMMs run in hardware). float16 is refused: "
         "the trainer has no loss scaling, so small gradients would underflow to zero.")
     attn_implementation: str = knob("auto", "transformers attention: auto = flash_attention_2 if installed on GPU; "
-                                     "on CPU in bfloat16 eager while its saved scores fit 2 GiB (faster there), else sdpa.")
+                                     "on CPU in bfloat16 eager while its saved scores fit 2 GiB (faster there), else "
+                                     "sdpa.")
     gradient_checkpointing: bool = knob(False, "Recompute activations in backward to save trainer memory. Unset on a "
                                         "GPU, the memory plan turns it on when a micro-batch's activations would not "
                                         "fit (`hybridrl plan` shows why).")
     trust_remote_code: bool = knob(False, "Allow custom modelling code from the model directory.")
-    lora_rank: int = knob(0, "LoRA rank r (0 = off: full fine-tuning). On: only the adapter trains (the base weights are "
-                          "frozen), only the adapter is handed to vLLM, and the KL reference is the base model (the "
-                          "trainer's own, adapter disabled: no second model).", valid="[0, 512]",
+    lora_rank: int = knob(0, "LoRA rank r (0 = off: full fine-tuning). On: only the adapter trains (the base weights "
+                          "are frozen), only the adapter is handed to vLLM, and the KL reference is the base model "
+                          "(the trainer's own, adapter disabled: no second model).", valid="[0, 512]",
                           why="0 is off, 512 the largest rank vLLM serves")
     lora_alpha: float = knob(32.0, "LoRA alpha: the adapter's output is scaled by lora_alpha / lora_rank.", valid="> 0")
     lora_dropout: float = knob(0.0, "Dropout on the adapter's input while training (log-probs are computed "
@@ -105,15 +106,16 @@ class RolloutConfig(Freezable):
         "inprocess", "inprocess: vLLM runs inside each rank, weights passed by reference; outofprocess: vLLM's own "
         "engine-core process, weights sent through train.sync_bucket_mb staging buckets shared by handle (CUDA IPC "
         "on GPU, shared memory on CPU).")
-    kv_cache_mb: int = knob(0, "KV cache size in MiB; 0 = auto: on CPU (at least 64) the step's "
-                            "sequences x context (in 128-token blocks) x the model's KV bytes per token, at most half the free RAM; on GPU "
-                            "(with gpu_memory_utilization=auto) 2 x what the step's sequences need at full length, at least 1 GiB. More is mapped and "
-                            "unmapped at every wake and sleep for nothing; vLLM queues what does not fit.",
+    kv_cache_mb: int = knob(0, "KV cache size in MiB; 0 = auto: on CPU (at least 64) the step's sequences x context "
+                            "(in 128-token blocks) x the model's KV bytes per token, at most half the free RAM; on GPU "
+                            "(with gpu_memory_utilization=auto) 2 x what the step's sequences need at full length, at "
+                            "least 1 GiB. More is mapped and unmapped at every wake and sleep for nothing; vLLM queues "
+                            "what does not fit.",
                             valid=">= 0")
     max_num_seqs: int = knob(0, "Sequences vLLM runs at once. 0 = auto: on GPU a rank's step or held-out evaluation, "
-                             "whichever is more (vLLM's sampler keeps a float32 logits row for each: its default of 1024 "
-                             "on an 80 GB GPU is 0.6 GiB at a 152k vocabulary; the memory plan reserves them); on CPU "
-                             "vLLM's default.", valid=">= 0")
+                             "whichever is more (vLLM's sampler keeps a float32 logits row for each: its default of "
+                             "1024 on an 80 GB GPU is 0.6 GiB at a 152k vocabulary; the memory plan reserves them); on "
+                             "CPU vLLM's default.", valid=">= 0")
     enable_prefix_caching: bool = knob(True, "Reuse a prompt's KV cache across its n samples.")
     enforce_eager: bool = knob(True, "Skip graph capture/compilation. Unset: False on GPUs (vLLM decodes with CUDA "
                                "graphs, captured for batches up to rollout.max_num_seqs, their memory in the plan; "
@@ -131,9 +133,9 @@ class RolloutConfig(Freezable):
     partial_oversample: float = knob(1.5, "Partial rollouts: groups in flight per group trained (the carried ones "
                                      "included).", valid="[1, 8]")
     sleep_level: int = knob(2, "vLLM sleep level between rollouts on GPU. 2 (default): weights discarded, since every "
-                            "hand-off rewrites them all anyway (level 1 copies the weights to pinned host memory, "
-                            "one copy per rank); 1: weights kept in host memory (for hand-offs that send only part of the weights: with "
-                            "model.lora_rank > 0, 2 becomes 1); 0: no sleep, vLLM keeps its memory.",
+                            "hand-off rewrites them all anyway (level 1 copies the weights to pinned host memory, one "
+                            "copy per rank); 1: weights kept in host memory (for hand-offs that send only part of the "
+                            "weights: with model.lora_rank > 0, 2 becomes 1); 0: no sleep, vLLM keeps its memory.",
                             valid="0 or 1 or 2")
 
 
@@ -345,8 +347,8 @@ class DataConfig(Freezable):
 
 @dataclass
 class EnvConfig(Freezable):
-    cls: str = knob("", "Multi-turn rollouts: an environment class, module:Class (see hybridrl/data/envs.py; ToolEnv runs "
-                    "Python tools the model calls as <tool_call>{json}</tool_call>). '' = single-turn.")
+    cls: str = knob("", "Multi-turn rollouts: an environment class, module:Class (see hybridrl/data/envs.py; ToolEnv "
+                    "runs Python tools the model calls as <tool_call>{json}</tool_call>). '' = single-turn.")
     max_turns: int = knob(4, "Most assistant turns per episode; an episode still going after them ends, counted "
                           "(env/truncated_turns).", valid=">= 1")
     max_tokens: int = knob(0, "Token budget of an episode's completion: assistant and environment tokens together "
@@ -363,8 +365,8 @@ class LogConfig(Freezable):
     run_dir: str = knob("runs/{time}", "Where metrics.jsonl, the config and checkpoints go.")
     eval_every: int = knob(50, "Held-out greedy evaluation every N steps (0 = only at start and end).",
                            valid=">= 0")
-    eval_every_s: float = knob(0.0, "Also evaluate once this many seconds have passed since the last evaluation (0 = off).",
-                               valid=">= 0")
+    eval_every_s: float = knob(0.0, "Also evaluate once this many seconds have passed since the last evaluation "
+                               "(0 = off).", valid=">= 0")
     eval_size: int = knob(256, "Held-out prompts evaluated (0 = all).", valid=">= 0")
     eval_n: int = knob(0, "Also sample this many completions per held-out prompt and log their mean accuracy "
                        "as eval/mean@n (0 = off; greedy pass@1 is always logged).", valid=">= 0")

@@ -12,8 +12,9 @@ cache wakes only after the hand-off: waking it restores nothing of the weights, 
 synced before it cannot be overwritten by a stale CPU copy (TRL#5312). Every hand-off sends all
 parameters, which is what a level-2 sleep (weights discarded) requires (with LoRA it sends the
 whole adapter, and vLLM sleeps at level 1, keeping its base weights: recipe.resolve);
-`Rollout.wake` refuses to wake the KV cache over discarded weights. Expandable segments are off while vLLM's pool is touched
-(memory.py). On CPU the sleep, wake, offload and allocator verbs are no-ops; the order is the same.
+`Rollout.wake` refuses to wake the KV cache over discarded weights. Expandable segments are off
+while vLLM's pool is touched (memory.py). On CPU the sleep, wake, offload and allocator verbs are
+no-ops; the order is the same.
 """
 
 from __future__ import annotations

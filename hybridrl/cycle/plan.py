@@ -180,7 +180,8 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
-GRAPH_MODES = 2  # vLLM's default cudagraph_mode, FULL_AND_PIECEWISE: every size captured as a full and a piecewise graph
+# vLLM's default cudagraph_mode, FULL_AND_PIECEWISE: every size captured as a full and a piecewise graph
+GRAPH_MODES = 2
 BATCHED_TOKENS = 16384  # vLLM's default max_num_batched_tokens for the offline LLM class on a large GPU
 NCCL_COMM = 256 * MIB  # an NCCL communicator's own device buffers (channels x peers x NCCL_BUFFSIZE), estimated
 
@@ -273,17 +274,20 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
     rows.setdefault("activations", {})["train"] = max(act, step_grads)
     if k.reference:
         rows["activations"]["reference"] = fwd_only
-        row("reference", P * wb if not z3 else 2 * shape.layer_params * wb, ("reference",) if not k.on_cpu else everywhere)
+        row("reference", P * wb if not z3 else 2 * shape.layer_params * wb,
+            ("reference",) if not k.on_cpu else everywhere)
     critic_states = 0
     if k.critic:
         cP = P - shape.vocab * shape.hidden * (0 if shape.tied else 1)  # no LM head: a one-output value head
         critic_states = (cP * wb // N + min(REDUCE_BUCKET, cP) * wb + 12 * cP // N) * (not k.optimizer_offload)
-        row("critic", (cP * wb // N if z3 else cP * wb) + critic_states, ("values", "train") if not k.on_cpu else everywhere)
+        row("critic", (cP * wb // N if z3 else cP * wb) + critic_states,
+            ("values", "train") if not k.on_cpu else everywhere)
         rows["activations"]["values"] = fwd_only
     if z3:
         row("hand-off bucket", k.bucket, ("hand-off",))
         # forward and backward gather layers ahead and keep up to STAGE3_LIVE parameters gathered
-        row("ZeRO-3 gathered", min(STAGE3_LIVE, P) * wb, ("reference", "values", "train") if not k.on_cpu else everywhere)
+        row("ZeRO-3 gathered", min(STAGE3_LIVE, P) * wb,
+            ("reference", "values", "train") if not k.on_cpu else everywhere)
     row("reserve", k.reserve, everywhere)
     plan = MemoryPlan(device, host, rows, {}, k)
     over = plan.total("generate") - device
@@ -365,8 +369,9 @@ def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp
                  optimizer_offload=t.optimizer_offload == "on", param_offload=t.param_offload == "on",
                  trained=trained, reference=cfg.algo.kl_coef > 0 and not m.lora_rank,
                  critic=estimator(cfg.algo.advantage).critic, sleep_level=r.sleep_level, graphs=not r.enforce_eager,
-                 max_num_seqs=r.max_num_seqs or memory.engine_seqs(cfg, world, tp), kv=kv, kv_floor=floor, chunk=t.logprob_chunk,
-                 bucket=t.sync_bucket_mb << 20, reserve=(r.memory_margin_mb << 20) if not on_cpu else 0,
+                 max_num_seqs=r.max_num_seqs or memory.engine_seqs(cfg, world, tp), kv=kv, kv_floor=floor,
+                 chunk=t.logprob_chunk, bucket=t.sync_bucket_mb << 20,
+                 reserve=(r.memory_margin_mb << 20) if not on_cpu else 0,
                  on_cpu=on_cpu, offload_states=t.offload_states, seqs=seqs, seq_kv=seq_kv, sp=t.sequence_parallel_size,
                  wb=4 if recipe.amp(cfg, on_cpu) else 0)
 
@@ -385,7 +390,8 @@ def ladder(cfg: Config, shape: Shape, base: Knobs, world: int, local: int, devic
     from hybridrl.core.recipe import explicit
     free = {key: not explicit(cfg, key) for key in FREE}
     sps = [base.sp] + [s for s in (2, 4, 8) if free["train.sequence_parallel_size"] and s > base.sp and world % s == 0
-                       and shape.heads % s == 0 and not _sequence_level(cfg) and not estimator(cfg.algo.advantage).critic]
+                       and shape.heads % s == 0 and not _sequence_level(cfg)
+                       and not estimator(cfg.algo.advantage).critic]
     for params in (False, True):
         for sp in sps:
             yield from _ladder_at(cfg, shape, base, world, local, device, free, sp, params)
@@ -586,7 +592,8 @@ def data_longest(cfg: Config) -> int:
     try:  # a recipe planned on another machine than its run's may have neither
         tok = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code,
                                             local_files_only=True)
-        kept = [p for split in ("train", "heldout") for p in encode(load_rows(cfg.data, split), tok, cfg.data, split)[0]]
+        kept = [p for split in ("train", "heldout")
+                for p in encode(load_rows(cfg.data, split), tok, cfg.data, split)[0]]
     except (OSError, ValueError, UserError):
         return 0
     return max((len(p.ids) for p in kept), default=0)

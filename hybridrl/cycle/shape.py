@@ -15,7 +15,8 @@ from pathlib import Path
 
 from hybridrl.core.config import ConfigError
 
-CONFIGS = Path(__file__).resolve().parents[1] / "model_configs"  # config.json of real models (no weights), for planning offline
+# config.json of real models (no weights), for planning offline
+CONFIGS = Path(__file__).resolve().parents[1] / "model_configs"
 
 
 # mixture-of-experts layouts the plan counts (transformers' and vLLM's classes for them agree on the weights):

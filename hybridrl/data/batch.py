@@ -98,7 +98,8 @@ class Batch:
         logp[mask] = np.fromiter(flat(rollout_logprobs), np.float32, int(c_len.sum()))
         if completion_masks and any(m is not None for m in completion_masks):
             comp = mask.copy()
-            mask[comp] = np.fromiter(flat([1] * len(c) if m is None else m for m, c in zip(completion_masks, completions)),
+            mask[comp] = np.fromiter(flat([1] * len(c) if m is None else m
+                                          for m, c in zip(completion_masks, completions)),
                                      bool, int(c_len.sum()))
             logp[~mask] = 0.0  # environment tokens' placeholders
         return cls(torch.from_numpy(tokens), torch.from_numpy(lengths), torch.from_numpy(mask),

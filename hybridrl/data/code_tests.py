@@ -65,7 +65,9 @@ def spec_of(row: dict) -> dict | None:
             raise ValueError("'input_output' must hold 'inputs' and 'outputs' lists (APPS / LiveCodeBench)")
         if not io["inputs"] or len(io["inputs"]) != len(io["outputs"]):
             raise ValueError(f"'input_output' has {len(io['inputs'])} inputs and {len(io['outputs'])} outputs")
-        as_text = (lambda x: x if isinstance(x, str) else "\n".join(map(str, x)) if isinstance(x, list) else str(x))
+
+        def as_text(x):
+            return x if isinstance(x, str) else "\n".join(map(str, x)) if isinstance(x, list) else str(x)
         return {"kind": "io", "inputs": [as_text(x) for x in io["inputs"]],
                 "outputs": [as_text(x) for x in io["outputs"]]}
     return None

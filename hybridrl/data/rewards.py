@@ -117,7 +117,8 @@ def load_terms(spec: str, format_pattern: str = verifiers.DEFAULT_FORMAT, code_a
         else:
             fn = BUILTIN.get(name) or _import(name, spec)
         terms.append(Term(name, weight, fn, bool(getattr(fn, "batched", False)),
-                          inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))))
+                          inspect.iscoroutinefunction(fn)
+                          or inspect.iscoroutinefunction(getattr(fn, "__call__", None))))
     return terms
 
 
@@ -292,7 +293,8 @@ class Scorer:
         out, self.results = self.results, {}
         return out
 
-    def score(self, prompts: list[str], completions: list[str], answers: list[str], meta: dict | None = None) -> list[float]:
+    def score(self, prompts: list[str], completions: list[str], answers: list[str],
+              meta: dict | None = None) -> list[float]:
         """One reward per (prompt, completion, answer), blocking: the held-out evaluation's path."""
         for i, (p, c, a) in enumerate(zip(prompts, completions, answers)):
             self.submit(("score", i), p, [c], a, {**(meta or {}), "index": i})

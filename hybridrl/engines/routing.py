@@ -83,7 +83,8 @@ class Replay:
     segments: list[Segment]
     substitute: bool
     calls: dict[int, int] = field(default_factory=dict)  # layer -> forwards seen
-    own: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)  # layer -> (trainer's, vLLM's) [n, k]
+    # layer -> (trainer's, vLLM's) [n, k]
+    own: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
     load: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [E] tokens routed to each expert
 
 

@@ -71,7 +71,8 @@ class Trainer:
             if not self.packing:
                 raise ConfigError(f"train.sequence_parallel_size={self.sp.size} cuts one packed row, which "
                                   f"{type(hf).__name__} with attention {attn_implementation} cannot read: use "
-                                  "sdpa, eager or flash-attention and a transformers model, or train.sequence_parallel_size 1")
+                                  "sdpa, eager or flash-attention and a transformers model, or "
+                                  "train.sequence_parallel_size 1")
             ulysses.install(hf)
             module.sp = self.sp
         self.zero3 = cfg.train.zero_stage == 3
@@ -210,8 +211,8 @@ class Trainer:
         and the shared ones."""
         a = self.cfg.algo
         own = {name: get(self.cfg, key) for name, key in policy_loss(a.policy_loss).knobs().items()}
-        return dict(own, policy_loss=a.policy_loss, is_correction=a.is_correction, tis_cap=a.tis_cap or None, tis_level=a.tis_level,
-                    is_mask_low=a.is_mask_low, is_mask_high=a.is_mask_high, kl_type=a.kl_type,
+        return dict(own, policy_loss=a.policy_loss, is_correction=a.is_correction, tis_cap=a.tis_cap or None,
+                    tis_level=a.tis_level, is_mask_low=a.is_mask_low, is_mask_high=a.is_mask_high, kl_type=a.kl_type,
                     kl_coef=a.kl_coef if a.kl_in == "loss" else 0.0, entropy_coef=a.entropy_coef, agg=a.loss_agg)
 
     def step(self, batch: Batch) -> dict[str, float]:
@@ -252,7 +253,8 @@ class Trainer:
             old = logp if m.logp_old is None else m.logp_old[sel][part]  # None: on-policy, ratio 1
             ratios.append((logp - old).clamp(-20, 20).exp())
             if not grad_norms:  # no update yet: the trainer holds the weights vLLM sampled with, so the gap is
-                diff = logp - m.logp_rollout[sel][part]  # [N] the hand-off's alone (later minibatches' add the update's)
+                # the hand-off's alone (later minibatches' add the update's)
+                diff = logp - m.logp_rollout[sel][part]  # [N]
                 if m.stale is not None:  # partial rollouts: an older policy's tokens differ by its updates too
                     diff = diff[~m.stale[sel][part]]
                 rollout_ratios.append(diff.clamp(-20, 20).exp())

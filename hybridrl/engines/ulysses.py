@@ -7,13 +7,13 @@ it (`shard`): the embeddings, MLPs, norms and rotary positions are per token, so
 needs the rest of the sequence. Around attention an all-to-all trades the sequence for the heads
 (each rank gets the whole sequence for heads/size of the heads), the model's own attention runs
 on that (sdpa causally per packed sample, eager with the samples' block-causal mask,
-flash-attention with the full position ids, its varlen path), and a second all-to-all trades them back. This is DeepSpeed's
-`deepspeed.sequence.layer.DistributedAttention` and verl's `verl/utils/ulysses.py`, hooked in
-through transformers' AttentionInterface (an implementation named `ulysses_<inner>` that wraps the
-model's own) rather than a patch of transformers' flash-attention function. Departures: KV heads
-that the group's size does not divide are repeated to the query heads before the exchange
-(DeepSpeed does the same; verl repeats to a multiple of the size); the group's size must divide
-the query heads (resolve checks it before any engine starts).
+flash-attention with the full position ids, its varlen path), and a second all-to-all trades them
+back. This is DeepSpeed's `deepspeed.sequence.layer.DistributedAttention` and verl's
+`verl/utils/ulysses.py`, hooked in through transformers' AttentionInterface (an implementation
+named `ulysses_<inner>` that wraps the model's own) rather than a patch of transformers'
+flash-attention function. Departures: KV heads that the group's size does not divide are repeated
+to the query heads before the exchange (DeepSpeed does the same; verl repeats to a multiple of the
+size); the group's size must divide the query heads (resolve checks it before any engine starts).
 
 Each rank scores the loss tokens its slice predicts (position p predicts token p + 1: the target
 of a slice's last position is the next slice's first token, taken from the full row), so the

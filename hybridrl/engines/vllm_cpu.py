@@ -54,7 +54,8 @@ def _unpack_moe(layer) -> None:
     cfg = layer.moe_config
     inter = cfg.intermediate_size_per_partition
     num, _, hidden = layer.w13_weight.shape  # [E, 2I (padded), H]
-    if getattr(layer, "w13_bias", None) is not None and layer.w13_weight.shape[1] != (2 if cfg.is_act_and_mul else 1) * inter:
+    if getattr(layer, "w13_bias", None) is not None \
+            and layer.w13_weight.shape[1] != (2 if cfg.is_act_and_mul else 1) * inter:
         raise NotImplementedError("vLLM-cpu reload: expert biases with a padded intermediate size")
     for name, shape in (("w13_weight", (num, (2 if cfg.is_act_and_mul else 1) * inter, hidden)),
                         ("w2_weight", (num, hidden, inter))):

@@ -308,6 +308,7 @@ class RunLog:
             first = self.first_sampled.get("eval/mean@n")
             acc += (f" (pass@1), mean@{self.eval_n} {'' if first is None else f'{first:.1%} -> '}"
                     f"{self.last_sampled['eval/mean@n']:.1%}")
-        print(f"\nheld-out accuracy: {acc}  ({summary['steps']} steps, {summary['minutes']:.1f} min, run dir {self.dir})"
+        print(f"\nheld-out accuracy: {acc}  ({summary['steps']} steps, {summary['minutes']:.1f} min, "
+              f"run dir {self.dir})"
               + (f"; {len(self.warnings)} warning(s), see metrics.jsonl" if self.warnings else ""), flush=True)
 

@@ -170,7 +170,8 @@ def from_run_dir(cfg: Config, overrides: dict, where) -> Config:
 def rng_state() -> dict:
     """Plain tuples and tensors only, so that `load_rank_state` reads them with weights_only=True."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+    state = {"python": random.getstate(),
+             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
              "torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -233,7 +234,8 @@ class Saver:
                 faults.progress(step, "save", self.root, limit_s=limit)
                 for part in engines.stateful().values():  # ds/, critic/
                     part.save_checkpoint(str(tmp))
-                _save_torch({"rng": rng_state(), "probe_last": probe.last, "probe_tol": probe.tol,  # buffer: partial rollouts' groups in flight
+                # buffer: partial rollouts' groups in flight
+                _save_torch({"rng": rng_state(), "probe_last": probe.last, "probe_tol": probe.tol,
                              **({"partial": buffer.state()} if buffer is not None else {})},
                             tmp / f"rank-{self.world.rank}.pt")
                 if main:

@@ -282,7 +282,8 @@ app.command("plan", cls=_PlainHelp)(_build_plan_command())
 
 
 @app.command("export")
-def export(run_dir: str = typer.Argument(..., help="A run directory (its newest complete checkpoint) or one checkpoint."),
+def export(run_dir: str = typer.Argument(..., help="A run directory (its newest complete checkpoint) or one "
+                                         "checkpoint."),
            out_arg: Optional[str] = typer.Argument(None, metavar="[OUT]", help="The directory to write (or --out)."),
            out: Optional[str] = typer.Option(None, "--out", help="The directory to write."),
            merged: bool = typer.Option(False, "--merged", help="LoRA runs: also write OUT/merged, the base model "

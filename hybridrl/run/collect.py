@@ -82,7 +82,8 @@ class Collector:
         cfg, a, world = self.cfg, self.cfg.algo, self.world
         target, n = cfg.train.prompts_per_step, cfg.rollout.n
         self.scorer.step = step
-        self.scorer.counts()  # start this step's error counts from zero (the held-out eval's are in the dead-letter file)
+        # start this step's error counts from zero (the held-out eval's are in the dead-letter file)
+        self.scorer.counts()
         self.model_sums = dict.fromkeys(self.model_sums, 0.0)
         if self.episodes:
             self.episodes.step = step

@@ -88,7 +88,7 @@ print("DOCTOR " + json.dumps(deepspeed_compat.op_report(__OPS__, __CPU_OPS__)))
 def _torch_rows() -> tuple[list[dict], dict]:
     try:
         import torch
-    except Exception as e:  # noqa: BLE001: any import failure is the finding
+    except Exception as e:  # noqa: BLE001 - any import failure is the finding
         return [_row("torch", "torch", "fail", f"import failed: {e}", CPU_INSTALL)], {"cuda": 0}
     ndev = torch.cuda.device_count() if torch.cuda.is_available() else 0
     build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU build"
@@ -243,7 +243,8 @@ def _other_rows(cuda: int) -> list[dict]:
                      why or "namespaces, rlimits and seccomp work: the code_tests reward can run model-written code",
                      "" if why is None else why.rsplit(": ", 1)[-1], value=why is None))
     rows.append(_row("caches", "caches", "ok" if os.access(environ.cache_dir().parent, os.W_OK) else "fail",
-                     f"{environ.cache_dir()} (HYBRIDRL_CACHE_DIR)", "" if os.access(environ.cache_dir().parent, os.W_OK) else
+                     f"{environ.cache_dir()} (HYBRIDRL_CACHE_DIR)",
+                     "" if os.access(environ.cache_dir().parent, os.W_OK) else
                      "point HYBRIDRL_CACHE_DIR at a writable directory", value=str(environ.cache_dir())))
     return rows
 

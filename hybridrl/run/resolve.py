@@ -71,7 +71,8 @@ def run_config(cfg: Config, world) -> Resolved:
     if world.size % sp:
         raise ConfigError(f"train.sequence_parallel_size={sp} must divide the {world.size} ranks: use --nproc a "
                           f"multiple of {sp}")
-    heads = getattr(AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code).get_text_config(),
+    heads = getattr(AutoConfig.from_pretrained(model_path,
+                                               trust_remote_code=cfg.model.trust_remote_code).get_text_config(),
                     "num_attention_heads", sp) if sp > 1 else sp
     if heads % sp:
         raise ConfigError(f"train.sequence_parallel_size={sp} must divide the model's {heads} attention heads (each "

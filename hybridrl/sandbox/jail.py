@@ -64,7 +64,8 @@ def _check(ret: int, what: str) -> None:
 
 
 def _mount(src, dst, fstype, flags, data=None) -> None:
-    enc = (lambda s: None if s is None else s.encode())
+    def enc(s):
+        return None if s is None else s.encode()
     _check(libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {dst}")
 
 
@@ -93,7 +94,9 @@ def seccomp_filter() -> bytes:
     libc falls back to clone, whose flags the filter reads); the rest allowed."""
     LD_W_ABS, JEQ, JSET, JGE, RET, AND = 0x20, 0x15, 0x45, 0x35, 0x06, 0x54
     ALLOW, KILL = 0x7FFF0000, 0x80000000
-    errno = (lambda e: 0x00050000 | e)
+
+    def errno(e):
+        return 0x00050000 | e
     prog = []
 
     def op(code, k, jt=0, jf=0):
@@ -320,7 +323,9 @@ def _talk(b, w0, r1, r2, data: bytes, lim: dict, wall_s: float, cap: int) -> tup
     if w0 is not None:
         os.close(w0)
     cut = any(len(v) > cap for v in bufs.values())
-    text = (lambda v: bytes(v[:cap]).decode("utf-8", "replace"))
+
+    def text(v):
+        return bytes(v[:cap]).decode("utf-8", "replace")
     return text(bufs[r1]), text(bufs[r2]), timed_out, cut
 
 

@@ -14,7 +14,8 @@ SMALL = ["--steps", "3", "--train.prompts_per_step", "8", "--rollout.n", "4", "-
 
 def train_cli(run_dir, *args, timeout=600):
     cmd = [sys.executable, "-m", "hybridrl", "train", *SMALL, "--log.run_dir", str(run_dir), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-6000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return out, [r for r in records if "reward" in r], records[-1]["summary"]

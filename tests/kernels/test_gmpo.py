@@ -77,7 +77,8 @@ def test_gmpo_is_declared_with_its_properties():
     assert recipe.loss_clip(C.load(None, {"algo.policy_loss": "gmpo", "algo.clip_high": 0.3})).algo.clip_high == 0.3
     for overrides, message in (({"train.kernels": "liger"}, "train.kernels=liger has no gmpo"),
                                ({"algo.dual_clip": 3}, "algo.policy_loss=gmpo has not"),
-                               ({"train.sequence_parallel_size": 2}, "algo.policy_loss=gmpo needs each sequence whole")):
+                               ({"train.sequence_parallel_size": 2},
+                                "algo.policy_loss=gmpo needs each sequence whole")):
         with pytest.raises(C.ConfigError, match=message):
             C.load(None, {"algo.policy_loss": "gmpo", **overrides})
     with pytest.raises(ValueError, match="gmpo takes no dual_clip"):
