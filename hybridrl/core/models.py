@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridrl.core import families
 from hybridrl.core.config import UserError
 
 log = logging.getLogger("hybridrl")
@@ -170,26 +171,17 @@ def inspect(name: str, trust_remote_code: bool = False) -> ModelInfo:
                      plain_cache=plain_cache(config), moe=moe)
 
 
-# Mixture-of-experts families whose hand-off is proven here (tests/test_moe.py): transformers stores
-# their experts fused per layer (gate_up_proj [E, 2I, H], down_proj [E, H, I]), which vLLM's loader
-# takes as they are. Others (DeepSeek-V2/V3, gpt-oss, Llama 4, Jamba, ...) have other expert layouts,
-# shared or dense layers, biases or quantized experts that nothing here has checked.
-MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
-EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+# the mixture-of-experts families whose hand-off is proven here: core/families.py's table
+MOE_FAMILIES = tuple(families.FAMILIES)
 
 
 def moe_family(name: str, text) -> str:
-    """The model_type of a mixture-of-experts config (any of EXPERT_COUNT_KEYS above 1), "" for a dense
-    one; ModelError for a family outside MOE_FAMILIES."""
-    def count(key: str) -> int:
-        try:
-            return int(getattr(text, key, 0) or 0)
-        except (TypeError, ValueError):
-            return 0
-    model_type = str(getattr(text, "model_type", "") or "")
-    if model_type not in MOE_FAMILIES and not any(count(k) > 1 for k in EXPERT_COUNT_KEYS):
+    """The model_type of a mixture-of-experts config (families.is_moe), "" for a dense one; ModelError
+    for a family outside the table."""
+    if not families.is_moe(text):
         return ""
-    if model_type not in MOE_FAMILIES:
+    model_type = str(getattr(text, "model_type", "") or "")
+    if families.family_of(text) is None:
         raise ModelError(f"model.path {name}: mixture-of-experts model type {model_type!r} is not supported "
                          f"(hybridrl hands off {', '.join(MOE_FAMILIES)}); pick a model of one of those families")
     return model_type

@@ -21,7 +21,7 @@ import math
 import os
 
 from hybridrl.algorithms import policy_loss
-from hybridrl.core import environ, memory
+from hybridrl.core import environ, families, memory
 from hybridrl.core.config import (DEMO, DEMO_SOURCE, Config, ConfigError, default, demo_recipe, explicit,  # noqa: F401
                                   get, leaves, put, validate)
 from hybridrl.core.models import ModelInfo
@@ -118,7 +118,7 @@ def loss_clip(cfg: Config) -> Config:
     return cfg
 
 
-ATTENTION_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+ATTENTION_TARGETS = list(families.LORA_TARGETS)  # LoRA's targets on a mixture-of-experts model
 
 
 def _moe_lora(cfg: Config, info: ModelInfo, on_cpu: bool = False) -> Config:

@@ -13,17 +13,18 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from hybridrl.core import families
 from hybridrl.core.config import ConfigError
 
 # config.json of real models (no weights), for planning offline
 CONFIGS = Path(__file__).resolve().parents[1] / "model_configs"
 
 
-# mixture-of-experts layouts the plan counts (transformers' and vLLM's classes for them agree on the weights):
-# the routed experts' width when there is no moe_intermediate_size is intermediate_size (Mixtral, OLMoE)
-MOE_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+# mixture-of-experts layouts the plan counts: core/families.py's (transformers' and vLLM's classes for them
+# agree on the weights)
+MOE_TYPES = tuple(families.FAMILIES)
 # RMSNorms on the queries and keys: over one head (Qwen3) or over all heads (OLMo)
-QK_NORM = {"qwen3": "head", "qwen3_moe": "head", "olmoe": "all", "olmo2": "all"}
+QK_NORM = {"qwen3": "head", "olmo2": "all", **{k: f.qk_norm for k, f in families.FAMILIES.items() if f.qk_norm}}
 
 
 @dataclass(frozen=True)
@@ -58,17 +59,19 @@ class Shape:
             kv_heads = int(text.get("num_key_value_heads") or heads)
             head_dim = int(text.get("head_dim") or hidden // heads)
             kind = text.get("model_type", "")
-            experts = int(text.get("num_experts") or text.get("num_local_experts") or text.get("n_routed_experts") or 0)
+            experts = families.expert_count(text)
             moe: dict = {}
-            if experts:
-                if kind not in MOE_TYPES:
+            if families.is_moe(text):
+                fam = families.family_of(text)
+                if fam is None:
                     raise ConfigError(f"the memory plan does not know the experts of model_type {kind!r} (it counts "
                                       f"{', '.join(MOE_TYPES)})")
                 step = int(text.get("decoder_sparse_step") or 1)
                 dense = {int(i) for i in text.get("mlp_only_layers") or ()}
                 moe = dict(experts=experts, top_k=int(text["num_experts_per_tok"]),
-                           expert_intermediate=int(text.get("moe_intermediate_size") or text["intermediate_size"]),
-                           shared_intermediate=int(text.get("shared_expert_intermediate_size") or 0),
+                           expert_intermediate=int(text.get(fam.expert_width_key) or text["intermediate_size"]),
+                           shared_intermediate=int(fam.shared_expert and text.get("shared_expert_intermediate_size")
+                                                   or 0),
                            moe_layers=sum(i not in dense and (i + 1) % step == 0 for i in range(layers)))
             norm = QK_NORM.get(kind)
             qk_norm = 2 * head_dim if norm == "head" else (heads + kv_heads) * head_dim if norm == "all" else 0

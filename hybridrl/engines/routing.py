@@ -26,10 +26,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from hybridrl.core import families
+
 # routers whose output is (logits, weights, indices) with weights = softmax(logits) at the indices,
 # renormalised over the top-k when `norm_topk_prob`: what `_hook` recomputes at vLLM's indices
-SUPPORTED_ROUTERS = ("Qwen3MoeTopKRouter", "Qwen2MoeTopKRouter", "OlmoeTopKRouter", "MixtralTopKRouter")
-_MIXTRAL = "MixtralTopKRouter"  # always renormalises, and keeps its weights in float32
+SUPPORTED_ROUTERS = tuple(f.router for f in families.FAMILIES.values())
+# routers that always renormalise the top-k weights and keep them in float32 (Mixtral's); the others do
+# as their norm_topk_prob says, in the logits' dtype
+_RENORMALISE = {f.router for f in families.FAMILIES.values() if f.renormalise}
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
@@ -45,8 +49,8 @@ def routers(model: nn.Module) -> dict[int, nn.Module]:
 
 
 def is_moe(model_config) -> bool:
-    """A mixture-of-experts config (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE name their expert count so)."""
-    return any(getattr(model_config, k, 0) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    """A mixture-of-experts config (core/families.py: more than one routed expert, by any family's key)."""
+    return families.is_moe(model_config)
 
 
 def wanted(cfg, model_config) -> tuple[bool, bool]:
@@ -112,10 +116,10 @@ def _hook(layer: int):
             idx = torch.where(known[:, None], theirs.to(idx.dtype), idx)  # [N, k]
             probs = torch.softmax(logits, dim=-1, dtype=torch.float)  # [N, E], as the router computes them
             weights = probs.gather(1, idx)  # [N, k]: the gradient reaches the router's logits
-            mixtral = type(mod).__name__ == _MIXTRAL
-            if mixtral or getattr(mod, "norm_topk_prob", False):
+            always = type(mod).__name__ in _RENORMALISE
+            if always or getattr(mod, "norm_topk_prob", False):
                 weights = weights / weights.sum(-1, keepdim=True)
-            weights = weights if mixtral else weights.to(logits.dtype)
+            weights = weights if always else weights.to(logits.dtype)
         if first:
             used = idx[seg.valid.to(idx.device)].detach().flatten()
             counts = torch.bincount(used, minlength=logits.shape[-1]).cpu()

@@ -23,7 +23,7 @@ import vllm
 from vllm import LLM, RequestOutput, SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
-from hybridrl.core import platform
+from hybridrl.core import families, platform
 from hybridrl.engines import vllm_cpu
 
 VERSION = vllm.__version__
@@ -282,13 +282,16 @@ def _vllm_names(model, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Ite
     """transformers 5 names Mixtral's MoE block `mlp` and fuses its experts (gate_up_proj [E, 2I, H],
     gate first; down_proj [E, H, I]); its checkpoints and vLLM's Mixtral say `block_sparse_moe` and
     `experts.N.w1/w3/w2` (transformers converts on save), and vLLM's Mixtral loader takes no fused
-    tensor. The trainer's tensors are renamed and split (views) alike."""
-    if not any(".block_sparse_moe." in n for n, _ in model.named_parameters()):
+    tensor. The trainer's tensors are renamed and split (views) alike. Which families: core/families.py's
+    `vllm_block`."""
+    blocks = {f.vllm_block for f in families.FAMILIES.values() if f.vllm_block}
+    block = next((b for b in blocks if any(f".{b}." in n for n, _ in model.named_parameters())), None)
+    if block is None:
         return named_tensors
 
     def split():
         for n, t in named_tensors:
-            n = n.replace(".mlp.", ".block_sparse_moe.")
+            n = n.replace(".mlp.", f".{block}.")
             if n.endswith(".experts.gate_up_proj"):
                 gate, up = t.chunk(2, dim=1)  # [E, I, H] each
                 for e in range(t.shape[0]):
