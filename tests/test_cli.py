@@ -172,3 +172,16 @@ def test_the_cache_is_per_user_0700_and_refused_when_others_can_plant_code(tmp_p
     out = subprocess.run([sys.executable, "-m", "hybridrl", "version"], capture_output=True, text=True,
                          env={**os.environ, "HYBRIDRL_CACHE_DIR": str(shared)})
     assert out.returncode == 2 and out.stderr.strip().count("\n") == 0 and "chmod go-w" in out.stderr
+
+
+def test_the_config_reads_the_algorithms_without_torch():
+    """The schema's choices come from the algorithms' declarations (hybridrl/algorithms/): importing
+    the config, every declaration with it, loads no torch (`hybridrl train --help` and the checks made
+    before the engines stay quick)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, hybridrl.core.config as C, hybridrl.algorithms as A; "
+            "assert set(A.POLICY_LOSSES) >= {'ppo', 'gmpo'} and 'gae' in A.ESTIMATORS; "
+            "C.load(None, {'algo.policy_loss': 'gmpo'}); assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -177,3 +177,4 @@ def test_the_resolved_config_refuses_changes(monkeypatch):
         with pytest.raises(dataclasses.FrozenInstanceError):
             again.train.lr = 1.0
     assert config.to_dict(cfg) == config.to_dict(dataclasses.replace(cfg))
+
