@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from hybridrl.algorithms.kl import KL_ESTIMATORS  # noqa: F401  (each takes d = clamp(logp_ref - logp, +-20))
+from hybridrl.algorithms.kl import KL_ESTIMATORS  # each takes d = clamp(logp_ref - logp, +-20)
 from hybridrl.algorithms.losses.common import seq_mean, seq_sum
 from hybridrl.algorithms.registry import POLICY_LOSSES, loss_params, param_names, policy_loss
 
