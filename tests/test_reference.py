@@ -21,7 +21,7 @@ def test_no_reference_model_is_loaded_when_beta_is_zero():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("advantage", ["grpo", "reinforce_pp"])
-def test_kl_in_the_reward_is_zero_at_step_one_then_grows(tmp_path, advantage):
+def test_kl_in_the_reward_is_zero_at_step_one_then_moves(tmp_path, advantage):
     # one update per step: kl_mean is the loss's KL of the policy being updated, averaged over the step's
     # updates, and a second minibatch (the demo's default) would see a policy the first one moved
     _, steps, _ = train_cli(tmp_path / "run", "--steps", "4", "--algo.kl_coef", "0.1", "--algo.kl_in", "reward",
@@ -32,9 +32,14 @@ def test_kl_in_the_reward_is_zero_at_step_one_then_grows(tmp_path, advantage):
     # Xeon, -2.2e-8 on an AMD EPYC
     assert steps[0]["kl_reward"] == 0.0 and abs(steps[0]["kl_mean"]) <= 1e-7
     assert all(s["time/old_logprob"] > 0 and s["time/ref_logprob"] > 0 for s in steps)
-    assert all(s["kl_mean"] > 1e-6 for s in steps[1:])
-    # k1 can be negative per token; its batch mean is positive once the policy moved
-    assert any(s["kl_reward"] != 0.0 for s in steps[1:])
+    # one update moved the policy off the reference: KL(pi_2 || ref) > 0, estimated on pi_2's own samples
+    assert steps[1]["kl_mean"] > 1e-6
+    # later steps need not grow: with no task reward in a group, the group's normalisation scales the
+    # KL penalty up to a full advantage, which pulls the policy back to the reference, and k1's batch
+    # mean can then dip below 0 (seed 0, grpo: 0.18, 0.05, -9e-5 at steps 2-4). What holds at every
+    # step: the policy is off the reference, and the reward carries kl_coef times the KL it measured
+    assert all(abs(s["kl_mean"]) > 1e-6 for s in steps[1:])
+    assert all(s["kl_reward"] == pytest.approx(0.1 * s["kl_mean"], rel=1e-3, abs=1e-8) for s in steps)
 
 
 ZERO3_SCRIPT = '''
