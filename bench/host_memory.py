@@ -30,7 +30,7 @@ from bench.results import record
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "hybridrl" / "demo_model"
-GIB = 2.0 ** 30
+GIB = 2.0**30
 
 
 def _status() -> dict[str, float]:
@@ -71,8 +71,15 @@ class Sampler:
         now = _status()
         with self._lock:
             peak = {k: max(self.peak.get(k, 0.0), v) for k, v in now.items()}
-        self.rows.append({"stage": name, "rss": now["VmRSS"], "private": now["RssAnon"],
-                          "peak_rss": peak["VmRSS"], "peak_private": peak["RssAnon"]})
+        self.rows.append(
+            {
+                "stage": name,
+                "rss": now["VmRSS"],
+                "private": now["RssAnon"],
+                "peak_rss": peak["VmRSS"],
+                "peak_private": peak["RssAnon"],
+            }
+        )
         self._reset()
 
     def close(self) -> None:
@@ -81,9 +88,15 @@ class Sampler:
 
 
 def rank_main(local_rank: int, args, port: int, model: str, out_dir: str) -> None:
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(args.ranks),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(args.ranks),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     from hybridrl.core import environ
+
     environ.setup()
     sampler = Sampler()
     import torch
@@ -95,8 +108,12 @@ def rank_main(local_rank: int, args, port: int, model: str, out_dir: str) -> Non
 
     world = launch.init_distributed()
     sampler.stage("imports, process group")
-    overrides = {"train.zero_stage": args.zero, "algo.kl_coef": 0.05 if args.reference else 0.0,
-                 "model.dtype": args.dtype, "train.max_tokens_per_micro_batch": 256}
+    overrides = {
+        "train.zero_stage": args.zero,
+        "algo.kl_coef": 0.05 if args.reference else 0.0,
+        "model.dtype": args.dtype,
+        "train.max_tokens_per_micro_batch": 256,
+    }
     if args.critic:
         overrides["algo.advantage"] = "gae"
     cfg = config.load(None, overrides)
@@ -108,15 +125,19 @@ def rank_main(local_rank: int, args, port: int, model: str, out_dir: str) -> Non
     critic = None
     if args.critic:
         from hybridrl.engines.critic import Critic
+
         critic = Critic(cfg, model, **kw)
         sampler.stage("critic")
     if not args.step:
         rows_of(world, sampler, out_dir)
         return
     g, vocab = torch.Generator().manual_seed(world.rank), min(100, trainer.hf.config.vocab_size)
-    batch = Batch.from_rows([torch.randint(3, vocab, (12,), generator=g).tolist() for _ in range(4)],
-                            [torch.randint(3, vocab, (4,), generator=g).tolist() for _ in range(4)],
-                            [[-1.0] * 4] * 4, [1.0, -1.0, 0.5, -0.5])
+    batch = Batch.from_rows(
+        [torch.randint(3, vocab, (12,), generator=g).tolist() for _ in range(4)],
+        [torch.randint(3, vocab, (4,), generator=g).tolist() for _ in range(4)],
+        [[-1.0] * 4] * 4,
+        [1.0, -1.0, 0.5, -0.5],
+    )
     if ref:
         batch.logp_ref = ref.logprobs(batch, 1.0)
     trainer.step(batch)
@@ -141,16 +162,22 @@ def rows_of(world, sampler: Sampler, out_dir: str) -> None:
 
 
 def table(rows: list[list[dict]], model_bytes: float) -> str:
-    lines = ["| stage | " + " | ".join(f"rank {r}: peak RSS / private / held at end" for r in range(len(rows))) + " |",
-             "|---|" + "---:|" * len(rows)]
+    lines = [
+        "| stage | " + " | ".join(f"rank {r}: peak RSS / private / held at end" for r in range(len(rows))) + " |",
+        "|---|" + "---:|" * len(rows),
+    ]
     for i, stage in enumerate(rows[0]):
-        cells = [f"{r[i]['peak_rss'] / GIB:.2f} / {r[i]['peak_private'] / GIB:.2f} / {r[i]['rss'] / GIB:.2f} GiB"
-                 for r in rows]
+        cells = [
+            f"{r[i]['peak_rss'] / GIB:.2f} / {r[i]['peak_private'] / GIB:.2f} / {r[i]['rss'] / GIB:.2f} GiB"
+            for r in rows
+        ]
         lines.append(f"| {stage['stage']} | " + " | ".join(cells) + " |")
     peak = max(s["peak_rss"] for r in rows for s in r)
     private = max(s["peak_private"] for r in rows for s in r)
-    lines.append(f"\nlargest peak on any rank: RSS {peak / GIB:.2f} GiB, private {private / GIB:.2f} GiB "
-                 f"(one copy of the model's weights: {model_bytes / GIB:.2f} GiB)")
+    lines.append(
+        f"\nlargest peak on any rank: RSS {peak / GIB:.2f} GiB, private {private / GIB:.2f} GiB "
+        f"(one copy of the model's weights: {model_bytes / GIB:.2f} GiB)"
+    )
     return "\n".join(lines)
 
 
@@ -162,28 +189,38 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--no-reference", dest="reference", action="store_false", help="algo.kl_coef=0")
     ap.add_argument("--critic", action="store_true", help="also build PPO's critic (algo.advantage=gae)")
-    ap.add_argument("--no-step", dest="step", action="store_false", help="only build the engines (the step's "
-                    "optimizer states are the same either way; this keeps a float32 run within a small machine)")
+    ap.add_argument(
+        "--no-step",
+        dest="step",
+        action="store_false",
+        help="only build the engines (the step's "
+        "optimizer states are the same either way; this keeps a float32 run within a small machine)",
+    )
     ap.add_argument("--tag", default="", help="a label kept with the recorded row (e.g. before/after a change)")
     args = ap.parse_args()
     import tempfile
 
     from hybridrl.core import environ
+
     environ.setup()
     model = args.model
     if model == "qwen0.5b":
         from bench.memory import qwen2_half_b
+
         model = str(qwen2_half_b(environ.cache_dir() / "bench-qwen2-0.5b"))
     elif model == "demo":
         model = str(DEMO)
     import torch.multiprocessing as mp
 
     from hybridrl.core.launch import _free_port
+
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(rank_main, args=(args, _free_port(), model, out_dir), nprocs=args.ranks,
-                           start_method="spawn")
+        mp.start_processes(
+            rank_main, args=(args, _free_port(), model, out_dir), nprocs=args.ranks, start_method="spawn"
+        )
         rows = json.loads(Path(out_dir, "rows.json").read_text())
     from safetensors import safe_open
+
     model_bytes = 0.0
     for f in Path(model).glob("*.safetensors"):
         with safe_open(str(f), "pt") as st:
@@ -194,14 +231,22 @@ def main() -> None:
                     n *= d
                 model_bytes += n * (2 if args.dtype == "bfloat16" else 4)
     device = "cuda" if environ.has_cuda() else "cpu"
-    print(f"\n{device}, model {Path(model).name}, {args.ranks} ranks, ZeRO-{args.zero}, {args.dtype}, "
-          f"reference {'on' if args.reference else 'off'}, critic {'on' if args.critic else 'off'}"
-          f"{'' if args.step else ', no step'}\n")
+    print(
+        f"\n{device}, model {Path(model).name}, {args.ranks} ranks, ZeRO-{args.zero}, {args.dtype}, "
+        f"reference {'on' if args.reference else 'off'}, critic {'on' if args.critic else 'off'}"
+        f"{'' if args.step else ', no step'}\n"
+    )
     print(table(rows, model_bytes))
-    record("host_memory", {**vars(args), "model_name": Path(model).name},
-           {"rows": rows, "model_gib": model_bytes / GIB,
+    record(
+        "host_memory",
+        {**vars(args), "model_name": Path(model).name},
+        {
+            "rows": rows,
+            "model_gib": model_bytes / GIB,
             "peak_rss_gib": max(s["peak_rss"] for r in rows for s in r) / GIB,
-            "peak_private_gib": max(s["peak_private"] for r in rows for s in r) / GIB})
+            "peak_private_gib": max(s["peak_private"] for r in rows for s in r) / GIB,
+        },
+    )
 
 
 if __name__ == "__main__":

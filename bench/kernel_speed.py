@@ -17,6 +17,7 @@ minus memory_allocated before the step. Time: median of --iters steps after that
 Run: python -m bench.kernel_speed [--device cpu|cuda] [--shape cpu|qwen0.5b|llama3-8b|N,d,V]
 Each run is recorded in bench/results/kernel_speed.jsonl (every provider's time and memory).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,27 +62,40 @@ def _step_fn(provider, chunk_size):
         def step(h, w, y, old, adv, mask):
             logp, ent = logprob_entropy(h, w, y, provider=impl, chunk_size=chunk_size)
             ppo_loss(logp, old, adv, mask, entropy=ent, **LOSS)[0].backward()
+
         return step
 
     def fused(impl):
         def step(h, w, y, old, adv, mask):
-            fused_logprob_ppo_loss(h, w, y, old, adv, mask, provider=impl, chunk_size=chunk_size,
-                                   **LOSS)[0].backward()
+            fused_logprob_ppo_loss(h, w, y, old, adv, mask, provider=impl, chunk_size=chunk_size, **LOSS)[0].backward()
+
         return step
 
     def liger(h, w, y, old, adv, mask):
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
         b = h.shape[0] // SEQ_LEN
-        loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, compiled=h.is_cuda, use_ref_model=False,
-                                           epsilon_low=0.2, epsilon_high=0.28, loss_type="dapo")
-        loss, _ = loss_fn(h.view(b, SEQ_LEN, -1), w, y.view(b, SEQ_LEN), mask.view(b, SEQ_LEN),
-                          adv.view(b, SEQ_LEN)[:, 0], old_per_token_logps=old.view(b, SEQ_LEN))
+        loss_fn = LigerFusedLinearGRPOLoss(
+            beta=0.0, compiled=h.is_cuda, use_ref_model=False, epsilon_low=0.2, epsilon_high=0.28, loss_type="dapo"
+        )
+        loss, _ = loss_fn(
+            h.view(b, SEQ_LEN, -1),
+            w,
+            y.view(b, SEQ_LEN),
+            mask.view(b, SEQ_LEN),
+            adv.view(b, SEQ_LEN)[:, 0],
+            old_per_token_logps=old.view(b, SEQ_LEN),
+        )
         loss.backward()
 
-    table = {"naive": unfused("naive"), "torch-unfused": unfused("torch"),
-             "torch-fused": fused("torch"), "triton-unfused": unfused("triton"),
-             "triton-fused": fused("triton"), "liger": liger}
+    table = {
+        "naive": unfused("naive"),
+        "torch-unfused": unfused("torch"),
+        "torch-fused": fused("torch"),
+        "triton-unfused": unfused("triton"),
+        "triton-fused": fused("triton"),
+        "liger": liger,
+    }
     return table[provider], torch
 
 
@@ -116,13 +130,33 @@ def worker(provider, shape, dtype_name, device, iters, chunk_size):
         step(*inputs)
         sync()
         times.append(time.perf_counter() - t0)
-    print(json.dumps({"provider": provider, "time_s": statistics.median(times) if times else first,
-                      "peak_extra_bytes": peak - base}))
+    print(
+        json.dumps(
+            {
+                "provider": provider,
+                "time_s": statistics.median(times) if times else first,
+                "peak_extra_bytes": peak - base,
+            }
+        )
+    )
 
 
 def run_provider(provider, shape, dtype, device, iters, chunk_size):
-    cmd = [sys.executable, "-m", "bench.kernel_speed", "--worker", provider, "--device", device,
-           "--shape", ",".join(map(str, shape)), "--dtype", dtype, "--iters", str(iters)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.kernel_speed",
+        "--worker",
+        provider,
+        "--device",
+        device,
+        "--shape",
+        ",".join(map(str, shape)),
+        "--dtype",
+        dtype,
+        "--iters",
+        str(iters),
+    ]
     if chunk_size:
         cmd += ["--chunk-size", str(chunk_size)]
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
@@ -151,11 +185,15 @@ def main():
     shapes = [SHAPES[s] if s in SHAPES else tuple(int(x) for x in s.split(",")) for s in names]
     if a.worker:
         return worker(a.worker, shapes[0], dtype, a.device, a.iters, a.chunk_size)
-    providers = a.providers.split(",") if a.providers else (
-        ["naive", "torch-unfused", "torch-fused"] + (["triton-unfused", "triton-fused"] if cuda else [])
-        + ["liger"])
+    providers = (
+        a.providers.split(",")
+        if a.providers
+        else (
+            ["naive", "torch-unfused", "torch-fused"] + (["triton-unfused", "triton-fused"] if cuda else []) + ["liger"]
+        )
+    )
     runs = []
-    for (n, d, v) in shapes:
+    for n, d, v in shapes:
         runs.append({"shape": [n, d, v], "providers": {}})
         print(f"\n{a.device} {dtype} N={n} d={d} V={v} (fwd+bwd, median of {a.iters})")
         print(f"{'provider':<15}{'time ms':>10}{'x naive':>9}{'peak extra MiB':>16}{'x naive':>9}{'TFLOP/s':>9}")
@@ -168,11 +206,23 @@ def main():
                 continue
             ref = ref or r
             tflops = 6 * n * v * d / r["time_s"] / 1e12  # the 6NVd floor, whatever the provider did
-            print(f"{prov:<15}{r['time_s'] * 1e3:>10.0f}{r['time_s'] / ref['time_s']:>9.2f}"
-                  f"{r['peak_extra_bytes'] / 2**20:>16.0f}"
-                  f"{r['peak_extra_bytes'] / ref['peak_extra_bytes']:>9.2f}{tflops:>9.2f}")
-    record("kernel_speed", {"device": a.device, "dtype": dtype, "shapes": names, "providers": providers,
-                            "iters": a.iters, "chunk_size": a.chunk_size}, {"runs": runs})
+            print(
+                f"{prov:<15}{r['time_s'] * 1e3:>10.0f}{r['time_s'] / ref['time_s']:>9.2f}"
+                f"{r['peak_extra_bytes'] / 2**20:>16.0f}"
+                f"{r['peak_extra_bytes'] / ref['peak_extra_bytes']:>9.2f}{tflops:>9.2f}"
+            )
+    record(
+        "kernel_speed",
+        {
+            "device": a.device,
+            "dtype": dtype,
+            "shapes": names,
+            "providers": providers,
+            "iters": a.iters,
+            "chunk_size": a.chunk_size,
+        },
+        {"runs": runs},
+    )
 
 
 if __name__ == "__main__":

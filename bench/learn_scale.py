@@ -45,8 +45,9 @@ def _accuracy(model, tok, rows, encoded) -> float:
     with torch.autocast("cpu", dtype=torch.bfloat16):
         outs = greedy_decode(model, [p for p, _ in encoded], tok.eos_token_id)
     model.train()
-    return sum(arithmetic.reward(r["prompt"], tok.decode(c, skip_special_tokens=True), r["answer"])
-               for r, c in zip(rows, outs)) / len(rows)
+    return sum(
+        arithmetic.reward(r["prompt"], tok.decode(c, skip_special_tokens=True), r["answer"]) for r, c in zip(rows, outs)
+    ) / len(rows)
 
 
 def warm_up(shape: str, start_acc: float, seed: int = 0) -> Path:
@@ -87,8 +88,11 @@ def warm_up(shape: str, start_acc: float, seed: int = 0) -> Path:
             opt.step()
             if step % 10 == 0:
                 acc = _accuracy(model, tok, held_rows, held)
-                print(f"warm-up step {step}: loss {loss.item():.3f}, held-out (64) {acc:.1%}, "
-                      f"{time.perf_counter() - t0:.0f} s", flush=True)
+                print(
+                    f"warm-up step {step}: loss {loss.item():.3f}, held-out (64) {acc:.1%}, "
+                    f"{time.perf_counter() - t0:.0f} s",
+                    flush=True,
+                )
     tmp = out.with_name(out.name + ".tmp")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
@@ -98,18 +102,51 @@ def warm_up(shape: str, start_acc: float, seed: int = 0) -> Path:
 
 def train(model: Path, dtype: str, args) -> list[dict]:
     run_dir = Path(args.out).resolve() / dtype
-    cmd = [sys.executable, "-m", "hybridrl", "train", "--model", str(model), "--model.dtype", dtype,
-           "--data", "demo", "--data.chat_template", "off", "--data.max_prompt_len", "16",
-           "--rollout.max_new_tokens", "4", "--rollout.n", "8", "--train.prompts_per_step", "16",
-           "--train.minibatches", "1", "--train.lr", str(args.lr), "--train.steps", str(args.steps),
-           "--train.max_minutes", "0", "--log.eval_every", "25", "--ckpt.every", "0",
-           "--log.progress", "false", "--log.run_dir", str(run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridrl",
+        "train",
+        "--model",
+        str(model),
+        "--model.dtype",
+        dtype,
+        "--data",
+        "demo",
+        "--data.chat_template",
+        "off",
+        "--data.max_prompt_len",
+        "16",
+        "--rollout.max_new_tokens",
+        "4",
+        "--rollout.n",
+        "8",
+        "--train.prompts_per_step",
+        "16",
+        "--train.minibatches",
+        "1",
+        "--train.lr",
+        str(args.lr),
+        "--train.steps",
+        str(args.steps),
+        "--train.max_minutes",
+        "0",
+        "--log.eval_every",
+        "25",
+        "--ckpt.every",
+        "0",
+        "--log.progress",
+        "false",
+        "--log.run_dir",
+        str(run_dir),
+    ]
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "output.log", "w") as log:
         if subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode:
             tail = (run_dir / "output.log").read_text().strip().splitlines()[-1:]
-            raise SystemExit(f"hybridrl train ({dtype}) failed: {tail[0] if tail else '?'} "
-                             f"(all of it: {run_dir}/output.log)")
+            raise SystemExit(
+                f"hybridrl train ({dtype}) failed: {tail[0] if tail else '?'} (all of it: {run_dir}/output.log)"
+            )
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -122,13 +159,19 @@ def summary(runs: dict[str, list[dict]], steps: int) -> dict:
         for start in range(0, steps + 1, 25):
             acc = next((r["heldout_acc"] for r in rows if r.get("step") == start and "heldout_acc" in r), None)
             window = [r for r in rows if "reward" in r and start < r["step"] <= start + 25]
-            out["windows"][d].append({
-                "step": start, "heldout": acc,
-                "reward": statistics.mean(r["reward"] for r in window) if window else None,
-                "entropy": statistics.mean(r["entropy_mean"] for r in window) if window else None})
+            out["windows"][d].append(
+                {
+                    "step": start,
+                    "heldout": acc,
+                    "reward": statistics.mean(r["reward"] for r in window) if window else None,
+                    "entropy": statistics.mean(r["entropy_mean"] for r in window) if window else None,
+                }
+            )
         steps_ = [r for r in rows if "reward" in r]
-        out["phases_s"][d] = {k[5:]: statistics.median(r[k] for r in steps_ if k in r)
-                              for k in ("time/train", "time/generate", "time/sync")}
+        out["phases_s"][d] = {
+            k[5:]: statistics.median(r[k] for r in steps_ if k in r)
+            for k in ("time/train", "time/generate", "time/sync")
+        }
         out["logp_gap"][d] = statistics.mean(r["logp_gap_mean"] for r in steps_ if "logp_gap_mean" in r)
     return out
 
@@ -140,19 +183,26 @@ def table(s: dict) -> str:
         cells = ""
         for windows in runs.values():
             acc, rew, ent = windows[i]["heldout"], windows[i]["reward"], windows[i]["entropy"]
-            cells += (f"{(f'{acc:.1%}' if acc is not None else ''):>19}{(f'{rew:.3f}' if rew is not None else ''):>9}"
-                      f"{(f'{ent:.3f}' if ent is not None else ''):>9}")
+            cells += (
+                f"{(f'{acc:.1%}' if acc is not None else ''):>19}{(f'{rew:.3f}' if rew is not None else ''):>9}"
+                f"{(f'{ent:.3f}' if ent is not None else ''):>9}"
+            )
         lines.append(f"{w['step']:<9}" + cells)
-    lines.append("(held-out: greedy, the demo's 256 prompts, at that step; "
-                 "reward and entropy: mean of the 25 steps after it)")
+    lines.append(
+        "(held-out: greedy, the demo's 256 prompts, at that step; reward and entropy: mean of the 25 steps after it)"
+    )
     for d in runs:
-        lines.append(f"{d}: median s/step by phase " + ", ".join(f"{k} {v:.2f}" for k, v in s["phases_s"][d].items())
-                     + f"; mean trainer/vLLM log-prob gap {s['logp_gap'][d]:.4f}")
+        lines.append(
+            f"{d}: median s/step by phase "
+            + ", ".join(f"{k} {v:.2f}" for k, v in s["phases_s"][d].items())
+            + f"; mean trainer/vLLM log-prob gap {s['logp_gap'][d]:.4f}"
+        )
     return "\n".join(lines)
 
 
 def main() -> None:
     from hybridrl.core import environ
+
     environ.setup()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="134m", choices=[s for s in shapes.SHAPES if s != "tiny"])
@@ -169,13 +219,27 @@ def main() -> None:
         runs[dtype] = train(model, dtype, args)
         wall[dtype] = time.perf_counter() - t
         print(f"{dtype}: {args.steps} steps in {wall[dtype]:.0f} s", flush=True)
-    print(f"\n{args.shape} ({shapes.n_params(model) / 1e6:.1f}M parameters) warmed up on addition, then GRPO "
-          f"(16 prompts x 8, <= 4 tokens, lr {args.lr:g}); {shapes.describe_machine()}\n")
+    print(
+        f"\n{args.shape} ({shapes.n_params(model) / 1e6:.1f}M parameters) warmed up on addition, then GRPO "
+        f"(16 prompts x 8, <= 4 tokens, lr {args.lr:g}); {shapes.describe_machine()}\n"
+    )
     s = summary(runs, args.steps)
     print(table(s))
-    record("learn_scale", {"shape": args.shape, "params": shapes.n_params(model), "dtypes": args.dtypes,
-                           "steps": args.steps, "lr": args.lr, "start_acc": args.start_acc,
-                           "prompts": 16, "n": 8, "tokens": 4}, {**s, "wall_s": wall})
+    record(
+        "learn_scale",
+        {
+            "shape": args.shape,
+            "params": shapes.n_params(model),
+            "dtypes": args.dtypes,
+            "steps": args.steps,
+            "lr": args.lr,
+            "start_acc": args.start_acc,
+            "prompts": 16,
+            "n": 8,
+            "tokens": 4,
+        },
+        {**s, "wall_s": wall},
+    )
 
 
 if __name__ == "__main__":

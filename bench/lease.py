@@ -1,5 +1,6 @@
 """Moved to scripts/lease.py (it runs a GPU lease; it is no benchmark). `python -m bench.lease ...`,
 the command issue 51 and older notes name, still runs it, and `bench.lease` is that module."""
+
 import runpy
 import sys
 

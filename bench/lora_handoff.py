@@ -28,9 +28,18 @@ def qwen2_43m(dest: Path) -> Path:
         return dest
     import torch
     import transformers
-    cfg = transformers.Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=12,
-                                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,
-                                   tie_word_embeddings=False, rms_norm_eps=1e-6)
+
+    cfg = transformers.Qwen2Config(
+        vocab_size=4096,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-6,
+    )
     torch.manual_seed(0)
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(dest)
     for f in DEMO.iterdir():
@@ -51,6 +60,7 @@ def generate_cost(model: str, rank: int, repeats: int = 7) -> dict:
     from hybridrl.core import environ
     from hybridrl.core.config import ModelConfig
     from hybridrl.engines import lora, vllm_compat
+
     environ.setup()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     kw = vllm_compat.engine_kwargs(on_cpu=True, kv_cache_bytes=64 << 20, gpu_memory_utilization=None, lora_rank=rank)
@@ -58,18 +68,28 @@ def generate_cost(model: str, rank: int, repeats: int = 7) -> dict:
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=64, seed=0, **kw)
     cfg = ModelConfig(lora_rank=rank)
     from transformers import AutoConfig
+
     hf = AutoConfig.from_pretrained(model)
     h, i, layers = hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers
-    shapes = {"q_proj": (h, h), "k_proj": (h, h), "v_proj": (h, h), "o_proj": (h, h), "gate_proj": (h, i),
-              "up_proj": (h, i), "down_proj": (i, h)}  # (in, out); the bench models have as many KV heads as heads
+    shapes = {
+        "q_proj": (h, h),
+        "k_proj": (h, h),
+        "v_proj": (h, h),
+        "o_proj": (h, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }  # (in, out); the bench models have as many KV heads as heads
     g = torch.Generator().manual_seed(0)
     named = []
     for n in range(layers):
         for mod, (fin, fout) in shapes.items():
             part = "self_attn" if mod.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
             base = f"base_model.model.model.layers.{n}.{part}.{mod}"
-            named += [(f"{base}.lora_A.weight", torch.randn(rank, fin, generator=g) * 0.01),
-                      (f"{base}.lora_B.weight", torch.randn(fout, rank, generator=g) * 0.01)]
+            named += [
+                (f"{base}.lora_A.weight", torch.randn(rank, fin, generator=g) * 0.01),
+                (f"{base}.lora_B.weight", torch.randn(fout, rank, generator=g) * 0.01),
+            ]
     vllm_compat.load_adapter(llm, named, lora.spec(cfg))
     prompts = [{"prompt_token_ids": p} for p in [[3 + (k % 9), 12, 4 + (k % 7), 13] for k in range(128)]]
     params = SamplingParams(max_tokens=4, temperature=1.0, detokenize=False, ignore_eos=True)
@@ -99,8 +119,11 @@ def main() -> None:
             for rank in [int(r) for r in args.ranks.split(",")]:
                 ms = generate_cost(path, rank)
                 costs.append({"model": model, "lora_rank": rank, "base_ms": ms["base"], "adapter_ms": ms["adapter"]})
-                print(f"{model} r={rank}: generate {ms['base']:.0f} ms without the adapter, {ms['adapter']:.0f} ms "
-                      f"with it ({ms['adapter'] / ms['base']:.2f}x)", flush=True)
+                print(
+                    f"{model} r={rank}: generate {ms['base']:.0f} ms without the adapter, {ms['adapter']:.0f} ms "
+                    f"with it ({ms['adapter'] / ms['base']:.2f}x)",
+                    flush=True,
+                )
         record("lora_handoff", {**knobs, "mode": "generate"}, {"generate": costs})
         return
     cache = ROOT / ".cache" / "bench"
@@ -109,24 +132,39 @@ def main() -> None:
     rows = []
     for model in args.models.split(","):
         for rank in [0] + [int(r) for r in args.ranks.split(",")]:
-            steps = run(paths[model], [*common, "--model.lora_rank", str(rank)], {}, args.steps)[args.warmup:]
-            med = {k: statistics.median(s[k] for s in steps)
-                   for k in ("time/sync", "sync/bytes", "sync/tensors", "time/generate", "time/train")}
+            steps = run(paths[model], [*common, "--model.lora_rank", str(rank)], {}, args.steps)[args.warmup :]
+            med = {
+                k: statistics.median(s[k] for s in steps)
+                for k in ("time/sync", "sync/bytes", "sync/tensors", "time/generate", "time/train")
+            }
             step = statistics.median(sum(v for k, v in s.items() if k.startswith("time/")) for s in steps)
-            rows.append({"model": model, "lora_rank": rank, "bytes": int(med["sync/bytes"]),
-                         "tensors": int(med["sync/tensors"]), "sync_ms": 1e3 * med["time/sync"], "step_ms": 1e3 * step,
-                         "generate_ms": 1e3 * med["time/generate"], "train_ms": 1e3 * med["time/train"],
-                         "probe_gap_max": max(s["probe_gap"] for s in steps)})
+            rows.append(
+                {
+                    "model": model,
+                    "lora_rank": rank,
+                    "bytes": int(med["sync/bytes"]),
+                    "tensors": int(med["sync/tensors"]),
+                    "sync_ms": 1e3 * med["time/sync"],
+                    "step_ms": 1e3 * step,
+                    "generate_ms": 1e3 * med["time/generate"],
+                    "train_ms": 1e3 * med["time/train"],
+                    "probe_gap_max": max(s["probe_gap"] for s in steps),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
-    print("\n| model | hand-off | tensors | bytes | x full | time (ms) | x full | generate / train / step (ms) "
-          "| probe gap |")
+    print(
+        "\n| model | hand-off | tensors | bytes | x full | time (ms) | x full | generate / train / step (ms) "
+        "| probe gap |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         full = next(f for f in rows if f["model"] == r["model"] and f["lora_rank"] == 0)
         what = f"adapter, r={r['lora_rank']}" if r["lora_rank"] else "full weights"
-        print(f"| {r['model']} | {what} | {r['tensors']} | {r['bytes'] / 2**20:.2f} MiB | "
-              f"{r['bytes'] / full['bytes']:.3f} | {r['sync_ms']:.1f} | {r['sync_ms'] / full['sync_ms']:.3f} | "
-              f"{r['generate_ms']:.0f} / {r['train_ms']:.0f} / {r['step_ms']:.0f} | {r['probe_gap_max']:.1e} |")
+        print(
+            f"| {r['model']} | {what} | {r['tensors']} | {r['bytes'] / 2**20:.2f} MiB | "
+            f"{r['bytes'] / full['bytes']:.3f} | {r['sync_ms']:.1f} | {r['sync_ms'] / full['sync_ms']:.3f} | "
+            f"{r['generate_ms']:.0f} / {r['train_ms']:.0f} / {r['step_ms']:.0f} | {r['probe_gap_max']:.1e} |"
+        )
     record("lora_handoff", {**knobs, "mode": "hand-off", "steps": args.steps, "warmup": args.warmup}, {"rows": rows})
 
 

@@ -49,9 +49,19 @@ def qwen2_half_b(dest: Path) -> Path:
         return dest
     import torch
     import transformers
-    cfg = transformers.Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048,
-                                   tie_word_embeddings=True, rope_theta=1e6, rms_norm_eps=1e-6)
+
+    cfg = transformers.Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+    )
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
     dest.mkdir(parents=True, exist_ok=True)
@@ -64,9 +74,30 @@ def qwen2_half_b(dest: Path) -> Path:
 
 def run(model: str, overrides: list[str], env: dict, steps: int) -> list[dict]:
     run_dir = Path(tempfile.mkdtemp(prefix="bench-memory-"))
-    cmd = [sys.executable, "-m", "hybridrl", "train", "--model", model, "--steps", str(steps),
-           "--train.max_minutes", "0", "--log.eval_every", "0", "--log.eval_size", "16", "--log.no_progress",
-           "--log.run_dir", str(run_dir), "--ckpt.every", "0", "--train.probe_action", "warn", *overrides]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridrl",
+        "train",
+        "--model",
+        model,
+        "--steps",
+        str(steps),
+        "--train.max_minutes",
+        "0",
+        "--log.eval_every",
+        "0",
+        "--log.eval_size",
+        "16",
+        "--log.no_progress",
+        "--log.run_dir",
+        str(run_dir),
+        "--ckpt.every",
+        "0",
+        "--train.probe_action",
+        "warn",
+        *overrides,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env}, cwd=ROOT)
     if out.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-4000:]}")
@@ -85,6 +116,7 @@ def medians(steps: list[dict], warmup: int) -> dict[str, float]:
 
 def table(res: dict[str, dict], cuda: bool) -> list[tuple[str, str]]:
     """(what, value) rows; GPU-only rows say so on CPU."""
+
     def ms(run, key):
         v = res.get(run, {}).get(key)
         return f"{v * 1000:.1f} ms" if v is not None else "not run"
@@ -102,21 +134,29 @@ def table(res: dict[str, dict], cuda: bool) -> list[tuple[str, str]]:
             rows.append((f"device memory freed by sleep level {level}", UNMEASURED if not cuda else "not run"))
     for tag in ("weights", "kv"):
         for level, name in ((1, "inprocess"), (2, "level2")):
-            rows.append((f"wake latency, {tag} (after a level-{level} sleep)",
-                         ms(name, f"time/wake_{tag}") if cuda else UNMEASURED))
+            rows.append(
+                (
+                    f"wake latency, {tag} (after a level-{level} sleep)",
+                    ms(name, f"time/wake_{tag}") if cuda else UNMEASURED,
+                )
+            )
     rows.append(("hand-off, in process (one pass, tensors by reference)", ms("inprocess", "time/sync")))
-    rows.append(("hand-off, out of process, bucketed (256 MiB staging, IPC/shared memory)",
-                 ms("oop_bucketed", "time/sync")))
+    rows.append(
+        ("hand-off, out of process, bucketed (256 MiB staging, IPC/shared memory)", ms("oop_bucketed", "time/sync"))
+    )
     rows.append(("hand-off, out of process, one handle per parameter", ms("oop_per_param", "time/sync")))
-    for name, label in (("inprocess", "expandable segments on (default)"),
-                        ("no_expandable", "expandable segments off")):
+    for name, label in (
+        ("inprocess", "expandable segments on (default)"),
+        ("no_expandable", "expandable segments off"),
+    ):
         r = res.get(name, {})
         peaks = {k.split("/")[1]: v for k, v in r.items() if k.startswith("mem/") and k.endswith("/peak_gb")}
         reserved = {k.split("/")[1]: v for k, v in r.items() if k.startswith("mem/") and k.endswith("/reserved_gb")}
         if cuda and peaks:
             for phase in sorted(peaks):
-                rows.append((f"peak / reserved after {phase}, {label}",
-                             f"{peaks[phase]:.2f} / {reserved[phase]:.2f} GiB"))
+                rows.append(
+                    (f"peak / reserved after {phase}, {label}", f"{peaks[phase]:.2f} / {reserved[phase]:.2f} GiB")
+                )
         else:
             rows.append((f"peak memory per phase, {label}", UNMEASURED if not cuda else "not run"))
     for name in res:
@@ -126,13 +166,15 @@ def table(res: dict[str, dict], cuda: bool) -> list[tuple[str, str]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="demo, qwen0.5b, or a model directory (default: qwen0.5b on "
-                    "GPU, demo on CPU)")
+    ap.add_argument(
+        "--model", default=None, help="demo, qwen0.5b, or a model directory (default: qwen0.5b on GPU, demo on CPU)"
+    )
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the medians")
     ap.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
     args = ap.parse_args()
     from hybridrl.core import environ
+
     environ.setup()
     cuda = environ.has_cuda()
     model = args.model or ("qwen0.5b" if cuda else "demo")
@@ -153,8 +195,11 @@ def main() -> None:
     rows = table(res, cuda)
     for what, value in rows:
         print(f"| {what} | {value} |")
-    record("memory", {"model": Path(model).name, "steps": args.steps, "warmup": args.warmup, "runs": list(res)},
-           {"medians": res, "table": [list(r) for r in rows]})
+    record(
+        "memory",
+        {"model": Path(model).name, "steps": args.steps, "warmup": args.warmup, "runs": list(res)},
+        {"medians": res, "table": [list(r) for r in rows]},
+    )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,20 @@ from pathlib import Path
 from bench.results import record
 
 ROOT = Path(__file__).resolve().parents[1]
-FLAGS = ["--data.path", "longtail", "--rollout.partial", "on", "--train.prompts_per_step", "16",
-         "--train.minibatches", "1", "--log.eval_every", "0", "--train.max_minutes", "0"]
+FLAGS = [
+    "--data.path",
+    "longtail",
+    "--rollout.partial",
+    "on",
+    "--train.prompts_per_step",
+    "16",
+    "--train.minibatches",
+    "1",
+    "--log.eval_every",
+    "0",
+    "--train.max_minutes",
+    "0",
+]
 
 
 def main() -> None:
@@ -36,8 +48,18 @@ def main() -> None:
     args, extra = ap.parse_known_args()
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "hybridrl", "train", *FLAGS, "--steps", str(args.steps),
-               "--log.run_dir", str(run_dir), *extra]
+        cmd = [
+            sys.executable,
+            "-m",
+            "hybridrl",
+            "train",
+            *FLAGS,
+            "--steps",
+            str(args.steps),
+            "--log.run_dir",
+            str(run_dir),
+            *extra,
+        ]
         res = subprocess.run(cmd, cwd=args.tree, capture_output=True, text=True)
         if res.returncode:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{res.stdout[-2000:]}{res.stderr[-3000:]}")
@@ -50,19 +72,28 @@ def main() -> None:
     for k in marks:
         r = at[k]
         held = r.get("partial/vllm_requests_held")
-        table.append({"step": k, "held": held, "aborted": r.get("partial/aborted_samples"),
-                      "rss_gb": round(r["host/rss_gb"], 3)})
-        print(f"{k:>5} {'-' if held is None else int(held):>13} {int(r.get('partial/aborted_samples', 0)):>16} "
-              f"{r['host/rss_gb']:>13.3f}")
+        table.append(
+            {"step": k, "held": held, "aborted": r.get("partial/aborted_samples"), "rss_gb": round(r["host/rss_gb"], 3)}
+        )
+        print(
+            f"{k:>5} {'-' if held is None else int(held):>13} {int(r.get('partial/aborted_samples', 0)):>16} "
+            f"{r['host/rss_gb']:>13.3f}"
+        )
     aborted = sum(r.get("partial/aborted_samples", 0) for r in steps)
     growth = steps[-1]["host/rss_gb"] - at[min(10, steps[-1]["step"])]["host/rss_gb"]
-    print(f"aborted samples in all: {int(aborted)}; host RSS from step 10 to {steps[-1]['step']}: "
-          f"{growth * 1024:+.0f} MiB")
+    print(
+        f"aborted samples in all: {int(aborted)}; host RSS from step 10 to {steps[-1]['step']}: "
+        f"{growth * 1024:+.0f} MiB"
+    )
     tree = Path(args.tree).resolve()
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True,
-                          text=True).stdout.strip()
-    record("partial_memory", {"steps": args.steps, "flags": FLAGS + extra, "tree_commit": head},
-           {"table": table, "aborted_samples": aborted, "rss_growth_mib": round(growth * 1024, 1)})
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=tree, capture_output=True, text=True
+    ).stdout.strip()
+    record(
+        "partial_memory",
+        {"steps": args.steps, "flags": FLAGS + extra, "tree_commit": head},
+        {"table": table, "aborted_samples": aborted, "rss_growth_mib": round(growth * 1024, 1)},
+    )
 
 
 if __name__ == "__main__":

@@ -42,9 +42,27 @@ SHAPE = {"--train.prompts_per_step": "16", "--train.minibatches": "1"}  # flags 
 
 def run(mode: str, seed: int, steps: int, eval_every: int, out: Path, extra: list[str]) -> dict:
     run_dir = out / f"{mode}-seed{seed}"
-    cmd = [sys.executable, "-m", "hybridrl", "train", "--data.path", "longtail", "--rollout.partial", mode,
-           "--steps", str(steps), "--train.seed", str(seed), "--log.eval_every", str(eval_every),
-           "--train.max_minutes", "0", "--log.run_dir", str(run_dir), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridrl",
+        "train",
+        "--data.path",
+        "longtail",
+        "--rollout.partial",
+        mode,
+        "--steps",
+        str(steps),
+        "--train.seed",
+        str(seed),
+        "--log.eval_every",
+        str(eval_every),
+        "--train.max_minutes",
+        "0",
+        "--log.run_dir",
+        str(run_dir),
+        *extra,
+    ]
     t0 = time.perf_counter()
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if res.returncode:
@@ -60,13 +78,20 @@ def run(mode: str, seed: int, steps: int, eval_every: int, out: Path, extra: lis
     # trained samples per second of the whole step: a partial step trains its share or a few more groups
     groups = [r.get("partial/trained_groups", conf["train"]["prompts_per_step"]) for r in warm]
     samples_s = conf["rollout"]["n"] * statistics.mean(groups) / statistics.median(walls)
-    return {"mode": mode, "seed": seed, "wall_s": time.perf_counter() - t0,
-            "step_s": statistics.median(walls), "generate_s": statistics.median(r["time/generate"] for r in warm),
-            "rollout_tok_s": sum(r["rollout_tokens"] for r in warm) / gen, "samples_s": samples_s,
-            "response_len": statistics.mean(r["response_len"] for r in warm),
-            "truncated_frac": statistics.mean(r["truncated_frac"] for r in warm),
-            "stale_token_frac": statistics.mean(r.get("partial/stale_token_frac", 0.0) for r in warm),
-            "curve": curve, "reward_last20": statistics.mean(r["reward"] for r in steps_[-20:])}
+    return {
+        "mode": mode,
+        "seed": seed,
+        "wall_s": time.perf_counter() - t0,
+        "step_s": statistics.median(walls),
+        "generate_s": statistics.median(r["time/generate"] for r in warm),
+        "rollout_tok_s": sum(r["rollout_tokens"] for r in warm) / gen,
+        "samples_s": samples_s,
+        "response_len": statistics.mean(r["response_len"] for r in warm),
+        "truncated_frac": statistics.mean(r["truncated_frac"] for r in warm),
+        "stale_token_frac": statistics.mean(r.get("partial/stale_token_frac", 0.0) for r in warm),
+        "curve": curve,
+        "reward_last20": statistics.mean(r["reward"] for r in steps_[-20:]),
+    }
 
 
 def generate_only(steps: int, seed: int, extra: list[str]) -> dict:
@@ -77,6 +102,7 @@ def generate_only(steps: int, seed: int, extra: list[str]) -> dict:
     import tempfile
 
     from hybridrl.core import environ
+
     environ.setup()
     from hybridrl.core import config as C, launch
     from hybridrl.data import prompts, rewards
@@ -84,19 +110,27 @@ def generate_only(steps: int, seed: int, extra: list[str]) -> dict:
     from hybridrl.observe.progress import Phases
     from hybridrl.run import resolve
     from hybridrl.run.collect import Collector
+
     world = launch.init_distributed()
     flags = dict(zip(extra[::2], extra[1::2]))
     over = {"data.path": "longtail", "train.seed": seed, **{k.lstrip("-"): v for k, v in flags.items()}}
     cfgs = {m: resolve.run_config(C.load(None, {**over, "rollout.partial": m}), world) for m in ("off", "on")}
     res = cfgs["on"]  # its KV cache holds the groups in flight
     cuda = world.device.type == "cuda"  # a GPU (scripts/lease.py's partial stage): vLLM alone, a fixed share of it
-    rollout = Rollout(res.cfg, res.model_path, on_cpu=not cuda, eos_token_id=res.tokenizer.eos_token_id, rank=0,
-                      sizing=EngineSizing("0.3", 0, 0, "off") if cuda else None)
+    rollout = Rollout(
+        res.cfg,
+        res.model_path,
+        on_cpu=not cuda,
+        eos_token_id=res.tokenizer.eos_token_id,
+        rank=0,
+        sizing=EngineSizing("0.3", 0, 0, "off") if cuda else None,
+    )
     scorer = rewards.Scorer(res.cfg.reward, rank=0)
     scorer.run_dir = Path(tempfile.mkdtemp(prefix="bench-partial-"))
-    cols = {m: Collector(r.cfg, rollout, scorer, r.tokenizer, r.prompts, prompts.Sampler(len(r.prompts), seed),
-                         world, [])
-            for m, r in cfgs.items()}
+    cols = {
+        m: Collector(r.cfg, rollout, scorer, r.tokenizer, r.prompts, prompts.Sampler(len(r.prompts), seed), world, [])
+        for m, r in cfgs.items()
+    }
     got = {m: {"tokens": 0.0, "seconds": 0.0, "steps": []} for m in cols}
     # vLLM's engine steps (decode iterations) per training step: what partial rollouts cut. A GPU's decode
     # step costs about the same at any batch up to hundreds of sequences; this CPU's grows with the batch
@@ -106,9 +140,10 @@ def generate_only(steps: int, seed: int, extra: list[str]) -> dict:
     def counted():
         calls.append(engine.get_num_unfinished_requests())
         return engine_step()
+
     engine.step = counted
     for step in range(1, steps + 1):
-        for m in (("off", "on") if step % 2 else ("on", "off")):
+        for m in ("off", "on") if step % 2 else ("on", "off"):
             ph = Phases(step)
             calls.clear()
             ro = cols[m].batch(step, ph)
@@ -116,16 +151,29 @@ def generate_only(steps: int, seed: int, extra: list[str]) -> dict:
             if step > 1:  # the first step pays the engine's first calls
                 got[m]["tokens"] += ro.metrics["rollout_tokens"]
                 got[m]["seconds"] += ph["generate"]
-            got[m]["steps"].append((ph["generate"], ro.metrics["rollout_tokens"], len(ro.prompts), len(calls),
-                                    sum(calls) / max(len(calls), 1)))
+            got[m]["steps"].append(
+                (
+                    ph["generate"],
+                    ro.metrics["rollout_tokens"],
+                    len(ro.prompts),
+                    len(calls),
+                    sum(calls) / max(len(calls), 1),
+                )
+            )
     rollout.close()
     scorer.close()
     # the median step's tokens/s as well: a load spike from another job lands in one mode's step
-    return {m: {"rollout_tok_s": g["tokens"] / g["seconds"], "generate_s": g["seconds"] / max(steps - 1, 1),
-                "median_tok_s": statistics.median(s[1] / s[0] for s in g["steps"][1:]),
-                "engine_steps": statistics.mean(s[3] for s in g["steps"][1:]),
-                "batch": statistics.mean(s[4] for s in g["steps"][1:]), "steps": g["steps"]}
-            for m, g in got.items()}
+    return {
+        m: {
+            "rollout_tok_s": g["tokens"] / g["seconds"],
+            "generate_s": g["seconds"] / max(steps - 1, 1),
+            "median_tok_s": statistics.median(s[1] / s[0] for s in g["steps"][1:]),
+            "engine_steps": statistics.mean(s[3] for s in g["steps"][1:]),
+            "batch": statistics.mean(s[4] for s in g["steps"][1:]),
+            "steps": g["steps"],
+        }
+        for m, g in got.items()
+    }
 
 
 def time_to(curve: list[tuple[int, float, float]], target: float) -> float | None:
@@ -137,30 +185,47 @@ def main() -> int:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--steps", type=int, default=120)
     ap.add_argument("--eval-every", type=int, default=20)
-    ap.add_argument("--target", type=float, default=0.5, help="held-out accuracy for the time-to-accuracy column "
-                    "(the warmed model starts near 0.4)")
+    ap.add_argument(
+        "--target",
+        type=float,
+        default=0.5,
+        help="held-out accuracy for the time-to-accuracy column (the warmed model starts near 0.4)",
+    )
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "bench_partial")
-    ap.add_argument("--generate-only", action="store_true",
-                    help="rollout throughput alone: both modes alternated in one process, no training")
+    ap.add_argument(
+        "--generate-only",
+        action="store_true",
+        help="rollout throughput alone: both modes alternated in one process, no training",
+    )
     args, extra = ap.parse_known_args()  # the rest: flags for both runs, e.g. --log.eval_size 128
     extra = [x for k, v in SHAPE.items() if k not in extra for x in (k, v)] + extra
     if args.generate_only:
         g = generate_only(args.steps, args.seeds[0], extra)
         ratio = g["on"]["rollout_tok_s"] / g["off"]["rollout_tok_s"]
-        print(f"\ngeneration alone, {args.steps} steps each, alternated in one process (a shared machine: its load "
-              "moves both alike)")
-        print(f"{'partial':8} {'generate ms/step':>17} {'rollout tok/s':>14} {'median step tok/s':>18} "
-              f"{'engine steps/step':>18} {'mean batch':>11}")
+        print(
+            f"\ngeneration alone, {args.steps} steps each, alternated in one process (a shared machine: its load "
+            "moves both alike)"
+        )
+        print(
+            f"{'partial':8} {'generate ms/step':>17} {'rollout tok/s':>14} {'median step tok/s':>18} "
+            f"{'engine steps/step':>18} {'mean batch':>11}"
+        )
         for m in ("off", "on"):
-            print(f"{m:8} {g[m]['generate_s'] * 1e3:17.0f} {g[m]['rollout_tok_s']:14.0f} {g[m]['median_tok_s']:18.0f} "
-                  f"{g[m]['engine_steps']:18.1f} {g[m]['batch']:11.1f}")
-        print(f"on / off: rollout tokens/s x{ratio:.2f}, median step's x"
-              f"{g['on']['median_tok_s'] / g['off']['median_tok_s']:.2f}; engine steps per step "
-              f"x{g['off']['engine_steps'] / g['on']['engine_steps']:.2f} fewer")
-        record("partial_rollout", {"task": "longtail", "mode": "generate_only", "steps": args.steps,
-                                   "seed": args.seeds[0], "flags": extra},
-               {"off": g["off"], "on": g["on"], "rollout_tok_s_ratio": ratio},
-               note="both modes alternated step by step on one engine, policy fixed")
+            print(
+                f"{m:8} {g[m]['generate_s'] * 1e3:17.0f} {g[m]['rollout_tok_s']:14.0f} {g[m]['median_tok_s']:18.0f} "
+                f"{g[m]['engine_steps']:18.1f} {g[m]['batch']:11.1f}"
+            )
+        print(
+            f"on / off: rollout tokens/s x{ratio:.2f}, median step's x"
+            f"{g['on']['median_tok_s'] / g['off']['median_tok_s']:.2f}; engine steps per step "
+            f"x{g['off']['engine_steps'] / g['on']['engine_steps']:.2f} fewer"
+        )
+        record(
+            "partial_rollout",
+            {"task": "longtail", "mode": "generate_only", "steps": args.steps, "seed": args.seeds[0], "flags": extra},
+            {"off": g["off"], "on": g["on"], "rollout_tok_s_ratio": ratio},
+            note="both modes alternated step by step on one engine, policy fixed",
+        )
         return 0
     got = []
     for seed in args.seeds:
@@ -168,38 +233,65 @@ def main() -> int:
             got.append(run(mode, seed, args.steps, args.eval_every, args.out, extra))
             print(f"  done: partial {mode}, seed {seed}, {got[-1]['wall_s']:.0f} s", flush=True)
     by = {m: [g for g in got if g["mode"] == m] for m in ("off", "on")}
-    mean = {m: {k: statistics.mean(g[k] for g in by[m]) for k in ("step_s", "generate_s", "rollout_tok_s",
-                                                                     "samples_s", "response_len", "truncated_frac",
-                                                                     "stale_token_frac", "reward_last20")}
-            for m in by}
+    mean = {
+        m: {
+            k: statistics.mean(g[k] for g in by[m])
+            for k in (
+                "step_s",
+                "generate_s",
+                "rollout_tok_s",
+                "samples_s",
+                "response_len",
+                "truncated_frac",
+                "stale_token_frac",
+                "reward_last20",
+            )
+        }
+        for m in by
+    }
     for m in by:
         tt = [time_to(g["curve"], args.target) for g in by[m]]
         mean[m]["time_to_target_s"] = statistics.mean(tt) if all(t is not None for t in tt) else None
         mean[m]["final_acc"] = statistics.mean(g["curve"][-1][2] for g in by[m])
-    print(f"\npartial rollouts on the long-tailed task: {args.steps} steps, seeds {args.seeds}; "
-          "a machine shared with other jobs: compare the rows of this run only")
-    head = f"{'partial':8} {'step ms':>8} {'generate ms':>12} {'rollout tok/s':>14} {'samples/s':>10} " \
-           f"{'resp len':>9} {'stale tok':>10} {'t to ' + format(args.target, '.0%'):>9} {'final acc':>10}"
+    print(
+        f"\npartial rollouts on the long-tailed task: {args.steps} steps, seeds {args.seeds}; "
+        "a machine shared with other jobs: compare the rows of this run only"
+    )
+    head = (
+        f"{'partial':8} {'step ms':>8} {'generate ms':>12} {'rollout tok/s':>14} {'samples/s':>10} "
+        f"{'resp len':>9} {'stale tok':>10} {'t to ' + format(args.target, '.0%'):>9} {'final acc':>10}"
+    )
     print(head)
     for m in ("off", "on"):
         x = mean[m]
         tt = "-" if x["time_to_target_s"] is None else f"{x['time_to_target_s']:.0f} s"
-        print(f"{m:8} {x['step_s'] * 1e3:8.0f} {x['generate_s'] * 1e3:12.0f} {x['rollout_tok_s']:14.0f} "
-              f"{x['samples_s']:10.0f} {x['response_len']:9.1f} {x['stale_token_frac']:10.1%} {tt:>9} "
-              f"{x['final_acc']:10.1%}")
+        print(
+            f"{m:8} {x['step_s'] * 1e3:8.0f} {x['generate_s'] * 1e3:12.0f} {x['rollout_tok_s']:14.0f} "
+            f"{x['samples_s']:10.0f} {x['response_len']:9.1f} {x['stale_token_frac']:10.1%} {tt:>9} "
+            f"{x['final_acc']:10.1%}"
+        )
     ratio = mean["on"]["rollout_tok_s"] / mean["off"]["rollout_tok_s"]
-    print(f"on / off: rollout tokens/s x{ratio:.2f}, "
-          f"trained samples/s x{mean['on']['samples_s'] / mean['off']['samples_s']:.2f}, "
-          f"step time x{mean['on']['step_s'] / mean['off']['step_s']:.2f}")
-    print("\nheld-out accuracy (greedy, log.eval_size prompts) at each evaluation: step, engine-clock seconds, "
-          "accuracy")
+    print(
+        f"on / off: rollout tokens/s x{ratio:.2f}, "
+        f"trained samples/s x{mean['on']['samples_s'] / mean['off']['samples_s']:.2f}, "
+        f"step time x{mean['on']['step_s'] / mean['off']['step_s']:.2f}"
+    )
+    print(
+        "\nheld-out accuracy (greedy, log.eval_size prompts) at each evaluation: step, engine-clock seconds, accuracy"
+    )
     for g in got:
         print(f"  {g['mode']:3} seed {g['seed']}: " + "  ".join(f"{s}/{t:.0f}s/{a:.1%}" for s, t, a in g["curve"]))
-    record("partial_rollout", {"task": "longtail", "steps": args.steps, "seeds": args.seeds,
-                               "eval_every": args.eval_every, "flags": extra},
-           {"off": mean["off"], "on": mean["on"], "rollout_tok_s_ratio": ratio,
-            "curves": [{k: g[k] for k in ("mode", "seed", "curve")} for g in got]},
-           note="the two modes run one after the other on the same machine; a shared machine's load moves both")
+    record(
+        "partial_rollout",
+        {"task": "longtail", "steps": args.steps, "seeds": args.seeds, "eval_every": args.eval_every, "flags": extra},
+        {
+            "off": mean["off"],
+            "on": mean["on"],
+            "rollout_tok_s_ratio": ratio,
+            "curves": [{k: g[k] for k in ("mode", "seed", "curve")} for g in got],
+        },
+        note="the two modes run one after the other on the same machine; a shared machine's load moves both",
+    )
     return 0
 
 

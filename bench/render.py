@@ -46,6 +46,7 @@ def renderer(name: str):
     def put(fn):
         RENDERERS[name] = fn
         return fn
+
     return put
 
 
@@ -53,6 +54,7 @@ def summary(bench: str):
     def put(fn):
         SUMMARIES[bench] = fn
         return fn
+
     return put
 
 
@@ -71,6 +73,7 @@ def select(rows: list[dict], filters: dict[str, str]) -> list[dict]:
         if key == "source" and r.get("text_source") and fnmatch.fnmatch(r["text_source"], pattern):
             return True
         return v is not None and fnmatch.fnmatch(str(v), pattern)
+
     return [r for r in rows if all(match(r, k, p) for k, p in filters.items() if k not in OPTIONS)]
 
 
@@ -127,29 +130,73 @@ def _shape(w: dict) -> str:
 @renderer("peers")
 def render_peers(args: list[str], filters: dict) -> str:
     """hybridrl against TRL: the newest run with both per workload, dtype and machine."""
-    rows = [r for r in select(results.load("peers"), filters)
-            if "hybridrl" in r["figures"].get("trainers", {}) and r["figures"].get("speedup")]
+    rows = [
+        r
+        for r in select(results.load("peers"), filters)
+        if "hybridrl" in r["figures"].get("trainers", {}) and r["figures"].get("speedup")
+    ]
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         w = r["workload"]
-        groups.setdefault((w.get("workload"), w.get("prompts"), w.get("n"), w.get("tokens"), w.get("dtype"),
-                           machine_label(r["machine"])), []).append(r)
-    picked = sorted((newest(g) for g in groups.values()), key=lambda r: (
-        WORKLOAD_ORDER.get(r["workload"].get("workload"), 9), r["workload"].get("prompts") or 0,
-        r["workload"].get("dtype") or "", machine_label(r["machine"])))
+        groups.setdefault(
+            (
+                w.get("workload"),
+                w.get("prompts"),
+                w.get("n"),
+                w.get("tokens"),
+                w.get("dtype"),
+                machine_label(r["machine"]),
+            ),
+            [],
+        ).append(r)
+    picked = sorted(
+        (newest(g) for g in groups.values()),
+        key=lambda r: (
+            WORKLOAD_ORDER.get(r["workload"].get("workload"), 9),
+            r["workload"].get("prompts") or 0,
+            r["workload"].get("dtype") or "",
+            machine_label(r["machine"]),
+        ),
+    )
     out = []
     for r in picked:
         f, t = r["figures"], r["figures"]["trainers"]
-        out.append([_shape(r["workload"]), r["workload"].get("dtype") or "-", machine_label(r["machine"]), when(r),
-                    commit(r), secs(t["hybridrl"]["step_s"]), secs(t.get(TRL_GEN, {}).get("step_s")),
-                    secs(t.get(TRL_VLLM, {}).get("step_s")), f"**{f['speedup']:.2f}x**", f"{f['target']:g}x"])
+        out.append(
+            [
+                _shape(r["workload"]),
+                r["workload"].get("dtype") or "-",
+                machine_label(r["machine"]),
+                when(r),
+                commit(r),
+                secs(t["hybridrl"]["step_s"]),
+                secs(t.get(TRL_GEN, {}).get("step_s")),
+                secs(t.get(TRL_VLLM, {}).get("step_s")),
+                f"**{f['speedup']:.2f}x**",
+                f"{f['target']:g}x",
+            ]
+        )
     if not out:
         raise RenderError(f"peers: no run with hybridrl and TRL matches {filters or 'the results'}")
-    return (table(["workload (prompts x samples x tokens)", "dtype", "machine", "date (UTC)", "commit",
-                   "hybridrl s/step", "TRL generate s/step", "TRL vLLM s/step", "hybridrl / TRL's faster", "target"],
-                  "lllllrrrrr", out)
-            + "\n\nThe newest run per workload, dtype and machine in `bench/results/peers.jsonl` "
-              "(`python -m bench.peers`; tables: `python -m bench.render`).")
+    return (
+        table(
+            [
+                "workload (prompts x samples x tokens)",
+                "dtype",
+                "machine",
+                "date (UTC)",
+                "commit",
+                "hybridrl s/step",
+                "TRL generate s/step",
+                "TRL vLLM s/step",
+                "hybridrl / TRL's faster",
+                "target",
+            ],
+            "lllllrrrrr",
+            out,
+        )
+        + "\n\nThe newest run per workload, dtype and machine in `bench/results/peers.jsonl` "
+        "(`python -m bench.peers`; tables: `python -m bench.render`)."
+    )
 
 
 def _overhead(f: dict) -> float:
@@ -167,21 +214,54 @@ def render_scale(args: list[str], filters: dict) -> str:
         w = r["workload"]
         groups.setdefault((w.get("shape"), w.get("dtype"), machine_label(r["machine"])), []).append(r)
     out = []
-    for r in sorted((newest(g) for g in groups.values()), key=lambda r: (
-            WORKLOAD_ORDER.get(r["workload"].get("shape"), 9), r["workload"].get("dtype") or "",
-            machine_label(r["machine"]))):
+    for r in sorted(
+        (newest(g) for g in groups.values()),
+        key=lambda r: (
+            WORKLOAD_ORDER.get(r["workload"].get("shape"), 9),
+            r["workload"].get("dtype") or "",
+            machine_label(r["machine"]),
+        ),
+    ):
         f = r["figures"]
         ph = f.get("phases", {})
-        out.append([_shape(r["workload"]), r["workload"].get("dtype"), machine_label(r["machine"]), when(r), commit(r),
-                    secs(f.get("step_s")), secs(ph.get("train")), secs(ph.get("generate")),
-                    f"{f['rollout_tok_s'].get('hybridrl loop', 0):.0f}", f"{f.get('rollout_vs_standalone', 0):.2f}x",
-                    pct(_overhead(f))])
+        out.append(
+            [
+                _shape(r["workload"]),
+                r["workload"].get("dtype"),
+                machine_label(r["machine"]),
+                when(r),
+                commit(r),
+                secs(f.get("step_s")),
+                secs(ph.get("train")),
+                secs(ph.get("generate")),
+                f"{f['rollout_tok_s'].get('hybridrl loop', 0):.0f}",
+                f"{f.get('rollout_vs_standalone', 0):.2f}x",
+                pct(_overhead(f)),
+            ]
+        )
     if not out:
         raise RenderError(f"scale: no run matches {filters or 'the results'}")
-    return (table(["shape (prompts x samples x tokens)", "dtype", "machine", "date (UTC)", "commit", "s/step",
-                   "train s", "generate s", "rollout tok/s", "vs vLLM alone", "hand-off + probe"], "lllllrrrrrr", out)
-            + "\n\nThe newest run per shape, dtype and machine in `bench/results/scale.jsonl` "
-              "(`python -m bench.scale`).")
+    return (
+        table(
+            [
+                "shape (prompts x samples x tokens)",
+                "dtype",
+                "machine",
+                "date (UTC)",
+                "commit",
+                "s/step",
+                "train s",
+                "generate s",
+                "rollout tok/s",
+                "vs vLLM alone",
+                "hand-off + probe",
+            ],
+            "lllllrrrrrr",
+            out,
+        )
+        + "\n\nThe newest run per shape, dtype and machine in `bench/results/scale.jsonl` "
+        "(`python -m bench.scale`)."
+    )
 
 
 # --- one run's tables -------------------------------------------------------------------------------
@@ -215,11 +295,14 @@ def render_demo_curve(args: list[str], filters: dict) -> str:
     t75, t50 = f.get("time_to_75", {}), f.get("time_to_50", {})
     fmt = lambda d: " / ".join("not reached" if d.get(s) is None else f"{d[s]:.0f}" for s in seeds)  # noqa: E731
     mean75 = f.get("mean_time_to_75")
-    about = [f"Time to 50%: {fmt(t50)} s; to 75%: {fmt(t75)} s" + (f", **{mean75:.0f} s mean**" if mean75 else
-                                                                    ", not reached by every seed")]
+    about = [
+        f"Time to 50%: {fmt(t50)} s; to 75%: {fmt(t75)} s"
+        + (f", **{mean75:.0f} s mean**" if mean75 else ", not reached by every seed")
+    ]
     if f.get("step_ms"):
-        ph = ", ".join(f"{k} {v:.0f}" for k, v in sorted(f.get("phases_ms", {}).items(), key=lambda kv: -kv[1])
-                       if v >= 0.5)
+        ph = ", ".join(
+            f"{k} {v:.0f}" for k, v in sorted(f.get("phases_ms", {}).items(), key=lambda kv: -kv[1]) if v >= 0.5
+        )
         about.append(f"{f['step_ms']:.0f} ms per step ({ph} ms)")
     sets = r["workload"].get("set") or []
     about.append(("Overrides " + ", ".join(sets) if sets else "The default recipe") + "; " + _about(r, "demo_curve"))
@@ -231,32 +314,53 @@ def render_gpu_check(args: list[str], filters: dict) -> str:
     """The newest GPU self-check matching the filters: its claims, figures, targets and verdicts."""
     r = _one("gpu_check", filters, "rows")
     f = r["figures"]
-    out = [[x.get("check", ""), x["claim"], x["value"], x.get("target", ""), x["verdict"]] for x in f["rows"]
-           if not x["claim"].endswith(": wall time")]
-    return (table(["check", "claim", "measured", "target", "verdict"], "lllll", out)
-            + f"\n\n{f.get('passed', 0)} passed, {f.get('failed', 0)} failed, {f.get('unmeasured', 0)} unmeasured; "
-            + _about(r, "gpu_check") + ".")
+    out = [
+        [x.get("check", ""), x["claim"], x["value"], x.get("target", ""), x["verdict"]]
+        for x in f["rows"]
+        if not x["claim"].endswith(": wall time")
+    ]
+    return (
+        table(["check", "claim", "measured", "target", "verdict"], "lllll", out)
+        + f"\n\n{f.get('passed', 0)} passed, {f.get('failed', 0)} failed, {f.get('unmeasured', 0)} unmeasured; "
+        + _about(r, "gpu_check")
+        + "."
+    )
 
 
 @renderer("plan_check")
 def render_plan_check(args: list[str], filters: dict) -> str:
     """The newest plan check: the memory plan's training phase against the trainer's measured peak."""
     r = _one("plan_check", filters, "rows")
-    gib = 2.0 ** 30
+    gib = 2.0**30
     w = r["workload"]
     long = w.get("seqs") == 1  # one sequence per micro-batch, of each row's token count
-    out = [[x["shape"], x["ranks"], x["zero"], "on" if x["ckpt"] else "off"] + ([x["tokens"]] if long else [])
-           + [f"{x['plan'] / gib:.2f}", f"{x['measured'] / gib:.2f}", f"{x['measured'] / x['plan']:.2f}"]
-           for x in r["figures"]["rows"] if x.get("measured")]  # rows whose worker failed say so in the results
-    head = ["shape", "ranks", "ZeRO", "gradient checkpointing"] + (["sequence tokens"] if long else []) \
+    out = [
+        [x["shape"], x["ranks"], x["zero"], "on" if x["ckpt"] else "off"]
+        + ([x["tokens"]] if long else [])
+        + [f"{x['plan'] / gib:.2f}", f"{x['measured'] / gib:.2f}", f"{x['measured'] / x['plan']:.2f}"]
+        for x in r["figures"]["rows"]
+        if x.get("measured")
+    ]  # rows whose worker failed say so in the results
+    head = (
+        ["shape", "ranks", "ZeRO", "gradient checkpointing"]
+        + (["sequence tokens"] if long else [])
         + ["plan GiB", "measured GiB", "measured / plan"]
+    )
     what = "one sequence per micro-batch" if long else f"one micro-batch of {w.get('tokens')} tokens"
     if w.get("replanned"):  # bench.plan_check --replan: this commit's plan, each row's newest measurement
-        what += "; the plan of the commit below against each row's newest measurement (measured at " + ", ".join(
-            f"{x['measured_commit']} {x['measured_date'][:10]}" for x in r["figures"]["rows"]) + ")"
+        what += (
+            "; the plan of the commit below against each row's newest measurement (measured at "
+            + ", ".join(f"{x['measured_commit']} {x['measured_date'][:10]}" for x in r["figures"]["rows"])
+            + ")"
+        )
     note = f" ({r['note']})" if long and r.get("note") else ""
-    return (table(head, "lrrl" + "r" * (len(head) - 4), out)
-            + f"\n\n{w.get('dtype')}, {what}; " + _about(r, "plan_check") + note + ".")
+    return (
+        table(head, "lrrl" + "r" * (len(head) - 4), out)
+        + f"\n\n{w.get('dtype')}, {what}; "
+        + _about(r, "plan_check")
+        + note
+        + "."
+    )
 
 
 @renderer("real")
@@ -273,31 +377,47 @@ def render_real(args: list[str], filters: dict) -> str:
         end = sorted(c[-1][1] for c in t["curves"])[len(t["curves"]) // 2]
         per = ", ".join("-" if x is None else f"{x:.0f}" for x in t["to_target_s"])
         out.append([name, " / ".join(pct(m) for m in mean), f"{end:.0f}", per])
-    ratio = (f"**{f['ratio']:.2f}x**" if f.get("ratio") else
-             f"at least **{f['ratio_at_least']:.2f}x** (TRL short of it)" if f.get("ratio_at_least") else "-")
-    head = ["trainer", "held-out at step " + " / ".join(str(p[0]) for p in next(iter(f["trainers"].values()))
-                                                         ["curves"][0]) + " (mean of seeds)",
-            f"training s to step {w['steps']} (median)", f"s to {target:.0%} per seed"]
-    return (table(head, "lrrr", out) + f"\n\nTime to {target:.0%}, TRL's over hybridrl's (median seconds; above 1: "
-            f"hybridrl sooner): {ratio}, TRL {w.get('trl', '').split('==')[-1]}. {w['model']}, "
-            f"{w['prompts']} x {w['n']} x {w['tokens']} tokens, lr {w['lr']:g}, "
-            f"{w['dtype']}, seeds {', '.join(map(str, w['seeds']))}; " + _about(r, "real") + ".")
+    ratio = (
+        f"**{f['ratio']:.2f}x**"
+        if f.get("ratio")
+        else f"at least **{f['ratio_at_least']:.2f}x** (TRL short of it)"
+        if f.get("ratio_at_least")
+        else "-"
+    )
+    head = [
+        "trainer",
+        "held-out at step "
+        + " / ".join(str(p[0]) for p in next(iter(f["trainers"].values()))["curves"][0])
+        + " (mean of seeds)",
+        f"training s to step {w['steps']} (median)",
+        f"s to {target:.0%} per seed",
+    ]
+    return (
+        table(head, "lrrr", out) + f"\n\nTime to {target:.0%}, TRL's over hybridrl's (median seconds; above 1: "
+        f"hybridrl sooner): {ratio}, TRL {w.get('trl', '').split('==')[-1]}. {w['model']}, "
+        f"{w['prompts']} x {w['n']} x {w['tokens']} tokens, lr {w['lr']:g}, "
+        f"{w['dtype']}, seeds {', '.join(map(str, w['seeds']))}; " + _about(r, "real") + "."
+    )
 
 
 # --- the plan of long answers ------------------------------------------------------------------------
 # model or recipe, answer tokens, context (0: the recipe's), on 8 x 80 GiB
-PLAN_LONG = [("Qwen/Qwen2.5-7B-Instruct", 16384, 0), ("Qwen/Qwen2.5-7B-Instruct", 32256, 0),
-             ("examples/recipes/qwen2.5-7b-16k-8xh100.yaml", 0, 0),
-             ("examples/recipes/qwen2.5-32b-8xh100.yaml", 8192, 9216),
-             ("examples/recipes/qwen2.5-32b-8k-8xh100.yaml", 0, 0),
-             ("examples/recipes/qwen2.5-72b-8xh100.yaml", 8192, 9216),
-             ("examples/recipes/qwen2.5-72b-8xh100.yaml", 31744, 32768)]
+PLAN_LONG = [
+    ("Qwen/Qwen2.5-7B-Instruct", 16384, 0),
+    ("Qwen/Qwen2.5-7B-Instruct", 32256, 0),
+    ("examples/recipes/qwen2.5-7b-16k-8xh100.yaml", 0, 0),
+    ("examples/recipes/qwen2.5-32b-8xh100.yaml", 8192, 9216),
+    ("examples/recipes/qwen2.5-32b-8k-8xh100.yaml", 0, 0),
+    ("examples/recipes/qwen2.5-72b-8xh100.yaml", 8192, 9216),
+    ("examples/recipes/qwen2.5-72b-8xh100.yaml", 31744, 32768),
+]
 
 
 @renderer("settings")
 def render_settings(args: list[str], filters: dict) -> str:
     """every config knob by group, from the schema (docs/configuration.md)"""
     from hybridrl.core.reference import settings_markdown
+
     return settings_markdown()
 
 
@@ -306,7 +426,8 @@ def render_plan_long(args: list[str], filters: dict) -> str:
     """What `hybridrl plan --nproc 8` says of long answers on 8 x 80 GiB (the plan itself, run now: no results file)."""
     from hybridrl.core import config
     from hybridrl.cycle import plan
-    gib = 2.0 ** 30
+
+    gib = 2.0**30
     out = []
     for what, tokens, context in PLAN_LONG:
         recipe = what.endswith(".yaml")
@@ -316,19 +437,45 @@ def render_plan_long(args: list[str], filters: dict) -> str:
         cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
         k, r, t = p.knobs, cfg.rollout, cfg.train
         flags = " ".join(f"{key.split('.')[-1]} {v}" for key, v in over.items())
-        trainer = (f"ZeRO-{k.zero}" + ", checkpointing" * k.ckpt + ", optimizer offload" * k.optimizer_offload
-                   + ", parameter offload" * k.param_offload + f", sequence parallel {k.sp}" * (k.sp > 1)
-                   + f", {k.mb_tokens}-token micro-batches")
+        trainer = (
+            f"ZeRO-{k.zero}"
+            + ", checkpointing" * k.ckpt
+            + ", optimizer offload" * k.optimizer_offload
+            + ", parameter offload" * k.param_offload
+            + f", sequence parallel {k.sp}" * (k.sp > 1)
+            + f", {k.mb_tokens}-token micro-batches"
+        )
         name = f"`{Path(what).name}`" if recipe else what.split("/")[-1]
-        out.append([name + (f" {flags}" if flags else ""),
-                    f"{t.prompts_per_step} x {r.n}", f"{r.max_new_tokens} / {r.max_model_len}", k.tp, trainer,
-                    f"{p.kv / gib:.1f} of {k.seqs * k.seq_kv / gib:.1f}", f"{p.waves} ({p.kv // k.seq_kv} of {k.seqs})",
-                    f"{p.peak[1] / gib:.1f} {'fits' if p.fits else 'DOES NOT FIT'}"])
-    return (table(["model or recipe, flags", "prompts x samples", "answer / context tokens", "vLLM TP", "trainer",
-                   "KV cache GiB per GPU (of all at full length)", "waves (at once of per engine)", "peak GiB"],
-                  "llrrlrrl", out)
-            + "\n\n`hybridrl plan` with `--nproc 8`: 8 x 79.2 GiB GPUs, 2 TiB of host memory; waves count every "
-              "answer at its longest (`python -m bench.render` reruns the plan).")
+        out.append(
+            [
+                name + (f" {flags}" if flags else ""),
+                f"{t.prompts_per_step} x {r.n}",
+                f"{r.max_new_tokens} / {r.max_model_len}",
+                k.tp,
+                trainer,
+                f"{p.kv / gib:.1f} of {k.seqs * k.seq_kv / gib:.1f}",
+                f"{p.waves} ({p.kv // k.seq_kv} of {k.seqs})",
+                f"{p.peak[1] / gib:.1f} {'fits' if p.fits else 'DOES NOT FIT'}",
+            ]
+        )
+    return (
+        table(
+            [
+                "model or recipe, flags",
+                "prompts x samples",
+                "answer / context tokens",
+                "vLLM TP",
+                "trainer",
+                "KV cache GiB per GPU (of all at full length)",
+                "waves (at once of per engine)",
+                "peak GiB",
+            ],
+            "llrrlrrl",
+            out,
+        )
+        + "\n\n`hybridrl plan` with `--nproc 8`: 8 x 79.2 GiB GPUs, 2 TiB of host memory; waves count every "
+        "answer at its longest (`python -m bench.render` reruns the plan)."
+    )
 
 
 # --- history ---------------------------------------------------------------------------------------
@@ -338,8 +485,11 @@ def _sum_peers(r: dict) -> str:
     t = f.get("trainers") or {}
     if not t:
         return ""
-    parts = [f"{name.replace('TRL transformers generate', 'TRL generate').replace('TRL vLLM colocate', 'TRL vLLM')} "
-             f"{secs(x['step_s'])}" for name, x in t.items()]
+    parts = [
+        f"{name.replace('TRL transformers generate', 'TRL generate').replace('TRL vLLM colocate', 'TRL vLLM')} "
+        f"{secs(x['step_s'])}"
+        for name, x in t.items()
+    ]
     s = f"{_shape(w)}, {w.get('dtype') or 'dtype not recorded'}: " + ", ".join(parts) + " s/step"
     if f.get("speedup"):
         s += f"; **{f['speedup']:.2f}x** TRL's faster (target {f['target']:g}x)"
@@ -349,9 +499,11 @@ def _sum_peers(r: dict) -> str:
 @summary("scale")
 def _sum_scale(r: dict) -> str:
     w, f = r["workload"], r["figures"]
-    return (f"{_shape(w)}, {w.get('dtype')}: {secs(f.get('step_s'))} s/step, rollout "
-            f"{f['rollout_tok_s'].get('hybridrl loop', 0):.0f} tok/s ({f.get('rollout_vs_standalone', 0):.2f}x vLLM "
-            f"alone), hand-off + probe {pct(_overhead(f))}")
+    return (
+        f"{_shape(w)}, {w.get('dtype')}: {secs(f.get('step_s'))} s/step, rollout "
+        f"{f['rollout_tok_s'].get('hybridrl loop', 0):.0f} tok/s ({f.get('rollout_vs_standalone', 0):.2f}x vLLM "
+        f"alone), hand-off + probe {pct(_overhead(f))}"
+    )
 
 
 @summary("demo_curve")
@@ -359,16 +511,21 @@ def _sum_demo_curve(r: dict) -> str:
     f = r["figures"]
     t75 = f.get("mean_time_to_75")
     sets = r["workload"].get("set") or []
-    return (f"seeds {', '.join(f.get('acc', {}))}" + (f" ({', '.join(sets)})" if sets else "") +
-            f": final {pct(f.get('final_mean'))} mean, " + (f"75% at {t75:.0f} s mean" if t75 else
-                                                           "75% not reached by every seed"))
+    return (
+        f"seeds {', '.join(f.get('acc', {}))}"
+        + (f" ({', '.join(sets)})" if sets else "")
+        + f": final {pct(f.get('final_mean'))} mean, "
+        + (f"75% at {t75:.0f} s mean" if t75 else "75% not reached by every seed")
+    )
 
 
 @summary("gpu_check")
 def _sum_gpu_check(r: dict) -> str:
     f = r["figures"]
-    return (f"{', '.join(r['workload'].get('checks', []))}: {f.get('passed', 0)} passed, {f.get('failed', 0)} failed, "
-            f"{f.get('unmeasured', 0)} unmeasured")
+    return (
+        f"{', '.join(r['workload'].get('checks', []))}: {f.get('passed', 0)} passed, {f.get('failed', 0)} failed, "
+        f"{f.get('unmeasured', 0)} unmeasured"
+    )
 
 
 @summary("plan_check")
@@ -387,15 +544,19 @@ def _sum_real(r: dict) -> str:
 @summary("step")
 def _sum_step(r: dict) -> str:
     f = r["figures"]
-    return (f"{f['step_ms']:.0f} ms/step, rollout {f.get('loop_vs_standalone', 0):.2f}x vLLM alone, "
-            f"hand-off {pct(f.get('sync_share'))} of the step")
+    return (
+        f"{f['step_ms']:.0f} ms/step, rollout {f.get('loop_vs_standalone', 0):.2f}x vLLM alone, "
+        f"hand-off {pct(f.get('sync_share'))} of the step"
+    )
 
 
 @summary("learn_scale")
 def _sum_learn_scale(r: dict) -> str:
     wins = r["figures"].get("windows", {})
-    return ", ".join(f"{d} held-out {pct(w[0]['heldout'])} -> {pct(w[-1]['heldout'])} at step {w[-1]['step']}"
-                     for d, w in wins.items())
+    return ", ".join(
+        f"{d} held-out {pct(w[0]['heldout'])} -> {pct(w[-1]['heldout'])} at step {w[-1]['step']}"
+        for d, w in wins.items()
+    )
 
 
 @summary("lora_handoff")
@@ -403,10 +564,13 @@ def _sum_lora_handoff(r: dict) -> str:
     f = r["figures"]
     if "generate" in f:
         return "generate with vs without the adapter: " + ", ".join(
-            f"{x['model']} r={x['lora_rank']} {x['adapter_ms'] / x['base_ms']:.2f}x" for x in f["generate"])
+            f"{x['model']} r={x['lora_rank']} {x['adapter_ms'] / x['base_ms']:.2f}x" for x in f["generate"]
+        )
     return "hand-off: " + ", ".join(
-        f"{x['model']} {'r=' + str(x['lora_rank']) if x['lora_rank'] else 'full'} {x['bytes'] / 2 ** 20:.2f} MiB in "
-        f"{x['sync_ms']:.1f} ms" for x in f.get("rows", []))
+        f"{x['model']} {'r=' + str(x['lora_rank']) if x['lora_rank'] else 'full'} {x['bytes'] / 2**20:.2f} MiB in "
+        f"{x['sync_ms']:.1f} ms"
+        for x in f.get("rows", [])
+    )
 
 
 @summary("tool_demo_curve")
@@ -414,15 +578,20 @@ def _sum_tool_demo_curve(r: dict) -> str:
     acc = [x for x in r["figures"].get("records", []) if "heldout_acc" in x]
     if not acc:
         return ""
-    return (f"held-out {pct(acc[0]['heldout_acc'])} at step {acc[0]['step']} -> {pct(acc[-1]['heldout_acc'])} at step "
-            f"{acc[-1]['step']}")
+    return (
+        f"held-out {pct(acc[0]['heldout_acc'])} at step {acc[0]['step']} -> {pct(acc[-1]['heldout_acc'])} at step "
+        f"{acc[-1]['step']}"
+    )
 
 
 def _generic(r: dict) -> str:
     w = r.get("workload") or {}
     knobs = ", ".join(f"{k} {v}" for k, v in w.items() if not isinstance(v, (dict, list)) and v not in (None, ""))
-    scalars = ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                        for k, v in (r.get("figures") or {}).items() if isinstance(v, (int, float, str)))
+    scalars = ", ".join(
+        f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+        for k, v in (r.get("figures") or {}).items()
+        if isinstance(v, (int, float, str))
+    )
     return "; ".join(x for x in (knobs, scalars) if x)
 
 
@@ -443,8 +612,10 @@ def render_history(args: list[str], filters: dict) -> str:
             what = (what + "; " if what else "") + f"notes: {first[:160]}"
         src = f" (`{r['source']}`)" if r.get("source") else ""
         lines.append(f"- {when(r)}, {machine_label(r.get('machine'))}, commit {commit(r)}: {what}{src}")
-    return "\n".join(lines) + (f"\n\nEvery row of `bench/results/{bench}.jsonl`, newest first "
-                               f"(`python -m bench.results {bench}` prints them whole).")
+    return "\n".join(lines) + (
+        f"\n\nEvery row of `bench/results/{bench}.jsonl`, newest first "
+        f"(`python -m bench.results {bench}` prints them whole)."
+    )
 
 
 # --- the files ---------------------------------------------------------------------------------------
@@ -471,6 +642,7 @@ def rewrite(text: str) -> tuple[str, list[str]]:
         if body != m.group("body"):
             changed.append(spec)
         return m.group(1) + body + m.group(4)
+
     return REGION.sub(one, text), changed
 
 

@@ -51,8 +51,10 @@ def path_of(bench: str) -> Path:
 
 def commit() -> str | None:
     """The short hash of HEAD, with "+dirty" when a tracked file outside bench/results/ differs from it."""
+
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True, cwd=ROOT, check=True).stdout.strip()
+
     try:
         head = git("rev-parse", "--short", "HEAD")
         dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)bench/results")
@@ -67,8 +69,12 @@ def _gpus() -> list[tuple[str, float]]:
     if visible is not None and not visible.strip():
         return []
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index,name,memory.total", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
     except (OSError, subprocess.TimeoutExpired):
         out = None
     gpus = []
@@ -83,7 +89,7 @@ def _gpus() -> list[tuple[str, float]]:
         if torch.cuda.is_available():
             for i in range(torch.cuda.device_count()):
                 p = torch.cuda.get_device_properties(i)
-                gpus.append((p.name, round(p.total_memory / 2 ** 30, 1)))
+                gpus.append((p.name, round(p.total_memory / 2**30, 1)))
     return gpus
 
 
@@ -108,8 +114,12 @@ def machine() -> dict:
             mem_kib = next((int(x.split()[1]) for x in f if x.startswith("MemTotal:")), None)
     except OSError:
         pass
-    m = {"cpu": cpu, "cores": os.cpu_count(), "flags": [f for f in CPU_FLAGS if f in flags],
-         "memory_gib": round(mem_kib / 2 ** 20, 1) if mem_kib else None}
+    m = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "flags": [f for f in CPU_FLAGS if f in flags],
+        "memory_gib": round(mem_kib / 2**20, 1) if mem_kib else None,
+    }
     gpus = _gpus()
     if gpus:
         m.update(gpu=gpus[0][0], gpus=len(gpus), gpu_memory_gib=gpus[0][1])
@@ -119,6 +129,7 @@ def machine() -> dict:
 
 def versions() -> dict:
     from importlib.metadata import PackageNotFoundError, version
+
     out = {"python": platform.python_version()}
     for name in VERSIONS:
         try:
@@ -150,8 +161,16 @@ def record(bench: str, workload: dict, figures: dict, **extra) -> dict:
     clash = [k for k in extra if k in core]
     if clash:
         raise ValueError(f"record(): {', '.join(clash)} are set by record itself")
-    row = {"bench": bench, "date": now(), "commit": commit(), "machine": machine(), "versions": versions(),
-           "workload": workload, "figures": figures, **extra}
+    row = {
+        "bench": bench,
+        "date": now(),
+        "commit": commit(),
+        "machine": machine(),
+        "versions": versions(),
+        "workload": workload,
+        "figures": figures,
+        **extra,
+    }
     path = append(bench, row)
     try:
         shown = path.relative_to(ROOT)

@@ -27,8 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 from bench.results import record
 
 SAMPLE = "```python\ndef add(a, b):\n    return a + b\n```"
-ROW = {"prompt": "Write add(a, b).", "test_list": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0",
-                                                   "assert add(2, 2) == 4"]}
+ROW = {
+    "prompt": "Write add(a, b).",
+    "test_list": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 4"],
+}
 
 
 def bare(n: int) -> list[float]:
@@ -42,6 +44,7 @@ def bare(n: int) -> list[float]:
 
 def sandboxed(n: int, fresh: bool = False) -> list[float]:
     from hybridrl import sandbox
+
     out = []
     for _ in range(n):
         if fresh:
@@ -54,6 +57,7 @@ def sandboxed(n: int, fresh: bool = False) -> list[float]:
 
 def throughput(n: int, workers: int) -> float:
     from hybridrl.data import code_tests
+
     answer = json.dumps({"code_tests": code_tests.spec_of(ROW)})
     t0 = time.perf_counter()
     with ThreadPoolExecutor(workers) as pool:
@@ -68,6 +72,7 @@ def main() -> None:
     ap.add_argument("--workers", default=f"1,{os.cpu_count() or 1}")
     args = ap.parse_args()
     from hybridrl import sandbox
+
     why = sandbox.available()
     if why:
         raise SystemExit(why)
@@ -77,17 +82,26 @@ def main() -> None:
     s = sandboxed(n)
     print(f"{n} programs a row, {os.cpu_count()} cores")
     print(f"{'what':>44} {'median ms':>10} {'programs/s':>11}")
-    for what, walls in (("print(1), bare python -I -S", b), ("print(1), a fresh jail", f),
-                        ("print(1), a warm jail", s)):
+    for what, walls in (
+        ("print(1), bare python -I -S", b),
+        ("print(1), a fresh jail", f),
+        ("print(1), a warm jail", s),
+    ):
         print(f"{what:>44} {statistics.median(walls) * 1e3:>10.1f} {1 / statistics.median(walls):>11.1f}")
     rates = {}
     for w in (int(x) for x in args.workers.split(",")):
         rates[w] = throughput(n, w)
         print(f"{f'code_tests, 3 asserts, {w} worker(s)':>44} {'':>10} {rates[w]:>11.1f}")
-    record("sandbox", {"programs": n, "workers": sorted(rates)},
-           {"bare_ms": round(statistics.median(b) * 1e3, 1), "fresh_jail_ms": round(statistics.median(f) * 1e3, 1),
+    record(
+        "sandbox",
+        {"programs": n, "workers": sorted(rates)},
+        {
+            "bare_ms": round(statistics.median(b) * 1e3, 1),
+            "fresh_jail_ms": round(statistics.median(f) * 1e3, 1),
             "sandbox_ms": round(statistics.median(s) * 1e3, 1),
-            "programs_per_s": {str(w): round(r, 1) for w, r in rates.items()}})
+            "programs_per_s": {str(w): round(r, 1) for w, r in rates.items()},
+        },
+    )
 
 
 if __name__ == "__main__":

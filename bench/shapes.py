@@ -28,18 +28,72 @@ import random
 from pathlib import Path
 
 SHAPES = {
-    "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=256, vocab_size=4096),
-    "134m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                 intermediate_size=1536, vocab_size=49152),
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, vocab_size=151936),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960, vocab_size=151936),
+    "tiny": dict(
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        vocab_size=4096,
+    ),
+    "134m": dict(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+    ),
+    "0.5b": dict(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+    ),
+    "1.5b": dict(
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        intermediate_size=8960,
+        vocab_size=151936,
+    ),
 }
 EOS = "<|endoftext|>"
-_SYLLABLES = ["ka", "to", "ri", "mun", "sel", "ve", "dor", "pla", "an", "ix", "que", "lo", "bri", "tan", "es",
-              "ul", "gor", "fi", "ne", "shu", "ra", "om", "pe", "dri", "cal", "zo", "wen", "ty", "har", "mi"]
+_SYLLABLES = [
+    "ka",
+    "to",
+    "ri",
+    "mun",
+    "sel",
+    "ve",
+    "dor",
+    "pla",
+    "an",
+    "ix",
+    "que",
+    "lo",
+    "bri",
+    "tan",
+    "es",
+    "ul",
+    "gor",
+    "fi",
+    "ne",
+    "shu",
+    "ra",
+    "om",
+    "pe",
+    "dri",
+    "cal",
+    "zo",
+    "wen",
+    "ty",
+    "har",
+    "mi",
+]
 
 
 def cache_root() -> Path:
@@ -71,8 +125,12 @@ def train_tokenizer(vocab_size: int, learned: int = 4096, seed: int = 0):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=min(learned, vocab_size), special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=min(learned, vocab_size),
+        special_tokens=[EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(corpus(20000, seed), trainer)
     spec = json.loads(tok.to_str())
     vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
@@ -92,8 +150,7 @@ def train_tokenizer(vocab_size: int, learned: int = 4096, seed: int = 0):
     if need > 0:
         raise ValueError(f"could not pad the tokenizer to {vocab_size} tokens")
     spec["model"]["vocab"], spec["model"]["merges"] = vocab, merges
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token=EOS,
-                                   pad_token=EOS)
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), eos_token=EOS, pad_token=EOS)
 
 
 def build(shape: str, root: Path | None = None, seed: int = 0) -> Path:
@@ -108,9 +165,17 @@ def build(shape: str, root: Path | None = None, seed: int = 0) -> Path:
 
     s = SHAPES[shape]
     tok = train_tokenizer(s["vocab_size"], seed=seed)
-    cfg = Qwen2Config(**s, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=True,
-                      bos_token_id=tok.eos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
-                      initializer_range=0.02, torch_dtype="float32")
+    cfg = Qwen2Config(
+        **s,
+        max_position_embeddings=32768,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        bos_token_id=tok.eos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+        initializer_range=0.02,
+        torch_dtype="float32",
+    )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(cfg).float()
     tmp = out.with_name(out.name + ".tmp")
@@ -133,7 +198,7 @@ def write_prompts(path: Path, n: int, seed: int = 0, words: int = 18) -> Path:
 def hash_reward(prompt: str, completion: str, answer: str) -> float:
     """A deterministic reward in [0, 1) from a hash of the completion: on random text it differs
     between a group's samples, so every group has signal and every step trains."""
-    return int(hashlib.sha256(completion.encode()).hexdigest()[:8], 16) / 2 ** 32
+    return int(hashlib.sha256(completion.encode()).hexdigest()[:8], 16) / 2**32
 
 
 def hash_rewards(prompts, completions, **_) -> list[float]:
@@ -143,6 +208,7 @@ def hash_rewards(prompts, completions, **_) -> list[float]:
 
 def n_params(path: Path) -> int:
     from safetensors import safe_open
+
     total = 0
     for f in sorted(path.glob("*.safetensors")):
         with safe_open(str(f), "pt") as st:
@@ -177,6 +243,7 @@ def gemm_peak(shape: str, dtype: str = "float32", tokens: int = 1024, reps: int 
     import time
 
     import torch
+
     s = SHAPES[shape]
     h, ff = s["hidden_size"], s["intermediate_size"]
     best = 0.0
@@ -216,12 +283,15 @@ def describe_machine() -> str:
         except PackageNotFoundError:
             pass
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cpu}, {os.cpu_count()} cores, {isa} ({bf16}); "
-            f"load average {load}; {', '.join(vers)}")
+    return (
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; {cpu}, {os.cpu_count()} cores, {isa} ({bf16}); "
+        f"load average {load}; {', '.join(vers)}"
+    )
 
 
 def main() -> None:
     from hybridrl.core import environ
+
     environ.setup()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="0.5b", choices=list(SHAPES))

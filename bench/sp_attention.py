@@ -23,13 +23,14 @@ import torch
 
 from bench.results import record
 
-MIB = 2.0 ** 20
+MIB = 2.0**20
 MASKED_MAX = 8192  # tokens: the masked reference is measured up to this row length
 
 
 def _layer(impl: str, dtype: torch.dtype, device: torch.device):
     from transformers import Qwen2Config
     from transformers.models.qwen2.modeling_qwen2 import Qwen2Attention
+
     cfg = Qwen2Config(hidden_size=896, num_attention_heads=14, num_key_value_heads=2, attn_implementation=impl)
     return Qwen2Attention(cfg, layer_idx=0).to(device, dtype)
 
@@ -39,6 +40,7 @@ def measure(impl: str, L: int, samples: int, device: torch.device, dtype: torch.
     packed samples, L tokens in all."""
     from hybridrl.core import memory
     from hybridrl.engines import ulysses
+
     attn = _layer(impl, dtype, device)
     seg = torch.arange(samples, device=device).repeat_interleave(L // samples)
     positions = torch.cat([torch.arange(L // samples, device=device)] * samples)[None]
@@ -56,6 +58,7 @@ def measure(impl: str, L: int, samples: int, device: torch.device, dtype: torch.
     try:
         if masked:  # the path before the fix: sdpa with the whole row's block-causal mask
             from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
             keep = torch.ones(L, L, dtype=torch.bool, device=device).tril_() & (seg[:, None] == seg[None])
             out, _ = sdpa_attention_forward(attn, q, k, v, keep[None, None])
         else:
@@ -76,8 +79,10 @@ def main() -> None:
     ap.add_argument("--cuda", action="store_true")
     args = ap.parse_args()
     import os
+
     os.environ.setdefault("HYBRIDRL_HOST_HEAP", "default")
     from hybridrl.core import launch
+
     launch.init_distributed()  # the exchanges run on a group of one
     device = torch.device("cuda") if args.cuda else torch.device("cpu")
     dtype = torch.bfloat16 if args.cuda else torch.float32
@@ -85,6 +90,7 @@ def main() -> None:
     if args.cuda:
         try:
             import flash_attn  # noqa: F401
+
             impl = "flash_attention_2"
         except ImportError:
             pass
@@ -95,12 +101,16 @@ def main() -> None:
     for L in (int(t) for t in args.tokens.split(",")):
         got = measure(impl, L, args.samples, device, dtype, masked=False)
         # the masked path can fall back to sdpa's math kernel, whose [H, L, L] scores outgrow a small host
-        old = measure("sdpa", L, args.samples, device, dtype, masked=True) if impl == "sdpa" and L <= MASKED_MAX \
-            else None
+        old = (
+            measure("sdpa", L, args.samples, device, dtype, masked=True) if impl == "sdpa" and L <= MASKED_MAX else None
+        )
         rows.append({"tokens": L, "wrapper_mib": round(got, 1), "masked_mib": None if old is None else round(old, 1)})
         print(f"{L:>7} {got:>12.1f} {'-' if old is None else f'{old:.1f}':>11} {got / L * 1024:>26.2f}", flush=True)
-    record("sp_attention", {"impl": impl, "samples": args.samples, "dtype": str(dtype).split(".")[-1],
-                            "device": device.type}, {"rows": rows})
+    record(
+        "sp_attention",
+        {"impl": impl, "samples": args.samples, "dtype": str(dtype).split(".")[-1], "device": device.type},
+        {"rows": rows},
+    )
 
 
 if __name__ == "__main__":

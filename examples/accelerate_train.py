@@ -28,9 +28,11 @@ def main(argv: list[str]) -> dict:
     overrides = dict(arg.split("=", 1) for arg in argv)
     summary = hybridrl.train(config or hybridrl.Config(), overrides={"train.steps": 100, **overrides})
     if os.environ.get("RANK", "0") == "0":  # every rank returns the same summary
-        print(f"{os.environ.get('WORLD_SIZE', '1')} ranks: held-out accuracy {summary['heldout_acc_before']:.1%} -> "
-              f"{summary['heldout_acc_after']:.1%} in {summary['minutes']:.1f} min (run dir {summary['run_dir']})",
-              flush=True)
+        print(
+            f"{os.environ.get('WORLD_SIZE', '1')} ranks: held-out accuracy {summary['heldout_acc_before']:.1%} -> "
+            f"{summary['heldout_acc_after']:.1%} in {summary['minutes']:.1f} min (run dir {summary['run_dir']})",
+            flush=True,
+        )
     return summary
 
 

@@ -7,17 +7,24 @@ answers; the reward functions (`reward.fn`) score its final message.
 
 (from the repository root, or with this file's directory on PYTHONPATH as `calculator_env:Calc`).
 """
+
 import ast
 import operator
 
 from hybridrl import ToolEnv
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.USub: operator.neg}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.USub: operator.neg,
+}
 
 
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression with + - * / and parentheses, e.g. (12+7)*431."""
+
     def ev(node):
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             return _OPS[type(node.op)](ev(node.left), ev(node.right))
@@ -26,6 +33,7 @@ def calculator(expression: str) -> str:
         if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
             return node.value
         raise ValueError(f"not arithmetic: {ast.unparse(node)}")
+
     return str(ev(ast.parse(expression, mode="eval").body))  # an error becomes the tool message
 
 

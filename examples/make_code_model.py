@@ -67,8 +67,16 @@ def main() -> None:
     held_rows = rows_with_programs("heldout")
     held = base.encode_rows(tokenizer, held_rows)
     trajectory = []
-    for step, loss in base.sft_steps(model, tokenizer, train, seed=args.seed, lr=args.lr, batch_size=args.batch_size,
-                                     max_steps=args.max_steps, every=args.eval_every):
+    for step, loss in base.sft_steps(
+        model,
+        tokenizer,
+        train,
+        seed=args.seed,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        max_steps=args.max_steps,
+        every=args.eval_every,
+    ):
         acc, texts = evaluate(model, tokenizer, held_rows, held)
         trajectory.append({"step": step, "loss": round(loss, 4), "heldout_right": acc})
         print(f"step {step:4d}  loss {loss:.4f}  held-out right {acc:.3f}  e.g. {texts[0]!r}", flush=True)
@@ -85,18 +93,28 @@ def main() -> None:
 
     def spec(r):
         return json.dumps({"code_tests": code_tests.spec_of(r)})
+
     scores = [code_tests.code_tests(r["prompt"], t, spec(r)) for r, t in zip(held_rows, texts)]
     final = trajectory[-1]
-    info = {"seed": args.seed, "lr": args.lr, "batch_size": args.batch_size,
-            "params": sum(p.numel() for p in model.parameters()), "steps": final["step"],
-            "heldout_right": final["heldout_right"],
-            "heldout_pass_all": sum(s == 1.0 for s in scores) / len(scores),
-            "heldout_mean_reward": round(sum(scores) / len(scores), 4), "torch": torch.__version__,
-            "trajectory": {k: [t[k] for t in trajectory] for k in trajectory[0]}}
+    info = {
+        "seed": args.seed,
+        "lr": args.lr,
+        "batch_size": args.batch_size,
+        "params": sum(p.numel() for p in model.parameters()),
+        "steps": final["step"],
+        "heldout_right": final["heldout_right"],
+        "heldout_pass_all": sum(s == 1.0 for s in scores) / len(scores),
+        "heldout_mean_reward": round(sum(scores) / len(scores), 4),
+        "torch": torch.__version__,
+        "trajectory": {k: [t[k] for t in trajectory] for k in trajectory[0]},
+    }
     text = ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in info.items())
     (args.out / "warmup.json").write_text("{\n" + text + "\n}\n")
-    print(f"saved to {args.out}: {json.dumps({k: v for k, v in info.items() if k != 'trajectory'})}, "
-          f"{time.time() - t0:.1f} s", flush=True)
+    print(
+        f"saved to {args.out}: {json.dumps({k: v for k, v in info.items() if k != 'trajectory'})}, "
+        f"{time.time() - t0:.1f} s",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -67,13 +67,24 @@ def build_tokenizer(chars: list[str] = CHARS, pieces: tuple[str, ...] = ()):
     vocab = {t: i for i, t in enumerate(SPECIAL_TOKENS + list(chars))}
     # No unk token: a character outside the vocab is dropped, never mapped to a token the
     # model has not seen (prompts are built by the task, so this does not happen).
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, continuing_subword_prefix="",
-                               end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    tok = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[],
+            unk_token=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+            byte_fallback=False,
+        )
+    )
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.TemplateProcessing(
         single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
@@ -82,7 +93,10 @@ def build_tokenizer(chars: list[str] = CHARS, pieces: tuple[str, ...] = ()):
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in pieces])
     assert SPECIAL_TOKENS[2] == arithmetic.EOS_TEXT
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
         model_max_length=64,
     )
 
@@ -118,11 +132,18 @@ def build_model(tokenizer):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384,
-        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
-        max_position_embeddings=64, tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, dtype="float32",
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
     )
     return Qwen2ForCausalLM(config).float()
 
@@ -131,8 +152,7 @@ def encode_rows(tokenizer, rows):
     """-> list of (prompt_ids, target_ids) with prompt = bos + chars, target = answer + eos."""
     eos = tokenizer.eos_token_id
     return [
-        (tokenizer(r["prompt"]).input_ids,
-         tokenizer(r["answer"], add_special_tokens=False).input_ids + [eos])
+        (tokenizer(r["prompt"]).input_ids, tokenizer(r["answer"], add_special_tokens=False).input_ids + [eos])
         for r in rows
     ]
 
@@ -235,16 +255,16 @@ def warm_up(model, tokenizer, *, seed: int, lr: float, batch_size: int, max_step
     held_rows = arithmetic.load("heldout")
     held = encode_rows(tokenizer, held_rows)
     trajectory = []
-    for step, loss in sft_steps(model, tokenizer, train, seed=seed, lr=lr, batch_size=batch_size,
-                                max_steps=max_steps, every=1):
+    for step, loss in sft_steps(
+        model, tokenizer, train, seed=seed, lr=lr, batch_size=batch_size, max_steps=max_steps, every=1
+    ):
         acc, formed = greedy_accuracy(model, tokenizer, held_rows, held)
         trajectory.append({"step": step, "loss": round(loss, 4), "heldout_acc": acc, "well_formed": formed})
         if step % 10 == 0 or acc >= ACC_BAND[0]:
             print(f"step {step:4d}  loss {loss:.4f}  heldout_acc {acc:.3f}  well_formed {formed:.3f}", flush=True)
         if acc >= ACC_BAND[0]:
             if acc > ACC_BAND[1]:
-                raise RuntimeError(f"held-out accuracy jumped past the band to {acc:.3f}; "
-                                   "lower --lr")
+                raise RuntimeError(f"held-out accuracy jumped past the band to {acc:.3f}; lower --lr")
             return trajectory
     raise RuntimeError(f"held-out accuracy never reached {ACC_BAND[0]} in {max_steps} steps")
 
@@ -263,22 +283,28 @@ def check_vllm(model_dir: Path) -> dict:
     prompts = [p for p, _ in encode_rows(tokenizer, rows)]
     eos = tokenizer.eos_token_id
 
-    llm = LLM(model=str(model_dir), dtype="float32", enforce_eager=True,
-              kv_cache_memory_bytes=64 << 20, max_model_len=32, seed=0)
-    params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, stop_token_ids=[eos],
-                            logprobs=0)
+    llm = LLM(
+        model=str(model_dir),
+        dtype="float32",
+        enforce_eager=True,
+        kv_cache_memory_bytes=64 << 20,
+        max_model_len=32,
+        seed=0,
+    )
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, stop_token_ids=[eos], logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     completions = [list(o.outputs[0].token_ids) for o in outs]
     # logprobs=0 returns, per generated token, a {token_id: Logprob} dict holding the sampled one
-    vllm_logps = [[lp[t].logprob for t, lp in zip(c, o.outputs[0].logprobs)]
-                  for c, o in zip(completions, outs)]
-    vllm_acc = sum(arithmetic.reward(r["prompt"], o.outputs[0].text, r["answer"])
-                   for r, o in zip(rows, outs)) / len(rows)
+    vllm_logps = [[lp[t].logprob for t, lp in zip(c, o.outputs[0].logprobs)] for c, o in zip(completions, outs)]
+    vllm_acc = sum(arithmetic.reward(r["prompt"], o.outputs[0].text, r["answer"]) for r, o in zip(rows, outs)) / len(
+        rows
+    )
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     torch_completions = greedy_decode(model, prompts, eos)
-    torch_acc = sum(arithmetic.reward(r["prompt"], tokenizer.decode(c), r["answer"])
-                    for r, c in zip(rows, torch_completions)) / len(rows)
+    torch_acc = sum(
+        arithmetic.reward(r["prompt"], tokenizer.decode(c), r["answer"]) for r, c in zip(rows, torch_completions)
+    ) / len(rows)
     max_diff = 0.0
     with torch.no_grad():
         for p, c, lps in zip(prompts, completions, vllm_logps):
@@ -286,9 +312,11 @@ def check_vllm(model_dir: Path) -> dict:
             ref = logits.log_softmax(-1)[len(p) - 1 : -1].gather(-1, torch.tensor(c)[:, None])[:, 0]
             max_diff = max(max_diff, (ref - torch.tensor(lps)).abs().max().item())
     result = {
-        "vllm_heldout_acc": vllm_acc, "torch_heldout_acc": torch_acc,
+        "vllm_heldout_acc": vllm_acc,
+        "torch_heldout_acc": torch_acc,
         "same_completions": sum(a == b for a, b in zip(completions, torch_completions)),
-        "num_prompts": len(prompts), "max_abs_logprob_diff": max_diff,
+        "num_prompts": len(prompts),
+        "max_abs_logprob_diff": max_diff,
     }
     print("vLLM check:", json.dumps(result), flush=True)
     shutil.rmtree(cache, ignore_errors=True)
@@ -299,8 +327,9 @@ def check_vllm(model_dir: Path) -> dict:
 
 def main() -> None:
     ap = warmup_args(__doc__, arithmetic.DEMO_MODEL_DIR, 3000)
-    ap.add_argument("--check-vllm", action="store_true",
-                    help="after saving, load the model in vLLM and compare with transformers")
+    ap.add_argument(
+        "--check-vllm", action="store_true", help="after saving, load the model in vLLM and compare with transformers"
+    )
     args = ap.parse_args()
 
     t0 = time.time()
@@ -310,8 +339,9 @@ def main() -> None:
     model = build_model(tokenizer)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"vocab {len(tokenizer)}  params {n_params:,}", flush=True)
-    trajectory = warm_up(model, tokenizer, seed=args.seed, lr=args.lr,
-                         batch_size=args.batch_size, max_steps=args.max_steps)
+    trajectory = warm_up(
+        model, tokenizer, seed=args.seed, lr=args.lr, batch_size=args.batch_size, max_steps=args.max_steps
+    )
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)  # model.safetensors, config.json, generation_config.json
@@ -320,16 +350,26 @@ def main() -> None:
     train_rows = arithmetic.load("train")[:256]
     train_acc, _ = greedy_accuracy(model, tokenizer, train_rows, encode_rows(tokenizer, train_rows))
     final = trajectory[-1]
-    info = {"seed": args.seed, "lr": args.lr, "batch_size": args.batch_size,
-            "params": n_params, "steps": final["step"], "heldout_acc": final["heldout_acc"],
-            "train_acc_first256": train_acc, "torch": torch.__version__,
-            "trajectory": {k: [t[k] for t in trajectory] for k in trajectory[0]}}
+    info = {
+        "seed": args.seed,
+        "lr": args.lr,
+        "batch_size": args.batch_size,
+        "params": n_params,
+        "steps": final["step"],
+        "heldout_acc": final["heldout_acc"],
+        "train_acc_first256": train_acc,
+        "torch": torch.__version__,
+        "trajectory": {k: [t[k] for t in trajectory] for k in trajectory[0]},
+    }
     # one line per field: a few KB, and a diff shows which figure changed
     text = ",\n".join(f" {json.dumps(k)}: {json.dumps(v)}" for k, v in info.items())
     (args.out / "warmup.json").write_text("{\n" + text + "\n}\n")
-    print(f"saved to {args.out}: step {final['step']}, held-out accuracy "
-          f"{final['heldout_acc']:.3f}, train accuracy (first 256) {train_acc:.3f}, "
-          f"{time.time() - t0:.1f} s", flush=True)
+    print(
+        f"saved to {args.out}: step {final['step']}, held-out accuracy "
+        f"{final['heldout_acc']:.3f}, train accuracy (first 256) {train_acc:.3f}, "
+        f"{time.time() - t0:.1f} s",
+        flush=True,
+    )
     if args.check_vllm:
         check_vllm(args.out)
 

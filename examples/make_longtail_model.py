@@ -37,11 +37,14 @@ def evaluate(model, tokenizer, rows, encoded) -> dict:
     model.train()
     asks = [r["answer"] != str(sum(int(x) for x in r["prompt"].rstrip("=").split("+"))) for r in rows]
     long = [len(o) > LONG for o in outs]
-    correct = [arithmetic.verify(tokenizer.decode(o, skip_special_tokens=True), r["answer"])
-               for r, o in zip(rows, outs)]
-    return {"acc": sum(correct) / len(rows),
-            "repeat_share": sum(lg for lg, a in zip(long, asks) if a) / max(sum(asks), 1),
-            "mean_len": sum(len(o) for o in outs) / len(outs)}
+    correct = [
+        arithmetic.verify(tokenizer.decode(o, skip_special_tokens=True), r["answer"]) for r, o in zip(rows, outs)
+    ]
+    return {
+        "acc": sum(correct) / len(rows),
+        "repeat_share": sum(lg for lg, a in zip(long, asks) if a) / max(sum(asks), 1),
+        "mean_len": sum(len(o) for o in outs) / len(outs),
+    }
 
 
 def main() -> None:
@@ -52,6 +55,7 @@ def main() -> None:
     t0 = time.time()
     base.deterministic(args.seed)
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(arithmetic.DEMO_MODEL_DIR)
     model = AutoModelForCausalLM.from_pretrained(arithmetic.DEMO_MODEL_DIR, dtype=torch.float32)
     train = base.encode_rows(tokenizer, longtail.load("train"))
@@ -59,8 +63,16 @@ def main() -> None:
     held_rows = held_rows[:: max(1, len(held_rows) // args.eval_size)]  # greedy to 48 tokens is the slow part
     held = base.encode_rows(tokenizer, held_rows)
     trajectory = []
-    for step, loss in base.sft_steps(model, tokenizer, train, seed=args.seed, lr=args.lr, batch_size=args.batch_size,
-                                     max_steps=args.max_steps, every=args.eval_every):
+    for step, loss in base.sft_steps(
+        model,
+        tokenizer,
+        train,
+        seed=args.seed,
+        lr=args.lr,
+        batch_size=args.batch_size,
+        max_steps=args.max_steps,
+        every=args.eval_every,
+    ):
         ev = evaluate(model, tokenizer, held_rows, held)
         trajectory.append({"step": step, "loss": round(loss, 4), **ev})
         print(f"step {step:4d}  loss {loss:.4f}  {ev}", flush=True)
@@ -73,8 +85,15 @@ def main() -> None:
     for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
         if (arithmetic.DEMO_MODEL_DIR / f).exists():
             shutil.copy(arithmetic.DEMO_MODEL_DIR / f, args.out / f)
-    info = {"from": "hybridrl/demo_model", "seed": args.seed, "lr": args.lr, "batch_size": args.batch_size,
-            **trajectory[-1], "torch": torch.__version__, "trajectory": trajectory}
+    info = {
+        "from": "hybridrl/demo_model",
+        "seed": args.seed,
+        "lr": args.lr,
+        "batch_size": args.batch_size,
+        **trajectory[-1],
+        "torch": torch.__version__,
+        "trajectory": trajectory,
+    }
     (args.out / "warmup.json").write_text(json.dumps(info, indent=1) + "\n")
     print(f"saved to {args.out}: {trajectory[-1]}, {time.time() - t0:.1f} s", flush=True)
 

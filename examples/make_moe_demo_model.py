@@ -34,9 +34,18 @@ import make_demo_model  # noqa: E402
 
 from hybridrl.core import families  # noqa: E402
 
-SHAPE = dict(hidden_size=128, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
-             num_experts_per_tok=2, max_position_embeddings=64)
+SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    moe_intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=64,
+)
 
 
 # Every family hybridrl hands off (hybridrl/core/families.py: its config class and the key of its expert
@@ -59,14 +68,28 @@ def build_model(tokenizer, family: str = "qwen3_moe", **overrides):
     cls = getattr(transformers, fam.config_class)
     shape = {**SHAPE, **FAMILIES[family], **overrides}
     shape[fam.experts_key] = shape.pop("num_experts")  # the family's name for it
-    config = cls(vocab_size=len(tokenizer), **shape, tie_word_embeddings=False,
-                 bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                 pad_token_id=tokenizer.pad_token_id, dtype="float32")
+    config = cls(
+        vocab_size=len(tokenizer),
+        **shape,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
     return transformers.AutoModelForCausalLM.from_config(config).float()
 
 
-def build(dest, *, warm: bool = True, seed: int = 0, lr: float = 1e-3, batch_size: int = 64,
-          max_steps: int = 3000, family: str = "qwen3_moe") -> Path:
+def build(
+    dest,
+    *,
+    warm: bool = True,
+    seed: int = 0,
+    lr: float = 1e-3,
+    batch_size: int = 64,
+    max_steps: int = 3000,
+    family: str = "qwen3_moe",
+) -> Path:
     """Write the model and the demo's tokenizer to `dest` (warmed up on addition unless `warm=False`)."""
     dest = Path(dest)
     random.seed(seed)
@@ -77,8 +100,11 @@ def build(dest, *, warm: bool = True, seed: int = 0, lr: float = 1e-3, batch_siz
     try:
         tokenizer = make_demo_model.build_tokenizer()
         model = build_model(tokenizer, family)
-        trajectory = (make_demo_model.warm_up(model, tokenizer, seed=seed, lr=lr, batch_size=batch_size,
-                                              max_steps=max_steps) if warm else [])
+        trajectory = (
+            make_demo_model.warm_up(model, tokenizer, seed=seed, lr=lr, batch_size=batch_size, max_steps=max_steps)
+            if warm
+            else []
+        )
     finally:
         torch.use_deterministic_algorithms(False)
         torch.set_num_threads(threads)
@@ -86,9 +112,14 @@ def build(dest, *, warm: bool = True, seed: int = 0, lr: float = 1e-3, batch_siz
     model.save_pretrained(dest)
     make_demo_model.save_tokenizer(tokenizer, dest)  # after config.json: AutoTokenizer's class depends on it
     if trajectory:
-        info = {"seed": seed, "lr": lr, "batch_size": batch_size,
-                "params": sum(p.numel() for p in model.parameters()), "steps": trajectory[-1]["step"],
-                "heldout_acc": trajectory[-1]["heldout_acc"]}
+        info = {
+            "seed": seed,
+            "lr": lr,
+            "batch_size": batch_size,
+            "params": sum(p.numel() for p in model.parameters()),
+            "steps": trajectory[-1]["step"],
+            "heldout_acc": trajectory[-1]["heldout_acc"],
+        }
         (dest / "warmup.json").write_text(json.dumps(info, indent=1) + "\n")
     return dest
 

@@ -39,9 +39,14 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 PREFIX, SUFFIX = '{"name":"calculator","arguments":{"expression":"', '"}}'
 RESP_OPEN, RESP_CLOSE = "<tool_response>", "</tool_response>"
 PIECES = [CALL_OPEN, PREFIX, SUFFIX, CALL_CLOSE, RESP_OPEN, RESP_CLOSE]
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}{{ eos_token }}"
-            "{% elif m.role == 'tool' %}" + RESP_OPEN + "{{ m.content }}" + RESP_CLOSE +
-            "{% else %}{{ m.content }}{% endif %}{% endfor %}")
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}{{ eos_token }}"
+    "{% elif m.role == 'tool' %}"
+    + RESP_OPEN
+    + "{{ m.content }}"
+    + RESP_CLOSE
+    + "{% else %}{{ m.content }}{% endif %}{% endfor %}"
+)
 CALL_FRACTION = 0.2
 NUM_HELDOUT = 256
 
@@ -52,8 +57,10 @@ def build_tokenizer():
 
 def splits() -> tuple[list[dict], list[dict]]:
     """20,000 (three-digit, two-digit) pairs in a fixed order (a SHA-256 ranking); the first 256 are held out."""
-    pairs = sorted(((a, b) for a in range(100, 1000) for b in range(10, 100)),
-                   key=lambda p: hashlib.sha256(f"tool-demo:{p[0]}*{p[1]}".encode()).hexdigest())[:20_000]
+    pairs = sorted(
+        ((a, b) for a in range(100, 1000) for b in range(10, 100)),
+        key=lambda p: hashlib.sha256(f"tool-demo:{p[0]}*{p[1]}".encode()).hexdigest(),
+    )[:20_000]
     rows = [{"prompt": f"{a}*{b}=", "answer": str(a * b)} for a, b in pairs]
     return rows[NUM_HELDOUT:], rows[:NUM_HELDOUT]
 
@@ -91,10 +98,22 @@ def main() -> None:
     torch.set_num_threads(1)
     tok = build_tokenizer()
     train, heldout = splits()
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=len(tok), hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=1,
-        eos_token_id=2, pad_token_id=0, dtype="float32")).float()
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=len(tok),
+            hidden_size=128,
+            intermediate_size=384,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+            dtype="float32",
+        )
+    ).float()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98))
     rng = random.Random(args.seed)
     for step in range(1, args.steps + 1):

@@ -63,6 +63,7 @@ def train(config: Config | str | None = None, overrides: dict | None = None) -> 
     from hybridrl.core import environ
     from hybridrl.core.config import Config, apply, load
     from hybridrl.run import preflight
+
     if isinstance(config, str):
         config = load(config, overrides)
     elif overrides:
@@ -72,6 +73,7 @@ def train(config: Config | str | None = None, overrides: dict | None = None) -> 
     preflight.check(config)  # a missing file or a bad reward module fails now, not after the imports
     from hybridrl.core import launch
     from hybridrl.run.loop import train as _train
+
     try:
         return _train(config)
     finally:

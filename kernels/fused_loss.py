@@ -11,6 +11,7 @@ chunk's logits for the dlogits kernel to reuse.
 
 The loss itself (its terms, aggregations and checks) is `kernels.ppo_loss`'s, shared unchanged.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -18,14 +19,24 @@ import inspect
 import torch
 
 from hybridrl.algorithms.registry import param_names, policy_loss
-from hybridrl.kernels.logprob import (BACKENDS, Workspace, accumulate_grads, logprob_entropy_reference, masked_upstream,
-                                      new_grads, resolve)
+from hybridrl.kernels.logprob import (
+    BACKENDS,
+    Workspace,
+    accumulate_grads,
+    logprob_entropy_reference,
+    masked_upstream,
+    new_grads,
+    resolve,
+)
 from hybridrl.kernels.ppo_loss import check_hparams, loss_metrics, ppo_loss, prepare_tokens, token_losses
 
 # ppo_loss's keyword arguments and defaults, minus `entropy` (the fused pass computes it); each policy
 # loss's own hyperparameters come besides them (registry.param_names)
-_LOSS_DEFAULTS = {k: p.default for k, p in inspect.signature(ppo_loss).parameters.items()
-                  if p.kind is inspect.Parameter.KEYWORD_ONLY and k != "entropy"}
+_LOSS_DEFAULTS = {
+    k: p.default
+    for k, p in inspect.signature(ppo_loss).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY and k != "entropy"
+}
 _DATA = ("seq_ids", "logp_rollout", "logp_ref", "agg", "normalizer")  # the rest are hyperparameters
 
 
@@ -72,8 +83,9 @@ class _FusedLogprobLoss(torch.autograd.Function):
             ents.append(ent)
             if any(need):
                 g_lp = masked_upstream(torch.zeros_like(logp) if g_lp is None else g_lp, valid[sl])
-                g = grad_logits(hidden[sl], w, b, targets[sl], inv_t, aux, ent, g_lp,
-                                masked_upstream(g_ent, valid[sl]), state, ws)  # [c, V]
+                g = grad_logits(
+                    hidden[sl], w, b, targets[sl], inv_t, aux, ent, g_lp, masked_upstream(g_ent, valid[sl]), state, ws
+                )  # [c, V]
                 accumulate_grads(g, hidden[sl], w, None if dh is None else dh[sl], dw, db, ws)
         ctx.save_for_backward(dh, dw, db)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -97,8 +109,20 @@ class _FusedLogprobLoss(torch.autograd.Function):
         return (*grads, None, None, None, None, None, None)
 
 
-def fused_logprob_ppo_loss(hidden, weight, targets, logp_old, advantages, mask, temperature=1.0,
-                           bias=None, *, provider="auto", chunk_size=None, **loss_kwargs):
+def fused_logprob_ppo_loss(
+    hidden,
+    weight,
+    targets,
+    logp_old,
+    advantages,
+    mask,
+    temperature=1.0,
+    bias=None,
+    *,
+    provider="auto",
+    chunk_size=None,
+    **loss_kwargs,
+):
     """`ppo_loss(*logprob_entropy(...))` in one pass per token chunk.
 
     Same arguments as `logprob_entropy` plus `ppo_loss`'s (`entropy` is computed here).
@@ -115,17 +139,20 @@ def fused_logprob_ppo_loss(hidden, weight, targets, logp_old, advantages, mask, 
     data = {k: hp.pop(k) for k in _DATA}
     check_hparams(hp, data["agg"], data["logp_ref"], True)
     provider, chunk = resolve(provider, hidden, chunk_size, weight.shape[0])
-    tok = prepare_tokens(logp_old, advantages, mask, **data, dtype=torch.promote_types(hidden.dtype, torch.float32),
-                   hp=hp)
+    tok = prepare_tokens(
+        logp_old, advantages, mask, **data, dtype=torch.promote_types(hidden.dtype, torch.float32), hp=hp
+    )
     # the current policy's sequence-level quantities need whole sequences per chunk
-    whole = policy_loss(hp["policy_loss"]).sequence or (tok["is_w"] is None and data["logp_rollout"] is not None
-                                                    and hp["tis_level"] != "token")
+    whole = policy_loss(hp["policy_loss"]).sequence or (
+        tok["is_w"] is None and data["logp_rollout"] is not None and hp["tis_level"] != "token"
+    )
     slices = chunks(hidden.shape[0], chunk, data["seq_ids"] if whole else None)
 
     def token_loss(logp, ent, sl):
         part = {k: v[sl] if isinstance(v, torch.Tensor) else v for k, v in tok.items()}
         return token_losses(logp, ent, part, **hp)
 
-    loss, logp, ent = _FusedLogprobLoss.apply(hidden, weight, bias, targets, float(temperature),
-                                              provider, slices, token_loss, torch.is_grad_enabled())
+    loss, logp, ent = _FusedLogprobLoss.apply(
+        hidden, weight, bias, targets, float(temperature), provider, slices, token_loss, torch.is_grad_enabled()
+    )
     return loss, loss_metrics(logp, ent, tok, **hp), logp, ent

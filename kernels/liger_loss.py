@@ -26,8 +26,23 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def liger_ppo_loss(hidden, weight, targets, mask, advantages, logp_old=None, temperature=1.0, bias=None, *,
-                   policy_loss="ppo", is_weights=None, agg="token_mean", normalizer, max_len=None, **params):
+def liger_ppo_loss(
+    hidden,
+    weight,
+    targets,
+    mask,
+    advantages,
+    logp_old=None,
+    temperature=1.0,
+    bias=None,
+    *,
+    policy_loss="ppo",
+    is_weights=None,
+    agg="token_mean",
+    normalizer,
+    max_len=None,
+    **params,
+):
     """hidden [B, T, d], targets/mask/logp_old/is_weights [B, T], advantages [B] -> (loss, metrics).
 
     loss == ppo_loss(logp, logp_old, A, mask, policy_loss=..., agg=agg, normalizer=normalizer, **params)
@@ -42,9 +57,17 @@ def liger_ppo_loss(hidden, weight, targets, mask, advantages, logp_old=None, tem
     if spec.liger.loss_type and agg != "token_mean":
         raise ValueError(f"Liger's {loss_type} reduces by token mean only: use agg token_mean")
     eps_low, eps_high = spec.liger.eps(loss_params(spec, params))
-    fn = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, compiled=False, epsilon_low=eps_low,
-                                  epsilon_high=eps_high, loss_type=loss_type, max_completion_length=max_len,
-                                  temperature=temperature, importance_sampling_level=spec.liger.level)
+    fn = LigerFusedLinearGRPOLoss(
+        beta=0.0,
+        use_ref_model=False,
+        compiled=False,
+        epsilon_low=eps_low,
+        epsilon_high=eps_high,
+        loss_type=loss_type,
+        max_completion_length=max_len,
+        temperature=temperature,
+        importance_sampling_level=spec.liger.level,
+    )
     B = hidden.shape[0]
     if loss_type in ("dapo", "cispo"):  # Liger divides by normalizer / world size (TRL's DDP convention)
         kw, scale = {"num_items_in_batch": normalizer}, 1.0 / _world()
@@ -52,6 +75,15 @@ def liger_ppo_loss(hidden, weight, targets, mask, advantages, logp_old=None, tem
         kw, scale = {}, B / normalizer
     else:  # dr_grpo: sum / (B * max_len)
         kw, scale = {}, B * max_len / normalizer
-    loss, metrics = fn(hidden, weight, targets, mask.float(), advantages, bias=bias,
-                       old_per_token_logps=logp_old, vllm_is_ratio=is_weights, **kw)
+    loss, metrics = fn(
+        hidden,
+        weight,
+        targets,
+        mask.float(),
+        advantages,
+        bias=bias,
+        old_per_token_logps=logp_old,
+        vllm_is_ratio=is_weights,
+        **kw,
+    )
     return loss * scale, {"clip_frac": metrics[-1].detach()}

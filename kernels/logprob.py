@@ -16,6 +16,7 @@ The chunk engine (`chunked_forward`, `chunked_backward`, `accumulate_grads`) is 
 `kernels.fused_loss.fused_logprob_ppo_loss`, which produces dlogits already in the forward pass.
 Used as `logp, ent = logprob_entropy(h, lm_head.weight, targets, temperature)`.
 """
+
 from __future__ import annotations
 
 import os
@@ -96,8 +97,7 @@ def _torch_stats(h, w, b, y, inv_t: float, keep: bool, ws: Workspace):
     ent = -torch.mul(p, lp, out=scratch).sum(1)  # [c]; mul+sum: faster than bmm's row dot on CPU
     logp = lp.gather(1, y.clamp(min=0).long().unsqueeze(1)).squeeze(1)  # [c]
     valid = y >= 0
-    return (torch.where(valid, logp, 0.0), torch.where(valid, ent, 0.0), None,
-            (lp, p) if keep else None)
+    return (torch.where(valid, logp, 0.0), torch.where(valid, ent, 0.0), None, (lp, p) if keep else None)
 
 
 def _torch_grad_logits(h, w, b, y, inv_t, aux, ent, g_logp, g_ent, state, ws: Workspace):
@@ -120,26 +120,64 @@ if triton is not None:
     _INTERPRET = tl.constexpr(INTERPRET)
 
     @triton.jit
-    def _logits_tile(H, W, rn, rv, nmask, vmask, D, s_hn, s_hd, s_wv, s_wd,
-                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                     PRECISION: tl.constexpr):
+    def _logits_tile(
+        H,
+        W,
+        rn,
+        rv,
+        nmask,
+        vmask,
+        D,
+        s_hn,
+        s_hd,
+        s_wv,
+        s_wd,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
         for d0 in range(0, D, BLOCK_D):
             rd = d0 + tl.arange(0, BLOCK_D)
             dmask = rd < D
-            h = tl.load(H + rn[:, None] * s_hn + rd[None, :] * s_hd,
-                        mask=nmask[:, None] & dmask[None, :], other=0.0)  # [BN, BD]
-            w = tl.load(W + rv[:, None] * s_wv + rd[None, :] * s_wd,
-                        mask=vmask[:, None] & dmask[None, :], other=0.0)  # [BV, BD]
+            h = tl.load(
+                H + rn[:, None] * s_hn + rd[None, :] * s_hd, mask=nmask[:, None] & dmask[None, :], other=0.0
+            )  # [BN, BD]
+            w = tl.load(
+                W + rv[:, None] * s_wv + rd[None, :] * s_wd, mask=vmask[:, None] & dmask[None, :], other=0.0
+            )  # [BV, BD]
             if _INTERPRET:  # the CPU interpreter's tl.dot mangles bf16 operands (triton 3.9)
                 h, w = h.to(tl.float32), w.to(tl.float32)
             acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION)
         return acc  # [BN, BV] fp32
 
     @triton.jit
-    def _fwd_kernel(H, W, B, Y, LOGP, ENT, LSE, Z, N, V, D, s_hn, s_hd, s_wv, s_wd, s_zn, inv_t,
-                    HAS_BIAS: tl.constexpr, STORE_Z: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr):
+    def _fwd_kernel(
+        H,
+        W,
+        B,
+        Y,
+        LOGP,
+        ENT,
+        LSE,
+        Z,
+        N,
+        V,
+        D,
+        s_hn,
+        s_hd,
+        s_wv,
+        s_wd,
+        s_zn,
+        inv_t,
+        HAS_BIAS: tl.constexpr,
+        STORE_Z: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         """One program per BLOCK_N tokens, streaming vocab tiles (online softmax, FlashAttention-style).
 
         Besides max m and sum s it keeps a = sum e^(z-m) (z-m), so H = log s - a/s at the end.
@@ -154,8 +192,9 @@ if triton is not None:
         for v0 in range(0, V, BLOCK_V):
             rv = v0 + tl.arange(0, BLOCK_V)
             vmask = rv < V
-            z = _logits_tile(H, W, rn, rv, nmask, vmask, D, s_hn, s_hd, s_wv, s_wd,
-                             BLOCK_N, BLOCK_V, BLOCK_D, PRECISION)
+            z = _logits_tile(
+                H, W, rn, rv, nmask, vmask, D, s_hn, s_hd, s_wv, s_wd, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION
+            )
             if HAS_BIAS:
                 z += tl.load(B + rv, mask=vmask, other=0.0).to(tl.float32)[None, :]
             z = tl.where(vmask[None, :], z * inv_t, float("-inf"))  # [BN, BV]
@@ -177,18 +216,43 @@ if triton is not None:
         tl.store(LSE + rn, m + log_s, mask=nmask)
 
     @triton.jit
-    def _grad_kernel(H, W, B, Y, LSE, ENT, GLP, GENT, Z, G, N, V, D, s_hn, s_hd, s_wv, s_wd,
-                     s_zn, s_gn, inv_t, HAS_BIAS: tl.constexpr, RECOMPUTE: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                     PRECISION: tl.constexpr):
+    def _grad_kernel(
+        H,
+        W,
+        B,
+        Y,
+        LSE,
+        ENT,
+        GLP,
+        GENT,
+        Z,
+        G,
+        N,
+        V,
+        D,
+        s_hn,
+        s_hd,
+        s_wv,
+        s_wd,
+        s_zn,
+        s_gn,
+        inv_t,
+        HAS_BIAS: tl.constexpr,
+        RECOMPUTE: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        PRECISION: tl.constexpr,
+    ):
         """dlogits for one [BLOCK_N, BLOCK_V] tile: (g_lp (onehot - p) - g_H p (log p + H)) / T."""
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rv = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
         nmask, vmask = rn < N, rv < V
         tile_mask = nmask[:, None] & vmask[None, :]
         if RECOMPUTE:
-            z = _logits_tile(H, W, rn, rv, nmask, vmask, D, s_hn, s_hd, s_wv, s_wd,
-                             BLOCK_N, BLOCK_V, BLOCK_D, PRECISION)
+            z = _logits_tile(
+                H, W, rn, rv, nmask, vmask, D, s_hn, s_hd, s_wv, s_wd, BLOCK_N, BLOCK_V, BLOCK_D, PRECISION
+            )
             if HAS_BIAS:
                 z += tl.load(B + rv, mask=vmask, other=0.0).to(tl.float32)[None, :]
             z = z * inv_t
@@ -222,24 +286,67 @@ def _triton_stats(h, w, b, y, inv_t: float, keep: bool, ws: Workspace):
     logp, ent, lse = (torch.empty(c, device=h.device, dtype=torch.float32) for _ in range(3))
     z = ws.get("z", c, V, torch.float32, h.device) if keep else lse  # [c, V] logits, or a dummy
     _fwd_kernel[(triton.cdiv(c, BLOCK_N),)](
-        h, w, b if b is not None else w, y, logp, ent, lse, z, c, V, d, h.stride(0), h.stride(1),
-        w.stride(0), w.stride(1), z.stride(0), inv_t, HAS_BIAS=b is not None, STORE_Z=keep,
-        BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V, BLOCK_D=BLOCK_D, PRECISION=_precision(h.dtype))
+        h,
+        w,
+        b if b is not None else w,
+        y,
+        logp,
+        ent,
+        lse,
+        z,
+        c,
+        V,
+        d,
+        h.stride(0),
+        h.stride(1),
+        w.stride(0),
+        w.stride(1),
+        z.stride(0),
+        inv_t,
+        HAS_BIAS=b is not None,
+        STORE_Z=keep,
+        BLOCK_N=BLOCK_N,
+        BLOCK_V=BLOCK_V,
+        BLOCK_D=BLOCK_D,
+        PRECISION=_precision(h.dtype),
+    )
     return logp, ent, lse, (z if keep else None)
 
 
 def _triton_grad_logits(h, w, b, y, inv_t, lse, ent, g_logp, g_ent, state, ws: Workspace):
     c, (V, d) = h.shape[0], w.shape
     # in place over the stored fp32 logits when the GEMMs run in fp32, else a matmul-dtype buffer
-    g = state if state is not None and w.dtype == torch.float32 else ws.get(
-        "g", c, V, w.dtype, h.device)
+    g = state if state is not None and w.dtype == torch.float32 else ws.get("g", c, V, w.dtype, h.device)
     z = state if state is not None else g
     g_ent = torch.zeros_like(g_logp) if g_ent is None else g_ent
     _grad_kernel[(triton.cdiv(c, BLOCK_N), triton.cdiv(V, BLOCK_V))](
-        h, w, b if b is not None else w, y, lse, ent, g_logp, g_ent, z, g, c, V, d,
-        h.stride(0), h.stride(1), w.stride(0), w.stride(1), z.stride(0), g.stride(0), inv_t,
-        HAS_BIAS=b is not None, RECOMPUTE=state is None, BLOCK_N=BLOCK_N, BLOCK_V=BLOCK_V,
-        BLOCK_D=BLOCK_D, PRECISION=_precision(h.dtype))
+        h,
+        w,
+        b if b is not None else w,
+        y,
+        lse,
+        ent,
+        g_logp,
+        g_ent,
+        z,
+        g,
+        c,
+        V,
+        d,
+        h.stride(0),
+        h.stride(1),
+        w.stride(0),
+        w.stride(1),
+        z.stride(0),
+        g.stride(0),
+        inv_t,
+        HAS_BIAS=b is not None,
+        RECOMPUTE=state is None,
+        BLOCK_N=BLOCK_N,
+        BLOCK_V=BLOCK_V,
+        BLOCK_D=BLOCK_D,
+        PRECISION=_precision(h.dtype),
+    )
     return g
 
 
@@ -258,26 +365,32 @@ def resolve(provider: str, hidden: torch.Tensor, chunk_size: int | None, vocab: 
 def chunked_forward(stats, h, w, b, y, inv_t, chunk):
     """Run `stats` over token chunks; returns logp, entropy, aux (each [N]; aux may be None)."""
     ws = Workspace()
-    outs = [stats(h[i:i + chunk], w, b, y[i:i + chunk], inv_t, False, ws)[:3]
-            for i in range(0, h.shape[0], chunk)]
+    outs = [stats(h[i : i + chunk], w, b, y[i : i + chunk], inv_t, False, ws)[:3] for i in range(0, h.shape[0], chunk)]
     return tuple(None if t[0] is None else torch.cat(t) for t in zip(*outs))
 
 
 def new_grads(h, w, b, need):
     """Zeroed fp32 dW/db accumulators (fp64 for fp64 inputs) and a dH buffer, or None."""
     acc = _compute_dtype(w.dtype)
-    return (torch.empty(h.shape, device=h.device, dtype=h.dtype) if need[0] else None,
-            torch.zeros(w.shape, device=w.device, dtype=acc) if need[1] else None,
-            torch.zeros(w.shape[0], device=w.device, dtype=acc) if need[2] and b is not None else None)
+    return (
+        torch.empty(h.shape, device=h.device, dtype=h.dtype) if need[0] else None,
+        torch.zeros(w.shape, device=w.device, dtype=acc) if need[1] else None,
+        torch.zeros(w.shape[0], device=w.device, dtype=acc) if need[2] and b is not None else None,
+    )
 
 
 def accumulate_grads(g, h_c, w, dh_c, dw, db, ws: Workspace | None = None):
     """dH[chunk] = g @ W (written), dW += g^T @ h and db += sum g (accumulated over chunks).
     bf16/fp16 weights: the low-precision copies of g and of the chunk's dW go to `ws`'s buffers,
     reused across chunks (fresh [c, V] and [V, d] tensors cost page faults on CPU)."""
+
     def low(name, rows, cols):
-        return torch.empty(rows, cols, dtype=w.dtype, device=w.device) if ws is None else \
-            ws.temp(name, rows, cols, w.dtype, w.device)
+        return (
+            torch.empty(rows, cols, dtype=w.dtype, device=w.device)
+            if ws is None
+            else ws.temp(name, rows, cols, w.dtype, w.device)
+        )
+
     g_mm = g if g.dtype == w.dtype else low("g_low", *g.shape).copy_(g)  # [c, V] in the matmul dtype
     if dh_c is not None:
         torch.mm(g_mm, w, out=dh_c)  # [c, d]
@@ -295,8 +408,19 @@ def chunked_backward(grad_logits, h, w, b, y, inv_t, aux, ent, g_logp, g_ent, ch
     ws = Workspace()
     for i in range(0, h.shape[0], chunk):
         sl = slice(i, i + chunk)
-        g = grad_logits(h[sl], w, b, y[sl], inv_t, None if aux is None else aux[sl], ent[sl],
-                        g_logp[sl], None if g_ent is None else g_ent[sl], None, ws)
+        g = grad_logits(
+            h[sl],
+            w,
+            b,
+            y[sl],
+            inv_t,
+            None if aux is None else aux[sl],
+            ent[sl],
+            g_logp[sl],
+            None if g_ent is None else g_ent[sl],
+            None,
+            ws,
+        )
         accumulate_grads(g, h[sl], w, None if dh is None else dh[sl], dw, db, ws)
     return dh, dw, db
 
@@ -314,8 +438,7 @@ class _LogprobEntropy(torch.autograd.Function):
         b = None if bias is None else bias.to(hidden.dtype)
         # the kernel streams vocab tiles, so it needs no token chunking in the forward
         fwd_chunk = hidden.shape[0] if provider == "triton" else chunk
-        logp, ent, aux = chunked_forward(stats, hidden, w, b, targets, 1.0 / temperature,
-                                         max(fwd_chunk, 1))
+        logp, ent, aux = chunked_forward(stats, hidden, w, b, targets, 1.0 / temperature, max(fwd_chunk, 1))
         ctx.save_for_backward(hidden, w, b, targets, aux, ent)
         ctx.meta = (provider, chunk, 1.0 / temperature, weight.dtype, None if bias is None else bias.dtype)
         ctx.set_materialize_grads(False)  # None upstream: skip that term (e.g. entropy unused)
@@ -330,14 +453,32 @@ class _LogprobEntropy(torch.autograd.Function):
         valid = targets >= 0
         g_logp = masked_upstream(g_logp, valid) if g_logp is not None else torch.zeros_like(ent)
         need = ctx.needs_input_grad[:3]
-        dh, dw, db = chunked_backward(BACKENDS[provider][1], hidden, w, b, targets, inv_t, aux, ent,
-                                      g_logp, masked_upstream(g_ent, valid), chunk, need)
-        return (dh, None if dw is None else dw.to(w_dtype), None if db is None else db.to(b_dtype),
-                None, None, None, None)
+        dh, dw, db = chunked_backward(
+            BACKENDS[provider][1],
+            hidden,
+            w,
+            b,
+            targets,
+            inv_t,
+            aux,
+            ent,
+            g_logp,
+            masked_upstream(g_ent, valid),
+            chunk,
+            need,
+        )
+        return (
+            dh,
+            None if dw is None else dw.to(w_dtype),
+            None if db is None else db.to(b_dtype),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def logprob_entropy(hidden, weight, targets, temperature=1.0, bias=None, *, provider="auto",
-                    chunk_size=None):
+def logprob_entropy(hidden, weight, targets, temperature=1.0, bias=None, *, provider="auto", chunk_size=None):
     """Log-prob of `targets` and entropy under softmax((hidden @ weight.T + bias) / temperature).
 
     hidden [N, d] (any float dtype, any strides), weight [V, d], bias [V] or None, targets [N]
@@ -350,8 +491,9 @@ def logprob_entropy(hidden, weight, targets, temperature=1.0, bias=None, *, prov
     return _LogprobEntropy.apply(hidden, weight, bias, targets, float(temperature), provider, chunk)
 
 
-def logprob_entropy_reference(hidden, weight, targets, temperature=1.0, bias=None, *,
-                              provider="naive", chunk_size=None):
+def logprob_entropy_reference(
+    hidden, weight, targets, temperature=1.0, bias=None, *, provider="naive", chunk_size=None
+):
     """Ground truth: full [N, V] logits and plain autograd (provider/chunk_size are ignored)."""
     logits = F.linear(hidden, weight.to(hidden.dtype), None if bias is None else bias.to(hidden.dtype))
     logits = logits.to(_compute_dtype(hidden.dtype)) / temperature  # [N, V]

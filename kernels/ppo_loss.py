@@ -25,6 +25,7 @@ the KL or entropy terms, and masked tokens stay in the normaliser.
 
 The fused LM-head + log-prob + loss pass over these functions is `kernels.fused_loss`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -99,9 +100,11 @@ def _seq_info(mask, seq_ids):
 
 # --- importance correction against the rollout engine ---------------------------------------
 # log pi_old/pi_rollout per token [n] -> the log weight each token uses
-IS_LEVELS = {"token": lambda lw, tok: lw,
-             "sequence": seq_sum,  # the product of the sequence's token ratios
-             "geometric": seq_mean}  # its geometric mean: length-normalised, like GSPO's ratio
+IS_LEVELS = {
+    "token": lambda lw, tok: lw,
+    "sequence": seq_sum,  # the product of the sequence's token ratios
+    "geometric": seq_mean,
+}  # its geometric mean: length-normalised, like GSPO's ratio
 
 
 def _truncate(w, hp):
@@ -129,8 +132,17 @@ def importance_ratio(logp_old, logp_rollout, seq_ids=None, level="token"):
     return IS_LEVELS[level](logp_old - logp_rollout, tok).clamp(-20.0, 20.0).exp()
 
 
-def importance_weights(logp_old, logp_rollout, seq_ids=None, *, level="token", correction="tis", tis_cap=None,
-                       is_mask_low=0.5, is_mask_high=2.0):
+def importance_weights(
+    logp_old,
+    logp_rollout,
+    seq_ids=None,
+    *,
+    level="token",
+    correction="tis",
+    tis_cap=None,
+    is_mask_low=0.5,
+    is_mask_high=2.0,
+):
     """The detached weight the loss multiplies each token's policy term by: [N]."""
     hp = dict(tis_cap=tis_cap, is_mask_low=is_mask_low, is_mask_high=is_mask_high)
     return IS_CORRECTIONS[correction](importance_ratio(logp_old, logp_rollout, seq_ids, level), hp)
@@ -144,9 +156,16 @@ def prepare_tokens(logp_old, advantages, mask, seq_ids, logp_rollout, logp_ref, 
         return None if x is None else torch.where(m, x.detach().to(dtype), 0.0)
 
     mf = m.to(dtype)
-    tok = {"mask": m, "adv": clean(advantages), "logp_old": clean(logp_old),
-           "logp_ref": clean(logp_ref), "logp_rollout": clean(logp_rollout), "is_w": None,
-           "agg_w": _agg_weights(agg, mf, seq_ids, normalizer), **_seq_info(mf, seq_ids)}
+    tok = {
+        "mask": m,
+        "adv": clean(advantages),
+        "logp_old": clean(logp_old),
+        "logp_ref": clean(logp_ref),
+        "logp_rollout": clean(logp_rollout),
+        "is_w": None,
+        "agg_w": _agg_weights(agg, mf, seq_ids, normalizer),
+        **_seq_info(mf, seq_ids),
+    }
     if logp_rollout is not None and logp_old is not None:
         tok["is_w"] = _is_weight(tok["logp_old"], tok, hp)
     return tok
@@ -214,17 +233,21 @@ def loss_metrics(logp, entropy, tok, **hp):
 
 
 def check_hparams(hp, agg, logp_ref, entropy_given):
-    for name, table, key in (("agg", AGGREGATORS, agg), ("kl_type", KL_ESTIMATORS, hp["kl_type"]),
-                             ("tis_level", IS_LEVELS, hp["tis_level"]),
-                             ("is_correction", IS_CORRECTIONS, hp["is_correction"])):
+    for name, table, key in (
+        ("agg", AGGREGATORS, agg),
+        ("kl_type", KL_ESTIMATORS, hp["kl_type"]),
+        ("tis_level", IS_LEVELS, hp["tis_level"]),
+        ("is_correction", IS_CORRECTIONS, hp["is_correction"]),
+    ):
         if key not in table:
             raise ValueError(f"{name}={key!r}; choose from {sorted(table)}")
     spec = policy_loss(hp["policy_loss"])
     own = spec.knobs()
     foreign = sorted(k for k in param_names() - set(own) if hp.get(k))  # None, 0: not given
     if foreign:
-        raise ValueError(f"policy_loss={spec.name} takes no {', '.join(foreign)} (its hyperparameters: "
-                         f"{', '.join(own) or 'none'})")
+        raise ValueError(
+            f"policy_loss={spec.name} takes no {', '.join(foreign)} (its hyperparameters: {', '.join(own) or 'none'})"
+        )
     params = loss_params(spec, hp)
     if hasattr(params, "check"):
         params.check()
@@ -236,10 +259,29 @@ def check_hparams(hp, agg, logp_ref, entropy_given):
         raise ValueError("is_mask_low must be in [0, 1] and is_mask_high >= 1")
 
 
-def ppo_loss(logp, logp_old, advantages, mask, *, seq_ids=None, logp_rollout=None, logp_ref=None,
-             entropy=None, policy_loss="ppo", is_correction="tis", tis_cap=None, tis_level="token",
-             is_mask_low=0.5, is_mask_high=2.0, kl_coef=0.0, kl_type="k3", entropy_coef=0.0, agg="token_mean",
-             normalizer=None, **params):
+def ppo_loss(
+    logp,
+    logp_old,
+    advantages,
+    mask,
+    *,
+    seq_ids=None,
+    logp_rollout=None,
+    logp_ref=None,
+    entropy=None,
+    policy_loss="ppo",
+    is_correction="tis",
+    tis_cap=None,
+    tis_level="token",
+    is_mask_low=0.5,
+    is_mask_high=2.0,
+    kl_coef=0.0,
+    kl_type="k3",
+    entropy_coef=0.0,
+    agg="token_mean",
+    normalizer=None,
+    **params,
+):
     """agg(w * L) + kl_coef * agg(KL) - entropy_coef * agg(entropy), all token tensors [N].
 
     L: the policy loss's term (ppo: max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)), min'd with
@@ -253,12 +295,31 @@ def ppo_loss(logp, logp_old, advantages, mask, *, seq_ids=None, logp_rollout=Non
     unknown = set(params) - param_names()
     if unknown:
         raise TypeError(f"ppo_loss: unexpected arguments {sorted(unknown)}")
-    hp = dict(params, policy_loss=policy_loss, is_correction=is_correction, tis_cap=tis_cap, tis_level=tis_level,
-              is_mask_low=is_mask_low, is_mask_high=is_mask_high, kl_coef=kl_coef, kl_type=kl_type,
-              entropy_coef=entropy_coef)
+    hp = dict(
+        params,
+        policy_loss=policy_loss,
+        is_correction=is_correction,
+        tis_cap=tis_cap,
+        tis_level=tis_level,
+        is_mask_low=is_mask_low,
+        is_mask_high=is_mask_high,
+        kl_coef=kl_coef,
+        kl_type=kl_type,
+        entropy_coef=entropy_coef,
+    )
     check_hparams(hp, agg, logp_ref, entropy is not None)
     logp_old = logp.detach() if logp_old is None else logp_old
-    tok = prepare_tokens(logp_old, advantages, mask, seq_ids, logp_rollout, logp_ref, agg=agg, normalizer=normalizer,
-                   dtype=torch.promote_types(logp.dtype, torch.float32), hp=hp)
+    tok = prepare_tokens(
+        logp_old,
+        advantages,
+        mask,
+        seq_ids,
+        logp_rollout,
+        logp_ref,
+        agg=agg,
+        normalizer=normalizer,
+        dtype=torch.promote_types(logp.dtype, torch.float32),
+        hp=hp,
+    )
     loss = token_losses(logp, entropy, tok, **hp).sum()
     return loss, loss_metrics(logp.detach(), None if entropy is None else entropy.detach(), tok, **hp)

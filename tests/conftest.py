@@ -27,8 +27,12 @@ def pytest_configure(config):
 
 def pytest_ignore_collect(collection_path, config):
     """In the fast tier, a test file that marks nothing fast is not even imported (tiers.py)."""
-    if (tiers.is_fast_session(config) and collection_path.suffix == ".py"
-            and collection_path.name.startswith("test_") and not tiers.has_fast_tests(collection_path)):
+    if (
+        tiers.is_fast_session(config)
+        and collection_path.suffix == ".py"
+        and collection_path.name.startswith("test_")
+        and not tiers.has_fast_tests(collection_path)
+    ):
         return True
     return None
 
@@ -61,6 +65,7 @@ def pytest_collection_modifyitems(config, items):
     """On a CUDA machine, tests that assume the CPU stack or more GPUs are skipped with the
     reason (machine.py)."""
     import machine
+
     cuda, n_gpus = machine.gpus()
     if cuda:
         machine.skip_on(items, cuda, n_gpus)
@@ -71,6 +76,7 @@ def world_of_one():
     """torch.distributed in this process; its variables are gone afterwards (launch.forget_world),
     so a later test's subprocess (`hybridrl train --nproc 2`) is not taken for a launched rank."""
     from hybridrl.core import launch
+
     before = {k: os.environ.get(k) for k in launch.LAUNCHER_VARS}
     launch.init_distributed()
     yield

@@ -1,12 +1,15 @@
 """Environments the multi-turn tests load by name (env.cls=envs_for_tests:...), for the demo model's
 vocabulary (digits, '+', '=') and the chat template `TEMPLATE` (tests/test_multiturn.py)."""
+
 import time
 
 from hybridrl.data.envs import ToolEnv
 
 # user and tool messages as they are, an assistant message then EOS; a tool message ends with '='
-TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}{{ eos_token }}"
-            "{% elif m.role == 'tool' %}{{ m.content }}={% else %}{{ m.content }}{% endif %}{% endfor %}")
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}{{ eos_token }}"
+    "{% elif m.role == 'tool' %}{{ m.content }}={% else %}{{ m.content }}{% endif %}{% endfor %}"
+)
 
 
 class ThreeTurns:
@@ -47,14 +50,17 @@ def add(a: int, b: int) -> int:
 class Faulty(ToolEnv):
     """Whatever the model writes, turn k makes SCRIPT[k]'s call: a hanging tool, a malformed call,
     a huge result, a tool that raises, a good call, then a final answer."""
+
     tools = [hang, big, boom, add]
     max_output_chars = 4
-    SCRIPT = ['<tool_call>{"name": "hang", "arguments": {}}</tool_call>',
-              '<tool_call>{"name": "add", "arguments": ',
-              '<tool_call>{"name": "big", "arguments": {}}</tool_call>',
-              '<tool_call>{"name": "boom", "arguments": {"x": 1}}</tool_call>',
-              '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>',
-              "5"]
+    SCRIPT = [
+        '<tool_call>{"name": "hang", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "add", "arguments": ',
+        '<tool_call>{"name": "big", "arguments": {}}</tool_call>',
+        '<tool_call>{"name": "boom", "arguments": {"x": 1}}</tool_call>',
+        '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>',
+        "5",
+    ]
 
     def reset(self, row):
         self.turn = 0

@@ -1,5 +1,6 @@
 """The receiving process of tests/test_memory.py's transport test. Its own module so that a
 spawned child imports only torch, zmq and hybridrl.engines.ipc (not vLLM)."""
+
 from hybridrl.engines import ipc
 
 

@@ -10,6 +10,7 @@ assume the CPU machine and say so with a marker (conftest.py applies `skip_on`):
     @pytest.mark.devices(n)       runs n ranks (--nproc n); a test parametrized with `nproc` gets
                                   this from its parameter. On CUDA each rank needs its own GPU.
 """
+
 import os
 
 import pytest
@@ -34,6 +35,7 @@ def gpus() -> tuple[bool, int]:
         return False, 0
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # ask NVML: forked test processes stay usable
     import torch
+
     return torch.cuda.is_available(), torch.cuda.device_count()
 
 

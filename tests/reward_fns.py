@@ -1,5 +1,6 @@
 """Reward functions the reward tests load by `module:function` (this directory is put on
 PYTHONPATH): well-behaved, async, batched, and ones that raise, hang or kill their process."""
+
 import asyncio
 import os
 import time

@@ -1,4 +1,5 @@
 """Advantages and the clipped loss against small hand-derived numbers."""
+
 import math
 
 import pytest
@@ -28,8 +29,16 @@ def test_dr_grpo_and_rloo_hand_derived():
 
 def _loss(logp, old, adv, **kw):
     logp = torch.tensor(logp, requires_grad=True)
-    loss, m = ppo_loss(logp, torch.tensor(old), torch.tensor(adv), torch.ones(len(adv)),
-                       seq_ids=torch.arange(len(adv)), eps_low=0.2, eps_high=0.28, **kw)
+    loss, m = ppo_loss(
+        logp,
+        torch.tensor(old),
+        torch.tensor(adv),
+        torch.ones(len(adv)),
+        seq_ids=torch.arange(len(adv)),
+        eps_low=0.2,
+        eps_high=0.28,
+        **kw,
+    )
     loss.backward()
     return float(loss), logp.grad, m
 
@@ -73,7 +82,7 @@ def _mask(prompt_len: int, completion_lens: list[int]) -> torch.Tensor:
     T = prompt_len + max(completion_lens)
     m = torch.zeros(len(completion_lens), T, dtype=torch.bool)
     for b, n in enumerate(completion_lens):
-        m[b, prompt_len: prompt_len + n] = True
+        m[b, prompt_len : prompt_len + n] = True
     return m
 
 
@@ -159,8 +168,9 @@ def test_kl_is_zero_when_policy_equals_reference(kl_type, grad_at_0):
     # 1 - e^d = 0 (k3). The reward-side penalty gives the same numbers as the loss's estimator,
     # clamps included: logp = -30, 30, 15 against ref 0 (k3 capped at 10, see tests/kernels).
     logp = torch.tensor([-0.7, -2.0], requires_grad=True)
-    loss, m = ppo_loss(logp, None, torch.zeros(2), torch.ones(2), logp_ref=logp.detach().clone(), kl_coef=1.0,
-                       kl_type=kl_type)
+    loss, m = ppo_loss(
+        logp, None, torch.zeros(2), torch.ones(2), logp_ref=logp.detach().clone(), kl_coef=1.0, kl_type=kl_type
+    )
     loss.backward()
     assert float(loss) == 0.0 and float(m["kl_mean"]) == 0.0
     assert logp.grad.tolist() == pytest.approx([grad_at_0 / 2] * 2)
@@ -190,10 +200,11 @@ def _whiten_on_two_ranks(rank: int, init: str, out: str) -> None:
     import torch.distributed as dist
 
     from hybridrl.core.launch import all_sum
+
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     R, mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]]), _mask(3, [2, 1, 1, 2])
     mine = slice(2 * rank, 2 * rank + 2)  # rank 0 holds the group [1, 0], rank 1 the group [1, 1]
-    adv, _ = ADVANTAGES["reinforce_pp"](Experience(R[rank: rank + 1], mask[mine], all_sum=all_sum))
+    adv, _ = ADVANTAGES["reinforce_pp"](Experience(R[rank : rank + 1], mask[mine], all_sum=all_sum))
     torch.save(adv, f"{out}.{rank}")
     dist.destroy_process_group()
 
@@ -201,8 +212,10 @@ def _whiten_on_two_ranks(rank: int, init: str, out: str) -> None:
 def test_reinforce_pp_normalises_over_every_rank(tmp_path):
     """Two gloo ranks holding one group each give the numbers of one process holding both."""
     import torch.multiprocessing as mp
-    mp.start_processes(_whiten_on_two_ranks, args=(f"file://{tmp_path}/store", str(tmp_path / "adv")), nprocs=2,
-                       start_method="spawn")
+
+    mp.start_processes(
+        _whiten_on_two_ranks, args=(f"file://{tmp_path}/store", str(tmp_path / "adv")), nprocs=2, start_method="spawn"
+    )
     R, mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]]), _mask(3, [2, 1, 1, 2])
     whole, _ = ADVANTAGES["reinforce_pp"](Experience(R, mask))
     parts = [torch.load(tmp_path / f"adv.{r}") for r in (0, 1)]
@@ -213,6 +226,7 @@ def test_reinforce_pp_normalises_over_every_rank(tmp_path):
 @pytest.mark.fast
 def test_estimator_names_match_the_config():
     from hybridrl.core import config
+
     assert tuple(ADVANTAGES) == config.ADVANTAGES
     with pytest.raises(config.ConfigError, match="must be one of grpo, dr_grpo, rloo, reinforce_pp, gae"):
         config.load(overrides={"algo.advantage": "ppo"})

@@ -25,17 +25,21 @@ def test_splits_are_fixed_disjoint_and_cover_all_pairs():
     assert train_p | held_p == {f"{a}+{b}=" for a in range(50) for b in range(50)}
     # Fixed forever: these exact rows, and a digest of both splits in order.
     assert held[:5] == [
-        {"prompt": "0+3=", "answer": "3"}, {"prompt": "0+12=", "answer": "12"},
-        {"prompt": "0+30=", "answer": "30"}, {"prompt": "0+35=", "answer": "35"},
+        {"prompt": "0+3=", "answer": "3"},
+        {"prompt": "0+12=", "answer": "12"},
+        {"prompt": "0+30=", "answer": "30"},
+        {"prompt": "0+35=", "answer": "35"},
         {"prompt": "1+0=", "answer": "1"},
     ]
     assert train[:3] == [
-        {"prompt": "2+25=", "answer": "27"}, {"prompt": "8+23=", "answer": "31"},
+        {"prompt": "2+25=", "answer": "27"},
+        {"prompt": "8+23=", "answer": "31"},
         {"prompt": "1+9=", "answer": "10"},
     ]
 
     def digest(rows):
         return hashlib.sha256(" ".join(r["prompt"] for r in rows).encode()).hexdigest()
+
     assert digest(held)[:16] == HELDOUT_DIGEST
     assert digest(train)[:16] == TRAIN_DIGEST
 
@@ -55,11 +59,25 @@ def test_unknown_split_raises():
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("completion,expected", [
-    ("46", 1.0), (" 46\n", 1.0), ("46<eos>", 1.0), ("46 <eos>", 1.0), ("\t46<eos>\n", 1.0),
-    ("46<eos><eos>", 1.0), ("4 6", 0.0), ("046", 0.0), ("47", 0.0), ("46+1", 0.0), ("", 0.0),
-    ("<eos>", 0.0), ("46<eos>7", 0.0), ("4", 0.0),
-])
+@pytest.mark.parametrize(
+    "completion,expected",
+    [
+        ("46", 1.0),
+        (" 46\n", 1.0),
+        ("46<eos>", 1.0),
+        ("46 <eos>", 1.0),
+        ("\t46<eos>\n", 1.0),
+        ("46<eos><eos>", 1.0),
+        ("4 6", 0.0),
+        ("046", 0.0),
+        ("47", 0.0),
+        ("46+1", 0.0),
+        ("", 0.0),
+        ("<eos>", 0.0),
+        ("46<eos>7", 0.0),
+        ("4", 0.0),
+    ],
+)
 def test_verify_and_reward(completion, expected):
     assert arithmetic.verify(completion, "46") == expected
     assert arithmetic.reward("12+34=", completion, "46") == expected
@@ -124,17 +142,24 @@ def test_shipped_model_is_weak_but_not_blank(tokenizer):
     model.eval()
     cfg = model.config
     assert (cfg.model_type, cfg.vocab_size, cfg.hidden_size // cfg.num_attention_heads) == (
-        "qwen2", len(tokenizer), 32)  # head size 32: one vLLM's CPU attention supports
+        "qwen2",
+        len(tokenizer),
+        32,
+    )  # head size 32: one vLLM's CPU attention supports
     assert sum(p.numel() for p in model.parameters()) == 858_496
 
     rows = arithmetic.load("heldout")
     tokenizer.padding_side = "left"
     batch = tokenizer([r["prompt"] for r in rows], return_tensors="pt", padding=True)
     with torch.no_grad():
-        out = model.generate(**batch, do_sample=False, max_new_tokens=4,
-                             eos_token_id=tokenizer.eos_token_id,
-                             pad_token_id=tokenizer.pad_token_id)
-    texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            **batch,
+            do_sample=False,
+            max_new_tokens=4,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1] :], skip_special_tokens=True)
     acc = sum(arithmetic.reward(r["prompt"], t, r["answer"]) for r, t in zip(rows, texts)) / len(rows)
     assert 0.15 <= acc <= 0.30, acc
     assert all(t.isdigit() for t in texts)  # the format is learned: digits, then eos

@@ -68,47 +68,81 @@ def test_no_gpu_when_cuda_visible_devices_is_empty(monkeypatch):
 def test_results_cli_lists_and_prints_rows(results_dir):
     results.append("toy", {"bench": "toy", "date": "2026-11-25", "source": "toy-old.txt", "text": "the raw text"})
     env = {**os.environ, "HYBRIDRL_BENCH_RESULTS": str(results_dir)}
-    run = lambda *a: subprocess.run([sys.executable, "-m", "bench.results", *a], capture_output=True,  # noqa: E731
-                                    text=True, cwd=ROOT, env=env, timeout=60)
+
+    def run(*a):
+        return subprocess.run(
+            [sys.executable, "-m", "bench.results", *a], capture_output=True, text=True, cwd=ROOT, env=env, timeout=60
+        )
+
     assert "toy.jsonl: 1 rows" in run().stdout
     assert "the raw text" in run("toy", "--source", "toy-*", "--text").stdout
     assert run("toy", "--source", "other-*").returncode == 1
 
 
 def _peers_row(date: str, hybridrl: float, trl: float, **machine) -> dict:
-    return {"bench": "peers", "date": date, "commit": "abc1234", "machine": {"cpu": "Intel(R) Xeon(R) Processor",
-            "cores": 2, "flags": ["avx2"], "kind": "avx2", **machine}, "versions": {},
-            "workload": {"workload": "demo", "prompts": 16, "n": 8, "tokens": 4, "dtype": "float32"},
-            "figures": {"trainers": {"hybridrl": {"step_s": hybridrl}, "TRL vLLM colocate": {"step_s": trl}},
-                        "speedup": trl / hybridrl, "target": 1.5}}
+    return {
+        "bench": "peers",
+        "date": date,
+        "commit": "abc1234",
+        "machine": {"cpu": "Intel(R) Xeon(R) Processor", "cores": 2, "flags": ["avx2"], "kind": "avx2", **machine},
+        "versions": {},
+        "workload": {"workload": "demo", "prompts": 16, "n": 8, "tokens": 4, "dtype": "float32"},
+        "figures": {
+            "trainers": {"hybridrl": {"step_s": hybridrl}, "TRL vLLM colocate": {"step_s": trl}},
+            "speedup": trl / hybridrl,
+            "target": 1.5,
+        },
+    }
 
 
 def test_render_fills_a_marked_region_and_check_finds_it_stale(results_dir, tmp_path):
     results.append("peers", _peers_row("2026-11-25T10:00:00Z", 0.2, 0.3))
     results.append("peers", _peers_row("2026-11-26T10:00:00Z", 0.1, 0.25))  # newer: the table's row
-    results.append("demo_curve", {"bench": "demo_curve", "date": "2026-11-26", "machine": {"kind": "amx"},
-                                  "workload": {"set": []}, "figures": {
-                                      "grid_s": [0, 10, 20], "acc": {"0": [0.2, 0.5, 0.8]}, "mean": [0.2, 0.5, 0.8],
-                                      "final": {"0": 0.81}, "final_mean": 0.81, "time_to_75": {"0": 20.0},
-                                      "mean_time_to_75": 20.0}})
+    results.append(
+        "demo_curve",
+        {
+            "bench": "demo_curve",
+            "date": "2026-11-26",
+            "machine": {"kind": "amx"},
+            "workload": {"set": []},
+            "figures": {
+                "grid_s": [0, 10, 20],
+                "acc": {"0": [0.2, 0.5, 0.8]},
+                "mean": [0.2, 0.5, 0.8],
+                "final": {"0": 0.81},
+                "final_mean": 0.81,
+                "time_to_75": {"0": 20.0},
+                "mean_time_to_75": 20.0,
+            },
+        },
+    )
     doc = tmp_path / "doc.md"
-    doc.write_text("# Speed\n\nbefore\n<!-- bench:peers -->\nhand-written, stale\n<!-- /bench:peers -->\nbetween\n"
-                   "<!-- bench:demo_curve every=20 -->\n<!-- /bench:demo_curve -->\n"
-                   "<!-- bench:history:peers kind=avx2 -->\n<!-- /bench:history:peers -->\nafter\n")
+    doc.write_text(
+        "# Speed\n\nbefore\n<!-- bench:peers -->\nhand-written, stale\n<!-- /bench:peers -->\nbetween\n"
+        "<!-- bench:demo_curve every=20 -->\n<!-- /bench:demo_curve -->\n"
+        "<!-- bench:history:peers kind=avx2 -->\n<!-- /bench:history:peers -->\nafter\n"
+    )
     new, changed = render.rewrite(doc.read_text())
     assert changed == ["peers", "demo_curve every=20", "history:peers kind=avx2"]
     assert new.startswith("# Speed\n\nbefore\n<!-- bench:peers -->\n\n| workload") and "\nbetween\n" in new
     assert "hand-written" not in new and new.endswith("<!-- /bench:history:peers -->\nafter\n")
-    assert "| demo, 16 x 8 x 4 | float32 | Xeon avx2 | 2026-11-26 10:00 | abc1234 | 0.100 | - | 0.250 | **2.50x** |" \
-        in new
+    assert (
+        "| demo, 16 x 8 x 4 | float32 | Xeon avx2 | 2026-11-26 10:00 | abc1234 | 0.100 | - | 0.250 | **2.50x** |" in new
+    )
     assert "| 0 | 20.0% | 20.0% |" in new and "| 20 | 80.0% | 80.0% |" in new and "| 10 |" not in new  # every=20
     assert new.count("\n- 2026-11-2") == 2 and new.index("2026-11-26 10:00, Xeon") < new.index("2026-11-25 10:00, Xeon")
     assert render.rewrite(new) == (new, [])  # rendering twice changes nothing
 
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "bench.render", *args, str(doc)], capture_output=True,
-                              text=True, cwd=ROOT, env={**os.environ, "HYBRIDRL_BENCH_RESULTS": str(results_dir)},
-                              timeout=60)
+        return subprocess.run(
+            [sys.executable, "-m", "bench.render", *args, str(doc)],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "HYBRIDRL_BENCH_RESULTS": str(results_dir)},
+            timeout=60,
+        )
+
     assert cli("--check").returncode == 1 and "hand-written" in doc.read_text()  # --check writes nothing
     assert cli().returncode == 0 and doc.read_text() == new
     assert cli("--check").returncode == 0
@@ -121,8 +155,14 @@ def test_the_repository_tables_are_current():
     """Every marked region in README.md and docs/ is what `python -m bench.render` makes of bench/results/:
     after recording a run, render the tables and commit both."""
     env = {k: v for k, v in os.environ.items() if k != "HYBRIDRL_BENCH_RESULTS"}
-    out = subprocess.run([sys.executable, "-m", "bench.render", "--check"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.render", "--check"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -130,8 +170,9 @@ def test_the_repository_tables_are_current():
 def test_every_bench_module_runs_as_a_module(name):
     """`python -m bench.<name> --help` from the repository root: the package imports without sys.path
     edits, and its --help (or, for a module without a command line, its docstring) exits 0."""
-    out = subprocess.run([sys.executable, "-m", f"bench.{name}", "--help"], capture_output=True, text=True,
-                         cwd=ROOT, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", f"bench.{name}", "--help"], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip()
 

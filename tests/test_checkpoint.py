@@ -2,6 +2,7 @@
 exactly, SIGTERM/SIGINT stop after a checkpoint, `hybridrl export` gives a model transformers and
 vLLM load with the trainer's logits; plus the on-disk rules (atomic, keep N, skip incomplete).
 """
+
 import json
 import os
 import signal
@@ -55,6 +56,7 @@ def test_incomplete_or_truncated_checkpoint_is_never_loaded(runs, tmp_path):
 
     from hybridrl.core import config
     from hybridrl.run import checkpoint
+
     root = tmp_path / "run" / "checkpoints"
     shutil.copytree(runs["part"] / "checkpoints", root)
     shutil.copytree(root / f"step-{N}", root / "tmp-step-9")  # a crash mid-save: never renamed
@@ -77,8 +79,9 @@ def test_export_loads_in_transformers_with_the_trainers_logits(runs, tmp_path):
     state in the checkpoint, loaded without hybridrl), and vLLM loads it."""
     out = tmp_path / "hf"
     export_cli(runs["full"], out)
-    assert ({"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"}
-            <= {p.name for p in out.iterdir()})
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
     script = f"""
 import torch, json
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -88,7 +91,7 @@ from hybridrl.core import environ; environ.setup()
 demo = Path(hybridrl.__file__).parent / "demo_model"
 m = AutoModelForCausalLM.from_pretrained({str(out)!r}).eval()
 tok = AutoTokenizer.from_pretrained({str(out)!r})
-sd = torch.load({str(runs['full'] / 'checkpoints' / f'step-{N}' / 'ds' / 'mp_rank_00_model_states.pt')!r},
+sd = torch.load({str(runs["full"] / "checkpoints" / f"step-{N}" / "ds" / "mp_rank_00_model_states.pt")!r},
                 weights_only=False)["module"]
 ref = AutoModelForCausalLM.from_pretrained(demo).eval()
 ref.load_state_dict({{k.removeprefix("hf."): v for k, v in sd.items()}})
@@ -107,8 +110,13 @@ vgap = max(abs(d[t].logprob - hf_lp[i, t].item()) for i, (t, d) in enumerate(zip
            o.prompt_logprobs[1:])))
 print(json.dumps(dict(gap=gap, moved=moved, vgap=vgap)))
 """
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    res = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["moved"] > 0  # the trained weights, not the initial ones
@@ -120,8 +128,9 @@ print(json.dumps(dict(gap=gap, moved=moved, vgap=vgap)))
 def test_signal_stops_after_a_checkpoint_and_resume_auto_continues(tmp_path, sig, code):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "hybridrl", "train", *FAST, "--steps", "200", "--log.run_dir", str(run_dir)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
     metrics, deadline = run_dir / "metrics.jsonl", time.time() + 600
     while time.time() < deadline and proc.poll() is None:  # wait for 2 finished steps
         if metrics.exists() and sum('"reward"' in x for x in metrics.read_text().splitlines()) >= 2:
@@ -132,9 +141,12 @@ def test_signal_stops_after_a_checkpoint_and_resume_auto_continues(tmp_path, sig
     assert proc.returncode == code, stdout[-2000:] + stderr[-4000:]
     steps = _steps(json.loads(x) for x in metrics.read_text().splitlines())
     stopped = max(steps)
-    assert f"stopped by {sig.name} after step {stopped}; checkpoint: {run_dir / 'checkpoints' / f'step-{stopped}'}" \
+    assert (
+        f"stopped by {sig.name} after step {stopped}; checkpoint: {run_dir / 'checkpoints' / f'step-{stopped}'}"
         in stdout
+    )
     from hybridrl.run import checkpoint  # the step in progress when the signal came was finished and saved
+
     ck = run_dir / "checkpoints" / f"step-{stopped}"
     assert checkpoint.is_complete(ck) and json.loads((ck / "state.json").read_text())["step"] == stopped
     _, records, summary = train_cli(run_dir, *FAST, "--steps", str(stopped + 1), "--resume", "auto")
@@ -146,8 +158,17 @@ def test_nonfinite_loss_skips_the_update_and_is_counted(tmp_path, monkeypatch):
     """A NaN loss (injected at optimizer step 2 by a test-only variable) leaves the weights as they
     were: vLLM's probe log-probs do not move at that step (probe_delta 0), and training goes on."""
     monkeypatch.setenv("HYBRIDRL_TEST_NAN_AT_STEP", "2")
-    _, records, _ = train_cli(tmp_path / "run", "--steps", "3", "--train.prompts_per_step", "8", "--rollout.n", "4",
-                              "--train.minibatches", "1")  # one optimizer step per RL step: step 2 is update 2
+    _, records, _ = train_cli(
+        tmp_path / "run",
+        "--steps",
+        "3",
+        "--train.prompts_per_step",
+        "8",
+        "--rollout.n",
+        "4",
+        "--train.minibatches",
+        "1",
+    )  # one optimizer step per RL step: step 2 is update 2
     s = _steps(records)
     assert [s[i]["nonfinite_steps"] for i in (1, 2, 3)] == [0, 1, 0]
     assert s[2]["probe_delta"] == 0.0 and s[2]["probe_gap"] <= 1e-4  # weights untouched, vLLM still in sync
@@ -179,12 +200,15 @@ def _saver(run_dir, **ckpt):
     from hybridrl.core.launch import World
     from hybridrl.engines.seams import Engines
     from hybridrl.run import checkpoint
+
     cfg = config.load(overrides={"log.run_dir": str(run_dir), **{f"ckpt.{k}": v for k, v in ckpt.items()}})
     saver = checkpoint.Saver(cfg, run_dir, World(0, 1, 0, torch.device("cpu")), _Fake())
-    trainer = _Fake(engine=_Fake(), peft=None, hf=_Fake(config=_Fake(), generation_config=None,
-                                                       parameters=lambda: [torch.zeros(4)]))
-    return cfg, lambda step: saver.save(step, Engines(trainer), _Fake(cursor=step), _Fake(last=None, tol=1e-4),
-                                        {"elapsed_s": 1.0})
+    trainer = _Fake(
+        engine=_Fake(), peft=None, hf=_Fake(config=_Fake(), generation_config=None, parameters=lambda: [torch.zeros(4)])
+    )
+    return cfg, lambda step: saver.save(
+        step, Engines(trainer), _Fake(cursor=step), _Fake(last=None, tol=1e-4), {"elapsed_s": 1.0}
+    )
 
 
 @pytest.mark.fast
@@ -193,6 +217,7 @@ def test_keep_rotates_by_save_order_and_resume_auto_follows_the_branch(tmp_path)
     the abandoned step-4, which --resume auto then continued."""
     from hybridrl.core import config
     from hybridrl.run import checkpoint
+
     run = tmp_path / "run"
     _, save = _saver(run, keep=2)
     for step in (2, 4):  # a 4-step run saving every 2
@@ -215,6 +240,7 @@ def test_resaving_a_step_never_leaves_it_missing(tmp_path, monkeypatch):
     left no step-N. Now it is moved aside, and a crash there leaves it findable and restored."""
     from hybridrl.core import config
     from hybridrl.run import checkpoint
+
     run = tmp_path / "run"
     _, save = _saver(run, keep=2)
     save(2)
@@ -224,6 +250,7 @@ def test_resaving_a_step_never_leaves_it_missing(tmp_path, monkeypatch):
         real_rename(src, dst)
         if str(dst).endswith(".old"):
             raise KeyboardInterrupt  # the process dies here
+
     monkeypatch.setattr(os, "rename", crash_after_moving_aside)
     with pytest.raises(KeyboardInterrupt):
         save(2)
@@ -240,6 +267,7 @@ def test_shards_and_directories_are_synced_before_older_checkpoints_go(tmp_path,
     """issue 40 (3): only complete.json and latest were fsync'd, yet older checkpoints were deleted
     right after the rename."""
     import shutil
+
     run = tmp_path / "run"
     _, save = _saver(run, keep=1)
     save(1)
@@ -252,6 +280,7 @@ def test_shards_and_directories_are_synced_before_older_checkpoints_go(tmp_path,
     def rmtree(path, *a, **kw):
         events.append(("rm", str(path)))
         real_rmtree(path, *a, **kw)
+
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(shutil, "rmtree", rmtree)
     new = save(2)
@@ -274,10 +303,13 @@ def test_rank_state_loads_with_weights_only(tmp_path):
 
     from hybridrl.core.config import UserError
     from hybridrl.run import checkpoint
+
     checkpoint._save_torch({"rng": checkpoint.rng_state(), "probe_last": torch.ones(2)}, tmp_path / "new.pt")
     torch.load(tmp_path / "new.pt", weights_only=True)  # plain tuples and tensors now
-    old = {"rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
-           "probe_last": None}
+    old = {
+        "rng": {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()},
+        "probe_last": None,
+    }
     torch.save(old, tmp_path / "old.pt")  # an earlier version's: numpy's keys as an ndarray
     x = np.random.rand()
     checkpoint.set_rng_state(checkpoint.load_rank_state(tmp_path / "old.pt")["rng"])
@@ -286,6 +318,7 @@ def test_rank_state_loads_with_weights_only(tmp_path):
     class Planted:
         def __reduce__(self):
             return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
     torch.save({"rng": Planted()}, tmp_path / "evil.pt")
     with pytest.raises(UserError, match="evil.pt: not a checkpoint this version can read safely"):
         checkpoint.load_rank_state(tmp_path / "evil.pt")
@@ -297,8 +330,14 @@ def test_a_saved_config_grants_no_remote_code_and_names_its_imports(tmp_path, ca
     """issue 40 (9): resume and `hybridrl eval RUN` took trust_remote_code from the run's config."""
     from hybridrl.core import config
     from hybridrl.run import checkpoint
-    cfg = config.load(overrides={"model.trust_remote_code": True, "reward.fn": "arithmetic,mymod:score",
-                                 "env.cls": "envs_for_tests:Echo"})
+
+    cfg = config.load(
+        overrides={
+            "model.trust_remote_code": True,
+            "reward.fn": "arithmetic,mymod:score",
+            "env.cls": "envs_for_tests:Echo",
+        }
+    )
     got = checkpoint.from_run_dir(cfg, {}, tmp_path / "config.yaml")
     err = capsys.readouterr().err
     assert got.model.trust_remote_code is False and "does not grant it" in err
@@ -315,6 +354,7 @@ def test_export_takes_trust_remote_code_from_today_only(tmp_path, monkeypatch):
 
     from hybridrl.core import config
     from hybridrl.run import export
+
     ck = tmp_path / "step-1"
     ck.mkdir()
     (ck / "complete.json").write_text('{"files": {}}')
@@ -325,6 +365,7 @@ def test_export_takes_trust_remote_code_from_today_only(tmp_path, monkeypatch):
     def from_pretrained(path, **kw):
         asked.append(kw["trust_remote_code"])
         raise RuntimeError("stop here")
+
     monkeypatch.setattr(z, "get_fp32_state_dict_from_zero_checkpoint", lambda *a, **kw: {})
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_pretrained)
     for flag in (False, True):

@@ -1,5 +1,6 @@
 """The shipped code task (data.path=code): its fixed splits, and its tests run by the code_tests
 reward in the real sandbox. The demo that learns from it is the slow test at the end."""
+
 import json
 
 import pytest
@@ -12,8 +13,16 @@ def test_the_splits_are_fixed_and_disjoint():
     train, held = code.load("train"), code.load("heldout")
     assert (len(train), len(held)) == (2244, 256)
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
-    assert held[0] == {"prompt": "f(0)=21;f(1)=21;", "test_list": ["assert f(0) == 21", "assert f(1) == 21",
-                       "assert f(2) == 21", "assert f(3) == 21", "assert f(10) == 21"]}  # a = 0, b = 21
+    assert held[0] == {
+        "prompt": "f(0)=21;f(1)=21;",
+        "test_list": [
+            "assert f(0) == 21",
+            "assert f(1) == 21",
+            "assert f(2) == 21",
+            "assert f(3) == 21",
+            "assert f(10) == 21",
+        ],
+    }  # a = 0, b = 21
 
 
 def test_programs_are_scored_by_what_they_do():
@@ -25,6 +34,7 @@ def test_programs_are_scored_by_what_they_do():
 
     def score(program):
         return code_tests.code_tests(row["prompt"], program, answer)
+
     assert score(code.program_text(a, b)) == 1.0
     assert score(code.program_text(a + 1, b)) == pytest.approx(0.2)
     assert score(f"def f(x):\n    return sum([{a}] * x) + {b}") == 1.0
@@ -37,6 +47,7 @@ def test_a_code_run_scores_programs_in_the_sandbox(tmp_path):
     is its tests as JSON, which the probe used to append whole: 119 tokens), and rewards in fifths:
     each program ran against five asserts."""
     from helpers.cli import train_cli
+
     out, steps, summary = train_cli(tmp_path / "run", "--data.path", "code", "--steps", "2")
     assert "reward.fn=code_tests" in out.stdout and summary["steps"] == 2
     assert all(s["reward_errors"] == 0 and 0 < s["reward"] < 1 for s in steps)
@@ -49,9 +60,25 @@ def test_the_code_demo_learns_from_executed_code(tmp_path):
     steps: the share of held-out functions whose program passes all five tests rises by a clear
     margin (23.4% -> 34.4% in 9 min on 2 cores), from rewards the sandbox alone gave."""
     from helpers.cli import train_cli
-    _, steps, summary = train_cli(tmp_path / "run", "--data.path", "code", "--steps", "150",
-                                  "--train.prompts_per_step", "16", "--rollout.n", "8", "--train.lr", "5e-5",
-                                  "--log.eval_size", "256", "--train.max_minutes", "0", timeout=3600)
+
+    _, steps, summary = train_cli(
+        tmp_path / "run",
+        "--data.path",
+        "code",
+        "--steps",
+        "150",
+        "--train.prompts_per_step",
+        "16",
+        "--rollout.n",
+        "8",
+        "--train.lr",
+        "5e-5",
+        "--log.eval_size",
+        "256",
+        "--train.max_minutes",
+        "0",
+        timeout=3600,
+    )
     before, after = summary["heldout_acc_before"], summary["heldout_acc_after"]
     assert before == 0.234375 and after >= before + 0.05, (before, after)  # 60 / 256 at the start
     assert sum(s["reward_errors"] + s["reward_timeouts"] for s in steps) == 0

@@ -1,6 +1,7 @@
 """The code_tests reward (hybridrl/data/code_tests.py): the three row formats, malformed rows refused at
 start naming file:line, the program taken from the completion, and the fraction of tests passed, each
 program run in the real sandbox (a process per program: the default tier)."""
+
 import json
 
 import pytest
@@ -8,12 +9,19 @@ import pytest
 from hybridrl.core.config import DataConfig
 from hybridrl.data import code_tests, prompts, rewards
 
-MBPP = {"prompt": "Write add(a, b).", "test_list": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0",
-                                                    "assert add(2, 2) == 5"]}
-HUMANEVAL = {"prompt": "def inc(x):", "entry_point": "inc",
-             "test": "def check(candidate):\n    assert candidate(1) == 2\n    assert candidate(-1) == 0\n"}
-APPS = {"prompt": "Read two numbers, print their sum.",
-        "input_output": json.dumps({"inputs": ["1 2\n", "5 5\n", "0 0\n"], "outputs": ["3\n", "10\n", "0\n"]})}
+MBPP = {
+    "prompt": "Write add(a, b).",
+    "test_list": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0", "assert add(2, 2) == 5"],
+}
+HUMANEVAL = {
+    "prompt": "def inc(x):",
+    "entry_point": "inc",
+    "test": "def check(candidate):\n    assert candidate(1) == 2\n    assert candidate(-1) == 0\n",
+}
+APPS = {
+    "prompt": "Read two numbers, print their sum.",
+    "input_output": json.dumps({"inputs": ["1 2\n", "5 5\n", "0 0\n"], "outputs": ["3\n", "10\n", "0\n"]}),
+}
 
 
 def _answer(row):
@@ -31,13 +39,16 @@ def test_rows_in_each_format_and_the_program_in_a_completion():
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("row, says", [
-    ({"prompt": "p", "test_list": []}, "'test_list' must be a non-empty list"),
-    ({"prompt": "p", "test_list": ["assert f(1) =="]}, "a 'test_list' entry is not valid Python"),
-    ({"prompt": "p", "test": "def check(c): pass"}, "need 'entry_point'"),
-    ({"prompt": "p", "input_output": "{not json"}, "'input_output' is not valid JSON"),
-    ({"prompt": "p", "input_output": {"inputs": ["1"], "outputs": []}}, "1 inputs and 0 outputs"),
-])
+@pytest.mark.parametrize(
+    "row, says",
+    [
+        ({"prompt": "p", "test_list": []}, "'test_list' must be a non-empty list"),
+        ({"prompt": "p", "test_list": ["assert f(1) =="]}, "a 'test_list' entry is not valid Python"),
+        ({"prompt": "p", "test": "def check(c): pass"}, "need 'entry_point'"),
+        ({"prompt": "p", "input_output": "{not json"}, "'input_output' is not valid JSON"),
+        ({"prompt": "p", "input_output": {"inputs": ["1"], "outputs": []}}, "1 inputs and 0 outputs"),
+    ],
+)
 def test_a_malformed_test_row_stops_at_start_naming_its_line(tmp_path, row, says):
     path = tmp_path / "code.jsonl"
     path.write_text(json.dumps(MBPP) + "\n" + json.dumps(row) + "\n")
@@ -57,8 +68,9 @@ class _Tokenizer:
 def test_a_code_row_needs_no_answer_column_its_tests_are_the_answer(tmp_path):
     path = tmp_path / "code.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in (MBPP, HUMANEVAL, APPS)) + "\n")
-    got, dropped = prompts.encode(prompts.read_rows(str(path)), _Tokenizer(), DataConfig(chat_template="off"),
-                                  str(path))
+    got, dropped = prompts.encode(
+        prompts.read_rows(str(path)), _Tokenizer(), DataConfig(chat_template="off"), str(path)
+    )
     assert [json.loads(p.answer)["code_tests"]["kind"] for p in got] == ["asserts", "check", "io"]
     assert dropped == {"too_long": 0, "malformed": 0}
 
@@ -79,8 +91,12 @@ def test_the_reward_is_the_fraction_of_tests_passed():
 def test_a_program_that_exits_early_or_prints_a_fake_report_passes_nothing():
     """The harness reports behind a nonce it read before the solution ran: exiting with status 0
     before the tests, or printing what a report looks like, scores 0."""
-    for hack in ("import os\nos._exit(0)", "print('\\n' + '0' * 32 + '[1, 1, 1]')", "import sys\nsys.exit(0)",
-                 "raise SystemExit(0)"):
+    for hack in (
+        "import os\nos._exit(0)",
+        "print('\\n' + '0' * 32 + '[1, 1, 1]')",
+        "import sys\nsys.exit(0)",
+        "raise SystemExit(0)",
+    ):
         assert code_tests.code_tests("", hack, _answer(MBPP)) == 0.0, hack
 
 

@@ -25,8 +25,16 @@ def test_every_field_has_help():
 
 @pytest.mark.fast
 def test_overrides_are_typed():
-    cfg = C.load(None, {"algo.clip_high": "0.28", "train.steps": "7", "rollout.enable_prefix_caching": "false",
-                        "train.betas": "0.9, 0.95", "train.lr": "1e-5"})
+    cfg = C.load(
+        None,
+        {
+            "algo.clip_high": "0.28",
+            "train.steps": "7",
+            "rollout.enable_prefix_caching": "false",
+            "train.betas": "0.9, 0.95",
+            "train.lr": "1e-5",
+        },
+    )
     assert cfg.algo.clip_high == 0.28 and cfg.train.steps == 7 and cfg.rollout.enable_prefix_caching is False
     assert cfg.train.betas == [0.9, 0.95] and cfg.train.lr == 1e-5
 
@@ -53,8 +61,10 @@ def test_bad_values_say_what_to_change():
 def test_settings_not_built_are_refused_with_the_fix():
     # tensor parallelism: in process only (the external launcher), 1..8
     assert C.load(None, {"rollout.tensor_parallel_size": 2}).rollout.tensor_parallel_size == 2
-    for over, fix in [({"rollout.mode": "outofprocess"}, "use rollout.mode=inprocess"),
-                      ({"rollout.tensor_parallel_size": 16}, r"in \[1, 8\]")]:
+    for over, fix in [
+        ({"rollout.mode": "outofprocess"}, "use rollout.mode=inprocess"),
+        ({"rollout.tensor_parallel_size": 16}, r"in \[1, 8\]"),
+    ]:
         with pytest.raises(C.ConfigError, match=fix) as e:
             C.load(None, {"rollout.tensor_parallel_size": 2, **over})
         assert "\n" not in str(e.value)
@@ -85,6 +95,7 @@ def test_launch_flags_are_not_passed_to_workers():
 def test_cli_help_shows_groups_and_rejects_typos():
     def run(*a):
         return subprocess.run([sys.executable, "-m", "hybridrl", "train", *a], capture_output=True, text=True)
+
     out = run("--help")
     assert out.returncode == 0
     for group in C.GROUPS:
@@ -129,13 +140,19 @@ def test_every_numeric_knob_refuses_values_out_of_its_range(key):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("over,words", [
-    ({"train.lr": -1}, "train.lr=-1.0: must be a finite number in (0, 1]"),
-    ({"train.max_minutes": -1}, "train.max_minutes=-1.0: must be a finite number >= 0"),
-    ({"log.eval_size": -5}, "log.eval_size=-5: must be a finite number >= 0"),
-    ({"rollout.temperature": 0}, "rollout.temperature=0.0: must be a finite number > 0; at 0 vLLM samples greedily"),
-    ({"train.lr": "nan"}, "train.lr=nan: must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "over,words",
+    [
+        ({"train.lr": -1}, "train.lr=-1.0: must be a finite number in (0, 1]"),
+        ({"train.max_minutes": -1}, "train.max_minutes=-1.0: must be a finite number >= 0"),
+        ({"log.eval_size": -5}, "log.eval_size=-5: must be a finite number >= 0"),
+        (
+            {"rollout.temperature": 0},
+            "rollout.temperature=0.0: must be a finite number > 0; at 0 vLLM samples greedily",
+        ),
+        ({"train.lr": "nan"}, "train.lr=nan: must be a finite number"),
+    ],
+)
 def test_the_issues_knobs_are_refused_by_name(over, words):
     with pytest.raises(C.ConfigError) as e:
         C.load(None, over)
@@ -146,8 +163,9 @@ def test_an_out_of_range_flag_fails_before_the_engines():
     """The CLI refuses --train.lr -1 in one line, in about the time Python takes to start: before torch,
     vLLM or DeepSpeed are imported (before: one step ran, then a StaleWeightsError blamed the hand-off)."""
     t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "hybridrl", "train", "--train.lr", "-1"], capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "hybridrl", "train", "--train.lr", "-1"], capture_output=True, text=True, timeout=120
+    )
     took = time.perf_counter() - t0
     assert out.returncode != 0
     err = [x for x in (out.stdout + out.stderr).splitlines() if x.strip()]
@@ -160,6 +178,7 @@ def test_specs_saved_before_the_role_folders_still_resolve():
     modules in its config (env.cls, reward.fn): resuming or evaluating it still imports them."""
     from hybridrl.data.envs import ToolEnv
     from hybridrl.data.tasks.arithmetic import DEMO_MODEL_DIR
+
     assert C.import_spec("env.cls", "hybridrl.envs:ToolEnv", "hybridrl.envs:ToolEnv") is ToolEnv
     assert C.import_spec("k", "s", "hybridrl.tasks.arithmetic:DEMO_MODEL_DIR") == DEMO_MODEL_DIR
     assert C.import_spec("k", "s", "hybridrl.data.envs:ToolEnv") is ToolEnv  # today's name
@@ -168,6 +187,7 @@ def test_specs_saved_before_the_role_folders_still_resolve():
 
 def test_every_module_moved_still_imports_under_its_new_name():
     import importlib
+
     for new in C.MOVED.values():
         importlib.import_module(f"hybridrl.{new}")
 

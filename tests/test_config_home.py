@@ -24,9 +24,11 @@ PACKAGE = ROOT / "hybridrl"
 # where a Config may be rewritten: its loading and recipes, the resolver, and the memory plan's
 # decision function (called from resolve, through plan.fit)
 HOMES = {"core/config.py", "core/recipe.py", "run/resolve.py"}
-FUNCTIONS = {("cycle/plan.py", "decide"),
-             # a run directory's saved config as it is loaded (`--resume DIR`), before resolve
-             ("run/checkpoint.py", "from_run_dir")}
+FUNCTIONS = {
+    ("cycle/plan.py", "decide"),
+    # a run directory's saved config as it is loaded (`--resume DIR`), before resolve
+    ("run/checkpoint.py", "from_run_dir"),
+}
 
 pytestmark = pytest.mark.fast  # reads source files; resolves the demo's config (no engine)
 
@@ -61,9 +63,14 @@ def _rewrites(source: str, where: str) -> list[str]:
                 continue
             bad = False
             if isinstance(child, ast.Call) and child.args:
-                bad = (ast.unparse(child.func).split(".")[-1] in ("replace", "put", "_set", "setattr", "apply",
-                                                                   "demo_recipe")
-                       and _is_config(child.args[0], names))
+                bad = ast.unparse(child.func).split(".")[-1] in (
+                    "replace",
+                    "put",
+                    "_set",
+                    "setattr",
+                    "apply",
+                    "demo_recipe",
+                ) and _is_config(child.args[0], names)
             elif isinstance(child, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Delete)):
                 targets = child.targets if isinstance(child, (ast.Assign, ast.Delete)) else [child.target]
                 flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
@@ -87,24 +94,29 @@ def _offenders(package: Path) -> list[str]:
 
 def test_no_module_outside_the_homes_rewrites_a_config():
     offenders = _offenders(PACKAGE)
-    assert not offenders, ("a Config is rewritten outside core/config.py, core/recipe.py and run/resolve.py (resolve "
-                           "it there, or return a decision made after the engines start beside it, as "
-                           "engine_cycle.plan_rollout's EngineSizing): " + "; ".join(offenders))
+    assert not offenders, (
+        "a Config is rewritten outside core/config.py, core/recipe.py and run/resolve.py (resolve "
+        "it there, or return a decision made after the engines start beside it, as "
+        "engine_cycle.plan_rollout's EngineSizing): " + "; ".join(offenders)
+    )
 
 
 def test_knobs_are_declared_in_the_schema_only():
     """Every setting is a field declared with schema.knob (its default, help and range): no module
     but core/schema.py declares one, and each of its groups is reachable from Config."""
-    elsewhere = [f"{path.relative_to(PACKAGE)}:{node.lineno}" for path in sorted(PACKAGE.rglob("*.py"))
-                 if path.relative_to(PACKAGE).as_posix() != "core/schema.py"
-                 for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.Call)
-                 and ast.unparse(node.func).split(".")[-1] == "knob"]
+    elsewhere = [
+        f"{path.relative_to(PACKAGE)}:{node.lineno}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(PACKAGE).as_posix() != "core/schema.py"
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == "knob"
+    ]
     assert not elsewhere, elsewhere
     assert all(f.metadata.get("help") for f in config.leaves().values())
 
 
 def test_the_walk_sees_each_way_of_rewriting():
-    source = '''
+    source = """
 import dataclasses
 from dataclasses import replace
 def f(cfg, other: Config, k):
@@ -121,7 +133,7 @@ class T:
     def g(self):
         self.cfg.train.lr = 3
         return replace(self.cfg, log=None)
-'''
+"""
     lines = [line.split(" ", 1)[0] for line in _rewrites(source, "x.py")]
     assert lines == ["x.py:5", "x.py:5", "x.py:6", "x.py:7", "x.py:8", "x.py:9", "x.py:10", "x.py:16", "x.py:17"]
 
@@ -131,9 +143,15 @@ def test_the_loop_hands_the_engines_the_resolved_config():
     the Trainer, the Rollout and every engine built from `cfg` receive the frozen, resolved one."""
     tree = ast.parse((PACKAGE / "run" / "loop.py").read_text())
     train = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "train")
-    assigned = [n for n in ast.walk(train) if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))
-                and any(isinstance(t, ast.Name) and t.id == "cfg" for t in ast.walk(
-                    ast.Tuple(elts=n.targets, ctx=ast.Store()) if isinstance(n, ast.Assign) else n.target))]
+    assigned = [
+        n
+        for n in ast.walk(train)
+        if isinstance(n, (ast.Assign, ast.AugAssign, ast.AnnAssign))
+        and any(
+            isinstance(t, ast.Name) and t.id == "cfg"
+            for t in ast.walk(ast.Tuple(elts=n.targets, ctx=ast.Store()) if isinstance(n, ast.Assign) else n.target)
+        )
+    ]
     values = [n.value.elts[0] if isinstance(n.value, ast.Tuple) else n.value for n in assigned]
     assert [ast.unparse(v) for v in values] == ["res.cfg"]
     calls = {ast.unparse(n.func): n for n in ast.walk(train) if isinstance(n, ast.Call)}
@@ -149,6 +167,7 @@ def test_the_resolved_config_refuses_changes(monkeypatch):
 
     from hybridrl.core import recipe
     from hybridrl.run import resolve
+
     monkeypatch.setattr(recipe, "_free_ram", lambda: 8 << 30)
     world = SimpleNamespace(device=torch.device("cpu"), size=1, main=True, rank=0)
     mine = config.load(None, {"train.steps": 2})
@@ -177,4 +196,3 @@ def test_the_resolved_config_refuses_changes(monkeypatch):
         with pytest.raises(dataclasses.FrozenInstanceError):
             again.train.lr = 1.0
     assert config.to_dict(cfg) == config.to_dict(dataclasses.replace(cfg))
-

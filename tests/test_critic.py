@@ -4,6 +4,7 @@ checkpoint (and a reference model) in play, at 1 rank ZeRO-2 with two minibatche
 (sharded reference, unequal micro-batch counts per rank) in the default suite, whose critic is then
 exported (`hybridrl export --critic`, the shards consolidated); a 2-rank ZeRO-3 run without the KL
 term is slow."""
+
 import json
 import math
 
@@ -18,9 +19,19 @@ from helpers.cli import export_cli, train_cli
 def test_two_rank_ppo_with_critic_completes_three_steps(tmp_path):
     # a small token budget gives several, unequal micro-batch counts per rank: the critic's ZeRO-3
     # gathers must line up like the policy's
-    _, steps, summary = train_cli(tmp_path / "run", "--nproc", "2", "--train.zero_stage", "3",
-                                  "--algo.advantage", "gae", "--train.max_tokens_per_micro_batch", "40",
-                                  "--train.minibatches", "1")  # step 1's values: the untrained head's
+    _, steps, summary = train_cli(
+        tmp_path / "run",
+        "--nproc",
+        "2",
+        "--train.zero_stage",
+        "3",
+        "--algo.advantage",
+        "gae",
+        "--train.max_tokens_per_micro_batch",
+        "40",
+        "--train.minibatches",
+        "1",
+    )  # step 1's values: the untrained head's
     assert [s["step"] for s in steps] == [1, 2, 3]
     for s in steps:
         assert math.isfinite(s["value_loss"]) and s["value_loss"] >= 0.0
@@ -33,23 +44,46 @@ def test_two_rank_ppo_with_critic_completes_three_steps(tmp_path):
     assert 0.0 <= summary["heldout_acc_after"] <= 1.0
 
 
-KEYS = ("loss", "reward", "grad_norm", "entropy_mean", "rollout_tokens", "value_loss", "critic_grad_norm",
-        "value_mean", "kl_mean", "adv_abs_mean")
+KEYS = (
+    "loss",
+    "reward",
+    "grad_norm",
+    "entropy_mean",
+    "rollout_tokens",
+    "value_loss",
+    "critic_grad_norm",
+    "value_mean",
+    "kl_mean",
+    "adv_abs_mean",
+)
 
 
 # the default suite: 1 rank ZeRO-2 with two minibatches, and 2 ranks ZeRO-3 (sharded reference) with
 # one update per rollout (~150 s on the 2-core EPYC); 2 ranks ZeRO-2 is slow
 @pytest.mark.cpu_only("bit-identical resumes rest on deterministic CPU kernels")
-@pytest.mark.parametrize("nproc,zero,minibatches", [(1, 2, 2), pytest.param(2, 2, 1, marks=pytest.mark.slow),
-                                                    (2, 3, 1)])
+@pytest.mark.parametrize(
+    "nproc,zero,minibatches", [(1, 2, 2), pytest.param(2, 2, 1, marks=pytest.mark.slow), (2, 3, 1)]
+)
 def test_resume_with_critic_and_reference_is_exact(tmp_path, nproc, zero, minibatches):
     # with two minibatches the policy and the critic each step twice per rollout through the one CPU
     # Adam op they share (its beta^t was once a running product that a resumed process could not
     # rebuild: 1e-8 off); at 2 ranks a small token budget gives several, unequal micro-batch counts
     # per rank: the critic's ZeRO-3 gathers must line up like the policy's
     budget = ["--train.max_tokens_per_micro_batch", "40"] if nproc == 2 else []
-    runs = _resume_pair(tmp_path, "--algo.advantage", "gae", "--algo.kl_coef", "0.05", "--nproc", str(nproc),
-                        "--train.zero_stage", str(zero), "--train.minibatches", str(minibatches), *budget)
+    runs = _resume_pair(
+        tmp_path,
+        "--algo.advantage",
+        "gae",
+        "--algo.kl_coef",
+        "0.05",
+        "--nproc",
+        str(nproc),
+        "--train.zero_stage",
+        str(zero),
+        "--train.minibatches",
+        str(minibatches),
+        *budget,
+    )
     a, b = runs["a"], runs["b2"]
     assert sorted(b) == list(range(1, N + 1))
     # the value head starts at zero: step 1's values are the untrained head's with one update per rollout
@@ -73,6 +107,7 @@ def test_resume_with_critic_and_reference_is_exact(tmp_path, nproc, zero, miniba
 def _assert_critic_exports(run, out):
     import torch
     from transformers import AutoModelForTokenClassification
+
     export_cli(run, out, "--critic")
     model = AutoModelForTokenClassification.from_pretrained(out).eval()  # every key matched (export checks)
     assert model.config.num_labels == 1 and model.score.weight.abs().max() > 0  # the trained head, not zeros

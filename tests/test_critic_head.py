@@ -3,6 +3,7 @@ one-output head (transformers' `score`, OpenRLHF's `value_head`, TRL's `v_head.s
 first values are that model's per-token scores; a model without one starts at zero; a head with
 several outputs, an unreadable one, or a vocabulary smaller than the policy's is refused at start.
 Real DeepSpeed engines on the demo's shapes."""
+
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ DEMO = str(Path(hybridrl.__file__).parent / "demo_model")
 def reward_model(path: Path, num_labels: int = 1, vocab: int | None = None, seed: int = 0):
     """A sequence-classification model of the demo's shape, random weights and head, saved to `path`."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
+
     conf = AutoConfig.from_pretrained(DEMO, num_labels=num_labels)
     conf.vocab_size = vocab or conf.vocab_size
     torch.manual_seed(seed)
@@ -33,6 +35,7 @@ def reward_model(path: Path, num_labels: int = 1, vocab: int | None = None, seed
 
 def critic_of(path: str, zero: int = 2):
     from hybridrl.engines.critic import Critic
+
     cfg = config.load(None, {"algo.advantage": "gae", "algo.critic_path": path, "train.zero_stage": zero})
     return Critic(cfg, DEMO, device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
 
@@ -62,6 +65,7 @@ def test_other_trainers_head_names_and_bias(tmp_path, name):
     """OpenRLHF's reward model and critic save `value_head.weight`, TRL's value-head model
     `v_head.summary.weight` and `.bias`: read as the head, the bias kept (zero where absent)."""
     from hybridrl.engines.critic import trained_head
+
     reward_model(tmp_path / "rm")
     tensors = load_file(tmp_path / "rm" / "model.safetensors")
     weight = tensors.pop("score.weight")
@@ -76,6 +80,7 @@ def test_other_trainers_head_names_and_bias(tmp_path, name):
 
 def test_a_causal_lm_gives_the_zero_head(world_of_one):
     from hybridrl.engines.critic import trained_head
+
     assert trained_head(DEMO, 128) is None
     values = critic_of(DEMO).values(batch())
     assert torch.count_nonzero(values) == 0
@@ -84,6 +89,7 @@ def test_a_causal_lm_gives_the_zero_head(world_of_one):
 @pytest.mark.fast
 def test_bad_heads_and_vocabularies_refused(tmp_path, world_of_one):
     from hybridrl.engines.critic import trained_head
+
     reward_model(tmp_path / "two", num_labels=2)
     with pytest.raises(ConfigError, match=r"has shape \(2, 128\).*num_labels=1"):
         trained_head(str(tmp_path / "two"), 128)
@@ -103,8 +109,9 @@ def exported(tmp_path_factory):
     """A 2-step PPO run of the demo and its critic exported (before any test sets up a world in
     this process: the CLI's ranks would take its address)."""
     tmp = tmp_path_factory.mktemp("critic")
-    train_cli(tmp / "run", "--algo.advantage", "gae", "--steps", "2", "--train.minibatches", "1",
-              "--algo.critic_lr", "1e-2")  # a large step: the head and the base move visibly
+    train_cli(
+        tmp / "run", "--algo.advantage", "gae", "--steps", "2", "--train.minibatches", "1", "--algo.critic_lr", "1e-2"
+    )  # a large step: the head and the base move visibly
     assert "wrote the critic to" in export_cli(tmp / "run", tmp / "critic", "--critic").stdout
     return tmp
 
@@ -117,8 +124,9 @@ def test_exported_critic_is_its_values_and_starts_the_next_run(exported, world_o
     from transformers import AutoModel, AutoModelForTokenClassification
 
     run, out = exported / "run", exported / "critic"
-    module = torch.load(run / "checkpoints" / "step-2" / "critic" / "mp_rank_00_model_states.pt",
-                        weights_only=False)["module"]  # the critic as DeepSpeed saved it
+    module = torch.load(run / "checkpoints" / "step-2" / "critic" / "mp_rank_00_model_states.pt", weights_only=False)[
+        "module"
+    ]  # the critic as DeepSpeed saved it
     assert module["head.weight"].abs().max() > 1e-3  # trained: no longer the zero head
     b = batch()
     base = AutoModel.from_pretrained(DEMO).eval()
@@ -126,8 +134,11 @@ def test_exported_critic_is_its_values_and_starts_the_next_run(exported, world_o
     with torch.no_grad():
         hidden = base(input_ids=b.tokens, attention_mask=b.attention_mask()).last_hidden_state
         want = F.linear(hidden, module["head.weight"], module["head.bias"]).squeeze(-1)[:, :-1][b.loss_mask[:, 1:]]
-        got = AutoModelForTokenClassification.from_pretrained(out).eval()(
-            input_ids=b.tokens, attention_mask=b.attention_mask()).logits.squeeze(-1)[:, :-1][b.loss_mask[:, 1:]]
+        got = (
+            AutoModelForTokenClassification.from_pretrained(out)
+            .eval()(input_ids=b.tokens, attention_mask=b.attention_mask())
+            .logits.squeeze(-1)[:, :-1][b.loss_mask[:, 1:]]
+        )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(critic_of(str(out)).values(b)[b.loss_mask], want, rtol=1e-5, atol=1e-5)
 

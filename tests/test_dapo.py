@@ -1,4 +1,5 @@
 """DAPO's batch shaping as pure functions, against hand-made reward matrices and hand-derived numbers."""
+
 import pytest
 import torch
 
@@ -46,8 +47,17 @@ def test_fill_off_keeps_everything_in_one_round():
 def test_fill_takes_the_same_decisions_on_every_rank():
     # two ranks; all_sum is what launch.all_sum returns: rank 0 holds 1 group with signal, rank 1 holds 4
     counts = [1.0, 4.0]
-    plans = [dapo.fill(iter([torch.tensor([[1.0, 0.0]] * int(counts[r]))]), target=4, max_rounds=2, rank=r,
-                       world_size=2, all_sum=lambda v: counts) for r in range(2)]
+    plans = [
+        dapo.fill(
+            iter([torch.tensor([[1.0, 0.0]] * int(counts[r]))]),
+            target=4,
+            max_rounds=2,
+            rank=r,
+            world_size=2,
+            all_sum=lambda v: counts,
+        )
+        for r in range(2)
+    ]
     assert [p.rounds for p in plans] == [1, 1]
     assert [len(p.kept) for p in plans] == [1, 3]  # = shares([1, 4], 4)
 
@@ -65,6 +75,7 @@ def test_overlong_penalty_hand_derived():
     # 17 -> -0.25, 18 -> -0.5, 20 -> -1.0; factor 0.5 halves them; beyond L_max stays at -factor
     L = torch.tensor([3, 16, 17, 18, 20, 25])
     torch.testing.assert_close(dapo.overlong_penalty(L, 20, 4), torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0, -1.0]))
-    torch.testing.assert_close(dapo.overlong_penalty(L, 20, 4, 0.5),
-                               torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5, -0.5]))
+    torch.testing.assert_close(
+        dapo.overlong_penalty(L, 20, 4, 0.5), torch.tensor([0.0, 0.0, -0.125, -0.25, -0.5, -0.5])
+    )
     assert torch.equal(dapo.overlong_penalty(L, 20, 0), torch.zeros(6))  # off

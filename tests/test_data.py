@@ -3,6 +3,7 @@ overlong prompts are dropped and counted; the chat-template flag does what it sa
 
 The demo tokenizer is character-level: "12+34=" -> <bos> 1 2 + 3 4 = (7 ids).
 """
+
 import json
 import logging
 
@@ -29,6 +30,7 @@ def write(tmp_path, fmt, rows, name="d"):
     """rows (dicts; None = a missing/unparsable row where the format allows) in format fmt."""
     if fmt in ("dataset", "datasetdict"):
         import datasets
+
         ds = datasets.Dataset.from_list(rows)
         path = tmp_path / name
         (datasets.DatasetDict({"train": ds, "test": ds.select([0])}) if fmt == "datasetdict" else ds).save_to_disk(path)
@@ -47,8 +49,9 @@ def write(tmp_path, fmt, rows, name="d"):
 
 
 def load(path, tok, **kw):
-    cfg = DataConfig(**{"path": str(path), "prompt_key": "question", "answer_key": "label", "chat_template": "off",
-                        **kw})
+    cfg = DataConfig(
+        **{"path": str(path), "prompt_key": "question", "answer_key": "label", "chat_template": "off", **kw}
+    )
     return data.encode(data.load_rows(cfg, "train"), tok, cfg, str(path))
 
 
@@ -65,8 +68,9 @@ def test_every_format_loads(tmp_path, tok, fmt):
 
 def test_saved_dataset_dict_splits(tmp_path, tok):
     path = write(tmp_path, "datasetdict", ROWS)
-    cfg = DataConfig(path=str(path), heldout_path=str(path), prompt_key="question", answer_key="label",
-                     heldout_split="test")
+    cfg = DataConfig(
+        path=str(path), heldout_path=str(path), prompt_key="question", answer_key="label", heldout_split="test"
+    )
     assert [r.value["question"] for r in data.load_rows(cfg, "heldout")] == ["12+34="]
     assert data.load_rows(cfg, "train")[1].where == f"{path} [train] row 1"
     with pytest.raises(data.DataError, match=r"no split 'validation' \(has train, test\); set data.split"):
@@ -82,15 +86,27 @@ def test_saved_dataset_dict_splits(tmp_path, tok):
 # A good row, then two bad ones, and where each format reports the first bad one (rows 0-based in
 # tables and lists; lines 1-based in line formats, a CSV's header being line 1).
 MALFORMED = {
-    "jsonl": ('{"question": "1+1=", "label": "2"}\n{"question": oops}\n{"label": "3"}\n',
-              "d.jsonl:2", "not valid JSON"),
-    "json": ([{"question": "1+1=", "label": "2"}, {"question": 5, "label": "5"}, ["1+1="]],
-             "d.json item 1", "'question' must be a non-empty string, got 5"),
-    "parquet": ([{"question": "1+1=", "label": "2"}, {"question": None, "label": "5"},
-                 {"question": "2+2=", "label": None}], "d.parquet row 1", "'question' must be a non-empty string"),
+    "jsonl": (
+        '{"question": "1+1=", "label": "2"}\n{"question": oops}\n{"label": "3"}\n',
+        "d.jsonl:2",
+        "not valid JSON",
+    ),
+    "json": (
+        [{"question": "1+1=", "label": "2"}, {"question": 5, "label": "5"}, ["1+1="]],
+        "d.json item 1",
+        "'question' must be a non-empty string, got 5",
+    ),
+    "parquet": (
+        [{"question": "1+1=", "label": "2"}, {"question": None, "label": "5"}, {"question": "2+2=", "label": None}],
+        "d.parquet row 1",
+        "'question' must be a non-empty string",
+    ),
     "csv": ("question,label\n1+1=,2\n2+2=,4,extra\n,5\n", "d.csv:3", "has 3 fields, the header has 2"),
-    "dataset": ([{"question": "1+1=", "label": "2"}, {"question": None, "label": "5"},
-                 {"question": "", "label": "0"}], "d row 1", "'question' must be a non-empty string, got None"),
+    "dataset": (
+        [{"question": "1+1=", "label": "2"}, {"question": None, "label": "5"}, {"question": "", "label": "0"}],
+        "d row 1",
+        "'question' must be a non-empty string, got None",
+    ),
 }
 
 
@@ -123,14 +139,18 @@ def test_malformed_rows_skipped_and_counted(tmp_path, tok, fmt, caplog):
     assert [p.text for p in prompts] == ["1+1="] and dropped == {"too_long": 0, "malformed": 2}
     warnings = [r.getMessage() for r in caplog.records if "malformed" in r.getMessage()]
     assert len(warnings) == 1, warnings  # once, with the first location
-    assert f"skipped 2 of 3 malformed rows (data.on_error=skip); the first: {tmp_path / where}: {problem}" \
-        in warnings[0], warnings[0]
+    assert (
+        f"skipped 2 of 3 malformed rows (data.on_error=skip); the first: {tmp_path / where}: {problem}" in warnings[0]
+    ), warnings[0]
 
 
 def test_missing_keys_name_the_knob(tmp_path, tok):
     path = write(tmp_path, "jsonl", [{"prompt": "1+1=", "label": "2"}])
-    with pytest.raises(data.DataError, match=r"d.jsonl:1: no 'question' field \(has \['label', 'prompt'\]\); "
-                                             r"set data.prompt_key"):
+    with pytest.raises(
+        data.DataError,
+        match=r"d.jsonl:1: no 'question' field \(has \['label', 'prompt'\]\); "
+        r"set data.prompt_key",
+    ):
         load(path, tok)
     path = write(tmp_path, "jsonl", [{"question": "1+1=", "answer": "2"}])
     with pytest.raises(data.DataError, match="no 'label' field .* set data.answer_key"):
@@ -155,8 +175,9 @@ def test_chat_template_flag(tmp_path, tok):
         data.encode(data.read_rows(str(path)), tok, on, "x")  # the demo tokenizer has none
     templated = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
     # the template adds the "=" a generation prompt needs: proof that it was applied
-    templated.chat_template = ("{% for m in messages %}{{ bos_token }}{{ m['content'] }}{% endfor %}"
-                               "{% if add_generation_prompt %}={% endif %}")
+    templated.chat_template = (
+        "{% for m in messages %}{{ bos_token }}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}={% endif %}"
+    )
     ids = {}
     for flag in ("auto", "on", "off"):
         cfg = DataConfig(prompt_key="question", answer_key="label", chat_template=flag)
@@ -175,8 +196,10 @@ def test_bytes_that_are_not_utf8_name_the_file_and_line(tmp_path, tok):
     (tmp_path / "d.jsonl").write_bytes(b"\n".join([good, bad, good]) + b"\n")
     with pytest.raises(data.DataError) as e:
         load(tmp_path / "d.jsonl", tok)
-    assert str(e.value) == (f"{tmp_path / 'd.jsonl'}:2: not valid UTF-8 (byte 0xe9 at character 18); save the file "
-                            "as UTF-8 (data.on_error=skip skips malformed rows)")
+    assert str(e.value) == (
+        f"{tmp_path / 'd.jsonl'}:2: not valid UTF-8 (byte 0xe9 at character 18); save the file "
+        "as UTF-8 (data.on_error=skip skips malformed rows)"
+    )
     prompts, dropped = load(tmp_path / "d.jsonl", tok, on_error="skip")
     assert [p.text for p in prompts] == ["1+1=", "1+1="] and dropped["malformed"] == 1
     (tmp_path / "d.csv").write_bytes(b"question,label\n1+1=,2\ncaf\xe9,3\n")
@@ -192,8 +215,10 @@ def test_bytes_that_are_not_utf8_name_the_file_and_line(tmp_path, tok):
 def chatml():
     import sys
     from pathlib import Path
+
     sys.path.insert(0, str(Path(__file__).parent))
     import tiny_model
+
     return tiny_model.tokenizer()
 
 
@@ -212,13 +237,19 @@ def test_prompts_rendered_with_the_template_are_not_templated_twice(tmp_path, ch
     as_given = data.encode(data.read_rows(str(given)), chatml, cfg, "x")[0][0].ids
     assert as_given == wrapped and chatml.decode(as_given).count("<|im_start|>user") == 1
     assert data.template_choice(data.read_rows(str(plain)), chatml, cfg) == {
-        "data.chat_template": ("on", "auto, the tokenizer has a chat template")}
+        "data.chat_template": ("on", "auto, the tokenizer has a chat template")
+    }
     assert data.template_choice(data.read_rows(str(given)), chatml, cfg) == {
-        "data.chat_template": ("as given", "auto, the prompts carry the chat template's <|im_end|> <|im_start|>")}
+        "data.chat_template": ("as given", "auto, the prompts carry the chat template's <|im_end|> <|im_start|>")
+    }
     # asking to wrap rendered prompts, or a file with both kinds: one line naming the fix
     with pytest.raises(ConfigError, match="already carry the chat template's markers .* set data.chat_template=auto"):
-        data.encode(data.read_rows(str(given)), chatml, DataConfig(prompt_key="question", answer_key="label",
-                                                                   chat_template="on"), "x")
+        data.encode(
+            data.read_rows(str(given)),
+            chatml,
+            DataConfig(prompt_key="question", answer_key="label", chat_template="on"),
+            "x",
+        )
     mixed = write(tmp_path, "jsonl", [{"question": rendered, "label": "19"}, {"question": q, "label": "19"}], "mixed")
     with pytest.raises(data.DataError, match="1 of 2 prompts already carry the chat template's markers"):
         data.encode(data.read_rows(str(mixed)), chatml, cfg, "x")

@@ -15,8 +15,11 @@ PACKAGE = Path(__file__).resolve().parents[1] / "hybridrl"
 BOUNDARY = PACKAGE / "engines" / "deepspeed_compat.py"
 INTERNALS = ("runtime", "ops", "utils", "accelerator")
 # code held in a string and run elsewhere (doctor's probes run `python -c CODE`), or a name for importlib
-IN_STRING = re.compile(rf"\b(?:from|import)\s+deepspeed\.(?:{'|'.join(INTERNALS)})\b|\bdeepspeed\.__version__\b"
-                       rf"|^deepspeed\.(?:{'|'.join(INTERNALS)})(?:\.|$)", re.M)
+IN_STRING = re.compile(
+    rf"\b(?:from|import)\s+deepspeed\.(?:{'|'.join(INTERNALS)})\b|\bdeepspeed\.__version__\b"
+    rf"|^deepspeed\.(?:{'|'.join(INTERNALS)})(?:\.|$)",
+    re.M,
+)
 
 
 def reaches(source: str) -> list[str]:
@@ -24,22 +27,37 @@ def reaches(source: str) -> list[str]:
     deepspeed.__version__ as attributes (of `deepspeed` or a name it was imported as), or holds
     such an import in a string: 'line: what' each."""
     tree = ast.parse(source)
-    names = {"deepspeed"} | {a.asname for n in ast.walk(tree) if isinstance(n, ast.Import)
-                             for a in n.names if a.name == "deepspeed" and a.asname}
+    names = {"deepspeed"} | {
+        a.asname
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Import)
+        for a in n.names
+        if a.name == "deepspeed" and a.asname
+    }
     found = []
     for n in ast.walk(tree):
         if isinstance(n, ast.Import):
-            found += [f"{n.lineno}: import {a.name}" for a in n.names
-                      if re.match(rf"deepspeed\.(?:{'|'.join(INTERNALS)})(?:\.|$)", a.name)]
+            found += [
+                f"{n.lineno}: import {a.name}"
+                for a in n.names
+                if re.match(rf"deepspeed\.(?:{'|'.join(INTERNALS)})(?:\.|$)", a.name)
+            ]
         elif isinstance(n, ast.ImportFrom) and n.module and n.module.split(".")[0] == "deepspeed":
             parts = n.module.split(".")
             if len(parts) > 1 and parts[1] in INTERNALS:
                 found.append(f"{n.lineno}: from {n.module} import ...")
             elif len(parts) == 1:
-                found += [f"{n.lineno}: from deepspeed import {a.name}" for a in n.names
-                          if a.name in INTERNALS + ("__version__",)]
-        elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id in names \
-                and n.attr in INTERNALS + ("__version__",):
+                found += [
+                    f"{n.lineno}: from deepspeed import {a.name}"
+                    for a in n.names
+                    if a.name in INTERNALS + ("__version__",)
+                ]
+        elif (
+            isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name)
+            and n.value.id in names
+            and n.attr in INTERNALS + ("__version__",)
+        ):
             found.append(f"{n.lineno}: {n.value.id}.{n.attr}")
         elif isinstance(n, ast.Constant) and isinstance(n.value, str) and IN_STRING.search(n.value):
             found.append(f"{n.lineno}: a string with {IN_STRING.search(n.value).group(0)!r}")
@@ -49,21 +67,30 @@ def reaches(source: str) -> list[str]:
 def test_only_deepspeed_compat_reaches_into_deepspeed():
     files = sorted(PACKAGE.rglob("*.py"))
     assert BOUNDARY in files and len(files) > 50
-    outside = {str(f.relative_to(PACKAGE)): hits for f in files if f != BOUNDARY
-               for hits in [reaches(f.read_text())] if hits}
+    outside = {
+        str(f.relative_to(PACKAGE)): hits for f in files if f != BOUNDARY for hits in [reaches(f.read_text())] if hits
+    }
     assert not outside, f"DeepSpeed internals outside engines/deepspeed_compat.py: {outside}"
     assert reaches(BOUNDARY.read_text())  # the boundary itself does reach in: the check sees it
 
 
 def test_the_check_sees_every_form():
-    bad = ["import deepspeed.runtime.zero", "from deepspeed.utils.zero_to_fp32 import f",
-           "from deepspeed import accelerator", "from deepspeed import __version__",
-           "import deepspeed as ds\nds.ops.adam", "import deepspeed\nv = deepspeed.__version__",
-           'CODE = """\nfrom deepspeed.accelerator import get_accelerator\n"""',
-           'import importlib\nimportlib.import_module("deepspeed.ops.adam")']
+    bad = [
+        "import deepspeed.runtime.zero",
+        "from deepspeed.utils.zero_to_fp32 import f",
+        "from deepspeed import accelerator",
+        "from deepspeed import __version__",
+        "import deepspeed as ds\nds.ops.adam",
+        "import deepspeed\nv = deepspeed.__version__",
+        'CODE = """\nfrom deepspeed.accelerator import get_accelerator\n"""',
+        'import importlib\nimportlib.import_module("deepspeed.ops.adam")',
+    ]
     assert all(reaches(src) for src in bad), [src for src in bad if not reaches(src)]
-    ok = ["import deepspeed\ndeepspeed.initialize(model=m)", "import deepspeed\ndeepspeed.zero.GatheredParameters([])",
-          '"""DeepSpeed\'s zero_to_fp32 consolidates the shards (deepspeed.utils)."""']
+    ok = [
+        "import deepspeed\ndeepspeed.initialize(model=m)",
+        "import deepspeed\ndeepspeed.zero.GatheredParameters([])",
+        '"""DeepSpeed\'s zero_to_fp32 consolidates the shards (deepspeed.utils)."""',
+    ]
     assert not any(reaches(src) for src in ok)
 
 
@@ -84,8 +111,9 @@ def test_cpu_branch_of_the_deepspeed_config():
     and nothing pinned; ZeRO-3 keeps its buffer."""
     gpu, cpu = platform.Platform.detect(cuda=True), platform.Platform.detect(cuda=False)
     for zero in (2, 3):
-        cfg = config.load(None, {"train.zero_stage": zero, "train.optimizer_offload": "on",
-                                 "train.param_offload": "on"})
+        cfg = config.load(
+            None, {"train.zero_stage": zero, "train.optimizer_offload": "on", "train.param_offload": "on"}
+        )
         on_gpu, on_cpu = ds_config(cfg, True, gpu), ds_config(cfg, True, cpu)
         assert on_gpu["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
         assert "contiguous_gradients" not in on_gpu["zero_optimization"]

@@ -1,5 +1,6 @@
 """The demo really learns: a short seeded run of the default recipe raises held-out accuracy
 and reward by a clear margin (the full curve is python -m bench.demo_curve)."""
+
 import statistics
 
 from helpers.cli import train_cli
@@ -8,9 +9,21 @@ from helpers.cli import train_cli
 def test_short_demo_run_raises_accuracy_and_reward(tmp_path):
     # 250 steps (~1 min on 2 cores) of one update per rollout (lr 5e-5, 16 prompts x 8 samples); the default
     # recipe's two updates per rollout are the learning-curve bench's (and test_losses_e2e's slow runs')
-    out, steps, summary = train_cli(tmp_path / "run", "--steps", "250", "--train.prompts_per_step", "16",
-                                    "--rollout.n", "8", "--train.lr", "5e-5", "--train.minibatches", "1",
-                                    "--log.eval_size", "256")
+    out, steps, summary = train_cli(
+        tmp_path / "run",
+        "--steps",
+        "250",
+        "--train.prompts_per_step",
+        "16",
+        "--rollout.n",
+        "8",
+        "--train.lr",
+        "5e-5",
+        "--train.minibatches",
+        "1",
+        "--log.eval_size",
+        "256",
+    )
     before, after = summary["heldout_acc_before"], summary["heldout_acc_after"]
     assert before == 0.21875  # the shipped model's fixed held-out score (56 / 256)
     assert after >= before + 0.10, (before, after)

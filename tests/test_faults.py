@@ -25,6 +25,7 @@ Where each fault of the issue's list is tested (the ones that already worked sta
                                              test_bad_input_fails_fast_with_the_fix (CLI, exit 2);
                                              test_batch_data.py (bad JSON line, missing key, overlong prompts)
 """
+
 import json
 import logging
 import os
@@ -80,8 +81,9 @@ def killed(tmp_path_factory):
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     before = _steps(_records(run))
     out, after, summary = train_cli(run, *FAST, "--steps", str(STEPS), "--resume", "auto")
-    return dict(full=_steps(full), dead=dead, ckpts=ckpts, before=before, out=out, after=_steps(after),
-                summary=summary, run=run)
+    return dict(
+        full=_steps(full), dead=dead, ckpts=ckpts, before=before, out=out, after=_steps(after), summary=summary, run=run
+    )
 
 
 @pytest.mark.cpu_only("bit-identical resumes rest on deterministic CPU kernels")
@@ -109,15 +111,23 @@ def test_corrupt_checkpoint_is_skipped_and_named(killed, tmp_path, caplog):
     cfg = config.load(overrides={"log.run_dir": str(tmp_path / "run"), "ckpt.resume": "auto"})
     with caplog.at_level(logging.WARNING, logger="hybridrl"):
         assert checkpoint.locate(cfg)[0] == root / f"step-{STEPS - 1}"
-    assert f"checkpoint {root / f'step-{STEPS}'} is incomplete or corrupt (files missing or truncated): skipped" \
+    assert (
+        f"checkpoint {root / f'step-{STEPS}'} is incomplete or corrupt (files missing or truncated): skipped"
         in caplog.text
+    )
 
 
 def _can_mount_tmpfs(where) -> bool:
     """A private tmpfs needs no root: `unshare -rm` maps us to root in a new user+mount namespace."""
     try:
-        return subprocess.run(["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {where}"],
-                              capture_output=True, timeout=30).returncode == 0
+        return (
+            subprocess.run(
+                ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {where}"],
+                capture_output=True,
+                timeout=30,
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.SubprocessError):
         return False
 
@@ -137,8 +147,10 @@ def test_no_space_left_while_checkpointing(tmp_path):
     args = ["--steps", "3", "--ckpt.every", "1", "--ckpt.keep", "2", "--ckpt.dir", str(disk / "ck")]
     if real:
         # the tmpfs lives as long as the namespace: list and copy what the run kept before leaving it
-        script = (f'mount -t tmpfs -o size=40m tmpfs {disk} && "$@"; rc=$?; ls {disk}/ck > {tmp_path}/listing; '
-                  f'cp -a {disk}/ck/step-1 {keep}; exit $rc')
+        script = (
+            f'mount -t tmpfs -o size=40m tmpfs {disk} && "$@"; rc=$?; ls {disk}/ck > {tmp_path}/listing; '
+            f"cp -a {disk}/ck/step-1 {keep}; exit $rc"
+        )
         res = _popen(run, *args, fault="fill@2:save", prefix=("unshare", "-rm", "sh", "-c", script, "sh"))
         kept = (tmp_path / "listing").read_text().split()
     else:
@@ -150,17 +162,23 @@ def test_no_space_left_while_checkpointing(tmp_path):
     assert sorted(_steps(records)) == [1, 2, 3]  # the failed save did not stop training
     assert checkpoint.is_complete(keep) and json.loads((keep / "state.json").read_text())["step"] == 1
     assert not [k for k in kept if k.startswith("tmp-")]  # the partial checkpoint was removed
-    told = (f"checkpoint of step 2 NOT saved under {disk / 'ck'}: no space left on device", "A checkpoint needs ~1",
-            f"Kept: {disk / 'ck' / 'step-1'} (the partial one was removed)", "point --ckpt.dir at a bigger disk",
-            "training goes on; the next save is at step 3")
+    told = (
+        f"checkpoint of step 2 NOT saved under {disk / 'ck'}: no space left on device",
+        "A checkpoint needs ~1",
+        f"Kept: {disk / 'ck' / 'step-1'} (the partial one was removed)",
+        "point --ckpt.dir at a bigger disk",
+        "training goes on; the next save is at step 3",
+    )
     for text in told:
         assert text in res.stderr, (text, res.stderr[-3000:])
     if real:
         assert res.returncode == 1 and summary["exit_code"] == 1 and summary["checkpoint_failures"] == 2
         assert kept == ["latest", "step-1", "test-disk-filler"]
-        assert "checkpoint of step 3 NOT saved" in res.stderr and \
-            "not enough free space (checked before writing)" in res.stderr and \
-            "the run ends without a checkpoint of its last steps" in res.stderr
+        assert (
+            "checkpoint of step 3 NOT saved" in res.stderr
+            and "not enough free space (checked before writing)" in res.stderr
+            and "the run ends without a checkpoint of its last steps" in res.stderr
+        )
     else:
         assert res.returncode == 0 and summary["checkpoint_failures"] == 1 and kept == ["latest", "step-1", "step-3"]
 
@@ -168,6 +186,7 @@ def test_no_space_left_while_checkpointing(tmp_path):
 def _torch_write_error() -> RuntimeError:
     """What torch.save raises when the disk fills under it (DeepSpeed's shards are torch.saved)."""
     import torch
+
     try:
         torch.save({"w": torch.zeros(1 << 16)}, "/dev/full")  # every write: ENOSPC
     except RuntimeError as e:
@@ -176,13 +195,17 @@ def _torch_write_error() -> RuntimeError:
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("error,handled", [
-    (_torch_write_error(), True),  # "[enforce fail at inline_container.cc:...] . unexpected pos ..."
-    (OSError(5, "Input/output error"), True),
-    (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
-    (__import__("torch").distributed.DistBackendError("NCCL communicator was aborted on rank 1"), False),
-    (ValueError("a bug"), False),
-], ids=["torch-enospc", "eio", "cuda", "nccl", "bug"])
+@pytest.mark.parametrize(
+    "error,handled",
+    [
+        (_torch_write_error(), True),  # "[enforce fail at inline_container.cc:...] . unexpected pos ..."
+        (OSError(5, "Input/output error"), True),
+        (RuntimeError("CUDA error: an illegal memory access was encountered"), False),
+        (__import__("torch").distributed.DistBackendError("NCCL communicator was aborted on rank 1"), False),
+        (ValueError("a bug"), False),
+    ],
+    ids=["torch-enospc", "eio", "cuda", "nccl", "bug"],
+)
 def test_only_io_errors_while_saving_are_survived(tmp_path, capsys, error, handled):
     """Saver.save on one rank, DeepSpeed's save replaced by one that raises `error` (a state-machine
     test of the error policy; the real full disk is test_no_space_left_while_checkpointing): an I/O
@@ -221,10 +244,31 @@ def test_a_stalled_rank_is_named_and_the_run_stops(tmp_path):
     60 s of the stall with exit 1, a message naming rank 1 and where it stalled, each rank's
     stacks on disk, and the step-2 checkpoint intact."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "hybridrl", "train", *SMALL, *FAST, "--steps", "50", "--nproc", "2",
-           "--ckpt.every", "2", "--train.watchdog_s", "20", "--log.run_dir", str(run)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1", "HYBRIDRL_TEST_FAULT": "hang@3:generate:rank1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridrl",
+        "train",
+        *SMALL,
+        *FAST,
+        "--steps",
+        "50",
+        "--nproc",
+        "2",
+        "--ckpt.every",
+        "2",
+        "--train.watchdog_s",
+        "20",
+        "--log.run_dir",
+        str(run),
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "HYBRIDRL_TEST_FAULT": "hang@3:generate:rank1"},
+    )
     metrics, deadline = run / "metrics.jsonl", time.time() + 600
     while time.time() < deadline and proc.poll() is None:  # step 2's line: step 3 (and the stall) is next
         if metrics.exists() and 2 in _logged_steps(metrics):
@@ -236,8 +280,9 @@ def test_a_stalled_rank_is_named_and_the_run_stops(tmp_path):
     assert proc.returncode == 1, err[-3000:]
     # whichever watchdog fires first (rank 1's own, or rank 0's while it waits) names rank 1; the
     # launcher then stops the other rank, which may not get to print
-    assert "hybridrl watchdog: rank " in err and "Cause: rank 1 stalled in phase 'generate' of step 3 (" in err, \
-        err[-3000:]
+    assert "hybridrl watchdog: rank " in err and "Cause: rank 1 stalled in phase 'generate' of step 3 (" in err, err[
+        -3000:
+    ]
     assert "was stopped by its watchdog" in err  # the launcher's summary line
     assert "_inject" in (run / "watchdog-rank1.txt").read_text()  # the stalled rank's stack: where it hangs
     ck = run / "checkpoints" / "step-2"
@@ -250,11 +295,14 @@ def test_malformed_rows_name_the_row(tmp_path):
     """Rows that are not objects, or whose prompt is not text, stop the run at load with file:line
     (every format's locations: tests/test_data.py)."""
     cfg = config.DataConfig()
-    for lines, msg in [(['{"prompt": "1+1=", "answer": "2"}', '["1+1="]'],
-                        "x.jsonl:2: expected an object with a 'prompt' field, got list"),
-                       (['{"prompt": null, "answer": "2"}'],
-                        "x.jsonl:1: 'prompt' must be a non-empty string, got None"),
-                       (['{"prompt": 12, "answer": "2"}'], "x.jsonl:1: 'prompt' must be a non-empty string, got 12")]:
+    for lines, msg in [
+        (
+            ['{"prompt": "1+1=", "answer": "2"}', '["1+1="]'],
+            "x.jsonl:2: expected an object with a 'prompt' field, got list",
+        ),
+        (['{"prompt": null, "answer": "2"}'], "x.jsonl:1: 'prompt' must be a non-empty string, got None"),
+        (['{"prompt": 12, "answer": "2"}'], "x.jsonl:1: 'prompt' must be a non-empty string, got 12"),
+    ]:
         (tmp_path / "x.jsonl").write_text("\n".join(lines) + "\n")
         rows = prompts.read_rows(str(tmp_path / "x.jsonl"))
         with pytest.raises(prompts.DataError, match=msg.replace("(", r"\(").replace(")", r"\)")):
@@ -275,16 +323,23 @@ class _Store:
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("reports,expected", [  # rank: "<progress reports so far> <step> <phase>"
-    ({0: "9 3 train", 1: "5 3 generate", 2: "9 3 train"},
-     "Cause: rank 1 stalled in phase 'generate' of step 3 (the others wait for it in a collective)."),
-    ({0: "9 3 train", 1: "9 3 train", 2: "9 3 train"}, "every rank stopped in the same phase"),
-    ({0: "9 3 train", 2: "9 3 train"}, "ranks [1] never reported (dead?)"),
-])
+@pytest.mark.parametrize(
+    "reports,expected",
+    [  # rank: "<progress reports so far> <step> <phase>"
+        (
+            {0: "9 3 train", 1: "5 3 generate", 2: "9 3 train"},
+            "Cause: rank 1 stalled in phase 'generate' of step 3 (the others wait for it in a collective).",
+        ),
+        ({0: "9 3 train", 1: "9 3 train", 2: "9 3 train"}, "every rank stopped in the same phase"),
+        ({0: "9 3 train", 2: "9 3 train"}, "ranks [1] never reported (dead?)"),
+    ],
+)
 def test_watchdog_verdict_names_the_rank_furthest_behind(reports, expected):
     from hybridrl.core import faults
+
     dog = faults.Watchdog(10, rank=0, size=3, run_dir=".")
     dog._store, dog.n, dog.step, dog.phase = _Store(reports), 9, 3, "train"
-    assert dog.verdict().startswith("rank 0 has made no progress for 0 s (train.watchdog_s=10), in phase "
-                                    "'train' of step 3")
+    assert dog.verdict().startswith(
+        "rank 0 has made no progress for 0 s (train.watchdog_s=10), in phase 'train' of step 3"
+    )
     assert expected in dog.verdict()

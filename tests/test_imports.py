@@ -25,8 +25,17 @@ PACKAGE = ROOT / "hybridrl"
 KERNELS = ROOT / "kernels"  # imported as hybridrl.kernels (hybridrl/kernels/__init__.py)
 LOOP_IMPORTERS = {"hybridrl", "hybridrl.run.cli"}  # `hybridrl.train` and `hybridrl train`
 # folder under hybridrl/ -> its floor; folders on one floor may import each other (no circles)
-FLOORS = {"core": 0, "algorithms": 0, "data": 1, "sandbox": 1, "observe": 1, "kernels": 2, "engines": 3, "cycle": 4,
-          "run": 5}
+FLOORS = {
+    "core": 0,
+    "algorithms": 0,
+    "data": 1,
+    "sandbox": 1,
+    "observe": 1,
+    "kernels": 2,
+    "engines": 3,
+    "cycle": 4,
+    "run": 5,
+}
 ROOF = 6  # hybridrl/__init__.py, __main__.py and the public modules beside it
 ABOVE = 7  # bench/, scripts/, tests/: never imported by the package
 OUTSIDE = ("bench", "scripts", "tests", "helpers")
@@ -58,7 +67,7 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+                base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
             found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
     out = set()
     for target in found:
@@ -93,8 +102,12 @@ def floor(name: str) -> int:
 
 def up_edges(graph: dict[str, set[str]]) -> list[str]:
     """Every import from a lower floor to a higher one, as 'importer -> imported'."""
-    return [f"{a} (floor {floor(a)}) -> {b} (floor {floor(b)})"
-            for a in sorted(graph) for b in sorted(graph[a]) if floor(b) > floor(a)]
+    return [
+        f"{a} (floor {floor(a)}) -> {b} (floor {floor(b)})"
+        for a in sorted(graph)
+        for b in sorted(graph[a])
+        if floor(b) > floor(a)
+    ]
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -166,13 +179,17 @@ def test_the_floors_are_read_from_the_paths():
     with pytest.raises(KeyError, match="has no floor"):
         floor("hybridrl.attic.old")
     assert up_edges({"hybridrl.data.x": {"hybridrl.run.y", "hybridrl.core.z"}, "hybridrl.core.z": {"bench"}}) == [
-        "hybridrl.core.z (floor 0) -> bench (floor 7)", "hybridrl.data.x (floor 1) -> hybridrl.run.y (floor 5)"]
+        "hybridrl.core.z (floor 0) -> bench (floor 7)",
+        "hybridrl.data.x (floor 1) -> hybridrl.run.y (floor 5)",
+    ]
 
 
 def test_no_import_runs_up_the_floors():
     edges = up_edges(_graph())
-    assert not edges, f"{len(edges)} imports from a lower floor to a higher one (move the module or the name):\n  " + \
-        "\n  ".join(edges)
+    assert not edges, (
+        f"{len(edges)} imports from a lower floor to a higher one (move the module or the name):\n  "
+        + "\n  ".join(edges)
+    )
 
 
 def test_no_import_circles():

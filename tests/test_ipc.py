@@ -2,6 +2,7 @@
 neither side blocks forever on a peer that died, went quiet or never came, a sender that fails
 mid-stream stops the receiver at once, and the CUDA handle's device argument is found by name and
 checked. (The bitwise transport itself: test_memory.py; with vLLM's engine: test_outofprocess.py.)"""
+
 import threading
 import time
 

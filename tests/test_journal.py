@@ -1,6 +1,7 @@
 """The run's appended files (journal.py, progress.RunLog): a resume never loses the rows up to its
 checkpoint and never repeats the steps it replays; a full disk drops rows (counted), not the run;
 dead letters stop growing at their cap. No engines: seconds."""
+
 import errno
 import json
 import os
@@ -63,6 +64,7 @@ def test_a_crash_while_resuming_keeps_every_row_up_to_the_checkpoint(tmp_path):
 
 def test_a_resume_does_not_repeat_tensorboard_steps(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     run_dir = tmp_path / "run"
     cfg = _first_run(run_dir, 4, tensorboard=True)
     run = RunLog(cfg, WORLD, resume_step=2)
@@ -98,6 +100,7 @@ def test_a_full_disk_drops_rows_not_the_run(tmp_path, monkeypatch, caplog):
             real_write(fd, data[:7])  # a row cut short, as a disk filling mid-write leaves it
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_write(fd, data)
+
     monkeypatch.setattr(os, "write", write)
     run.step(2, _metrics(2))
     run.samples(2, [{"prompt": "p", "completion": "c", "answer": "a", "reward": 1.0}])
@@ -110,6 +113,7 @@ def test_a_full_disk_drops_rows_not_the_run(tmp_path, monkeypatch, caplog):
     ok = [json.loads(x) for x in lines if x.startswith("{") and x.endswith("}")]
     assert [r["step"] for r in ok if "step" in r] == [1, 3] and ok[-1]["summary"]["log_rows_dropped"] == 2
     from hybridrl.observe import report
+
     assert [r["step"] for r in report.load(tmp_path / "run").steps] == [1, 3]  # the torn row is skipped
     said = [r.message for r in caplog.records if "No space left on device" in r.message]
     assert len(said) == 3  # once per file (metrics, samples, the dead letter), not once per row
@@ -128,6 +132,7 @@ def raises(prompt, completion, answer):
 
 def test_reward_dead_letters_survive_a_full_disk_and_stop_at_the_cap(tmp_path, monkeypatch):
     from hybridrl.data import rewards
+
     monkeypatch.syspath_prepend(os.path.dirname(__file__))
     monkeypatch.setattr(rewards, "DEAD_LETTER_CAP", 2000)
     scorer = rewards.Scorer(C.load(None, {"reward.fn": "test_journal:raises", "reward.workers": 0}).reward)
@@ -139,6 +144,7 @@ def test_reward_dead_letters_survive_a_full_disk_and_stop_at_the_cap(tmp_path, m
 
     def full(fd, data):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
     monkeypatch.setattr(rewards, "DEAD_LETTER_CAP", 1 << 20)
     scorer._dead_letter = None
     monkeypatch.setattr(os, "write", full)

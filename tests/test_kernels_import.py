@@ -27,6 +27,7 @@ print("ok", type(out).__name__)
 
 def test_hf_kernels_and_hybridrl_kernels_import_side_by_side():
     import importlib.metadata
+
     assert importlib.metadata.version("kernels"), "the test extra installs Hugging Face's kernels"
     out = subprocess.run([sys.executable, "-c", CHECK], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
@@ -41,6 +42,7 @@ def test_no_top_level_kernels_package_ships():
     assert not (ROOT / "hybridrl" / "kernels").is_symlink()
     import hybridrl.kernels
     import hybridrl.kernels.logprob
+
     assert [Path(p) for p in hybridrl.kernels.__path__] == [ROOT / "kernels"]
     assert Path(hybridrl.kernels.logprob.__file__).parent == ROOT / "kernels"
 
@@ -49,14 +51,30 @@ def test_the_wheel_holds_the_kernels_under_hybridrl(tmp_path):
     """A wheel built from the checkout holds kernels/ as hybridrl/kernels/ (pyproject's package-dir),
     no top-level `kernels`, and not the checkout's pointer file."""
     import zipfile
+
     files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     src = tmp_path / "src"
     for name in files.decode().split("\0"):
         if name and (ROOT / name).is_file():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
             (src / name).write_bytes((ROOT / name).read_bytes())
-    out = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                          "-w", str(tmp_path / "whl"), str(src)], capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path / "whl"),
+            str(src),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     (wheel,) = (tmp_path / "whl").glob("hybridrl-*.whl")
     names = zipfile.ZipFile(wheel).namelist()

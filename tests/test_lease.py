@@ -34,22 +34,28 @@ def test_plan_of_calls_fits_the_lease_and_carries_one_part_a_call(capsys):
     assert "call 3: run(timeout_s=" in printed and "give_back" in printed and "within 810 s" in printed
 
 
-
 @pytest.mark.fast
 def test_bench_lease_is_the_moved_module():
     assert importlib.import_module("bench.lease") is lease
 
 
 def test_the_old_command_runs_the_moved_script():
-    proc = subprocess.run([sys.executable, "-m", "bench.lease", "--plan"], capture_output=True, text=True,
-                          timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.lease", "--plan"], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "call 3: run(timeout_s=" in proc.stdout and "python3 -m scripts.lease" in proc.stdout
 
 
 def test_dry_run_writes_every_stage_to_out(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "scripts.lease", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, env=_no_cuda(tmp_path), cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.lease", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_no_cuda(tmp_path),
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "lease.jsonl").read_text().splitlines()]
     assert {r["stage"] for r in rows} == set(lease.BY_NAME)
@@ -58,8 +64,11 @@ def test_dry_run_writes_every_stage_to_out(tmp_path):
             assert [r["value"] for r in rows if r["stage"] == s.name] == ["skipped: no CUDA"]
     assert any(r["claim"] == "software stack" and "torch" in r["value"] for r in rows)
     # the plan side runs anywhere: four trainer cases, checkpointing planned below no checkpointing
-    plans = {r["claim"].split(", ZeRO")[0]: r["data"]["plan_gib"] for r in rows if r["stage"] == "trainer_plan"
-             and "plan_gib" in r.get("data", {})}
+    plans = {
+        r["claim"].split(", ZeRO")[0]: r["data"]["plan_gib"]
+        for r in rows
+        if r["stage"] == "trainer_plan" and "plan_gib" in r.get("data", {})
+    }
     assert len(plans) == 4
     for shape in ("0.5b", "1.5b"):
         on, off = (plans[f"trainer peak, {shape}, gradient checkpointing {x}"] for x in ("on", "off"))
@@ -67,10 +76,18 @@ def test_dry_run_writes_every_stage_to_out(tmp_path):
     decode = [r["data"]["plan_gib"] for r in rows if r["stage"] == "decode7b" and "plan_gib" in r.get("data", {})]
     assert decode[0]["CUDA graphs"] == 0 < decode[1]["CUDA graphs"]
     # issue 47's stages: each decision checked here, its GPU effect skipped
-    verdicts = [(r["stage"], r["verdict"]) for r in rows if r["stage"] in ("allreduce", "tp_seqs", "tp_rng")
-                and "wall time" not in r["claim"]]
-    assert sorted(verdicts) == [("allreduce", "pass"), ("tp_rng", "pass"), ("tp_rng", "skipped"), ("tp_seqs", "pass"),
-                                ("tp_seqs", "skipped")], verdicts
+    verdicts = [
+        (r["stage"], r["verdict"])
+        for r in rows
+        if r["stage"] in ("allreduce", "tp_seqs", "tp_rng") and "wall time" not in r["claim"]
+    ]
+    assert sorted(verdicts) == [
+        ("allreduce", "pass"),
+        ("tp_rng", "pass"),
+        ("tp_rng", "skipped"),
+        ("tp_seqs", "pass"),
+        ("tp_seqs", "skipped"),
+    ], verdicts
     asleep = [r["data"]["plan_gib"] for r in rows if r["stage"] == "asleep" and "plan_gib" in r.get("data", {})]
     assert len(asleep) == 1 and asleep[0]["CUDA graphs"] > 0 and asleep[0]["buffers"] > 0
     # the mixture-of-experts decode: vLLM holds all 128 experts (57 GiB), its activations go by the 3.35B active
@@ -86,9 +103,14 @@ def test_dry_run_writes_every_stage_to_out(tmp_path):
 
 
 def test_a_call_short_of_time_leaves_the_stage_for_the_next(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "scripts.lease", "--stages", "trainer_plan", "--left", "1",
-                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=60, env=_no_cuda(tmp_path),
-                          cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "scripts.lease", "--stages", "trainer_plan", "--left", "1", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=_no_cuda(tmp_path),
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(x) for x in (tmp_path / "lease.jsonl").read_text().splitlines()]
     assert [r["verdict"] for r in rows] == ["later"] and "next call" in rows[0]["value"]
@@ -96,7 +118,7 @@ def test_a_call_short_of_time_leaves_the_stage_for_the_next(tmp_path):
 
 def test_a_stage_cut_short_keeps_the_rows_it_printed(tmp_path):
     rows = lease.Rows(tmp_path, "test")
-    printed = 'ROW ' + json.dumps({"claim": "first", "value": "1", "target": "", "verdict": "info", "data": {}})
+    printed = "ROW " + json.dumps({"claim": "first", "value": "1", "target": "", "verdict": "info", "data": {}})
     argv = [sys.executable, "-c", f"import time; print({printed!r}, flush=True); time.sleep(60)"]
     stage = lease.Stage("slow", timeout=100, least=1, cuda=False, what="prints a row, then hangs")
     assert lease.run_stage(stage, 1.5, rows, tmp_path / "lease.log", argv=argv) == "cut"  # the call's time, not its own
@@ -109,6 +131,7 @@ def test_gpu_check_variants_name_eager_decoding_now_that_graphs_are_the_gpu_defa
     """CUDA graphs became the GPU default (recipe.resolve): a variant without --rollout.enforce_eager
     decodes with graphs, so the 'eager' ones must ask for it or the check compares graphs with graphs."""
     from bench import gpu_run_checks
+
     for name, args in gpu_run_checks.VARIANTS.items():
         assert ("--rollout.enforce_eager" in args) == ("eager" in name), name
     assert sum("--rollout.enforce_eager" not in a for a in gpu_run_checks.VARIANTS.values()) == 1
@@ -119,8 +142,15 @@ def test_rows_name_paths_in_the_checkout_as_the_repository_does(tmp_path):
     """The rows are committed (bench/results/lease.jsonl): a path inside the lent machine's checkout is
     written relative to it, as a user's clone names it."""
     rows = lease.Rows(tmp_path, "test")
-    rows.add("prepare", {"claim": "weights", "value": f"{lease.ROOT}/.cache/shapes/0.5b (3 s)", "verdict": "info",
-                         "data": {"tail": f"File {lease.ROOT}/hybridrl/x.py"}})
+    rows.add(
+        "prepare",
+        {
+            "claim": "weights",
+            "value": f"{lease.ROOT}/.cache/shapes/0.5b (3 s)",
+            "verdict": "info",
+            "data": {"tail": f"File {lease.ROOT}/hybridrl/x.py"},
+        },
+    )
     got = json.loads((tmp_path / "lease.jsonl").read_text())
     assert got["value"] == ".cache/shapes/0.5b (3 s)" and got["data"]["tail"] == "File hybridrl/x.py"
     assert rows.rows[0]["value"] == got["value"] and str(lease.ROOT) not in (tmp_path / "lease.md").read_text()

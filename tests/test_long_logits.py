@@ -51,6 +51,7 @@ def model(tmp_path_factory):
 
 def long_batch(vocab: int):
     from hybridrl.data.batch import Batch
+
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(3, vocab, (64,), generator=g).tolist()
     completion = torch.randint(3, vocab, (TOKENS - 64,), generator=g).tolist()
@@ -60,9 +61,19 @@ def long_batch(vocab: int):
 
 
 def long_config(**over):
-    return config.load(None, {"model.dtype": "float32", "train.max_tokens_per_micro_batch": TOKENS,
-                              "rollout.max_new_tokens": TOKENS - 64, "data.max_prompt_len": 64,
-                              "rollout.max_model_len": TOKENS, "train.lr": 1e-6, "train.share_prompt": "off", **over})
+    return config.load(
+        None,
+        {
+            "model.dtype": "float32",
+            "train.max_tokens_per_micro_batch": TOKENS,
+            "rollout.max_new_tokens": TOKENS - 64,
+            "data.max_prompt_len": 64,
+            "rollout.max_model_len": TOKENS,
+            "train.lr": 1e-6,
+            "train.share_prompt": "off",
+            **over,
+        },
+    )
 
 
 def widest(vocab: int, fn) -> int:
@@ -79,6 +90,7 @@ def test_the_scoring_modules_never_hold_the_logits_of_a_16k_token_sequence(model
 
     from hybridrl.engines.critic import _ValueModel
     from hybridrl.engines.policy import TokenLogprobs
+
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa")
     vocab = hf.config.vocab_size
     batch = long_batch(vocab)
@@ -87,11 +99,18 @@ def test_the_scoring_modules_never_hold_the_logits_of_a_16k_token_sequence(model
     with torch.no_grad():
         assert 0 < widest(vocab, lambda: module(tokens, mask, batch.loss_mask, 1.0)) <= CHUNK
     n = int(batch.loss_mask[:, 1:].sum())
-    loss = dict(logp_old=None, advantages=torch.ones(n), mask=torch.ones(n), logp_ref=None, logp_rollout=None,
-                seq_ids=torch.zeros(n, dtype=torch.long))  # on-policy, as the trainer's first update
+    loss = dict(
+        logp_old=None,
+        advantages=torch.ones(n),
+        mask=torch.ones(n),
+        logp_ref=None,
+        logp_rollout=None,
+        seq_ids=torch.zeros(n, dtype=torch.long),
+    )  # on-policy, as the trainer's first update
 
     def update():
         module(tokens, mask, batch.loss_mask, 1.0, loss=loss)[0].backward()
+
     assert 0 < widest(vocab, update) <= CHUNK
     critic = _ValueModel(AutoModel.from_pretrained(model, dtype=torch.float32, attn_implementation="sdpa"))
     with torch.no_grad():
@@ -105,6 +124,7 @@ def test_no_pass_materialises_the_logits_of_a_16k_token_sequence(model, world_of
     from hybridrl.engines.critic import Critic
     from hybridrl.engines.reference import Reference
     from hybridrl.engines.trainer import Trainer
+
     vocab = AutoConfig.from_pretrained(model).vocab_size
     batch = long_batch(vocab)
     cfg = long_config()
@@ -113,11 +133,17 @@ def test_no_pass_materialises_the_logits_of_a_16k_token_sequence(model, world_of
     trainer = Trainer(cfg, str(model), device=cpu, dtype=torch.float32, attn_implementation="sdpa")
     rows["old log-probs"] = widest(vocab, lambda: trainer.logprobs(batch, temperature=1.0))
     rows["update"] = widest(vocab, lambda: trainer.step(batch))
-    reference = Reference(long_config(**{"algo.kl_coef": 0.01}), str(model), device=cpu, dtype=torch.float32,
-                          attn_implementation="sdpa")
+    reference = Reference(
+        long_config(**{"algo.kl_coef": 0.01}), str(model), device=cpu, dtype=torch.float32, attn_implementation="sdpa"
+    )
     rows["reference"] = widest(vocab, lambda: reference.logprobs(batch, temperature=1.0))
-    critic = Critic(long_config(**{"algo.advantage": "gae"}), str(model), device=cpu, dtype=torch.float32,
-                    attn_implementation="sdpa")
+    critic = Critic(
+        long_config(**{"algo.advantage": "gae"}),
+        str(model),
+        device=cpu,
+        dtype=torch.float32,
+        attn_implementation="sdpa",
+    )
     rows["critic"] = widest(vocab, lambda: critic.values(batch))
     assert all(0 < r <= CHUNK for k, r in rows.items() if k != "critic"), rows  # the passes did score, by chunks
     assert rows["critic"] == 0, rows  # a one-output head: no vocabulary-wide tensor at all
@@ -127,6 +153,7 @@ def test_a_reward_model_scores_a_16k_token_answer_without_vocabulary_logits(mode
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     from hybridrl.engines.reward_model import RewardModel
+
     rm = tmp_path / "rm"
     AutoModelForSequenceClassification.from_pretrained(model, num_labels=1).save_pretrained(rm)
     AutoTokenizer.from_pretrained(model).save_pretrained(rm)
@@ -146,6 +173,7 @@ def test_gradient_checkpointing_recomputes_every_layer_in_the_update(model, worl
     backward), the no-grad log-probs once, and dropout stays off."""
     from hybridrl.data.batch import Batch
     from hybridrl.engines.trainer import Trainer
+
     cfg = long_config(**{"model.gradient_checkpointing": True, "train.minibatches": 1})
     trainer = Trainer(cfg, str(model), device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
     batch = Batch.from_rows([[5, 6, 7]], [[8, 9, 10, 11]], [[-1.0] * 4], [1.0])

@@ -8,6 +8,7 @@ The demo's adapter at rank 16 on the 7 projections of its 4 layers: per layer
 q, k, v, o: 16 x (128 + 128) each, gate, up: 16 x (128 + 384), down: 16 x (384 + 128)
 -> 4 x (4 x 4096 + 3 x 8192) = 163,840 parameters = 655,360 bytes in fp32, vs 3.4 MB of weights.
 """
+
 import json
 import os
 import subprocess
@@ -26,6 +27,7 @@ ADAPTER_BYTES = 4 * (4 * 16 * (128 + 128) + 3 * 16 * (128 + 384)) * 4  # 655,360
 
 def _demo() -> Path:
     import hybridrl
+
     return Path(hybridrl.__file__).parent / "demo_model"
 
 
@@ -36,6 +38,7 @@ def test_config_sleep_level_and_bad_targets_say_what_to_change():
     from hybridrl.core import config
     from hybridrl.engines import lora
     from hybridrl.run import resolve
+
     cfg = config.load(overrides={"model.lora_rank": 16})
     assert resolve.configure(cfg, on_cpu=True)[0].rollout.sleep_level == 1  # 2 would discard the base
     assert resolve.configure(config.load(), on_cpu=True)[0].rollout.sleep_level == 2  # no LoRA: unchanged
@@ -50,8 +53,10 @@ def test_config_sleep_level_and_bad_targets_say_what_to_change():
     peft_model = lora.attach(hf, cfg.model)
     trainable = [n for n, p in peft_model.named_parameters() if p.requires_grad]
     assert len(trainable) == 56 and all(lora.is_adapter(n) for n in trainable)  # the base is frozen
-    assert lora.sync_name("model.layers.0.mlp.up_proj.lora_B.default.weight") == \
-        "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"  # what a PEFT adapter file (and vLLM) calls it
+    assert (
+        lora.sync_name("model.layers.0.mlp.up_proj.lora_B.default.weight")
+        == "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"
+    )  # what a PEFT adapter file (and vLLM) calls it
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +66,13 @@ def runs(tmp_path_factory):
 
 def test_hand_off_moves_only_the_adapter_and_vllm_agrees(runs):
     from safetensors.torch import load_file
+
     full = sum(t.numel() * t.element_size() for t in load_file(_demo() / "model.safetensors").values())
     steps = runs["a"]
     # vLLM must keep its base weights while asleep: the run resolves rollout.sleep_level 2 -> 1 (the note
     # is printed then) and records it, so the resumed run (runs["out"]) reads 1 from its config.yaml
     import yaml
+
     assert yaml.safe_load((runs["part"] / "config.yaml").read_text())["rollout"]["sleep_level"] == 1
     for s in steps.values():
         assert s["sync/bytes"] == ADAPTER_BYTES and s["sync/tensors"] == 4 * 7 * 2, s  # A and B of 28 modules
@@ -79,6 +86,7 @@ def test_hand_off_moves_only_the_adapter_and_vllm_agrees(runs):
 
 def test_resume_is_bit_exact_and_the_checkpoint_holds_the_adapter_only(runs):
     import torch
+
     _assert_same_steps(runs)
     ck = runs["part"] / "checkpoints" / f"step-{N}"
     module = torch.load(ck / "ds" / "mp_rank_00_model_states.pt", weights_only=False)["module"]
@@ -124,8 +132,13 @@ print(json.dumps(dict(
     vllm_adapter=gap(vllm_lp(demo, enable_lora=True, max_lora_rank=16)),
     vllm_merged=gap(vllm_lp(out + "/merged")))))
 """
-    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    res = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    )
     assert res.returncode == 0, res.stderr[-4000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert got["moved"] > 1e-3  # the trained adapter, not a zero one
@@ -189,6 +202,7 @@ def test_the_kl_reference_is_the_base_model_and_costs_no_parameters(tmp_path):
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     got = json.loads(next(x for x in res.stdout.splitlines() if x.startswith("RESULT "))[7:])
     from safetensors.torch import load_file
+
     model = sum(t.numel() for t in load_file(_demo() / "model.safetensors").values())  # 858,496
     assert got["16"] == {"trainer": model + 163_840, "added": 0, "kind": "BaseModelReference"}
     assert got["0"]["added"] == model and got["0"]["kind"] == "Reference"  # full fine-tuning: a second model
@@ -210,8 +224,10 @@ def test_a_garbled_adapter_is_caught_and_the_next_hand_off_repairs_it(tmp_path, 
 def test_lora_out_of_process_and_zero3_two_ranks(tmp_path):
     """The adapter through the out-of-process staging buckets, and under ZeRO-3 on 2 ranks (the
     adapter's shards gathered for the hand-off): vLLM agrees with the trainer after every step."""
-    for name, extra in [("oop", ["--rollout.mode", "outofprocess", "--train.sync_bucket_mb", "1"]),
-                        ("z3", ["--train.zero_stage", "3", "--nproc", "2"])]:
+    for name, extra in [
+        ("oop", ["--rollout.mode", "outofprocess", "--train.sync_bucket_mb", "1"]),
+        ("z3", ["--train.zero_stage", "3", "--nproc", "2"]),
+    ]:
         _, steps, _ = train_cli(tmp_path / name, *LORA, *extra)
         for s in steps:
             assert s["probe_gap"] <= 1e-4 and s["sync/bytes"] == ADAPTER_BYTES, (name, s)
@@ -221,10 +237,24 @@ def test_lora_out_of_process_and_zero3_two_ranks(tmp_path):
 def test_lora_demo_run_learns(tmp_path):
     """The demo with a rank-16 adapter (base frozen) at lr 3e-4: held-out accuracy rises clearly
     (21.9% -> 54.7% at step 300 in the README's run; full fine-tuning reaches 44.5-53.5%)."""
-    _, steps, summary = train_cli(tmp_path / "run", "--steps", "300", "--train.prompts_per_step", "16",
-                                  "--rollout.n", "8", "--model.lora_rank", "16", "--train.lr", "3e-4",
-                                  "--log.eval_size", "256", "--train.max_minutes", "0",
-                                  timeout=1800)  # 288 s alone; past 600 s beside other jobs
+    _, steps, summary = train_cli(
+        tmp_path / "run",
+        "--steps",
+        "300",
+        "--train.prompts_per_step",
+        "16",
+        "--rollout.n",
+        "8",
+        "--model.lora_rank",
+        "16",
+        "--train.lr",
+        "3e-4",
+        "--log.eval_size",
+        "256",
+        "--train.max_minutes",
+        "0",
+        timeout=1800,
+    )  # 288 s alone; past 600 s beside other jobs
     before, after = summary["heldout_acc_before"], summary["heldout_acc_after"]
     assert before == 0.21875 and after >= before + 0.15, (before, after)
     assert all(s["sync/bytes"] == ADAPTER_BYTES for s in steps)
@@ -273,7 +303,13 @@ def test_in_process_adapter_hand_off_serves_peft_s_log_probs(world_of_one):
     finally:
         ro.close()
     with torch.no_grad():
-        want = torch.cat([torch.log_softmax(hf(torch.tensor([s])).logits[0, :-1], -1)
-                          .gather(1, torch.tensor(s[1:])[:, None])[:, 0] for s in seqs])
+        want = torch.cat(
+            [
+                torch.log_softmax(hf(torch.tensor([s])).logits[0, :-1], -1).gather(1, torch.tensor(s[1:])[:, None])[
+                    :, 0
+                ]
+                for s in seqs
+            ]
+        )
     assert (served - base).abs().max() > 1e-2  # the adapter is served...
     assert (served - want).abs().max() < 1e-4  # ...all of it, each projection's own

@@ -6,6 +6,7 @@ from vLLM (algo.old_logprobs) must equal the trainer's to 1e-4 in float32. Also 
 regression of an update whose minibatch is empty on every rank (a one-row batch split in two),
 which crashed the trainer and the critic. That the losses *learn* is shown by the demo runs
 (`test_learning_per_loss`, slow)."""
+
 import json
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from helpers.cli import train_cli
 
 LOSSES = [*POLICY_LOSSES, "ppo+mask"]  # every declared policy loss, and PPO with masked IS
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import json
     import torch
     from hybridrl.core import environ
@@ -88,7 +89,7 @@ SCRIPT = textwrap.dedent('''
     m = trainer.step(b)
     out["rollout_old"] = {"gap_max": m["logp_gap_max"], "ratio_max": m["ratio_max"]}
     print("RESULT", json.dumps(out))
-''')
+""")
 
 
 def test_every_policy_loss_trains_with_the_real_engines(tmp_path):
@@ -135,9 +136,13 @@ def learning(run_dir) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     reward = [r["reward"] for r in records if "reward" in r]
     evals = [r for r in records if "heldout_acc" in r]
-    return {"reward_first": sum(reward[:50]) / 50, "reward_last": sum(reward[-50:]) / 50,
-            "heldout_sampled": [round(r["eval/mean@n"], 4) for r in evals],
-            "heldout_greedy": [round(r["heldout_acc"], 4) for r in evals], "steps": len(reward)}
+    return {
+        "reward_first": sum(reward[:50]) / 50,
+        "reward_last": sum(reward[-50:]) / 50,
+        "heldout_sampled": [round(r["eval/mean@n"], 4) for r in evals],
+        "heldout_greedy": [round(r["heldout_acc"], 4) for r in evals],
+        "steps": len(reward),
+    }
 
 
 @pytest.mark.slow
@@ -149,10 +154,29 @@ def test_learning_per_loss(tmp_path, loss):
     greedy figures are in docs/losses.md)."""
     name, _, extra = loss.partition("+")
     args = ["--algo.policy_loss", name] + (["--algo.is_correction", "mask"] if extra else [])
-    _, steps, summary = train_cli(tmp_path / "run", "--steps", "300", "--train.prompts_per_step", "16",
-                                  "--rollout.n", "8", "--train.lr", "5e-5", "--log.eval_every", "100",
-                                  "--log.eval_size", "256", "--log.eval_n", "8", "--train.minibatches", "2",
-                                  "--train.max_minutes", "0", *args, timeout=1800)
+    _, steps, summary = train_cli(
+        tmp_path / "run",
+        "--steps",
+        "300",
+        "--train.prompts_per_step",
+        "16",
+        "--rollout.n",
+        "8",
+        "--train.lr",
+        "5e-5",
+        "--log.eval_every",
+        "100",
+        "--log.eval_size",
+        "256",
+        "--log.eval_n",
+        "8",
+        "--train.minibatches",
+        "2",
+        "--train.max_minutes",
+        "0",
+        *args,
+        timeout=1800,
+    )
     assert summary["heldout_acc_before"] == 0.21875
     got = learning(tmp_path / "run")
     assert got["steps"] == 300, got

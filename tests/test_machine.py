@@ -1,5 +1,6 @@
 """The suite's own rule for CUDA machines (machine.py, applied by conftest.py): a test that
 assumes the CPU stack, or more ranks than there are GPUs, is skipped there with its reason."""
+
 import pytest
 
 from machine import skip_reason
@@ -14,21 +15,28 @@ def test_cpu_machines_run_everything():
 
 
 def test_cuda_machines_skip_cpu_assumptions_with_the_reason():
-    assert skip_reason(cuda=True, n_gpus=8, cpu_only="asserts the CPU sleep-mode note", devices=1) == \
-        "CUDA machine: asserts the CPU sleep-mode note"
-    assert skip_reason(cuda=True, n_gpus=1, cpu_only=None, devices=2) == \
-        "needs 2 GPUs (one per rank, --nproc 2); this machine has 1"
+    assert (
+        skip_reason(cuda=True, n_gpus=8, cpu_only="asserts the CPU sleep-mode note", devices=1)
+        == "CUDA machine: asserts the CPU sleep-mode note"
+    )
+    assert (
+        skip_reason(cuda=True, n_gpus=1, cpu_only=None, devices=2)
+        == "needs 2 GPUs (one per rank, --nproc 2); this machine has 1"
+    )
     assert skip_reason(cuda=True, n_gpus=2, cpu_only=None, devices=2) is None  # runs
     assert skip_reason(cuda=True, n_gpus=1, cpu_only=None, devices=1) is None
 
 
 def test_markers_reach_the_hook(pytester):
     """The hook reads `cpu_only`'s reason and `devices`, or a parametrized `nproc`, from the items."""
-    pytester.makeconftest("import machine\n\n"
-                          "def pytest_collection_modifyitems(config, items):\n"
-                          "    machine.skip_on(items, True, 1)  # a machine with one GPU\n")
+    pytester.makeconftest(
+        "import machine\n\n"
+        "def pytest_collection_modifyitems(config, items):\n"
+        "    machine.skip_on(items, True, 1)  # a machine with one GPU\n"
+    )
     pytester.makeini("[pytest]\nmarkers =\n    cpu_only(reason): x\n    devices(n): x\n")
-    pytester.makepyfile(test_marked="""
+    pytester.makepyfile(
+        test_marked="""
 import pytest
 
 @pytest.mark.cpu_only("bitwise on CPU")
@@ -41,7 +49,8 @@ def test_b(): pass
 def test_c(nproc): pass
 
 def test_d(): pass
-""")
+"""
+    )
     result = pytester.runpytest("-rs", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2, skipped=3)  # test_c[1] and test_d run on the 1-GPU machine
     result.stdout.fnmatch_lines(["*CUDA machine: bitwise on CPU*", "*needs 2 GPUs (one per rank, --nproc 2)*"])

@@ -3,6 +3,7 @@ the real engine_cycle and Rollout verbs, with a recording stand-in for vLLM), th
 checker and toggle, the bucketed shared-memory transport (bitwise),
 DeepSpeed's offload/reload of the training states, and a checkpoint saved from offloaded states
 (real DeepSpeed)."""
+
 import multiprocessing as mp
 from pathlib import Path
 
@@ -43,12 +44,14 @@ def real_rollout(events, monkeypatch):
     """hybridrl's own Rollout verbs (wake, sleep, update_weights) over the recording vLLM, with
     sleep mode on as on a GPU."""
     from hybridrl.engines.rollout import Rollout
+
     r = Rollout.__new__(Rollout)
     r.llm, r.cuda, r.sleep_ok, r.sender, r.digest = FakeLLM(events), False, True, None, False
     r.asleep = r.weights_lost = False
     r.adapter = r.lora_request = None  # full weights (no LoRA)
-    monkeypatch.setattr(vllm_compat, "load_weights",
-                        lambda llm, named: events.append(("vllm.load", tuple(n for n, _ in named))))
+    monkeypatch.setattr(
+        vllm_compat, "load_weights", lambda llm, named: events.append(("vllm.load", tuple(n for n, _ in named)))
+    )
     return r
 
 
@@ -65,17 +68,24 @@ def one_step(trainer, rollout, cfg, events):
 @pytest.mark.parametrize("offload_params", [False, True])
 def test_phase_order(monkeypatch, level, offload_params):
     events = []
-    cfg = config.load(None, {"rollout.sleep_level": level, "train.offload_params": offload_params,
-                             "train.probe_every": 0})
+    cfg = config.load(
+        None, {"rollout.sleep_level": level, "train.offload_params": offload_params, "train.probe_every": 0}
+    )
     trainer, rollout = FakeTrainer(events), real_rollout(events, monkeypatch)
     engine_cycle.hand_off(Engines(trainer, rollout), None, cfg=cfg, cuda=False)  # a freshly built engine is awake
     events.clear()
     one_step(trainer, rollout, cfg, events)
     one_step(trainer, rollout, cfg, events)
-    step = [("generate",), ("vllm.sleep", level), ("trainer.reload",), ("train",),
-            ("trainer.offload", False), ("vllm.wake_up", ("weights",)),
-            ("vllm.load", tuple(FakeTrainer.names)),  # every parameter, every hand-off
-            ("vllm.reset_prefix_cache",)]
+    step = [
+        ("generate",),
+        ("vllm.sleep", level),
+        ("trainer.reload",),
+        ("train",),
+        ("trainer.offload", False),
+        ("vllm.wake_up", ("weights",)),
+        ("vllm.load", tuple(FakeTrainer.names)),  # every parameter, every hand-off
+        ("vllm.reset_prefix_cache",),
+    ]
     step += [("trainer.offload", True)] if offload_params else []
     step += [("vllm.wake_up", ("kv_cache",))]
     assert events == step + step
@@ -123,13 +133,18 @@ def test_training_default_only_when_the_user_chose_nothing():
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("env,match", [
-    ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, "remove backend:cudaMallocAsync"),
-    ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:true"}, "must be True or False"),
-    ({"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, "unset it"),
-    ({"PYTORCH_ALLOC_CONF": "expandable_segments:yes", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
-     "PYTORCH_ALLOC_CONF=expandable_segments:yes"),  # torch reads PYTORCH_ALLOC_CONF first
-])
+@pytest.mark.parametrize(
+    "env,match",
+    [
+        ({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, "remove backend:cudaMallocAsync"),
+        ({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:true"}, "must be True or False"),
+        ({"PYTORCH_NO_CUDA_MEMORY_CACHING": "1"}, "unset it"),
+        (
+            {"PYTORCH_ALLOC_CONF": "expandable_segments:yes", "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"},
+            "PYTORCH_ALLOC_CONF=expandable_segments:yes",
+        ),  # torch reads PYTORCH_ALLOC_CONF first
+    ],
+)
 def test_allocator_settings_that_break_sleep_mode(env, match):
     cfg = config.load()
     with pytest.raises(ConfigError, match=match) as e:
@@ -142,9 +157,12 @@ def test_allocator_settings_that_break_sleep_mode(env, match):
 @pytest.mark.fast
 def test_allocator_settings_sleep_mode_lives_with():
     cfg = config.load()
-    for env in ({}, {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:512"},
-                {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"},
-                {"PYTORCH_CUDA_ALLOC_CONF": "backend:native"}):
+    for env in (
+        {},
+        {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True,max_split_size_mb:512"},
+        {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:False"},
+        {"PYTORCH_CUDA_ALLOC_CONF": "backend:native"},
+    ):
         memory.check_alloc_conf(env, cfg)
     with pytest.raises(ConfigError, match="cannot switch expandable_segments off at run time"):
         memory.check_alloc_conf({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, cfg, can_toggle=False)
@@ -161,6 +179,7 @@ def test_vllm_pool_switches_expandable_segments_off_and_back(monkeypatch):
             inside = "max_split_size_mb:512,expandable_segments:False"  # the user's other option kept
             assert torch._C._accelerator_getAllocatorSettings() == inside
             import os
+
             assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == inside  # what a spawned engine inherits
             with memory.vllm_pool(cuda=True):  # nested (wake inside the hand-off): stays off
                 assert torch._C._accelerator_getAllocatorSettings() == inside
@@ -188,11 +207,15 @@ def test_states_stay_when_planned_off(monkeypatch):
 # --- the bucketed shared-memory transport ------------------------------------------------------
 def _tensors():
     from safetensors.torch import load_file
+
     named = sorted(load_file(f"{DEMO}/model.safetensors").items())
     g = torch.Generator().manual_seed(0)
-    named += [("odd.bf16", torch.randn(999, generator=g).bfloat16()),  # 2 bytes/element, odd count
-              ("odd.transposed", torch.randn(33, 65, generator=g).t()),  # not contiguous
-              ("odd.int64", torch.arange(5)), ("odd.empty", torch.zeros(0))]
+    named += [
+        ("odd.bf16", torch.randn(999, generator=g).bfloat16()),  # 2 bytes/element, odd count
+        ("odd.transposed", torch.randn(33, 65, generator=g).t()),  # not contiguous
+        ("odd.int64", torch.arange(5)),
+        ("odd.empty", torch.zeros(0)),
+    ]
     return named
 
 
@@ -203,6 +226,7 @@ def test_bucketed_shared_memory_hand_off_is_bitwise():
     ctx = mp.get_context("spawn")
     addresses, results = ctx.Queue(), ctx.Queue()
     from ipc_peer import receive_many
+
     proc = ctx.Process(target=receive_many, args=(addresses, results), daemon=True)
     proc.start()
 
@@ -244,8 +268,12 @@ def test_offload_reload_keeps_training_bitwise(zero, world_of_one):
         cfg = config.load(None, {"train.zero_stage": zero})
         trainer = Trainer(cfg, DEMO, device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
         g = torch.Generator().manual_seed(1)
-        batch = Batch.from_rows([[1, 2, 3]] * 4, [torch.randint(3, 12, (4,), generator=g).tolist() for _ in range(4)],
-                                [[-1.0] * 4] * 4, [1.0, -1.0, 0.5, -0.5])
+        batch = Batch.from_rows(
+            [[1, 2, 3]] * 4,
+            [torch.randint(3, 12, (4,), generator=g).tolist() for _ in range(4)],
+            [[-1.0] * 4] * 4,
+            [1.0, -1.0, 0.5, -0.5],
+        )
         if offload:  # the loop offloads once before the first step (engine_cycle.plan_rollout)
             trainer._offload_states(params=False)
             trainer._reload_states()
@@ -255,7 +283,11 @@ def test_offload_reload_keeps_training_bitwise(zero, world_of_one):
                 trainer._offload_states(params=False)  # before the hand-off
                 trainer._offload_states(params=True)  # after it (train.offload_params)
                 assert {s.value for s in trainer.engine.optimizer.offloaded_states} >= {
-                    "optim_states", "hp_params", "lp_grads", "lp_params"}
+                    "optim_states",
+                    "hp_params",
+                    "lp_grads",
+                    "lp_params",
+                }
                 trainer._reload_states()
                 assert not trainer.engine.optimizer.offloaded_states
         return {n: p.clone() for n, p in trainer.named_parameters_for_sync(1 << 20)}
@@ -285,8 +317,12 @@ def test_checkpoint_is_saved_from_offloaded_states(zero, world_of_one, tmp_path,
     cpu = torch.device("cpu")
     cfg = config.load(None, {"train.zero_stage": zero, "algo.advantage": "gae", "ckpt.dir": str(tmp_path / "ck")})
     g = torch.Generator().manual_seed(1)
-    batch = Batch.from_rows([[1, 2, 3]] * 4, [torch.randint(3, 12, (4,), generator=g).tolist() for _ in range(4)],
-                            [[-1.0] * 4] * 4, [1.0, -1.0, 0.5, -0.5])
+    batch = Batch.from_rows(
+        [[1, 2, 3]] * 4,
+        [torch.randint(3, 12, (4,), generator=g).tolist() for _ in range(4)],
+        [[-1.0] * 4] * 4,
+        [1.0, -1.0, 0.5, -0.5],
+    )
 
     def engines():
         torch.manual_seed(0)
@@ -301,6 +337,7 @@ def test_checkpoint_is_saved_from_offloaded_states(zero, world_of_one, tmp_path,
 
     def state(trainer, critic):  # every parameter of both engines, gathered under ZeRO-3
         import deepspeed
+
         out = {f"policy.{n}": p.clone() for n, p in trainer.named_parameters_for_sync(1 << 20)}
         params = list(critic.engine.module.named_parameters())
         with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=zero == 3):
@@ -320,10 +357,16 @@ def test_checkpoint_is_saved_from_offloaded_states(zero, world_of_one, tmp_path,
             for verb in ("reload", "reload_states"):
                 if hasattr(obj, verb):
                     real = getattr(obj, verb)
-                    spy.setattr(obj, verb, lambda *a, _r=real, _n=f"{type(obj).__name__}.{verb}", **k: (
-                        reloads.append(_n), _r(*a, **k))[1])
-        ck = saver.save(1, Engines(trainer, critic=critic), SimpleNamespace(cursor=0),
-                        SimpleNamespace(last=None, tol=2e-2), {})
+                    spy.setattr(
+                        obj,
+                        verb,
+                        lambda *a, _r=real, _n=f"{type(obj).__name__}.{verb}", **k: (reloads.append(_n), _r(*a, **k))[
+                            1
+                        ],
+                    )
+        ck = saver.save(
+            1, Engines(trainer, critic=critic), SimpleNamespace(cursor=0), SimpleNamespace(last=None, tol=2e-2), {}
+        )
     assert ck is not None and checkpoint.is_complete(ck)
     assert reloads == []  # nothing came back onto the device for the save
     assert (set(trainer.engine.optimizer.offloaded_states), set(critic.engine.optimizer.offloaded_states)) == offloaded
@@ -359,8 +402,10 @@ def test_pending_state_bytes(world_of_one):
     """Adam's two fp32 moments do not exist until the first step: the planner counts them."""
     from hybridrl.data.batch import Batch
     from hybridrl.engines.trainer import Trainer
-    trainer = Trainer(config.load(None, {}), DEMO, device=torch.device("cpu"), dtype=torch.float32,
-                      attn_implementation="sdpa")
+
+    trainer = Trainer(
+        config.load(None, {}), DEMO, device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa"
+    )
     n = sum(p.numel() for p in trainer.hf.parameters())
     assert trainer.pending_state_bytes() == 8 * n
     trainer.step(Batch.from_rows([[1, 2, 3]] * 2, [[4, 5]] * 2, [[-1.0] * 2] * 2, [1.0, -1.0]))
@@ -378,8 +423,10 @@ def test_a_trainer_after_the_world_group_was_destroyed_outside_deepspeed(world_o
     from hybridrl.engines.trainer import Trainer
 
     def trainer():
-        return Trainer(config.load(None, {}), DEMO, device=torch.device("cpu"), dtype=torch.float32,
-                       attn_implementation="sdpa")
+        return Trainer(
+            config.load(None, {}), DEMO, device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa"
+        )
+
     del trainer().engine  # an earlier engine in this process: DeepSpeed clones the world group
     dist.destroy_process_group()  # what the teardown does, outside DeepSpeed
     launch.init_distributed()  # the next run's world of one

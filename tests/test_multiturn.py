@@ -8,6 +8,7 @@ and the trainer's log-probs of them equal vLLM's (fp32, 1e-4); a run whose tools
 return too much and get malformed calls completes (1 rank; 2 ranks in `make test-slow`), with
 every failure counted and dead-lettered.
 """
+
 import asyncio
 import json
 import os
@@ -32,19 +33,22 @@ sys.path.insert(0, str(HERE))
 from envs_for_tests import TEMPLATE, Faulty, add  # noqa: E402
 
 # Qwen2.5's template, the parts an environment turn touches (user, assistant, tool messages)
-QWEN = ("{%- for message in messages %}"
-        "{%- if message.role == 'user' or message.role == 'assistant' %}"
-        "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
-        "{%- elif message.role == 'tool' %}"
-        "{%- if loop.first or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
-        "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
-        "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
-        "{%- endif %}{%- endfor %}"
-        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+QWEN = (
+    "{%- for message in messages %}"
+    "{%- if message.role == 'user' or message.role == 'assistant' %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if loop.first or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 
 
 def demo_with_template(dst: Path) -> Path:
     import shutil
+
     shutil.copytree(DEMO, dst)
     cfg = json.loads((dst / "tokenizer_config.json").read_text())
     cfg["chat_template"] = TEMPLATE
@@ -56,24 +60,38 @@ def demo_with_template(dst: Path) -> Path:
 @pytest.mark.fast
 def test_parse_calls():
     names = {"add", "calc"}
-    calls, problems = envs.parse_calls('ok <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-                                       '<tool_call>{"name": "calc", "arguments": "{\\"e\\": \\"1+1\\"}"}</tool_call>',
-                                       names)
+    calls, problems = envs.parse_calls(
+        'ok <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+        '<tool_call>{"name": "calc", "arguments": "{\\"e\\": \\"1+1\\"}"}</tool_call>',
+        names,
+    )
     assert calls == [("add", {"a": 1, "b": 2}), ("calc", {"e": "1+1"})] and problems == []
     assert envs.parse_calls("the answer is 3", names) == ([], [])
-    bad = ['<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>',  # not JSON
-           '<tool_call>{"arguments": {}}</tool_call>',  # no name
-           '<tool_call>{"name": "rm", "arguments": {}}</tool_call>',  # unknown tool
-           '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',  # arguments not an object
-           '<tool_call>{"name": "add", "arguments": {}}']  # never closed
-    for text, words in zip(bad, ["not valid JSON", '{"name": ..., "arguments"', "unknown tool 'rm'",
-                                 "must be a JSON object", "was not closed"]):
+    bad = [
+        '<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>',  # not JSON
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        '<tool_call>{"name": "rm", "arguments": {}}</tool_call>',  # unknown tool
+        '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>',  # arguments not an object
+        '<tool_call>{"name": "add", "arguments": {}}',
+    ]  # never closed
+    for text, words in zip(
+        bad,
+        ["not valid JSON", '{"name": ..., "arguments"', "unknown tool 'rm'", "must be a JSON object", "was not closed"],
+    ):
         calls, problems = envs.parse_calls(text, names)
         assert calls == [] and len(problems) == 1 and words in problems[0], (text, problems)
-    assert envs.schema(add) == {"type": "function", "function": {
-        "name": "add", "description": "Adds two integers.", "parameters": {
-            "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-            "required": ["a", "b"]}}}
+    assert envs.schema(add) == {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Adds two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
 
 
 @pytest.mark.fast
@@ -93,18 +111,32 @@ def test_tool_failures_become_observations_and_counts():
     steps = asyncio.run(episode())
     assert time.perf_counter() - t0 < 5
     texts = [[m["content"] for m in obs] if obs else None for obs, _, _, _ in steps]
-    assert texts == [["error: hang timed out after 0.3 s"], ["error: a <tool_call> was not closed with </tool_call>"],
-                     ["1111... [truncated 4996 characters]"], ["erro"],  # the error text is cut to 4 characters
-                     ["5"], None]
+    assert texts == [
+        ["error: hang timed out after 0.3 s"],
+        ["error: a <tool_call> was not closed with </tool_call>"],
+        ["1111... [truncated 4996 characters]"],
+        ["erro"],  # the error text is cut to 4 characters
+        ["5"],
+        None,
+    ]
     assert [done for _, _, done, _ in steps] == [False] * 5 + [True]
     info = [{k: v for k, v in i.items() if k != "errors" and k != "tools/latency_s" and v} for _, _, _, i in steps]
-    assert info == [{"tools/calls": 1, "tools/timeouts": 1}, {"tools/malformed": 1},
-                    {"tools/calls": 1, "tools/truncated": 1}, {"tools/calls": 1, "tools/errors": 1},
-                    {"tools/calls": 1}, {}]
+    assert info == [
+        {"tools/calls": 1, "tools/timeouts": 1},
+        {"tools/malformed": 1},
+        {"tools/calls": 1, "tools/truncated": 1},
+        {"tools/calls": 1, "tools/errors": 1},
+        {"tools/calls": 1},
+        {},
+    ]
     kinds = [[e["kind"] for e in i["errors"]] for _, _, _, i in steps]
     assert kinds == [["timeout"], ["malformed"], ["truncated"], ["error"], [], []]
-    assert steps[3][3]["errors"][0] == {"kind": "error", "tool": "boom", "arguments": {"x": 1},
-                                        "error": "RuntimeError: boom"}
+    assert steps[3][3]["errors"][0] == {
+        "kind": "error",
+        "tool": "boom",
+        "arguments": {"x": 1},
+        "error": "RuntimeError: boom",
+    }
 
 
 @pytest.mark.fast
@@ -112,9 +144,11 @@ def test_calculator_example():
     """examples/calculator_env.py, the README's environment: a call, a bad expression, the answer."""
     sys.path.insert(0, str(HERE.parent))
     from examples.calculator_env import Calc
+
     env = Calc()
     assert env.reset({"prompt": "What is (12+7)*431?", "answer": "8189", "index": 0}) == [
-        {"role": "user", "content": "What is (12+7)*431?"}]
+        {"role": "user", "content": "What is (12+7)*431?"}
+    ]
     assert [s["function"]["name"] for s in env.schemas] == ["calculator"]
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>'
     obs, reward, done, info = asyncio.run(env.step(call % "(12+7)*431"))
@@ -133,15 +167,16 @@ def test_tool_demo_format_round_trips():
     sys.path.insert(0, str(HERE.parent / "examples"))
     from calculator_env import Calc
     from make_tool_demo_model import TEMPLATE as DEMO_TEMPLATE, build_tokenizer, example
+
     tok = build_tokenizer()
     tok.chat_template = DEMO_TEMPLATE
     ids, mask = example(tok, {"prompt": "123*45=", "answer": "5535"}, call=True)
-    call = ids[mask.index(1): ids.index(tok.eos_token_id) + 1]
+    call = ids[mask.index(1) : ids.index(tok.eos_token_id) + 1]
     assert len(call) == 11 and call[-1] == tok.eos_token_id
     obs, _, done, info = asyncio.run(Calc().step(tok.decode(call, skip_special_tokens=True)))
     assert obs == [{"role": "tool", "content": "5535"}] and not done and info["tools/calls"] == 1
     turn = multiturn.render_turn(tok, obs)
-    assert ids[len(tok("123*45=")["input_ids"]) + len(call):][: len(turn)] == turn
+    assert ids[len(tok("123*45=")["input_ids"]) + len(call) :][: len(turn)] == turn
     assert mask == [0] * 8 + [1] * 11 + [0] * len(turn) + [1] * 5  # <bos> 123*45= | call | response | 5535 eos
 
 
@@ -151,20 +186,26 @@ def test_environment_turn_is_rendered_alone():
     (the model stopped at <|im_end|>), groups consecutive tool messages and ends with the next
     assistant header; appended to the earlier turns it reproduces the template's whole rendering."""
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(DEMO)
     tok.chat_template, tok.eos_token = QWEN, "<|im_end|>"
     obs = [{"role": "tool", "content": "3"}, {"role": "tool", "content": "7"}]
     text = multiturn.turn_text(tok, obs)
-    assert text == ("\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n7\n</tool_response>"
-                    "<|im_end|>\n<|im_start|>assistant\n")
+    assert text == (
+        "\n<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n7\n</tool_response>"
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
     convo = [{"role": "user", "content": "1+2="}, {"role": "assistant", "content": "call"}]
     head = tok.apply_chat_template(convo[:1], tokenize=False, add_generation_prompt=True)
-    assert head + "call<|im_end|>" + text == tok.apply_chat_template(convo + obs, tokenize=False,
-                                                                      add_generation_prompt=True)
+    assert head + "call<|im_end|>" + text == tok.apply_chat_template(
+        convo + obs, tokenize=False, add_generation_prompt=True
+    )
     tok.chat_template = TEMPLATE  # the e2e tests' template, with the demo's own eos
     tok.eos_token = "<eos>"
-    assert multiturn.render_turn(tok, [{"role": "tool", "content": "1+1"}]) == tok("1+1=", add_special_tokens=False)[
-        "input_ids"]
+    assert (
+        multiturn.render_turn(tok, [{"role": "tool", "content": "1+1"}])
+        == tok("1+1=", add_special_tokens=False)["input_ids"]
+    )
 
 
 @pytest.mark.fast
@@ -177,8 +218,9 @@ def test_masked_returns_and_gae_skip_environment_tokens():
     assert advantages.discounted_returns(r, mask, 0.5).tolist() == [[0.25, 0.5, 0.0, 0.0, 1.0]]
     values = torch.tensor([[0.1, 0.2, 9.0, 9.0, 0.4]])
     x = advantages.Experience(torch.tensor([[1.0]]), mask, values=values, gamma=0.9, lam=0.8)
-    dense = advantages.Experience(torch.tensor([[1.0]]), torch.ones(1, 3, dtype=torch.bool),
-                                  values=values[:, [0, 1, 4]], gamma=0.9, lam=0.8)
+    dense = advantages.Experience(
+        torch.tensor([[1.0]]), torch.ones(1, 3, dtype=torch.bool), values=values[:, [0, 1, 4]], gamma=0.9, lam=0.8
+    )
     (adv, ret), (adv_d, ret_d) = advantages.gae(x), advantages.gae(dense)
     torch.testing.assert_close(adv[mask], adv_d.flatten())
     torch.testing.assert_close(ret[mask], ret_d.flatten())
@@ -188,9 +230,13 @@ def test_masked_returns_and_gae_skip_environment_tokens():
 
 @pytest.mark.fast
 def test_batch_masks_environment_tokens():
-    b = Batch.from_rows([[1, 5], [1, 6]], [[7, 2, 9, 9, 8, 2], [3, 2]], [[-0.5, -0.1, 0.0, 0.0, -0.3, -0.2],
-                                                                      [-1.0, -2.0]], [1.0, -1.0],
-                        [[1, 1, 0, 0, 1, 1], None])
+    b = Batch.from_rows(
+        [[1, 5], [1, 6]],
+        [[7, 2, 9, 9, 8, 2], [3, 2]],
+        [[-0.5, -0.1, 0.0, 0.0, -0.3, -0.2], [-1.0, -2.0]],
+        [1.0, -1.0],
+        [[1, 1, 0, 0, 1, 1], None],
+    )
     assert b.loss_mask.int().tolist() == [[0, 0, 1, 1, 0, 0, 1, 1], [0, 0, 1, 1, 0, 0, 0, 0]]
     assert b.logp_rollout[0].tolist() == pytest.approx([0, 0, -0.5, -0.1, 0, 0, -0.3, -0.2])
     assert multiturn.last_turn([7, 2, 9, 9, 8, 2], [1, 1, 0, 0, 1, 1]) == [8, 2]
@@ -198,7 +244,7 @@ def test_batch_masks_environment_tokens():
 
 
 # --- the real engines ----------------------------------------------------------------------------
-EPISODE_SCRIPT = textwrap.dedent('''
+EPISODE_SCRIPT = textwrap.dedent("""
     import json, sys
     from hybridrl.core import environ
     environ.setup()
@@ -238,7 +284,7 @@ EPISODE_SCRIPT = textwrap.dedent('''
                                 "gap": float((ours - batch.logp_rollout)[batch.loss_mask].abs().max()),
                                 "rollout_off_mask": float(batch.logp_rollout[~batch.loss_mask].abs().max()),
                                 "metrics": ro.metrics}))
-''')
+""")
 
 
 def test_three_turn_episode_mask_and_logprobs(tmp_path):
@@ -250,8 +296,9 @@ def test_three_turn_episode_mask_and_logprobs(tmp_path):
     script = tmp_path / "episode.py"
     script.write_text(EPISODE_SCRIPT)
     env = {**os.environ, "PYTHONPATH": f"{HERE}:{os.environ.get('PYTHONPATH', '')}"}
-    out = subprocess.run([sys.executable, str(script), str(model)], capture_output=True, text=True, timeout=300,
-                         env=env)
+    out = subprocess.run(
+        [sys.executable, str(script), str(model)], capture_output=True, text=True, timeout=300, env=env
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     got = json.loads(next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))[7:])
     e1, e2 = got["env_turns"]
@@ -264,12 +311,12 @@ def test_three_turn_episode_mask_and_logprobs(tmp_path):
         for env_turn in (e1, e2, []):
             end = ids.index(got["eos"], k) + 1
             turns.append(ids[k:end])
-            assert ids[end: end + len(env_turn)] == env_turn
+            assert ids[end : end + len(env_turn)] == env_turn
             k = end + len(env_turn)
         assert k == len(ids)
         a1, a2, a3 = turns
         assert mask == [1] * len(a1) + [0] * len(e1) + [1] * len(a2) + [0] * len(e2) + [1] * len(a3)
-        assert row[:plen] == [0] * plen and row[plen: plen + len(ids)] == mask and not any(row[plen + len(ids):])
+        assert row[:plen] == [0] * plen and row[plen : plen + len(ids)] == mask and not any(row[plen + len(ids) :])
     assert got["gap"] <= 1e-4 and got["rollout_off_mask"] == 0.0
     m = got["metrics"]
     assert m["env/episodes"] == 8 and m["env/turns_per_episode"] == 3.0 and m["env/truncated_length"] == 0
@@ -277,8 +324,14 @@ def test_three_turn_episode_mask_and_logprobs(tmp_path):
     assert m["env/assistant_tokens"] + m["env/env_tokens"] == m["rollout_tokens"]
 
 
-@pytest.mark.parametrize("nproc,tp", [(1, 1), pytest.param(2, 1, marks=pytest.mark.slow),  # 2 ranks: 60 s
-                                      pytest.param(2, 2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "nproc,tp",
+    [
+        (1, 1),
+        pytest.param(2, 1, marks=pytest.mark.slow),  # 2 ranks: 60 s
+        pytest.param(2, 2, marks=pytest.mark.slow),
+    ],
+)
 def test_failing_tools_do_not_stop_the_run(tmp_path, monkeypatch, nproc, tp):
     """Faulty at 1 and 2 ranks, 3 steps, sequence-level TIS: every episode meets a hanging tool (1 s
     timeout), a malformed call, a huge result and a tool that raises; all counted, dead-lettered
@@ -286,12 +339,28 @@ def test_failing_tools_do_not_stop_the_run(tmp_path, monkeypatch, nproc, tp):
     At 2 ranks sharing one engine (tp 2) each rank's timeouts decide its own episodes' next turns,
     which the group adds together: the counts are the same, not doubled."""
     from helpers.cli import train_cli
+
     model = demo_with_template(tmp_path / "model")
     monkeypatch.setenv("PYTHONPATH", f"{HERE}:{os.environ.get('PYTHONPATH', '')}")
-    out, steps, summary = train_cli(tmp_path / "run", "--model", str(model), "--env.cls", "envs_for_tests:Faulty",
-                                    "--env.tool_timeout_s", "1", "--env.max_turns", "6", "--nproc", str(nproc),
-                                    "--algo.tis_cap", "2", "--algo.tis_level", "sequence",
-                                    "--rollout.tensor_parallel_size", str(tp))
+    out, steps, summary = train_cli(
+        tmp_path / "run",
+        "--model",
+        str(model),
+        "--env.cls",
+        "envs_for_tests:Faulty",
+        "--env.tool_timeout_s",
+        "1",
+        "--env.max_turns",
+        "6",
+        "--nproc",
+        str(nproc),
+        "--algo.tis_cap",
+        "2",
+        "--algo.tis_level",
+        "sequence",
+        "--rollout.tensor_parallel_size",
+        str(tp),
+    )
     assert [s["step"] for s in steps] == [1, 2, 3]
     for s in steps:
         assert s["env/episodes"] == 8 * 4
@@ -323,6 +392,7 @@ class _ScriptedGen:
 
     def __iter__(self):
         from hybridrl.data.batch import Sample
+
         while self.queue:
             batch, self.queue = self.queue, []
             yield [Sample(k, [11, self.eos], [-0.5, -0.1], True) for k in batch]
@@ -333,6 +403,7 @@ def _episodes(tmp_path):
 
     from hybridrl.core import config as C
     from hybridrl.data.prompts import Prompt
+
     tok = AutoTokenizer.from_pretrained(DEMO)
     tok.chat_template = TEMPLATE
 
@@ -370,8 +441,12 @@ def test_an_environments_failures_end_one_episode(tmp_path):
     eps.close()
     letters = [json.loads(x) for x in (tmp_path / "env_dead_letter.jsonl").read_text().splitlines()]
     errors = " | ".join(d["error"] for d in letters)
-    for words in ("env.reset's messages could not be rendered", "not a finite number", "info must be a dict",
-                  "env.step returned nothing within 0.5 s"):
+    for words in (
+        "env.reset's messages could not be rendered",
+        "not a finite number",
+        "info must be a dict",
+        "env.step returned nothing within 0.5 s",
+    ):
         assert words in errors, errors
 
 
@@ -393,6 +468,7 @@ def test_hung_sync_calls_leave_a_bounded_number_of_threads(monkeypatch):
     """Each timed-out sync call leaves its thread running; past envs.MAX_ABANDONED of them a sync call
     fails at once instead of starting another (before: one more thread per call, without end)."""
     import threading
+
     release = threading.Event()
 
     def stuck():

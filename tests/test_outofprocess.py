@@ -1,6 +1,7 @@
 """rollout.mode=outofprocess with the real engines: vLLM's own engine-core process, weights sent
 through shared-memory staging buckets to hybridrl's worker extension. And the post-sync probe
 against a deliberately garbled hand-off, in both modes."""
+
 import os
 from pathlib import Path
 
@@ -25,6 +26,7 @@ def test_engine_process_receives_bitwise_weights_and_uses_them():
     from transformers import AutoModelForCausalLM
 
     from hybridrl.engines.rollout import Rollout
+
     cfg = config.load(None, {"rollout.mode": "outofprocess", "model.dtype": "float32"})
     hf = AutoModelForCausalLM.from_pretrained(DEMO, dtype=torch.float32)
     rollout = Rollout(cfg, DEMO, on_cpu=True, eos_token_id=2, rank=0)
@@ -64,8 +66,15 @@ def test_outofprocess_training_and_probe_warns_on_a_garbled_hand_off(tmp_path, m
     and train.probe_action=warn: step 2's probe sees it and warns, the run goes on, the third
     hand-off repairs vLLM's weights."""
     monkeypatch.setenv("HYBRIDRL_TEST_CORRUPT_HAND_OFF", "2")
-    out, steps, summary = train_cli(tmp_path / "run", "--rollout.mode", "outofprocess", "--train.sync_bucket_mb", "1",
-                                    "--train.probe_action", "warn")
+    out, steps, summary = train_cli(
+        tmp_path / "run",
+        "--rollout.mode",
+        "outofprocess",
+        "--train.sync_bucket_mb",
+        "1",
+        "--train.probe_action",
+        "warn",
+    )
     assert [s["step"] for s in steps] == [1, 2, 3]
     assert steps[0]["probe_gap"] <= 1e-4 and steps[2]["probe_gap"] <= 1e-4
     assert steps[1]["probe_gap"] > 1e-2
@@ -80,10 +89,22 @@ def test_probe_stops_a_garbled_in_process_hand_off(tmp_path):
     import sys
 
     from helpers.cli import SMALL
-    cmd = [sys.executable, "-m", "hybridrl", "train", *SMALL, "--steps", "2", "--log.run_dir", str(tmp_path / "r"),
-           "--log.no_progress"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "HYBRIDRL_TEST_CORRUPT_HAND_OFF": "1"})
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridrl",
+        "train",
+        *SMALL,
+        "--steps",
+        "2",
+        "--log.run_dir",
+        str(tmp_path / "r"),
+        "--log.no_progress",
+    ]
+    out = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "HYBRIDRL_TEST_CORRUPT_HAND_OFF": "1"}
+    )
     assert out.returncode != 0
     text = " ".join(out.stderr.replace("[rank0]:", " ").split())  # torch wraps a rank's error message
     assert "step 1: vLLM and trainer disagree on the probe batch" in text

@@ -6,6 +6,7 @@ different lengths, so the padded layout computes padding and the packed one does
 row whose samples attended to each other (e.g. transformers not seeing the packing because a KV
 cache was passed) is off by ~1 nat, far outside float32 tolerance.
 """
+
 import pytest
 import torch
 

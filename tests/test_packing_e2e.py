@@ -7,6 +7,7 @@ so the old log-probs (Trainer.logprobs) go through the packed path too. Same see
 step 1's loss must agree to 1e-5 while the micro-batches (a 40-token budget) are grouped
 differently (rows x longest padded, the sum of lengths packed).
 """
+
 import json
 
 import datasets
@@ -23,18 +24,41 @@ EVAL_SIZE, EVAL_N = 16, 4
 def test_packing_matches_padding_with_real_engines(tmp_path):
     # the demo's train split (so the demo's data order, whose step 1 has a non-zero loss) + a malformed row
     rows = arithmetic.load("train") + [{"prompt": None, "answer": "0"}]
-    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
-                          "test": datasets.Dataset.from_list(arithmetic.load("heldout")[:EVAL_SIZE])}
-                         ).save_to_disk(tmp_path / "ds")
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list(rows),
+            "test": datasets.Dataset.from_list(arithmetic.load("heldout")[:EVAL_SIZE]),
+        }
+    ).save_to_disk(tmp_path / "ds")
     runs = {}
     for packing in ("on", "off"):
         out, steps, summary = train_cli(
-            tmp_path / packing, "--train.packing", packing, "--data", str(tmp_path / "ds"), "--reward", "arithmetic",
-            "--data.heldout_path", str(tmp_path / "ds"),
-            "--data.on_error", "skip", "--train.max_tokens_per_micro_batch", "40", "--algo.tis_cap", "2",
-            "--algo.tis_level", "sequence", "--log.eval_n", str(EVAL_N), "--log.eval_temperature", "1.0")
-        skipped = ("skipped 1 of 2245 malformed rows (data.on_error=skip); the first: "
-                   f"{tmp_path / 'ds'} [train] row 2244: 'prompt' must be a non-empty string, got None")
+            tmp_path / packing,
+            "--train.packing",
+            packing,
+            "--data",
+            str(tmp_path / "ds"),
+            "--reward",
+            "arithmetic",
+            "--data.heldout_path",
+            str(tmp_path / "ds"),
+            "--data.on_error",
+            "skip",
+            "--train.max_tokens_per_micro_batch",
+            "40",
+            "--algo.tis_cap",
+            "2",
+            "--algo.tis_level",
+            "sequence",
+            "--log.eval_n",
+            str(EVAL_N),
+            "--log.eval_temperature",
+            "1.0",
+        )
+        skipped = (
+            "skipped 1 of 2245 malformed rows (data.on_error=skip); the first: "
+            f"{tmp_path / 'ds'} [train] row 2244: 'prompt' must be a non-empty string, got None"
+        )
         assert skipped in out.stdout + out.stderr
         records = [json.loads(line) for line in (tmp_path / packing / "metrics.jsonl").open()]
         evals = [r for r in records if "heldout_acc" in r]

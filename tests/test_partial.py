@@ -2,6 +2,7 @@
 (fast), vLLM's abort keeping a request's tokens and their continuation (the real engine), and a
 run through the CLI whose checkpoint holds groups in flight and resumes bit-exactly.
 """
+
 import json
 
 import pytest
@@ -13,8 +14,9 @@ from hybridrl.data.batch import Sample
 
 
 def _s(tokens, version=None, finished=False):
-    return Sample(0, list(tokens), [-0.5] * len(tokens), finished,
-                  versions=None if version is None else [version] * len(tokens))
+    return Sample(
+        0, list(tokens), [-0.5] * len(tokens), finished, versions=None if version is None else [version] * len(tokens)
+    )
 
 
 @pytest.mark.fast
@@ -37,7 +39,7 @@ def test_carry_over_keeps_prefix_logprobs_and_versions():
     partial.put(g, 1, cut, version=0, done=False)
     assert not g.complete
     # step 2 re-feeds prompt + prefix with the budget left
-    (i, j, ids, left), = partial.continuations([g], [[1, 4, 13]], max_new_tokens=6, first=3)
+    ((i, j, ids, left),) = partial.continuations([g], [[1, 4, 13]], max_new_tokens=6, first=3)
     assert (i, j, ids, left) == (3, 1, [1, 4, 13, 5, 9], 4)
     partial.put(g, 1, Sample(3, [7, 2], [-0.3, -0.4], True), version=1, done=True)
     s = g.samples[1]
@@ -105,13 +107,15 @@ def test_buffer_state_round_trips():
 def test_what_does_not_compose_is_refused_in_one_line():
     on = {"rollout.partial": "on"}
     assert C.load(None, on).rollout.partial == "on"
-    for over, fix in [({"env.cls": "hybridrl.data.envs:ToolEnv"}, "multi-turn"),
-                      ({"algo.dynamic_sampling": True}, "algo.dynamic_sampling false"),
-                      ({"rollout.tensor_parallel_size": 2}, "rollout.tensor_parallel_size 1"),
-                      ({"algo.tis_cap": 0}, "algo.tis_cap > 0"),
-                      ({"algo.routing_replay": "on"}, "routing_replay"),
-                      ({"rollout.partial_max_age": 0}, ">= 1"),
-                      ({"rollout.partial_oversample": 0.5}, r"in \[1, 8\]")]:
+    for over, fix in [
+        ({"env.cls": "hybridrl.data.envs:ToolEnv"}, "multi-turn"),
+        ({"algo.dynamic_sampling": True}, "algo.dynamic_sampling false"),
+        ({"rollout.tensor_parallel_size": 2}, "rollout.tensor_parallel_size 1"),
+        ({"algo.tis_cap": 0}, "algo.tis_cap > 0"),
+        ({"algo.routing_replay": "on"}, "routing_replay"),
+        ({"rollout.partial_max_age": 0}, ">= 1"),
+        ({"rollout.partial_oversample": 0.5}, r"in \[1, 8\]"),
+    ]:
         with pytest.raises(C.ConfigError, match=fix) as e:
             C.load(None, {**on, **over})
         assert "\n" not in str(e.value)
@@ -140,6 +144,7 @@ def test_vllm_abort_keeps_tokens_and_the_prefix_continues(world_of_one):
     from hybridrl.data.tasks import arithmetic
     from hybridrl.engines import vllm_compat
     from hybridrl.engines.rollout import Rollout
+
     cfg = C.load(None, {"rollout.max_new_tokens": 12, "rollout.kv_cache_mb": 64, "rollout.partial": "on"})
     tok = AutoTokenizer.from_pretrained(str(arithmetic.DEMO_MODEL_DIR))
     ro = Rollout(cfg, str(arithmetic.DEMO_MODEL_DIR), on_cpu=True, eos_token_id=tok.eos_token_id, rank=0)
@@ -175,8 +180,16 @@ def test_vllm_abort_keeps_tokens_and_the_prefix_continues(world_of_one):
 @pytest.fixture(scope="module")
 def resumed(tmp_path_factory):
     from helpers.checkpoints import _resume_pair
-    return _resume_pair(tmp_path_factory.mktemp("partial"), "--rollout.partial", "on", "--rollout.partial_oversample",
-                        "2", "--rollout.max_new_tokens", "8")
+
+    return _resume_pair(
+        tmp_path_factory.mktemp("partial"),
+        "--rollout.partial",
+        "on",
+        "--rollout.partial_oversample",
+        "2",
+        "--rollout.max_new_tokens",
+        "8",
+    )
 
 
 @pytest.mark.cpu_only("bit-identical resumes rest on deterministic CPU kernels")
@@ -184,6 +197,7 @@ def test_carried_groups_continue_within_the_cap_and_resume_bit_exactly(resumed):
     from hybridrl.run.checkpoint import complete_checkpoints, load_rank_state
 
     from helpers.checkpoints import K, N
+
     a, b = resumed["a"], resumed["b2"]
     # the run resumed from step K with groups in flight (step K's metrics count what it kept)
     assert resumed["b1"][K]["partial/carried_groups"] > 0
@@ -192,13 +206,21 @@ def test_carried_groups_continue_within_the_cap_and_resume_bit_exactly(resumed):
     # carried samples went on in a later step, none trained older than partial_max_age (1)
     assert sum(a[s]["partial/continued_samples"] for s in a) > 0
     assert max(a[s]["partial/stale_token_frac"] for s in a) > 0
-    assert not [k for s in a for k in a[s] if k.startswith("partial/age_") and k != "partial/age_0"
-                and k != "partial/age_1"]
+    assert not [
+        k for s in a for k in a[s] if k.startswith("partial/age_") and k != "partial/age_0" and k != "partial/age_1"
+    ]
     assert all(a[s]["partial/trained_groups"] >= 8 for s in a)  # at least train.prompts_per_step (helpers.FAST)
     assert sorted(b) == list(range(1, N + 1))
     for s in range(1, N + 1):
-        for key in ("loss", "reward", "grad_norm", "rollout_tokens", "partial/stale_token_frac",
-                    "partial/carried_groups", "partial/trained_groups"):
+        for key in (
+            "loss",
+            "reward",
+            "grad_norm",
+            "rollout_tokens",
+            "partial/stale_token_frac",
+            "partial/carried_groups",
+            "partial/trained_groups",
+        ):
             assert a[s][key] == b[s][key], (s, key, a[s][key], b[s][key])  # bit-identical
 
 
@@ -207,9 +229,22 @@ def test_longtail_task_runs_with_partial_rollouts(tmp_path):
     """The README's command, shortened: the long-tailed task's lengths spread to the limit, and the
     partial step carries samples over without training any token older than the cap."""
     from helpers.cli import train_cli
-    _, steps, summary = train_cli(tmp_path / "run", "--data.path", "longtail", "--rollout.partial", "on",
-                                  "--steps", "6", "--train.prompts_per_step", "16", "--train.minibatches", "1",
-                                  "--rollout.n", "8")
+
+    _, steps, summary = train_cli(
+        tmp_path / "run",
+        "--data.path",
+        "longtail",
+        "--rollout.partial",
+        "on",
+        "--steps",
+        "6",
+        "--train.prompts_per_step",
+        "16",
+        "--train.minibatches",
+        "1",
+        "--rollout.n",
+        "8",
+    )
     assert summary["steps"] == 6
     assert max(s["response_len/p90"] for s in steps) > 4 * min(s["response_len/p10"] for s in steps)
     assert sum(s["partial/continued_samples"] for s in steps) > 0
@@ -223,11 +258,22 @@ def test_two_ranks_carry_their_own_groups_and_resume_bit_exactly(tmp_path):
     sampler's draws agreed over the ranks); each rank's checkpoint holds its buffer, so a resumed
     2-rank run repeats the uninterrupted one."""
     from helpers.checkpoints import N, _assert_same_steps, _resume_pair
-    runs = _resume_pair(tmp_path, "--rollout.partial", "on", "--rollout.partial_oversample", "2",
-                        "--rollout.max_new_tokens", "8", "--nproc", "2")
+
+    runs = _resume_pair(
+        tmp_path,
+        "--rollout.partial",
+        "on",
+        "--rollout.partial_oversample",
+        "2",
+        "--rollout.max_new_tokens",
+        "8",
+        "--nproc",
+        "2",
+    )
     a = runs["a"]
-    assert (sum(a[s]["partial/continued_samples"] for s in a) > 0
-            and max(a[s]["partial/stale_token_frac"] for s in a) > 0)
+    assert (
+        sum(a[s]["partial/continued_samples"] for s in a) > 0 and max(a[s]["partial/stale_token_frac"] for s in a) > 0
+    )
     assert all(a[s]["partial/trained_groups"] >= 8 for s in a)  # both ranks' shares of prompts_per_step (8)
     _assert_same_steps(runs)
     for s in range(1, N + 1):
@@ -240,8 +286,23 @@ def test_partial_rollouts_out_of_process(tmp_path):
     """vLLM in its own process (rollout.mode outofprocess): the abort keeps each cut sample's tokens
     and log-probs there, and the carried samples go on in the next step."""
     from helpers.cli import train_cli
-    _, steps, summary = train_cli(tmp_path / "run", "--data.path", "longtail", "--rollout.partial", "on",
-                                  "--rollout.mode", "outofprocess", "--steps", "4", "--train.prompts_per_step", "16",
-                                  "--train.minibatches", "1", "--log.eval_every", "0")
+
+    _, steps, summary = train_cli(
+        tmp_path / "run",
+        "--data.path",
+        "longtail",
+        "--rollout.partial",
+        "on",
+        "--rollout.mode",
+        "outofprocess",
+        "--steps",
+        "4",
+        "--train.prompts_per_step",
+        "16",
+        "--train.minibatches",
+        "1",
+        "--log.eval_every",
+        "0",
+    )
     assert summary["steps"] == 4 and sum(s["partial/continued_samples"] for s in steps) > 0
     assert all(s["partial/trained_groups"] >= 16 and s["logp_gap_max"] <= 1e-4 for s in steps)

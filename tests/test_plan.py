@@ -25,11 +25,14 @@ GIB = 1 << 30
 def test_shape_of_qwen25_7b_by_hand():
     s = shape("Qwen/Qwen2.5-7B-Instruct")
     # config.json: hidden 3584, MLP 18944, 28 layers, 28 query / 4 KV heads of 128, vocabulary 152064, untied
-    layer = (3584 * 3584 * 2  # q_proj, o_proj
-             + 2 * 3584 * 512  # k_proj, v_proj (4 KV heads x 128)
-             + 3584 + 2 * 512  # q/k/v biases (Qwen2)
-             + 3 * 3584 * 18944  # gate, up, down
-             + 2 * 3584)  # two RMSNorms
+    layer = (
+        3584 * 3584 * 2  # q_proj, o_proj
+        + 2 * 3584 * 512  # k_proj, v_proj (4 KV heads x 128)
+        + 3584
+        + 2 * 512  # q/k/v biases (Qwen2)
+        + 3 * 3584 * 18944  # gate, up, down
+        + 2 * 3584
+    )  # two RMSNorms
     assert s.layer_params == layer == 233_057_792
     assert s.params == 2 * 152064 * 3584 + 28 * layer + 3584 == 7_615_616_512  # Qwen's model card: 7.61B
     # per token and layer, bfloat16: (6 x 2 + 8) x hidden + 2 x 2 x KV width + 4 x 2 x MLP width
@@ -41,12 +44,14 @@ def test_params_match_transformers_for_shipped_configs():
     """The plan's count against transformers' own model, built on the meta device (no memory)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
     for name in ("qwen2.5-0.5b", "qwen2.5-7b", "llama-3.1-8b"):
         conf = AutoConfig.from_pretrained(str(CONFIGS / f"{name}.json"))
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(conf)
-        assert Shape.from_config(json.loads((CONFIGS / f"{name}.json").read_text())).params == \
-            sum(p.numel() for p in model.parameters()), name
+        assert Shape.from_config(json.loads((CONFIGS / f"{name}.json").read_text())).params == sum(
+            p.numel() for p in model.parameters()
+        ), name
 
 
 @pytest.mark.fast
@@ -54,8 +59,7 @@ def test_plan_of_7b_on_8_gpus_by_hand():
     """Qwen2.5-7B at the real-model defaults on 8 x 80 GB: ZeRO-2, bfloat16, micro-batches of 4096
     tokens (the plan's choice), every term worked out from the config."""
     cfg = gpu_config("Qwen/Qwen2.5-7B-Instruct", 8)
-    cfg, p = plan.decide(cfg, shape("Qwen/Qwen2.5-7B-Instruct"), device=H100, host=NODE, world=8, local=8,
-                         on_cpu=False)
+    cfg, p = plan.decide(cfg, shape("Qwen/Qwen2.5-7B-Instruct"), device=H100, host=NODE, world=8, local=8, on_cpu=False)
     P, layer = 7_615_616_512, 233_057_792
     params = P * 2  # bf16, replicated under ZeRO-2
     grads = P * 2 // 8 + 500_000_000 * 2  # this rank's partition + DeepSpeed's reduce bucket
@@ -86,8 +90,10 @@ def test_plan_of_7b_on_8_gpus_by_hand():
     assert p.rows["vLLM activations"]["generate"] == vllm_act
     assert p.total("generate") == params + kv + vllm_act + graphs + buffers + params + grads + states + reserve
     assert p.fits and p.peak[0] == "train"  # generate: 57.0 GiB
-    assert cfg.train.max_tokens_per_micro_batch == 4096 and cfg.sources["train.max_tokens_per_micro_batch"] == \
-        "memory plan"
+    assert (
+        cfg.train.max_tokens_per_micro_batch == 4096
+        and cfg.sources["train.max_tokens_per_micro_batch"] == "memory plan"
+    )
     assert not cfg.model.gradient_checkpointing and cfg.train.zero_stage == 2
     assert "train.max_tokens_per_micro_batch=4096" in p.table()
 
@@ -95,9 +101,17 @@ def test_plan_of_7b_on_8_gpus_by_hand():
 @pytest.mark.fast
 def test_plan_of_05b_zero3_with_checkpointing_by_hand():
     """Qwen2.5-0.5B on 2 GPUs, ZeRO-3 and gradient checkpointing as set, a KL reference and a critic."""
-    cfg = gpu_config("Qwen/Qwen2.5-0.5B", 2, **{"train.zero_stage": 3, "model.gradient_checkpointing": True,
-                                                 "algo.kl_coef": 0.01, "algo.advantage": "gae",
-                                                 "train.max_tokens_per_micro_batch": 2048})
+    cfg = gpu_config(
+        "Qwen/Qwen2.5-0.5B",
+        2,
+        **{
+            "train.zero_stage": 3,
+            "model.gradient_checkpointing": True,
+            "algo.kl_coef": 0.01,
+            "algo.advantage": "gae",
+            "train.max_tokens_per_micro_batch": 2048,
+        },
+    )
     s = shape("Qwen/Qwen2.5-0.5B")
     k = plan.knobs(cfg, s, world=2, local=2, on_cpu=False)
     p = plan.build(s, k, device=H100, host=NODE)
@@ -141,6 +155,7 @@ def test_what_vllm_keeps_asleep_is_planned_in_every_phase():
     assert plan.buffer_bytes(s, 2, 1) == 16384 * (8192 * 2 + 24)
     # the planner that runs keeps the same bytes back beside vLLM's budget
     from hybridrl.core import memory
+
     m = memory.plan(80 * GIB, 70 * GIB, 76 * GIB, margin=2 * GIB, weights=GIB, need=2 * GIB, asleep=64 * GIB)
     assert m.offload and m.asleep == 64 * GIB and "graphs and buffers (kept asleep) 64.00 GiB" in m.describe()
 
@@ -167,12 +182,24 @@ def test_pinned_host_memory_is_counted_as_torch_and_deepspeed_pin_it():
     assert round(p.host_total / GIB, 1) == 1360.6 and "with the pinned, 1360.6 GiB of 2048" in p.table()
     # the node must hold it: 1,400 GiB of host memory (90%: 1,260) is refused in one line, before any engine
     with pytest.raises(ConfigError, match=r"needs \d+ GiB of host memory per node \(\d+ GiB of it pinned"):
-        plan.dry_run(config.load(str(ROOT / "examples" / "recipes" / "qwen2.5-72b-8xh100.yaml"), {}), nproc=8,
-                     nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=1400)
+        plan.dry_run(
+            config.load(str(ROOT / "examples" / "recipes" / "qwen2.5-72b-8xh100.yaml"), {}),
+            nproc=8,
+            nnodes=1,
+            gpu_gib=plan.DEFAULT_GPU_GIB,
+            host_gib=1400,
+        )
     # the 7B reference under ZeRO-2: every rank pins a whole copy, tensor by tensor - 1.9x its bytes
     s7 = shape("Qwen/Qwen2.5-7B-Instruct")
-    cfg, p = plan.decide(gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **{"algo.kl_coef": 0.01}), s7, device=H100,
-                         host=NODE, world=8, local=8, on_cpu=False)
+    cfg, p = plan.decide(
+        gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **{"algo.kl_coef": 0.01}),
+        s7,
+        device=H100,
+        host=NODE,
+        world=8,
+        local=8,
+        on_cpu=False,
+    )
     assert cfg.train.zero_stage == 2
     assert p.pinned["reference"] == 8 * sum(plan.pinned_bytes(n * 2) for n in s7.tensors())
     assert 1.85 < p.pinned["reference"] / (8 * s7.params * 2) < 1.95
@@ -187,28 +214,58 @@ def test_plan_respects_what_the_user_set():
     cfg = gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **{"train.max_tokens_per_micro_batch": 8192})
     cfg, p = plan.decide(cfg, s, device=H100, host=NODE, world=8, local=8, on_cpu=False)
     assert cfg.model.gradient_checkpointing and cfg.sources["model.gradient_checkpointing"] == "memory plan"
-    pinned = {"model.gradient_checkpointing": False, "train.max_tokens_per_micro_batch": 8192, "train.zero_stage": 2,
-              "train.optimizer_offload": "off", "train.param_offload": "off"}
-    with pytest.raises(ConfigError, match="no setting fits: phase train needs .*set model.gradient_checkpointing true, "
-                                          "a smaller train.max_tokens_per_micro_batch, train.zero_stage 3, "
-                                          "train.optimizer_offload on, or"):
-        plan.decide(gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **pinned), s, device=H100, host=NODE, world=8, local=8,
-                    on_cpu=False)
+    pinned = {
+        "model.gradient_checkpointing": False,
+        "train.max_tokens_per_micro_batch": 8192,
+        "train.zero_stage": 2,
+        "train.optimizer_offload": "off",
+        "train.param_offload": "off",
+    }
+    with pytest.raises(
+        ConfigError,
+        match="no setting fits: phase train needs .*set model.gradient_checkpointing true, "
+        "a smaller train.max_tokens_per_micro_batch, train.zero_stage 3, "
+        "train.optimizer_offload on, or",
+    ):
+        plan.decide(
+            gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **pinned),
+            s,
+            device=H100,
+            host=NODE,
+            world=8,
+            local=8,
+            on_cpu=False,
+        )
 
 
 @pytest.mark.fast
 def test_big_models_plan_with_tensor_parallel_or_offload_and_72b_on_one_gpu_is_refused():
     s = shape("Qwen/Qwen2.5-32B-Instruct")
-    cfg, p = plan.decide(gpu_config("Qwen/Qwen2.5-32B-Instruct", 8), s, device=H100, host=NODE, world=8, local=8,
-                         on_cpu=False)
+    cfg, p = plan.decide(
+        gpu_config("Qwen/Qwen2.5-32B-Instruct", 8), s, device=H100, host=NODE, world=8, local=8, on_cpu=False
+    )
     assert p.fits and cfg.rollout.tensor_parallel_size == 2 and cfg.train.optimizer_offload == "on"
     assert p.rows["vLLM weights"]["generate"] == s.vllm_rank_params(2) * 2  # ~ s.params * 2 // 2
     with pytest.raises(ConfigError, match=r"vLLM's weights alone are 135\.4 GiB.*rollout.tensor_parallel_size 2"):
-        plan.decide(gpu_config("Qwen/Qwen2.5-72B-Instruct", 1), shape("Qwen/Qwen2.5-72B-Instruct"), device=80 * GIB,
-                    host=NODE, world=1, local=1, on_cpu=False)
+        plan.decide(
+            gpu_config("Qwen/Qwen2.5-72B-Instruct", 1),
+            shape("Qwen/Qwen2.5-72B-Instruct"),
+            device=80 * GIB,
+            host=NODE,
+            world=1,
+            local=1,
+            on_cpu=False,
+        )
     with pytest.raises(ConfigError, match="pinned host memory"):  # 72B's optimizer in 256 GiB of host memory
-        plan.decide(gpu_config("Qwen/Qwen2.5-72B-Instruct", 8), shape("Qwen/Qwen2.5-72B-Instruct"), device=H100,
-                    host=256 * GIB, world=8, local=8, on_cpu=False)
+        plan.decide(
+            gpu_config("Qwen/Qwen2.5-72B-Instruct", 8),
+            shape("Qwen/Qwen2.5-72B-Instruct"),
+            device=H100,
+            host=256 * GIB,
+            world=8,
+            local=8,
+            on_cpu=False,
+        )
 
 
 @pytest.mark.fast
@@ -218,8 +275,9 @@ def test_cpu_runs_are_checked_not_decided():
     cfg2, p = plan.decide(cfg, s, device=20 * GIB, host=24 * GIB, world=1, local=1, on_cpu=True)
     assert cfg2 is cfg and p.fits and all(v["train"] for k, v in p.rows.items() if k.startswith("vLLM"))
     with pytest.raises(ConfigError, match="GiB of host memory per rank"):
-        plan.decide(cfg, shape("Qwen/Qwen2.5-72B-Instruct"), device=20 * GIB, host=24 * GIB, world=1, local=1,
-                    on_cpu=True)
+        plan.decide(
+            cfg, shape("Qwen/Qwen2.5-72B-Instruct"), device=20 * GIB, host=24 * GIB, world=1, local=1, on_cpu=True
+        )
 
 
 @pytest.mark.vllm
@@ -231,11 +289,14 @@ def test_cuda_graph_sizes_are_bounded_by_max_num_seqs():
     assert plan.capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     assert max(plan.capture_sizes(4096)) == plan.GRAPH_SIZES_MAX
     from hybridrl.engines import vllm_compat
-    kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=1 << 30, gpu_memory_utilization=0.5,
-                                   max_num_seqs=20, enforce_eager=False)
+
+    kw = vllm_compat.engine_kwargs(
+        on_cpu=False, kv_cache_bytes=1 << 30, gpu_memory_utilization=0.5, max_num_seqs=20, enforce_eager=False
+    )
     assert kw["compilation_config"] == {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 20]}
-    assert "compilation_config" not in vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0,
-                                                                 gpu_memory_utilization=0.5, max_num_seqs=20)
+    assert "compilation_config" not in vllm_compat.engine_kwargs(
+        on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, max_num_seqs=20
+    )
 
 
 @pytest.mark.fast
@@ -248,6 +309,7 @@ def test_gpus_decode_with_cuda_graphs_unless_set():
 @pytest.mark.fast
 def test_optimizer_and_param_offload_reach_deepspeed():
     from hybridrl.engines.zero_engine import ds_config
+
     cfg = config.load(None, {"train.optimizer_offload": "on", "train.param_offload": "on", "train.zero_stage": 3})
     zero = ds_config(cfg, bf16=True)["zero_optimization"]
     assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
@@ -256,9 +318,18 @@ def test_optimizer_and_param_offload_reach_deepspeed():
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("name", ["qwen2.5-7b-8xh100", "qwen2.5-14b-8xh100", "qwen2.5-32b-8xh100",
-                                  "qwen2.5-72b-8xh100", "qwen3-30b-a3b-8xh100", "qwen2.5-7b-16k-8xh100",
-                                  "qwen2.5-32b-8k-8xh100"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen2.5-7b-8xh100",
+        "qwen2.5-14b-8xh100",
+        "qwen2.5-32b-8xh100",
+        "qwen2.5-72b-8xh100",
+        "qwen3-30b-a3b-8xh100",
+        "qwen2.5-7b-16k-8xh100",
+        "qwen2.5-32b-8k-8xh100",
+    ],
+)
 def test_recipes_fit_8xh100(name):
     """`hybridrl plan --config examples/recipes/NAME.yaml --nproc 8`, in process. The long-answer
     recipes (16k, 8k) keep generation to two waves, one full-length sequence per micro-batch."""
@@ -297,8 +368,17 @@ def test_a_run_that_cannot_fit_stops_before_any_engine(tmp_path):
         if f.name.startswith(("tokenizer", "special_tokens")):
             (model / f.name).write_bytes(f.read_bytes())
     (model / "config.json").write_text((CONFIGS / "qwen2.5-72b.json").read_text())
-    out = hybridrl("train", "--model", str(model), "--data", "demo", "--reward", "arithmetic", "--log.run_dir",
-                   str(tmp_path / "run"))
+    out = hybridrl(
+        "train",
+        "--model",
+        str(model),
+        "--data",
+        "demo",
+        "--reward",
+        "arithmetic",
+        "--log.run_dir",
+        str(tmp_path / "run"),
+    )
     assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
     assert "GiB of host memory per rank" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "run").exists()
@@ -311,8 +391,10 @@ def test_32b_and_72b_with_8k_answers_plan_in_waves(name, tp, waves):
     --nproc 8` was refused ("phase generate needs 110.6 of 79.2 GiB") because the KV cache had to hold half
     of the step's sequences at full length. The KV cache is throughput, not fit: it may shrink to a few
     full-length sequences per engine, and the plan says how many waves the step then takes."""
-    cfg = config.load(str(ROOT / "examples" / "recipes" / f"{name}.yaml"),
-                      {"rollout.max_new_tokens": 8192, "rollout.max_model_len": 9216})
+    cfg = config.load(
+        str(ROOT / "examples" / "recipes" / f"{name}.yaml"),
+        {"rollout.max_new_tokens": 8192, "rollout.max_model_len": 9216},
+    )
     cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
     assert p.fits and cfg.rollout.tensor_parallel_size == tp, p.table()
     k = p.knobs
@@ -340,8 +422,7 @@ def test_the_kv_floor_keeps_the_longest_sequences_running():
     # a step that fits in two waves keeps the plan it had before (half of its sequences at once, the old
     # floor): 7B with 16k answers on 8 x 80 GiB
     cfg = gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **{"rollout.max_new_tokens": 16384})
-    cfg, p = plan.decide(cfg, shape("Qwen/Qwen2.5-7B-Instruct"), device=H100, host=NODE, world=8, local=8,
-                         on_cpu=False)
+    cfg, p = plan.decide(cfg, shape("Qwen/Qwen2.5-7B-Instruct"), device=H100, host=NODE, world=8, local=8, on_cpu=False)
     assert p.fits and p.waves == 2 and cfg.model.gradient_checkpointing and cfg.train.zero_stage == 2
 
 
@@ -359,8 +440,9 @@ def test_sequence_parallelism_is_planned_where_one_sequence_fits_nowhere_else():
     # a rank holds half of the longest sequence: the budget the trainer is given is that half
     assert cfg.train.max_tokens_per_micro_batch == p.knobs.mb_tokens == 16384
     assert "SP 2" in p.table() and "train.sequence_parallel_size=2" in p.table()
-    cfg = config.load(str(ROOT / "examples" / "recipes" / "qwen2.5-72b-8xh100.yaml"),
-                      {**over, "algo.loss_agg": "seq_mean_token_mean"})
+    cfg = config.load(
+        str(ROOT / "examples" / "recipes" / "qwen2.5-72b-8xh100.yaml"), {**over, "algo.loss_agg": "seq_mean_token_mean"}
+    )
     with pytest.raises(ConfigError, match="phase train needs 85.3 of 79.2 GiB per GPU at best"):
         plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
     # a run whose sequences fit one rank keeps SP 1, and is given a budget of its longest sequence
@@ -370,8 +452,16 @@ def test_sequence_parallelism_is_planned_where_one_sequence_fits_nowhere_else():
 
 
 # --- mixtures of experts and Qwen3 -------------------------------------------------------------------
-QWEN3 = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b", "qwen3-30b-a3b",
-         "qwen3-235b-a22b")
+QWEN3 = (
+    "qwen3-0.6b",
+    "qwen3-1.7b",
+    "qwen3-4b",
+    "qwen3-8b",
+    "qwen3-14b",
+    "qwen3-32b",
+    "qwen3-30b-a3b",
+    "qwen3-235b-a22b",
+)
 
 
 @pytest.mark.fast
@@ -391,8 +481,9 @@ def test_moe_counts_every_expert_for_memory_and_top_k_for_activations():
     # q/k norms' float32 input and output (4 + 2) x (4096 + 512), and for each of the 8 experts its four
     # MLP widths, the gathered input and the expert's output (2 x 2 x hidden) and 32 bytes of int64
     # indices; the router's float32 probabilities
-    assert s.layer_activations(2) == 16 * 2048 + 4 * 4608 + 6 * 4608 + 8 * (8 * 768 + 4 * 2048 + 32) + 4 * 128 \
-        == 194_304
+    assert (
+        s.layer_activations(2) == 16 * 2048 + 4 * 4608 + 6 * 4608 + 8 * (8 * 768 + 4 * 2048 + 32) + 4 * 128 == 194_304
+    )
     assert s.all_layer_activations(2) == 48 * 194_304
     assert s.mlp_width == 8 * 768 and s.describe() == "30.53B parameters, 3.35B active with 8 of 128 experts per token"
 
@@ -423,16 +514,26 @@ def test_qwen3_params_match_transformers(name):
     and against the published totals (model cards: 0.6B with tied embeddings ... 235B)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
     path = CONFIGS / f"{name}.json"
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)))
     s = Shape.from_config(json.loads(path.read_text()))
     assert s.params == sum(p.numel() for p in model.parameters())
     # what is pinned tensor by tensor (the reference) covers every expert and the q/k norms
-    assert sorted(s.tensors()) == sorted(p.numel() for p in model.parameters()) and \
-        sum(s.tensors(fused=True)) == s.params
-    published = {"qwen3-0.6b": 0.6, "qwen3-1.7b": 1.7, "qwen3-4b": 4.0, "qwen3-8b": 8.2, "qwen3-14b": 14.8,
-                 "qwen3-32b": 32.8, "qwen3-30b-a3b": 30.5, "qwen3-235b-a22b": 235}
+    assert (
+        sorted(s.tensors()) == sorted(p.numel() for p in model.parameters()) and sum(s.tensors(fused=True)) == s.params
+    )
+    published = {
+        "qwen3-0.6b": 0.6,
+        "qwen3-1.7b": 1.7,
+        "qwen3-4b": 4.0,
+        "qwen3-8b": 8.2,
+        "qwen3-14b": 14.8,
+        "qwen3-32b": 32.8,
+        "qwen3-30b-a3b": 30.5,
+        "qwen3-235b-a22b": 235,
+    }
     assert s.params / 1e9 == pytest.approx(published[name], abs=0.06 if s.params < 1e11 else 0.5)
     assert s.head_dim == 128 and s.qk_norm == 2 * 128
     if "-a" in name:  # active: 3.3B and 22B
@@ -446,19 +547,55 @@ def test_moe_layouts_match_transformers():
     with only top_k experts (whose router is then smaller by the other experts' rows)."""
     import torch
     import transformers
+
     cases = [
-        transformers.Qwen2MoeConfig(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=5,
-                                    num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2,
-                                    moe_intermediate_size=32, shared_expert_intermediate_size=48,
-                                    decoder_sparse_step=2, mlp_only_layers=[3]),
-        transformers.MixtralConfig(vocab_size=1000, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                   num_experts_per_tok=2),
-        transformers.OlmoeConfig(vocab_size=1000, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2),
-        transformers.Qwen3MoeConfig(vocab_size=1000, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                    num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=8,
-                                    num_experts_per_tok=2, moe_intermediate_size=32, mlp_only_layers=[1]),
+        transformers.Qwen2MoeConfig(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=5,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            decoder_sparse_step=2,
+            mlp_only_layers=[3],
+        ),
+        transformers.MixtralConfig(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+        transformers.OlmoeConfig(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            num_experts=8,
+            num_experts_per_tok=2,
+        ),
+        transformers.Qwen3MoeConfig(
+            vocab_size=1000,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            mlp_only_layers=[1],
+        ),
     ]
     for conf in cases:
         s = Shape.from_config(conf.to_dict())
@@ -471,8 +608,10 @@ def test_moe_layouts_match_transformers():
         assert s.params == count["all"], conf.model_type
         assert s.active_params == count["active"] + s.moe_layers * (s.experts - s.top_k) * s.hidden, conf.model_type
     assert Shape.from_config(cases[0].to_dict()).moe_layers == 1  # layers 1 and 5 by the step, 3 dense: 1
-    assert Shape.from_config(cases[1].to_dict()).describe() == "0.20M parameters, 0.18M active with 2 of 4 " \
+    assert (
+        Shape.from_config(cases[1].to_dict()).describe() == "0.20M parameters, 0.18M active with 2 of 4 "
         "experts per token"
+    )
     with pytest.raises(ConfigError, match="does not know the experts of model_type 'deepseek_v3'"):
         Shape.from_config({**cases[0].to_dict(), "model_type": "deepseek_v3", "n_routed_experts": 8})
 
@@ -496,20 +635,23 @@ def test_moe_activations_match_what_autograd_saves():
             if ptr not in weights:
                 kept[ptr] = t.untyped_storage().nbytes()
             return t
+
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(input_ids=torch.randint(0, conf.vocab_size, (1, 256)))
         return sum(kept.values()) / 256
 
     common = dict(vocab_size=512, hidden_size=128, intermediate_size=192, num_attention_heads=4, num_key_value_heads=2)
     moe = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64)
-    for cls, kw, layers in ((transformers.Qwen3Config, dict(head_dim=64), (1, 2)),
-                            (transformers.Qwen3MoeConfig, dict(head_dim=64, **moe), (1, 2)),
-                            (transformers.Qwen2MoeConfig, dict(shared_expert_intermediate_size=96, mlp_only_layers=[1],
-                                                               **moe), (1, 3))):
+    for cls, kw, layers in (
+        (transformers.Qwen3Config, dict(head_dim=64), (1, 2)),
+        (transformers.Qwen3MoeConfig, dict(head_dim=64, **moe), (1, 2)),
+        (transformers.Qwen2MoeConfig, dict(shared_expert_intermediate_size=96, mlp_only_layers=[1], **moe), (1, 3)),
+    ):
         lo, hi = (cls(num_hidden_layers=n, **common, **kw) for n in layers)
         measured = saved(hi) - saved(lo)
-        planned = Shape.from_config(hi.to_dict()).all_layer_activations(2) - \
-            Shape.from_config(lo.to_dict()).all_layer_activations(2)
+        planned = Shape.from_config(hi.to_dict()).all_layer_activations(2) - Shape.from_config(
+            lo.to_dict()
+        ).all_layer_activations(2)
         assert measured == pytest.approx(planned, rel=0.01), cls.__name__
 
 
@@ -532,8 +674,11 @@ def test_qwen3_30b_a3b_plans_on_8_gpus_and_235b_is_refused():
     assert plan.build(s, k, device=H100, host=NODE).rows["vLLM weights"]["generate"] == 2 * 15_272_458_240
     cfg = config.load(None, {"model.path": "Qwen/Qwen3-235B-A22B"})
     # what binds after the weights (the GPUs, or the optimizer's 3.5 TiB in host memory) is the rest of the line
-    with pytest.raises(ConfigError, match=r"^the weights alone are 437\.9 GiB in bfloat16 \(235\.09B parameters, "
-                                          r"22\.19B active.*held twice .*: use more"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^the weights alone are 437\.9 GiB in bfloat16 \(235\.09B parameters, "
+        r"22\.19B active.*held twice .*: use more",
+    ):
         plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=80, host_gib=plan.DEFAULT_HOST_GIB)
 
 
@@ -557,6 +702,11 @@ def test_a_lora_plan_counts_the_base_weights_vllm_keeps_asleep():
     cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
     assert cfg.rollout.sleep_level == 1 and "model.lora_rank" in cfg.sources["rollout.sleep_level"]
     assert p.pinned.get("vLLM weights (sleep level 1)", 0) > 8 * 14 * GIB  # 7.6B bfloat16 weights per rank
-    full = plan.dry_run(config.load(None, {"model.path": "Qwen/Qwen2.5-7B-Instruct"}), nproc=8, nnodes=1,
-                        gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)[1]
+    full = plan.dry_run(
+        config.load(None, {"model.path": "Qwen/Qwen2.5-7B-Instruct"}),
+        nproc=8,
+        nnodes=1,
+        gpu_gib=plan.DEFAULT_GPU_GIB,
+        host_gib=plan.DEFAULT_HOST_GIB,
+    )[1]
     assert "vLLM weights (sleep level 1)" not in full.pinned  # level 2 discards them

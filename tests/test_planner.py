@@ -2,6 +2,7 @@
 (memory.plan: the KV cache, activations and vLLM's sampler against what is free with the trainer's
 states on the device and off it), the step's KV need and sequence count, and the caller that fills
 the auto knobs (engine_cycle.plan_rollout)."""
+
 from dataclasses import replace
 from pathlib import Path
 
@@ -48,11 +49,19 @@ def test_plan_arithmetic():
     # = 0.58 GiB (the H100's planner check: the engine used 0.60 GiB over a plan without it); 64
     # sequences, the step's: 37 MiB, on top of the 1.1 GiB of activations
     assert memory.sampler_bytes(1024, 151936) == 622329856
-    p = memory.plan(80 * GIB, 70 * GIB, 76 * GIB, margin=2 * GIB, weights=1 * GIB, need=2 * GIB,
-                    sampler=memory.sampler_bytes(64, 151936))
+    p = memory.plan(
+        80 * GIB,
+        70 * GIB,
+        76 * GIB,
+        margin=2 * GIB,
+        weights=1 * GIB,
+        need=2 * GIB,
+        sampler=memory.sampler_bytes(64, 151936),
+    )
     assert p.activations == GIB + GIB // 10 + 38895616 and p.budget == 3 * GIB + p.activations
     assert "activations 1.14 GiB (sampler 0.04)" in p.describe()
     import transformers
+
     assert memory.vocab_size(transformers.Qwen2Config(vocab_size=151936)) == 151936
     vl = transformers.AutoConfig.for_model("qwen2_5_vl", text_config={"vocab_size": 151936})
     assert memory.vocab_size(vl) == 151936  # the text model's, from a multimodal config
@@ -78,8 +87,9 @@ def test_kv_cache_need():
     import transformers
 
     # Qwen2.5-0.5B: 24 layers, 2 KV heads of 64 -> 2 * 24 * 2 * 64 * 2 bytes = 12 KiB per bf16 token
-    qwen = transformers.Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
-                                    num_key_value_heads=2)
+    qwen = transformers.Qwen2Config(
+        hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2
+    )
     assert memory.kv_bytes_per_token(qwen, 2) == 12288
     # 64 prompts x 8 samples over 8 ranks = 64 sequences of 4096 tokens: 64 * 4096 * 12 KiB = 3 GiB, x2
     cfg = config.load(None, {"train.prompts_per_step": 64, "rollout.n": 8, "rollout.max_model_len": 4096})
@@ -104,6 +114,7 @@ def test_tensor_parallel_engines_run_the_groups_sequences_as_planned():
     512 held-out prompts) runs 4 x 32 = 128 step sequences and 4 x 64 = 256 held-out ones per engine:
     256, what `hybridrl plan` prints, not one rank's 64 (the step in two waves, evaluation in four)."""
     from hybridrl.cycle import plan
+
     root = Path(__file__).resolve().parents[1]
     cfg = config.load(str(root / "examples" / "recipes" / "qwen2.5-72b-8xh100.yaml"), {})
     cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
@@ -127,8 +138,9 @@ def test_plan_rollout_fills_auto(monkeypatch, capsys):
     monkeypatch.setattr(memory, "free_memory", lambda: next(frees))
     trainer = FakeTrainer(events)
     trainer.hf = torch.nn.Linear(1024, 1024)  # 1024 * 1024 + 1024 fp32 params, ~4 MiB
-    trainer.hf.config = type("C", (), dict(num_attention_heads=2, num_hidden_layers=2, hidden_size=64,
-                                           vocab_size=1000))()
+    trainer.hf.config = type(
+        "C", (), dict(num_attention_heads=2, num_hidden_layers=2, hidden_size=64, vocab_size=1000)
+    )()
     trainer.hf.dtype = torch.float32
     trainer.pending_state_bytes = lambda: 2 * GIB  # Adam's moments, created at the first step
     out = engine_cycle.plan_rollout(cfg, Engines(trainer), cuda=True, main=True)
@@ -152,15 +164,15 @@ def test_plan_rollout_fills_auto(monkeypatch, capsys):
     events.clear()
     out = engine_cycle.plan_rollout(cfg, Engines(trainer), cuda=False, main=True)
     assert out.offload_states == "on" and out.max_num_seqs == 0
-    fixed = config.load(None, {"rollout.gpu_memory_utilization": "0.6", "train.offload_states": "off",
-                               "rollout.max_num_seqs": 100})
+    fixed = config.load(
+        None, {"rollout.gpu_memory_utilization": "0.6", "train.offload_states": "off", "rollout.max_num_seqs": 100}
+    )
     out = engine_cycle.plan_rollout(fixed, Engines(trainer), cuda=True, main=True)
     assert out.gpu_memory_utilization == "0.6" and out.offload_states == "off"
     assert out.max_num_seqs == 100  # set by the user: kept
     assert events == [("trainer.offload", False)]  # only the CPU call offloaded
     with pytest.raises(ConfigError, match="sleep_level=0 set a fraction"):
-        engine_cycle.plan_rollout(config.load(None, {"rollout.sleep_level": 0}), Engines(trainer), cuda=True,
-                                  main=True)
+        engine_cycle.plan_rollout(config.load(None, {"rollout.sleep_level": 0}), Engines(trainer), cuda=True, main=True)
 
 
 def test_gpu_memory_utilization_knob():
@@ -188,14 +200,33 @@ def test_an_oom_or_a_dead_engine_is_one_line_naming_the_phase_plan_and_knob(tmp_
             self.closed += 1
 
     cfg = config.load(None, {"rollout.memory_margin_mb": 1024})
-    cases = [(3, "wake_kv", torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
-              "out of device memory in step 3, phase wake_kv (vLLM; the plan: rollout.gpu_memory_utilization=auto"
-              ", rollout.kv_cache_mb=0, rollout.memory_margin_mb=1024", "raise rollout.memory_margin_mb"),
-             (5, "train", torch.OutOfMemoryError("CUDA out of memory"),
-              "out of device memory in step 5, phase train (the trainer;", "lower train.max_tokens_per_micro_batch")]
+    cases = [
+        (
+            3,
+            "wake_kv",
+            torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+            "out of device memory in step 3, phase wake_kv (vLLM; the plan: rollout.gpu_memory_utilization=auto"
+            ", rollout.kv_cache_mb=0, rollout.memory_margin_mb=1024",
+            "raise rollout.memory_margin_mb",
+        ),
+        (
+            5,
+            "train",
+            torch.OutOfMemoryError("CUDA out of memory"),
+            "out of device memory in step 5, phase train (the trainer;",
+            "lower train.max_tokens_per_micro_batch",
+        ),
+    ]
     if vllm_compat.ENGINE_DEAD:
-        cases.append((4, "generate", vllm_compat.ENGINE_DEAD[0](), "vLLM's engine died in step 4, phase generate",
-                      "rollout.gpu_memory_utilization"))
+        cases.append(
+            (
+                4,
+                "generate",
+                vllm_compat.ENGINE_DEAD[0](),
+                "vLLM's engine died in step 4, phase generate",
+                "rollout.gpu_memory_utilization",
+            )
+        )
     for step, phase, error, head, knob in cases:
         rollout = Rollout()
         faults.progress(step, phase)

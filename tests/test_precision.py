@@ -20,23 +20,31 @@ DEMO = str(Path(hybridrl.__file__).parent / "demo_model")
 
 def _batch():
     from hybridrl.data.batch import Batch
+
     g = torch.Generator().manual_seed(1)
-    return Batch.from_rows([[1, 2, 3]] * 4, [torch.randint(3, 12, (4,), generator=g).tolist() for _ in range(4)],
-                           [[-1.0] * 4] * 4, [1.0, -1.0, 0.5, -0.5])
+    return Batch.from_rows(
+        [[1, 2, 3]] * 4,
+        [torch.randint(3, 12, (4,), generator=g).tolist() for _ in range(4)],
+        [[-1.0] * 4] * 4,
+        [1.0, -1.0, 0.5, -0.5],
+    )
 
 
-@pytest.mark.parametrize("precision, weights", [("auto", torch.float32), ("amp", torch.float32),
-                                                ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize(
+    "precision, weights", [("auto", torch.float32), ("amp", torch.float32), ("bf16", torch.bfloat16)]
+)
 def test_a_bfloat16_trainer_keeps_float32_weights_under_autocast_on_cpu(precision, weights, world_of_one):
     from hybridrl.engines.trainer import Trainer
+
     cfg = config.load(None, {"model.dtype": "bfloat16", "train.precision": precision, "train.lr": 1e-3})
     trainer = Trainer(cfg, DEMO, device=torch.device("cpu"), dtype=torch.bfloat16, attn_implementation="sdpa")
     assert {p.dtype for p in trainer.hf.parameters()} == {weights}
     batch = _batch()
     logp = trainer.logprobs(batch, 1.0)[batch.loss_mask]
     # the GEMMs round to bfloat16 either way: the log-probs are not float32's over the same weights
-    exact = Trainer(config.load(None, {}), DEMO, device=torch.device("cpu"), dtype=torch.float32,
-                    attn_implementation="sdpa").logprobs(batch, 1.0)[batch.loss_mask]
+    exact = Trainer(
+        config.load(None, {}), DEMO, device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa"
+    ).logprobs(batch, 1.0)[batch.loss_mask]
     assert 1e-4 < (logp - exact).abs().max() < 0.1
     before = {n: p.float().clone() for n, p in trainer.hf.named_parameters()}
     trainer.step(batch)
@@ -47,12 +55,16 @@ def test_a_bfloat16_trainer_keeps_float32_weights_under_autocast_on_cpu(precisio
     # the reference (KL) and the critic (GAE) compute as the policy does
     from hybridrl.engines.critic import Critic
     from hybridrl.engines.reference import Reference
+
     kw = dict(device=torch.device("cpu"), dtype=torch.bfloat16, attn_implementation="sdpa")
     ref = Reference(cfg, DEMO, **kw)
     assert {p.dtype for p in ref.module.parameters()} == {weights}
     assert torch.equal(ref.logprobs(batch, 1.0)[batch.loss_mask], logp)  # step 1's KL is 0
-    critic = Critic(config.load(None, {"model.dtype": "bfloat16", "train.precision": precision,
-                                       "algo.advantage": "gae"}), DEMO, **kw)
+    critic = Critic(
+        config.load(None, {"model.dtype": "bfloat16", "train.precision": precision, "algo.advantage": "gae"}),
+        DEMO,
+        **kw,
+    )
     assert {p.dtype for p in critic.engine.module.parameters()} == {weights}
     assert critic.values(batch)[batch.loss_mask].isfinite().all()
 
@@ -60,10 +72,12 @@ def test_a_bfloat16_trainer_keeps_float32_weights_under_autocast_on_cpu(precisio
 @pytest.mark.fast
 def test_auto_is_amp_on_cpu_and_bf16_on_a_gpu_in_bfloat16_runs_only():
     from hybridrl.core import models
+
     info = models.inspect(DEMO)
     for on_cpu, dtype, want in ((True, "bfloat16", "amp"), (False, "bfloat16", "bf16"), (True, "float32", "auto")):
-        cfg = recipe.resolve(config.load(None, {"model.path": DEMO, "model.dtype": dtype}), info, on_cpu=on_cpu,
-                             free_ram=8 << 30)
+        cfg = recipe.resolve(
+            config.load(None, {"model.path": DEMO, "model.dtype": dtype}), info, on_cpu=on_cpu, free_ram=8 << 30
+        )
         assert cfg.train.precision == want, (on_cpu, dtype)
         assert recipe.amp(cfg, on_cpu) == (want == "amp")
     cfg = config.load(None, {"model.dtype": "bfloat16", "train.precision": "bf16"})
@@ -77,6 +91,7 @@ def test_the_plan_counts_amps_float32_gradients_also_when_the_optimizer_is_offlo
     from hybridrl.cycle import plan
 
     from helpers.plan import H100, NODE, gpu_config, shape
+
     s = shape("qwen2.5-7b")
     for precision, wb in (("bf16", 2), ("amp", 4)):
         for offload in ("off", "on"):

@@ -26,8 +26,9 @@ BF16_SHORT = 0.08
 
 @pytest.fixture(scope="module")
 def model() -> str:
-    res = subprocess.run([sys.executable, "-m", "bench.real_model"], capture_output=True, text=True, cwd=ROOT,
-                         timeout=1800)
+    res = subprocess.run(
+        [sys.executable, "-m", "bench.real_model"], capture_output=True, text=True, cwd=ROOT, timeout=1800
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout.strip().splitlines()[-1]
 
@@ -35,17 +36,43 @@ def model() -> str:
 @pytest.fixture(scope="module")
 def runs(model, tmp_path_factory) -> dict:
     from bench import real
+
     out = tmp_path_factory.mktemp("pretrained")
     train, heldout = real.write_data(out)
-    common = ["--model", model, "--data", str(train), "--set", f"data.heldout_path={heldout}", "--reward",
-              "math_verify", "--steps", str(STEPS), "--train.prompts_per_step",
-              str(real.PROMPTS), "--rollout.n", str(real.N), "--rollout.max_new_tokens", str(real.TOKENS),
-              "--train.minibatches", "1", "--log.eval_size", "0", "--log.eval_every", "5", "--train.probe_every", "1"]
+    common = [
+        "--model",
+        model,
+        "--data",
+        str(train),
+        "--set",
+        f"data.heldout_path={heldout}",
+        "--reward",
+        "math_verify",
+        "--steps",
+        str(STEPS),
+        "--train.prompts_per_step",
+        str(real.PROMPTS),
+        "--rollout.n",
+        str(real.N),
+        "--rollout.max_new_tokens",
+        str(real.TOKENS),
+        "--train.minibatches",
+        "1",
+        "--log.eval_size",
+        "0",
+        "--log.eval_every",
+        "5",
+        "--train.probe_every",
+        "1",
+    ]
     results = {}
     f32, lr = ["--model.dtype", "float32"], ["--train.lr", str(real.LR)]
-    for name, sets in (("control", [*f32, "--train.lr", "1e-9"]), ("grpo", [*f32, *lr]),
-                       ("cispo", [*f32, *lr, "--algo.policy_loss", "cispo"]),
-                       ("grpo_bf16", ["--model.dtype", "bfloat16", *lr])):
+    for name, sets in (
+        ("control", [*f32, "--train.lr", "1e-9"]),
+        ("grpo", [*f32, *lr]),
+        ("cispo", [*f32, *lr, "--algo.policy_loss", "cispo"]),
+        ("grpo_bf16", ["--model.dtype", "bfloat16", *lr]),
+    ):
         _, steps, summary = train_cli(out / name, *common, *sets, timeout=1800)
         results[name] = (steps, summary)
     return results

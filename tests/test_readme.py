@@ -15,6 +15,7 @@ from the Makefile.
 When you add a command to the README, add it to COMMANDS with the test that runs it; when no test
 runs it, write one or leave the command out.
 """
+
 from __future__ import annotations
 
 import ast
@@ -32,82 +33,118 @@ README = ROOT / "README.md"
 # model for a hub name, two ranks for eight). Keys are the commands with whitespace collapsed.
 COMMANDS: dict[str, list[str]] = {
     # the first lines: a fresh machine
-    "make demo": ["tests/test_readme.py::test_make_targets_run_what_the_readme_says",
-                  "tests/test_demo_learns.py::test_short_demo_run_raises_accuracy_and_reward"],
+    "make demo": [
+        "tests/test_readme.py::test_make_targets_run_what_the_readme_says",
+        "tests/test_demo_learns.py::test_short_demo_run_raises_accuracy_and_reward",
+    ],
     "make test": ["tests/test_readme.py::test_make_targets_run_what_the_readme_says"],
-    "hybridrl train": ["tests/test_demo_learns.py::test_short_demo_run_raises_accuracy_and_reward",
-                       "tests/test_observability.py::test_demo_run_writes_the_metrics"],
+    "hybridrl train": [
+        "tests/test_demo_learns.py::test_short_demo_run_raises_accuracy_and_reward",
+        "tests/test_observability.py::test_demo_run_writes_the_metrics",
+    ],
     # training your own model
-    "hybridrl train --help": ["tests/test_readme.py::test_cheap_commands_run_as_shown",
-                              "tests/test_config.py::test_cli_help_shows_groups_and_rejects_typos",
-                              "tests/test_cli.py::test_help_at_80_columns_shows_whole_option_names"],
+    "hybridrl train --help": [
+        "tests/test_readme.py::test_cheap_commands_run_as_shown",
+        "tests/test_config.py::test_cli_help_shows_groups_and_rejects_typos",
+        "tests/test_cli.py::test_help_at_80_columns_shows_whole_option_names",
+    ],
     "hybridrl train --model Qwen/Qwen2.5-0.5B-Instruct --data train.jsonl --reward math_verify": [
         "tests/test_real_model.py::test_real_model_trains_chat_rows_with_schedule_stop_and_canary",
         "tests/test_train_e2e.py::test_user_data_reward_module_and_bad_rows",
-        "tests/test_rewards.py::test_math_verify_equivalences"],
+        "tests/test_rewards.py::test_math_verify_equivalences",
+    ],
     "hybridrl train --config my.yaml --train.lr 1e-5": [
         "tests/test_real_model.py::test_real_model_trains_chat_rows_with_schedule_stop_and_canary",
-        "tests/test_real_model.py::test_yaml_and_flags_win_over_the_recipe"],
+        "tests/test_real_model.py::test_yaml_and_flags_win_over_the_recipe",
+    ],
     "hybridrl train --steps 50 --algo.advantage gae --algo.kl_coef 0.05": [
-        "tests/test_critic.py::test_resume_with_critic_and_reference_is_exact"],
+        "tests/test_critic.py::test_resume_with_critic_and_reference_is_exact"
+    ],
     # from Python: the notebook (a python block, not a command) and the accelerate script
     "accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no --dynamo_backend no "
     "examples/accelerate_train.py train.steps=20": ["tests/test_examples.py::test_accelerate_example_runs_two_ranks"],
     "hybridrl plan": ["tests/test_plan.py::test_plan_command_prints_the_7b_table_and_refuses_72b_on_one_gpu"],
     "hybridrl plan --model Qwen/Qwen2.5-7B-Instruct --nproc 8": [
         "tests/test_readme.py::test_the_plan_output_shown_is_todays",
-        "tests/test_plan.py::test_plan_command_prints_the_7b_table_and_refuses_72b_on_one_gpu"],
+        "tests/test_plan.py::test_plan_command_prints_the_7b_table_and_refuses_72b_on_one_gpu",
+    ],
     "hybridrl plan --config examples/recipes/qwen2.5-32b-8xh100.yaml --nproc 8": [
-        "tests/test_readme.py::test_cheap_commands_run_as_shown", "tests/test_plan.py::test_recipes_fit_8xh100"],
-    "hybridrl train --data.path code": ["tests/test_code_task.py::test_a_code_run_scores_programs_in_the_sandbox",
-                                        "tests/test_code_task.py::test_the_code_demo_learns_from_executed_code"],
+        "tests/test_readme.py::test_cheap_commands_run_as_shown",
+        "tests/test_plan.py::test_recipes_fit_8xh100",
+    ],
+    "hybridrl train --data.path code": [
+        "tests/test_code_task.py::test_a_code_run_scores_programs_in_the_sandbox",
+        "tests/test_code_task.py::test_the_code_demo_learns_from_executed_code",
+    ],
     "hybridrl train --data.path longtail --rollout.partial on --train.prompts_per_step 16 --train.minibatches 1": [
-        "tests/test_partial.py::test_longtail_task_runs_with_partial_rollouts"],
+        "tests/test_partial.py::test_longtail_task_runs_with_partial_rollouts"
+    ],
     "hybridrl train --nproc 2 --rollout.tensor_parallel_size 2": [
-        "tests/test_tensor_parallel.py::test_two_ranks_share_one_engine"],
+        "tests/test_tensor_parallel.py::test_two_ranks_share_one_engine"
+    ],
     "hybridrl train --nproc 2 --train.sequence_parallel_size 2 --train.max_tokens_per_micro_batch 6": [
         "tests/test_sequence_parallel.py::test_train_with_sequences_longer_than_a_micro_batch",
-        "tests/test_sequence_parallel.py::test_sequence_parallel_equals_one_rank"],
+        "tests/test_sequence_parallel.py::test_sequence_parallel_equals_one_rank",
+    ],
     "hybridrl train --model.lora_rank 16 --train.lr 3e-4": [
         "tests/test_lora.py::test_lora_demo_run_learns",
-        "tests/test_lora.py::test_hand_off_moves_only_the_adapter_and_vllm_agrees"],
+        "tests/test_lora.py::test_hand_off_moves_only_the_adapter_and_vllm_agrees",
+    ],
     "hybridrl export runs/RUN OUT --merged": ["tests/test_lora.py::test_export_writes_an_adapter_peft_and_vllm_load"],
     "python examples/make_tool_demo_model.py": [
         "tests/test_tool_demo.py::test_readme_commands_from_a_fresh_clone",
-        "tests/test_tool_demo.py::test_tool_demo_learns_to_call_the_calculator"],
+        "tests/test_tool_demo.py::test_tool_demo_learns_to_call_the_calculator",
+    ],
     "python examples/make_moe_demo_model.py": ["tests/test_moe.py::test_tiny_moe_learns_the_demo_task"],
-    "hybridrl train --model runs/moe_demo": ["tests/test_moe.py::test_tiny_moe_learns_the_demo_task",
-                                             "tests/test_moe.py::test_moe_trains_out_of_process_with_the_probe_holding"],
+    "hybridrl train --model runs/moe_demo": [
+        "tests/test_moe.py::test_tiny_moe_learns_the_demo_task",
+        "tests/test_moe.py::test_moe_trains_out_of_process_with_the_probe_holding",
+    ],
     "hybridrl train --config examples/recipes/tool-demo.yaml": [
         "tests/test_tool_demo.py::test_readme_commands_from_a_fresh_clone",
-        "tests/test_tool_demo.py::test_the_tool_demo_recipe_imports_its_environment_from_the_working_directory"],
+        "tests/test_tool_demo.py::test_the_tool_demo_recipe_imports_its_environment_from_the_working_directory",
+    ],
     "hybridrl train --resume auto": [
         "tests/test_faults.py::test_kill_9_mid_step_then_resume_repeats_the_run",
-        "tests/test_checkpoint.py::test_signal_stops_after_a_checkpoint_and_resume_auto_continues"],
+        "tests/test_checkpoint.py::test_signal_stops_after_a_checkpoint_and_resume_auto_continues",
+    ],
     "hybridrl export runs/RUN OUT": [
-        "tests/test_checkpoint.py::test_export_loads_in_transformers_with_the_trainers_logits"],
+        "tests/test_checkpoint.py::test_export_loads_in_transformers_with_the_trainers_logits"
+    ],
     "hybridrl eval runs/RUN --data heldout.jsonl": [
-        "tests/test_real_model.py::test_real_model_trains_chat_rows_with_schedule_stop_and_canary"],
-    "hybridrl report runs/RUN": ["tests/test_readme.py::test_report_on_a_small_run",
-                                 "tests/test_observability.py::test_report_cli_fails_clearly_without_metrics",
-                                 "tests/test_observability.py::test_report_panels_hold_the_run"],
+        "tests/test_real_model.py::test_real_model_trains_chat_rows_with_schedule_stop_and_canary"
+    ],
+    "hybridrl report runs/RUN": [
+        "tests/test_readme.py::test_report_on_a_small_run",
+        "tests/test_observability.py::test_report_cli_fails_clearly_without_metrics",
+        "tests/test_observability.py::test_report_panels_hold_the_run",
+    ],
     "hybridrl doctor": ["tests/test_observability.py::test_doctor_reports_this_cpu_machine"],
     # the file map and the tests
     # the rendered tables' footnotes: the bench that measured them (its --help; a real run installs TRL and
     # takes minutes, see docs/testing.md) and the renderer
     "python -m bench.partial_rollout": ["tests/test_bench_results.py::test_every_bench_module_runs_as_a_module"],
     "python -m bench.peers": ["tests/test_bench_results.py::test_every_bench_module_runs_as_a_module"],
-    "python -m bench.render": ["tests/test_bench_results.py::test_the_repository_tables_are_current",
-                               "tests/test_bench_results.py::test_render_fills_a_marked_region_and_check_finds_it_stale"],
+    "python -m bench.render": [
+        "tests/test_bench_results.py::test_the_repository_tables_are_current",
+        "tests/test_bench_results.py::test_render_fills_a_marked_region_and_check_finds_it_stale",
+    ],
     "make test-fast": ["tests/test_readme.py::test_make_targets_run_what_the_readme_says"],
     "make test-slow": ["tests/test_readme.py::test_make_targets_run_what_the_readme_says"],
-    "make gpu-check": ["tests/test_readme.py::test_make_targets_run_what_the_readme_says",
-                       "tests/test_gpu_check.py::test_gpu_check_without_cuda_lists_every_claim_unmeasured"],
+    "make gpu-check": [
+        "tests/test_readme.py::test_make_targets_run_what_the_readme_says",
+        "tests/test_gpu_check.py::test_gpu_check_without_cuda_lists_every_claim_unmeasured",
+    ],
 }
 
 # What each `make` target the README shows must run (fragments of its recipe).
-MAKE = {"demo": ["hybridrl train"], "test": ["pytest", "not slow"], "test-fast": ["pytest", "fast"],
-        "test-slow": ["pytest", "slow"], "gpu-check": ["gpu_check"]}
+MAKE = {
+    "demo": ["hybridrl train"],
+    "test": ["pytest", "not slow"],
+    "test-fast": ["pytest", "fast"],
+    "test-slow": ["pytest", "slow"],
+    "gpu-check": ["gpu_check"],
+}
 # Targets another branch adds; until it lands their check is skipped, saying so.
 PENDING = {"test-fast": "the test tiers (tests/README.md) add it"}
 
@@ -177,6 +214,7 @@ def cli_app():
 
 def run_cli(*args: str):
     from typer.testing import CliRunner
+
     return CliRunner().invoke(cli_app(), list(args))
 
 
@@ -225,8 +263,9 @@ def test_code_blocks_say_what_they_hold():
 
 
 # --- the cheap commands, run here --------------------------------------------------------------
-@pytest.mark.parametrize("cmd", ["hybridrl train --help",
-                                 "hybridrl plan --config examples/recipes/qwen2.5-32b-8xh100.yaml --nproc 8"])
+@pytest.mark.parametrize(
+    "cmd", ["hybridrl train --help", "hybridrl plan --config examples/recipes/qwen2.5-32b-8xh100.yaml --nproc 8"]
+)
 def test_cheap_commands_run_as_shown(cmd, monkeypatch):
     assert cmd in readme_commands()
     monkeypatch.chdir(ROOT)
@@ -249,24 +288,36 @@ def test_the_plan_output_shown_is_todays():
     res = run_cli(*cmd.split()[1:])
     assert res.exit_code == 0, res.output[-3000:]
     assert res.output.rstrip("\n").splitlines() == shown, (
-        "README.md's plan output is not today's; paste this in:\n" + res.output)
+        "README.md's plan output is not today's; paste this in:\n" + res.output
+    )
 
 
 def test_report_on_a_small_run(tmp_path):
-    rows = [{"step": i, "reward": 0.1 * i, "loss": 0.5, "time/generate": 0.1, "time/train": 0.2,
-             "heldout_acc": 0.2 + 0.1 * i} for i in (1, 2, 3)]
+    rows = [
+        {
+            "step": i,
+            "reward": 0.1 * i,
+            "loss": 0.5,
+            "time/generate": 0.1,
+            "time/train": 0.2,
+            "heldout_acc": 0.2 + 0.1 * i,
+        }
+        for i in (1, 2, 3)
+    ]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     res = run_cli("report", str(tmp_path))
     assert res.exit_code == 0, res.output[-3000:]
     assert (tmp_path / "report.png").stat().st_size > 0 and (tmp_path / "report.html").exists()
 
 
-@pytest.mark.parametrize("cmd", [c for c in COMMANDS
-                                 if c.startswith("hybridrl train") or c.startswith("hybridrl plan")])
+@pytest.mark.parametrize(
+    "cmd", [c for c in COMMANDS if c.startswith("hybridrl train") or c.startswith("hybridrl plan")]
+)
 def test_train_and_plan_options_exist(cmd):
     """Every option a README `hybridrl train` / `plan` command uses is one the CLI takes (parsed, not
     run: a renamed setting fails here in a second, not in the end-to-end test)."""
     import typer
+
     words = cmd.split()
     if len(words) < 3 or words[2] == "--help":
         return
@@ -280,7 +331,7 @@ def _recipe(target: str) -> list[str] | None:
     for i, line in enumerate(lines):
         if re.match(rf"^{re.escape(target)}\s*:(?!=)", line):
             out = []
-            for body in lines[i + 1:]:
+            for body in lines[i + 1 :]:
                 if not body.startswith("\t"):
                     break
                 out.append(body.strip())

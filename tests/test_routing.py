@@ -28,18 +28,31 @@ def test_load_balance_exact():
     # layer 0: even (cv 0, max/mean 1); layer 1: all 8 tokens on expert 0 of 4 (mean 2, std sqrt(12),
     # cv sqrt(3), max/mean 4); reported: the means over layers
     m = routing.load_balance(torch.tensor([[2, 2, 2, 2], [8, 0, 0, 0]]))
-    assert m["router/load_cv"] == pytest.approx(3 ** 0.5 / 2)
+    assert m["router/load_cv"] == pytest.approx(3**0.5 / 2)
     assert m["router/load_max_mean"] == pytest.approx(2.5)
     assert routing.load_balance(torch.zeros(2, 4)) == {}
 
 
 def tiny_moe(seed: int = 0):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
     torch.manual_seed(seed)
-    cfg = Qwen3MoeConfig(vocab_size=15, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
-                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=64,
-                         tie_word_embeddings=False, attn_implementation="sdpa")
+    cfg = Qwen3MoeConfig(
+        vocab_size=15,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     m = Qwen3MoeForCausalLM(cfg).float()
     with torch.no_grad():
         for n, p in m.named_parameters():
@@ -52,8 +65,11 @@ def _used_experts(model):
     """Hooks on the experts' modules recording the top-k index each forward used, per layer."""
     seen, handles = {}, []
     for i, layer in enumerate(model.model.layers):
-        handles.append(layer.mlp.experts.register_forward_hook(
-            lambda mod, args, out, i=i: seen.setdefault(i, []).append(args[1].clone())))
+        handles.append(
+            layer.mlp.experts.register_forward_hook(
+                lambda mod, args, out, i=i: seen.setdefault(i, []).append(args[1].clone())
+            )
+        )
     return seen, handles
 
 
@@ -106,7 +122,7 @@ def _own_routes(model, batch):
     out = torch.full((len(batch), batch.tokens.shape[1], 2, 2), -1, dtype=torch.int16)
     for b in range(len(batch)):
         n = int(batch.lengths[b])
-        model(input_ids=batch.tokens[b:b + 1, :n])
+        model(input_ids=batch.tokens[b : b + 1, :n])
         out[b, :n] = torch.stack([seen[i][-1] for i in (0, 1)], 1).to(torch.int16)
     for h in handles:
         h.remove()
@@ -116,6 +132,7 @@ def _own_routes(model, batch):
 @pytest.mark.parametrize("layout", ["padded", "packed", "shared"])
 def test_every_layout_lines_routes_up_with_its_tokens(layout):
     from hybridrl.engines.policy import TokenLogprobs, module_inputs
+
     model = tiny_moe(1)
     prompts = [[1, 5, 6, 7], [1, 5, 6, 7], [1, 9, 3]]
     comps = [[8, 9, 2], [10, 2], [4, 4, 4, 2]]
@@ -148,8 +165,7 @@ def test_every_layout_lines_routes_up_with_its_tokens(layout):
 
 def test_routes_travel_with_rows():
     r0 = torch.arange(5 * 2 * 2, dtype=torch.int16).view(5, 2, 2)
-    batch = Batch.from_rows([[1, 2], [1, 2, 3]], [[4, 5, 6], [7]], [[0.0] * 3, [0.0]], [0.0, 0.0],
-                            routes=[r0, None])
+    batch = Batch.from_rows([[1, 2], [1, 2, 3]], [[4, 5, 6], [7]], [[0.0] * 3, [0.0]], [0.0, 0.0], routes=[r0, None])
     assert batch.routes.shape == (2, 5, 2, 2) and torch.equal(batch.routes[0], r0)
     assert (batch.routes[1] == -1).all()
     sub = batch.select(torch.tensor([1]))
@@ -162,6 +178,7 @@ def test_dense_models_record_nothing_and_auto_replays_moe():
     from types import SimpleNamespace
 
     from transformers import Qwen2Config
+
     cfg = SimpleNamespace(algo=SimpleNamespace(routing_replay="auto"))
     assert routing.wanted(cfg, Qwen2Config()) == (False, False)
     moe = tiny_moe().config
@@ -178,9 +195,11 @@ def test_replay_on_with_multi_turn_episodes_is_refused_in_one_line():
     """An episode's later turns are requests of their own whose routes are not recorded: `on` with an
     environment is refused before any engine starts; `auto` leaves the trainer routing episodes itself."""
     from hybridrl.core import config
+
     env = {"env.cls": "hybridrl.data.envs:ToolEnv"}
-    with pytest.raises(config.ConfigError, match="algo.routing_replay=on with env.cls: .* set algo.routing_replay "
-                                                 "auto") as e:
+    with pytest.raises(
+        config.ConfigError, match="algo.routing_replay=on with env.cls: .* set algo.routing_replay auto"
+    ) as e:
         config.load(None, {**env, "algo.routing_replay": "on"})
     assert "\n" not in str(e.value)
     assert config.load(None, env).algo.routing_replay == "auto"

@@ -24,11 +24,26 @@ def save_tiny_moe(path: Path) -> Path:
     """A 2-layer, 8-expert, top-2 Qwen3-MoE with the demo's tokenizer (vocab 15); router weights large
     enough that its experts' choice depends on the token."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
     torch.manual_seed(0)
-    cfg = Qwen3MoeConfig(vocab_size=15, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=32,
-                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=64,
-                         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    cfg = Qwen3MoeConfig(
+        vocab_size=15,
+        hidden_size=128,
+        intermediate_size=256,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
     model = Qwen3MoeForCausalLM(cfg).float()
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -43,8 +58,14 @@ def save_tiny_moe(path: Path) -> Path:
 # Prompts of one length whose requests stop at different lengths: every take() runs while the others
 # are still generating (as Rollout.generate streams samples), and their tails often repeat, which is
 # what attributed one request's routes to another before the fix (RouteCapture's docstring).
-PROMPTS = [[1, 5, 6, 3, 7, 4], [1, 9, 10, 3, 8, 4], [1, 12, 3, 6, 4, 4], [1, 7, 7, 3, 13, 4],
-           [1, 9, 10, 3, 8, 11, 4], [1, 12, 3, 6, 4]]
+PROMPTS = [
+    [1, 5, 6, 3, 7, 4],
+    [1, 9, 10, 3, 8, 4],
+    [1, 12, 3, 6, 4, 4],
+    [1, 7, 7, 3, 13, 4],
+    [1, 9, 10, 3, 8, 11, 4],
+    [1, 12, 3, 6, 4],
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,9 +74,9 @@ def sampled(tmp_path_factory):
     sample's routes taken as soon as it finishes, between engine steps (vllm_compat.step_finished)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
+
     path = save_tiny_moe(tmp_path_factory.mktemp("tiny_moe"))
-    llm = LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=64, kv_cache_memory_bytes=32 << 20,
-              seed=0)
+    llm = LLM(str(path), dtype="float32", enforce_eager=True, max_model_len=64, kv_cache_memory_bytes=32 << 20, seed=0)
     capture = vllm_compat.RouteCapture(llm)
     asked = {}
     for i, p in enumerate(PROMPTS):
@@ -77,6 +98,7 @@ def sampled(tmp_path_factory):
 def trainer_view(path, samples, replay: bool, nudge: float):
     """The trainer's log-probs of the sampled tokens and the experts it used, per sample."""
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     torch.manual_seed(1)
     with torch.no_grad():
@@ -89,10 +111,12 @@ def trainer_view(path, samples, replay: bool, nudge: float):
     logps, experts = [], []
     for p, c, _, routes in samples:
         full = torch.tensor([p + c])
-        with torch.no_grad(), router.run(routing.padded_segments(routes[None], torch.ones(1, full.shape[1],
-                                                                                           dtype=torch.bool)), replay):
+        with (
+            torch.no_grad(),
+            router.run(routing.padded_segments(routes[None], torch.ones(1, full.shape[1], dtype=torch.bool)), replay),
+        ):
             logits = model(input_ids=full).logits[0, :-1].log_softmax(-1)  # position t predicts token t + 1
-        logps.append(logits[len(p) - 1:].gather(1, full[0, len(p):, None])[:, 0])
+        logps.append(logits[len(p) - 1 :].gather(1, full[0, len(p) :, None])[:, 0])
         experts.append(torch.stack([used[0], used[1]], 1))  # [T, L, k]
     return logps, experts, router.metrics()
 
@@ -128,5 +152,7 @@ def test_replay_uses_vllms_experts_and_agrees_at_least_as_well(sampled):
     gap_free = (torch.cat(free_logp) - vllm_lp).abs()
     gap_rep = (torch.cat(rep_logp) - vllm_lp).abs()
     assert gap_rep.mean() <= gap_free.mean() and gap_rep.max() <= gap_free.max()
-    print(f"routing mismatch without replay {free['routing/mismatch']:.3f}; |logp gap| mean "
-          f"{gap_free.mean():.2e} -> {gap_rep.mean():.2e}, max {gap_free.max():.2e} -> {gap_rep.max():.2e}")
+    print(
+        f"routing mismatch without replay {free['routing/mismatch']:.3f}; |logp gap| mean "
+        f"{gap_free.mean():.2e} -> {gap_rep.mean():.2e}, max {gap_free.max():.2e} -> {gap_rep.max():.2e}"
+    )

@@ -3,6 +3,7 @@
 Each test runs a program that tries one escape, in the real sandbox (namespaces, rlimits, seccomp),
 and checks both what the program saw and that this process, its files and its listener are as
 before. A process per program: the default tier."""
+
 import os
 import socket
 import time
@@ -51,8 +52,10 @@ def test_no_network_not_even_a_listener_on_this_machine():
     srv.listen()
     srv.settimeout(0.2)
     port = srv.getsockname()[1]
-    res = sandbox.run(f"import socket\ns = socket.socket()\ns.settimeout(2)\ns.connect(('127.0.0.1', {port}))\n"
-                      "print('connected')", limits=LIMITS)
+    res = sandbox.run(
+        f"import socket\ns = socket.socket()\ns.settimeout(2)\ns.connect(('127.0.0.1', {port}))\nprint('connected')",
+        limits=LIMITS,
+    )
     assert res.status == "error" and "connected" not in res.stdout and "unreachable" in res.stderr
     with pytest.raises(socket.timeout):
         srv.accept()
@@ -64,9 +67,12 @@ def test_the_run_directory_home_and_environment_are_out_of_reach(tmp_path, monke
     secret.parent.mkdir()
     secret.write_text("s3cret")
     monkeypatch.setenv("HYBRIDRL_TEST_TOKEN", "tok-123")
-    res = sandbox.run(f"import os\nprint(sorted(os.environ))\nprint(os.listdir('/'))\n"
-                      f"print(os.path.exists({str(secret)!r}), os.path.exists(os.path.expanduser('~root/.bashrc')))\n"
-                      f"print(open({str(secret)!r}).read())", limits=LIMITS)
+    res = sandbox.run(
+        f"import os\nprint(sorted(os.environ))\nprint(os.listdir('/'))\n"
+        f"print(os.path.exists({str(secret)!r}), os.path.exists(os.path.expanduser('~root/.bashrc')))\n"
+        f"print(open({str(secret)!r}).read())",
+        limits=LIMITS,
+    )
     assert res.status == "error" and "FileNotFoundError" in res.stderr
     env, root, exists = res.stdout.splitlines()
     assert "HYBRIDRL_TEST_TOKEN" not in env and "tok-123" not in res.stdout and "s3cret" not in res.stdout
@@ -76,8 +82,10 @@ def test_the_run_directory_home_and_environment_are_out_of_reach(tmp_path, monke
 
 def test_nothing_is_written_outside_its_tmp(tmp_path):
     targets = ["/usr/evil", "/tmp/../evil", str(tmp_path / "evil"), "/root/evil", "/dev/evil"]
-    src = "import os\nfor p in %r:\n    try:\n        open(p, 'w').write('x'); print('wrote', p)\n" \
-          "    except OSError as e: print('refused', p, e.errno)\nopen('/tmp/mine', 'w').write('ok')\nprint('tmp ok')"
+    src = (
+        "import os\nfor p in %r:\n    try:\n        open(p, 'w').write('x'); print('wrote', p)\n"
+        "    except OSError as e: print('refused', p, e.errno)\nopen('/tmp/mine', 'w').write('ok')\nprint('tmp ok')"
+    )
     res = sandbox.run(src % targets, limits=LIMITS)
     assert res.ok and "wrote" not in res.stdout and res.stdout.endswith("tmp ok\n"), res.stdout + res.stderr
     assert not any(os.path.exists(p) for p in targets[2:] + ["/usr/evil", "/evil"])
@@ -85,8 +93,9 @@ def test_nothing_is_written_outside_its_tmp(tmp_path):
 
 def test_a_fork_bomb_is_contained():
     t0 = time.perf_counter()
-    res = sandbox.run("import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
-                      limits=LIMITS)
+    res = sandbox.run(
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", limits=LIMITS
+    )
     assert res.status in ("timeout", "killed", "error") and time.perf_counter() - t0 < LIMITS.wall_s + 3
 
 
@@ -108,16 +117,21 @@ def test_a_sleeping_program_is_stopped_by_the_wall_clock():
 def test_a_child_that_outlives_the_program_dies_with_it():
     """setsid and a double fork: the grandchild is orphaned into the namespace, whose PID 1 exits
     with the program, and the kernel kills what is left (the autouse fixture checks none is)."""
-    src = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n"
-           "    os._exit(0)\nprint('parent done')")
+    src = (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        time.sleep(60)\n"
+        "    os._exit(0)\nprint('parent done')"
+    )
     res = sandbox.run(src, limits=LIMITS)
     assert res.ok and res.stdout == "parent done\n" and res.wall_s < 2
 
 
 def test_it_cannot_kill_its_parents():
-    res = sandbox.run("import os, signal\nfor pid in (os.getppid(), 1):\n    try:\n"
-                      "        os.kill(pid, signal.SIGKILL)\n"
-                      "    except OSError as e:\n        print(pid, e.errno)\nprint(os.getpid())", limits=LIMITS)
+    res = sandbox.run(
+        "import os, signal\nfor pid in (os.getppid(), 1):\n    try:\n"
+        "        os.kill(pid, signal.SIGKILL)\n"
+        "    except OSError as e:\n        print(pid, e.errno)\nprint(os.getpid())",
+        limits=LIMITS,
+    )
     assert res.ok and res.stdout.splitlines()[:2] == ["1 1", "1 1"]  # its parent is the namespace's PID 1: EPERM
 
 
@@ -135,8 +149,9 @@ def test_filtered_system_calls_fail(call):
         "raw_socket": "libc.socket(17, 3, 0)",  # AF_PACKET, SOCK_RAW
         "bpf": "libc.syscall(321, 0, 0, 0)",
     }[call]
-    res = sandbox.run(f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint({src}, ctypes.get_errno())",
-                      limits=LIMITS)
+    res = sandbox.run(
+        f"import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nprint({src}, ctypes.get_errno())", limits=LIMITS
+    )
     assert res.ok and res.stdout == "-1 1\n", res.stdout + res.stderr  # EPERM
 
 
@@ -146,6 +161,7 @@ def test_the_python_tool_runs_the_models_code_in_the_sandbox():
     import asyncio
 
     import hybridrl
+
     env = hybridrl.PythonEnv()
     env.reset({"prompt": "What is 2**100 mod 7?", "answer": "2", "index": 0})
     call = '<tool_call>{"name": "python", "arguments": {"code": "print(pow(2, 100, 7))"}}</tool_call>'
@@ -162,11 +178,17 @@ def test_the_python_tool_runs_the_models_code_in_the_sandbox():
 def test_programs_see_nothing_of_each_other():
     """Jails are kept warm and reused, but each program gets its own /tmp, process tree and file
     descriptors: what one leaves (a file, a process, a sleeping child) the next never sees."""
-    first = sandbox.run("import os, time\nopen('/tmp/mark', 'w').write('x')\nif os.fork() == 0:\n"
-                        "    time.sleep(60)\nprint(os.getpid())", limits=LIMITS)
-    second = sandbox.run("import os\nprint(os.path.exists('/tmp/mark'), sorted(os.listdir('/tmp')))\n"
-                         "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
-                         "print(sorted(os.listdir('/proc/self/fd')))", limits=LIMITS)
+    first = sandbox.run(
+        "import os, time\nopen('/tmp/mark', 'w').write('x')\nif os.fork() == 0:\n"
+        "    time.sleep(60)\nprint(os.getpid())",
+        limits=LIMITS,
+    )
+    second = sandbox.run(
+        "import os\nprint(os.path.exists('/tmp/mark'), sorted(os.listdir('/tmp')))\n"
+        "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+        "print(sorted(os.listdir('/proc/self/fd')))",
+        limits=LIMITS,
+    )
     assert first.ok and first.stdout == "2\n", first.stderr  # PID 1 is the program's own reaper
     exists, processes, fds = second.stdout.splitlines()
     assert exists == "False ['prog.py']" and processes == "[1, 2]", second.stdout
@@ -176,6 +198,7 @@ def test_programs_see_nothing_of_each_other():
 def test_the_left_over_check_sees_a_running_program():
     """The autouse fixture's check is not vacuous: a program still running is found."""
     import threading
+
     t = threading.Thread(target=sandbox.run, args=("import time\ntime.sleep(1.5)",))
     t.start()
     time.sleep(0.7)
@@ -189,8 +212,11 @@ def test_a_killed_callers_jail_leaves_nothing_behind():
     import subprocess
     import sys
     import tempfile
-    src = "import os, signal\nfrom hybridrl import sandbox\nassert sandbox.run('print(1)').ok\n" \
-          "print(os.getpid(), flush=True)\nos.kill(os.getpid(), signal.SIGKILL)"
+
+    src = (
+        "import os, signal\nfrom hybridrl import sandbox\nassert sandbox.run('print(1)').ok\n"
+        "print(os.getpid(), flush=True)\nos.kill(os.getpid(), signal.SIGKILL)"
+    )
     out = subprocess.run([sys.executable, "-c", src], capture_output=True, text=True, timeout=60)
     pid = out.stdout.strip()
     assert pid.isdigit(), out.stderr

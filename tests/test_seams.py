@@ -2,6 +2,7 @@
 every verb the cycle and the checkpointer call, with the same parameters (mypy checks the callers
 against the Protocols in `make lint`), and the bundle finds its stateful and resident engines from
 their declarations."""
+
 import inspect
 
 import pytest
@@ -16,19 +17,27 @@ pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 
 
 def _verbs(protocol) -> dict[str, list[str]]:
-    return {name: list(inspect.signature(fn).parameters)[1:] for name, fn in vars(protocol).items()
-            if callable(fn) and not name.startswith("_")}
+    return {
+        name: list(inspect.signature(fn).parameters)[1:]
+        for name, fn in vars(protocol).items()
+        if callable(fn) and not name.startswith("_")
+    }
 
 
-@pytest.mark.parametrize("engine,protocols", [(Trainer, [seams.PolicyTrainer, seams.Stateful]),
-                                              (Critic, [seams.Resident, seams.Stateful]),
-                                              (Rollout, [seams.RolloutEngine])])
+@pytest.mark.parametrize(
+    "engine,protocols",
+    [
+        (Trainer, [seams.PolicyTrainer, seams.Stateful]),
+        (Critic, [seams.Resident, seams.Stateful]),
+        (Rollout, [seams.RolloutEngine]),
+    ],
+)
 def test_the_engines_have_the_verbs_the_cycle_calls(engine, protocols):
     for protocol in protocols:
         for name, params in _verbs(protocol).items():
             assert hasattr(engine, name), f"{engine.__name__} has no {name} ({protocol.__name__})"
             theirs = list(inspect.signature(getattr(engine, name)).parameters)[1:]
-            assert theirs[:len(params)] == params, (engine.__name__, name, theirs, params)
+            assert theirs[: len(params)] == params, (engine.__name__, name, theirs, params)
 
 
 class _Part:

@@ -12,6 +12,7 @@ real Trainer (a DeepSpeed engine partitioned over both ranks) is checked the sam
 unpartitioned model, several samples a micro-batch running across the cut and one rank's slice
 without a loss token, with gradient checkpointing off and on.
 """
+
 import os
 
 import pytest
@@ -37,7 +38,7 @@ def test_shards_cover_the_row_once():  # pure: no process group
         shards = [ulysses.shard(batch, r, size) for r in range(size)]
         assert {s.tokens.shape[1] for s in shards} == {-(-p.tokens.shape[1] // size)}  # equal slices, padded
         tokens = torch.cat([s.tokens for s in shards], 1)
-        assert tokens[0, :p.tokens.shape[1]].tolist() == p.tokens[0].tolist()
+        assert tokens[0, : p.tokens.shape[1]].tolist() == p.tokens[0].tolist()
         # each slice's targets are the next tokens of the whole row; its loss positions predict the loss tokens
         targets = torch.cat([s.targets[s.sel] for s in shards])
         assert targets.tolist() == batch.tokens[batch.loss_mask].tolist()
@@ -52,9 +53,17 @@ test_shards_cover_the_row_once = pytest.mark.fast(test_shards_cover_the_row_once
 
 def tiny(attn: str, kv_heads: int):
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=V, hidden_size=64, num_attention_heads=4, num_key_value_heads=kv_heads,
-                                   num_hidden_layers=2, intermediate_size=96, max_position_embeddings=64,
-                                   tie_word_embeddings=False, attn_implementation=attn)
+    cfg = transformers.Qwen2Config(
+        vocab_size=V,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation=attn,
+    )
     return transformers.Qwen2ForCausalLM(cfg).float()
 
 
@@ -76,10 +85,25 @@ def loss_and_grads(t: Trainer, batch: Batch):
     (this rank's loss, its log-probs, {parameter: gradient})."""
     sel = batch.loss_mask
     seq_ids = torch.arange(len(batch))[:, None].expand_as(sel)[sel]  # [N], as Trainer.step builds it
-    loss, _, logp, _ = t._forward(batch, 1.0, loss=dict(
-        logp_old=batch.logp_old[sel], advantages=batch.advantages[seq_ids], mask=torch.ones(len(seq_ids)),
-        seq_ids=seq_ids, logp_rollout=batch.logp_rollout[sel], eps_low=0.2, eps_high=0.28, dual_clip=3.0,
-        tis_cap=2.0, tis_level="token", entropy_coef=0.01, agg="token_mean", normalizer=7.0))
+    loss, _, logp, _ = t._forward(
+        batch,
+        1.0,
+        loss=dict(
+            logp_old=batch.logp_old[sel],
+            advantages=batch.advantages[seq_ids],
+            mask=torch.ones(len(seq_ids)),
+            seq_ids=seq_ids,
+            logp_rollout=batch.logp_rollout[sel],
+            eps_low=0.2,
+            eps_high=0.28,
+            dual_clip=3.0,
+            tis_cap=2.0,
+            tis_level="token",
+            entropy_coef=0.01,
+            agg="token_mean",
+            normalizer=7.0,
+        ),
+    )
     loss.backward()
     return loss.detach(), logp.detach(), {n: p.grad.clone() for n, p in t.engine.named_parameters()}
 
@@ -108,10 +132,16 @@ def test_sdpa_attention_builds_no_square_mask(world_of_one, monkeypatch):
     def recording(*args, attn_mask=None, **kw):
         masks.append(attn_mask)
         return sdpa(*args, attn_mask=attn_mask, **kw)
+
     attn, q, k, v, bounds = _one_rank_attention()
     try:
-        expected = torch.cat([sdpa(q[:, :, a:b], *(x[:, :, a:b].repeat_interleave(2, dim=1) for x in (k, v)),
-                                   is_causal=True) for a, b in bounds], dim=2).transpose(1, 2)
+        expected = torch.cat(
+            [
+                sdpa(q[:, :, a:b], *(x[:, :, a:b].repeat_interleave(2, dim=1) for x in (k, v)), is_causal=True)
+                for a, b in bounds
+            ],
+            dim=2,
+        ).transpose(1, 2)
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording)
         out, _ = ulysses._attention("sdpa")(attn, q, k, v, None)
     finally:
@@ -128,11 +158,13 @@ def test_flash_attention_is_called_by_its_own_name(world_of_one, monkeypatch):
     first forward. The kernel (stood in for: flash-attn does not install on CPU) must see the inner
     name, in a sequence-parallel forward and outside one (the LoRA reference)."""
     import transformers.integrations.flash_attention as fa
+
     names = []
 
     def kernel(query, key, value, attention_mask, *, attn_implementation, **kw):
         names.append(attn_implementation)
         return torch.zeros_like(query)
+
     monkeypatch.setattr(fa, "_flash_attention_forward", kernel)
     attn, q, k, v, _ = _one_rank_attention()
     wrapped = ulysses._attention("flash_attention_2")
@@ -190,8 +222,11 @@ def test_sequence_parallel_equals_one_rank(tmp_path):
 @pytest.mark.fast
 def test_one_rank_refuses_a_sequence_longer_than_its_micro_batch():
     t = trainer("sdpa", 2, None, budget=10)
-    with pytest.raises(ConfigError, match="a sequence of 11 tokens is longer than train.max_tokens_per_micro_batch"
-                                          "=10 x train.sequence_parallel_size=1"):
+    with pytest.raises(
+        ConfigError,
+        match="a sequence of 11 tokens is longer than train.max_tokens_per_micro_batch"
+        "=10 x train.sequence_parallel_size=1",
+    ):
         t._plan(rows())
 
 
@@ -203,8 +238,18 @@ def test_train_with_sequences_longer_than_a_micro_batch(tmp_path):
     test_one_rank_refuses_a_sequence_longer_than_its_micro_batch). The probe (the trainer's
     sequence-parallel log-probs against vLLM's) holds after every hand-off and the weights move."""
     from helpers.cli import train_cli
-    out, steps, _ = train_cli(tmp_path / "run", "--nproc", "2", "--train.sequence_parallel_size", "2",
-                              "--train.max_tokens_per_micro_batch", "6", "--steps", "2")
+
+    out, steps, _ = train_cli(
+        tmp_path / "run",
+        "--nproc",
+        "2",
+        "--train.sequence_parallel_size",
+        "2",
+        "--train.max_tokens_per_micro_batch",
+        "6",
+        "--steps",
+        "2",
+    )
     assert "sequence parallel 2 (a sequence <= 12 tokens)" in out.stdout
     assert [s["step"] for s in steps] == [1, 2]
     for s in steps:
@@ -229,6 +274,7 @@ def _zero3_rank(rank: int, init: str, model: str, out: str, checkpointing: bool)
     against the whole model unpartitioned on one rank: log-probs, the loss summed over the ranks and
     the full gradient DeepSpeed holds after backward (its average over the ranks of loss x world)."""
     from deepspeed.utils import safe_get_full_grad
+
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")  # deepspeed.zero.Init reads them
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
@@ -239,8 +285,11 @@ def _zero3_rank(rank: int, init: str, model: str, out: str, checkpointing: bool)
         cfg.train.zero_stage, cfg.train.sequence_parallel_size, cfg.train.max_tokens_per_micro_batch = 3, 2, 8
         t = Trainer(cfg, model, device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
         assert t.zero3 and t.sp.size == 2 and t.sp.rank == rank
-        ref = TokenLogprobs(transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
-                            "torch", cfg.train.logprob_chunk)
+        ref = TokenLogprobs(
+            transformers.AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32),
+            "torch",
+            cfg.train.logprob_chunk,
+        )
         plan = t._plan(full)
         assert [sorted(g.tolist()) for g in plan] == [[0], [2, 3], [1, 4]]
         assert {int(ulysses.shard(full.select(plan[0]), r, 2).sel.sum()) for r in (0, 1)} == {0, 2}
@@ -254,8 +303,9 @@ def _zero3_rank(rank: int, init: str, model: str, out: str, checkpointing: bool)
         torch.testing.assert_close(lp[mine.loss_mask], whole, rtol=0, atol=1e-5)
         # the reference scores like the trainer: no forward of more than the rank's 8 tokens (it scored the
         # 14-token sample whole before), the same log-probs
-        reference = Reference(cfg, model, device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa",
-                              sp=t.sp)
+        reference = Reference(
+            cfg, model, device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa", sp=t.sp
+        )
         widest = []
         embed = (reference.module.module if reference.sharded else reference.module).hf.get_input_embeddings()
         hook = embed.register_forward_pre_hook(lambda _, args: widest.append(args[0].shape[-1]))
@@ -270,10 +320,25 @@ def _zero3_rank(rank: int, init: str, model: str, out: str, checkpointing: bool)
             mb = full.select(idx)
             sel = mb.loss_mask
             seq_ids = torch.arange(len(mb))[:, None].expand_as(sel)[sel]
-            loss, *_ = t._forward(mb, 1.0, loss=dict(
-                logp_old=mb.logp_old[sel], advantages=mb.advantages[seq_ids], mask=torch.ones(len(seq_ids)),
-                seq_ids=seq_ids, logp_rollout=mb.logp_rollout[sel], eps_low=0.2, eps_high=0.28, dual_clip=3.0,
-                tis_cap=2.0, tis_level="token", entropy_coef=0.01, agg="token_mean", normalizer=7.0))
+            loss, *_ = t._forward(
+                mb,
+                1.0,
+                loss=dict(
+                    logp_old=mb.logp_old[sel],
+                    advantages=mb.advantages[seq_ids],
+                    mask=torch.ones(len(seq_ids)),
+                    seq_ids=seq_ids,
+                    logp_rollout=mb.logp_rollout[sel],
+                    eps_low=0.2,
+                    eps_high=0.28,
+                    dual_clip=3.0,
+                    tis_cap=2.0,
+                    tis_level="token",
+                    entropy_coef=0.01,
+                    agg="token_mean",
+                    normalizer=7.0,
+                ),
+            )
             t.engine.backward(loss * 2.0, scale_wrt_gas=False)  # as minibatch_updates scales it
             loss_sum += loss.detach()
         dist.all_reduce(loss_sum)
@@ -281,8 +346,9 @@ def _zero3_rank(rank: int, init: str, model: str, out: str, checkpointing: bool)
         for name, p in t.hf.named_parameters():
             g, r = safe_get_full_grad(p), r_grads["hf." + name]
             assert float(r.abs().max()) > 0, name
-            torch.testing.assert_close(g.reshape(r.shape), r, rtol=1e-4, atol=1e-6,
-                                       msg=f"checkpointing={checkpointing} {name}")
+            torch.testing.assert_close(
+                g.reshape(r.shape), r, rtol=1e-4, atol=1e-6, msg=f"checkpointing={checkpointing} {name}"
+            )
         t.engine.destroy()
         open(f"{out}.{rank}", "w").write("ok")
     finally:
@@ -303,8 +369,11 @@ def test_sequence_parallel_under_zero3_equals_one_rank(tmp_path, checkpointing):
     """train.zero_stage 3 with train.sequence_parallel_size 2 at 2 ranks: log-probs, loss and gradients
     of the one unpartitioned model, with and without gradient checkpointing."""
     tiny("sdpa", 2).save_pretrained(tmp_path / "model")
-    torch.multiprocessing.spawn(_zero3_rank, args=(f"file://{tmp_path}/init", str(tmp_path / "model"),
-                                                   str(tmp_path / "done"), checkpointing), nprocs=2)
+    torch.multiprocessing.spawn(
+        _zero3_rank,
+        args=(f"file://{tmp_path}/init", str(tmp_path / "model"), str(tmp_path / "done"), checkpointing),
+        nprocs=2,
+    )
     assert (tmp_path / "done.0").exists() and (tmp_path / "done.1").exists()
 
 
@@ -316,6 +385,7 @@ def test_nproc_counts_the_ranks_whatever_an_engine_left_in_the_environment(monke
     after hybridrl.train, the test suite) was refused as a world of 1."""
     from hybridrl.core import config
     from hybridrl.run import preflight
+
     cfg = config.load(None, {"train.sequence_parallel_size": 2})
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     preflight.check(cfg, 2)
@@ -329,7 +399,10 @@ def test_the_critic_is_refused_with_sequence_parallelism():
     """The critic trains on whole rows: with S > 1 a sequence of S x the budget would be one critic micro-batch,
     activations no plan counts. Refused in one line naming the fix; the planner never picks S > 1 for it."""
     from hybridrl.core import config
-    with pytest.raises(ConfigError, match="algo.advantage=gae with train.sequence_parallel_size=2: .* or "
-                                          "train.sequence_parallel_size 1"):
+
+    with pytest.raises(
+        ConfigError,
+        match="algo.advantage=gae with train.sequence_parallel_size=2: .* or train.sequence_parallel_size 1",
+    ):
         config.load(None, {"algo.advantage": "gae", "train.sequence_parallel_size": 2})
     config.load(None, {"algo.advantage": "grpo", "train.sequence_parallel_size": 2})

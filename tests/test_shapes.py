@@ -16,8 +16,12 @@ def test_tiny_shape_builds_and_its_tokenizer_round_trips(tmp_path):
 
     path = shapes.build("tiny", tmp_path)
     cfg = json.loads((path / "config.json").read_text())
-    assert (cfg["model_type"], cfg["hidden_size"], cfg["num_key_value_heads"], cfg["tie_word_embeddings"]) == \
-        ("qwen2", 128, 2, True)
+    assert (cfg["model_type"], cfg["hidden_size"], cfg["num_key_value_heads"], cfg["tie_word_embeddings"]) == (
+        "qwen2",
+        128,
+        2,
+        True,
+    )
     tok = AutoTokenizer.from_pretrained(path)
     assert len(tok) == cfg["vocab_size"] == 4096  # learned merges only at this size: no padding
     text = "Continue: Kato rimun selve, 417. Qué?"
@@ -68,10 +72,32 @@ def test_scale_bench_prints_its_table_at_the_tiny_shape(tmp_path):
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "-m", "bench.scale", "--shape", "tiny", "--steps", "3",
-                          "--prompts", "2", "--n", "4", "--tokens", "16", "--batches", "2", "--out", str(tmp_path)],
-                         capture_output=True, text=True, timeout=900, cwd=root,
-                         env={**os.environ, "PYTHONPATH": str(root), "HYBRIDRL_BENCH_RESULTS": str(tmp_path / "r")})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.scale",
+            "--shape",
+            "tiny",
+            "--steps",
+            "3",
+            "--prompts",
+            "2",
+            "--n",
+            "4",
+            "--tokens",
+            "16",
+            "--batches",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root), "HYBRIDRL_BENCH_RESULTS": str(tmp_path / "r")},
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert "median completion length 16 of 16" in out.stdout  # random weights: full-length completions
     assert "targets: rollout" in out.stdout and "standalone LLM.generate" in out.stdout
@@ -94,18 +120,25 @@ def test_matmul_count_is_the_models_weights_and_the_ceiling_reads_it():
 
     # 134M: 30 x (2 x 576^2 + 2 x 576 x 192 + 3 x 576 x 1536) = 106,168,320 body weights, 576 x 49,152 head
     # 32 rows of 40 prompt + 64 completion tokens; prompts once per group of 8: 160 + 2048 body tokens
-    ours = {"step_s": 30.0, "phases": {"train": 18.0, "generate": 11.0}, "row_tokens": 32 * 104,
-            "completion_tokens": 2048, "shared_prompt": True}
+    ours = {
+        "step_s": 30.0,
+        "phases": {"train": 18.0, "generate": 11.0},
+        "row_tokens": 32 * 104,
+        "completion_tokens": 2048,
+        "shared_prompt": True,
+    }
     flops = 6 * (106_168_320 * 2208 + 576 * 49_152 * 2048)  # 1.754e12
-    text = "\n".join(peers.ceiling(argparse.Namespace(workload="134m", dtype="float32"), ours, {"step_s": 50.0},
-                                   2.0, peak=150.0))
+    text = "\n".join(
+        peers.ceiling(argparse.Namespace(workload="134m", dtype="float32"), ours, {"step_s": 50.0}, 2.0, peak=150.0)
+    )
     assert f"{flops / 1e12:.2f} TFLOP" in text and "2208 tokens through the body, prompts once per group" in text
     assert f"in 18.0 s = {flops / 18e9:.0f} GFLOP/s, 65% of the peak" in text  # 97.5 of 150 GFLOP/s
     # 2x of 50 s: a 25 s step; the other phases take 30 - 18 = 12 s, so training needs 13 s = 135 GFLOP/s,
     # 18/13 - 1 = +38% on ours, 90% of the peak
     assert "training in 13.0 s = 135 GFLOP/s, +38% on ours, 90% of the peak\n" in text + "\n"
-    assert "(beyond it)" in "\n".join(peers.ceiling(argparse.Namespace(workload="134m", dtype="float32"), ours,
-                                                      {"step_s": 50.0}, 2.0, peak=120.0))
+    assert "(beyond it)" in "\n".join(
+        peers.ceiling(argparse.Namespace(workload="134m", dtype="float32"), ours, {"step_s": 50.0}, 2.0, peak=120.0)
+    )
     assert shapes.gemm_peak("tiny", reps=2) > 0
     # the table: each row's GEMM probe, their spread, and the ceiling at our row's probe
     args = argparse.Namespace(workload="134m", dtype="float32", steps=0, peer_host_heap="keep", peer_grad_ckpt="on")

@@ -7,6 +7,7 @@ once with each prompt computed once and its KV cache gathered to its rows. A com
 not see its prompt, or saw the wrong one (a mis-gathered cache), or a pad slot, would be off by far
 more than float32's tolerance: the test checks that too by scrambling the group index.
 """
+
 import pytest
 import torch
 
@@ -41,8 +42,9 @@ def trainer(share: bool, attn: str = "sdpa") -> Trainer:
 
 
 def test_shared_layout():
-    b = Batch.from_rows([[1, 5, 6], [1, 5, 6], [7]], [[8, 2], [9], [3, 3, 2]], [[-0.1, -0.2], [-1], [0, 0, 0]],
-                        [1.0, -1.0, 0.5])
+    b = Batch.from_rows(
+        [[1, 5, 6], [1, 5, 6], [7]], [[8, 2], [9], [3, 3, 2]], [[-0.1, -0.2], [-1], [0, 0, 0]], [1.0, -1.0, 0.5]
+    )
     s = b.shared()
     assert s.prompts.tolist() == [[1, 5, 6], [7, 0, 0]] and s.prompt_lens.tolist() == [3, 1]
     assert s.group.tolist() == [0, 0, 1]
@@ -89,5 +91,6 @@ def test_shared_layout_is_checked_by_the_logprobs():
 def test_shared_loss_and_gradients_equal_padded(attn, tis_level):
     batch = rows()
     batch.logp_old = trainer(False, attn).logprobs(batch, 1.0) + 0.05 * batch.loss_mask
-    assert_same_loss_and_grads(*(loss_and_grads(trainer(share, attn), batch, tis_level, "token_mean")
-                                 for share in (False, True)))
+    assert_same_loss_and_grads(
+        *(loss_and_grads(trainer(share, attn), batch, tis_level, "token_mean") for share in (False, True))
+    )

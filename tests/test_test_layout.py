@@ -2,6 +2,7 @@
 tests/helpers/ (or conftest fixtures). Before tests/helpers/, 23 files made 33 such imports: running
 one test file imported (and collected the top level of) others, and `from tests.test_plan import`
 loaded test_plan a second time under another name. Read with ast: nothing is imported."""
+
 import ast
 from pathlib import Path
 
@@ -28,15 +29,19 @@ def _is_test_module(name: str) -> bool:
 
 
 def test_no_test_module_imports_another():
-    offenders = [f"{path.relative_to(TESTS)} imports {name}"
-                 for path in sorted(TESTS.rglob("*.py")) for name in sorted(_imported(path))
-                 if _is_test_module(name)]
+    offenders = [
+        f"{path.relative_to(TESTS)} imports {name}"
+        for path in sorted(TESTS.rglob("*.py"))
+        for name in sorted(_imported(path))
+        if _is_test_module(name)
+    ]
     assert not offenders, "move the shared helper into tests/helpers/: " + "; ".join(offenders)
 
 
 def test_the_rule_sees_both_spellings(tmp_path):
     bad = tmp_path / "test_x.py"
-    bad.write_text("import pytest\nfrom test_train_e2e import train_cli\n\ndef f():\n"
-                   "    from tests.test_plan import shape\n")
+    bad.write_text(
+        "import pytest\nfrom test_train_e2e import train_cli\n\ndef f():\n    from tests.test_plan import shape\n"
+    )
     assert {n for n in _imported(bad) if _is_test_module(n)} == {"test_train_e2e", "tests.test_plan"}
     assert not _is_test_module("helpers.cli")

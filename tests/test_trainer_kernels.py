@@ -1,5 +1,6 @@
 """The trainer's loss providers agree: Liger's fused GRPO loss (rescaled to our explicit
 normaliser) vs our chunked torch kernel, through the trainer's own module on a tiny Qwen2."""
+
 import pytest
 import torch
 import transformers
@@ -15,9 +16,16 @@ pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 
 def tiny_model(seed=0):
     torch.manual_seed(seed)
-    cfg = transformers.Qwen2Config(vocab_size=40, hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
-                                   num_hidden_layers=2, intermediate_size=96, max_position_embeddings=64,
-                                   tie_word_embeddings=False)
+    cfg = transformers.Qwen2Config(
+        vocab_size=40,
+        hidden_size=64,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     return transformers.Qwen2ForCausalLM(cfg).float()
 
 
@@ -55,11 +63,28 @@ def loss_and_grads(provider, agg, off_policy, normalizer_scale=1.0, row_idx=None
             logp, _ = module(tokens, attn, mask, 1.0)
         logp_rollout = logp - shift.flip(1)[sel] * 1.5
     policy_loss_knobs = POLICY_LOSSES[policy_loss].knobs()  # each loss takes its own hyperparameters only
-    loss, metrics, _, _ = module(tokens, attn, mask, 1.0, dict(
-        _LOSS_DEFAULTS, logp_old=logp_old, advantages=adv[seq_ids], mask=torch.ones(n_tok), seq_ids=seq_ids,
-        logp_rollout=logp_rollout, policy_loss=policy_loss, **{k: v for k, v in OWN.items() if k in policy_loss_knobs},
-        is_correction="mask" if mask_is else "tis", tis_level="geometric", is_mask_low=0.8, is_mask_high=1.25,
-        agg=agg, normalizer=full_norm * normalizer_scale))
+    loss, metrics, _, _ = module(
+        tokens,
+        attn,
+        mask,
+        1.0,
+        dict(
+            _LOSS_DEFAULTS,
+            logp_old=logp_old,
+            advantages=adv[seq_ids],
+            mask=torch.ones(n_tok),
+            seq_ids=seq_ids,
+            logp_rollout=logp_rollout,
+            policy_loss=policy_loss,
+            **{k: v for k, v in OWN.items() if k in policy_loss_knobs},
+            is_correction="mask" if mask_is else "tis",
+            tis_level="geometric",
+            is_mask_low=0.8,
+            is_mask_high=1.25,
+            agg=agg,
+            normalizer=full_norm * normalizer_scale,
+        ),
+    )
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
@@ -74,9 +99,16 @@ def test_liger_matches_torch_provider(agg, off_policy):
         torch.testing.assert_close(grads[name], g, rtol=1e-3, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize("policy_loss,agg,mask_is", [("gspo", "seq_mean_token_mean", False),
-                                                     ("gspo", "token_mean", True), ("cispo", "token_mean", False),
-                                                     ("cispo", "token_mean", True), ("ppo", "token_mean", True)])
+@pytest.mark.parametrize(
+    "policy_loss,agg,mask_is",
+    [
+        ("gspo", "seq_mean_token_mean", False),
+        ("gspo", "token_mean", True),
+        ("cispo", "token_mean", False),
+        ("cispo", "token_mean", True),
+        ("ppo", "token_mean", True),
+    ],
+)
 def test_liger_matches_torch_provider_gspo_cispo_masked_is(policy_loss, agg, mask_is):
     """GSPO (Liger's sequence-level importance sampling), CISPO (its loss_type cispo, upper bound
     1 + 0.1 here so that it truncates) and the masked IS weight (its vllm_is_ratio), off-policy."""
@@ -100,6 +132,7 @@ def test_models_that_transform_their_logits_are_refused_with_a_clear_error(attr,
     """The fused path reads the head's weight, not lm_head's forward: a model that softcaps or scales
     its logits (Gemma 2, Cohere) would be scored wrong, so it is refused with a one-line UserError."""
     from hybridrl.core.config import UserError
+
     model = tiny_model()
     setattr(model.config, attr, value)
     with pytest.raises(UserError, match=f"applies {attr}={value} to its logits.*use a model without it") as e:

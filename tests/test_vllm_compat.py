@@ -30,8 +30,9 @@ def tiny_engine(tmp_path, dtype: str, eager: bool = True):
     from hybridrl.engines.rollout import Rollout
 
     path = shapes.build("tiny", tmp_path)  # Qwen2, tie_word_embeddings=True
-    cfg = config.load(None, {"model.path": str(path), "model.dtype": dtype, "rollout.kv_cache_mb": 16,
-                             "rollout.enforce_eager": eager})
+    cfg = config.load(
+        None, {"model.path": str(path), "model.dtype": dtype, "rollout.kv_cache_mb": 16, "rollout.enforce_eager": eager}
+    )
     tok = AutoTokenizer.from_pretrained(path)
     seqs = [tok(f"Continue: kato rimun selve {i} dorpla")["input_ids"] + [tok.eos_token_id] for i in range(4)]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
@@ -57,8 +58,14 @@ def test_hand_off_reaches_a_tied_lm_head(tmp_path, world_of_one, eager):
 
     def hf_logprobs():
         with torch.no_grad():
-            return torch.cat([torch.log_softmax(model(torch.tensor([s])).logits[0, :-1], -1)
-                              .gather(1, torch.tensor(s[1:])[:, None])[:, 0] for s in seqs])  # [N]
+            return torch.cat(
+                [
+                    torch.log_softmax(model(torch.tensor([s])).logits[0, :-1], -1).gather(
+                        1, torch.tensor(s[1:])[:, None]
+                    )[:, 0]
+                    for s in seqs
+                ]
+            )  # [N]
 
     try:
         before = vllm_logprobs()
@@ -119,6 +126,7 @@ def test_cpu_kv_cache_holds_the_whole_step(tmp_path, world_of_one):
 def test_engine_env_per_mode(monkeypatch):
     """Out of process: V1 multiprocessing, spawned, on this rank's device only; in process: none."""
     import os
+
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # environ.setup's default
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
@@ -133,8 +141,9 @@ def test_engine_env_per_mode(monkeypatch):
         assert os.environ["CUDA_VISIBLE_DEVICES"] == "1"
     with vllm_compat.engine_env(out_of_process=False, local_rank=1, cuda=True):
         assert os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and "CUDA_VISIBLE_DEVICES" not in os.environ
-    kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, sleep_mode=True,
-                                   out_of_process=True)
+    kw = vllm_compat.engine_kwargs(
+        on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, sleep_mode=True, out_of_process=True
+    )
     assert kw["worker_extension_cls"] == "hybridrl.engines.vllm_worker_ext.WeightReceiver" and kw["enable_sleep_mode"]
     assert "distributed_executor_backend" not in kw
     kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, sleep_mode=False)
@@ -150,6 +159,7 @@ def test_a_second_engine_reads_the_environment_set_for_it(monkeypatch):
     built, so a later engine in the same process (a notebook's second run) read the first one's
     variables: an out-of-process engine was built in process (InprocClient)."""
     import vllm.envs as envs
+
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     assert envs.VLLM_ENABLE_V1_MULTIPROCESSING is False
     envs.enable_envs_cache()  # what the first engine's EngineCore.__init__ does
@@ -166,6 +176,7 @@ def test_tensor_parallel_turns_off_symmetric_memory_all_reduce(monkeypatch):
     the installed vLLM defaults it on (0.32 here); a colocated TP group turns it off too, unless the
     user chose."""
     import os
+
     monkeypatch.setenv(vllm_compat.SYMM_MEM, "")  # recorded, so what engine_kwargs sets goes at the end
     monkeypatch.delenv(vllm_compat.SYMM_MEM)
     assert vllm_compat.env_default(vllm_compat.SYMM_MEM) is True  # the installed vLLM's default
@@ -179,18 +190,29 @@ def test_tensor_parallel_turns_off_symmetric_memory_all_reduce(monkeypatch):
     kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, tensor_parallel_size=2)
     assert kw["disable_custom_all_reduce"] and os.environ[vllm_compat.SYMM_MEM] == "0"
     import vllm.envs
+
     assert vllm.envs.VLLM_ALLREDUCE_USE_SYMM_MEM is False  # what vLLM's CUDA communicator will read
     # issue 59: and the FlashInfer all-reduce + RMSNorm fusion (IPC workspaces), on by default for
     # TP > 1 on SM90 in 0.26, is off; with graphs the capture sizes are kept beside it
     assert kw["compilation_config"] == {"pass_config": {"fuse_allreduce_rms": False}}
-    kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, tensor_parallel_size=2,
-                                   max_num_seqs=4, enforce_eager=False)
-    assert kw["compilation_config"] == {"cudagraph_capture_sizes": [1, 2, 4],
-                                        "pass_config": {"fuse_allreduce_rms": False}}
+    kw = vllm_compat.engine_kwargs(
+        on_cpu=False,
+        kv_cache_bytes=0,
+        gpu_memory_utilization=0.5,
+        tensor_parallel_size=2,
+        max_num_seqs=4,
+        enforce_eager=False,
+    )
+    assert kw["compilation_config"] == {
+        "cudagraph_capture_sizes": [1, 2, 4],
+        "pass_config": {"fuse_allreduce_rms": False},
+    }
     from vllm.config import CompilationConfig
+
     assert CompilationConfig(**kw["compilation_config"]).pass_config.fuse_allreduce_rms is False
-    assert "compilation_config" not in vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0,
-                                                                 gpu_memory_utilization=0.5)
+    assert "compilation_config" not in vllm_compat.engine_kwargs(
+        on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5
+    )
 
 
 @pytest.mark.fast
@@ -198,6 +220,7 @@ def test_float32_engine_on_a_gpu_computes_attention_in_ieee(monkeypatch):
     """vLLM's float32 attention on a GPU is Triton's, in TF32 unless Triton's default is IEEE (the
     demo's probe gap was 0.018 on an H100): set for float32 on CUDA only, and never over the user's."""
     import os
+
     monkeypatch.delenv("TRITON_F32_DEFAULT", raising=False)
     for cuda, dtype in ((False, "float32"), (True, "bfloat16")):
         vllm_compat.exact_float32(cuda=cuda, dtype=dtype)
@@ -209,22 +232,29 @@ def test_float32_engine_on_a_gpu_computes_attention_in_ieee(monkeypatch):
     assert os.environ["TRITON_F32_DEFAULT"] == "tf32x3"
 
 
-
 def vllm_internals(source: str) -> list[str]:
     """The vLLM submodules `source` imports ('line: module' each). vLLM's top-level names (LLM,
     SamplingParams, ModelRegistry) are its public API; `vllm.x...` is not."""
     found = []
     for n in ast.walk(ast.parse(source)):
-        names = [a.name for a in n.names] if isinstance(n, ast.Import) else \
-            [n.module] if isinstance(n, ast.ImportFrom) and n.module and not n.level else []
+        names = (
+            [a.name for a in n.names]
+            if isinstance(n, ast.Import)
+            else [n.module]
+            if isinstance(n, ast.ImportFrom) and n.module and not n.level
+            else []
+        )
         found += [f"{n.lineno}: {m}" for m in names if m.startswith("vllm.")]
     return found
 
 
 @pytest.mark.fast
 def test_only_vllm_compat_and_vllm_cpu_import_vllms_internals():
-    outside = {str(path.relative_to(PACKAGE.parent)): found for path in sorted(PACKAGE.rglob("*.py"))
-               if path not in BOUNDARY and (found := vllm_internals(path.read_text()))}
+    outside = {
+        str(path.relative_to(PACKAGE.parent)): found
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path not in BOUNDARY and (found := vllm_internals(path.read_text()))
+    }
     assert not outside, f"vLLM internals outside engines/vllm_compat.py and vllm_cpu.py: {outside}"
     for path in BOUNDARY:  # the boundary itself does reach in: the check sees it
         assert vllm_internals(path.read_text()), path
@@ -235,6 +265,7 @@ def test_model_runner_v2_reloads_quantized_weights_layerwise():
     """Issue 59: vLLM 0.26's Model Runner V2 declares `reload_weights(*args, **kwargs)` and forwards
     to V1's, which takes `weights_iterator`; the signature check read V2's alone, so a quantized
     model was never reloaded layerwise there (its weights loaded raw, unprocessed)."""
+
     class V2:
         def reload_weights(self, *args, **kwargs):
             pass
@@ -246,5 +277,6 @@ def test_model_runner_v2_reloads_quantized_weights_layerwise():
     class V1:
         def reload_weights(self, weights_iterator=None, weights_path=None):
             pass
+
     assert vllm_compat.reloads_layerwise(V2()) and vllm_compat.reloads_layerwise(V1())
     assert not vllm_compat.reloads_layerwise(Old()) and not vllm_compat.reloads_layerwise(object())

@@ -20,8 +20,9 @@ def engine(dtype: torch.dtype, fused: bool):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 3000)).to(dtype)  # > 1 chunk of grads
     cfg = config.load(None, {"train.lr": 1e-3, "train.grad_clip": 0.5})  # the norm is above 0.5: clipped
-    eng, *_ = deepspeed.initialize(model=model, config=ds_config(cfg, dtype == torch.bfloat16),
-                                   model_parameters=model.parameters())
+    eng, *_ = deepspeed.initialize(
+        model=model, config=ds_config(cfg, dtype == torch.bfloat16), model_parameters=model.parameters()
+    )
     if fused:
         assert deepspeed_compat.fuse_overflow_check(eng.optimizer, 1)
     return eng
@@ -45,10 +46,21 @@ def exact_norm_at_step(eng) -> list[float]:
     def spy(fn):
         def read(*a, **k):
             if not seen:
-                seen.append(float(torch.cat([g.detach().double().flatten() for i in sorted(opt.averaged_gradients)
-                                             for g in opt.averaged_gradients[i]]).norm()))
+                seen.append(
+                    float(
+                        torch.cat(
+                            [
+                                g.detach().double().flatten()
+                                for i in sorted(opt.averaged_gradients)
+                                for g in opt.averaged_gradients[i]
+                            ]
+                        ).norm()
+                    )
+                )
             return fn(*a, **k)
+
         return read
+
     opt.check_overflow, opt.scaled_global_norm = spy(opt.check_overflow), spy(opt.scaled_global_norm)
     return seen
 
@@ -62,8 +74,11 @@ def test_one_pass_norm_matches_deepspeeds_step(world_of_one, dtype):
         backward(eng)
         eng.step()
         exact = seen[0]
-        steps[fused] = (float(eng.get_global_grad_norm()), exact, [p.detach().float().clone()
-                                                                     for p in eng.module.parameters()])
+        steps[fused] = (
+            float(eng.get_global_grad_norm()),
+            exact,
+            [p.detach().float().clone() for p in eng.module.parameters()],
+        )
     (ds_norm, exact, ds_weights), (our_norm, exact2, our_weights) = steps[False], steps[True]
     assert exact == exact2 and exact > 0.5  # the same gradient, and it is clipped
     # float64 sums of float32 dot products over 1M-element chunks: each dot's float32 accumulation

@@ -14,6 +14,7 @@ When the session is the fast tier (`-m fast`, exactly), conftest.py
     under test catches the exception: the violation is recorded and checked after each phase).
 In `make test` the marker is inert and nothing is guarded.
 """
+
 from __future__ import annotations
 
 import importlib.machinery
@@ -25,8 +26,10 @@ import sys
 from pathlib import Path
 
 MARKER = "fast"
-FIX = ("a test that needs an engine (vLLM's or DeepSpeed's) or a Python subprocess belongs to the default "
-       "tier: drop its `fast` mark (tests/README.md)")
+FIX = (
+    "a test that needs an engine (vLLM's or DeepSpeed's) or a Python subprocess belongs to the default "
+    "tier: drop its `fast` mark (tests/README.md)"
+)
 
 PYTHON = re.compile(r"python[0-9.]*")
 # console scripts that are a Python interpreter too
@@ -62,8 +65,10 @@ def _violate(what: str) -> None:
 
 
 # module -> (class, what constructing it means): the engines a fast test may not build
-ENGINES = {"deepspeed.runtime.engine": ("DeepSpeedEngine", "built a DeepSpeed engine"),
-           "vllm.entrypoints.llm": ("LLM", "started a vLLM engine (vllm.LLM)")}
+ENGINES = {
+    "deepspeed.runtime.engine": ("DeepSpeedEngine", "built a DeepSpeed engine"),
+    "vllm.entrypoints.llm": ("LLM", "started a vLLM engine (vllm.LLM)"),
+}
 
 
 def _forbid(module) -> None:
@@ -71,6 +76,7 @@ def _forbid(module) -> None:
 
     def refuse(*args, **kwargs):
         _violate(what)
+
     getattr(module, cls).__init__ = refuse
 
 
@@ -88,6 +94,7 @@ class _Guard:
             def exec_and_forbid(module):
                 exec_module(module)
                 _forbid(module)
+
             spec.loader.exec_module = exec_and_forbid
         return spec
 
@@ -127,10 +134,12 @@ def install() -> None:
             command = args if isinstance(args, (str, bytes, os.PathLike)) else " ".join(map(os.fsdecode, args))
             _violate(f"started a Python process ({os.fsdecode(command).splitlines()[0][:100]})")
         return execute_child(self, args, *rest, **kw)
+
     subprocess.Popen._execute_child = guarded_execute_child
 
     def no_spawn(*args, **kwargs):  # multiprocessing's spawn and forkserver start a new interpreter here
         _violate("spawned a Python process (multiprocessing)")
+
     multiprocessing.util.spawnv_passfds = no_spawn
 
 

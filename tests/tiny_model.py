@@ -17,20 +17,27 @@ import math
 import sys
 from pathlib import Path
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-WORDS = ("what is the sum of and answer with a number please think step by step you are a helpful assistant "
-         "system user question reply short one two three four five six seven eight nine zero").split()
+WORDS = (
+    "what is the sum of and answer with a number please think step by step you are a helpful assistant "
+    "system user question reply short one two three four five six seven eight nine zero"
+).split()
 
 
 def corpus(n: int = 400) -> list[str]:
     """Text to learn merges from: words, digits and the chat roles; no '!' and no '~', so those stay
     single-byte tokens (tests use '!' as the stop string and '~' for over-long prompts)."""
     import random
+
     rng = random.Random(0)
-    return [" ".join(rng.choice(WORDS) for _ in range(12)) + f" {rng.randint(0, 999)}+{rng.randint(0, 999)}="
-            for _ in range(n)]
+    return [
+        " ".join(rng.choice(WORDS) for _ in range(12)) + f" {rng.randint(0, 999)}+{rng.randint(0, 999)}="
+        for _ in range(n)
+    ]
 
 
 def tokenizer(vocab_size: int = 320):
@@ -40,16 +47,28 @@ def tokenizer(vocab_size: int = 320):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(corpus(), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
-def build(dest, *, logits: dict[str, float] | None = None, max_positions: int = 2048, eos: bool = True,
-          hidden: int = 64, layers: int = 2, seed: int = 0) -> Path:
+def build(
+    dest,
+    *,
+    logits: dict[str, float] | None = None,
+    max_positions: int = 2048,
+    eos: bool = True,
+    hidden: int = 64,
+    layers: int = 2,
+    seed: int = 0,
+) -> Path:
     """Write the model and its tokenizer to `dest`. `logits`: a fixed extra logit per single-token
     string ('<|im_end|>' included; EOS defaults to -30). `eos=False` saves a tokenizer without EOS."""
     import torch
@@ -58,10 +77,20 @@ def build(dest, *, logits: dict[str, float] | None = None, max_positions: int = 
     dest = Path(dest)
     tok = tokenizer()
     torch.manual_seed(seed)
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
-                      tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                      bos_token_id=None, torch_dtype="float32")
+    cfg = Qwen2Config(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=False,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=None,
+        torch_dtype="float32",
+    )
     model = Qwen2ForCausalLM(cfg).float()
     bias = {tok.eos_token: -30.0, **(logits or {})}
     with torch.no_grad():

@@ -12,8 +12,19 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from hybridrl.algorithms.estimators import (EPS, GROUP_ESTIMATORS, Experience, discounted_returns,  # noqa: F401
-                                            dr_grpo, gae, grpo, reinforce_pp, rloo, token_rewards, whiten)
+from hybridrl.algorithms.estimators import (
+    EPS,
+    GROUP_ESTIMATORS,
+    Experience,
+    discounted_returns,
+    dr_grpo,
+    gae,
+    grpo,
+    reinforce_pp,
+    rloo,
+    token_rewards,
+    whiten,
+)
 from hybridrl.algorithms.kl import KL_ESTIMATORS
 from hybridrl.algorithms.registry import ESTIMATORS, estimator
 from hybridrl.core.launch import all_sum
@@ -24,10 +35,12 @@ if TYPE_CHECKING:
 
 class Rollout(Protocol):
     """What `estimate` reads of a rollout batch (data.batch.Batch, a floor up): [B, T] token tensors."""
+
     loss_mask: torch.Tensor
     logp_old: torch.Tensor | None
     logp_ref: torch.Tensor | None
     values: torch.Tensor | None
+
 
 ADVANTAGES = {name: spec.fn for name, spec in ESTIMATORS.items()}  # name -> fn(Experience)
 
@@ -37,15 +50,17 @@ def advantages(name: str, rewards: torch.Tensor) -> torch.Tensor:
     return GROUP_ESTIMATORS[name](rewards.float())
 
 
-def kl_penalty(logp: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor, kl_type: str,
-               coef: float) -> torch.Tensor:
+def kl_penalty(
+    logp: torch.Tensor, logp_ref: torch.Tensor, mask: torch.Tensor, kl_type: str, coef: float
+) -> torch.Tensor:
     """coef * KL_t per completion token [B, T] (0 elsewhere), with the loss's estimators and clamps."""
     d = (logp_ref - logp).clamp(-20.0, 20.0)  # [B, T]
     return torch.where(mask, coef * KL_ESTIMATORS[kl_type](d), 0.0)
 
 
-def estimate(a: AlgoConfig, rewards: torch.Tensor, batch: Rollout) -> tuple[torch.Tensor, torch.Tensor | None,
-                                                                            dict[str, float]]:
+def estimate(
+    a: AlgoConfig, rewards: torch.Tensor, batch: Rollout
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """Advantages ([B] or [B, T]), returns (gae) and metrics for a rollout batch whose rows are the
     samples of `rewards` [P, n] in order; the batch carries logp_ref and logp_old when the KL is in
     the reward, values for gae."""
@@ -55,8 +70,13 @@ def estimate(a: AlgoConfig, rewards: torch.Tensor, batch: Rollout) -> tuple[torc
     x = Experience(rewards.float(), batch.loss_mask, kl, batch.values, a.gamma, a.gae_lambda, all_sum)
     adv, returns = estimator(a.advantage).fn(x)
     tok = adv if adv.dim() == 2 else adv[:, None].expand(batch.loss_mask.shape)
-    s = all_sum([float(tok[batch.loss_mask].abs().sum()), float(batch.loss_mask.sum()),
-                 float(kl.sum()) if kl is not None else 0.0])
+    s = all_sum(
+        [
+            float(tok[batch.loss_mask].abs().sum()),
+            float(batch.loss_mask.sum()),
+            float(kl.sum()) if kl is not None else 0.0,
+        ]
+    )
     metrics = {"adv_abs_mean": s[0] / max(s[1], 1.0)}
     if kl is not None:
         metrics["kl_reward"] = s[2] / max(s[1], 1.0)  # mean beta * KL_t per completion token
@@ -70,8 +90,9 @@ def nonzero_advantage(adv: torch.Tensor) -> torch.Tensor:
 
 
 # --- the critic's loss ------------------------------------------------------------------------
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *, clip: float,
-               normalizer: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, *, clip: float, normalizer: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped value loss (Schulman et al. 2017; OpenAI baselines ppo2, OpenRLHF ValueLoss),
     token tensors flat [N]:
 
@@ -88,5 +109,8 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     else:
         per_tok, frac = plain, values.new_zeros(())
     loss = 0.5 * per_tok.sum() / max(normalizer, 1.0)
-    return loss, {"value_clip_frac": frac.detach(), "value_mean": values.detach().mean() if len(values) else frac,
-                  "return_mean": returns.mean() if len(values) else frac}
+    return loss, {
+        "value_clip_frac": frac.detach(),
+        "value_mean": values.detach().mean() if len(values) else frac,
+        "return_mean": returns.mean() if len(values) else frac,
+    }

@@ -43,8 +43,16 @@ class Fill:
     cap_hit: bool  # the rounds ran out before the ranks had `target` groups
 
 
-def fill(rounds: Iterable[torch.Tensor], target: int, max_rounds: int, *, dynamic: bool = True, rank: int = 0,
-         world_size: int = 1, all_sum: Callable[[list[float]], list[float]] = lambda v: v) -> Fill:
+def fill(
+    rounds: Iterable[torch.Tensor],
+    target: int,
+    max_rounds: int,
+    *,
+    dynamic: bool = True,
+    rank: int = 0,
+    world_size: int = 1,
+    all_sum: Callable[[list[float]], list[float]] = lambda v: v,
+) -> Fill:
     """DAPO dynamic sampling: pull [P, n] reward matrices from `rounds` (each pull generates a
     round) until the ranks together hold `target` groups with signal or `max_rounds` rounds ran;
     then keep this rank's share (see `shares`). `all_sum` sums a list over ranks, so every rank

@@ -64,6 +64,7 @@ def _no_reduce(values: list[float]) -> list[float]:
 @dataclass
 class Experience:
     """What an estimator may read. Token tensors are [B, T] like Batch.loss_mask, B = P * n."""
+
     rewards: Tensor  # [P, n] the task's rewards
     mask: Tensor  # [B, T] bool, completion tokens
     kl: Tensor | None = None  # [B, T] beta * KL_t when the KL is in the reward, else None
@@ -107,6 +108,7 @@ def _per_sample(fn):
     def estimate(x: Experience):
         R = x.rewards if x.kl is None else x.rewards - x.kl.sum(1).view_as(x.rewards)  # see the module docstring
         return fn(R).flatten(), None  # [B]
+
     estimate.__doc__ = f"{fn.__name__} on R - beta * sum_t KL_t (when the KL is in the reward): [B]."
     return estimate
 
@@ -148,7 +150,20 @@ GROUP_ESTIMATORS = {"grpo": grpo, "dr_grpo": dr_grpo, "rloo": rloo}  # name -> f
 register(Estimator("grpo", "(R - group mean) / group std, one per sample", _per_sample(grpo)))
 register(Estimator("dr_grpo", "R - group mean (Dr. GRPO), one per sample", _per_sample(dr_grpo)))
 register(Estimator("rloo", "R - mean of the group's other samples, one per sample", _per_sample(rloo)))
-register(Estimator("reinforce_pp", "REINFORCE++ baseline: R - group mean, discounted per token, whitened over the "
-                   "global batch", reinforce_pp, per_token=True))
-register(Estimator("gae", "PPO with a critic: GAE over a value model trained alongside the policy", gae,
-                   per_token=True, critic=True))
+register(
+    Estimator(
+        "reinforce_pp",
+        "REINFORCE++ baseline: R - group mean, discounted per token, whitened over the global batch",
+        reinforce_pp,
+        per_token=True,
+    )
+)
+register(
+    Estimator(
+        "gae",
+        "PPO with a critic: GAE over a value model trained alongside the policy",
+        gae,
+        per_token=True,
+        critic=True,
+    )
+)

@@ -31,6 +31,7 @@ class Liger:
     level: its importance_sampling_level; loss_type: a loss_type of its own that replaces the
     aggregation's (cispo); eps: the loss's params -> Liger's (epsilon_low, epsilon_high);
     needs(algo) -> why Liger would compute another loss under these algo.* settings ('' when it would not)."""
+
     level: str
     eps: Callable[[Any], tuple[float, float]] = lambda p: (p.eps_low, p.eps_high)
     loss_type: str | None = None
@@ -45,6 +46,7 @@ class PolicyLoss:
     index, ...), `p` an instance of `params`. ratio(logp, old, tok) -> [n]: the ratio its metrics
     report (ratio_*). clip_fracs(ratio, adv, p) -> (low, high) bool [n]: the tokens whose gradient
     (or weight) its lower / upper clip bounds."""
+
     name: str
     summary: str  # one line for the schema's help and docs/configuration.md
     term: Callable
@@ -63,6 +65,7 @@ class PolicyLoss:
 @dataclass(frozen=True)
 class Estimator:
     """An advantage estimator: fn(Experience) -> (advantages [B] or [B, T], returns [B, T] or None)."""
+
     name: str
     summary: str
     fn: Callable

@@ -131,9 +131,11 @@ def _finite(x) -> bool:
 def _clip(c: Canaries, step: int, m: dict) -> str | None:
     frac = m.get("clip_frac_low", 0.0) + m.get("clip_frac_high", 0.0)
     if frac > c.t.clip_frac:
-        return (f"{frac:.0%} of tokens clipped (low {m.get('clip_frac_low', 0.0):.0%}, high "
-                f"{m.get('clip_frac_high', 0.0):.0%}; > {c.t.clip_frac:.0%}): the policy that sampled has drifted "
-                f"from the one being trained (too many minibatches/epochs, lr too high, or stale weights)")
+        return (
+            f"{frac:.0%} of tokens clipped (low {m.get('clip_frac_low', 0.0):.0%}, high "
+            f"{m.get('clip_frac_high', 0.0):.0%}; > {c.t.clip_frac:.0%}): the policy that sampled has drifted "
+            f"from the one being trained (too many minibatches/epochs, lr too high, or stale weights)"
+        )
     return None
 
 
@@ -147,10 +149,12 @@ def _slow(c: Canaries, step: int, m: dict) -> str | None:
     c.slow_streak = c.slow_streak + 1 if slow else 0
     if c.slow_streak >= c.t.sustain:
         worst = max((key for key in m if key.startswith("time/")), key=m.__getitem__)
-        return (f"steps now take {t:.2f}s (median of the last {k}), {t / base:.1f}x the median {base:.2f}s of "
-                f"the {len(times) - k} before, for {c.slow_streak} steps (longest phase now: "
-                f"{worst.split('/', 1)[1]} {m[worst]:.2f}s): another job on this machine, a growing cache "
-                f"or a slower reward function")
+        return (
+            f"steps now take {t:.2f}s (median of the last {k}), {t / base:.1f}x the median {base:.2f}s of "
+            f"the {len(times) - k} before, for {c.slow_streak} steps (longest phase now: "
+            f"{worst.split('/', 1)[1]} {m[worst]:.2f}s): another job on this machine, a growing cache "
+            f"or a slower reward function"
+        )
     return None
 
 
@@ -160,8 +164,10 @@ def _gap(c: Canaries, step: int, m: dict) -> str | None:
         return None
     base = median(c.gaps)
     if gap > c.t.gap_floor and gap > c.t.gap_factor * base:
-        return (f"trainer vs vLLM log-prob gap {gap:.2e} is {gap / max(base, 1e-12):.0f}x its median {base:.2e}: "
-                f"vLLM sampled with weights the trainer does not have (check the hand-off of step {step - 1})")
+        return (
+            f"trainer vs vLLM log-prob gap {gap:.2e} is {gap / max(base, 1e-12):.0f}x its median {base:.2e}: "
+            f"vLLM sampled with weights the trainer does not have (check the hand-off of step {step - 1})"
+        )
     return None
 
 
@@ -170,8 +176,7 @@ def _nonfinite(c: Canaries, step: int, m: dict) -> str | None:
     if m.get("nonfinite_steps", 0) > 0:  # the trainer's count of updates DeepSpeed discarded
         bad.append(f"{int(m['nonfinite_steps'])} optimizer update(s) skipped")
     if bad:
-        return (f"{' and '.join(bad)}: the update is not finite "
-                f"(lower train.lr, set train.grad_clip, or use float32)")
+        return f"{' and '.join(bad)}: the update is not finite (lower train.lr, set train.grad_clip, or use float32)"
     return None
 
 
@@ -179,19 +184,29 @@ def _reward_errors(c: Canaries, step: int, m: dict) -> str | None:
     n, t = m.get("reward_errors", 0), m.get("reward_timeouts", 0)  # each also in reward_dead_letter.jsonl
     if (n and n > 0) or (t and t > 0):
         what = " and ".join(x for x in (f"raised on {int(n)}" if n else "", f"timed out on {int(t)}" if t else "") if x)
-        return (f"the reward function {what} samples (scored 0); "
-                f"--reward.on_error raise stops at the first one with its traceback")
+        return (
+            f"the reward function {what} samples (scored 0); "
+            f"--reward.on_error raise stops at the first one with its traceback"
+        )
     return None
 
 
 def _truncated(c: Canaries, step: int, m: dict) -> str | None:
     frac = m.get("truncated_frac")
     if _finite(frac) and frac > c.t.truncated_frac:
-        return (f"{frac:.0%} of this step's completions hit rollout.max_new_tokens before an EOS or stop string: "
-                f"the rewards judge cut-off answers; raise rollout.max_new_tokens (or mask them: "
-                f"algo.overlong_filter)")
+        return (
+            f"{frac:.0%} of this step's completions hit rollout.max_new_tokens before an EOS or stop string: "
+            f"the rewards judge cut-off answers; raise rollout.max_new_tokens (or mask them: "
+            f"algo.overlong_filter)"
+        )
     return None
 
 
-CHECKS = {"clip": _clip, "truncated": _truncated, "slow_step": _slow, "logp_gap": _gap, "nonfinite": _nonfinite,
-          "reward_errors": _reward_errors}
+CHECKS = {
+    "clip": _clip,
+    "truncated": _truncated,
+    "slow_step": _slow,
+    "logp_gap": _gap,
+    "nonfinite": _nonfinite,
+    "reward_errors": _reward_errors,
+}

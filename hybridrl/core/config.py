@@ -18,9 +18,24 @@ from pathlib import Path
 from typing import Any, Literal
 
 from hybridrl.algorithms import ESTIMATORS, POLICY_LOSSES, estimator, policy_loss
-from hybridrl.core.schema import (ADVANTAGES, DEMO, DEMO_SOURCE, DEMO_TASKS, GROUPS, AlgoConfig,  # noqa: F401
-                                  CkptConfig, Config, DataConfig, EnvConfig, LogConfig, ModelConfig, RewardConfig,
-                                  RolloutConfig, TrainConfig, knob)
+from hybridrl.core.schema import AlgoConfig  # noqa: F401
+from hybridrl.core.schema import (
+    ADVANTAGES,
+    DEMO,
+    DEMO_SOURCE,
+    DEMO_TASKS,
+    GROUPS,
+    CkptConfig,
+    Config,
+    DataConfig,
+    EnvConfig,
+    LogConfig,
+    ModelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrainConfig,
+    knob,
+)
 
 
 class UserError(ValueError):
@@ -81,6 +96,7 @@ def coerce(key: str, value: Any) -> Any:
         if tp is list or origin is list:
             if isinstance(value, str):  # '[a, b]' as YAML, else comma-separated items, each YAML or as written
                 import yaml
+
                 if value.startswith("["):
                     try:
                         return list(yaml.safe_load(value))
@@ -97,6 +113,7 @@ def _scalar(text: str) -> Any:
     """A list item from the command line: a number or a word as YAML reads it ('0.9' -> 0.9),
     else the text itself (a stop string like '!' or '</answer>')."""
     import yaml
+
     try:
         value = yaml.safe_load(text)
     except yaml.YAMLError:
@@ -118,8 +135,9 @@ def get(cfg: Config, key: str):
 def put(cfg: Config, key: str, value, source: str) -> Config:
     """A copy of `cfg` with 'group.field' = value, set by `source` (a recipe's name, "auto", ...)."""
     group, name = key.split(".")
-    return dataclasses.replace(cfg, sources={**cfg.sources, key: source},
-                               **{group: dataclasses.replace(getattr(cfg, group), **{name: value})})
+    return dataclasses.replace(
+        cfg, sources={**cfg.sources, key: source}, **{group: dataclasses.replace(getattr(cfg, group), **{name: value})}
+    )
 
 
 class _FrozenSources(dict):
@@ -141,8 +159,9 @@ class _FrozenList(list):
     def _refuse(self, *args, **kw):
         raise TypeError("the config's lists are frozen with it (config.freeze): config.put returns a copy")
 
-    __setitem__ = __delitem__ = __iadd__ = __imul__ = append = extend = insert = remove = pop = clear = sort = \
-        reverse = _refuse
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = append = extend = insert = remove = pop = clear = sort = (
+        reverse
+    ) = _refuse
 
     def __reduce__(self):
         return type(self), (list(self),)
@@ -152,11 +171,17 @@ def freeze(cfg: Config) -> Config:
     """A copy of `cfg` that refuses every assignment, to a group's field or to its sources
     (schema.Freezable): the run's resolved config, which the engines read (run/resolve.py). The caller's
     `cfg` stays settable (a notebook may change it for its next run)."""
+
     def lists(group):
-        return {f.name: _FrozenList(v) for f in dataclasses.fields(group)
-                if isinstance(v := getattr(group, f.name), list)}
-    out = dataclasses.replace(cfg, sources=_FrozenSources(cfg.sources),
-                              **{g: dataclasses.replace(getattr(cfg, g), **lists(getattr(cfg, g))) for g in GROUPS})
+        return {
+            f.name: _FrozenList(v) for f in dataclasses.fields(group) if isinstance(v := getattr(group, f.name), list)
+        }
+
+    out = dataclasses.replace(
+        cfg,
+        sources=_FrozenSources(cfg.sources),
+        **{g: dataclasses.replace(getattr(cfg, g), **lists(getattr(cfg, g))) for g in GROUPS},
+    )
     for obj in (*(getattr(out, g) for g in GROUPS), out):
         object.__setattr__(obj, "_frozen", True)
     return out
@@ -205,8 +230,9 @@ def demo_recipe(cfg: Config) -> Config:
 def apply(cfg: Config, overrides: dict[str, Any], source: str | dict[str, str] = "flag") -> Config:
     """Set dotted keys on a copy of `cfg`, recording in `sources` what set them (`source`, or a
     source per key), then the demo's recipe (`demo_recipe`); unknown keys name the closest valid one."""
-    cfg = dataclasses.replace(cfg, sources=dict(cfg.sources),
-                              **{g: dataclasses.replace(getattr(cfg, g)) for g in GROUPS})
+    cfg = dataclasses.replace(
+        cfg, sources=dict(cfg.sources), **{g: dataclasses.replace(getattr(cfg, g)) for g in GROUPS}
+    )
     valid = leaves()
     for key, value in overrides.items():
         if key not in valid:
@@ -235,6 +261,7 @@ def load(path: str | Path | None = None, overrides: dict[str, Any] | None = None
     tree: dict[str, Any] = {}
     if path:
         import yaml
+
         try:
             tree = flatten(yaml.safe_load(Path(path).read_text()) or {})
         except FileNotFoundError:
@@ -250,8 +277,10 @@ def load(path: str | Path | None = None, overrides: dict[str, Any] | None = None
 
 
 def to_dict(cfg: Config) -> dict:
-    return {g: {k: list(v) if isinstance(v, list) else v for k, v in dataclasses.asdict(getattr(cfg, g)).items()}
-            for g in GROUPS}  # a frozen config's lists as plain ones (YAML writes no subclass)
+    return {
+        g: {k: list(v) if isinstance(v, list) else v for k, v in dataclasses.asdict(getattr(cfg, g)).items()}
+        for g in GROUPS
+    }  # a frozen config's lists as plain ones (YAML writes no subclass)
 
 
 def validate(cfg: Config, lengths: bool = True) -> None:
@@ -262,8 +291,11 @@ def validate(cfg: Config, lengths: bool = True) -> None:
         group, name = key.split(".")
         value = getattr(getattr(cfg, group), name)
         if spec and not in_range(value, spec):
-            allowed = spec if " or " in spec else "a finite number" + (
-                "" if spec == "finite" else f" {'in ' * (spec[0] in '[(')}{spec}")
+            allowed = (
+                spec
+                if " or " in spec
+                else "a finite number" + ("" if spec == "finite" else f" {'in ' * (spec[0] in '[(')}{spec}")
+            )
             why = f.metadata.get("why")
             raise ConfigError(f"{key}={value!r}: must be {allowed}{f'; {why}' if why else ''}")
     t, r = cfg.train, cfg.rollout
@@ -272,86 +304,145 @@ def validate(cfg: Config, lengths: bool = True) -> None:
             raise ConfigError(f"{key}={get(cfg, key)!r}: choose {', '.join(specs)}")
     loss, adv = policy_loss(cfg.algo.policy_loss), estimator(cfg.algo.advantage)
     length_checks = [
-        (cfg.data.max_prompt_len + r.max_new_tokens <= r.max_model_len,
-         f"data.max_prompt_len + rollout.max_new_tokens must fit rollout.max_model_len "
-         f"({cfg.data.max_prompt_len} + {r.max_new_tokens} > {r.max_model_len}): raise rollout.max_model_len"),
-        (0 <= cfg.algo.overlong_buffer <= r.max_new_tokens,
-         f"algo.overlong_buffer must be in [0, rollout.max_new_tokens={r.max_new_tokens}]"),
+        (
+            cfg.data.max_prompt_len + r.max_new_tokens <= r.max_model_len,
+            f"data.max_prompt_len + rollout.max_new_tokens must fit rollout.max_model_len "
+            f"({cfg.data.max_prompt_len} + {r.max_new_tokens} > {r.max_model_len}): raise rollout.max_model_len",
+        ),
+        (
+            0 <= cfg.algo.overlong_buffer <= r.max_new_tokens,
+            f"algo.overlong_buffer must be in [0, rollout.max_new_tokens={r.max_new_tokens}]",
+        ),
     ]
     checks = length_checks * lengths + [
-        (cfg.algo.dual_clip == 0 or "algo.dual_clip" in loss.knobs().values(),
-         f"algo.dual_clip bounds a clipped surrogate, which algo.policy_loss={loss.name} has not: "
-         "set algo.dual_clip 0"),
-        (cfg.algo.tis_cap == 0 or cfg.algo.is_correction == "tis",
-         "algo.tis_cap truncates the weight, algo.is_correction=mask masks it: set algo.tis_cap 0 with mask"),
-        (cfg.algo.old_logprobs != "rollout" or not (cfg.algo.tis_cap or cfg.algo.is_correction == "mask"),
-         "algo.old_logprobs=rollout makes the importance weight pi_old / pi_vllm 1: use algo.old_logprobs trainer "
-         "(or auto) with TIS or masked IS"),
-        (t.kernels != "liger" or (cfg.algo.kl_coef == 0 and not adv.per_token),
-         f"train.kernels=liger takes one advantage per sample and no KL: use train.kernels=auto with "
-         f"algo.kl_coef > 0 or algo.advantage {adv.name}"),
-        (t.kernels != "liger" or loss.liger is not None,
-         f"train.kernels=liger has no {loss.name}: use algo.policy_loss "
-         f"{'/'.join(n for n, spec in POLICY_LOSSES.items() if spec.liger)} or train.kernels=auto"),
-        (t.kernels != "liger" or loss.liger is None or not loss.liger.needs(cfg.algo),
-         loss.liger and loss.liger.needs(cfg.algo)),
-        (_fraction_or_auto(r.gpu_memory_utilization),
-         f"rollout.gpu_memory_utilization={r.gpu_memory_utilization!r}: use auto or a fraction in (0, 1]"),
+        (
+            cfg.algo.dual_clip == 0 or "algo.dual_clip" in loss.knobs().values(),
+            f"algo.dual_clip bounds a clipped surrogate, which algo.policy_loss={loss.name} has not: "
+            "set algo.dual_clip 0",
+        ),
+        (
+            cfg.algo.tis_cap == 0 or cfg.algo.is_correction == "tis",
+            "algo.tis_cap truncates the weight, algo.is_correction=mask masks it: set algo.tis_cap 0 with mask",
+        ),
+        (
+            cfg.algo.old_logprobs != "rollout" or not (cfg.algo.tis_cap or cfg.algo.is_correction == "mask"),
+            "algo.old_logprobs=rollout makes the importance weight pi_old / pi_vllm 1: use algo.old_logprobs trainer "
+            "(or auto) with TIS or masked IS",
+        ),
+        (
+            t.kernels != "liger" or (cfg.algo.kl_coef == 0 and not adv.per_token),
+            f"train.kernels=liger takes one advantage per sample and no KL: use train.kernels=auto with "
+            f"algo.kl_coef > 0 or algo.advantage {adv.name}",
+        ),
+        (
+            t.kernels != "liger" or loss.liger is not None,
+            f"train.kernels=liger has no {loss.name}: use algo.policy_loss "
+            f"{'/'.join(n for n, spec in POLICY_LOSSES.items() if spec.liger)} or train.kernels=auto",
+        ),
+        (
+            t.kernels != "liger" or loss.liger is None or not loss.liger.needs(cfg.algo),
+            loss.liger and loss.liger.needs(cfg.algo),
+        ),
+        (
+            _fraction_or_auto(r.gpu_memory_utilization),
+            f"rollout.gpu_memory_utilization={r.gpu_memory_utilization!r}: use auto or a fraction in (0, 1]",
+        ),
         # DeepSpeed's engine.offload_states asserts that the parameters are not offloaded, and the trainer
         # moves its states off the device with it whenever the optimizer stays on the device
-        (not (t.param_offload == "on" and t.optimizer_offload == "off"),
-         "train.param_offload=on needs the optimizer in host memory too (DeepSpeed cannot move the states of an "
-         "engine with offloaded parameters off the device while vLLM runs): set train.optimizer_offload on or auto"),
-        (not (t.offload_params and t.probe_every), "train.offload_params needs train.probe_every=0: the probe's "
-         "trainer forward runs after the hand-off, when the parameters would be off the device"),
-        (r.partial == "off" or not cfg.env.cls, "rollout.partial=on continues single-turn samples; a multi-turn "
-         "episode (env.cls) cannot be cut and resumed yet: set rollout.partial off"),
-        (r.partial == "off" or not cfg.algo.dynamic_sampling, "rollout.partial=on already over-samples and keeps "
-         "groups across steps; DAPO's dynamic sampling rounds do not compose with it: set algo.dynamic_sampling "
-         "false or rollout.partial off"),
-        (r.partial == "off" or r.tensor_parallel_size == 1, "rollout.partial=on aborts requests on its own engine; "
-         "a tensor-parallel group would have to abort the same ones at the same engine step on every rank: set "
-         "rollout.tensor_parallel_size 1 or rollout.partial off"),
-        (r.partial == "off" or cfg.algo.tis_cap or cfg.algo.is_correction == "mask"
-         or not explicit(cfg, "algo.tis_cap"),
-         "rollout.partial=on trains tokens an older policy sampled and needs the importance correction: set "
-         "algo.tis_cap > 0 (unset: 2) or algo.is_correction mask"),
-        (r.partial == "off" or cfg.algo.routing_replay != "on", "rollout.partial=on does not carry a sample's MoE "
-         "routes across steps: set algo.routing_replay auto/off or rollout.partial off"),
-        (r.tensor_parallel_size == 1 or r.mode == "inprocess",
-         f"rollout.tensor_parallel_size={r.tensor_parallel_size} runs vLLM inside the ranks (its external launcher): "
-         "use rollout.mode=inprocess"),
-        (t.sequence_parallel_size == 1 or not _sequence_level(cfg),
-         f"train.sequence_parallel_size={t.sequence_parallel_size} splits a sequence's tokens over ranks, and "
-         f"{_sequence_level(cfg)} needs each sequence whole on one rank: use algo.loss_agg token_mean (or "
-         f"seq_mean_token_sum_norm), algo.policy_loss {'/'.join(n for n, p in POLICY_LOSSES.items() if not p.sequence)}"
-         ", algo.tis_level token and train.kernels auto/torch/triton, or train.sequence_parallel_size 1"),
+        (
+            not (t.param_offload == "on" and t.optimizer_offload == "off"),
+            "train.param_offload=on needs the optimizer in host memory too (DeepSpeed cannot move the states of an "
+            "engine with offloaded parameters off the device while vLLM runs): set train.optimizer_offload on or auto",
+        ),
+        (
+            not (t.offload_params and t.probe_every),
+            "train.offload_params needs train.probe_every=0: the probe's "
+            "trainer forward runs after the hand-off, when the parameters would be off the device",
+        ),
+        (
+            r.partial == "off" or not cfg.env.cls,
+            "rollout.partial=on continues single-turn samples; a multi-turn "
+            "episode (env.cls) cannot be cut and resumed yet: set rollout.partial off",
+        ),
+        (
+            r.partial == "off" or not cfg.algo.dynamic_sampling,
+            "rollout.partial=on already over-samples and keeps "
+            "groups across steps; DAPO's dynamic sampling rounds do not compose with it: set algo.dynamic_sampling "
+            "false or rollout.partial off",
+        ),
+        (
+            r.partial == "off" or r.tensor_parallel_size == 1,
+            "rollout.partial=on aborts requests on its own engine; "
+            "a tensor-parallel group would have to abort the same ones at the same engine step on every rank: set "
+            "rollout.tensor_parallel_size 1 or rollout.partial off",
+        ),
+        (
+            r.partial == "off"
+            or cfg.algo.tis_cap
+            or cfg.algo.is_correction == "mask"
+            or not explicit(cfg, "algo.tis_cap"),
+            "rollout.partial=on trains tokens an older policy sampled and needs the importance correction: set "
+            "algo.tis_cap > 0 (unset: 2) or algo.is_correction mask",
+        ),
+        (
+            r.partial == "off" or cfg.algo.routing_replay != "on",
+            "rollout.partial=on does not carry a sample's MoE "
+            "routes across steps: set algo.routing_replay auto/off or rollout.partial off",
+        ),
+        (
+            r.tensor_parallel_size == 1 or r.mode == "inprocess",
+            f"rollout.tensor_parallel_size={r.tensor_parallel_size} runs vLLM inside the ranks "
+            "(its external launcher): use rollout.mode=inprocess",
+        ),
+        (
+            t.sequence_parallel_size == 1 or not _sequence_level(cfg),
+            f"train.sequence_parallel_size={t.sequence_parallel_size} splits a sequence's tokens over ranks, and "
+            f"{_sequence_level(cfg)} needs each sequence whole on one rank: use algo.loss_agg token_mean (or "
+            "seq_mean_token_sum_norm), algo.policy_loss "
+            f"{'/'.join(n for n, p in POLICY_LOSSES.items() if not p.sequence)}, algo.tis_level token "
+            "and train.kernels auto/torch/triton, or train.sequence_parallel_size 1",
+        ),
         # the critic trains on whole padded rows: under SP a sequence of up to S x the budget would be one
         # critic micro-batch, activations the plan does not count (its slices are not built yet)
-        (t.sequence_parallel_size == 1 or not adv.critic,
-         f"algo.advantage={adv.name} with train.sequence_parallel_size={t.sequence_parallel_size}: the critic scores "
-         f"and trains on whole sequences, not sequence-parallel slices; use an advantage without a critic "
-         f"({', '.join(n for n, spec in ESTIMATORS.items() if not spec.critic)}) or train.sequence_parallel_size 1"),
-        (t.sequence_parallel_size == 1 or cfg.algo.routing_replay != "on",
-         f"algo.routing_replay=on with train.sequence_parallel_size={t.sequence_parallel_size}: replaying vLLM's "
-         "experts over sequence-parallel slices is not built yet; set algo.routing_replay auto (off under SP) or "
-         "train.sequence_parallel_size 1"),
-        (not cfg.env.cls or cfg.algo.routing_replay != "on",
-         "algo.routing_replay=on with env.cls: a multi-turn episode's routes are not recorded yet (its later turns "
-         "are requests of their own); set algo.routing_replay auto (the trainer routes episodes itself) or off"),
-        (cfg.model.dtype != "float16",
-         "model.dtype=float16 is not supported: the trainer configures no loss scaling, so small gradients would "
-         "underflow to zero; use model.dtype=bfloat16 (or float32)"),
-        (not cfg.model.lora_rank or (cfg.model.lora_alpha > 0 and 0 <= cfg.model.lora_dropout < 1
-                                     and len(cfg.model.lora_target_modules) > 0),
-         "with model.lora_rank > 0: model.lora_alpha must be > 0, model.lora_dropout in [0, 1) and "
-         "model.lora_target_modules non-empty"),
+        (
+            t.sequence_parallel_size == 1 or not adv.critic,
+            f"algo.advantage={adv.name} with train.sequence_parallel_size={t.sequence_parallel_size}: "
+            "the critic scores and trains on whole sequences, not sequence-parallel slices; "
+            "use an advantage without a critic "
+            f"({', '.join(n for n, spec in ESTIMATORS.items() if not spec.critic)}) or train.sequence_parallel_size 1",
+        ),
+        (
+            t.sequence_parallel_size == 1 or cfg.algo.routing_replay != "on",
+            f"algo.routing_replay=on with train.sequence_parallel_size={t.sequence_parallel_size}: replaying vLLM's "
+            "experts over sequence-parallel slices is not built yet; set algo.routing_replay auto (off under SP) or "
+            "train.sequence_parallel_size 1",
+        ),
+        (
+            not cfg.env.cls or cfg.algo.routing_replay != "on",
+            "algo.routing_replay=on with env.cls: a multi-turn episode's routes are not recorded yet (its later turns "
+            "are requests of their own); set algo.routing_replay auto (the trainer routes episodes itself) or off",
+        ),
+        (
+            cfg.model.dtype != "float16",
+            "model.dtype=float16 is not supported: the trainer configures no loss scaling, so small gradients would "
+            "underflow to zero; use model.dtype=bfloat16 (or float32)",
+        ),
+        (
+            not cfg.model.lora_rank
+            or (
+                cfg.model.lora_alpha > 0 and 0 <= cfg.model.lora_dropout < 1 and len(cfg.model.lora_target_modules) > 0
+            ),
+            "with model.lora_rank > 0: model.lora_alpha must be > 0, model.lora_dropout in [0, 1) and "
+            "model.lora_target_modules non-empty",
+        ),
         # vLLM's processed log-probs of a truncated distribution are renormalised over what is kept; the
         # trainer scores the full softmax, so every ratio, TIS weight and the probe would be off
-        (r.top_p == 1.0 and r.top_k in (0, -1) and r.min_p == 0.0,
-         f"rollout.top_p={r.top_p}, top_k={r.top_k}, min_p={r.min_p}: vLLM renormalises its log-probs over the "
-         "tokens these keep, the trainer scores the full distribution, so the ratios and the probe would be biased; "
-         "train with top_p=1, top_k=0, min_p=0 (temperature alone)"),
+        (
+            r.top_p == 1.0 and r.top_k in (0, -1) and r.min_p == 0.0,
+            f"rollout.top_p={r.top_p}, top_k={r.top_k}, min_p={r.min_p}: vLLM renormalises its log-probs over the "
+            "tokens these keep, the trainer scores the full distribution, so the ratios and the probe would be biased; "
+            "train with top_p=1, top_k=0, min_p=0 (temperature alone)",
+        ),
     ]
     for ok, msg in checks:
         if not ok:
@@ -362,10 +453,12 @@ def _sequence_level(cfg: Config) -> str:
     """The first setting whose loss reads a whole sequence at once (a per-sequence mean, ratio or
     weight; Liger's rows), which sequence parallelism's token slices cannot give; '' for none."""
     a = cfg.algo
-    for key, bad in (("algo.loss_agg=seq_mean_token_mean", a.loss_agg == "seq_mean_token_mean"),
-                     (f"algo.policy_loss={a.policy_loss}", policy_loss(a.policy_loss).sequence),
-                     (f"algo.tis_level={a.tis_level}", a.tis_level != "token"),
-                     ("train.kernels=liger", cfg.train.kernels == "liger")):
+    for key, bad in (
+        ("algo.loss_agg=seq_mean_token_mean", a.loss_agg == "seq_mean_token_mean"),
+        (f"algo.policy_loss={a.policy_loss}", policy_loss(a.policy_loss).sequence),
+        (f"algo.tis_level={a.tis_level}", a.tis_level != "token"),
+        ("train.kernels=liger", cfg.train.kernels == "liger"),
+    ):
         if bad:
             return key
     return ""
@@ -387,27 +480,59 @@ def _in_one(v: float, spec: str) -> bool:
         return (lo <= v if spec[0] == "[" else lo < v) and (v <= hi if spec[-1] == "]" else v < hi)
     for op, test in ((">=", float.__ge__), ("<=", float.__le__), (">", float.__gt__), ("<", float.__lt__)):
         if spec.startswith(op):
-            return test(float(v), float(spec[len(op):]))
+            return test(float(v), float(spec[len(op) :]))
     return v == float(spec)
 
 
 # Where each module lived before the package was grouped into role folders (and now lives: core/ is
 # the ground floor): a run directory's saved config (or a user's) that names `hybridrl.envs:ToolEnv`
 # or `hybridrl.rewards:...` still resolves.
-MOVED = {"trainer": "engines.trainer", "policy": "engines.policy", "critic": "engines.critic",
-         "reference": "engines.reference", "reward_model": "engines.reward_model",
-         "rollout": "engines.rollout", "vllm_compat": "engines.vllm_compat",
-         "vllm_worker_ext": "engines.vllm_worker_ext", "ipc": "engines.ipc", "lora": "engines.lora",
-         "models": "core.models", "zero_step": "engines.deepspeed_compat", "engine_cycle": "cycle.engine_cycle",
-         "sync": "cycle.sync", "plan": "cycle.plan", "memory": "core.memory", "algo": "algorithms.advantages",
-         "dapo": "algorithms.dapo", "data": "data.prompts", "batch": "data.batch", "rewards": "data.rewards",
-         "verifiers": "data.verifiers", "envs": "data.envs", "multiturn": "run.multiturn",
-         "collect": "run.collect", "tasks": "data.tasks", "loop": "run.loop", "config": "core.config",
-         "schema": "core.schema", "recipe": "core.recipe", "cli": "run.cli", "launch": "core.launch",
-         "checkpoint": "run.checkpoint", "export": "run.export", "evaluate": "run.evaluate",
-         "journal": "core.journal", "env": "core.environ", "progress": "observe.progress",
-         "logs": "core.logs", "report": "observe.report", "canaries": "core.canaries",
-         "doctor": "run.doctor", "preflight": "run.preflight", "faults": "core.faults"}
+MOVED = {
+    "trainer": "engines.trainer",
+    "policy": "engines.policy",
+    "critic": "engines.critic",
+    "reference": "engines.reference",
+    "reward_model": "engines.reward_model",
+    "rollout": "engines.rollout",
+    "vllm_compat": "engines.vllm_compat",
+    "vllm_worker_ext": "engines.vllm_worker_ext",
+    "ipc": "engines.ipc",
+    "lora": "engines.lora",
+    "models": "core.models",
+    "zero_step": "engines.deepspeed_compat",
+    "engine_cycle": "cycle.engine_cycle",
+    "sync": "cycle.sync",
+    "plan": "cycle.plan",
+    "memory": "core.memory",
+    "algo": "algorithms.advantages",
+    "dapo": "algorithms.dapo",
+    "data": "data.prompts",
+    "batch": "data.batch",
+    "rewards": "data.rewards",
+    "verifiers": "data.verifiers",
+    "envs": "data.envs",
+    "multiturn": "run.multiturn",
+    "collect": "run.collect",
+    "tasks": "data.tasks",
+    "loop": "run.loop",
+    "config": "core.config",
+    "schema": "core.schema",
+    "recipe": "core.recipe",
+    "cli": "run.cli",
+    "launch": "core.launch",
+    "checkpoint": "run.checkpoint",
+    "export": "run.export",
+    "evaluate": "run.evaluate",
+    "journal": "core.journal",
+    "env": "core.environ",
+    "progress": "observe.progress",
+    "logs": "core.logs",
+    "report": "observe.report",
+    "canaries": "core.canaries",
+    "doctor": "run.doctor",
+    "preflight": "run.preflight",
+    "faults": "core.faults",
+}
 
 
 def import_spec(key: str, spec: str, name: str, what: str = "attribute"):
@@ -416,6 +541,7 @@ def import_spec(key: str, spec: str, name: str, what: str = "attribute"):
     import importlib
     import os
     import sys
+
     module, _, attr = name.partition(":")
     old = module.split(".")
     if old[0] == "hybridrl" and len(old) > 1 and old[1] in MOVED and (len(old) == 2 or old[1] == "tasks"):
@@ -427,8 +553,10 @@ def import_spec(key: str, spec: str, name: str, what: str = "attribute"):
     try:
         return getattr(importlib.import_module(module), attr)
     except ImportError as e:
-        raise ConfigError(f"{key}={spec!r}: cannot import {module!r} ({e}); run from the directory that holds "
-                          "it, or put that directory on PYTHONPATH") from None
+        raise ConfigError(
+            f"{key}={spec!r}: cannot import {module!r} ({e}); run from the directory that holds "
+            "it, or put that directory on PYTHONPATH"
+        ) from None
     except AttributeError:
         raise ConfigError(f"{key}={spec!r}: module {module!r} has no {what} {attr!r}") from None
 
@@ -437,6 +565,7 @@ def torch_dtype(name: str):
     """model.dtype's torch.dtype (a resolved name, not 'auto'). torch is imported here, not at the
     top: the CLI reads the config before anything heavy is imported."""
     import torch
+
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 

@@ -41,11 +41,15 @@ def check_cache_dir(root: Path) -> None:
     except OSError as e:
         raise UserError(f"cache directory {root}: {e}; point HYBRIDRL_CACHE_DIR at a directory of your own") from None
     if st.st_uid != os.getuid():
-        raise UserError(f"cache directory {root} belongs to another user (uid {st.st_uid}) and holds code that runs "
-                        "in your runs: point HYBRIDRL_CACHE_DIR at a directory of your own")
+        raise UserError(
+            f"cache directory {root} belongs to another user (uid {st.st_uid}) and holds code that runs "
+            "in your runs: point HYBRIDRL_CACHE_DIR at a directory of your own"
+        )
     if st.st_mode & 0o022:
-        raise UserError(f"cache directory {root} is writable by other users (mode {st.st_mode & 0o777:o}) and holds "
-                        f"code that runs in your runs: chmod go-w {root} (or point HYBRIDRL_CACHE_DIR elsewhere)")
+        raise UserError(
+            f"cache directory {root} is writable by other users (mode {st.st_mode & 0o777:o}) and holds "
+            f"code that runs in your runs: chmod go-w {root} (or point HYBRIDRL_CACHE_DIR elsewhere)"
+        )
 
 
 def has_cuda() -> bool:
@@ -163,11 +167,13 @@ def setup(verbose: bool | None = None) -> None:
     # expandable segments for training, unless the user set the allocator (memory.py switches
     # them off around vLLM's pool at run time)
     from hybridrl.core.memory import training_defaults  # no torch import: this runs before torch is loaded
+
     defaults.update(training_defaults(os.environ, has_cuda()))
     for key, value in defaults.items():
         os.environ.setdefault(key, str(value))
     if not has_cuda():
         from hybridrl.core.memory import keep_host_pages
+
         keep_host_pages(os.environ)
     if os.environ.get("TORCH_CUDA_ARCH_LIST"):
         os.environ["TORCH_CUDA_ARCH_LIST"] = deepspeed_arch_list(os.environ["TORCH_CUDA_ARCH_LIST"])

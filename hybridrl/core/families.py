@@ -31,16 +31,41 @@ class MoEFamily:
     qk_norm: str = ""  # RMSNorm on the queries and keys: over one head ("head") or over all heads ("all")
 
 
-FAMILIES = {f.model_type: f for f in (
-    MoEFamily("qwen3_moe", "Qwen3MoeConfig", "num_experts", "Qwen3MoeTopKRouter", "Qwen3MoeSparseMoeBlock",
-              qk_norm="head"),
-    MoEFamily("qwen2_moe", "Qwen2MoeConfig", "num_experts", "Qwen2MoeTopKRouter", "Qwen2MoeSparseMoeBlock",
-              shared_expert=True),
-    MoEFamily("mixtral", "MixtralConfig", "num_local_experts", "MixtralTopKRouter", "MixtralSparseMoeBlock",
-              expert_width_key="intermediate_size", renormalise=True, vllm_block="block_sparse_moe"),
-    MoEFamily("olmoe", "OlmoeConfig", "num_experts", "OlmoeTopKRouter", "OlmoeSparseMoeBlock",
-              expert_width_key="intermediate_size", qk_norm="all"),
-)}
+FAMILIES = {
+    f.model_type: f
+    for f in (
+        MoEFamily(
+            "qwen3_moe", "Qwen3MoeConfig", "num_experts", "Qwen3MoeTopKRouter", "Qwen3MoeSparseMoeBlock", qk_norm="head"
+        ),
+        MoEFamily(
+            "qwen2_moe",
+            "Qwen2MoeConfig",
+            "num_experts",
+            "Qwen2MoeTopKRouter",
+            "Qwen2MoeSparseMoeBlock",
+            shared_expert=True,
+        ),
+        MoEFamily(
+            "mixtral",
+            "MixtralConfig",
+            "num_local_experts",
+            "MixtralTopKRouter",
+            "MixtralSparseMoeBlock",
+            expert_width_key="intermediate_size",
+            renormalise=True,
+            vllm_block="block_sparse_moe",
+        ),
+        MoEFamily(
+            "olmoe",
+            "OlmoeConfig",
+            "num_experts",
+            "OlmoeTopKRouter",
+            "OlmoeSparseMoeBlock",
+            expert_width_key="intermediate_size",
+            qk_norm="all",
+        ),
+    )
+}
 # what other families' configs call their expert count: a model of theirs is recognised, and refused
 EXPERT_COUNT_KEYS = tuple(sorted({f.experts_key for f in FAMILIES.values()} | {"n_routed_experts", "moe_num_experts"}))
 # LoRA on a mixture-of-experts model adapts attention only: the experts are fused parameters, not the

@@ -133,10 +133,16 @@ class Watchdog:
     def verdict(self) -> str:
         """Which rank stalled, in words."""
         idle = time.monotonic() - self.at
-        limit = f"train.watchdog_s={self.seconds:g}" if self.limit == self.seconds else \
-            f"this phase's limit {self.limit:.0f} s: train.watchdog_s={self.seconds:g} + its bytes at ckpt.write_mb_s"
-        mine = f"rank {self.rank} has made no progress for {idle:.0f} s ({limit}), in phase '{self.phase}' of " \
-               f"step {self.step}"
+        limit = (
+            f"train.watchdog_s={self.seconds:g}"
+            if self.limit == self.seconds
+            else f"this phase's limit {self.limit:.0f} s: "
+            f"train.watchdog_s={self.seconds:g} + its bytes at ckpt.write_mb_s"
+        )
+        mine = (
+            f"rank {self.rank} has made no progress for {idle:.0f} s ({limit}), in phase '{self.phase}' of "
+            f"step {self.step}"
+        )
         if self.size == 1:
             return mine + "."
         seen = self._others() if self._store is not None else {}
@@ -145,8 +151,10 @@ class Watchdog:
         behind = min(n for n, _, _ in seen.values())
         stuck = sorted(r for r, (n, _, _) in seen.items() if n == behind)
         if len(stuck) == self.size:  # progress is counted per phase: a stall inside one looks like this too
-            return mine + "; every rank stopped in the same phase (one rank stalled inside it, or a collective, " \
-                          "the filesystem or the device is stuck: the stacks below show which waits where)."
+            return (
+                mine + "; every rank stopped in the same phase (one rank stalled inside it, or a collective, "
+                "the filesystem or the device is stuck: the stacks below show which waits where)."
+            )
         where = ", ".join(f"rank {r} stalled in phase '{seen[r][2]}' of step {seen[r][1]}" for r in stuck)
         who = "this rank is the one furthest behind" if self.rank in stuck else "the others wait for it in a collective"
         return f"{mine}. Cause: {where} ({who})."
@@ -194,9 +202,11 @@ FILL_NAME = "test-disk-filler"
 # test variables):
 #   HYBRIDRL_TEST_CORRUPT_HAND_OFF=<n>  the n-th hand-off sends its first tensor shifted by 1 (hand_off below)
 #   HYBRIDRL_TEST_NAN_AT_STEP=<n>       optimizer step n gets a NaN loss (Trainer.step)
-_INJECT_AT = {kind: int(os.environ[var]) for kind, var in (("corrupt_hand_off", "HYBRIDRL_TEST_CORRUPT_HAND_OFF"),
-                                                           ("nan_loss", "HYBRIDRL_TEST_NAN_AT_STEP"))
-              if os.environ.get(var)}
+_INJECT_AT = {
+    kind: int(os.environ[var])
+    for kind, var in (("corrupt_hand_off", "HYBRIDRL_TEST_CORRUPT_HAND_OFF"), ("nan_loss", "HYBRIDRL_TEST_NAN_AT_STEP"))
+    if os.environ.get(var)
+}
 
 
 def injected(kind: str, count: int) -> bool:
@@ -250,4 +260,3 @@ def _inject(step: int, phase: str, where: Path | None = None) -> None:
                     f.flush()
             except OSError:
                 pass
-

@@ -42,8 +42,11 @@ class Journal:
             if self.fd is None:
                 self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             if self.cap is not None and os.fstat(self.fd).st_size >= self.cap:
-                self._drop(len(rows), "cap", f"{self.path} reached its cap of {self.cap / 2**20:.0f} MiB: further rows "
-                                             "are counted, not written")
+                self._drop(
+                    len(rows),
+                    "cap",
+                    f"{self.path} reached its cap of {self.cap / 2**20:.0f} MiB: further rows are counted, not written",
+                )
                 return False
             if self._torn:
                 data = b"\n" + data
@@ -53,8 +56,12 @@ class Journal:
             return True
         except OSError as e:
             self._torn = True
-            self._drop(len(rows), "error", f"cannot write {self.path} ({e}); its rows are counted, not written, "
-                                           "and training goes on: free some space")
+            self._drop(
+                len(rows),
+                "error",
+                f"cannot write {self.path} ({e}); its rows are counted, not written, "
+                "and training goes on: free some space",
+            )
             return False
 
     def _drop(self, n: int, kind: str, text: str) -> None:

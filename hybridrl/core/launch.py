@@ -63,8 +63,12 @@ def init_distributed(timeout_s: float = 0) -> World:
     if cuda:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", rank=rank, world_size=size,
-                                timeout=timedelta(seconds=timeout_s) if timeout_s else None)
+        dist.init_process_group(
+            "cpu:gloo,cuda:nccl" if cuda else "gloo",
+            rank=rank,
+            world_size=size,
+            timeout=timedelta(seconds=timeout_s) if timeout_s else None,
+        )
     return World(rank, size, local, device)
 
 
@@ -112,6 +116,7 @@ class TPGroup:
     external launcher runs the engine's scheduler on every rank of the group, and its model's
     collectives expect each rank to step the same batch: every request goes to every rank's engine,
     in the same order (`gather` them first), and each rank keeps its own outputs."""
+
     index: int  # which group (data parallelism is over groups; the group's sampling seed)
     member: int  # this rank's place in it
     size: int
@@ -132,8 +137,10 @@ def tp_groups(world: World, tp: int) -> TPGroup:
     collective over the world), so all ranks call this, in the same order."""
     if world.size % tp:
         from hybridrl.core.config import ConfigError
-        raise ConfigError(f"rollout.tensor_parallel_size={tp} must divide the {world.size} ranks: use "
-                          f"--nproc a multiple of {tp}")
+
+        raise ConfigError(
+            f"rollout.tensor_parallel_size={tp} must divide the {world.size} ranks: use --nproc a multiple of {tp}"
+        )
     index, member = tp_group_of(world.rank, tp)
     pg = None
     if tp > 1:
@@ -185,13 +192,29 @@ def barrier() -> None:
         dist.barrier()
 
 
-def spawn(nproc: int, argv: list[str], *, nnodes: str = "1", node_rank: int = 0,
-          rdzv_endpoint: str = "", rdzv_backend: str = "c10d", max_restarts: int = 0) -> int:
+def spawn(
+    nproc: int,
+    argv: list[str],
+    *,
+    nnodes: str = "1",
+    node_rank: int = 0,
+    rdzv_endpoint: str = "",
+    rdzv_backend: str = "c10d",
+    max_restarts: int = 0,
+) -> int:
     """Run `python -m hybridrl <argv>` on `nproc` local ranks through torch.distributed.run."""
     from torch.distributed import run as torchrun
 
-    args = ["--nproc-per-node", str(nproc), "--nnodes", str(nnodes), "--node-rank", str(node_rank),
-            "--max-restarts", str(max_restarts)]
+    args = [
+        "--nproc-per-node",
+        str(nproc),
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(node_rank),
+        "--max-restarts",
+        str(max_restarts),
+    ]
     if rdzv_endpoint:
         args += ["--rdzv-backend", rdzv_backend, "--rdzv-endpoint", rdzv_endpoint]
     else:  # single node: a free local port, so two runs on one machine do not collide
@@ -201,6 +224,7 @@ def spawn(nproc: int, argv: list[str], *, nnodes: str = "1", node_rank: int = 0,
         torchrun.run(torchrun.get_args_parser().parse_args(args))
     except Exception as e:  # ChildFailedError already printed each rank's traceback
         from torch.distributed.elastic.multiprocessing.api import SignalException
+
         if isinstance(e, SignalException):  # forwarded to the workers, which saved a checkpoint and stopped
             return {signal.SIGTERM: 0, signal.SIGINT: 130}.get(e.sigval, 1)
         print(f"hybridrl: {_failure_message(e)}", file=sys.stderr)
@@ -216,8 +240,10 @@ def _failure_message(e: Exception) -> str:
     parts = []
     for rank, f in sorted(failures.items()):
         if f.exitcode == WATCHDOG_EXIT:
-            parts.append(f"rank {rank} (pid {f.pid}) was stopped by its watchdog (the 'hybridrl watchdog:' line "
-                         "above names the rank that stalled)")
+            parts.append(
+                f"rank {rank} (pid {f.pid}) was stopped by its watchdog (the 'hybridrl watchdog:' line "
+                "above names the rank that stalled)"
+            )
             continue
         how = f"killed by {signal.Signals(-f.exitcode).name}" if f.exitcode < 0 else f"exit code {f.exitcode}"
         parts.append(f"rank {rank} (pid {f.pid}) died: {how}")

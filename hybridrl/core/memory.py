@@ -85,35 +85,45 @@ def check_alloc_conf(environ: Mapping[str, str], cfg: Config, *, can_toggle: boo
     fields = parse_conf(conf)
     off = "or turn vLLM sleep mode off with rollout.sleep_level=0"
     if environ.get("PYTORCH_NO_CUDA_MEMORY_CACHING", "0") not in ("", "0"):
-        raise ConfigError("PYTORCH_NO_CUDA_MEMORY_CACHING is set: vLLM's sleep mode needs PyTorch's caching "
-                          f"allocator; unset it, {off}")
+        raise ConfigError(
+            "PYTORCH_NO_CUDA_MEMORY_CACHING is set: vLLM's sleep mode needs PyTorch's caching "
+            f"allocator; unset it, {off}"
+        )
     if fields.get("backend", "native") != "native":
-        raise ConfigError(f"{name}={conf}: vLLM's sleep-mode memory pool needs PyTorch's native allocator; "
-                          f"remove backend:{fields['backend']}, {off}")
+        raise ConfigError(
+            f"{name}={conf}: vLLM's sleep-mode memory pool needs PyTorch's native allocator; "
+            f"remove backend:{fields['backend']}, {off}"
+        )
     expandable = fields.get("expandable_segments")
     if expandable is None:
         return
     if expandable not in ("True", "False"):
         raise ConfigError(f"{name}={conf}: expandable_segments must be True or False (PyTorch accepts only those)")
     if expandable == "True" and not can_toggle:
-        raise ConfigError(f"{name}={conf}: this PyTorch cannot switch expandable_segments off at run time, which "
-                          f"vLLM's sleep-mode pool needs; set expandable_segments:False, {off}")
+        raise ConfigError(
+            f"{name}={conf}: this PyTorch cannot switch expandable_segments off at run time, which "
+            f"vLLM's sleep-mode pool needs; set expandable_segments:False, {off}"
+        )
 
 
 def can_toggle() -> bool:
     import torch
-    return (hasattr(torch._C, "_accelerator_setAllocatorSettings")
-            or hasattr(torch.cuda.memory, "_set_allocator_settings"))
+
+    return hasattr(torch._C, "_accelerator_setAllocatorSettings") or hasattr(
+        torch.cuda.memory, "_set_allocator_settings"
+    )
 
 
 def _set(conf: str) -> None:
     import torch
+
     setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
     setter(conf)
 
 
 def _live_conf() -> str:
     import torch
+
     getter = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     return getter() if getter else alloc_conf(os.environ)[1]
 
@@ -145,6 +155,7 @@ def empty_cache(cuda: bool) -> None:
     """Give the hand-off's staging memory back to the driver before vLLM's KV cache returns."""
     if cuda:
         import torch
+
         torch.cuda.synchronize()
         torch.cuda.ipc_collect()  # staging buffers another process opened by handle
         torch.cuda.empty_cache()
@@ -214,9 +225,11 @@ def describe_waves(seqs: int, seq: int, kv: int) -> str:
     n = waves(seqs, seq, kv)
     if n <= 1:
         return ""
-    return (f"the step's {seqs} sequences per engine run in up to {n} waves of {max(1, kv // seq)} (generation "
-            f"up to {n}x one wave's decode steps, fewer where answers end early; a larger "
-            "rollout.tensor_parallel_size or fewer sequences per engine cut the waves)")
+    return (
+        f"the step's {seqs} sequences per engine run in up to {n} waves of {max(1, kv // seq)} (generation "
+        f"up to {n}x one wave's decode steps, fewer where answers end early; a larger "
+        "rollout.tensor_parallel_size or fewer sequences per engine cut the waves)"
+    )
 
 
 def kv_cache_need(cfg: Config, hf_config, world_size: int, dtype_bytes: int) -> int:
@@ -256,22 +269,40 @@ class Plan:
 
     def describe(self) -> str:
         where = "after the trainer offloads its states" if self.offload else "with the trainer's states kept on it"
-        short = f" (less than the {self.need / GIB:.2f} GiB the step needs: vLLM will queue sequences)" \
-            if self.kv < self.need else ""
+        short = (
+            f" (less than the {self.need / GIB:.2f} GiB the step needs: vLLM will queue sequences)"
+            if self.kv < self.need
+            else ""
+        )
         waves = describe_waves(self.seqs, self.seq, self.kv)
         short = short[:-1] + f"; {waves})" if short and waves else short
         visitors = f", reward models {self.visitors / GIB:.2f} GiB" if self.visitors else ""
         visitors += f", vLLM's graphs and buffers (kept asleep) {self.asleep / GIB:.2f} GiB" if self.asleep else ""
-        return (f"memory plan: device {self.total / GIB:.1f} GiB, free {where} {self.free / GIB:.1f} GiB, margin "
-                f"{self.margin / GIB:.1f} GiB{visitors} -> vLLM {self.budget / GIB:.1f} GiB "
-                f"(rollout.gpu_memory_utilization={self.utilization:.3f}): weights {self.weights / GIB:.2f} GiB, "
-                f"KV cache {self.kv / GIB:.2f} GiB{short}, activations {self.activations / GIB:.2f} GiB"
-                + (f" (sampler {self.sampler / GIB:.2f})" if self.sampler else ""))
+        return (
+            f"memory plan: device {self.total / GIB:.1f} GiB, free {where} {self.free / GIB:.1f} GiB, margin "
+            f"{self.margin / GIB:.1f} GiB{visitors} -> vLLM {self.budget / GIB:.1f} GiB "
+            f"(rollout.gpu_memory_utilization={self.utilization:.3f}): weights {self.weights / GIB:.2f} GiB, "
+            f"KV cache {self.kv / GIB:.2f} GiB{short}, activations {self.activations / GIB:.2f} GiB"
+            + (f" (sampler {self.sampler / GIB:.2f})" if self.sampler else "")
+        )
 
 
-def plan(total: int, free_kept: int, free_offloaded: int, *, margin: int, weights: int, need: int,
-         offload: str = "auto", visitors: int = 0, sampler: int = 0, asleep: int = 0, floor: int = 0, seqs: int = 0,
-         seq: int = 0) -> Plan:
+def plan(
+    total: int,
+    free_kept: int,
+    free_offloaded: int,
+    *,
+    margin: int,
+    weights: int,
+    need: int,
+    offload: str = "auto",
+    visitors: int = 0,
+    sampler: int = 0,
+    asleep: int = 0,
+    floor: int = 0,
+    seqs: int = 0,
+    seq: int = 0,
+) -> Plan:
     """Size vLLM for one step and decide whether the trainer must offload (pure; hand-tested).
 
     vLLM gets its weights, a KV cache of `need` (kv_cache_need) and an activation reserve of
@@ -287,16 +318,19 @@ def plan(total: int, free_kept: int, free_offloaded: int, *, margin: int, weight
     buffers (plan.asleep_bytes), which no sleep releases, kept back likewise."""
     act = GIB + weights // 10 + sampler
     kept = margin + visitors + asleep
-    beside = f"a {margin / GIB:.2f} GiB margin" \
-        + (f" and {visitors / GIB:.2f} GiB of reward models" if visitors else "") \
+    beside = (
+        f"a {margin / GIB:.2f} GiB margin"
+        + (f" and {visitors / GIB:.2f} GiB of reward models" if visitors else "")
         + (f" and {asleep / GIB:.2f} GiB of vLLM's graphs and buffers" if asleep else "")
+    )
     if offload != "on" and free_kept - kept >= weights + need + act:
         return Plan(total, free_kept, margin, weights, need, act, False, need, visitors, sampler, asleep, seqs, seq)
     if offload == "off":
         raise ConfigError(
             f"with the trainer's states on the device {free_kept / GIB:.2f} GiB of {total / GIB:.2f} GiB are free: too "
             f"little for vLLM's {weights / GIB:.2f} GiB of weights, {need / GIB:.2f} GiB of KV cache and "
-            f"{act / GIB:.2f} GiB of activations beside {beside}; set train.offload_states auto")
+            f"{act / GIB:.2f} GiB of activations beside {beside}; set train.offload_states auto"
+        )
     room = free_offloaded - kept - weights - act
     least = min(floor, need) if floor else weights // 10
     if room < least:
@@ -306,14 +340,17 @@ def plan(total: int, free_kept: int, free_offloaded: int, *, margin: int, weight
             f"{act / GIB:.2f} GiB of activations and a KV cache of {least / GIB:.2f} GiB (the longest sequences "
             "running): lower rollout.memory_margin_mb, a shorter rollout.max_model_len, "
             "set rollout.tensor_parallel_size, or use more ranks with train.zero_stage 3 "
-            "(`hybridrl plan` shows the table)")
-    return Plan(total, free_offloaded, margin, weights, min(need, room), act, True, need, visitors, sampler, asleep,
-                seqs, seq)
+            "(`hybridrl plan` shows the table)"
+        )
+    return Plan(
+        total, free_offloaded, margin, weights, min(need, room), act, True, need, visitors, sampler, asleep, seqs, seq
+    )
 
 
 def free_memory() -> tuple[int, int]:
     """(free, total) device bytes now, the allocator's cache given back first."""
     import torch
+
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     return torch.cuda.mem_get_info()
@@ -356,6 +393,7 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # glibc's mallopt parameters (malloc.h)
 
 def _libc():
     import ctypes
+
     try:
         libc = ctypes.CDLL("libc.so.6")
         return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
@@ -369,7 +407,7 @@ def keep_host_pages(environ: Mapping[str, str]) -> bool:
     docstring). True if set; a no-op off glibc or with HYBRIDRL_HOST_HEAP=default."""
     libc = None if environ.get("HYBRIDRL_HOST_HEAP", "keep") == "default" else _libc()
     # mallopt takes a C int: the largest trim threshold it can set is 2 GiB of free heap top
-    return bool(libc and libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
+    return bool(libc and libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def trim_host_heap() -> None:

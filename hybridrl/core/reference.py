@@ -15,7 +15,7 @@ def _default(f: dataclasses.Field) -> str:
     value = f.default if f.default is not dataclasses.MISSING else f.default_factory()
     if isinstance(value, bool):
         return str(value).lower()
-    return "`\"\"`" if value == "" else f"`{value}`"
+    return '`""`' if value == "" else f"`{value}`"
 
 
 def _accepts(key: str, f: dataclasses.Field) -> str:

@@ -78,8 +78,9 @@ def check(cfg: Config, cuda: bool) -> None:
         memory.check_alloc_conf(os.environ, cfg, can_toggle=memory.can_toggle())
 
 
-def plan_rollout(cfg: Config, engines: Engines, *, cuda: bool, main: bool, world_size: int = 1,
-                 visitors: int = 0) -> EngineSizing:
+def plan_rollout(
+    cfg: Config, engines: Engines, *, cuda: bool, main: bool, world_size: int = 1, visitors: int = 0
+) -> EngineSizing:
     """Size vLLM before it is built, as it will run, and decide where the trainer's states live
     while it generates. With rollout.gpu_memory_utilization=auto (GPU): measure the device with
     the trainer's states on it and offloaded, plan (memory.plan: weights, a KV cache for the
@@ -105,8 +106,10 @@ def plan_rollout(cfg: Config, engines: Engines, *, cuda: bool, main: bool, world
             trainer.offload()
         return EngineSizing(r.gpu_memory_utilization, r.kv_cache_mb, seqs_at_once, offload)
     if r.sleep_level == 0:  # vLLM would keep the planned memory while the trainer reloads
-        raise ConfigError("rollout.gpu_memory_utilization=auto plans for vLLM sleeping while the trainer trains; with "
-                          "rollout.sleep_level=0 set a fraction that leaves room for the trainer")
+        raise ConfigError(
+            "rollout.gpu_memory_utilization=auto plans for vLLM sleeping while the trainer trains; with "
+            "rollout.sleep_level=0 set a fraction that leaves room for the trainer"
+        )
     hf = trainer.hf
     b = trainer.compute_dtype.itemsize  # vLLM's, not the weights' (float32 under train.precision=amp)
     # a rank's engine holds its tensor-parallel shard of the weights; its KV share covers the group's
@@ -122,11 +125,21 @@ def plan_rollout(cfg: Config, engines: Engines, *, cuda: bool, main: bool, world
     free_offloaded, total = memory.free_memory()
     # one plan for every rank: what the fullest device has free (ranks differ by their neighbours' use)
     free_kept, free_offloaded = (int(-launch.all_max(-free)) for free in (free_kept, free_offloaded))
-    plan = memory.plan(total, free_kept, free_offloaded, margin=r.memory_margin_mb << 20, weights=weights,
-                       need=need, offload=t.offload_states, visitors=visitors,
-                       sampler=memory.sampler_bytes(seqs_at_once, memory.vocab_size(hf.config)),
-                       asleep=_asleep_bytes(cfg, hf, b, seqs_at_once), floor=memory.kv_floor(seqs, seq), seqs=seqs,
-                       seq=seq)
+    plan = memory.plan(
+        total,
+        free_kept,
+        free_offloaded,
+        margin=r.memory_margin_mb << 20,
+        weights=weights,
+        need=need,
+        offload=t.offload_states,
+        visitors=visitors,
+        sampler=memory.sampler_bytes(seqs_at_once, memory.vocab_size(hf.config)),
+        asleep=_asleep_bytes(cfg, hf, b, seqs_at_once),
+        floor=memory.kv_floor(seqs, seq),
+        seqs=seqs,
+        seq=seq,
+    )
     if not plan.offload:
         trainer.reload()
     if main:  # the engine's max_num_seqs too: `hybridrl plan` prints the same figure (a TP group's)
@@ -140,6 +153,7 @@ def _asleep_bytes(cfg: Config, hf, b: int, max_num_seqs: int) -> int:
     (plan.asleep_bytes); 0 for a config the plan cannot read (it then plans by measurement alone)."""
     from hybridrl.cycle import plan
     from hybridrl.cycle.shape import Shape
+
     r = cfg.rollout
     try:
         shape = Shape.from_config(hf.config.to_dict())
@@ -153,33 +167,56 @@ class EngineFailure(UserError):
 
 
 # the phase an engine failure happened in -> who held the memory, and the knob that gives it more room
-_VLLM = ("vLLM", "raise rollout.memory_margin_mb or set rollout.gpu_memory_utilization to a smaller fraction "
-                 "(a smaller rollout.kv_cache_mb, rollout.max_num_seqs or prompts_per_step x rollout.n also help)")
-_TRAINER = ("the trainer", "lower train.max_tokens_per_micro_batch (or turn on model.gradient_checkpointing / "
-                           "train.offload_states on)")
-KNOBS = {"wake_weights": _VLLM, "wake_kv": _VLLM, "generate": _VLLM, "reward": _VLLM, "reward_model": _VLLM,
-         "sync": ("the hand-off", "lower train.sync_bucket_mb (or raise rollout.memory_margin_mb)"),
-         "probe": _VLLM, "eval": _VLLM, "offload": _TRAINER, "sleep": _VLLM, "reload": _TRAINER,
-         "old_logprob": _TRAINER, "ref_logprob": _TRAINER, "values": _TRAINER, "train": _TRAINER,
-         "critic": _TRAINER}
+_VLLM = (
+    "vLLM",
+    "raise rollout.memory_margin_mb or set rollout.gpu_memory_utilization to a smaller fraction "
+    "(a smaller rollout.kv_cache_mb, rollout.max_num_seqs or prompts_per_step x rollout.n also help)",
+)
+_TRAINER = (
+    "the trainer",
+    "lower train.max_tokens_per_micro_batch (or turn on model.gradient_checkpointing / train.offload_states on)",
+)
+KNOBS = {
+    "wake_weights": _VLLM,
+    "wake_kv": _VLLM,
+    "generate": _VLLM,
+    "reward": _VLLM,
+    "reward_model": _VLLM,
+    "sync": ("the hand-off", "lower train.sync_bucket_mb (or raise rollout.memory_margin_mb)"),
+    "probe": _VLLM,
+    "eval": _VLLM,
+    "offload": _TRAINER,
+    "sleep": _VLLM,
+    "reload": _TRAINER,
+    "old_logprob": _TRAINER,
+    "ref_logprob": _TRAINER,
+    "values": _TRAINER,
+    "train": _TRAINER,
+    "critic": _TRAINER,
+}
 
 
-def failure_line(e: BaseException, cfg: Config, step: int, phase: str,
-                 sizing: EngineSizing | None = None) -> str | None:
+def failure_line(
+    e: BaseException, cfg: Config, step: int, phase: str, sizing: EngineSizing | None = None
+) -> str | None:
     """One line for a device out-of-memory or a dead vLLM engine: the phase, the memory plan (`sizing`,
     plan_rollout's; else as configured) and the knob; None for any other error."""
     r, t, size = cfg.rollout, cfg.train, sizing or EngineSizing.of(cfg)
-    plan = (f"the plan: rollout.gpu_memory_utilization={size.gpu_memory_utilization}, rollout.kv_cache_mb="
-            f"{size.kv_cache_mb}, rollout.memory_margin_mb={r.memory_margin_mb}, "
-            f"train.offload_states={size.offload_states}, "
-            f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch}")
+    plan = (
+        f"the plan: rollout.gpu_memory_utilization={size.gpu_memory_utilization}, rollout.kv_cache_mb="
+        f"{size.kv_cache_mb}, rollout.memory_margin_mb={r.memory_margin_mb}, "
+        f"train.offload_states={size.offload_states}, "
+        f"train.max_tokens_per_micro_batch={t.max_tokens_per_micro_batch}"
+    )
     who, knob = KNOBS.get(phase, ("the run", _VLLM[1] + "; or " + _TRAINER[1]))
     where = f"step {step}, phase {phase}" if step else f"phase {phase}"
     if isinstance(e, torch.OutOfMemoryError):
         return f"out of device memory in {where} ({who}; {plan}): {knob}"
     if isinstance(e, vllm_compat.ENGINE_DEAD):
-        return (f"vLLM's engine died in {where} (its own error is above; out of memory is the usual cause; "
-                f"{plan}): {_VLLM[1]}")
+        return (
+            f"vLLM's engine died in {where} (its own error is above; out of memory is the usual cause; "
+            f"{plan}): {_VLLM[1]}"
+        )
     return None
 
 

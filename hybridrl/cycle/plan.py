@@ -74,6 +74,7 @@ DEFAULT_HOST_GIB = 2048.0  # an 8-GPU H100 node (DGX H100: 2 TiB)
 @dataclass
 class Knobs:
     """The settings the plan reads, resolved (what `decide` may change is marked)."""
+
     world: int  # trainer ranks (data parallel)
     local: int  # ranks on this node
     tp: int
@@ -105,6 +106,7 @@ class Knobs:
 @dataclass
 class MemoryPlan:
     """Bytes per GPU by component and phase, and pinned host memory per node."""
+
     device: int  # bytes of one GPU (CPU: this rank's share of the node's memory)
     host: int  # bytes of the node's host memory
     rows: dict[str, dict[str, int]]  # component -> phase -> bytes
@@ -147,9 +149,12 @@ class MemoryPlan:
     def table(self, title: str = "") -> str:
         k = self.knobs
         where = "host (shared by the node's ranks)" if k.on_cpu else "GPU"
-        head = (f"memory plan per {where}: {self.device / GIB:.1f} GiB; {k.world} rank(s), ZeRO-{k.zero}, TP {k.tp}, "
-                + (f"SP {k.sp}, " if k.sp > 1 else "") +
-                f"{'bfloat16' if k.b == 2 else 'float32'}" + (f" - {title}" if title else ""))
+        head = (
+            f"memory plan per {where}: {self.device / GIB:.1f} GiB; {k.world} rank(s), ZeRO-{k.zero}, TP {k.tp}, "
+            + (f"SP {k.sp}, " if k.sp > 1 else "")
+            + f"{'bfloat16' if k.b == 2 else 'float32'}"
+            + (f" - {title}" if title else "")
+        )
         phases = [p for p in self.PHASES if (p != "reference" or k.reference) and (p != "values" or k.critic)]
         width = max(len(n) for n in self.rows) + 2
         lines = [head, " " * width + "".join(f"{p:>11}" for p in phases)]
@@ -158,24 +163,34 @@ class MemoryPlan:
                 lines.append(f"{name:<{width}}" + "".join(f"{row.get(p, 0) / GIB:>11.2f}" for p in phases))
         lines.append(f"{'total (GiB)':<{width}}" + "".join(f"{self.total(p) / GIB:>11.2f}" for p in phases))
         phase, peak = self.peak
-        lines.append(f"peak: {phase}, {peak / GIB:.1f} of {self.device / GIB:.1f} GiB "
-                     f"({'fits' if peak <= self.device else 'DOES NOT FIT'})")
+        lines.append(
+            f"peak: {phase}, {peak / GIB:.1f} of {self.device / GIB:.1f} GiB "
+            f"({'fits' if peak <= self.device else 'DOES NOT FIT'})"
+        )
         if not k.on_cpu:  # what engine_cycle.plan_rollout gives vLLM: the engine serves its whole group
             graphs = f", CUDA graphs up to a batch of {max(capture_sizes(k.max_num_seqs))}" if k.graphs else ""
-            lines.append(f"vLLM: rollout.max_num_seqs={k.max_num_seqs} per engine ({k.world // k.tp} engine(s) of TP "
-                         f"{k.tp}){graphs}")
+            lines.append(
+                f"vLLM: rollout.max_num_seqs={k.max_num_seqs} per engine ({k.world // k.tp} engine(s) of TP "
+                f"{k.tp}){graphs}"
+            )
         waves = memory.describe_waves(k.seqs, k.seq_kv, self.kv)
         if waves:
-            lines.append(f"KV cache: {self.kv / GIB:.2f} of the {k.seqs * k.seq_kv / GIB:.2f} GiB per GPU that every "
-                         f"sequence at full length needs: {waves}")
+            lines.append(
+                f"KV cache: {self.kv / GIB:.2f} of the {k.seqs * k.seq_kv / GIB:.2f} GiB per GPU that every "
+                f"sequence at full length needs: {waves}"
+            )
         if self.pinned:
             parts = ", ".join(f"{n} {v / GIB:.1f}" for n, v in self.pinned.items() if v)
-            lines.append(f"pinned host memory per node: {self.pinned_total / GIB:.1f} GiB of {self.host / GIB:.0f} "
-                         f"({parts}; each buffer rounded up to a power of two, as torch pins)")
+            lines.append(
+                f"pinned host memory per node: {self.pinned_total / GIB:.1f} GiB of {self.host / GIB:.0f} "
+                f"({parts}; each buffer rounded up to a power of two, as torch pins)"
+            )
         if self.pageable:
             parts = ", ".join(f"{n} {v / GIB:.1f}" for n, v in self.pageable.items() if v)
-            lines.append(f"pageable host memory per node: {sum(self.pageable.values()) / GIB:.1f} GiB ({parts}); "
-                         f"with the pinned, {self.host_total / GIB:.1f} GiB of {self.host / GIB:.0f}")
+            lines.append(
+                f"pageable host memory per node: {sum(self.pageable.values()) / GIB:.1f} GiB ({parts}); "
+                f"with the pinned, {self.host_total / GIB:.1f} GiB of {self.host / GIB:.0f}"
+            )
         lines += [f"plan chose: {c}" for c in self.choices]
         return "\n".join(lines)
 
@@ -274,28 +289,41 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
     rows.setdefault("activations", {})["train"] = max(act, step_grads)
     if k.reference:
         rows["activations"]["reference"] = fwd_only
-        row("reference", P * wb if not z3 else 2 * shape.layer_params * wb,
-            ("reference",) if not k.on_cpu else everywhere)
+        row(
+            "reference",
+            P * wb if not z3 else 2 * shape.layer_params * wb,
+            ("reference",) if not k.on_cpu else everywhere,
+        )
     critic_states = 0
     if k.critic:
         cP = P - shape.vocab * shape.hidden * (0 if shape.tied else 1)  # no LM head: a one-output value head
         critic_states = (cP * wb // N + min(REDUCE_BUCKET, cP) * wb + 12 * cP // N) * (not k.optimizer_offload)
-        row("critic", (cP * wb // N if z3 else cP * wb) + critic_states,
-            ("values", "train") if not k.on_cpu else everywhere)
+        row(
+            "critic",
+            (cP * wb // N if z3 else cP * wb) + critic_states,
+            ("values", "train") if not k.on_cpu else everywhere,
+        )
         rows["activations"]["values"] = fwd_only
     if z3:
         row("hand-off bucket", k.bucket, ("hand-off",))
         # forward and backward gather layers ahead and keep up to STAGE3_LIVE parameters gathered
-        row("ZeRO-3 gathered", min(STAGE3_LIVE, P) * wb,
-            ("reference", "values", "train") if not k.on_cpu else everywhere)
+        row(
+            "ZeRO-3 gathered",
+            min(STAGE3_LIVE, P) * wb,
+            ("reference", "values", "train") if not k.on_cpu else everywhere,
+        )
     row("reserve", k.reserve, everywhere)
     plan = MemoryPlan(device, host, rows, {}, k)
     over = plan.total("generate") - device
     if over > 0 and k.kv > k.kv_floor:  # a smaller KV cache: vLLM runs the step in more waves
         rows["vLLM KV cache"] = {p: v - min(over, k.kv - k.kv_floor) for p, v in rows["vLLM KV cache"].items()}
     kept = grads + states if not k.optimizer_offload else 0
-    if not k.on_cpu and kept and k.offload_states != "on" and (
-            k.offload_states == "off" or plan.total("generate") + kept <= device):
+    if (
+        not k.on_cpu
+        and kept
+        and k.offload_states != "on"
+        and (k.offload_states == "off" or plan.total("generate") + kept <= device)
+    ):
         for name in ("trainer grads", "fp32 master + Adam"):
             if name in rows:
                 rows[name].update({"generate": rows[name]["train"], "hand-off": rows[name]["train"]})
@@ -312,8 +340,9 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
             if z3:  # one flat low-precision gradient buffer and each sub-group's fp32 gradients
                 pinned["optimizer (offloaded)"] = (pinned_bytes(b * part) + _sub_groups(part, sub, 4)) * L
             else:  # fp32 master weights and their gradients, a low-precision copy, a one-parameter gradient buffer
-                pinned["optimizer (offloaded)"] = (2 * pinned_bytes(4 * part) + pinned_bytes(b * part)
-                                                   + pinned_bytes(b * max(shape.tensors()))) * L
+                pinned["optimizer (offloaded)"] = (
+                    2 * pinned_bytes(4 * part) + pinned_bytes(b * part) + pinned_bytes(b * max(shape.tensors()))
+                ) * L
             # CPU Adam's fp32 master weights (ZeRO-3: a clone, not pinned) and two moments: ordinary pages
             plan.pageable["optimizer states (offloaded)"] = (12 if z3 else 8) * part * L
         if kept:  # offload_states pins the gradients flat, fp32 master weights and Adam's moments per sub-group
@@ -322,8 +351,9 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
             pinned["parameters (offloaded)"] = pinned_bytes(P * b // N) * L
         if k.critic and critic_states:
             cpart = cP // N
-            pinned["critic while generating"] = (pinned_bytes(b * cpart)
-                                                 + 3 * _sub_groups(cpart, SUB_GROUP if z3 else cpart, 4)) * L
+            pinned["critic while generating"] = (
+                pinned_bytes(b * cpart) + 3 * _sub_groups(cpart, SUB_GROUP if z3 else cpart, 4)
+            ) * L
     return plan
 
 
@@ -344,6 +374,7 @@ def _sub_groups(numel: int, sub: int, width: int) -> int:
 def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp: int = 0) -> Knobs:
     """The plan's inputs from a resolved config; `tp` other than the config's to try another size."""
     from hybridrl.core import recipe
+
     t, r, m = cfg.train, cfg.rollout, cfg.model
     b = 4 if m.dtype == "float32" else 2
     tp = tp or r.tensor_parallel_size
@@ -364,20 +395,45 @@ def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp
     # micro-batch is smaller than the token budget), and at least a rank's share of one sequence
     step_tokens = -(-t.prompts_per_step // world) * r.n * r.max_model_len
     mb_tokens = max(min(t.max_tokens_per_micro_batch, step_tokens), -(-r.max_model_len // t.sequence_parallel_size))
-    return Knobs(world=world, local=local, tp=tp, zero=t.zero_stage, b=b, ckpt=m.gradient_checkpointing,
-                 mb_tokens=mb_tokens,
-                 optimizer_offload=t.optimizer_offload == "on", param_offload=t.param_offload == "on",
-                 trained=trained, reference=cfg.algo.kl_coef > 0 and not m.lora_rank,
-                 critic=estimator(cfg.algo.advantage).critic, sleep_level=r.sleep_level, graphs=not r.enforce_eager,
-                 max_num_seqs=r.max_num_seqs or memory.engine_seqs(cfg, world, tp), kv=kv, kv_floor=floor,
-                 chunk=t.logprob_chunk, bucket=t.sync_bucket_mb << 20,
-                 reserve=(r.memory_margin_mb << 20) if not on_cpu else 0,
-                 on_cpu=on_cpu, offload_states=t.offload_states, seqs=seqs, seq_kv=seq_kv, sp=t.sequence_parallel_size,
-                 wb=4 if recipe.amp(cfg, on_cpu) else 0)
+    return Knobs(
+        world=world,
+        local=local,
+        tp=tp,
+        zero=t.zero_stage,
+        b=b,
+        ckpt=m.gradient_checkpointing,
+        mb_tokens=mb_tokens,
+        optimizer_offload=t.optimizer_offload == "on",
+        param_offload=t.param_offload == "on",
+        trained=trained,
+        reference=cfg.algo.kl_coef > 0 and not m.lora_rank,
+        critic=estimator(cfg.algo.advantage).critic,
+        sleep_level=r.sleep_level,
+        graphs=not r.enforce_eager,
+        max_num_seqs=r.max_num_seqs or memory.engine_seqs(cfg, world, tp),
+        kv=kv,
+        kv_floor=floor,
+        chunk=t.logprob_chunk,
+        bucket=t.sync_bucket_mb << 20,
+        reserve=(r.memory_margin_mb << 20) if not on_cpu else 0,
+        on_cpu=on_cpu,
+        offload_states=t.offload_states,
+        seqs=seqs,
+        seq_kv=seq_kv,
+        sp=t.sequence_parallel_size,
+        wb=4 if recipe.amp(cfg, on_cpu) else 0,
+    )
 
 
-FREE = ("rollout.tensor_parallel_size", "model.gradient_checkpointing", "train.max_tokens_per_micro_batch",
-        "train.zero_stage", "train.optimizer_offload", "train.param_offload", "train.sequence_parallel_size")
+FREE = (
+    "rollout.tensor_parallel_size",
+    "model.gradient_checkpointing",
+    "train.max_tokens_per_micro_batch",
+    "train.zero_stage",
+    "train.optimizer_offload",
+    "train.param_offload",
+    "train.sequence_parallel_size",
+)
 
 
 def ladder(cfg: Config, shape: Shape, base: Knobs, world: int, local: int, device: int):
@@ -388,23 +444,39 @@ def ladder(cfg: Config, shape: Shape, base: Knobs, world: int, local: int, devic
     the critic rules it out: config.validate); the parameters in host memory last."""
     from hybridrl.core.config import _sequence_level
     from hybridrl.core.recipe import explicit
+
     free = {key: not explicit(cfg, key) for key in FREE}
-    sps = [base.sp] + [s for s in (2, 4, 8) if free["train.sequence_parallel_size"] and s > base.sp and world % s == 0
-                       and shape.heads % s == 0 and not _sequence_level(cfg)
-                       and not estimator(cfg.algo.advantage).critic]
+    sps = [base.sp] + [
+        s
+        for s in (2, 4, 8)
+        if free["train.sequence_parallel_size"]
+        and s > base.sp
+        and world % s == 0
+        and shape.heads % s == 0
+        and not _sequence_level(cfg)
+        and not estimator(cfg.algo.advantage).critic
+    ]
     for params in (False, True):
         for sp in sps:
             yield from _ladder_at(cfg, shape, base, world, local, device, free, sp, params)
 
 
-def _ladder_at(cfg: Config, shape: Shape, base: Knobs, world: int, local: int, device: int, free: dict, sp: int,
-               params: bool):
+def _ladder_at(
+    cfg: Config, shape: Shape, base: Knobs, world: int, local: int, device: int, free: dict, sp: int, params: bool
+):
     """`ladder` at one sequence-parallel size (a rank's micro-batch is at least its share of the longest
     sequence), the parameters offloaded or not."""
     least = -(-cfg.rollout.max_model_len // sp)
-    tps = [base.tp] + [t for t in (2, 4, 8) if free["rollout.tensor_parallel_size"] and t > base.tp
-                       and world % t == 0 and shape.heads % t == 0 and shape.expert_intermediate % t == 0
-                       and t <= local]
+    tps = [base.tp] + [
+        t
+        for t in (2, 4, 8)
+        if free["rollout.tensor_parallel_size"]
+        and t > base.tp
+        and world % t == 0
+        and shape.heads % t == 0
+        and shape.expert_intermediate % t == 0
+        and t <= local
+    ]
     tps = [t for t in tps if vllm_fits(shape, base, t, device)]
     budgets = [base.mb_tokens if sp == base.sp else max(cfg.train.max_tokens_per_micro_batch, least)]
     if free["train.max_tokens_per_micro_batch"]:
@@ -428,8 +500,15 @@ def _ladder_at(cfg: Config, shape: Shape, base: Knobs, world: int, local: int, d
                 for ckpt in ckpts:
                     # full micro-batches before checkpointing: recomputing costs a third more compute
                     for mb in budgets[:2] if ckpt != ckpts[-1] else budgets:
-                        yield dataclasses.replace(k, zero=zero, optimizer_offload=optimizer_offload,
-                                                  param_offload=param_offload, ckpt=ckpt, mb_tokens=mb, sp=sp)
+                        yield dataclasses.replace(
+                            k,
+                            zero=zero,
+                            optimizer_offload=optimizer_offload,
+                            param_offload=param_offload,
+                            ckpt=ckpt,
+                            mb_tokens=mb,
+                            sp=sp,
+                        )
 
 
 def vllm_fits(shape: Shape, k: Knobs, tp: int, device: int) -> bool:
@@ -437,49 +516,66 @@ def vllm_fits(shape: Shape, k: Knobs, tp: int, device: int) -> bool:
     return shape.params * k.b // tp + memory.KV_MIN + k.reserve <= device * 0.9
 
 
-def decide(cfg: Config, shape: Shape, *, device: int, host: int, world: int, local: int,
-           on_cpu: bool) -> tuple[Config, MemoryPlan]:
+def decide(
+    cfg: Config, shape: Shape, *, device: int, host: int, world: int, local: int, on_cpu: bool
+) -> tuple[Config, MemoryPlan]:
     """The cheapest plan that fits (see `ladder`), its choices written into the config (source
     "memory plan"); ConfigError in one line when none fits. On CPU nothing is decided: the plan
     only checks that the run fits the node's memory."""
     from hybridrl.core.config import explicit, put
+
     base = knobs(cfg, shape, world=world, local=local, on_cpu=on_cpu)
     first = build(shape, base, device=device, host=host)
     if on_cpu:
         if not first.fits:
-            raise ConfigError(f"the memory plan needs {first.peak[1] / GIB:.1f} GiB of host memory per rank in "
-                              f"phase {first.peak[0]} ({local} rank(s) share {device * local / GIB:.1f} GiB "
-                              "available): use fewer ranks (--nproc), model.gradient_checkpointing, a smaller "
-                              "train.max_tokens_per_micro_batch or a smaller model (`hybridrl plan` shows the table)")
+            raise ConfigError(
+                f"the memory plan needs {first.peak[1] / GIB:.1f} GiB of host memory per rank in "
+                f"phase {first.peak[0]} ({local} rank(s) share {device * local / GIB:.1f} GiB "
+                "available): use fewer ranks (--nproc), model.gradient_checkpointing, a smaller "
+                "train.max_tokens_per_micro_batch or a smaller model (`hybridrl plan` shows the table)"
+            )
         return cfg, first
-    plans = [p for p in (build(shape, k, device=device, host=host) for k in ladder(cfg, shape, base, world, local,
-                                                                                   device)) if p.fits]
+    plans = [
+        p
+        for p in (build(shape, k, device=device, host=host) for k in ladder(cfg, shape, base, world, local, device))
+        if p.fits
+    ]
     # the KV cache is throughput, not fit: the cheapest plan whose step takes at most two waves (half of
     # its sequences at once); where none does, the cheapest within twice the fewest waves any plan takes
     # (a ZeRO-2 trainer that leaves vLLM room for a few sequences would cost more than ZeRO-3 saves)
     fewest = min((p.waves for p in plans), default=0)
     p = next((p for p in plans if p.waves <= (2 * fewest if fewest > 2 else 2)), None)
     if p is None:
-        raise ConfigError(_weights_note(shape, base, device, local) + _refusal(cfg, shape, base, device, host, world,
-                                                                                local))
+        raise ConfigError(
+            _weights_note(shape, base, device, local) + _refusal(cfg, shape, base, device, host, world, local)
+        )
     k = p.knobs
-    chosen = {"rollout.tensor_parallel_size": (k.tp, base.tp), "model.gradient_checkpointing": (k.ckpt, base.ckpt),
-              # the budget the plan assumed (at least a rank's share of the longest sequence), which the trainer
-              # holds every micro-batch to; the user's own is kept, and so is one a short step never fills
-              "train.max_tokens_per_micro_batch": (k.mb_tokens, base.mb_tokens if explicit(
-                  cfg, "train.max_tokens_per_micro_batch") or base.mb_tokens <= cfg.train.max_tokens_per_micro_batch
-                  else cfg.train.max_tokens_per_micro_batch),
-              "train.sequence_parallel_size": (k.sp, base.sp), "train.zero_stage": (k.zero, base.zero),
-              "train.optimizer_offload": ("on" if k.optimizer_offload else "off", cfg.train.optimizer_offload),
-              "train.param_offload": ("on" if k.param_offload else "off", cfg.train.param_offload)}
+    chosen = {
+        "rollout.tensor_parallel_size": (k.tp, base.tp),
+        "model.gradient_checkpointing": (k.ckpt, base.ckpt),
+        # the budget the plan assumed (at least a rank's share of the longest sequence), which the trainer
+        # holds every micro-batch to; the user's own is kept, and so is one a short step never fills
+        "train.max_tokens_per_micro_batch": (
+            k.mb_tokens,
+            base.mb_tokens
+            if explicit(cfg, "train.max_tokens_per_micro_batch")
+            or base.mb_tokens <= cfg.train.max_tokens_per_micro_batch
+            else cfg.train.max_tokens_per_micro_batch,
+        ),
+        "train.sequence_parallel_size": (k.sp, base.sp),
+        "train.zero_stage": (k.zero, base.zero),
+        "train.optimizer_offload": ("on" if k.optimizer_offload else "off", cfg.train.optimizer_offload),
+        "train.param_offload": ("on" if k.param_offload else "off", cfg.train.param_offload),
+    }
     for key, (value, before) in chosen.items():
         if value != before:
             cfg = put(cfg, key, value, "memory plan")
             if value != "off":
                 p.choices.append(f"{key}={str(value).lower()}")
     if p.choices:
-        p.choices = [", ".join(p.choices) + f" (with the defaults, {first.peak[0]} would need "
-                     f"{first.peak[1] / GIB:.1f} GiB)"]
+        p.choices = [
+            ", ".join(p.choices) + f" (with the defaults, {first.peak[0]} would need {first.peak[1] / GIB:.1f} GiB)"
+        ]
     return cfg, p
 
 
@@ -489,49 +585,67 @@ def _weights_note(shape: Shape, k: Knobs, device: int, local: int) -> str:
     weights = shape.params * k.b
     if weights <= local * device // 2 or not any(vllm_fits(shape, k, t, device) for t in (1, 2, 4, 8) if t <= local):
         return ""  # where vLLM's own copy fits no TP group, the refusal says that instead
-    return (f"the weights alone are {weights / GIB:.1f} GiB in {'bfloat16' if k.b == 2 else 'float32'} "
-            f"({shape.describe()}), held twice in a colocated run (vLLM's copy and the trainer's), of "
-            f"{local} x {device / GIB:.1f} GiB on the node: ")
+    return (
+        f"the weights alone are {weights / GIB:.1f} GiB in {'bfloat16' if k.b == 2 else 'float32'} "
+        f"({shape.describe()}), held twice in a colocated run (vLLM's copy and the trainer's), of "
+        f"{local} x {device / GIB:.1f} GiB on the node: "
+    )
 
 
 def _refusal(cfg: Config, shape: Shape, base: Knobs, device: int, host: int, world: int, local: int) -> str:
     """One line: what stops the run, and what would change it."""
     tp = next((t for t in (1, 2, 4, 8) if t >= base.tp and vllm_fits(shape, base, t, device)), None)
-    if tp is None or not any(vllm_fits(shape, base, t, device) for t in [base.tp] + [
-            t for t in (2, 4, 8) if world % t == 0 and t <= local]):
+    if tp is None or not any(
+        vllm_fits(shape, base, t, device) for t in [base.tp] + [t for t in (2, 4, 8) if world % t == 0 and t <= local]
+    ):
         need = f"rollout.tensor_parallel_size {tp} over {tp} GPUs (--nproc {tp})" if tp else "more GPUs per engine"
-        return (f"vLLM's weights alone are {shape.params * base.b / base.tp / GIB:.1f} GiB per GPU at "
-                f"rollout.tensor_parallel_size={base.tp}, too much for a {device / GIB:.1f} GiB GPU beside the "
-                f"reserve and a KV cache: it needs at least {need}, or a smaller model")
+        return (
+            f"vLLM's weights alone are {shape.params * base.b / base.tp / GIB:.1f} GiB per GPU at "
+            f"rollout.tensor_parallel_size={base.tp}, too much for a {device / GIB:.1f} GiB GPU beside the "
+            f"reserve and a KV cache: it needs at least {need}, or a smaller model"
+        )
     last = None
     for k in ladder(cfg, shape, base, world, local, device):
         last = k  # the most the user's settings allow
     last = build(shape, last or base, device=device, host=host)
     phase, peak = last.peak
     if last.host_total > host * 0.9 and peak <= device:
-        return (f"the memory plan needs {last.host_total / GIB:.0f} GiB of host memory per node "
-                f"({last.pinned_total / GIB:.0f} GiB of it pinned host memory), more than "
-                f"90% of {host / GIB:.0f} GiB: use more nodes, LoRA (model.lora_rank), or a node with more memory "
-                "(`hybridrl plan` shows the table)")
+        return (
+            f"the memory plan needs {last.host_total / GIB:.0f} GiB of host memory per node "
+            f"({last.pinned_total / GIB:.0f} GiB of it pinned host memory), more than "
+            f"90% of {host / GIB:.0f} GiB: use more nodes, LoRA (model.lora_rank), or a node with more memory "
+            "(`hybridrl plan` shows the table)"
+        )
     from hybridrl.core.recipe import explicit
+
     k = last.knobs
-    levers = [fix for key, fix, done in (
-        ("model.gradient_checkpointing", "model.gradient_checkpointing true", k.ckpt),
-        ("train.max_tokens_per_micro_batch", "a smaller train.max_tokens_per_micro_batch",
-         k.mb_tokens <= max(cfg.rollout.max_model_len, 1024)),
-        ("train.zero_stage", "train.zero_stage 3", k.zero == 3 or world == 1),
-        ("train.optimizer_offload", "train.optimizer_offload on", k.optimizer_offload),
-        ("train.param_offload", "train.param_offload on", k.param_offload or k.zero != 3))
-        if explicit(cfg, key) and not done]
-    return (f"no setting fits: phase {phase} needs {peak / GIB:.1f} of {device / GIB:.1f} GiB per GPU at best: "
-            + (f"set {', '.join(levers)}, or " if levers else "")
-            + "use more GPUs (--nproc/--nnodes), rollout.tensor_parallel_size, LoRA (model.lora_rank), a shorter "
-            "rollout.max_model_len or a smaller model (`hybridrl plan` shows the table)")
+    levers = [
+        fix
+        for key, fix, done in (
+            ("model.gradient_checkpointing", "model.gradient_checkpointing true", k.ckpt),
+            (
+                "train.max_tokens_per_micro_batch",
+                "a smaller train.max_tokens_per_micro_batch",
+                k.mb_tokens <= max(cfg.rollout.max_model_len, 1024),
+            ),
+            ("train.zero_stage", "train.zero_stage 3", k.zero == 3 or world == 1),
+            ("train.optimizer_offload", "train.optimizer_offload on", k.optimizer_offload),
+            ("train.param_offload", "train.param_offload on", k.param_offload or k.zero != 3),
+        )
+        if explicit(cfg, key) and not done
+    ]
+    return (
+        f"no setting fits: phase {phase} needs {peak / GIB:.1f} of {device / GIB:.1f} GiB per GPU at best: "
+        + (f"set {', '.join(levers)}, or " if levers else "")
+        + "use more GPUs (--nproc/--nnodes), rollout.tensor_parallel_size, LoRA (model.lora_rank), a shorter "
+        "rollout.max_model_len or a smaller model (`hybridrl plan` shows the table)"
+    )
 
 
 # --- at start, and as a dry run ----------------------------------------------------------------------
-def fit(cfg: Config, model_dir: str, *, world: int, local: int, device: int, host: int,
-        on_cpu: bool) -> tuple[Config, MemoryPlan | None]:
+def fit(
+    cfg: Config, model_dir: str, *, world: int, local: int, device: int, host: int, on_cpu: bool
+) -> tuple[Config, MemoryPlan | None]:
     """`decide` for a run about to start (loop.train, before any engine): the model's shape from its
     config.json. A config the plan cannot read (an unusual architecture) is planned by measurement
     alone, as before this plan existed, with a warning."""
@@ -539,8 +653,11 @@ def fit(cfg: Config, model_dir: str, *, world: int, local: int, device: int, hos
         shape = Shape.from_config(read_config(model_dir))
     except (ConfigError, OSError, ValueError) as e:
         import logging
-        logging.getLogger("hybridrl").warning("no memory plan for this model (%s): vLLM is still sized by "
-                                              "measurement, the training phase is not checked", e)
+
+        logging.getLogger("hybridrl").warning(
+            "no memory plan for this model (%s): vLLM is still sized by measurement, the training phase is not checked",
+            e,
+        )
         return cfg, None
     return decide(cfg, shape, device=device, host=host, world=world, local=local, on_cpu=on_cpu)
 
@@ -553,25 +670,30 @@ def available_gib() -> float:
 def summary(p: MemoryPlan) -> str:
     """One line for CPU runs, where the table would mostly say 'fits'."""
     phase, peak = p.peak
-    return (f"memory plan: peak {peak / GIB:.2f} GiB per rank ({phase}) of {p.device / GIB:.1f} GiB available "
-            "(`hybridrl plan` prints the table)")
+    return (
+        f"memory plan: peak {peak / GIB:.2f} GiB per rank ({phase}) of {p.device / GIB:.1f} GiB available "
+        "(`hybridrl plan` prints the table)"
+    )
 
 
-def dry_run(cfg: Config, *, nproc: int, nnodes: int, gpu_gib: float, host_gib: float,
-            cpu: bool = False) -> tuple[Config, MemoryPlan, list[str]]:
+def dry_run(
+    cfg: Config, *, nproc: int, nnodes: int, gpu_gib: float, host_gib: float, cpu: bool = False
+) -> tuple[Config, MemoryPlan, list[str]]:
     """`hybridrl plan`: the recipe and the plan a run of `cfg` would get on nnodes x nproc GPUs of
     gpu_gib each (cpu: on CPU ranks sharing host_gib), from the model's config.json alone, with the
     context at the data's longest prompt where the model's tokenizer is at hand (as a run's start
     has it: recipe.fit_to_data). Returns (config, plan, recipe lines)."""
     from hybridrl.core import platform, recipe
+
     conf = read_config(cfg.model.path)
     shape = Shape.from_config(conf)
     info = info_of(cfg.model.path, conf, shape)
     world = nproc * nnodes
     ram = int(host_gib * GIB) if cpu else None
     cfg = recipe.auto_dtype(cfg, on_cpu=cpu)
-    cfg = recipe.resolve(cfg, info, on_cpu=cpu, world_size=world, free_ram=ram,
-                         fast_bf16=cpu and platform.current().amx_bf16)
+    cfg = recipe.resolve(
+        cfg, info, on_cpu=cpu, world_size=world, free_ram=ram, fast_bf16=cpu and platform.current().amx_bf16
+    )
     cfg = recipe.fit_to_data(cfg, info, data_longest(cfg), on_cpu=cpu, world_size=world, free_ram=ram)
     if cfg.train.prompts_per_step % world:
         raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by the {world} ranks")
@@ -589,11 +711,14 @@ def data_longest(cfg: Config) -> int:
 
     from hybridrl.core.config import UserError
     from hybridrl.data.prompts import encode, load_rows
+
     try:  # a recipe planned on another machine than its run's may have neither
-        tok = AutoTokenizer.from_pretrained(cfg.model.path, trust_remote_code=cfg.model.trust_remote_code,
-                                            local_files_only=True)
-        kept = [p for split in ("train", "heldout")
-                for p in encode(load_rows(cfg.data, split), tok, cfg.data, split)[0]]
+        tok = AutoTokenizer.from_pretrained(
+            cfg.model.path, trust_remote_code=cfg.model.trust_remote_code, local_files_only=True
+        )
+        kept = [
+            p for split in ("train", "heldout") for p in encode(load_rows(cfg.data, split), tok, cfg.data, split)[0]
+        ]
     except (OSError, ValueError, UserError):
         return 0
     return max((len(p.ids) for p in kept), default=0)

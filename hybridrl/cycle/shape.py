@@ -33,6 +33,7 @@ class Shape:
     `experts` MLPs of width `expert_intermediate` (every one counts for weights, gradients,
     optimizer states and vLLM's weights), a router (hidden x experts) and, in Qwen2-MoE, a shared
     expert; each token runs `top_k` of them (what counts for activations and compute)."""
+
     layers: int
     hidden: int
     intermediate: int  # the dense layers' MLP width
@@ -64,23 +65,34 @@ class Shape:
             if families.is_moe(text):
                 fam = families.family_of(text)
                 if fam is None:
-                    raise ConfigError(f"the memory plan does not know the experts of model_type {kind!r} (it counts "
-                                      f"{', '.join(MOE_TYPES)})")
+                    raise ConfigError(
+                        f"the memory plan does not know the experts of model_type {kind!r} (it counts "
+                        f"{', '.join(MOE_TYPES)})"
+                    )
                 step = int(text.get("decoder_sparse_step") or 1)
                 dense = {int(i) for i in text.get("mlp_only_layers") or ()}
-                moe = dict(experts=experts, top_k=int(text["num_experts_per_tok"]),
-                           expert_intermediate=int(text.get(fam.expert_width_key) or text["intermediate_size"]),
-                           shared_intermediate=int(fam.shared_expert and text.get("shared_expert_intermediate_size")
-                                                   or 0),
-                           moe_layers=sum(i not in dense and (i + 1) % step == 0 for i in range(layers)))
+                moe = dict(
+                    experts=experts,
+                    top_k=int(text["num_experts_per_tok"]),
+                    expert_intermediate=int(text.get(fam.expert_width_key) or text["intermediate_size"]),
+                    shared_intermediate=int(fam.shared_expert and text.get("shared_expert_intermediate_size") or 0),
+                    moe_layers=sum(i not in dense and (i + 1) % step == 0 for i in range(layers)),
+                )
             norm = QK_NORM.get(kind)
             qk_norm = 2 * head_dim if norm == "head" else (heads + kv_heads) * head_dim if norm == "all" else 0
-            return cls(layers=layers, hidden=hidden,
-                       intermediate=int(text.get("intermediate_size") or 4 * hidden), heads=heads,
-                       kv_heads=kv_heads, head_dim=head_dim, vocab=int(text["vocab_size"]),
-                       tied=bool(conf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-                       qkv_bias=bool(text.get("attention_bias", text.get("qkv_bias", kind in ("qwen2", "qwen2_moe")))),
-                       qk_norm=qk_norm, **moe)
+            return cls(
+                layers=layers,
+                hidden=hidden,
+                intermediate=int(text.get("intermediate_size") or 4 * hidden),
+                heads=heads,
+                kv_heads=kv_heads,
+                head_dim=head_dim,
+                vocab=int(text["vocab_size"]),
+                tied=bool(conf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+                qkv_bias=bool(text.get("attention_bias", text.get("qkv_bias", kind in ("qwen2", "qwen2_moe")))),
+                qk_norm=qk_norm,
+                **moe,
+            )
         except ConfigError:
             raise
         except (KeyError, TypeError, ValueError) as e:
@@ -159,8 +171,9 @@ class Shape:
         h, kv, q = self.hidden, self.kv_dim, self.q_dim
         attn = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h}
         mlp = {"gate_proj": 1, "up_proj": 1, "down_proj": 1}
-        widths = (self.layers - self.moe_layers) * (h + self.intermediate) + \
-            self.moe_layers * (h + self.shared_intermediate) * bool(self.shared_intermediate)
+        widths = (self.layers - self.moe_layers) * (h + self.intermediate) + self.moe_layers * (
+            h + self.shared_intermediate
+        ) * bool(self.shared_intermediate)
         names = [t.split(".")[-1] for t in targets]
         return rank * (self.layers * sum(attn.get(n, 0) for n in names) + widths * sum(n in mlp for n in names))
 
@@ -174,13 +187,20 @@ class Shape:
         moe = bool(self.moe_layers) if moe is None else moe
         # the query-wide two (rotated queries, attention output) equal hidden-wide ones where heads x head_dim
         # == hidden (Qwen2, Llama), not in Qwen3
-        common = (4 * b + 8) * self.hidden + 2 * b * (self.q_dim + self.kv_dim) + (4 + b) * (
-            self.q_dim + self.kv_dim) * bool(self.qk_norm)
+        common = (
+            (4 * b + 8) * self.hidden
+            + 2 * b * (self.q_dim + self.kv_dim)
+            + (4 + b) * (self.q_dim + self.kv_dim) * bool(self.qk_norm)
+        )
         if not moe:
             return common + 4 * b * self.intermediate
         shared = (4 * b * self.shared_intermediate + b * self.hidden) if self.shared_intermediate else 0
-        return common + self.top_k * (4 * b * self.expert_intermediate + 2 * b * self.hidden + 32) + \
-            4 * self.experts + shared
+        return (
+            common
+            + self.top_k * (4 * b * self.expert_intermediate + 2 * b * self.hidden + 32)
+            + 4 * self.experts
+            + shared
+        )
 
     def all_layer_activations(self, b: int) -> int:
         """layer_activations summed over the layers, dense and mixture-of-experts."""
@@ -189,10 +209,15 @@ class Shape:
 
     def describe(self) -> str:
         """'30.53B parameters, 3.35B active with 8 of 128 experts per token', or the count for a dense model."""
+
         def count(n: int) -> str:
             return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
-        moe = (f", {count(self.active_params)} active with {self.top_k} of {self.experts} experts per token"
-               if self.moe_layers else "")
+
+        moe = (
+            f", {count(self.active_params)} active with {self.top_k} of {self.experts} experts per token"
+            if self.moe_layers
+            else ""
+        )
         return f"{count(self.params)} parameters" + moe
 
     def tensors(self, fused: bool = False) -> list[int]:
@@ -226,15 +251,19 @@ def read_config(path: str) -> dict:
         return json.loads(shipped.read_text())
     if path == "demo":
         from hybridrl.core.models import DEMO
+
         return json.loads((DEMO / "config.json").read_text())
     try:
         from huggingface_hub import hf_hub_download
+
         return json.loads(Path(hf_hub_download(path, "config.json")).read_text())
     except Exception as e:  # noqa: BLE001 - any failure to find it is the same one line
         names = ", ".join(sorted(c.stem for c in CONFIGS.glob("*.json")))
-        raise ConfigError(f"model {path!r}: no config.json found (not a directory, not shipped, and not in the "
-                          f"Hugging Face cache: {str(e).splitlines()[0] if str(e) else type(e).__name__}); pass a "
-                          f"directory or config.json, or one of the shipped configs: {names}") from None
+        raise ConfigError(
+            f"model {path!r}: no config.json found (not a directory, not shipped, and not in the "
+            f"Hugging Face cache: {str(e).splitlines()[0] if str(e) else type(e).__name__}); pass a "
+            f"directory or config.json, or one of the shipped configs: {names}"
+        ) from None
 
 
 def shipped_config(name: str) -> Path | None:
@@ -246,8 +275,16 @@ def shipped_config(name: str) -> Path | None:
 def info_of(name: str, conf: dict, shape: Shape):
     """models.ModelInfo from config.json alone (no tokenizer, no weights): what the recipe reads."""
     from hybridrl.core.models import ModelInfo
+
     text = conf.get("text_config") or conf
     archs = conf.get("architectures") or ["?"]
-    return ModelInfo(name=name, path=name, arch=archs[0], params=shape.params, vocab=shape.vocab,
-                     max_positions=int(text.get("max_position_embeddings") or 0),
-                     kv_values_per_token=2 * shape.layers * shape.kv_dim, attn_heads=shape.layers * shape.heads)
+    return ModelInfo(
+        name=name,
+        path=name,
+        arch=archs[0],
+        params=shape.params,
+        vocab=shape.vocab,
+        max_positions=int(text.get("max_position_embeddings") or 0),
+        kv_values_per_token=2 * shape.layers * shape.kv_dim,
+        attn_heads=shape.layers * shape.heads,
+    )

@@ -41,21 +41,22 @@ def _counted(named, sent: dict):
         yield name, t
 
 
-
 def probe_sequences(prompts: list, tokenizer, max_new_tokens: int) -> list[list[int]]:
     """The probe's sequences: each prompt followed by its answer's tokens and EOS as a completion, cut
     at `max_new_tokens` so it fits where a sampled one does (a code row's answer is its tests, as JSON:
     longer than any program, and than the model's context)."""
     eos = tokenizer.eos_token_id
-    return [p.ids + (tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [eos])[:max_new_tokens]
-            for p in prompts]
+    return [
+        p.ids + (tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [eos])[:max_new_tokens] for p in prompts
+    ]
 
 
 def probe_batch(seqs: list[list[int]]) -> Batch:
     """Score every token after the first of each sequence."""
     n = [len(s) for s in seqs]
-    batch = Batch.from_rows([s[:1] for s in seqs], [s[1:] for s in seqs],
-                            [[0.0] * (k - 1) for k in n], [0.0] * len(seqs))
+    batch = Batch.from_rows(
+        [s[:1] for s in seqs], [s[1:] for s in seqs], [[0.0] * (k - 1) for k in n], [0.0] * len(seqs)
+    )
     return batch
 
 
@@ -85,8 +86,9 @@ class Probe:
     answers must change when the weights do. Stale or partial weights fail loudly (TRL#5312
     lost weeks to silently stale weights); `action="warn"` only logs."""
 
-    def __init__(self, seqs: list[list[int]], tol: float, action: str, stat: str = "max", every: int = 1,
-                 calibrated: bool = True):
+    def __init__(
+        self, seqs: list[list[int]], tol: float, action: str, stat: str = "max", every: int = 1, calibrated: bool = True
+    ):
         self.seqs, self.tol, self.action, self.stat, self.every = seqs, tol, action, stat, every
         self.calibrated = calibrated  # False: the dtype's default bound, which `calibrate` may raise
         self.last: torch.Tensor | None = None
@@ -127,10 +129,17 @@ class Probe:
             out["probe_delta"] = float((theirs - self.last).abs().max())
         self.last = theirs
         if not gap <= self.tol:  # a NaN gap fails too: a non-finite weight or log-prob on either side
-            msg = (f"step {step}: vLLM and trainer disagree on the probe batch by {gap:.2e} ({self.stat}, "
-                   f"> train.probe_tol={self.tol}): stale or partial weights after the hand-off") if gap == gap else (
-                   f"step {step}: the probe batch's vLLM-vs-trainer gap is NaN: a weight or log-prob is not finite "
-                   f"on one side (look for inf/NaN in the last step's loss and grad_norm; lower train.lr)")
+            msg = (
+                (
+                    f"step {step}: vLLM and trainer disagree on the probe batch by {gap:.2e} ({self.stat}, "
+                    f"> train.probe_tol={self.tol}): stale or partial weights after the hand-off"
+                )
+                if gap == gap
+                else (
+                    f"step {step}: the probe batch's vLLM-vs-trainer gap is NaN: a weight or log-prob is not finite "
+                    f"on one side (look for inf/NaN in the last step's loss and grad_norm; lower train.lr)"
+                )
+            )
             if self.action == "error":
                 raise StaleWeightsError(msg)
             log.warning(msg)

@@ -22,6 +22,7 @@ import torch
 @dataclass
 class Sample:
     """One completion as the rollout returns it (engines/rollout.py), before it joins a Batch."""
+
     prompt_idx: int  # index into the prompt list passed to generate
     token_ids: list[int]  # completion tokens
     logprobs: list[float]  # vLLM's log-prob of each completion token (after temperature)
@@ -41,6 +42,7 @@ class Sample:
 
 class Packed(NamedTuple):
     """A batch's rows laid end to end in one row of sum(lengths) tokens, no padding."""
+
     tokens: torch.Tensor  # [1, L] long
     position_ids: torch.Tensor  # [1, L] long, 0..len-1 within each sample
     loss_mask: torch.Tensor  # [1, L] bool
@@ -51,6 +53,7 @@ class Shared(NamedTuple):
     """A batch's rows as their distinct prompts, each computed once, and every row's completion,
     which attends to its prompt through a KV cache. Position j of a completion row predicts
     `completions[:, j]`: j = 0 from the prompt's last token, j >= 1 from completion token j - 1."""
+
     prompts: torch.Tensor  # [G, P] long, right-padded
     prompt_lens: torch.Tensor  # [G] long
     group: torch.Tensor  # [B] long, the row's prompt
@@ -75,10 +78,15 @@ class Batch:
     stale: torch.Tensor | None = None  # [B, T] bool, partial rollouts: tokens an older policy sampled (data/partial.py)
 
     @classmethod
-    def from_rows(cls, prompts: list[list[int]], completions: list[list[int]],
-                  rollout_logprobs: list[list[float]], advantages: list[float],
-                  completion_masks: list[list[int] | None] | None = None,
-                  routes: list[torch.Tensor | None] | None = None) -> "Batch":
+    def from_rows(
+        cls,
+        prompts: list[list[int]],
+        completions: list[list[int]],
+        rollout_logprobs: list[list[float]],
+        advantages: list[float],
+        completion_masks: list[list[int] | None] | None = None,
+        routes: list[torch.Tensor | None] | None = None,
+    ) -> "Batch":
         """`completion_masks[b]`: 1 on the completion tokens that carry loss (a multi-turn episode's
         assistant tokens), 0 on context inside it (environment tokens); None = all of them.
         `routes[b]`: [len, L, k] the experts vLLM routed row b's tokens to (MoE); None = not recorded."""
@@ -92,19 +100,27 @@ class Batch:
         # (a small tensor per row pays torch's per-call overhead once per row, every step)
         flat = itertools.chain.from_iterable
         tokens = np.zeros(real.shape, np.int64)
-        tokens[real] = np.fromiter(flat(x for p, c in zip(prompts, completions) for x in (p, c)), np.int64,
-                                   int(lengths.sum()))
+        tokens[real] = np.fromiter(
+            flat(x for p, c in zip(prompts, completions) for x in (p, c)), np.int64, int(lengths.sum())
+        )
         logp = np.zeros(real.shape, np.float32)
         logp[mask] = np.fromiter(flat(rollout_logprobs), np.float32, int(c_len.sum()))
         if completion_masks and any(m is not None for m in completion_masks):
             comp = mask.copy()
-            mask[comp] = np.fromiter(flat([1] * len(c) if m is None else m
-                                          for m, c in zip(completion_masks, completions)),
-                                     bool, int(c_len.sum()))
+            mask[comp] = np.fromiter(
+                flat([1] * len(c) if m is None else m for m, c in zip(completion_masks, completions)),
+                bool,
+                int(c_len.sum()),
+            )
             logp[~mask] = 0.0  # environment tokens' placeholders
-        return cls(torch.from_numpy(tokens), torch.from_numpy(lengths), torch.from_numpy(mask),
-                   torch.tensor(advantages, dtype=torch.float32), torch.from_numpy(logp),
-                   routes=stack_routes(routes, real.shape[1]))
+        return cls(
+            torch.from_numpy(tokens),
+            torch.from_numpy(lengths),
+            torch.from_numpy(mask),
+            torch.tensor(advantages, dtype=torch.float32),
+            torch.from_numpy(logp),
+            routes=stack_routes(routes, real.shape[1]),
+        )
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -112,13 +128,20 @@ class Batch:
     def select(self, idx: torch.Tensor) -> "Batch":
         """Rows `idx`, trimmed to their longest row."""
         T = int(self.lengths[idx].max())
+
         def take(x):
             return None if x is None else (x[idx, :T] if x.dim() >= 2 else x[idx])
+
         return replace(self, **{f.name: take(getattr(self, f.name)) for f in fields(self)})
 
     def to(self, device) -> "Batch":
-        return replace(self, **{f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
-                                for f in fields(self)})
+        return replace(
+            self,
+            **{
+                f.name: (None if getattr(self, f.name) is None else getattr(self, f.name).to(device))
+                for f in fields(self)
+            },
+        )
 
     def attention_mask(self) -> torch.Tensor:  # [B, T]
         return torch.arange(self.tokens.shape[1], device=self.tokens.device)[None] < self.lengths[:, None]

@@ -68,8 +68,12 @@ def spec_of(row: dict) -> dict | None:
 
         def as_text(x):
             return x if isinstance(x, str) else "\n".join(map(str, x)) if isinstance(x, list) else str(x)
-        return {"kind": "io", "inputs": [as_text(x) for x in io["inputs"]],
-                "outputs": [as_text(x) for x in io["outputs"]]}
+
+        return {
+            "kind": "io",
+            "inputs": [as_text(x) for x in io["inputs"]],
+            "outputs": [as_text(x) for x in io["outputs"]],
+        }
     return None
 
 
@@ -94,7 +98,7 @@ def program_of(completion: str) -> str:
     return completion
 
 
-HARNESS = '''import json, sys
+HARNESS = """import json, sys
 def _run():
     nonce = sys.stdin.readline().strip()
     solution, setup, tests = json.loads(sys.stdin.readline())
@@ -116,13 +120,13 @@ def _run():
     sys.stdout.flush()
     print("\\n" + nonce + json.dumps(outcomes), flush=True)
 _run()
-'''
+"""
 
 
 def _outcomes(res: Result, nonce: str, n: int) -> list[int]:
     for line in reversed(res.stdout.splitlines()):
         if line.startswith(nonce):
-            got = json.loads(line[len(nonce):])
+            got = json.loads(line[len(nonce) :])
             if isinstance(got, list) and len(got) == n:
                 return [int(x == 1) for x in got]
     return [0] * n
@@ -153,8 +157,7 @@ def code_tests(prompt: str, completion: str, answer: str, *, all_or_nothing: boo
     try:
         spec = json.loads(answer)["code_tests"]
     except (ValueError, KeyError, TypeError):
-        raise ValueError("code_tests: this row has no tests (test_list, test + entry_point, or input_output)") \
-            from None
+        raise ValueError("code_tests: this row has no tests (test_list, test + entry_point, or input_output)") from None
     passed = outcomes(spec, program_of(completion))
     if not passed:
         return 0.0

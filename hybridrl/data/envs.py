@@ -123,9 +123,11 @@ async def call(fn: Callable, *args, timeout: float, **kwargs) -> Any:
             pass
 
     if abandoned_threads() >= MAX_ABANDONED:
-        raise RuntimeError(f"{MAX_ABANDONED} earlier calls of sync tools/environments are still running past their "
-                           f"timeout, each in a thread; refusing to start more: make {getattr(fn, '__name__', fn)} "
-                           "return within env.tool_timeout_s, or run its work in a subprocess")
+        raise RuntimeError(
+            f"{MAX_ABANDONED} earlier calls of sync tools/environments are still running past their "
+            f"timeout, each in a thread; refusing to start more: make {getattr(fn, '__name__', fn)} "
+            "return within env.tool_timeout_s, or run its work in a subprocess"
+        )
     thread = threading.Thread(target=run, daemon=True, name="hybridrl-env-call")
     thread.start()
     try:
@@ -150,9 +152,14 @@ def schema(fn: Callable) -> dict:
         if p.default is inspect.Parameter.empty:
             required.append(name)
     doc = (inspect.getdoc(fn) or fn.__name__).strip().splitlines()[0]
-    return {"type": "function", "function": {"name": fn.__name__, "description": doc,
-                                             "parameters": {"type": "object", "properties": params,
-                                                            "required": required}}}
+    return {
+        "type": "function",
+        "function": {
+            "name": fn.__name__,
+            "description": doc,
+            "parameters": {"type": "object", "properties": params, "required": required},
+        },
+    }
 
 
 def parse_calls(text: str, names) -> tuple[list[tuple[str, dict]], list[str]]:
@@ -263,6 +270,7 @@ TOOL_LIMITS = {"wall_s": 8.0, "cpu_s": 5, "memory_mb": 512, "output_bytes": 4000
 def python(code: str) -> str:
     """Run Python code and return what it prints (stdout; then the error, if it raised)."""
     from hybridrl import sandbox
+
     res = sandbox.run(code, limits=sandbox.Limits(**TOOL_LIMITS))
     out = res.stdout
     if res.status == "timeout":

@@ -37,6 +37,7 @@ from hybridrl.data.batch import Sample
 @dataclass
 class Group:
     """One prompt's n samples in flight. samples[j] is None until sample j has produced a token."""
+
     index: int  # the prompt's row in the training prompts
     samples: list[Sample | None]
     done: list[bool]  # sample j reached EOS/stop or its length limit
@@ -90,8 +91,9 @@ def enough(complete: int, target: int, waiting: int) -> bool:
     return complete >= target and waiting == 0
 
 
-def continuations(buffer: list[Group], prompt_ids: list[list[int]], max_new_tokens: int,
-                  first: int = 0) -> list[tuple[int, int, list[int], int]]:
+def continuations(
+    buffer: list[Group], prompt_ids: list[list[int]], max_new_tokens: int, first: int = 0
+) -> list[tuple[int, int, list[int], int]]:
     """Rollout.generate_partial's `carried`: (prompt index first + g, sample j, prompt + tokens so far,
     tokens left) for every unfinished sample of buffer[g] that has tokens; a sample with none yet
     (cut before its first token) starts over from its prompt alone."""
@@ -124,11 +126,16 @@ def metrics(trained: list[Sample], version: int, max_age: int) -> dict[str, floa
     share at each age 0..max_age (partial/age_k), and the share of samples that carry any."""
     ages = [version - v for s in trained for v in (s.versions or [])]
     n = max(len(ages), 1)
-    hist = torch.bincount(torch.tensor(ages, dtype=torch.long), minlength=max_age + 1) if ages else \
-        torch.zeros(max_age + 1, dtype=torch.long)
-    out = {"partial/stale_token_frac": float(sum(a > 0 for a in ages)) / n,
-           "partial/stale_sample_frac": sum(any(version - v > 0 for v in (s.versions or [])) for s in trained)
-           / max(len(trained), 1)}
+    hist = (
+        torch.bincount(torch.tensor(ages, dtype=torch.long), minlength=max_age + 1)
+        if ages
+        else torch.zeros(max_age + 1, dtype=torch.long)
+    )
+    out = {
+        "partial/stale_token_frac": float(sum(a > 0 for a in ages)) / n,
+        "partial/stale_sample_frac": sum(any(version - v > 0 for v in (s.versions or [])) for s in trained)
+        / max(len(trained), 1),
+    }
     out.update({f"partial/age_{k}": float(hist[k]) / n for k in range(len(hist))})
     return out
 
@@ -137,13 +144,15 @@ def stale_mask(trained: list[Sample], version: int, loss_mask: torch.Tensor) -> 
     """[B, T] bool like `loss_mask`: the loss tokens an older policy sampled (single-turn samples:
     their loss tokens are their completion tokens, in order)."""
     out = torch.zeros_like(loss_mask)
-    out[loss_mask] = torch.tensor([v < version for s in trained for v in (s.versions or [version] * len(s.token_ids))],
-                                  dtype=torch.bool)
+    out[loss_mask] = torch.tensor(
+        [v < version for s in trained for v in (s.versions or [version] * len(s.token_ids))], dtype=torch.bool
+    )
     return out
 
 
-def is_metrics(logp_old: torch.Tensor | None, logp_behaviour: torch.Tensor, loss_mask: torch.Tensor,
-               stale: torch.Tensor) -> dict[str, float]:
+def is_metrics(
+    logp_old: torch.Tensor | None, logp_behaviour: torch.Tensor, loss_mask: torch.Tensor, stale: torch.Tensor
+) -> dict[str, float]:
     """The token importance weights pi_old / pi_behaviour (before truncation or masking) on stale and
     on fresh tokens: mean, std, min, max. A stale token's weight carries its policy's drift since it
     was sampled; a fresh token's only the engines' mismatch (~1)."""
@@ -164,28 +173,55 @@ def weight_metrics(w: torch.Tensor, stale: torch.Tensor) -> dict[str, float]:
     for name, sel in (("stale", stale), ("fresh", ~stale)):
         x = w[sel]
         if x.numel():
-            out.update({f"partial/is_{name}_mean": float(x.mean()),
-                        f"partial/is_{name}_std": float(x.std(unbiased=False)),
-                        f"partial/is_{name}_min": float(x.min()), f"partial/is_{name}_max": float(x.max())})
+            out.update(
+                {
+                    f"partial/is_{name}_mean": float(x.mean()),
+                    f"partial/is_{name}_std": float(x.std(unbiased=False)),
+                    f"partial/is_{name}_min": float(x.min()),
+                    f"partial/is_{name}_max": float(x.max()),
+                }
+            )
     return out
 
 
 @dataclass
 class Buffer:
     """This rank's groups in flight between steps, and what the last step did with them."""
+
     groups: list[Group] = field(default_factory=list)
     counts: dict[str, float] = field(default_factory=dict)
 
     def state(self) -> list[dict]:
         """Plain lists and numbers, for the rank's checkpoint file."""
-        return [{"index": g.index, "born": g.born, "done": list(g.done),
-                 "samples": [None if s is None else {"token_ids": list(s.token_ids), "logprobs": list(s.logprobs),
-                                                     "versions": list(s.versions or []), "finished": s.finished}
-                             for s in g.samples]} for g in self.groups]
+        return [
+            {
+                "index": g.index,
+                "born": g.born,
+                "done": list(g.done),
+                "samples": [
+                    None
+                    if s is None
+                    else {
+                        "token_ids": list(s.token_ids),
+                        "logprobs": list(s.logprobs),
+                        "versions": list(s.versions or []),
+                        "finished": s.finished,
+                    }
+                    for s in g.samples
+                ],
+            }
+            for g in self.groups
+        ]
 
     def load(self, state: list[dict] | None) -> None:
         def sample(j: int, s: dict | None) -> Sample | None:
-            return None if s is None else Sample(0, s["token_ids"], s["logprobs"], s["finished"], j,
-                                                 versions=s["versions"])
-        self.groups = [Group(d["index"], [sample(j, s) for j, s in enumerate(d["samples"])], list(d["done"]), d["born"])
-                       for d in state or []]
+            return (
+                None
+                if s is None
+                else Sample(0, s["token_ids"], s["logprobs"], s["finished"], j, versions=s["versions"])
+            )
+
+        self.groups = [
+            Group(d["index"], [sample(j, s) for j, s in enumerate(d["samples"])], list(d["done"]), d["born"])
+            for d in state or []
+        ]

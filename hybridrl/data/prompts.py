@@ -65,8 +65,14 @@ def _text(p: Path) -> str:
 def _bad_utf8(text: str) -> str:
     """'' or the problem of a row's text that holds bytes that are not UTF-8."""
     m = re.search("[\udc80-\udcff]", text)
-    return "" if m is None else (f"not valid UTF-8 (byte 0x{ord(m.group()) - 0xdc00:02x} at character "
-                                 f"{m.start() + 1}); save the file as UTF-8")
+    return (
+        ""
+        if m is None
+        else (
+            f"not valid UTF-8 (byte 0x{ord(m.group()) - 0xDC00:02x} at character "
+            f"{m.start() + 1}); save the file as UTF-8"
+        )
+    )
 
 
 def _jsonl(p: Path) -> list[Row]:
@@ -103,6 +109,7 @@ def _json(p: Path) -> list[Row]:
 
 def _parquet(p: Path) -> list[Row]:
     import pyarrow.parquet as pq  # pyarrow, not pandas: an int column with a null stays int
+
     try:
         table = pq.read_table(p)
     except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for unreadable files
@@ -162,14 +169,17 @@ def read_rows(path: str, split: str = "train") -> list[Row]:
         return _saved_dataset(p, split)
     reader = READERS.get(p.suffix.lower())
     if reader is None:
-        raise DataError(f"{path}: unknown format {p.suffix!r}; use .jsonl, .json, .parquet, .csv "
-                        "or a directory written by datasets' save_to_disk")
+        raise DataError(
+            f"{path}: unknown format {p.suffix!r}; use .jsonl, .json, .parquet, .csv "
+            "or a directory written by datasets' save_to_disk"
+        )
     return reader(p)
 
 
 def load_rows(cfg: DataConfig, split: str) -> list[Row]:
     """split is 'train' or 'heldout'."""
     from hybridrl.data import tasks
+
     if cfg.path in tasks.BUILT_IN and not (split == "heldout" and cfg.heldout_path):
         return [Row(f"{cfg.path} {split} row {i}", r) for i, r in enumerate(tasks.task(cfg.path).load(split))]
     path = cfg.path if split == "train" else cfg.heldout_path
@@ -188,10 +198,13 @@ def _turns(row: dict, cfg: DataConfig) -> list[dict] | None:
 
 
 def _chat_problem(turns: list, cfg: DataConfig) -> str:
-    if not turns or not all(isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str)
-                            for t in turns):
-        return (f"'{cfg.messages_key}' must be a list of {{\"role\": ..., \"content\": \"...\"}} turns with at least "
-                "one before the assistant's")
+    if not turns or not all(
+        isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str) for t in turns
+    ):
+        return (
+            f'\'{cfg.messages_key}\' must be a list of {{"role": ..., "content": "..."}} turns with at least '
+            "one before the assistant's"
+        )
     if not any(t["role"] == "user" and t["content"] for t in turns):
         return f"'{cfg.messages_key}' has no non-empty user turn"
     return ""
@@ -200,6 +213,7 @@ def _chat_problem(turns: list, cfg: DataConfig) -> str:
 def _code_tests(row: dict) -> tuple[dict | None, str]:
     """The row's code tests (code_tests.spec_of) and what is wrong with them ('' if nothing)."""
     from hybridrl.data import code_tests
+
     try:
         return code_tests.spec_of(row), ""
     except ValueError as e:
@@ -219,11 +233,14 @@ def _problem(row: Any, cfg: DataConfig) -> str:
     if turns is not None:
         if cfg.answer_key and cfg.answer_key not in row:
             return f"no '{cfg.answer_key}' field (has {sorted(map(str, row))}); set data.answer_key"
-        return _chat_problem(turns, cfg) or (f"'{cfg.answer_key}' is null" if cfg.answer_key and
-                                             row[cfg.answer_key] is None else "")
+        return _chat_problem(turns, cfg) or (
+            f"'{cfg.answer_key}' is null" if cfg.answer_key and row[cfg.answer_key] is None else ""
+        )
     if cfg.prompt_key not in row:
-        return (f"no '{cfg.prompt_key}' field (has {sorted(map(str, row))}); set data.prompt_key (or give chat turns "
-                f"in '{cfg.messages_key}': data.messages_key)")
+        return (
+            f"no '{cfg.prompt_key}' field (has {sorted(map(str, row))}); set data.prompt_key (or give chat turns "
+            f"in '{cfg.messages_key}': data.messages_key)"
+        )
     for key, knob in ((cfg.prompt_key, "prompt_key"), (cfg.answer_key, "answer_key")):
         if key and key not in row:
             return f"no '{key}' field (has {sorted(map(str, row))}); set data.{knob}"
@@ -253,8 +270,9 @@ def template_markers(tokenizer) -> list[str]:
     '<|start_header_id|>', ...): a prompt carrying one was rendered with a template already."""
     if not getattr(tokenizer, "chat_template", None):
         return []
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "\x00"}], add_generation_prompt=True,
-                                         tokenize=False)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "\x00"}], add_generation_prompt=True, tokenize=False
+    )
     special = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())
     return sorted(t for t in special if len(t) > 1 and t in text)
 
@@ -266,19 +284,26 @@ def rendered_prompts(rows: list[Row], tokenizer, cfg: DataConfig, source: str) -
     markers = template_markers(tokenizer)
     if not markers:
         return False
-    plain = [r.value[cfg.prompt_key] for r in rows if not r.problem and isinstance(r.value, dict)
-             and isinstance(r.value.get(cfg.prompt_key), str)]
+    plain = [
+        r.value[cfg.prompt_key]
+        for r in rows
+        if not r.problem and isinstance(r.value, dict) and isinstance(r.value.get(cfg.prompt_key), str)
+    ]
     carry = sum(any(m in text for m in markers) for text in plain)
     if not carry:
         return False
     if carry < len(plain):
-        raise DataError(f"{source}: {carry} of {len(plain)} prompts already carry the chat template's markers "
-                        f"({', '.join(markers)}) and the others do not: render all of them or none (plain prompts are "
-                        "wrapped under data.chat_template=auto)")
+        raise DataError(
+            f"{source}: {carry} of {len(plain)} prompts already carry the chat template's markers "
+            f"({', '.join(markers)}) and the others do not: render all of them or none (plain prompts are "
+            "wrapped under data.chat_template=auto)"
+        )
     if cfg.chat_template == "on":
-        raise ConfigError(f"{source}: the prompts already carry the chat template's markers ({', '.join(markers)}) and "
-                          "data.chat_template=on would wrap them again; set data.chat_template=auto (use them as "
-                          "given) or give plain prompts")
+        raise ConfigError(
+            f"{source}: the prompts already carry the chat template's markers ({', '.join(markers)}) and "
+            "data.chat_template=on would wrap them again; set data.chat_template=auto (use them as "
+            "given) or give plain prompts"
+        )
     return True
 
 
@@ -288,8 +313,12 @@ def template_choice(rows: list[Row], tokenizer, cfg: DataConfig) -> dict[str, tu
     if cfg.chat_template != "auto" or not getattr(tokenizer, "chat_template", None):
         return {}
     if rendered_prompts(rows, tokenizer, cfg, cfg.path):
-        return {"data.chat_template": ("as given", "auto, the prompts carry the chat template's "
-                                       + " ".join(template_markers(tokenizer)))}
+        return {
+            "data.chat_template": (
+                "as given",
+                "auto, the prompts carry the chat template's " + " ".join(template_markers(tokenizer)),
+            )
+        }
     return {"data.chat_template": ("on", "auto, the tokenizer has a chat template")}
 
 
@@ -313,14 +342,17 @@ def encode(rows: list[Row], tokenizer, cfg: DataConfig, source: str) -> tuple[li
         turns = _turns(row.value, cfg)
         if turns is not None:  # chat format: always through the template
             if not has_template:
-                raise DataError(f"{row.where}: chat-format rows ('{cfg.messages_key}') need a tokenizer with a chat "
-                                "template; set tokenizer.chat_template or give plain prompts")
+                raise DataError(
+                    f"{row.where}: chat-format rows ('{cfg.messages_key}') need a tokenizer with a chat "
+                    "template; set tokenizer.chat_template or give plain prompts"
+                )
             text = [t["content"] for t in turns if t["role"] == "user"][-1]
             ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=False)
         elif use_template and not as_given:
             text = row.value[cfg.prompt_key]
-            ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                tokenize=True, return_dict=False)
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
         else:  # a rendered prompt brings its own special tokens (a second BOS would not be the template's)
             text = row.value[cfg.prompt_key]
             ids = (tokenizer(text, add_special_tokens=False) if as_given else tokenizer(text))["input_ids"]
@@ -329,11 +361,21 @@ def encode(rows: list[Row], tokenizer, cfg: DataConfig, source: str) -> tuple[li
             continue
         out.append(Prompt(text, list(ids), _row_answer(row.value, cfg)))
     if malformed:
-        log.warning("%s: skipped %d of %d malformed rows (data.on_error=skip); the first: %s",
-                    source, malformed, len(rows), first)
+        log.warning(
+            "%s: skipped %d of %d malformed rows (data.on_error=skip); the first: %s",
+            source,
+            malformed,
+            len(rows),
+            first,
+        )
     if too_long:
-        log.warning("%s: dropped %d of %d prompts longer than data.max_prompt_len=%d tokens",
-                    source, too_long, len(rows), cfg.max_prompt_len)
+        log.warning(
+            "%s: dropped %d of %d prompts longer than data.max_prompt_len=%d tokens",
+            source,
+            too_long,
+            len(rows),
+            cfg.max_prompt_len,
+        )
     return out, {"too_long": too_long, "malformed": malformed}
 
 
@@ -349,6 +391,7 @@ class Sampler:
     def _order(self, epoch: int) -> list[int]:
         if epoch != self._epoch:
             import random
+
             self._cached = list(range(self.n))
             random.Random(self.seed * 100_003 + epoch).shuffle(self._cached)
             self._epoch = epoch

@@ -76,8 +76,10 @@ def parse_spec(spec: str) -> list[tuple[str, float]]:
         except ValueError:  # 'mymod:score': the last part is a function name, not a weight
             name, weight = text, 1.0
         if not name or (name not in BUILTIN and ":" not in name) or name == "rm:":
-            raise ConfigError(f"reward.fn={spec!r}: term {text!r} is neither a built-in ({', '.join(BUILTIN)}) "
-                              f"nor module:function nor rm:PATH; terms look like 'math_verify:1.0,format:0.1'")
+            raise ConfigError(
+                f"reward.fn={spec!r}: term {text!r} is neither a built-in ({', '.join(BUILTIN)}) "
+                f"nor module:function nor rm:PATH; terms look like 'math_verify:1.0,format:0.1'"
+            )
         terms.append((name, weight))
     return terms
 
@@ -103,8 +105,9 @@ def model_terms(spec: str) -> list[tuple[str, float]]:
     return [(name[3:], weight) for name, weight in parse_spec(spec) if name.startswith("rm:")]
 
 
-def load_terms(spec: str, format_pattern: str = verifiers.DEFAULT_FORMAT, code_all_or_nothing: bool = False
-               ) -> list[Term]:
+def load_terms(
+    spec: str, format_pattern: str = verifiers.DEFAULT_FORMAT, code_all_or_nothing: bool = False
+) -> list[Term]:
     """The rule-based terms (built-ins and functions) of a spec; rm: terms are the collector's."""
     terms = []
     for name, weight in parse_spec(spec):
@@ -116,9 +119,15 @@ def load_terms(spec: str, format_pattern: str = verifiers.DEFAULT_FORMAT, code_a
             fn = _CodeTests(code_all_or_nothing)
         else:
             fn = BUILTIN.get(name) or _import(name, spec)
-        terms.append(Term(name, weight, fn, bool(getattr(fn, "batched", False)),
-                          inspect.iscoroutinefunction(fn)
-                          or inspect.iscoroutinefunction(getattr(fn, "__call__", None))))
+        terms.append(
+            Term(
+                name,
+                weight,
+                fn,
+                bool(getattr(fn, "batched", False)),
+                inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)),
+            )
+        )
     return terms
 
 
@@ -138,8 +147,9 @@ class _CodeTests:
         return verifiers.code_tests(prompt, completion, answer, all_or_nothing=self.all_or_nothing)
 
 
-def evaluate(terms: list[Term], prompt: str, completions: list[str], answer: str,
-             timeout_s: float | None = None) -> list[list[float]]:
+def evaluate(
+    terms: list[Term], prompt: str, completions: list[str], answer: str, timeout_s: float | None = None
+) -> list[list[float]]:
     """Each term's value for each completion of one prompt: [len(completions)][len(terms)].
     Raises whatever a term raises (or asyncio.TimeoutError for an async term past timeout_s)."""
     k = len(completions)
@@ -182,6 +192,7 @@ def _run_async(coro, timeout_s: float | None):
         return asyncio.run(main)
     # called under a running loop (a Jupyter kernel): asyncio.run refuses, so use a thread of its own
     from concurrent.futures import ThreadPoolExecutor
+
     with ThreadPoolExecutor(1) as pool:
         return pool.submit(asyncio.run, main).result()
 
@@ -213,6 +224,7 @@ _VERB = {"error": "raised", "timeout": "timed out", "crash": "killed its worker"
 @dataclass
 class _Worker:
     """One reward worker process, its pipe and the task it runs."""
+
     proc: Any
     conn: Any
     ready: bool = False
@@ -233,6 +245,7 @@ def sandbox_workers(cores: int | None = None, ranks: int | None = None) -> int:
     """Workers for sandboxed rewards on each rank: the node's cores less two a rank (its vLLM engine's
     loop and the trainer's), shared by the node's ranks; at least 2, at most 32."""
     from hybridrl.core import memory
+
     cores = cores or len(os.sched_getaffinity(0))
     ranks = ranks or memory.local_ranks()
     return max(2, min(32, (cores - 2 * ranks) // ranks))
@@ -259,9 +272,13 @@ class Scorer:
         self.batched = any(t.batched for t in self.terms)
         w = self.cfg.workers
         if w < 0:  # auto
-            w = 0 if all(t.name in verifiers.FAST for t in self.terms) else \
-                sandbox_workers() if any(t.name in verifiers.SANDBOXED for t in self.terms) else \
-                min(4, os.cpu_count() or 1)
+            w = (
+                0
+                if all(t.name in verifiers.FAST for t in self.terms)
+                else sandbox_workers()
+                if any(t.name in verifiers.SANDBOXED for t in self.terms)
+                else min(4, os.cpu_count() or 1)
+            )
         self.workers = w
         self.pending: list[_Task] = []
         self.running: dict[Any, _Task] = {}
@@ -293,8 +310,9 @@ class Scorer:
         out, self.results = self.results, {}
         return out
 
-    def score(self, prompts: list[str], completions: list[str], answers: list[str],
-              meta: dict | None = None) -> list[float]:
+    def score(
+        self, prompts: list[str], completions: list[str], answers: list[str], meta: dict | None = None
+    ) -> list[float]:
         """One reward per (prompt, completion, answer), blocking: the held-out evaluation's path."""
         for i, (p, c, a) in enumerate(zip(prompts, completions, answers)):
             self.submit(("score", i), p, [c], a, {**(meta or {}), "index": i})
@@ -341,23 +359,41 @@ class Scorer:
     def _failed(self, task: _Task, kind: str, error: str, detail: str = "") -> None:
         """Score the task 0, count it, write it to the dead-letter file; or raise (on_error=raise)."""
         if self.cfg.on_error == "raise":
-            raise RewardError(f"reward function {_VERB[kind]} on prompt {task.prompt[:80]!r} (reward.on_error=raise): "
-                              f"{error}\n{detail}")
+            raise RewardError(
+                f"reward function {_VERB[kind]} on prompt {task.prompt[:80]!r} (reward.on_error=raise): "
+                f"{error}\n{detail}"
+            )
         n = len(task.completions)
         if kind == "timeout":
             self.timeouts += n
         else:
             self.errors += n
         if self.errors + self.timeouts == n:  # the first failure this step: say so once
-            log.warning("reward function %s on prompt %r: %s; scoring 0 (see reward_dead_letter.jsonl)",
-                        _VERB[kind], task.prompt[:80], error)
+            log.warning(
+                "reward function %s on prompt %r: %s; scoring 0 (see reward_dead_letter.jsonl)",
+                _VERB[kind],
+                task.prompt[:80],
+                error,
+            )
         self.results[task.key] = [0.0] * n
         if self.run_dir is not None:
             if self._dead_letter is None:  # a full disk or the cap: counted, the run goes on (journal.py)
                 self._dead_letter = Journal(Path(self.run_dir) / "reward_dead_letter.jsonl", DEAD_LETTER_CAP)
-            self._dead_letter.write(*({"step": self.step, "rank": self.rank, **task.meta, "kind": kind,
-                                       "error": error, "prompt": task.prompt, "completion": c,
-                                       "answer": task.answer} for c in task.completions))
+            self._dead_letter.write(
+                *(
+                    {
+                        "step": self.step,
+                        "rank": self.rank,
+                        **task.meta,
+                        "kind": kind,
+                        "error": error,
+                        "prompt": task.prompt,
+                        "completion": c,
+                        "answer": task.answer,
+                    }
+                    for c in task.completions
+                )
+            )
 
     def _run_here(self, task: _Task) -> None:
         try:
@@ -373,8 +409,12 @@ class Scorer:
     # --- the pool -----------------------------------------------------------------------------
     def _start(self) -> _Worker:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker, daemon=True, name="hybridrl-reward",
-                                 args=(child, self.cfg.fn, self.cfg.format_pattern, self.cfg.code_all_or_nothing))
+        proc = self._ctx.Process(
+            target=_worker,
+            daemon=True,
+            name="hybridrl-reward",
+            args=(child, self.cfg.fn, self.cfg.format_pattern, self.cfg.code_all_or_nothing),
+        )
         proc.start()
         child.close()
         return _Worker(proc, parent)
@@ -406,8 +446,11 @@ class Scorer:
             if s.key is not None and now > s.deadline:
                 task = self.running.pop(s.key)
                 self._replace(i)
-                self._failed(task, "timeout", f"no result within reward.timeout_s={self.cfg.timeout_s}; "
-                                              f"its worker was killed and replaced")
+                self._failed(
+                    task,
+                    "timeout",
+                    f"no result within reward.timeout_s={self.cfg.timeout_s}; its worker was killed and replaced",
+                )
         self._dispatch()
 
     def _dispatch(self) -> None:
@@ -435,9 +478,11 @@ class Scorer:
         s.proc.join(timeout=5)
         code = s.proc.exitcode
         if not s.ready:  # it died loading the reward module: that will not get better by retrying
-            raise RewardError(f"a reward worker died while loading reward.fn={self.cfg.fn!r} (exit code {code}; its "
-                              f"error is above). A script that calls hybridrl.train() needs an "
-                              f"`if __name__ == '__main__':` guard: workers are spawned and import it")
+            raise RewardError(
+                f"a reward worker died while loading reward.fn={self.cfg.fn!r} (exit code {code}; its "
+                f"error is above). A script that calls hybridrl.train() needs an "
+                f"`if __name__ == '__main__':` guard: workers are spawned and import it"
+            )
         task = self.running.pop(s.key) if s.key is not None else None
         self._replace(i)
         if task is not None:

@@ -27,6 +27,7 @@ def exact_match(prompt: str, completion: str, answer: str) -> float:
 
 def arithmetic(prompt: str, completion: str, answer: str) -> float:
     from hybridrl.data.tasks import arithmetic as task
+
     return task.reward(prompt, completion, answer)
 
 
@@ -42,7 +43,7 @@ def last_boxed(text: str) -> str | None:
     for j in range(i, len(text)):
         depth += {"{": 1, "}": -1}.get(text[j], 0)
         if depth == 0:
-            return text[i + 1: j]
+            return text[i + 1 : j]
     return None  # unbalanced: the completion was cut off
 
 
@@ -72,6 +73,7 @@ def extract_answer(text: str) -> str | None:
 def _math_parse(text: str):
     """math-verify's parse of one answer string, tried as LaTeX math, then bare."""
     from math_verify import parse
+
     for candidate in (f"${text}$", text):  # as LaTeX first: bare, "x^2+2x+1" parses as its last number
         parsed = parse(candidate)
         if parsed:
@@ -86,6 +88,7 @@ def math_verify(prompt: str, completion: str, answer: str) -> float:
     scorer both call from a main thread. The reference may be a full GSM8K solution ('#### 72').
     """
     from math_verify import verify
+
     gold_text = str(answer)
     if "####" in gold_text or "\\boxed" in gold_text:
         gold_text = extract_answer(gold_text) or gold_text
@@ -105,11 +108,17 @@ def format_check(prompt: str, completion: str, answer: str, *, pattern: str = DE
 
 def code_tests(prompt: str, completion: str, answer: str, *, all_or_nothing: bool = False) -> float:
     from hybridrl.data import code_tests as task
+
     return task.code_tests(prompt, completion, answer, all_or_nothing=all_or_nothing)
 
 
-BUILTIN = {"arithmetic": arithmetic, "exact_match": exact_match, "math_verify": math_verify, "format": format_check,
-           "code_tests": code_tests}
+BUILTIN = {
+    "arithmetic": arithmetic,
+    "exact_match": exact_match,
+    "math_verify": math_verify,
+    "format": format_check,
+    "code_tests": code_tests,
+}
 # microseconds per call and cannot hang: worth no worker process (see rewards.Scorer)
 FAST = {"arithmetic", "exact_match", "format"}
 SANDBOXED = {"code_tests"}  # a sandboxed program per sample: rewards.sandbox_workers sizes their pool

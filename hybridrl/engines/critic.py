@@ -33,8 +33,16 @@ from hybridrl.core.launch import all_sum, world_size
 from hybridrl.core.models import enable_checkpointing
 from hybridrl.data.batch import Batch, per_token
 from hybridrl.engines import deepspeed_compat
-from hybridrl.engines.zero_engine import (autocast, ds_config, from_pretrained, load_engine_checkpoint, lr_scheduler,
-                                          minibatch_updates, plan_micro_batches, precision)
+from hybridrl.engines.zero_engine import (
+    autocast,
+    ds_config,
+    from_pretrained,
+    load_engine_checkpoint,
+    lr_scheduler,
+    minibatch_updates,
+    plan_micro_batches,
+    precision,
+)
 
 TAG = "critic"  # its DeepSpeed checkpoint's directory inside a hybridrl checkpoint
 # where a one-output head sits in a saved model: transformers' sequence/token classification models
@@ -59,15 +67,22 @@ class _ValueModel(nn.Module):
 
 
 class Critic:
-    def __init__(self, cfg: Config, model_path: str, *, device: torch.device, dtype: torch.dtype,
-                 attn_implementation: str):
+    def __init__(
+        self, cfg: Config, model_path: str, *, device: torch.device, dtype: torch.dtype, attn_implementation: str
+    ):
         from transformers import AutoModel
 
         self.cfg, self.device, self.platform = cfg, device, platform.current()
         dtype, autocast = precision(cfg, dtype)
         conf = ds_config(cfg, dtype == torch.bfloat16, self.platform, lr=cfg.algo.critic_lr)
-        base = from_pretrained(AutoModel, cfg.algo.critic_path or model_path, conf, dtype=dtype,
-                               attn_implementation=attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
+        base = from_pretrained(
+            AutoModel,
+            cfg.algo.critic_path or model_path,
+            conf,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
         if cfg.model.gradient_checkpointing:
             enable_checkpointing(base)
         model = _ValueModel(base, autocast)  # under ZeRO-3 the new head is partitioned by deepspeed.initialize
@@ -80,8 +95,9 @@ class Critic:
                     print(f"critic: value head from the trained head in {cfg.algo.critic_path}")
         if cfg.train.zero_stage == 3:
             deepspeed_compat.moe_leaf_modules(base)  # as the trainer: ranks routing differently gather alike
-        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=conf,
-                                               lr_scheduler=lr_scheduler(cfg))
+        self.engine, *_ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=conf, lr_scheduler=lr_scheduler(cfg)
+        )
         if self.platform.one_pass_zero_step:
             deepspeed_compat.fuse_overflow_check(self.engine.optimizer, world_size())
         self.offload()
@@ -102,11 +118,13 @@ class Critic:
         """epochs x minibatches updates on the clipped value loss against batch.returns, from the
         old values batch.values; then the states leave the device. Returns mean metrics."""
         sums, grad_norms = {}, []
-        for m, norm, scale in minibatch_updates(self.engine, batch, self.cfg.train, self._plan, _token_count,
-                                                self.device, grad_norms, self.platform):
+        for m, norm, scale in minibatch_updates(
+            self.engine, batch, self.cfg.train, self._plan, _token_count, self.device, grad_norms, self.platform
+        ):
             sel = m.loss_mask
-            loss, metrics = advantages.value_loss(self._forward(m), m.values[sel], m.returns[sel],
-                                            clip=self.cfg.algo.value_clip, normalizer=norm)
+            loss, metrics = advantages.value_loss(
+                self._forward(m), m.values[sel], m.returns[sel], clip=self.cfg.algo.value_clip, normalizer=norm
+            )
             self.engine.backward(loss * scale, scale_wrt_gas=False)
             if not scale:  # a dummy micro-batch
                 continue
@@ -137,8 +155,10 @@ class Critic:
 
     def load_checkpoint(self, path: str) -> None:
         if not (Path(path) / TAG).is_dir():
-            raise UserError(f"{path} holds no critic (it was saved without algo.advantage=gae); resume it with "
-                            "the run's own algo.advantage, or start a new run")
+            raise UserError(
+                f"{path} holds no critic (it was saved without algo.advantage=gae); resume it with "
+                "the run's own algo.advantage, or start a new run"
+            )
         self.reload()
         load_engine_checkpoint(self.engine, path, TAG)
         self.offload()
@@ -168,8 +188,10 @@ def _files(path: str, name: str) -> Path | None:
         f = Path(path).expanduser() / name
         return f if f.exists() else None
     from transformers.utils import cached_file
-    found = cached_file(path, name, _raise_exceptions_for_missing_entries=False,
-                        _raise_exceptions_for_connection_errors=False)
+
+    found = cached_file(
+        path, name, _raise_exceptions_for_missing_entries=False, _raise_exceptions_for_connection_errors=False
+    )
     return Path(found) if found else None
 
 
@@ -194,15 +216,19 @@ def trained_head(path: str, hidden_size: int, architectures: Sequence[str] = ())
     name = next((n for n in HEAD_NAMES if f"{n}.weight" in where), None)
     if name is None:
         if any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in architectures):
-            raise ConfigError(f"algo.critic_path={path}: a {architectures[0]} whose head could not be read (no "
-                              f"{' / '.join(n + '.weight' for n in HEAD_NAMES)} in model.safetensors); save it with "
-                              "save_pretrained(safe_serialization=True)")
+            raise ConfigError(
+                f"algo.critic_path={path}: a {architectures[0]} whose head could not be read (no "
+                f"{' / '.join(n + '.weight' for n in HEAD_NAMES)} in model.safetensors); save it with "
+                "save_pretrained(safe_serialization=True)"
+            )
         return None
     with safe_open(str(where[f"{name}.weight"]), "pt") as f:
         weight = f.get_tensor(f"{name}.weight")
     if tuple(weight.shape) != (1, hidden_size):
-        raise ConfigError(f"algo.critic_path={path}: its head {name}.weight has shape {tuple(weight.shape)}; a value "
-                          f"head has one output over the {hidden_size} hidden features (num_labels=1)")
+        raise ConfigError(
+            f"algo.critic_path={path}: its head {name}.weight has shape {tuple(weight.shape)}; a value "
+            f"head has one output over the {hidden_size} hidden features (num_labels=1)"
+        )
     bias = torch.zeros(1, dtype=weight.dtype)
     if f"{name}.bias" in where:
         with safe_open(str(where[f"{name}.bias"]), "pt") as f:
@@ -216,8 +242,11 @@ def _check_vocabulary(path: str, base: nn.Module, model_path: str, trust_remote_
     from transformers import AutoConfig
 
     from hybridrl.core.memory import vocab_size
+
     policy = vocab_size(AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code))
     rows = base.get_input_embeddings().num_embeddings
     if rows < policy:
-        raise ConfigError(f"algo.critic_path={path} embeds {rows} tokens, the policy's vocabulary has {policy}: the "
-                          "critic reads the policy's tokens, so give a model with the policy's tokenizer")
+        raise ConfigError(
+            f"algo.critic_path={path} embeds {rows} tokens, the policy's vocabulary has {policy}: the "
+            "critic reads the policy's tokens, so give a model with the policy's tokenizer"
+        )

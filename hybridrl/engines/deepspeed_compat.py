@@ -64,7 +64,7 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
             if c.dtype != torch.float32:
                 if buf is None or buf.numel() < c.numel():
                     buf = torch.empty(max(c.numel(), min(CHUNK, flat.numel())), dtype=torch.float32, device=device)
-                c = buf[:c.numel()].copy_(c)
+                c = buf[: c.numel()].copy_(c)
             total += torch.dot(c, c).double()
     return total.sqrt()
 
@@ -72,21 +72,29 @@ def grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 def fuse_overflow_check(optimizer, world_size: int) -> bool:
     """Fuse the overflow check into the norm on `optimizer` (engine.optimizer) where it applies;
     True if it did."""
-    applies = (type(optimizer).__name__ == "DeepSpeedZeroOptimizer" and world_size == 1
-               and getattr(optimizer, "dtype", None) in (torch.float32, torch.bfloat16)
-               and not getattr(optimizer, "cpu_offload", True) and not getattr(optimizer, "has_moe_layers", True)
-               and getattr(optimizer, "partition_gradients", None) is not None
-               and float(getattr(optimizer, "loss_scale", 1.0)) == 1.0
-               and callable(getattr(optimizer, "check_overflow", None))
-               and callable(getattr(optimizer, "scaled_global_norm", None))
-               and hasattr(optimizer, "averaged_gradients"))
+    applies = (
+        type(optimizer).__name__ == "DeepSpeedZeroOptimizer"
+        and world_size == 1
+        and getattr(optimizer, "dtype", None) in (torch.float32, torch.bfloat16)
+        and not getattr(optimizer, "cpu_offload", True)
+        and not getattr(optimizer, "has_moe_layers", True)
+        and getattr(optimizer, "partition_gradients", None) is not None
+        and float(getattr(optimizer, "loss_scale", 1.0)) == 1.0
+        and callable(getattr(optimizer, "check_overflow", None))
+        and callable(getattr(optimizer, "scaled_global_norm", None))
+        and hasattr(optimizer, "averaged_gradients")
+    )
     if not applies:
         return False
     kept: list[torch.Tensor] = []
 
     def norm() -> torch.Tensor:
-        grads = [g for i in sorted(optimizer.averaged_gradients) for g in (optimizer.averaged_gradients[i] or [])
-                 if g is not None]
+        grads = [
+            g
+            for i in sorted(optimizer.averaged_gradients)
+            for g in (optimizer.averaged_gradients[i] or [])
+            if g is not None
+        ]
         return grad_norm(grads).float()
 
     def check_overflow(partition_gradients=True):
@@ -118,8 +126,19 @@ def fresh_cpu_adam_powers(engine) -> None:
         return  # CUDA's FusedAdam has the same attribute, but its kernel takes beta^t from the step each call
     group = opt.param_groups[0]
     dummy = [[torch.zeros(1)] for _ in range(4)]  # grad, param, exp_avg, exp_avg_sq
-    opt.multi_tensor_adam(1, opt._dummy_overflow_buf, dummy, group["lr"], -1.0, -1.0, group["eps"], 1,
-                          opt.adam_w_mode, 1, group["weight_decay"])  # betas -1: never a real run's; 1: chunk, unused
+    opt.multi_tensor_adam(
+        1,
+        opt._dummy_overflow_buf,
+        dummy,
+        group["lr"],
+        -1.0,
+        -1.0,
+        group["eps"],
+        1,
+        opt.adam_w_mode,
+        1,
+        group["weight_decay"],
+    )  # betas -1: never a real run's; 1: chunk, unused
 
 
 def optimizer_states_exist(engine) -> bool:
@@ -140,8 +159,7 @@ def offload_states(engine, include: list[str] | None = None) -> None:
 
     states = None if include is None else [OffloadStateTypeEnum(s) for s in include]
     pinned = get_accelerator().device_name() == "cuda"  # the engine's device: pinned host pages copy faster
-    engine.offload_states(include=states, device=OffloadDeviceEnum.cpu, pin_memory=pinned,
-                          non_blocking=False)
+    engine.offload_states(include=states, device=OffloadDeviceEnum.cpu, pin_memory=pinned, non_blocking=False)
 
 
 def reload_states(engine) -> None:
@@ -178,8 +196,14 @@ def moe_leaf_modules(model: torch.nn.Module) -> list[str]:
     and an `experts` child (transformers' *SparseMoeBlock); returns the block classes' names."""
     from deepspeed.utils import set_z3_leaf_modules
 
-    kinds = sorted({type(m) for m in model.modules() if hasattr(m, "gate") and hasattr(m, "experts")
-                    and isinstance(getattr(m, "experts"), torch.nn.Module)}, key=lambda k: k.__name__)
+    kinds = sorted(
+        {
+            type(m)
+            for m in model.modules()
+            if hasattr(m, "gate") and hasattr(m, "experts") and isinstance(getattr(m, "experts"), torch.nn.Module)
+        },
+        key=lambda k: k.__name__,
+    )
     if kinds:
         set_z3_leaf_modules(model, kinds)
     return [k.__name__ for k in kinds]

@@ -63,9 +63,11 @@ def on_device(handle, index: int):
     except (TypeError, ValueError):
         names = []
     if fn is not reductions.rebuild_cuda_tensor or "storage_device" not in names or len(args) != len(names):
-        raise RuntimeError(f"torch {torch.__version__}: reduce_tensor's CUDA handle is not rebuild_cuda_tensor(..., "
-                           f"storage_device, ...) as hybridrl's out-of-process hand-off expects (got "
-                           f"{getattr(fn, '__name__', fn)}{tuple(names)}); use rollout.mode=inprocess with this torch")
+        raise RuntimeError(
+            f"torch {torch.__version__}: reduce_tensor's CUDA handle is not rebuild_cuda_tensor(..., "
+            f"storage_device, ...) as hybridrl's out-of-process hand-off expects (got "
+            f"{getattr(fn, '__name__', fn)}{tuple(names)}); use rollout.mode=inprocess with this torch"
+        )
     args = list(args)
     args[names.index("storage_device")] = index
     return fn, tuple(args)
@@ -74,6 +76,7 @@ def on_device(handle, index: int):
 @dataclass(eq=False)  # identity: buckets are compared with `in`
 class _Bucket:
     """One staging buffer of the hand-off and what has been packed into it."""
+
     buf: torch.Tensor  # [bucket bytes] uint8, shared by handle
     used: int = 0
     items: list = field(default_factory=list)  # (name, dtype, shape, total, part_offset, offset, nbytes)
@@ -102,8 +105,9 @@ class BucketSender:
         # shared memory made as such (share_memory_() would allocate, then copy into shm)
         return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes))
 
-    def send(self, named_tensors: Iterable[tuple[str, torch.Tensor]], rpc: Callable[..., dict],
-             digest: bool = False) -> dict:
+    def send(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], rpc: Callable[..., dict], digest: bool = False
+    ) -> dict:
         """Stream `named_tensors` while `rpc(address, digest=..., timeout_s=...)` runs the receiver;
         returns the receiver's report. Raises TimeoutError when the receiver goes quiet."""
         import concurrent.futures
@@ -121,8 +125,10 @@ class BucketSender:
             try:
                 out = future.result(timeout=self.timeout_s)
             except concurrent.futures.TimeoutError:
-                raise TimeoutError(f"weight hand-off: the engine's receiver took every bucket but did not return "
-                                   f"within {self.timeout_s:.0f} s") from None
+                raise TimeoutError(
+                    f"weight hand-off: the engine's receiver took every bucket but did not return "
+                    f"within {self.timeout_s:.0f} s"
+                ) from None
         except BaseException as e:
             try:  # the receiver stops now instead of after its timeout
                 if sock.poll(1000, zmq.POLLOUT):
@@ -144,8 +150,10 @@ class BucketSender:
                 future.result()
                 raise RuntimeError("the engine's weight receiver returned before acknowledging every bucket")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"weight hand-off: the engine's receiver {what} for {self.timeout_s:.0f} s (its "
-                                   "process may have died or hung); see the engine's log above")
+                raise TimeoutError(
+                    f"weight hand-off: the engine's receiver {what} for {self.timeout_s:.0f} s (its "
+                    "process may have died or hung); see the engine's log above"
+                )
 
     def _stream(self, named_tensors, sock, future) -> None:
         import zmq
@@ -167,8 +175,12 @@ class BucketSender:
         def flush(slot: _Bucket, once: bool = False) -> None:
             if self.cuda:
                 torch.cuda.current_stream().synchronize()  # the copies into the bucket have landed
-            msg = {"slot": id(slot), "items": slot.items, "once": once,
-                   "handle": None if slot.sent_handle else reduce_tensor(slot.buf)}
+            msg = {
+                "slot": id(slot),
+                "items": slot.items,
+                "once": once,
+                "handle": None if slot.sent_handle else reduce_tensor(slot.buf),
+            }
             send(ForkingPickler.dumps(msg))
             slot.sent_handle = True
             in_flight.append(slot)
@@ -184,7 +196,7 @@ class BucketSender:
             return wait_ack()  # the oldest bucket comes back
 
         def put(slot: _Bucket, name: str, t: torch.Tensor, data: torch.Tensor, done: int, n: int) -> None:
-            slot.buf[slot.used: slot.used + n].copy_(data[done: done + n], non_blocking=True)
+            slot.buf[slot.used : slot.used + n].copy_(data[done : done + n], non_blocking=True)
             slot.items.append((name, t.dtype, tuple(t.shape), data.numel(), done, slot.used, n))
             slot.used = -(-(slot.used + n) // ALIGN) * ALIGN  # the next tensor starts aligned
 
@@ -255,9 +267,11 @@ class BucketReceiver:
             try:
                 msg = pickle.loads(sock.recv())
             except zmq.Again:
-                raise TimeoutError(f"weight hand-off: no message from the trainer for {self.timeout_s:.0f} s on "
-                                   f"{self.address} (its process may have died or hung); this hand-off is "
-                                   "abandoned") from None
+                raise TimeoutError(
+                    f"weight hand-off: no message from the trainer for {self.timeout_s:.0f} s on "
+                    f"{self.address} (its process may have died or hung); this hand-off is "
+                    "abandoned"
+                ) from None
             if "abort" in msg:
                 raise RuntimeError(f"weight hand-off aborted by the trainer: {msg['abort']}")
             return msg
@@ -275,10 +289,10 @@ class BucketReceiver:
                 ready = []
                 for name, dtype, shape, total, part, offset, n in msg["items"]:
                     if part == 0 and n == total:  # whole tensor in this fill
-                        ready.append((name, buf[offset: offset + n].view(dtype).view(shape).clone()))
+                        ready.append((name, buf[offset : offset + n].view(dtype).view(shape).clone()))
                         continue
                     whole = partial.setdefault(name, torch.empty(total, dtype=torch.uint8, device=buf.device))
-                    whole[part: part + n].copy_(buf[offset: offset + n])
+                    whole[part : part + n].copy_(buf[offset : offset + n])
                     if part + n == total:
                         ready.append((name, partial.pop(name).view(dtype).view(shape)))
                 if msg["once"]:
@@ -288,9 +302,11 @@ class BucketReceiver:
                 try:
                     sock.send(b"ack")
                 except zmq.Again:
-                    raise TimeoutError(f"weight hand-off: the trainer took no acknowledgement for "
-                                       f"{self.timeout_s:.0f} s on {self.address} (its process may have died or "
-                                       "hung)") from None
+                    raise TimeoutError(
+                        f"weight hand-off: the trainer took no acknowledgement for "
+                        f"{self.timeout_s:.0f} s on {self.address} (its process may have died or "
+                        "hung)"
+                    ) from None
                 self.report["messages"] += 1
                 for name, t in ready:
                     self.report["tensors"] += 1

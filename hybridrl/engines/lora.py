@@ -24,8 +24,12 @@ from hybridrl.core.config import ModelConfig
 
 def spec(m: ModelConfig) -> dict:
     """The adapter's shape as PEFT's adapter_config.json and vLLM's PEFTHelper read it."""
-    return {"r": int(m.lora_rank), "lora_alpha": float(m.lora_alpha), "target_modules": sorted(m.lora_target_modules),
-            "bias": "none"}
+    return {
+        "r": int(m.lora_rank),
+        "lora_alpha": float(m.lora_alpha),
+        "target_modules": sorted(m.lora_target_modules),
+        "bias": "none",
+    }
 
 
 def attach(hf: nn.Module, m: ModelConfig):
@@ -38,8 +42,10 @@ def attach(hf: nn.Module, m: ModelConfig):
     present = {name.rsplit(".", 1)[-1] for name, mod in hf.named_modules() if isinstance(mod, nn.Linear)}
     missing = sorted(set(m.lora_target_modules) - present)
     if missing:
-        raise UserError(f"model.lora_target_modules: {missing} name no linear layer of {type(hf).__name__} "
-                        f"(its linear layers: {sorted(present)}); set --model.lora_target_modules")
+        raise UserError(
+            f"model.lora_target_modules: {missing} name no linear layer of {type(hf).__name__} "
+            f"(its linear layers: {sorted(present)}); set --model.lora_target_modules"
+        )
     peft_model = get_peft_model(hf, LoraConfig(**spec(m), lora_dropout=float(m.lora_dropout)))
     set_dropout(hf, False)  # peft's new modules start in training mode; hybridrl's model runs in eval mode
     return peft_model

@@ -38,8 +38,9 @@ class TokenLogprobs(nn.Module):
     """HF causal LM -> log-prob and entropy of the masked tokens, through the fused kernel. The
     trainer's engine wraps it; the reference policy (reference.py) scores with it too."""
 
-    def __init__(self, hf: nn.Module, provider: str, chunk: int, max_len: int | None = None,
-                 autocast: torch.dtype | None = None):
+    def __init__(
+        self, hf: nn.Module, provider: str, chunk: int, max_len: int | None = None, autocast: torch.dtype | None = None
+    ):
         """`autocast`: the dtype the forward (and so its backward) computes in over float32 weights
         (zero_engine.precision: train.precision=amp), None to compute in the weights' own dtype."""
         super().__init__()
@@ -47,16 +48,27 @@ class TokenLogprobs(nn.Module):
         self.sp: ulysses.Group | None = None  # the trainer's sequence-parallel group (train.sequence_parallel_size > 1)
         for attr in ("final_logit_softcapping", "logit_scale"):
             if getattr(hf.config, attr, None) not in (None, 1.0):
-                raise UserError(f"{type(hf).__name__} applies {attr}={getattr(hf.config, attr)} to its logits, which "
-                                "the fused log-prob path (it bypasses the LM head) does not: such models are not "
-                                "supported yet; use a model without it")
+                raise UserError(
+                    f"{type(hf).__name__} applies {attr}={getattr(hf.config, attr)} to its logits, which "
+                    "the fused log-prob path (it bypasses the LM head) does not: such models are not "
+                    "supported yet; use a model without it"
+                )
 
     def forward(self, *args, **kw):
         with autocast(self.hf.get_output_embeddings().weight.device.type, self.autocast):
             return self._forward(*args, **kw)
 
-    def _forward(self, tokens, attention_mask, loss_mask, temperature: float, loss: dict | None = None,
-                 position_ids=None, shared: dict | None = None, shard: dict | None = None):
+    def _forward(
+        self,
+        tokens,
+        attention_mask,
+        loss_mask,
+        temperature: float,
+        loss: dict | None = None,
+        position_ids=None,
+        shared: dict | None = None,
+        shard: dict | None = None,
+    ):
         """Without `loss`: (logp [N], entropy [N]) of the masked tokens. With `loss` (ppo_loss's
         per-token tensors and knobs): (loss, metrics, logp, entropy) from the fused kernel, which
         produces the logits' gradient in the same pass. Packed rows (`Batch.packed()`) come with
@@ -64,11 +76,13 @@ class TokenLogprobs(nn.Module):
         comes alone, tokens, attention_mask and loss_mask None. Sequence parallelism (`ulysses.shard`, as a
         dict) gives this rank's slice of a packed row in tokens and position_ids, and `shard` the slice's
         next-token targets and loss positions and the whole row's layout, which its attention reads."""
-        ulysses.ACTIVE = None if shard is None else ulysses.Active(self.sp, shard["segments"],
-                                                                   shard["full_position_ids"])
+        ulysses.ACTIVE = (
+            None if shard is None else ulysses.Active(self.sp, shard["segments"], shard["full_position_ids"])
+        )
         if shard is not None:
-            hidden = self.hf.base_model(input_ids=tokens, position_ids=position_ids,
-                                        use_cache=False).last_hidden_state  # [1, S, d]: this rank's slice
+            hidden = self.hf.base_model(
+                input_ids=tokens, position_ids=position_ids, use_cache=False
+            ).last_hidden_state  # [1, S, d]: this rank's slice
             sel, targets = shard["sel"], shard["targets"]  # [1, S]: taken from the whole row
         elif shared is not None:
             s = Shared(**shared)
@@ -76,8 +90,9 @@ class TokenLogprobs(nn.Module):
         else:
             # use_cache=False: a KV cache is useless here, and transformers only looks for packed
             # sequences in position_ids when there is none (masking_utils._preprocess_mask_arguments)
-            hidden = self.hf.base_model(input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids,
-                                        use_cache=False).last_hidden_state[:, :-1]
+            hidden = self.hf.base_model(
+                input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            ).last_hidden_state[:, :-1]
             sel, targets = loss_mask[:, 1:], tokens[:, 1:]  # [B, T-1]: position t predicts token t+1
         h = hidden[sel]  # [N, d]
         y = targets[sel]  # [N]
@@ -91,8 +106,12 @@ class TokenLogprobs(nn.Module):
                 return empty, empty
             zero = 0.0 * hidden.sum() + sum(0.0 * p.sum() for p in head.parameters())
             return zero, {}, empty, empty
-        kw = dict(temperature=temperature, bias=head.bias, chunk_size=self.chunk,
-                  provider="torch" if self.provider == "liger" else self.provider)
+        kw = dict(
+            temperature=temperature,
+            bias=head.bias,
+            chunk_size=self.chunk,
+            provider="torch" if self.provider == "liger" else self.provider,
+        )
         if loss is None:
             return logprob_entropy(h, head.weight, y, **kw)
         out = fused_logprob_ppo_loss(h, head.weight, y, **kw, **loss)
@@ -112,8 +131,13 @@ class TokenLogprobs(nn.Module):
         out = body(input_ids=s.prompts, attention_mask=prompt_mask, use_cache=True)
         cache = out.past_key_values
         cache.batch_select_indices(s.group)  # [G, ...] -> [B, ...]: an index, differentiable
-        comp = body(input_ids=s.completions, attention_mask=s.attention_mask, position_ids=s.position_ids,
-                    past_key_values=cache, use_cache=True).last_hidden_state  # [B, C, d]
+        comp = body(
+            input_ids=s.completions,
+            attention_mask=s.attention_mask,
+            position_ids=s.position_ids,
+            past_key_values=cache,
+            use_cache=True,
+        ).last_hidden_state  # [B, C, d]
         last = out.last_hidden_state[torch.arange(len(s.prompts), device=comp.device), s.prompt_lens - 1]  # [G, d]
         return torch.cat([last[s.group][:, None], comp[:, :-1]], 1)
 
@@ -134,15 +158,34 @@ class TokenLogprobs(nn.Module):
         old = None if loss["logp_old"] is None else rows(loss["logp_old"])
         is_w = None
         if loss["logp_rollout"] is not None:  # TIS or masked IS: a detached weight per token
-            is_w = rows(importance_weights(
-                logp if loss["logp_old"] is None else loss["logp_old"], loss["logp_rollout"], seq_ids,
-                level=loss["tis_level"], correction=loss["is_correction"], tis_cap=loss["tis_cap"],
-                is_mask_low=loss["is_mask_low"], is_mask_high=loss["is_mask_high"]))
-        value, metrics = liger_ppo_loss(hidden, head.weight, targets, sel, adv, old, temperature, head.bias,
-                                        policy_loss=loss["policy_loss"], is_weights=is_w, agg=loss["agg"],
-                                        normalizer=loss["normalizer"],
-                                        **{k: loss[k] for k in policy_loss(loss["policy_loss"]).knobs() if k in loss},
-                                        max_len=self.max_len)
+            is_w = rows(
+                importance_weights(
+                    logp if loss["logp_old"] is None else loss["logp_old"],
+                    loss["logp_rollout"],
+                    seq_ids,
+                    level=loss["tis_level"],
+                    correction=loss["is_correction"],
+                    tis_cap=loss["tis_cap"],
+                    is_mask_low=loss["is_mask_low"],
+                    is_mask_high=loss["is_mask_high"],
+                )
+            )
+        value, metrics = liger_ppo_loss(
+            hidden,
+            head.weight,
+            targets,
+            sel,
+            adv,
+            old,
+            temperature,
+            head.bias,
+            policy_loss=loss["policy_loss"],
+            is_weights=is_w,
+            agg=loss["agg"],
+            normalizer=loss["normalizer"],
+            **{k: loss[k] for k in policy_loss(loss["policy_loss"]).knobs() if k in loss},
+            max_len=self.max_len,
+        )
         return value, metrics, logp, entropy
 
 
@@ -161,18 +204,23 @@ def packs(cfg: Config, provider: str, attn_implementation: str, native: bool) ->
     return want and provider != "liger" and attn_implementation in PACKABLE_ATTENTION and native
 
 
-def share_prompt_refusals(cfg: Config, provider: str, attn_implementation: str, packing: bool, *, native: bool,
-                          plain_cache: bool, name: str) -> list[str]:
+def share_prompt_refusals(
+    cfg: Config, provider: str, attn_implementation: str, packing: bool, *, native: bool, plain_cache: bool, name: str
+) -> list[str]:
     """Why train.share_prompt (on or auto) is not done for a model of class `name`; [] when it is."""
-    return [reason for reason, bad in (
-        (f"kernels={provider}", provider == "liger"),
-        (f"attention {attn_implementation}", attn_implementation not in ("sdpa", "eager")),
-        ("packing", packing),
-        ("gradient checkpointing", cfg.model.gradient_checkpointing),
-        (f"{name} (not transformers' own, or a sliding-window cache)", not plain_cache or not native),
-        ("ZeRO-3 (auto)", cfg.train.share_prompt == "auto" and cfg.train.zero_stage == 3),
-        ("sequence parallelism", cfg.train.sequence_parallel_size > 1),
-    ) if bad]
+    return [
+        reason
+        for reason, bad in (
+            (f"kernels={provider}", provider == "liger"),
+            (f"attention {attn_implementation}", attn_implementation not in ("sdpa", "eager")),
+            ("packing", packing),
+            ("gradient checkpointing", cfg.model.gradient_checkpointing),
+            (f"{name} (not transformers' own, or a sliding-window cache)", not plain_cache or not native),
+            ("ZeRO-3 (auto)", cfg.train.share_prompt == "auto" and cfg.train.zero_stage == 3),
+            ("sequence parallelism", cfg.train.sequence_parallel_size > 1),
+        )
+        if bad
+    ]
 
 
 def share_prompt(cfg: Config, hf: nn.Module, provider: str, attn_implementation: str, packing: bool) -> bool:
@@ -184,8 +232,15 @@ def share_prompt(cfg: Config, hf: nn.Module, provider: str, attn_implementation:
     want = cfg.train.share_prompt
     if want == "off":
         return False
-    why = share_prompt_refusals(cfg, provider, attn_implementation, packing, native=is_native(type(hf)),
-                                plain_cache=plain_cache(hf.config), name=type(hf).__name__)
+    why = share_prompt_refusals(
+        cfg,
+        provider,
+        attn_implementation,
+        packing,
+        native=is_native(type(hf)),
+        plain_cache=plain_cache(hf.config),
+        name=type(hf).__name__,
+    )
     if why and want == "on":  # asked for by name: say why it is not done
         log.warning(SHARE_PROMPT_REFUSED + " %s; every row computes its own prompt", ", ".join(why))
     return not why
@@ -197,6 +252,7 @@ class Layout:
     (train.packing), a group's prompt computed once (train.share_prompt). `layout` decides it from the
     config and the model's facts before any engine starts, as the Trainer does once it holds the model
     (packs, share_prompt), so that the run's printed recipe says what the trainer uses."""
+
     kernels: str
     packing: bool
     share_prompt: bool
@@ -205,21 +261,25 @@ class Layout:
         """For recipe.describe: each choice left to the trainer (auto), or asked for and not done
         (refused), as key -> (value, source)."""
         out = {}
-        for key, asked, got in (("train.kernels", cfg.train.kernels, self.kernels),
-                                ("train.packing", cfg.train.packing, "on" if self.packing else "off"),
-                                ("train.share_prompt", cfg.train.share_prompt, "on" if self.share_prompt else "off")):
+        for key, asked, got in (
+            ("train.kernels", cfg.train.kernels, self.kernels),
+            ("train.packing", cfg.train.packing, "on" if self.packing else "off"),
+            ("train.share_prompt", cfg.train.share_prompt, "on" if self.share_prompt else "off"),
+        ):
             if asked == "auto" or asked != got:
                 out[key] = (got, "auto" if asked == "auto" else "refused")
         return out
 
 
-def layout(cfg: Config, attn_implementation: str, *, native: bool = True, plain_cache: bool = True,
-           name: str = "the model") -> Layout:
+def layout(
+    cfg: Config, attn_implementation: str, *, native: bool = True, plain_cache: bool = True, name: str = "the model"
+) -> Layout:
     """The trainer's Layout for a model with these facts (models.ModelInfo's native and plain_cache)."""
     provider = kernel_provider(cfg)
     packing = packs(cfg, provider, attn_implementation, native)
     share = cfg.train.share_prompt != "off" and not share_prompt_refusals(
-        cfg, provider, attn_implementation, packing, native=native, plain_cache=plain_cache, name=name)
+        cfg, provider, attn_implementation, packing, native=native, plain_cache=plain_cache, name=name
+    )
     return Layout(provider, packing, share)
 
 
@@ -234,6 +294,7 @@ def module_inputs(mb: Batch, packing: bool, share: bool) -> tuple[tuple, dict]:
 
         def move(t: torch.Tensor) -> torch.Tensor:
             return t.to(dev, non_blocking=True)
+
         if packing:
             p = host.packed()
             return (move(p.tokens), None, move(p.loss_mask)), dict(position_ids=move(p.position_ids))

@@ -36,25 +36,51 @@ def ds_config(cfg: Config, bf16: bool, cuda: bool) -> dict:
     zero = {"stage": cfg.train.zero_stage, "stage3_param_persistence_threshold": 0}
     if cuda and cfg.train.zero_stage == 3:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero, "bf16": {"enabled": bf16},
-            "steps_per_print": 1 << 30, "wall_clock_breakdown": False}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": zero,
+        "bf16": {"enabled": bf16},
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
 
 
 class Reference:
     @staticmethod
-    def load(cfg: Config, model_path: str, *, device: torch.device, dtype: torch.dtype,
-             attn_implementation: str, trainer=None) -> "Reference | BaseModelReference | None":
+    def load(
+        cfg: Config,
+        model_path: str,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        attn_implementation: str,
+        trainer=None,
+    ) -> "Reference | BaseModelReference | None":
         """The reference model, or None when algo.kl_coef == 0 (nothing is loaded); with LoRA the
         trainer's base model (`trainer`, adapter disabled: nothing is loaded)."""
         if cfg.algo.kl_coef == 0:
             return None
         if cfg.model.lora_rank and not cfg.algo.ref_path and trainer is not None:
             return BaseModelReference(trainer)
-        return Reference(cfg, cfg.algo.ref_path or model_path, device=device, dtype=dtype,
-                         attn_implementation=attn_implementation, sp=trainer.sp if trainer is not None else None)
+        return Reference(
+            cfg,
+            cfg.algo.ref_path or model_path,
+            device=device,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            sp=trainer.sp if trainer is not None else None,
+        )
 
-    def __init__(self, cfg: Config, path: str, *, device: torch.device, dtype: torch.dtype,
-                 attn_implementation: str, sp: ulysses.Group | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        path: str,
+        *,
+        device: torch.device,
+        dtype: torch.dtype,
+        attn_implementation: str,
+        sp: ulysses.Group | None = None,
+    ):
         """`sp`: the trainer's sequence-parallel group (None or a group of one: none)."""
         from transformers import AutoModelForCausalLM
 
@@ -63,8 +89,14 @@ class Reference:
         cuda = device.type == "cuda"
         dtype, autocast = precision(cfg, dtype)  # the policy's numerics: at step 1 its log-probs to the bit
         conf = ds_config(cfg, dtype == torch.bfloat16, cuda)
-        hf = from_pretrained(AutoModelForCausalLM, path, conf, dtype=dtype, attn_implementation=attn_implementation,
-                             trust_remote_code=cfg.model.trust_remote_code)
+        hf = from_pretrained(
+            AutoModelForCausalLM,
+            path,
+            conf,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
         hf.eval().requires_grad_(False)
         kernels = cfg.train.kernels
         # as the trainer picks (train.kernels auto = chunked torch): at step 1 the reference's log-probs
@@ -76,8 +108,9 @@ class Reference:
             self.module.sp = self.sp
         self.sharded = cfg.train.zero_stage == 3
         # the policy's shared-prompt layout (and so, at step 1, exactly the policy's log-probs)
-        self.share = share_prompt(cfg, hf, "liger" if kernels == "liger" else provider, attn_implementation,
-                                  packing=False)
+        self.share = share_prompt(
+            cfg, hf, "liger" if kernels == "liger" else provider, attn_implementation, packing=False
+        )
         self._host = []
         if self.sharded:  # the head's weight is used by this module's forward, not by lm_head's
             deepspeed.zero.register_external_parameter(self.module, hf.get_output_embeddings().weight)
@@ -85,8 +118,10 @@ class Reference:
             self.module, *_ = deepspeed.initialize(model=self.module, config=conf)
             self.module.eval()
         else:  # (tensor, its CPU master copy): the device copy is made from the master for each phase
-            self._host = [(t, t.data.pin_memory() if cuda else t.data)
-                          for t in chain(self.module.parameters(), self.module.buffers())]
+            self._host = [
+                (t, t.data.pin_memory() if cuda else t.data)
+                for t in chain(self.module.parameters(), self.module.buffers())
+            ]
 
     def _place(self, device: torch.device) -> None:
         for t, host in self._host:
@@ -97,12 +132,14 @@ class Reference:
         """Reference log-probs of every completion token at the sampling temperature: [B, T]."""
         budget = self.cfg.train.max_tokens_per_micro_batch
         if self.sp is not None:  # the group's rows in packed micro-batches of its ranks' budgets, each rank a slice
+
             def plan(rows):  # the trainer's: a longer sequence gets a micro-batch of its own, the update refuses it
                 return plan_micro_batches(rows, budget * self.sp.size, packed=True)
 
             def forward_slice(mb):
                 _, args, kw = ulysses.module_inputs(mb, self.sp)
                 return self.module(*args, temperature, **kw)[0]
+
             self._place(self.device)
             try:
                 return ulysses.group_logprobs(forward_slice, batch, plan, self.sp, self.device)
@@ -117,6 +154,7 @@ class Reference:
         def forward(mb):
             args, kw = module_inputs(mb, False, self.share)
             return self.module(*args, temperature, **kw)[0]
+
         self._place(self.device)
         try:
             return per_token(forward, batch, groups, self.device)

@@ -32,21 +32,27 @@ from hybridrl.data.rewards import model_terms
 
 
 class RewardModel:
-    def __init__(self, path: str, *, device: torch.device, dtype: torch.dtype, batch_size: int,
-                 trust_remote_code: bool = False):
+    def __init__(
+        self, path: str, *, device: torch.device, dtype: torch.dtype, batch_size: int, trust_remote_code: bool = False
+    ):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         try:
-            self.model = AutoModelForSequenceClassification.from_pretrained(path, dtype=dtype,
-                                                                            trust_remote_code=trust_remote_code)
+            self.model = AutoModelForSequenceClassification.from_pretrained(
+                path, dtype=dtype, trust_remote_code=trust_remote_code
+            )
             self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as e:
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConfigError(f"reward term rm:{path}: cannot load a sequence-classification model and its tokenizer "
-                              f"({first}); give a Hugging Face model directory or hub name") from None
+            raise ConfigError(
+                f"reward term rm:{path}: cannot load a sequence-classification model and its tokenizer "
+                f"({first}); give a Hugging Face model directory or hub name"
+            ) from None
         if self.model.config.num_labels != 1:
-            raise ConfigError(f"reward term rm:{path} has num_labels={self.model.config.num_labels}; a reward model "
-                              "has one output (num_labels=1)")
+            raise ConfigError(
+                f"reward term rm:{path} has num_labels={self.model.config.num_labels}; a reward model "
+                "has one output (num_labels=1)"
+            )
         tok = self.tokenizer
         if tok.pad_token is None:  # batches are padded; transformers pools at the last non-pad token
             tok.pad_token = tok.eos_token
@@ -58,8 +64,9 @@ class RewardModel:
         self.max_len = getattr(self.model.config, "max_position_embeddings", None)
         self.chat = bool(getattr(tok, "chat_template", None))  # the template brings its special tokens
         cuda = device.type == "cuda"
-        self._host = [(t, t.data.pin_memory() if cuda else t.data)
-                      for t in chain(self.model.parameters(), self.model.buffers())]
+        self._host = [
+            (t, t.data.pin_memory() if cuda else t.data) for t in chain(self.model.parameters(), self.model.buffers())
+        ]
 
     @property
     def nbytes(self) -> int:
@@ -68,8 +75,9 @@ class RewardModel:
 
     def text(self, prompt: str, completion: str) -> str:
         if self.chat:
-            return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt},
-                                                       {"role": "assistant", "content": completion}], tokenize=False)
+            return self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}], tokenize=False
+            )
         return prompt + completion
 
     def _place(self, device: torch.device) -> None:
@@ -84,9 +92,14 @@ class RewardModel:
         try:
             out = []
             for i in range(0, len(texts), self.batch_size):
-                enc = self.tokenizer(texts[i:i + self.batch_size], return_tensors="pt", padding=True,
-                                     truncation=self.max_len is not None, max_length=self.max_len,
-                                     add_special_tokens=not self.chat).to(self.device)
+                enc = self.tokenizer(
+                    texts[i : i + self.batch_size],
+                    return_tensors="pt",
+                    padding=True,
+                    truncation=self.max_len is not None,
+                    max_length=self.max_len,
+                    add_special_tokens=not self.chat,
+                ).to(self.device)
                 out += self.model(**enc).logits[:, 0].float().cpu().tolist()  # [b]
             return out
         finally:
@@ -96,7 +109,17 @@ class RewardModel:
 def load_all(cfg: Config, device: torch.device) -> list[tuple[str, float, RewardModel]]:
     """The `rm:PATH[:WEIGHT]` terms of reward.fn as (name, weight, model), loaded into host memory;
     built before vLLM is planned, so that the plan keeps room for them (engine_cycle.plan_rollout)."""
-    return [(f"rm:{path}", weight, RewardModel(path, device=device, dtype=torch_dtype(cfg.model.dtype),
-                                               batch_size=cfg.reward.rm_batch_size,
-                                               trust_remote_code=cfg.model.trust_remote_code))
-            for path, weight in model_terms(cfg.reward.fn)]
+    return [
+        (
+            f"rm:{path}",
+            weight,
+            RewardModel(
+                path,
+                device=device,
+                dtype=torch_dtype(cfg.model.dtype),
+                batch_size=cfg.reward.rm_batch_size,
+                trust_remote_code=cfg.model.trust_remote_code,
+            ),
+        )
+        for path, weight in model_terms(cfg.reward.fn)
+    ]

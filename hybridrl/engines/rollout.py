@@ -38,6 +38,7 @@ class EngineSizing:
     the device and its KV cache, its sequences at once, whether the trainer's states leave the
     device while vLLM runs (engine_cycle.plan_rollout). Kept beside the resolved config, which
     stays as the run recorded it; the rollout engine and the engine cycle read these."""
+
     gpu_memory_utilization: str  # a fraction, or 'auto' (CPU: unused)
     kv_cache_mb: int
     max_num_seqs: int  # 0: vLLM's default
@@ -53,6 +54,7 @@ class EngineSizing:
 @dataclass
 class Generation:
     """Queued requests; iterate for lists of finished Samples (see Rollout.generate)."""
+
     llm: LLM
     requests: dict[str, tuple[int, int | None]]  # request id -> (prompt index, sample index; None: all n)
     rejected: dict[int, str]  # prompt index -> why vLLM refused it
@@ -136,8 +138,9 @@ class Generation:
                     ids = list(c.token_ids)
                     lps = [d[t].logprob for t, d in zip(ids, c.logprobs)]
                     routes = self.routes(out.prompt_token_ids, ids, c) if self.routes else None
-                    done.append(Sample(i, ids, lps, c.finish_reason == "stop", c.index if j is None else j,
-                                       routes=routes))
+                    done.append(
+                        Sample(i, ids, lps, c.finish_reason == "stop", c.index if j is None else j, routes=routes)
+                    )
             yield done
 
 
@@ -146,8 +149,18 @@ class Rollout:
     capture = None
     record_routes = False
 
-    def __init__(self, cfg: Config, model_path: str, *, on_cpu: bool, eos_token_id: int, rank: int,
-                 local_rank: int = 0, tp: launch.TPGroup | None = None, sizing: EngineSizing | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        model_path: str,
+        *,
+        on_cpu: bool,
+        eos_token_id: int,
+        rank: int,
+        local_rank: int = 0,
+        tp: launch.TPGroup | None = None,
+        sizing: EngineSizing | None = None,
+    ):
         r = cfg.rollout
         self.cfg = cfg
         size = sizing or EngineSizing.of(cfg)  # engine_cycle.plan_rollout's, or as configured
@@ -156,16 +169,21 @@ class Rollout:
         self.cuda = not on_cpu
         self.sleep_ok = vllm_compat.sleep_supported(on_cpu) and r.sleep_level > 0
         if on_cpu and rank == 0:
-            print("note: vLLM sleep mode is not supported on CPU: sleep/wake are no-ops and vLLM keeps its "
-                  "memory between rollouts", flush=True)
+            print(
+                "note: vLLM sleep mode is not supported on CPU: sleep/wake are no-ops and vLLM keeps its "
+                "memory between rollouts",
+                flush=True,
+            )
         self.out_of_process = r.mode == "outofprocess"
         # LoRA: vLLM serves its base weights plus the adapter each hand-off replaces (lora.py)
         self.adapter = lora.spec(cfg.model) if cfg.model.lora_rank else None
         self.lora_request = None  # set by the first adapter hand-off; before it, adapter == base (B = 0)
         vllm_compat.exact_float32(cuda=self.cuda, dtype=cfg.model.dtype)
         self.moe = self._moe(model_path)  # a mixture of experts: samples carry their routes (routing.py)
-        with memory.vllm_pool(self.cuda), vllm_compat.engine_env(out_of_process=self.out_of_process,
-                                                                 local_rank=local_rank, cuda=self.cuda):
+        with (
+            memory.vllm_pool(self.cuda),
+            vllm_compat.engine_env(out_of_process=self.out_of_process, local_rank=local_rank, cuda=self.cuda),
+        ):
             self.llm = LLM(
                 model=model_path,
                 dtype=cfg.model.dtype,
@@ -177,12 +195,17 @@ class Rollout:
                 enable_prefix_caching=r.enable_prefix_caching,
                 tensor_parallel_size=r.tensor_parallel_size,
                 trust_remote_code=cfg.model.trust_remote_code,
-                **vllm_compat.engine_kwargs(on_cpu=on_cpu, kv_cache_bytes=size.kv_cache_mb << 20,
-                                            gpu_memory_utilization=memory.utilization(size.gpu_memory_utilization),
-                                            sleep_mode=r.sleep_level > 0, out_of_process=self.out_of_process,
-                                            lora_rank=cfg.model.lora_rank, max_num_seqs=size.max_num_seqs,
-                                            enforce_eager=r.enforce_eager,
-                                            tensor_parallel_size=r.tensor_parallel_size),
+                **vllm_compat.engine_kwargs(
+                    on_cpu=on_cpu,
+                    kv_cache_bytes=size.kv_cache_mb << 20,
+                    gpu_memory_utilization=memory.utilization(size.gpu_memory_utilization),
+                    sleep_mode=r.sleep_level > 0,
+                    out_of_process=self.out_of_process,
+                    lora_rank=cfg.model.lora_rank,
+                    max_num_seqs=size.max_num_seqs,
+                    enforce_eager=r.enforce_eager,
+                    tensor_parallel_size=r.tensor_parallel_size,
+                ),
                 **(vllm_compat.route_kwargs(on_cpu) if self.moe else {}),
             )
         self.sender = ipc.BucketSender(cfg.train.sync_bucket_mb << 20, cuda=self.cuda) if self.out_of_process else None
@@ -199,6 +222,7 @@ class Rollout:
         from transformers import AutoConfig
 
         from hybridrl.engines import routing
+
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=self.cfg.model.trust_remote_code)
         return routing.wanted(self.cfg, config)[0]
 
@@ -210,8 +234,10 @@ class Rollout:
         if vllm_compat.native_routes(on_cpu):
             return True
         if self.out_of_process:
-            log.warning("routing replay: not with rollout.mode=outofprocess on CPU (vLLM's routes stay in its "
-                        "process); the trainer routes every token itself")
+            log.warning(
+                "routing replay: not with rollout.mode=outofprocess on CPU (vLLM's routes stay in its "
+                "process); the trainer routes every token itself"
+            )
             return False
         self.capture = vllm_compat.RouteCapture(self.llm)
         return True
@@ -229,8 +255,11 @@ class Rollout:
         if self.tp is None:
             return prompts, [len(prompts)], None
         per = self.tp.gather((prompts, vllm_compat.SamplingRNG.draw()))
-        return ([p for ps, _ in per for p in ps], [len(ps) for ps, _ in per],
-                vllm_compat.SamplingRNG(per[0][1], self.cuda))
+        return (
+            [p for ps, _ in per for p in ps],
+            [len(ps) for ps, _ in per],
+            vllm_compat.SamplingRNG(per[0][1], self.cuda),
+        )
 
     def _run(self, prompts: list[list[int]], params: SamplingParams):
         """vLLM's outputs for `prompts` (one call of LLM.generate, the group's in tensor parallel)."""
@@ -238,12 +267,21 @@ class Rollout:
         if not every:  # the whole group has nothing to ask (every rank knows it)
             return []
         with rng.active() if rng is not None else nullcontext():
-            outs = self.llm.generate([{"prompt_token_ids": p} for p in every], params, use_tqdm=False,
-                                     lora_request=self.lora_request)
+            outs = self.llm.generate(
+                [{"prompt_token_ids": p} for p in every], params, use_tqdm=False, lora_request=self.lora_request
+            )
         return outs[launch.own_slice(counts, self.tp.member)] if self.tp else outs
 
-    def generate(self, prompts: list[list[int]], n: int, *, temperature: float, top_p: float,
-                 max_tokens: int, seed: int | None = None) -> "Generation":
+    def generate(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        *,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+        seed: int | None = None,
+    ) -> "Generation":
         """n samples per prompt, with the sampled tokens' log-probs, streamed as they finish.
 
         Requests are queued now; iterating the returned Generation steps vLLM's engine and
@@ -256,18 +294,36 @@ class Rollout:
         token outside the vocabulary) is left out, logged, and listed in `Generation.rejected`.
         A `seed` gives each sample its own request and generator (seed, seed + 1, ...), leaving
         the engine's sampling stream as it was."""
-        params = SamplingParams(n=n if seed is None else 1, temperature=temperature, top_p=top_p,
-                                max_tokens=max_tokens, logprobs=0, stop_token_ids=[self.eos],
-                                **self._stop())
+        params = SamplingParams(
+            n=n if seed is None else 1,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            logprobs=0,
+            stop_token_ids=[self.eos],
+            **self._stop(),
+        )
         self._calls += 1
-        gen = Generation(self.llm, {}, {}, params, seed, str(self._calls), self.lora_request, self.tp,
-                         routes=self.routes_of if self.record_routes else None)
+        gen = Generation(
+            self.llm,
+            {},
+            {},
+            params,
+            seed,
+            str(self._calls),
+            self.lora_request,
+            self.tp,
+            routes=self.routes_of if self.record_routes else None,
+        )
         if self.capture is not None:  # the last generation's samples have taken theirs
             self.capture.reset()
         # tensor parallel: every rank's prompts with its own settings (an episode's room differs by rank),
         # and the group's sampling state from its first member's draw (vllm_compat.SamplingRNG)
-        per = self.tp.gather((prompts, params, seed, vllm_compat.SamplingRNG.draw())) if self.tp else \
-            [(prompts, params, seed, None)]
+        per = (
+            self.tp.gather((prompts, params, seed, vllm_compat.SamplingRNG.draw()))
+            if self.tp
+            else [(prompts, params, seed, None)]
+        )
         if self.tp:
             gen.rng = vllm_compat.SamplingRNG(per[0][3], self.cuda)
         for m, (some, params, seed, _) in enumerate(per):
@@ -292,8 +348,16 @@ class Rollout:
                         log.warning("vLLM rejected prompt %d of this batch (%d tokens), dropped: %s", i, len(ids), e)
         return gen
 
-    def generate_partial(self, prompts: list[list[int]], n: int, carried: list[tuple[int, int, list[int], int]], *,
-                         temperature: float, top_p: float, max_tokens: int) -> "Generation":
+    def generate_partial(
+        self,
+        prompts: list[list[int]],
+        n: int,
+        carried: list[tuple[int, int, list[int], int]],
+        *,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+    ) -> "Generation":
         """generate() for partial rollouts: n samples of each of `prompts`, and before them (vLLM serves
         requests first come, first served) the continuations `carried`, each (prompt index, sample
         index, prompt + the tokens generated so far, tokens left): one request per sample, its prefix
@@ -301,8 +365,15 @@ class Rollout:
         prompt index is one past `prompts` (the caller's numbering). `Generation.abort` stops the rest."""
         if self.tp is not None:
             raise RuntimeError("partial rollouts run one engine per rank (rollout.tensor_parallel_size 1)")
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_tokens, logprobs=0,
-                                stop_token_ids=[self.eos], **self._stop())
+        params = SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            logprobs=0,
+            stop_token_ids=[self.eos],
+            **self._stop(),
+        )
         self._calls += 1
         gen = Generation(self.llm, {}, {}, params, None, str(self._calls), self.lora_request, None)
         for i, j, ids, left in carried:
@@ -348,8 +419,11 @@ class Rollout:
         LoRA: the tensors are the adapter, which replaces the previous one (the base weights stay;
         a level-2 sleep, which discards them, is not used with LoRA: recipe.resolve)."""
         if self.sender is not None:
-            self.last_receipt = self.sender.send(named_tensors, lambda address, **kw: vllm_compat.receive_weights(
-                self.llm, address, adapter=self.adapter, **kw), digest=self.digest)
+            self.last_receipt = self.sender.send(
+                named_tensors,
+                lambda address, **kw: vllm_compat.receive_weights(self.llm, address, adapter=self.adapter, **kw),
+                digest=self.digest,
+            )
         elif self.adapter:
             vllm_compat.load_adapter(self.llm, named_tensors, self.adapter)
         else:
@@ -364,8 +438,10 @@ class Rollout:
         """Give vLLM its memory back: ["weights"] before the hand-off, ["kv_cache"] after it. The
         KV cache never wakes over discarded weights: a level-2 sleep must be followed by a hand-off."""
         if "kv_cache" in tags and self.weights_lost:
-            raise RuntimeError("vLLM's weights were discarded by a level-2 sleep and not handed off again: "
-                               "wake(['weights']), hand off, then wake(['kv_cache'])")
+            raise RuntimeError(
+                "vLLM's weights were discarded by a level-2 sleep and not handed off again: "
+                "wake(['weights']), hand off, then wake(['kv_cache'])"
+            )
         if self.sleep_ok and self.asleep:
             with memory.vllm_pool(self.cuda):
                 self.llm.wake_up(tags=tags)

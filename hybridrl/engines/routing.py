@@ -75,6 +75,7 @@ def supported(model: nn.Module) -> str | None:
 @dataclass
 class Segment:
     """One base-model forward's tokens, flattened in the forward's order (hidden_states.view(-1, d))."""
+
     routes: torch.Tensor  # [N, L, k] long, vLLM's experts; -1 where not recorded
     valid: torch.Tensor  # [N] bool, real tokens (not padding): the ones the metrics count
 
@@ -84,6 +85,7 @@ class Replay:
     """What the hooks read and write during one micro-batch: the segments (one per base-model forward
     of the micro-batch, in call order), whether to substitute vLLM's experts, and per layer what the
     trainer's own router chose (for the mismatch metric) and the experts used (for the load)."""
+
     segments: list[Segment]
     substitute: bool
     calls: dict[int, int] = field(default_factory=dict)  # layer -> forwards seen
@@ -105,8 +107,9 @@ def _hook(layer: int):
         seg = st.segments[call % len(st.segments)]  # a recomputed forward (checkpointing) starts over
         logits, weights, idx = out  # [N, E], [N, k], [N, k]
         if seg.routes.shape[0] != idx.shape[0] or layer >= seg.routes.shape[1]:
-            raise RuntimeError(f"routing replay: layer {layer} saw {idx.shape[0]} tokens, the routes hold "
-                               f"{tuple(seg.routes.shape)}")
+            raise RuntimeError(
+                f"routing replay: layer {layer} saw {idx.shape[0]} tokens, the routes hold {tuple(seg.routes.shape)}"
+            )
         theirs = seg.routes[:, layer].to(idx.device)  # [N, k]
         known = (theirs >= 0).all(-1) & seg.valid.to(idx.device)  # [N]
         first = call < len(st.segments)  # not a recomputation (gradient checkpointing's backward)
@@ -125,6 +128,7 @@ def _hook(layer: int):
             counts = torch.bincount(used, minlength=logits.shape[-1]).cpu()
             st.load[layer] = st.load.get(layer, 0) + counts
         return logits, weights, idx
+
     return hook
 
 

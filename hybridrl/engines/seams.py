@@ -24,6 +24,7 @@ if TYPE_CHECKING:
 @runtime_checkable
 class Stateful(Protocol):
     """A part the checkpointer saves and restores: it writes its own directory under a checkpoint's."""
+
     def save_checkpoint(self, path: str) -> None: ...
     def load_checkpoint(self, path: str) -> None: ...
 
@@ -31,6 +32,7 @@ class Stateful(Protocol):
 @runtime_checkable
 class Resident(Protocol):
     """A trainer-side model that leaves the device while vLLM generates and comes back after."""
+
     def offload(self) -> None: ...
     def reload(self) -> None: ...
 
@@ -39,6 +41,7 @@ class Resident(Protocol):
 class PolicyTrainer(Protocol):
     """The policy's trainer, as the cycle sees it: its states leave and come back, its parameters go to
     vLLM in buckets, it scores the probe, and it measures what its states will take."""
+
     hf: Any  # the transformers model (its config sizes vLLM)
     compute_dtype: torch.dtype  # vLLM's dtype (the weights may be float32 under train.precision=amp)
 
@@ -55,6 +58,7 @@ class PolicyTrainer(Protocol):
 class RolloutEngine(Protocol):
     """vLLM, as the cycle sees it: its memory sleeps and wakes by tag, it takes the trainer's tensors,
     and it scores the probe's prompts."""
+
     def wake(self, tags: list[str]) -> None: ...
     def sleep(self, level: int) -> None: ...
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
@@ -66,6 +70,7 @@ class RolloutEngine(Protocol):
 class Engines:
     """The engines a rank owns. `rollout` is set once plan_rollout has sized vLLM (it is built after the
     trainer-side engines, whose memory the plan measures)."""
+
     trainer: PolicyTrainer = field(metadata={"checkpoint": "ds"})
     rollout: RolloutEngine | None = None
     critic: Any = field(default=None, metadata={"checkpoint": "critic", "resident": True})  # PPO's value model
@@ -74,13 +79,19 @@ class Engines:
 
     def residents(self) -> list[Resident]:
         """The trainer-side models besides the policy that leave the device while vLLM generates."""
-        return [getattr(self, f.name) for f in dataclasses.fields(self)
-                if f.metadata.get("resident") and getattr(self, f.name) is not None]
+        return [
+            getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.metadata.get("resident") and getattr(self, f.name) is not None
+        ]
 
     def stateful(self) -> dict[str, Stateful]:
         """Checkpoint directory -> the engine that saves itself there, for every engine this run has."""
-        return {f.metadata["checkpoint"]: getattr(self, f.name) for f in dataclasses.fields(self)
-                if "checkpoint" in f.metadata and getattr(self, f.name) is not None}
+        return {
+            f.metadata["checkpoint"]: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if "checkpoint" in f.metadata and getattr(self, f.name) is not None
+        }
 
     @property
     def live_rollout(self) -> RolloutEngine:

@@ -25,8 +25,15 @@ from hybridrl.data import partial
 from hybridrl.data.batch import Batch, per_token
 from hybridrl.engines import deepspeed_compat, lora, routing, ulysses
 from hybridrl.engines.policy import TokenLogprobs, kernel_provider, module_inputs, packs, share_prompt
-from hybridrl.engines.zero_engine import (ds_config, from_pretrained, load_engine_checkpoint, lr_scheduler,
-                                          minibatch_updates, plan_micro_batches, precision)
+from hybridrl.engines.zero_engine import (
+    ds_config,
+    from_pretrained,
+    load_engine_checkpoint,
+    lr_scheduler,
+    minibatch_updates,
+    plan_micro_batches,
+    precision,
+)
 from hybridrl.kernels.ppo_loss import importance_ratio
 
 log = logging.getLogger("hybridrl")
@@ -39,16 +46,23 @@ class Trainer:
     sp = ulysses.Group(None, 0, 1, 0)  # no sequence parallelism until __init__ says otherwise
     _part = slice(None)  # the last forward's loss tokens on this rank (all of them without it)
 
-    def __init__(self, cfg: Config, model_path: str, *, device: torch.device, dtype: torch.dtype,
-                 attn_implementation: str):
+    def __init__(
+        self, cfg: Config, model_path: str, *, device: torch.device, dtype: torch.dtype, attn_implementation: str
+    ):
         from transformers import AutoModelForCausalLM
 
         self.cfg, self.device, self.platform = cfg, device, platform.current()
         self.compute_dtype = dtype  # model.dtype: vLLM's weights and KV cache, the GEMMs' here
         dtype, autocast = precision(cfg, dtype)  # amp: float32 weights under bfloat16 autocast
         conf = ds_config(cfg, dtype == torch.bfloat16, self.platform)
-        hf = from_pretrained(AutoModelForCausalLM, model_path, conf, dtype=dtype,
-                             attn_implementation=attn_implementation, trust_remote_code=cfg.model.trust_remote_code)
+        hf = from_pretrained(
+            AutoModelForCausalLM,
+            model_path,
+            conf,
+            dtype=dtype,
+            attn_implementation=attn_implementation,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
         # LoRA: the adapter is injected into `hf` in place; only its parameters train (see lora.py)
         self.peft = lora.attach(hf, cfg.model) if cfg.model.lora_rank else None
         if cfg.model.gradient_checkpointing:
@@ -58,21 +72,29 @@ class Trainer:
         self.router, self.replay = self._router(cfg, hf)  # MoE: routing replay and its metrics
         provider = kernel_provider(cfg)  # policy.layout decides alike for the run's printed recipe
         if provider == "liger" and (cfg.algo.dual_clip or cfg.algo.entropy_coef):
-            raise ConfigError("train.kernels=liger has no dual clip or entropy bonus: set algo.dual_clip and "
-                              "algo.entropy_coef to 0, or use train.kernels=auto")
+            raise ConfigError(
+                "train.kernels=liger has no dual clip or entropy bonus: set algo.dual_clip and "
+                "algo.entropy_coef to 0, or use train.kernels=auto"
+            )
         self.packing = packs(cfg, provider, attn_implementation, native=is_native(type(hf)))
         if cfg.train.packing == "on" and not self.packing:
-            log.info("train.packing: not with kernels=%s / attention %s / %s; using padded rows",
-                     provider, attn_implementation, type(hf).__name__)
+            log.info(
+                "train.packing: not with kernels=%s / attention %s / %s; using padded rows",
+                provider,
+                attn_implementation,
+                type(hf).__name__,
+            )
         self.share_prompt = share_prompt(cfg, hf, provider, attn_implementation, self.packing)
         module = TokenLogprobs(hf, provider, cfg.train.logprob_chunk, completion_budget(cfg), autocast)
         self.sp = ulysses.new_groups(cfg.train.sequence_parallel_size)  # collective: every rank, in order
         if self.sp.size > 1:
             if not self.packing:
-                raise ConfigError(f"train.sequence_parallel_size={self.sp.size} cuts one packed row, which "
-                                  f"{type(hf).__name__} with attention {attn_implementation} cannot read: use "
-                                  "sdpa, eager or flash-attention and a transformers model, or "
-                                  "train.sequence_parallel_size 1")
+                raise ConfigError(
+                    f"train.sequence_parallel_size={self.sp.size} cuts one packed row, which "
+                    f"{type(hf).__name__} with attention {attn_implementation} cannot read: use "
+                    "sdpa, eager or flash-attention and a transformers model, or "
+                    "train.sequence_parallel_size 1"
+                )
             ulysses.install(hf)
             module.sp = self.sp
         self.zero3 = cfg.train.zero_stage == 3
@@ -81,8 +103,12 @@ class Trainer:
         if self.zero3:  # the head's weight is used by this module's forward, not by lm_head's
             deepspeed.zero.register_external_parameter(module, hf.get_output_embeddings().weight)
             deepspeed_compat.moe_leaf_modules(hf)  # ranks routing to other experts must gather alike
-        self.engine, *_ = deepspeed.initialize(model=module, config=conf, lr_scheduler=lr_scheduler(cfg),
-                                               model_parameters=[p for p in hf.parameters() if p.requires_grad])
+        self.engine, *_ = deepspeed.initialize(
+            model=module,
+            config=conf,
+            lr_scheduler=lr_scheduler(cfg),
+            model_parameters=[p for p in hf.parameters() if p.requires_grad],
+        )
         if self.platform.one_pass_zero_step:  # one gradient pass for overflow + norm
             deepspeed_compat.fuse_overflow_check(self.engine.optimizer, world_size())
         self.hf = hf
@@ -99,8 +125,9 @@ class Trainer:
             return None, False
         if not record:
             if cfg.algo.routing_replay == "on":
-                log.info("algo.routing_replay=on: %s is dense (no experts to route), nothing to replay",
-                         type(hf).__name__)
+                log.info(
+                    "algo.routing_replay=on: %s is dense (no experts to route), nothing to replay", type(hf).__name__
+                )
             return None, False
         why = routing.supported(hf)
         if why:
@@ -145,22 +172,26 @@ class Trainer:
         longest = int(rows.lengths.max()) if rows else 0
         if longest > budget * sp:
             need = -(-longest // budget)
-            raise ConfigError(f"a sequence of {longest} tokens is longer than train.max_tokens_per_micro_batch="
-                              f"{budget} x train.sequence_parallel_size={sp}: set train.sequence_parallel_size to "
-                              f"{need} or more (dividing --nproc; it splits a sequence over that many ranks) or raise "
-                              "train.max_tokens_per_micro_batch")
+            raise ConfigError(
+                f"a sequence of {longest} tokens is longer than train.max_tokens_per_micro_batch="
+                f"{budget} x train.sequence_parallel_size={sp}: set train.sequence_parallel_size to "
+                f"{need} or more (dividing --nproc; it splits a sequence over that many ranks) or raise "
+                "train.max_tokens_per_micro_batch"
+            )
         return plan_micro_batches(rows, budget * sp, self.packing, self.share_prompt)
 
     @torch.no_grad()
     def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
         """Trainer log-probs of every masked token, laid out like `batch.loss_mask`: [B, T]."""
         if self.sp.size > 1:  # the group scores its ranks' rows together, each rank a slice of every row
-            return ulysses.group_logprobs(lambda mb: self._forward(mb, temperature)[0], batch, self._plan, self.sp,
-                                          self.device)
+            return ulysses.group_logprobs(
+                lambda mb: self._forward(mb, temperature)[0], batch, self._plan, self.sp, self.device
+            )
 
         def forward(mb):
             with self._routed(mb):
                 return self._forward(mb, temperature)[0]
+
         return per_token(forward, batch, self._plan(batch), self.device)
 
     def adapter_disabled(self):
@@ -172,9 +203,12 @@ class Trainer:
     def _normalizer(self, batch: Batch | None) -> float:
         """Global denominator of the loss aggregation, summed over ranks (see ppo_loss)."""
         n_tok = batch.loss_mask.sum(1) if batch else torch.zeros(0)  # [B] completion tokens per row
-        local = {"token_mean": n_tok.sum(), "seq_mean_token_mean": (n_tok > 0).sum(),
-                 # Dr.GRPO: a constant per sequence (the generation budget), not the batch's longest
-                 "seq_mean_token_sum_norm": len(n_tok) * completion_budget(self.cfg)}[self.cfg.algo.loss_agg]
+        local = {
+            "token_mean": n_tok.sum(),
+            "seq_mean_token_mean": (n_tok > 0).sum(),
+            # Dr.GRPO: a constant per sequence (the generation budget), not the batch's longest
+            "seq_mean_token_sum_norm": len(n_tok) * completion_budget(self.cfg),
+        }[self.cfg.algo.loss_agg]
         # the ranks of a sequence-parallel group hold the same rows (gather_batch): count them once
         return max(all_sum([float(local)])[0] / self.sp.size, 1.0)
 
@@ -187,8 +221,11 @@ class Trainer:
         unless LoRA's dropout makes the training forward differ from pi_old."""
         a, t = self.cfg.algo, self.cfg.train
         dropout = self.peft is not None and self.cfg.model.lora_dropout > 0
-        return (t.epochs * t.minibatches > 1 or (a.kl_coef > 0 and a.kl_in == "reward")
-                or (self.importance_correction and dropout))
+        return (
+            t.epochs * t.minibatches > 1
+            or (a.kl_coef > 0 and a.kl_in == "reward")
+            or (self.importance_correction and dropout)
+        )
 
     def old_logprobs(self, batch: Batch) -> torch.Tensor:
         """pi_old, [B, T] like `batch.loss_mask`: vLLM's log-probs of the sampled tokens (algo.old_logprobs:
@@ -196,8 +233,9 @@ class Trainer:
         correction, no KL in the reward) or the trainer's forward."""
         a = self.cfg.algo
         ratio_only = not self.importance_correction and not (a.kl_coef > 0 and a.kl_in == "reward")
-        if a.old_logprobs == "rollout" or (a.old_logprobs == "auto" and self.cfg.model.dtype == "float32"
-                                           and ratio_only):
+        if a.old_logprobs == "rollout" or (
+            a.old_logprobs == "auto" and self.cfg.model.dtype == "float32" and ratio_only
+        ):
             return batch.logp_rollout.clone()
         return self.logprobs(batch, self.cfg.rollout.temperature)
 
@@ -211,9 +249,19 @@ class Trainer:
         and the shared ones."""
         a = self.cfg.algo
         own = {name: get(self.cfg, key) for name, key in policy_loss(a.policy_loss).knobs().items()}
-        return dict(own, policy_loss=a.policy_loss, is_correction=a.is_correction, tis_cap=a.tis_cap or None,
-                    tis_level=a.tis_level, is_mask_low=a.is_mask_low, is_mask_high=a.is_mask_high, kl_type=a.kl_type,
-                    kl_coef=a.kl_coef if a.kl_in == "loss" else 0.0, entropy_coef=a.entropy_coef, agg=a.loss_agg)
+        return dict(
+            own,
+            policy_loss=a.policy_loss,
+            is_correction=a.is_correction,
+            tis_cap=a.tis_cap or None,
+            tis_level=a.tis_level,
+            is_mask_low=a.is_mask_low,
+            is_mask_high=a.is_mask_high,
+            kl_type=a.kl_type,
+            kl_coef=a.kl_coef if a.kl_in == "loss" else 0.0,
+            entropy_coef=a.entropy_coef,
+            agg=a.loss_agg,
+        )
 
     def step(self, batch: Batch) -> dict[str, float]:
         """epochs x minibatches optimizer steps on one rollout batch (batch.logp_old set by the
@@ -230,18 +278,26 @@ class Trainer:
         if self.peft is not None:
             lora.set_dropout(self.hf, True)  # the adapter's dropout, while updating only
         batch = ulysses.gather_batch(batch, self.sp)[0]  # sequence parallelism: the group's rows, on each rank
-        for m, norm, scale in minibatch_updates(self.engine, batch, t, self._plan, self._normalizer, self.device,
-                                                grad_norms, self.platform):
+        for m, norm, scale in minibatch_updates(
+            self.engine, batch, t, self._plan, self._normalizer, self.device, grad_norms, self.platform
+        ):
             sel = m.loss_mask
             seq_ids = torch.arange(len(m), device=self.device)[:, None].expand_as(sel)[sel]  # [N]
             with self._routed(m):  # MoE: held through backward, which may recompute the forward
-                loss, metrics, logp, _ = self._forward(m, temp, loss=dict(
-                    logp_old=None if m.logp_old is None else m.logp_old[sel],  # None: on-policy, ratio 1
-                    advantages=m.advantages[sel] if m.advantages.dim() == 2 else m.advantages[seq_ids],  # [N]
-                    mask=torch.ones(len(seq_ids), device=self.device),
-                    logp_ref=None if m.logp_ref is None else m.logp_ref[sel],  # logs kl_mean whenever given
-                    seq_ids=seq_ids, logp_rollout=m.logp_rollout[sel] if self.importance_correction else None,
-                    normalizer=norm, **self.loss_knobs()))
+                loss, metrics, logp, _ = self._forward(
+                    m,
+                    temp,
+                    loss=dict(
+                        logp_old=None if m.logp_old is None else m.logp_old[sel],  # None: on-policy, ratio 1
+                        advantages=m.advantages[sel] if m.advantages.dim() == 2 else m.advantages[seq_ids],  # [N]
+                        mask=torch.ones(len(seq_ids), device=self.device),
+                        logp_ref=None if m.logp_ref is None else m.logp_ref[sel],  # logs kl_mean whenever given
+                        seq_ids=seq_ids,
+                        logp_rollout=m.logp_rollout[sel] if self.importance_correction else None,
+                        normalizer=norm,
+                        **self.loss_knobs(),
+                    ),
+                )
                 part = self._part  # this rank's loss tokens (a slice of every micro-batch's with sequence parallelism)
                 seq_ids = seq_ids[part]
                 if faults.injected("nan_loss", int(self.engine.global_steps) + 1):  # tests only
@@ -269,7 +325,8 @@ class Trainer:
             sums["_w"] = sums.get("_w", 0.0) + w
         if self.sp.size > 1:  # each rank scored a slice of the group's tokens: its metrics are over all of them
             sums, (gap_sum, gap_n, gap_max), ratios, rollout_ratios, is_ratios = ulysses.merge_metrics(
-                self.sp, sums, (gap_sum, gap_n, gap_max), ratios, rollout_ratios, is_ratios)
+                self.sp, sums, (gap_sum, gap_n, gap_max), ratios, rollout_ratios, is_ratios
+            )
         n_updates = len(grad_norms)
         sums["grad_norm"] = sum(grad_norms)
         if self.peft is not None:
@@ -282,8 +339,12 @@ class Trainer:
         out["lr"] = lr
         if self.router is not None:  # routing/mismatch, router/load_cv, router/load_max_mean
             out.update(self.router.metrics())
-        out.update(distribution_metrics(ratio=torch.cat(ratios) if ratios else [],
-                                        rollout_ratio=torch.cat(rollout_ratios) if rollout_ratios else []))
+        out.update(
+            distribution_metrics(
+                ratio=torch.cat(ratios) if ratios else [],
+                rollout_ratio=torch.cat(rollout_ratios) if rollout_ratios else [],
+            )
+        )
         out["nonfinite_steps"] = self.engine.skipped_steps - skipped  # updates DeepSpeed discarded
         if is_ratios:  # how far vLLM's sampling is from the trainer's policy; TIS (if on) caps it, masked IS drops
             is_ratio = torch.cat(is_ratios)  # [tokens]

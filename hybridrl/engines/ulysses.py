@@ -39,6 +39,7 @@ from hybridrl.data.batch import Batch, per_token
 
 class Group(NamedTuple):
     """This rank's sequence-parallel group: `size` consecutive ranks, this one `rank` of them."""
+
     pg: object  # the torch.distributed process group (None for a group of one)
     rank: int
     size: int
@@ -74,19 +75,21 @@ def gather_batch(batch: Batch, group: Group) -> tuple[Batch, int]:
         if xs[0] is None:
             return None
         return torch.cat([x if x.dim() == 1 else torch.nn.functional.pad(x, (0, T - x.shape[1])) for x in xs])
-    start = sum(len(p) for p in parts[:group.rank])
+
+    start = sum(len(p) for p in parts[: group.rank])
     return replace(batch, **{f.name: cat(f.name) for f in fields(Batch)}), start
 
 
 def rows_of(per_token: torch.Tensor, start: int, batch: Batch) -> torch.Tensor:
     """This rank's rows of a [B_group, T_group] per-token tensor, cut to its own batch's shape."""
-    return per_token[start:start + len(batch), :batch.tokens.shape[1]]
+    return per_token[start : start + len(batch), : batch.tokens.shape[1]]
 
 
 # --- one micro-batch's slices ------------------------------------------------------------------------
 @dataclass
 class Shard:
     """One rank's slice of a packed micro-batch, and what attention needs of the whole row."""
+
     tokens: torch.Tensor  # [1, S] long, this rank's slice of the packed (and padded) row
     position_ids: torch.Tensor  # [1, S] long, their positions within their samples
     targets: torch.Tensor  # [1, S] long, the token each position predicts (the next one in the row)
@@ -113,16 +116,29 @@ def shard(mb: Batch, rank: int, size: int) -> Shard:
     n0 = int(sel[:a].sum())
     part = slice(n0, n0 + int(sel[a:b].sum()))
     dev = mb.tokens.device
-    return Shard(tokens[a:b][None].to(dev), positions[a:b][None].to(dev), targets[a:b][None].to(dev),
-                 sel[a:b][None].to(dev), segments.to(dev), positions[None].to(dev), part)
+    return Shard(
+        tokens[a:b][None].to(dev),
+        positions[a:b][None].to(dev),
+        targets[a:b][None].to(dev),
+        sel[a:b][None].to(dev),
+        segments.to(dev),
+        positions[None].to(dev),
+        part,
+    )
 
 
 def module_inputs(mb: Batch, group: Group) -> tuple[Shard, tuple, dict]:
     """This rank's slice of mb (`shard`) and TokenLogprobs' (tokens, attention_mask, loss_mask) and
     keyword inputs for it. The trainer and the reference run their slices alike."""
     s = shard(mb, group.rank, group.size)
-    return s, (s.tokens, None, None), dict(position_ids=s.position_ids, shard=dict(
-        targets=s.targets, sel=s.sel, segments=s.segments, full_position_ids=s.full_position_ids))
+    return (
+        s,
+        (s.tokens, None, None),
+        dict(
+            position_ids=s.position_ids,
+            shard=dict(targets=s.targets, sel=s.sel, segments=s.segments, full_position_ids=s.full_position_ids),
+        ),
+    )
 
 
 def group_logprobs(forward, batch: Batch, plan, group: Group, device) -> torch.Tensor:
@@ -145,7 +161,7 @@ def gather_tokens(x: torch.Tensor, group: Group) -> torch.Tensor:
     padded = torch.nn.functional.pad(x, (0, most - len(x)))
     out = [torch.empty_like(padded) for _ in range(group.size)]
     dist.all_gather(out, padded, group=group.pg)
-    return torch.cat([o[:int(k)] for o, k in zip(out, ns)])
+    return torch.cat([o[: int(k)] for o, k in zip(out, ns)])
 
 
 def merge_metrics(group: Group, sums: dict, gap: tuple, *per_token: list) -> tuple:
@@ -207,6 +223,7 @@ def heads_to_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
 @dataclass
 class Active:
     """What the attention of the forward under way needs: the group and the whole row's layout."""
+
     group: Group
     segments: torch.Tensor  # [L]
     position_ids: torch.Tensor  # [1, L]
@@ -249,6 +266,7 @@ def _as_seen_by(module, implementation: str):
 
 def _inner(name: str, module):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
     if name in ALL_ATTENTION_FUNCTIONS:
         return ALL_ATTENTION_FUNCTIONS[name]
     return sys.modules[type(module).__module__].eager_attention_forward  # eager: the model's own
@@ -277,8 +295,9 @@ def _attention(inner_name: str):
             # one causal call per packed sample: a block-causal [L, L] mask would be built per layer
             # and kept by sdpa for the backward in float (2 GiB a layer at 32k tokens), where the
             # plan counts activations linear in the tokens; causal sdpa builds no mask
-            out = torch.cat([inner(module, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, **kw)[0]
-                             for a, b in act.bounds], dim=1)
+            out = torch.cat(
+                [inner(module, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, **kw)[0] for a, b in act.bounds], dim=1
+            )
         else:  # eager: the [L, L] scores are its own; it adds the block-causal mask to them
             L = act.segments.shape[0]
             causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril_()
@@ -287,6 +306,7 @@ def _attention(inner_name: str):
             out, _ = inner(module, q, k, v, mask, **kw)
         out = heads_to_seq(out.transpose(1, 2), g)  # [1, H, S, D]
         return out.transpose(1, 2).contiguous(), None
+
     return attention
 
 
@@ -296,6 +316,7 @@ def install(hf) -> str:
     sequence parallelism are unchanged); returns the name."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
+
     inner = hf.config._attn_implementation
     name = PREFIX + inner
     AttentionInterface.register(name, _attention(inner))

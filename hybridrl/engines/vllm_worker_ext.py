@@ -13,8 +13,9 @@ from hybridrl.engines import ipc, vllm_compat
 
 
 class WeightReceiver:
-    def hybridrl_receive_weights(self, address: str, digest: bool = False, timeout_s: float = ipc.TIMEOUT_S,
-                                 adapter: dict | None = None) -> dict:
+    def hybridrl_receive_weights(
+        self, address: str, digest: bool = False, timeout_s: float = ipc.TIMEOUT_S, adapter: dict | None = None
+    ) -> dict:
         """Load every tensor sent to `address`; returns what arrived (and sha256s if `digest`).
         Raises (and the RPC returns) after `timeout_s` without a message, or when the sender aborts.
         With `adapter` (LoRA's config) the tensors are the policy's adapter, not weights."""

@@ -32,8 +32,15 @@ def ds_config(cfg: Config, bf16: bool, plat: platform.Platform | None = None, lr
         # micro-batches are sized by tokens, so their count varies: step() is the boundary
         "managed_gradient_accumulation": False,
         "gradient_clipping": t.grad_clip,
-        "optimizer": {"type": "AdamW", "params": {  # DeepSpeed's own, so states can be offloaded
-            "lr": t.lr if lr is None else lr, "betas": list(t.betas), "eps": 1e-8, "weight_decay": t.weight_decay}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {  # DeepSpeed's own, so states can be offloaded
+                "lr": t.lr if lr is None else lr,
+                "betas": list(t.betas),
+                "eps": 1e-8,
+                "weight_decay": t.weight_decay,
+            },
+        },
         "zero_optimization": {
             "stage": t.zero_stage,
             "stage3_param_persistence_threshold": 0,  # else small params are never partitioned
@@ -81,13 +88,15 @@ def lr_scheduler(cfg: Config):
     if t.lr_schedule == "constant" and not t.warmup_steps:
         return None
     total = t.steps * t.epochs * t.minibatches
-    factor = functools.partial(lr_factor, schedule=t.lr_schedule, warmup=t.warmup_steps, total=total,
-                               min_ratio=t.min_lr_ratio)
+    factor = functools.partial(
+        lr_factor, schedule=t.lr_schedule, warmup=t.warmup_steps, total=total, min_ratio=t.min_lr_ratio
+    )
     return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def plan_micro_batches(rows: Batch | None, max_tokens: int, packed: bool = False,
-                       shared: bool = False) -> list[torch.Tensor | None]:
+def plan_micro_batches(
+    rows: Batch | None, max_tokens: int, packed: bool = False, shared: bool = False
+) -> list[torch.Tensor | None]:
     """Micro-batches of `rows`, padded with None (a zero-weight dummy) up to the largest count on
     any rank: under ZeRO-3 every forward gathers parameters collectively, so ranks with different
     counts would hang. The policy and the critic both plan this way. `shared`: a prompt's rows
@@ -111,8 +120,9 @@ def host_step_threads(t, plat: platform.Platform, environ=None, cores: int | Non
     return optimizer_threads(environ, cores) if plat.cuda and t.optimizer_offload == "on" else 0
 
 
-def minibatch_updates(engine, batch: Batch, t, plan, normalizer, device, grad_norms: list[float],
-                      plat: platform.Platform):
+def minibatch_updates(
+    engine, batch: Batch, t, plan, normalizer, device, grad_norms: list[float], plat: platform.Platform
+):
     """The update skeleton the policy and the critic share: t.epochs passes over `batch` in
     t.minibatches shuffled minibatches (the same count on every rank), each cut into the micro-batches
     `plan` gives. Yields (micro-batch on `device`, its minibatch's normaliser, backward scale): the
@@ -144,8 +154,9 @@ def load_engine_checkpoint(engine, path: str, tag: str, strict: bool = True) -> 
     deepspeed_compat.fresh_cpu_adam_powers).
     `strict=False`: the checkpoint holds the trainable parameters only (LoRA: the adapter; the
     frozen base comes from model.path)."""
-    _, client = engine.load_checkpoint(path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True,
-                                       load_module_strict=strict)
+    _, client = engine.load_checkpoint(
+        path, tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True, load_module_strict=strict
+    )
     if client is None:
         raise RuntimeError(f"DeepSpeed found no checkpoint '{tag}' in {path}")
 
@@ -183,6 +194,7 @@ def from_pretrained(auto_cls, path: str, conf: dict, **kw) -> nn.Module:
     import copy
 
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
     keep = HfDeepSpeedConfig(copy.deepcopy(conf))  # transformers holds only a weak reference to it
     try:
         model = auto_cls.from_pretrained(path, **kw)

@@ -25,8 +25,23 @@ from hybridrl.core.memory import host_memory, peak_since_reset, reset_peak
 
 # every phase a step times, in the order the loop runs them (engine_cycle.py: sleep ... wake_kv);
 # `hybridrl report` stacks them in this order
-PHASES = ("generate", "sleep", "reload", "reward", "reward_model", "old_logprob", "ref_logprob", "values", "train",
-          "critic", "offload", "wake_weights", "sync", "wake_kv", "probe")
+PHASES = (
+    "generate",
+    "sleep",
+    "reload",
+    "reward",
+    "reward_model",
+    "old_logprob",
+    "ref_logprob",
+    "values",
+    "train",
+    "critic",
+    "offload",
+    "wake_weights",
+    "sync",
+    "wake_kv",
+    "probe",
+)
 
 
 class Phases(dict):
@@ -61,18 +76,22 @@ class Phases(dict):
         finally:
             self[name] = self.get(name, 0.0) + time.perf_counter() - t
             rss, peak = host_memory()
-            self.memory[f"host/{name}/peak_gb"] = max(self.memory.get(f"host/{name}/peak_gb", 0.0),
-                                                      peak_since_reset() * 2.0 ** -30)
-            self.memory["host/rss_gb"] = max(self.memory.get("host/rss_gb", 0.0), rss * 2.0 ** -30)
-            self.memory["host/peak_gb"] = max(self.memory["host/rss_gb"], peak * 2.0 ** -30)
+            self.memory[f"host/{name}/peak_gb"] = max(
+                self.memory.get(f"host/{name}/peak_gb", 0.0), peak_since_reset() * 2.0**-30
+            )
+            self.memory["host/rss_gb"] = max(self.memory.get("host/rss_gb", 0.0), rss * 2.0**-30)
+            self.memory["host/peak_gb"] = max(self.memory["host/rss_gb"], peak * 2.0**-30)
             if self._cuda:
                 free, total = torch.cuda.mem_get_info()
-                gb = 2.0 ** -30
-                self.memory.update({
-                    f"mem/{name}/allocated_gb": torch.cuda.memory_allocated() * gb,
-                    f"mem/{name}/reserved_gb": torch.cuda.memory_reserved() * gb,
-                    f"mem/{name}/peak_gb": torch.cuda.max_memory_allocated() * gb,
-                    f"mem/{name}/device_used_gb": (total - free) * gb})
+                gb = 2.0**-30
+                self.memory.update(
+                    {
+                        f"mem/{name}/allocated_gb": torch.cuda.memory_allocated() * gb,
+                        f"mem/{name}/reserved_gb": torch.cuda.memory_reserved() * gb,
+                        f"mem/{name}/peak_gb": torch.cuda.max_memory_allocated() * gb,
+                        f"mem/{name}/device_used_gb": (total - free) * gb,
+                    }
+                )
 
 
 def _run_dir(cfg: Config, main: bool) -> Path:
@@ -108,8 +127,10 @@ class TensorBoardSink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ConfigError("log.tensorboard needs the tensorboard package: "
-                              "pip install 'hybridrl[log]' (or set log.tensorboard false)") from None
+            raise ConfigError(
+                "log.tensorboard needs the tensorboard package: "
+                "pip install 'hybridrl[log]' (or set log.tensorboard false)"
+            ) from None
         # purge_step: a resumed run hides the events its crashed predecessor logged after the checkpoint
         self.w = SummaryWriter(log_dir=str(log_dir), flush_secs=10, purge_step=purge_step)
 
@@ -122,8 +143,14 @@ class TensorBoardSink:
         self.w.add_text("warnings", text, step)
 
     def samples(self, step: int, rows: list[dict]) -> None:
-        self.w.add_text("samples", "\n\n".join(f"**prompt** {r['prompt']}\n\n**completion** {r['completion']}\n\n"
-                                                f"**reward** {r['reward']:g}" for r in rows), step)
+        self.w.add_text(
+            "samples",
+            "\n\n".join(
+                f"**prompt** {r['prompt']}\n\n**completion** {r['completion']}\n\n**reward** {r['reward']:g}"
+                for r in rows
+            ),
+            step,
+        )
 
     def close(self, summary: dict) -> None:
         self.w.add_text("summary", "\n\n".join(f"{k}: {v}" for k, v in summary.items()))
@@ -141,6 +168,7 @@ def wandb_mode(setting: str) -> str:
         return "online"
     import netrc
     from urllib.parse import urlparse
+
     host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
     try:
         return "online" if netrc.netrc(os.environ.get("NETRC")).authenticators(host) else "offline"
@@ -153,16 +181,24 @@ class WandbSink:
         try:
             import wandb
         except ImportError:
-            raise ConfigError("log.wandb needs the wandb package: pip install 'hybridrl[log]' "
-                              "(or set log.wandb false)") from None
+            raise ConfigError(
+                "log.wandb needs the wandb package: pip install 'hybridrl[log]' (or set log.wandb false)"
+            ) from None
         mode = wandb_mode(cfg.log.wandb_mode)
         # console="off": wandb must not wrap stdout, which would break the live progress line
-        self.run = wandb.init(project=cfg.log.wandb_project, dir=str(run_dir), name=run_dir.name,
-                              config=to_dict(cfg), mode=mode,
-                              settings=wandb.Settings(console="off", silent=True))
+        self.run = wandb.init(
+            project=cfg.log.wandb_project,
+            dir=str(run_dir),
+            name=run_dir.name,
+            config=to_dict(cfg),
+            mode=mode,
+            settings=wandb.Settings(console="off", silent=True),
+        )
         if mode == "offline":
-            print(f"wandb: offline run in {self.run.dir}; upload it with `wandb sync {Path(self.run.dir).parent}`",
-                  flush=True)
+            print(
+                f"wandb: offline run in {self.run.dir}; upload it with `wandb sync {Path(self.run.dir).parent}`",
+                flush=True,
+            )
 
     def scalars(self, step: int, values: dict) -> None:
         self.run.log(values, step=step)
@@ -172,8 +208,11 @@ class WandbSink:
 
     def samples(self, step: int, rows: list[dict]) -> None:
         import wandb
-        table = wandb.Table(columns=["step", "prompt", "completion", "answer", "reward"],
-                            data=[[step, r["prompt"], r["completion"], r["answer"], r["reward"]] for r in rows])
+
+        table = wandb.Table(
+            columns=["step", "prompt", "completion", "answer", "reward"],
+            data=[[step, r["prompt"], r["completion"], r["answer"], r["reward"]] for r in rows],
+        )
         self.run.log({"samples": table}, step=step)
 
     def close(self, summary: dict) -> None:
@@ -220,8 +259,9 @@ class RunLog:
             self.sinks.append(JsonlSink(self.dir / "metrics.jsonl"))
             self._samples = Journal(self.dir / "samples.jsonl")
             if cfg.log.tensorboard:
-                self.sinks.append(TensorBoardSink(self.dir / "tensorboard",
-                                                  None if resume_step is None else resume_step + 1))
+                self.sinks.append(
+                    TensorBoardSink(self.dir / "tensorboard", None if resume_step is None else resume_step + 1)
+                )
             if cfg.log.wandb:
                 self.sinks.append(WandbSink(cfg, self.dir))
 
@@ -254,8 +294,15 @@ class RunLog:
         if step == 0:
             self.first_sampled = self.last_sampled
         for s in self.sinks:
-            s.scalars(step, {"heldout_acc": acc, "eval/pass@1": acc, **self.last_sampled,
-                             **({"time/eval": seconds} if seconds is not None else {})})
+            s.scalars(
+                step,
+                {
+                    "heldout_acc": acc,
+                    "eval/pass@1": acc,
+                    **self.last_sampled,
+                    **({"time/eval": seconds} if seconds is not None else {}),
+                },
+            )
         mean = f"  mean@{self.eval_n} {sampled['eval/mean@n']:6.1%}" if "eval/mean@n" in self.last_sampled else ""
         self._line(f"step {step:>4}/{self.total}  held-out accuracy {acc:6.1%}{mean}", force=True)
 
@@ -269,9 +316,11 @@ class RunLog:
         acc = "  --  " if self.last_acc is None else f"{self.last_acc:6.1%}"
         t = sum(v for k, v in m.items() if k.startswith("time/"))
         if self.progress:
-            self._line(f"step {step:>4}/{self.total}  reward {m['reward']:.3f}  held-out {acc}  "
-                       f"{m['rollout_tok_s']:7.0f} rollout tok/s  {t * 1000:6.0f} ms/step  "
-                       f"[{m['elapsed_s']:5.0f}s]")
+            self._line(
+                f"step {step:>4}/{self.total}  reward {m['reward']:.3f}  held-out {acc}  "
+                f"{m['rollout_tok_s']:7.0f} rollout tok/s  {t * 1000:6.0f} ms/step  "
+                f"[{m['elapsed_s']:5.0f}s]"
+            )
         for text in self.canaries.check(step, m):
             self.warnings.append(text)
             for s in self.sinks:
@@ -292,13 +341,20 @@ class RunLog:
     def close(self, summary: dict) -> None:
         if not self.main:
             return
-        summary = {**summary, **self.counts, "warnings": len(self.warnings),
-                   "truncation_warnings": self.canaries.fired.get("truncated", 0)}
+        summary = {
+            **summary,
+            **self.counts,
+            "warnings": len(self.warnings),
+            "truncation_warnings": self.canaries.fired.get("truncated", 0),
+        }
         dropped = self._samples.dropped + sum(s.file.dropped for s in self.sinks if isinstance(s, JsonlSink))
         if dropped:  # a full disk: the summary row itself may not get written, so say it here too
             summary["log_rows_dropped"] = dropped
-            print(f"warning: {dropped} row(s) of metrics.jsonl / samples.jsonl could not be written (disk full?)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"warning: {dropped} row(s) of metrics.jsonl / samples.jsonl could not be written (disk full?)",
+                file=sys.stderr,
+                flush=True,
+            )
         self._samples.close()
         for s in self.sinks:
             s.close(summary)
@@ -306,9 +362,12 @@ class RunLog:
         acc = "n/a (no held-out split: set data.heldout_path)" if before is None else f"{before:.1%} -> {after:.1%}"
         if "eval/mean@n" in self.last_sampled:
             first = self.first_sampled.get("eval/mean@n")
-            acc += (f" (pass@1), mean@{self.eval_n} {'' if first is None else f'{first:.1%} -> '}"
-                    f"{self.last_sampled['eval/mean@n']:.1%}")
-        print(f"\nheld-out accuracy: {acc}  ({summary['steps']} steps, {summary['minutes']:.1f} min, "
-              f"run dir {self.dir})"
-              + (f"; {len(self.warnings)} warning(s), see metrics.jsonl" if self.warnings else ""), flush=True)
-
+            acc += (
+                f" (pass@1), mean@{self.eval_n} {'' if first is None else f'{first:.1%} -> '}"
+                f"{self.last_sampled['eval/mean@n']:.1%}"
+            )
+        print(
+            f"\nheld-out accuracy: {acc}  ({summary['steps']} steps, {summary['minutes']:.1f} min, "
+            f"run dir {self.dir})" + (f"; {len(self.warnings)} warning(s), see metrics.jsonl" if self.warnings else ""),
+            flush=True,
+        )

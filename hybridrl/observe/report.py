@@ -61,8 +61,9 @@ def load(run_dir: str | Path) -> Run:
 
 def phase_names(run: Run) -> list[str]:
     """The phases a run timed, in the loop's order (progress.PHASES)."""
-    from hybridrl.observe.progress import (
-        PHASES)  # here, not at the top: progress imports torch, `report` alone needs none
+    from hybridrl.observe.progress import (  # here, not at the top: progress imports torch, `report` alone needs none
+        PHASES,
+    )
 
     seen = {k.split("/", 1)[1] for r in run.steps for k in r if k.startswith("time/")}
     return [p for p in PHASES if p in seen] + sorted(seen - set(PHASES))  # a phase added since: last
@@ -144,8 +145,10 @@ def _phase_bars(ax, run: Run):
         ax.axvline(w["step"], color="red", lw=0.6, alpha=0.5)
     warm_note = ""
     if warm:
-        warm_note = (f" (hatched: warm-up, step{'s' if warm > 1 else ''} {x[0]}{f'-{x[warm - 1]}' if warm > 1 else ''}"
-                     f" took {', '.join(f'{b:.1f}' for b in bottom[:warm])} s, off the scale)")
+        warm_note = (
+            f" (hatched: warm-up, step{'s' if warm > 1 else ''} {x[0]}{f'-{x[warm - 1]}' if warm > 1 else ''}"
+            f" took {', '.join(f'{b:.1f}' for b in bottom[:warm])} s, off the scale)"
+        )
     if x:
         ax.set_ylim(0, top)
     ax.set_title("time per step by phase (red: canary warnings)", fontsize=10)
@@ -174,8 +177,15 @@ def _reward(ax, run: Run):
     if reward_kind(run) == "binary":
         _lines(ax, run, ["reward", "signal_frac"], "reward and held-out accuracy", "fraction of samples")
         if run.evals:
-            ax.plot([e["step"] for e in run.evals], [e["heldout_acc"] for e in run.evals], "o-", color="black",
-                    label="held-out accuracy", lw=1.2, ms=3)
+            ax.plot(
+                [e["step"] for e in run.evals],
+                [e["heldout_acc"] for e in run.evals],
+                "o-",
+                color="black",
+                label="held-out accuracy",
+                lw=1.2,
+                ms=3,
+            )
         ax.set_ylim(0, 1.02)
         ax.legend(fontsize=7, loc="best")
         return
@@ -183,8 +193,15 @@ def _reward(ax, run: Run):
     _lines(ax, run, ["reward", "reward/p50"], "reward and held-out accuracy", "reward")
     if run.evals:
         twin = ax.twinx()
-        twin.plot([e["step"] for e in run.evals], [e["heldout_acc"] for e in run.evals], "o-", color="black",
-                  label="held-out accuracy", lw=1.2, ms=3)
+        twin.plot(
+            [e["step"] for e in run.evals],
+            [e["heldout_acc"] for e in run.evals],
+            "o-",
+            color="black",
+            label="held-out accuracy",
+            lw=1.2,
+            ms=3,
+        )
         twin.set_ylabel("held-out accuracy", fontsize=8)
         twin.set_ylim(0, 1)
         twin.legend(fontsize=7, loc="lower right")
@@ -194,8 +211,15 @@ def _memory(ax, run: Run):
     table = memory_table(run)
     ax.set_title("device memory by phase (max over the run)", fontsize=10)
     if not table:
-        ax.text(0.5, 0.5, "no GPU memory recorded\n(a CPU run records none)", ha="center", va="center",
-                transform=ax.transAxes, color="gray")
+        ax.text(
+            0.5,
+            0.5,
+            "no GPU memory recorded\n(a CPU run records none)",
+            ha="center",
+            va="center",
+            transform=ax.transAxes,
+            color="gray",
+        )
         ax.set_xticks([])
         ax.set_yticks([])
         return
@@ -203,8 +227,12 @@ def _memory(ax, run: Run):
     kinds = sorted({k for v in table.values() for k in v})
     width = 0.8 / len(kinds)
     for i, kind in enumerate(kinds):
-        ax.bar([j + i * width for j in range(len(phases))], [table[p].get(kind, 0.0) for p in phases],
-               width=width, label=kind.removesuffix("_gb"))
+        ax.bar(
+            [j + i * width for j in range(len(phases))],
+            [table[p].get(kind, 0.0) for p in phases],
+            width=width,
+            label=kind.removesuffix("_gb"),
+        )
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(phases))], phases, fontsize=8)
     ax.set_ylabel("GiB", fontsize=8)
     ax.legend(fontsize=7)
@@ -221,13 +249,25 @@ def figure(run: Run | str | Path):
     _reward(ax[1], run)
     _memory(ax[2], run)
     _lines(ax[3], run, ["rollout_tok_s", "train_tok_s"], "throughput", "tokens/s")
-    _lines(ax[4], run, ["clip_frac_low", "clip_frac_high"], "clipped token fraction", "fraction",
-           hline=(0.3, "canary: 0.3 (low + high)"))
+    _lines(
+        ax[4],
+        run,
+        ["clip_frac_low", "clip_frac_high"],
+        "clipped token fraction",
+        "fraction",
+        hline=(0.3, "canary: 0.3 (low + high)"),
+    )
     _band(ax[5], run, "ratio")
     _band(ax[5], run, "rollout_ratio")  # trainer / vLLM: skew or wide tails = the engines disagree
     _lines(ax[5], run, ["ratio_mean", "ratio_min", "ratio_max"], "importance ratios (pi/pi_old; trainer/vLLM)", "ratio")
-    _lines(ax[6], run, ["logp_gap_mean", "logp_gap_max", "probe_gap"],
-           "trainer vs vLLM log-prob gap (sampled tokens; probe batch)", "|delta logp|", log=True)
+    _lines(
+        ax[6],
+        run,
+        ["logp_gap_mean", "logp_gap_max", "probe_gap"],
+        "trainer vs vLLM log-prob gap (sampled tokens; probe batch)",
+        "|delta logp|",
+        log=True,
+    )
     _lines(ax[7], run, ["entropy_mean"], "entropy (nats/token)", "nats")
     _lines(ax[8], run, ["grad_norm"], "gradient norm (before clipping)", "L2 norm")
     _band(ax[9], run, "response_len")
@@ -243,6 +283,7 @@ def _fmt(v, spec=".3g") -> str:
 
 def summary_rows(run: Run) -> list[tuple[str, str]]:
     """(label, value) pairs for the HTML table."""
+
     def col(k, rows=run.steps):
         return [r[k] for r in rows if isinstance(r.get(k), (int, float))]
 
@@ -252,8 +293,12 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
     else:  # a crashed or running job: first and latest evaluation
         acc = " -> ".join(f"{e['heldout_acc']:.1%}" for e in run.evals[:1] + run.evals[-1:]) or "-"
     last = col("reward", run.steps[-10:])
-    rows = [("steps", str(len(run.steps))), ("minutes", _fmt(s.get("minutes"), ".1f")),
-            ("held-out accuracy", acc), ("reward, mean of the last 10 steps", _fmt(mean(last) if last else None))]
+    rows = [
+        ("steps", str(len(run.steps))),
+        ("minutes", _fmt(s.get("minutes"), ".1f")),
+        ("held-out accuracy", acc),
+        ("reward, mean of the last 10 steps", _fmt(mean(last) if last else None)),
+    ]
     step_s = [sum(v for k, v in r.items() if k.startswith("time/")) for r in run.steps]
     if step_s:
         rows.append(("step time, median (s)", _fmt(median(step_s))))

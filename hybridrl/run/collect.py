@@ -50,6 +50,7 @@ def single_turn_greedy(rollout, tokenizer, prompts: list, max_tokens: int) -> tu
 @dataclass
 class Rollouts:
     """This rank's training groups, group-major: sample j of group g is samples[g * n + j]."""
+
     prompts: list[Prompt]  # [G]
     samples: list[Sample]  # [G * n]
     rewards: torch.Tensor  # [G, n] final rewards (overlong penalty included)
@@ -66,15 +67,27 @@ class _Group:
 
 
 class Collector:
-    def __init__(self, cfg: Config, rollout: Rollout, scorer: Scorer, tokenizer, prompts: list[Prompt],
-                 sampler: Sampler, world, models: list[tuple[str, float, RewardModel]] | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        rollout: Rollout,
+        scorer: Scorer,
+        tokenizer,
+        prompts: list[Prompt],
+        sampler: Sampler,
+        world,
+        models: list[tuple[str, float, RewardModel]] | None = None,
+    ):
         self.cfg, self.rollout, self.scorer, self.tokenizer = cfg, rollout, scorer, tokenizer
         self.prompts, self.sampler, self.world = prompts, sampler, world
         # (name, weight, model) per rm: term; the loop loads them before vLLM is planned
         self.models = reward_model.load_all(cfg, world.device) if models is None else models
         self.model_sums = {name: 0.0 for name, _, _ in self.models}  # this step's sum of each RM's scores
-        self.episodes = multiturn.Episodes(cfg, rollout, tokenizer, rank=world.rank, run_dir=scorer.run_dir) \
-            if cfg.env.cls else None  # multi-turn: an environment between assistant turns
+        self.episodes = (
+            multiturn.Episodes(cfg, rollout, tokenizer, rank=world.rank, run_dir=scorer.run_dir)
+            if cfg.env.cls
+            else None
+        )  # multi-turn: an environment between assistant turns
         # rollout.partial: groups in flight between steps (partial.py); the checkpoint holds them
         self.buffer = partial.Buffer() if cfg.rollout.partial == "on" else None
 
@@ -98,15 +111,24 @@ class Collector:
                 rejected.append(dropped)
                 yield torch.stack([g.rewards for g in groups]) if groups else torch.zeros(0, n)
 
-        plan = dapo.fill(rounds(), target, a.dynamic_sampling_max_rounds, dynamic=a.dynamic_sampling,
-                         rank=world.rank, world_size=world.size, all_sum=launch.all_sum)
+        plan = dapo.fill(
+            rounds(),
+            target,
+            a.dynamic_sampling_max_rounds,
+            dynamic=a.dynamic_sampling,
+            rank=world.rank,
+            world_size=world.size,
+            all_sum=launch.all_sum,
+        )
         kept = [seen[r][g] for r, g in plan.kept]
         every = [g for groups in seen for g in groups]
         filler = not kept
         if filler:  # this rank keeps one group with no gradient so it stays in the trainer's collectives
             if not every:
-                raise UserError("vLLM rejected every prompt of this rank's batch; see the warnings above "
-                                "(prompts longer than rollout.max_model_len, or token ids outside the vocabulary)")
+                raise UserError(
+                    "vLLM rejected every prompt of this rank's batch; see the warnings above "
+                    "(prompts longer than rollout.max_model_len, or token ids outside the vocabulary)"
+                )
             kept = every[:1]
         samples = [s for g in kept for s in g.samples]
         truncated = torch.tensor([not s.finished for s in samples])
@@ -115,12 +137,35 @@ class Collector:
         out = self._metrics(every, [] if filler else kept, sum(rejected), plan)
         if self.buffer:  # the tokens generated this step (a carried sample's earlier ones were counted then)
             c = self.buffer.counts
-            sums = launch.all_sum([c["generated"], c["aborted"], c["carried"], c["continued"], c["expired"],
-                                   0 if filler else len(kept), c["held"]])  # trained: the share, or a few more
+            sums = launch.all_sum(
+                [
+                    c["generated"],
+                    c["aborted"],
+                    c["carried"],
+                    c["continued"],
+                    c["expired"],
+                    0 if filler else len(kept),
+                    c["held"],
+                ]
+            )  # trained: the share, or a few more
             # vllm_requests_held: what vLLM still holds after the abort, 0 unless cut requests leak
-            out.update(rollout_tokens=sums[0], **{f"partial/{k}": v for k, v in zip(
-                ("aborted_samples", "carried_groups", "continued_samples", "expired_groups", "trained_groups",
-                 "vllm_requests_held"), sums[1:])})
+            out.update(
+                rollout_tokens=sums[0],
+                **{
+                    f"partial/{k}": v
+                    for k, v in zip(
+                        (
+                            "aborted_samples",
+                            "carried_groups",
+                            "continued_samples",
+                            "expired_groups",
+                            "trained_groups",
+                            "vllm_requests_held",
+                        ),
+                        sums[1:],
+                    )
+                },
+            )
             out.update(partial.metrics(samples, partial.version_of(step), self.cfg.rollout.partial_max_age))
         return Rollouts([g.prompt for g in kept], samples, torch.stack([g.rewards for g in kept]), masked, out)
 
@@ -128,14 +173,18 @@ class Collector:
         """Generate n samples for each of this rank's share of `prompts_per_step` new prompts and
         score them; returns the scored groups and how many prompts vLLM rejected."""
         cfg, w, n = self.cfg, self.world, self.cfg.rollout.n
-        index = self.sampler.next(cfg.train.prompts_per_step)[w.rank::w.size]  # dataset rows, this rank's share
+        index = self.sampler.next(cfg.train.prompts_per_step)[w.rank :: w.size]  # dataset rows, this rank's share
         batch = [self.prompts[i] for i in index]
         pending: dict[int, list[Sample | None]] = {i: [None] * n for i in range(len(batch))}
         with phases("generate"):  # vLLM is awake: the hand-off (or engine start) woke it
-            kw = dict(temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-                      max_tokens=cfg.rollout.max_new_tokens)
-            gen = self.episodes.generate(batch, n, index, **kw) if self.episodes else \
-                self.rollout.generate([p.ids for p in batch], n, **kw)
+            kw = dict(
+                temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p, max_tokens=cfg.rollout.max_new_tokens
+            )
+            gen = (
+                self.episodes.generate(batch, n, index, **kw)
+                if self.episodes
+                else self.rollout.generate([p.ids for p in batch], n, **kw)
+            )
             for i in gen.rejected:
                 del pending[i]
             for finished in gen:
@@ -146,8 +195,13 @@ class Collector:
                     group[s.sample_idx] = s
                     p, meta = batch[s.prompt_idx], {"prompt_index": index[s.prompt_idx]}
                     if not self.scorer.batched:  # score it now, while the engine generates the rest
-                        self.scorer.submit((s.prompt_idx, s.sample_idx), p.text, [self._text(s)], p.answer,
-                                           {**meta, "sample": s.sample_idx})
+                        self.scorer.submit(
+                            (s.prompt_idx, s.sample_idx),
+                            p.text,
+                            [self._text(s)],
+                            p.answer,
+                            {**meta, "sample": s.sample_idx},
+                        )
                     elif all(group):  # a batched reward takes the whole group at once
                         self.scorer.submit((s.prompt_idx, None), p.text, [self._text(x) for x in group], p.answer, meta)
                 self.scorer.poll()
@@ -159,8 +213,7 @@ class Collector:
         """The groups of `pending` (key -> its n samples; `batch[key]` its prompt) with their rewards: the
         verifiers' `scores`, the reward models', the environment's and the overlong penalty."""
         cfg, n = self.cfg, self.cfg.rollout.n
-        raws = {i: scores[(i, None)] if self.scorer.batched else [scores[(i, j)][0] for j in range(n)]
-                for i in pending}
+        raws = {i: scores[(i, None)] if self.scorer.batched else [scores[(i, j)][0] for j in range(n)] for i in pending}
         if self.models:
             with phases("reward_model"):
                 self._add_model_scores(batch, pending, raws)
@@ -168,8 +221,9 @@ class Collector:
         for i, samples in pending.items():
             raw = [x + s.env_reward for x, s in zip(raws[i], samples)]  # 0 without an environment
             lengths = torch.tensor([len(s.token_ids) for s in samples])
-            shaped = torch.tensor(raw) + dapo.overlong_penalty(lengths, completion_budget(cfg),
-                                                               cfg.algo.overlong_buffer, cfg.algo.overlong_penalty)
+            shaped = torch.tensor(raw) + dapo.overlong_penalty(
+                lengths, completion_budget(cfg), cfg.algo.overlong_buffer, cfg.algo.overlong_penalty
+            )
             groups.append(_Group(batch[i], samples, raw, shaped))
         return groups
 
@@ -189,11 +243,12 @@ class Collector:
         counts = [int(x) for x in launch.all_sum(counts)]
         rows = self.sampler.next(sum(counts)) if sum(counts) else []
         start = sum(counts[: w.rank])
-        rows = [g.index for g in expired] + list(rows[start:start + draw])
+        rows = [g.index for g in expired] + list(rows[start : start + draw])
         new = [partial.fresh(i, n, version) for i in rows]
         groups = carried + new  # generation's prompt index: a new group i is 0.., a carried group g is len(new) + g
-        continued = partial.continuations(carried, [self.prompts[g.index].ids for g in carried], r.max_new_tokens,
-                                          first=len(new))
+        continued = partial.continuations(
+            carried, [self.prompts[g.index].ids for g in carried], r.max_new_tokens, first=len(new)
+        )
         waiting = {id(g) for g in carried if partial.must_finish(g, version, r.partial_max_age)}
         complete: list[int] = []  # indices into groups
         before = sum(len(s.token_ids) for g in carried for s in g.samples if s is not None)
@@ -202,8 +257,14 @@ class Collector:
             return len(carried) + i if i < len(new) else i - len(new)
 
         with phases("generate"):  # vLLM is awake: the hand-off (or engine start) woke it
-            gen = self.rollout.generate_partial([self.prompts[g.index].ids for g in new], n, continued,
-                                                temperature=r.temperature, top_p=r.top_p, max_tokens=r.max_new_tokens)
+            gen = self.rollout.generate_partial(
+                [self.prompts[g.index].ids for g in new],
+                n,
+                continued,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                max_tokens=r.max_new_tokens,
+            )
             rejected = {at(i) for i in gen.rejected}
             for finished in gen:
                 for s in finished:
@@ -230,15 +291,21 @@ class Collector:
             scores = self.scorer.wait()
         self.buffer.groups = [g for k, g in enumerate(groups) if k not in rejected and not g.complete]
         after = sum(len(s.token_ids) for g in groups for s in g.samples if s is not None)
-        self.buffer.counts = dict(generated=after - before, aborted=sum(not d for _, d in cut),
-                                  carried=len(self.buffer.groups), continued=len(continued), expired=len(expired),
-                                  held=self.rollout.requests_held())
+        self.buffer.counts = dict(
+            generated=after - before,
+            aborted=sum(not d for _, d in cut),
+            carried=len(self.buffer.groups),
+            continued=len(continued),
+            expired=len(expired),
+            held=self.rollout.requests_held(),
+        )
         pending = {k: groups[k].samples for k in complete}
         batch = {k: self.prompts[groups[k].index] for k in complete}
         return self._scored(batch, pending, scores, phases), len(rejected)
 
-    def _add_model_scores(self, batch: list[Prompt], pending: dict[int, list[Sample]],
-                          raws: dict[int, list[float]]) -> None:
+    def _add_model_scores(
+        self, batch: list[Prompt], pending: dict[int, list[Sample]], raws: dict[int, list[float]]
+    ) -> None:
         """Each reward model scores every sample of the round at once (in its batches); weighted, the
         scores are added to the rule-based totals in `raws` (prompt index -> [n])."""
         keys = [(i, j) for i, samples in pending.items() for j in range(len(samples))]
@@ -247,8 +314,9 @@ class Collector:
         for name, weight, model in self.models:
             for (i, j), v, p, t in zip(keys, model.score(prompts, texts), prompts, texts):
                 if not math.isfinite(v):  # an error like a reward function's: this term scores 0, counted
-                    self.scorer.reject(p, t, batch[i].answer, f"reward model {name} scored {v}, not a finite number",
-                                       {"sample": j})
+                    self.scorer.reject(
+                        p, t, batch[i].answer, f"reward model {name} scored {v}, not a finite number", {"sample": j}
+                    )
                     continue
                 raws[i][j] += weight * v
                 self.model_sums[name] += v
@@ -261,8 +329,9 @@ class Collector:
         gen = self.episodes.generate(prompts, 1, temperature=0.0, top_p=1.0, max_tokens=self.cfg.rollout.max_new_tokens)
         got = {s.prompt_idx: s for finished in gen for s in finished}
         self.episodes.counts()  # training's metrics count training's episodes
-        return [self._text(got[i]) if i in got else "" for i in range(len(prompts))], \
-            [got[i].env_reward if i in got else 0.0 for i in range(len(prompts))]
+        return [self._text(got[i]) if i in got else "" for i in range(len(prompts))], [
+            got[i].env_reward if i in got else 0.0 for i in range(len(prompts))
+        ]
 
     def _text(self, s: Sample) -> str:  # an episode's final assistant message
         return self.tokenizer.decode(multiturn.last_turn(s.token_ids, s.loss_mask), skip_special_tokens=True)
@@ -276,14 +345,33 @@ class Collector:
         terms = [k for k in counts if k.startswith("reward/")]
         no_signal = sum(not bool(dapo.mixed_groups(g.rewards[None])) for g in seen)
         lengths = [len(s.token_ids) for s in samples]
-        sums = launch.all_sum([len(samples), float(shaped.sum()), float((raw >= 1).sum()), sum(lengths),
-                               sum(not s.finished for s in samples), float((shaped - raw).sum()), dropped,
-                               counts["reward_errors"], counts["reward_timeouts"], len(kept), no_signal,
-                               *[counts[k] for k in terms]])
+        sums = launch.all_sum(
+            [
+                len(samples),
+                float(shaped.sum()),
+                float((raw >= 1).sum()),
+                sum(lengths),
+                sum(not s.finished for s in samples),
+                float((shaped - raw).sum()),
+                dropped,
+                counts["reward_errors"],
+                counts["reward_timeouts"],
+                len(kept),
+                no_signal,
+                *[counts[k] for k in terms],
+            ]
+        )
         num = max(sums[0], 1)
-        out = dict(reward=sums[1] / num, solve_rate=sums[2] / num, rollout_tokens=sums[3], response_len=sums[3] / num,
-                   truncated_frac=sums[4] / num, dropped_prompts=sums[6], reward_errors=sums[7],
-                   reward_timeouts=sums[8])
+        out = dict(
+            reward=sums[1] / num,
+            solve_rate=sums[2] / num,
+            rollout_tokens=sums[3],
+            response_len=sums[3] / num,
+            truncated_frac=sums[4] / num,
+            dropped_prompts=sums[6],
+            reward_errors=sums[7],
+            reward_timeouts=sums[8],
+        )
         out.update({k: v / num for k, v in zip(terms, sums[11:])})  # per-term means
         if self.cfg.algo.overlong_buffer:
             out["overlong_penalty"] = sums[5] / num
@@ -291,6 +379,10 @@ class Collector:
             c = self.episodes.counts()
             out.update(multiturn.metrics(dict(zip(multiturn.COUNTS, launch.all_sum([c[k] for k in multiturn.COUNTS])))))
         if self.cfg.algo.dynamic_sampling:
-            out.update(ds_rounds=plan.rounds, ds_groups_kept=sums[9], ds_groups_dropped=sums[10],
-                       ds_cap_hits=float(plan.cap_hit))
+            out.update(
+                ds_rounds=plan.rounds,
+                ds_groups_kept=sums[9],
+                ds_groups_dropped=sums[10],
+                ds_cap_hits=float(plan.cap_hit),
+            )
         return out

@@ -22,6 +22,7 @@ def checkpoint_of(src: str | Path) -> Path:
     if is_complete(src):
         return src
     from hybridrl.core.config import load
+
     cfg = load(src / "config.yaml") if (src / "config.yaml").exists() else Config()
     found = complete_checkpoints(ckpt_root(cfg, src))
     if not found:
@@ -49,15 +50,19 @@ def export(src: str | Path, out: str | Path, merged: bool = False, trust_remote_
         export_adapter(ck, cfg, state, Path(out), merged, dtype, trust_remote_code)
         return ck
     if merged:
-        raise UserError(f"{ck}: --merged is for LoRA runs (model.lora_rank > 0); this run trained every weight, "
-                        "so the export is already the whole model: drop --merged")
+        raise UserError(
+            f"{ck}: --merged is for LoRA runs (model.lora_rank > 0); this run trained every weight, "
+            "so the export is already the whole model: drop --merged"
+        )
     hf_cfg = AutoConfig.from_pretrained(ck / "hf", trust_remote_code=trust_remote_code)
     model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32, trust_remote_code=trust_remote_code)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = {k for k in missing if getattr(hf_cfg, "tie_word_embeddings", False) and "lm_head" in k}
     if set(missing) - tied or unexpected:
-        raise RuntimeError(f"{ck}: checkpoint does not match the model: missing {sorted(set(missing) - tied)[:5]}, "
-                           f"unexpected {sorted(unexpected)[:5]}")
+        raise RuntimeError(
+            f"{ck}: checkpoint does not match the model: missing {sorted(set(missing) - tied)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
     model.to(dtype).save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(ck / "hf").save_pretrained(out)
     if (ck / "hf" / "generation_config.json").exists():
@@ -65,8 +70,9 @@ def export(src: str | Path, out: str | Path, merged: bool = False, trust_remote_
     return ck
 
 
-def export_adapter(ck: Path, cfg: dict, state: dict, out: Path, merged: bool, dtype: torch.dtype,
-                   trust_remote_code: bool = False) -> None:
+def export_adapter(
+    ck: Path, cfg: dict, state: dict, out: Path, merged: bool, dtype: torch.dtype, trust_remote_code: bool = False
+) -> None:
     """The adapter of a LoRA run in PEFT's format (adapter_config.json, adapter_model.safetensors:
     `PeftModel.from_pretrained(base, out)` and vLLM's `LoRARequest(..., out)` load it) plus the
     tokenizer; with `merged`, `out/merged` holds base + adapter merged, a plain model directory.
@@ -82,8 +88,10 @@ def export_adapter(ck: Path, cfg: dict, state: dict, out: Path, merged: bool, dt
     peft_model = lora.attach(model, m)
     adapter = {n for n, _ in model.named_parameters() if lora.is_adapter(n)}
     if set(state) != adapter:
-        raise RuntimeError(f"{ck}: the checkpoint's adapter does not match model.lora_* of its config: missing "
-                           f"{sorted(adapter - set(state))[:5]}, unexpected {sorted(set(state) - adapter)[:5]}")
+        raise RuntimeError(
+            f"{ck}: the checkpoint's adapter does not match model.lora_* of its config: missing "
+            f"{sorted(adapter - set(state))[:5]}, unexpected {sorted(set(state) - adapter)[:5]}"
+        )
     model.load_state_dict(state, strict=False)
     peft_model.to(dtype).save_pretrained(out, safe_serialization=True)
     tokenizer = AutoTokenizer.from_pretrained(ck / "hf")
@@ -110,8 +118,10 @@ def export_critic(src: str | Path, out: str | Path, trust_remote_code: bool = Fa
 
     ck, out = checkpoint_of(src), Path(out)
     if not (ck / TAG).is_dir():
-        raise UserError(f"{ck}: no critic in this checkpoint (the run did not use algo.advantage=gae); export the "
-                        "policy without --critic")
+        raise UserError(
+            f"{ck}: no critic in this checkpoint (the run did not use algo.advantage=gae); export the "
+            "policy without --critic"
+        )
     cfg = yaml.safe_load((ck / "config.yaml").read_text())
     remote = trust_remote_code  # today's flag, not the checkpoint's (see export)
     base = cfg["algo"].get("critic_path") or ck / "hf"
@@ -119,19 +129,27 @@ def export_critic(src: str | Path, out: str | Path, trust_remote_code: bool = Fa
         hf_cfg = AutoConfig.from_pretrained(base, num_labels=1, trust_remote_code=remote)
         model = AutoModelForTokenClassification.from_config(hf_cfg, dtype=torch.float32, trust_remote_code=remote)
     except (OSError, ValueError) as e:
-        raise UserError(f"{ck}: cannot build a token-classification model of the critic's base {base} "
-                        f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+        raise UserError(
+            f"{ck}: cannot build a token-classification model of the critic's base {base} "
+            f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})"
+        ) from None
     head = next(n for n, m in model.named_children() if isinstance(m, nn.Linear) and m.out_features == 1)
     state = deepspeed_compat.fp32_state_dict(str(ck), TAG)
-    mapped = {f"{model.base_model_prefix}.{k.removeprefix('base.')}" if k.startswith("base.") else
-              f"{head}.{k.removeprefix('head.')}": v for k, v in state.items()}
+    mapped = {
+        f"{model.base_model_prefix}.{k.removeprefix('base.')}"
+        if k.startswith("base.")
+        else f"{head}.{k.removeprefix('head.')}": v
+        for k, v in state.items()
+    }
     if getattr(model, head).bias is None:  # a head without a bias: only a zero one can be dropped
         if mapped.pop(f"{head}.bias").abs().max() > 0:
             raise UserError(f"{ck}: the critic's value head has a bias, {type(model).__name__}.{head} has none")
     missing, unexpected = model.load_state_dict(mapped, strict=False)
     if missing or unexpected:
-        raise RuntimeError(f"{ck}: the critic does not match {type(model).__name__}: missing {sorted(missing)[:5]}, "
-                           f"unexpected {sorted(unexpected)[:5]}")
+        raise RuntimeError(
+            f"{ck}: the critic does not match {type(model).__name__}: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
     model.to(torch_dtype(cfg["model"]["dtype"])).save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(ck / "hf").save_pretrained(out)
     return ck

@@ -45,39 +45,73 @@ def train(cfg: Config) -> dict:
     engine_cycle.check(cfg, cuda=not on_cpu)  # allocator settings that would break vLLM's sleep mode
     # the machine's 'auto' settings, the model's recipe, the memory plan, the steps from the data
     res = resolve.run_config(cfg, world)
-    cfg, model_path, info, tokenizer, prompts, heldout = (res.cfg, res.model_path, res.info, res.tokenizer, res.prompts,
-                                                          res.heldout)
+    cfg, model_path, info, tokenizer, prompts, heldout = (
+        res.cfg,
+        res.model_path,
+        res.info,
+        res.tokenizer,
+        res.prompts,
+        res.heldout,
+    )
     seed_everything(cfg.train.seed + world.rank)
     tp = launch.tp_groups(world, cfg.rollout.tensor_parallel_size)  # every rank keeps its own prompts
 
     sampler = Sampler(len(prompts), cfg.train.seed)
     resumed = res.resumed  # None: a fresh run; else the run continues in that run's directory
     scorer = rewards.Scorer(cfg.reward, rank=world.rank)  # a bad reward.fn fails here; its workers start now
-    run = RunLog(cfg, world, recipe.describe(cfg, info, on_cpu=on_cpu, n_prompts=len(prompts),
-                                             engines={**res.layout.recipe(cfg), **res.chat}),
-                 resume_step=resumed.step if resumed else None)  # keeps its rows up to the checkpoint
+    run = RunLog(
+        cfg,
+        world,
+        recipe.describe(
+            cfg, info, on_cpu=on_cpu, n_prompts=len(prompts), engines={**res.layout.recipe(cfg), **res.chat}
+        ),
+        resume_step=resumed.step if resumed else None,
+    )  # keeps its rows up to the checkpoint
     run.data({"data/prompts": len(prompts), **{f"data/{k}": v for k, v in res.dropped.items()}})
     scorer.run_dir = run.dir  # where reward_dead_letter.jsonl goes
     saver = checkpoint.Saver(cfg, run.dir, world, tokenizer)
 
-    trainer = Trainer(cfg, model_path, device=world.device, dtype=torch_dtype(cfg.model.dtype),
-                      attn_implementation=cfg.model.attn_implementation)
-    engine_kw = dict(device=world.device, dtype=torch_dtype(cfg.model.dtype),
-                     attn_implementation=cfg.model.attn_implementation)
+    trainer = Trainer(
+        cfg,
+        model_path,
+        device=world.device,
+        dtype=torch_dtype(cfg.model.dtype),
+        attn_implementation=cfg.model.attn_implementation,
+    )
+    engine_kw = dict(
+        device=world.device, dtype=torch_dtype(cfg.model.dtype), attn_implementation=cfg.model.attn_implementation
+    )
     ref = Reference.load(cfg, model_path, trainer=trainer, **engine_kw)  # None when kl_coef == 0; LoRA: the base
     critic = Critic(cfg, model_path, **engine_kw) if estimator(cfg.algo.advantage).critic else None
     reward_models = reward_model.load_all(cfg, world.device)  # rm: terms; they score while vLLM is awake
     engines = Engines(trainer, critic=critic, reference=ref, reward_models=reward_models)  # what this rank owns
     # vLLM's memory, the states' (measured now the trainer is built; the config stays as resolved)
-    sizing = engine_cycle.plan_rollout(cfg, engines, cuda=not on_cpu, main=world.main, world_size=world.size,
-                                       visitors=sum(m.nbytes for _, _, m in reward_models))
-    rollout = engines.rollout = Rollout(cfg, model_path, on_cpu=on_cpu, eos_token_id=tokenizer.eos_token_id,
-                                        rank=world.rank, local_rank=world.local_rank, tp=tp,
-                                        sizing=sizing)  # tp: the ranks that share its engine
-    probe = sync.Probe(sync.probe_sequences((heldout or prompts)[:8], tokenizer, cfg.rollout.max_new_tokens),
-                       cfg.train.probe_tol or sync.PROBE[cfg.model.dtype][1], cfg.train.probe_action,
-                       stat=sync.PROBE[cfg.model.dtype][0], every=cfg.train.probe_every,
-                       calibrated=bool(cfg.train.probe_tol))
+    sizing = engine_cycle.plan_rollout(
+        cfg,
+        engines,
+        cuda=not on_cpu,
+        main=world.main,
+        world_size=world.size,
+        visitors=sum(m.nbytes for _, _, m in reward_models),
+    )
+    rollout = engines.rollout = Rollout(
+        cfg,
+        model_path,
+        on_cpu=on_cpu,
+        eos_token_id=tokenizer.eos_token_id,
+        rank=world.rank,
+        local_rank=world.local_rank,
+        tp=tp,
+        sizing=sizing,
+    )  # tp: the ranks that share its engine
+    probe = sync.Probe(
+        sync.probe_sequences((heldout or prompts)[:8], tokenizer, cfg.rollout.max_new_tokens),
+        cfg.train.probe_tol or sync.PROBE[cfg.model.dtype][1],
+        cfg.train.probe_action,
+        stat=sync.PROBE[cfg.model.dtype][0],
+        every=cfg.train.probe_every,
+        calibrated=bool(cfg.train.probe_tol),
+    )
     collector = Collector(cfg, rollout, scorer, tokenizer, prompts, sampler, world, reward_models)
 
     evaluate = Evaluator(cfg, rollout, scorer, tokenizer, heldout, world, run, collector)  # held-out split
@@ -105,10 +139,14 @@ def train(cfg: Config) -> dict:
             engine_cycle.release(engines, phases, cfg=cfg)  # vLLM sleeps, trainers reload
             # 2. the sampling policy's, the reference's and the critic's view; advantages
             R = ro.rewards  # [P, n]
-            batch = Batch.from_rows([p.ids for p in src], [s.token_ids for s in samples],
-                                    [s.logprobs for s in samples], [0.0] * len(samples),
-                                    [s.loss_mask for s in samples],  # multi-turn: environment tokens carry no loss
-                                    [s.routes for s in samples])  # MoE: vLLM's experts, for routing replay
+            batch = Batch.from_rows(
+                [p.ids for p in src],
+                [s.token_ids for s in samples],
+                [s.logprobs for s in samples],
+                [0.0] * len(samples),
+                [s.loss_mask for s in samples],  # multi-turn: environment tokens carry no loss
+                [s.routes for s in samples],
+            )  # MoE: vLLM's experts, for routing replay
             if collector.buffer:  # partial rollouts: the tokens an older policy sampled (data/partial.py)
                 batch.stale = partial.stale_mask(samples, partial.version_of(step), batch.loss_mask)
             if trainer.needs_old_logprobs:  # several updates per rollout, KL in the reward, LoRA dropout with IS
@@ -148,8 +186,10 @@ def train(cfg: Config) -> dict:
             metrics.update(step_metrics(ro, batch, signal, phases, samples, time.perf_counter() - start))
             run.step(step, metrics)
             now = time.perf_counter()
-            if step != cfg.train.steps and ((cfg.log.eval_every and step % cfg.log.eval_every == 0) or (
-                    cfg.log.eval_every_s and launch.all_max(now - last_eval) >= cfg.log.eval_every_s)):
+            if step != cfg.train.steps and (
+                (cfg.log.eval_every and step % cfg.log.eval_every == 0)
+                or (cfg.log.eval_every_s and launch.all_max(now - last_eval) >= cfg.log.eval_every_s)
+            ):
                 evaluate(step)
                 last_eval = now
             elapsed = launch.all_max(time.perf_counter() - start)
@@ -157,15 +197,28 @@ def train(cfg: Config) -> dict:
             stop_signal = stop.requested()  # all ranks agree
             last = out_of_time or bool(stop_signal) or step == cfg.train.steps
             if saver.due(step, final=last):  # a failed save is reported; the run goes on (ends non-zero if last)
-                saver.save(step, engines, sampler, probe, dict(acc_before=acc_before, last_acc=run.last_acc,
-                                                               elapsed_s=elapsed), final=last, buffer=collector.buffer)
+                saver.save(
+                    step,
+                    engines,
+                    sampler,
+                    probe,
+                    dict(acc_before=acc_before, last_acc=run.last_acc, elapsed_s=elapsed),
+                    final=last,
+                    buffer=collector.buffer,
+                )
             if out_of_time or stop_signal:
                 break
     # a signal asks for a quick exit (preemption grace periods are short): no final evaluation
     acc_after = run.last_acc if stop_signal else evaluate(step)
-    summary = {"heldout_acc_before": acc_before, "heldout_acc_after": acc_after, "steps": step,
-               "minutes": (time.perf_counter() - start) / 60, "run_dir": str(run.dir),
-               "eval/pass@1": acc_after, **run.last_sampled}
+    summary = {
+        "heldout_acc_before": acc_before,
+        "heldout_acc_after": acc_after,
+        "steps": step,
+        "minutes": (time.perf_counter() - start) / 60,
+        "run_dir": str(run.dir),
+        "eval/pass@1": acc_after,
+        **run.last_sampled,
+    }
     if stop_signal:
         summary.update(stop.summary(stop_signal, step, saver.last, run.dir))
     if saver.failures:
@@ -182,12 +235,15 @@ def step_metrics(ro, batch: Batch, signal: torch.Tensor, phases: Phases, samples
     """What a step logs beside the trainer's and the collector's metrics: throughput, the share of
     samples with a gradient (over all ranks), the phases' times and memory, distributions."""
     n_train = launch.all_sum([int(batch.lengths.sum()), float(signal.sum()), signal.numel()])
-    return dict(signal_frac=n_train[1] / n_train[2],
-                rollout_tok_s=ro.metrics["rollout_tokens"] / max(phases["generate"], 1e-9),
-                train_tok_s=n_train[0] / max(phases["train"], 1e-9), elapsed_s=elapsed_s,
-                **{f"time/{k}": v for k, v in phases.items()},
-                **phases.memory,  # mem/<phase>/*_gb after every phase: CUDA only
-                **distribution_metrics(response_len=[len(s.token_ids) for s in samples], reward=ro.rewards))
+    return dict(
+        signal_frac=n_train[1] / n_train[2],
+        rollout_tok_s=ro.metrics["rollout_tokens"] / max(phases["generate"], 1e-9),
+        train_tok_s=n_train[0] / max(phases["train"], 1e-9),
+        elapsed_s=elapsed_s,
+        **{f"time/{k}": v for k, v in phases.items()},
+        **phases.memory,  # mem/<phase>/*_gb after every phase: CUDA only
+        **distribution_metrics(response_len=[len(s.token_ids) for s in samples], reward=ro.rewards),
+    )
 
 
 def seed_everything(seed: int) -> None:

@@ -47,8 +47,17 @@ from hybridrl.engines.rollout import Generation, Rollout
 
 log = logging.getLogger("hybridrl")
 _A, _B = "\x00hybridrl-user\x00", "\x00hybridrl-assistant\x00"  # placeholders no real message contains
-COUNTS = ("env/episodes", "env/turns", "env/assistant_tokens", "env/env_tokens", "env/truncated_turns",
-          "env/truncated_length", "env/errors", "env/timeouts", *envs.COUNTS)
+COUNTS = (
+    "env/episodes",
+    "env/turns",
+    "env/assistant_tokens",
+    "env/env_tokens",
+    "env/truncated_turns",
+    "env/truncated_length",
+    "env/errors",
+    "env/timeouts",
+    *envs.COUNTS,
+)
 
 
 def render_turn(tokenizer, messages: list[dict]) -> list[int]:
@@ -66,8 +75,9 @@ def render_turn(tokenizer, messages: list[dict]) -> list[int]:
     ids = []
     for piece in pieces:
         if piece in marks:  # a content: text only
-            ids += tokenizer(contents[marks.index(piece)], add_special_tokens=False,
-                             split_special_tokens=True)["input_ids"]
+            ids += tokenizer(contents[marks.index(piece)], add_special_tokens=False, split_special_tokens=True)[
+                "input_ids"
+            ]
         elif piece:  # the template's markup
             ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
     return ids
@@ -87,9 +97,11 @@ def turn_text(tokenizer, messages: list[dict]) -> str:
     stop = before.find(eos, end) if eos else -1
     cut = stop + len(eos) if stop >= 0 else len(before)
     if not full.startswith(before[:cut]):
-        raise UserError("the tokenizer's chat template renders earlier messages differently once an environment "
-                        "turn follows them, so turns cannot be appended token by token; use a template whose "
-                        "rendering of a conversation extends its rendering of every prefix")
+        raise UserError(
+            "the tokenizer's chat template renders earlier messages differently once an environment "
+            "turn follows them, so turns cannot be appended token by token; use a template whose "
+            "rendering of a conversation extends its rendering of every prefix"
+        )
     return full[cut:]
 
 
@@ -108,8 +120,13 @@ def metrics(c: dict[str, float]) -> dict[str, float]:
     """The logged metrics from COUNTS summed over a step's episodes (and ranks)."""
     eps, calls = max(c["env/episodes"], 1.0), max(c["tools/calls"], 1.0)
     out = {k: v for k, v in c.items() if k not in ("env/turns", "tools/latency_s")}
-    out.update({"env/turns_per_episode": c["env/turns"] / eps, "tools/calls_per_episode": c["tools/calls"] / eps,
-                "tools/latency_ms": 1000 * c["tools/latency_s"] / calls})
+    out.update(
+        {
+            "env/turns_per_episode": c["env/turns"] / eps,
+            "tools/calls_per_episode": c["tools/calls"] / eps,
+            "tools/latency_ms": 1000 * c["tools/latency_s"] / calls,
+        }
+    )
     return out
 
 
@@ -172,8 +189,17 @@ class Episodes:
             self._dead_letter.close()
 
     # --- one step's episodes ------------------------------------------------------------------
-    def generate(self, prompts: list, n: int, index: list[int] | None = None, *, temperature: float,
-                 top_p: float, max_tokens: int, seed: int | None = None) -> "_Run":
+    def generate(
+        self,
+        prompts: list,
+        n: int,
+        index: list[int] | None = None,
+        *,
+        temperature: float,
+        top_p: float,
+        max_tokens: int,
+        seed: int | None = None,
+    ) -> "_Run":
         """n episodes per prompt (`data.Prompt`s; `index`: their dataset rows, for reset and the
         dead letter). Iterating the result yields each episode as one Sample when it ends (after each
         engine step, like Rollout.generate's Generation); `.rejected` names the prompts dropped."""
@@ -186,8 +212,10 @@ class Episodes:
                     env.tool_timeout_s = self.cfg.env.tool_timeout_s
                 eps.append(_Episode(i, j, env, p.ids, index[i]))
         rows = [{"prompt": prompts[e.i].text, "answer": prompts[e.i].answer, "index": index[e.i]} for e in eps]
-        futures = [self.runner.submit(e.env.reset, row, timeout=self.timeout) if hasattr(e.env, "reset") else None
-                   for e, row in zip(eps, rows)]  # all at once: they run concurrently
+        futures = [
+            self.runner.submit(e.env.reset, row, timeout=self.timeout) if hasattr(e.env, "reset") else None
+            for e, row in zip(eps, rows)
+        ]  # all at once: they run concurrently
         deadline = time.monotonic() + self.timeout + 1.0  # concurrent calls, one deadline (after their own)
         for e, fut in zip(eps, futures):
             ok, messages = self._result(e, "reset", fut, deadline)
@@ -199,8 +227,14 @@ class Episodes:
         for k, e in enumerate(served):
             e.k = k
         room = [min(max_tokens, self.budget, self.cfg.rollout.max_model_len - len(e.prompt)) for e in served]
-        gen = self.rollout.generate([e.prompt for e in served], 1, temperature=temperature, top_p=top_p,
-                                    max_tokens=max(1, min(room, default=1)), seed=seed)
+        gen = self.rollout.generate(
+            [e.prompt for e in served],
+            1,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max(1, min(room, default=1)),
+            seed=seed,
+        )
         gen.grows = True  # next turns are added while it runs (a tensor-parallel group gathers them)
         rejected = {e.i: "the environment's reset failed" for e in eps if e.prompt is None}
         rejected.update({served[k].i: why for k, why in gen.rejected.items()})
@@ -213,8 +247,11 @@ class Episodes:
             if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
                 raise TypeError(f"expected a list of {{role, content}} messages, got {messages!r:.200}")
             schemas = getattr(e.env, "schemas", None) or None
-            return list(self.tokenizer.apply_chat_template(messages, tools=schemas, add_generation_prompt=True,
-                                                           tokenize=True, return_dict=False))
+            return list(
+                self.tokenizer.apply_chat_template(
+                    messages, tools=schemas, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
         except Exception as ex:  # noqa: BLE001 (user data)
             self._fail(e, "error", f"env.reset's messages could not be rendered: {type(ex).__name__}: {ex}")
             return None
@@ -229,8 +266,10 @@ class Episodes:
         except TimeoutError:
             fut.cancel()
             if not self.runner.responsive():
-                log.warning("an environment call blocks the event loop of async tools (a blocking call in an async "
-                            "def?); its calls time out and a new loop takes over")
+                log.warning(
+                    "an environment call blocks the event loop of async tools (a blocking call in an async "
+                    "def?); its calls time out and a new loop takes over"
+                )
                 self.runner = envs.Runner()
             raise
 
@@ -259,8 +298,17 @@ class Episodes:
         if self._dead_letter is None:  # a full disk or the cap: counted, the run goes on (journal.py)
             self._dead_letter = Journal(Path(self.run_dir) / "env_dead_letter.jsonl", DEAD_LETTER_CAP)
         text = self.tokenizer.decode((e.prompt or []) + e.ids, skip_special_tokens=False)
-        entry = {"step": self.step, "rank": self.rank, "prompt_index": e.row, "sample": e.j, "turn": e.turns,
-                 "kind": kind, "error": error, **extra, "transcript": text}
+        entry = {
+            "step": self.step,
+            "rank": self.rank,
+            "prompt_index": e.row,
+            "sample": e.j,
+            "turn": e.turns,
+            "kind": kind,
+            "error": error,
+            **extra,
+            "transcript": text,
+        }
         self._dead_letter.write(entry)
 
 
@@ -326,14 +374,22 @@ class _Run:
             return True
         except Exception as ex:  # noqa: BLE001 (user code, or a step that returned the wrong shape)
             e.end = "error"
-            o._fail(e, "error", f"env.step raised or returned something other than (observation, finite reward, "
-                                f"done[, info]): {type(ex).__name__}: {ex}")
+            o._fail(
+                e,
+                "error",
+                f"env.step raised or returned something other than (observation, finite reward, "
+                f"done[, info]): {type(ex).__name__}: {ex}",
+            )
             return True
         for k, v in counts.items():
             o._counts[k] += v
         for err in errors:
-            o._write(e, err.get("kind", "error"), err.get("error", ""), **{k: v for k, v in err.items()
-                                                                           if k not in ("kind", "error")})
+            o._write(
+                e,
+                err.get("kind", "error"),
+                err.get("error", ""),
+                **{k: v for k, v in err.items() if k not in ("kind", "error")},
+            )
         if done or obs is None:
             e.end = "done"
             return True

@@ -22,16 +22,21 @@ def check(cfg: Config, nproc: int = 1) -> None:
         _data_file(key, path)
     for key, path in _model_paths(cfg):
         if _looks_local(path) and not Path(path).expanduser().is_dir():
-            raise ConfigError(f"{key}={path}: not a model directory (a local path must be a Hugging Face model "
-                              "directory; a hub name looks like Org/name)")
+            raise ConfigError(
+                f"{key}={path}: not a model directory (a local path must be a Hugging Face model "
+                "directory; a hub name looks like Org/name)"
+            )
     resume = cfg.ckpt.resume
     if resume and resume != "auto" and not Path(resume).exists():
-        raise ConfigError(f"ckpt.resume={resume}: no such run directory or checkpoint (use 'auto' to continue the "
-                          f"newest run under log.run_dir, or a directory that `hybridrl train` wrote)")
+        raise ConfigError(
+            f"ckpt.resume={resume}: no such run directory or checkpoint (use 'auto' to continue the "
+            f"newest run under log.run_dir, or a directory that `hybridrl train` wrote)"
+        )
     reward_named(cfg)
     terms = rewards.load_terms(cfg.reward.fn, cfg.reward.format_pattern)  # imports a user module: its errors show now
     if any(t.name == "code_tests" for t in terms):
         from hybridrl import sandbox
+
         why = sandbox.available()  # no weaker fallback: model-written code runs sandboxed or not at all
         if why is not None:
             raise ConfigError(f"reward.fn={cfg.reward.fn!r}: {why}")
@@ -43,11 +48,15 @@ def check(cfg: Config, nproc: int = 1) -> None:
     # built an engine (a notebook's, a test's) and a command started from there inherits
     ranks = nproc if nproc > 1 else int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
     if ranks % sp:
-        raise ConfigError(f"train.sequence_parallel_size={sp} must divide the {ranks} ranks of --nproc {ranks}: use "
-                          f"--nproc a multiple of {sp}")
+        raise ConfigError(
+            f"train.sequence_parallel_size={sp} must divide the {ranks} ranks of --nproc {ranks}: use "
+            f"--nproc a multiple of {sp}"
+        )
     if nproc > 1 and cfg.train.prompts_per_step % nproc:
-        raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by the {nproc} "
-                          f"ranks of --nproc {nproc}")
+        raise ConfigError(
+            f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by the {nproc} "
+            f"ranks of --nproc {nproc}"
+        )
 
 
 def reward_named(cfg: Config) -> None:
@@ -57,13 +66,16 @@ def reward_named(cfg: Config) -> None:
     paths = _data_paths(cfg)
     if paths and "reward.fn" not in cfg.sources and cfg.reward.fn == "arithmetic":
         key, given = paths[0]
-        raise ConfigError(f"{key}={given} needs a reward: the default reward.fn=arithmetic is the demo's verifier; "
-                          "name one, e.g. --reward math_verify, --reward exact_match or --reward mymodule:score "
-                          "(--reward arithmetic keeps it)")
+        raise ConfigError(
+            f"{key}={given} needs a reward: the default reward.fn=arithmetic is the demo's verifier; "
+            "name one, e.g. --reward math_verify, --reward exact_match or --reward mymodule:score "
+            "(--reward arithmetic keeps it)"
+        )
 
 
 def _data_paths(cfg: Config) -> list[tuple[str, str]]:
     from hybridrl.data.tasks import BUILT_IN
+
     out = [] if cfg.data.path in BUILT_IN else [("data.path", cfg.data.path)]
     return out + ([("data.heldout_path", cfg.data.heldout_path)] if cfg.data.heldout_path else [])
 
@@ -73,8 +85,10 @@ def _data_file(key: str, path: str) -> None:
     if not p.exists():
         raise ConfigError(f"{key}={path}: no such file or directory (relative to {Path.cwd()})")
     if p.is_file() and p.suffix.lower() not in prompts.READERS:
-        raise ConfigError(f"{key}={path}: unknown format {p.suffix!r}; use .jsonl, .json, .parquet, .csv or a "
-                          "directory written by datasets' save_to_disk")
+        raise ConfigError(
+            f"{key}={path}: unknown format {p.suffix!r}; use .jsonl, .json, .parquet, .csv or a "
+            "directory written by datasets' save_to_disk"
+        )
 
 
 def _model_paths(cfg: Config) -> list[tuple[str, str]]:

@@ -37,6 +37,7 @@ log = logging.getLogger("hybridrl")
 class Resolved:
     """A run's resolved config, with what resolving it read: the model, its tokenizer, the training
     prompts (encoded, the too-long and malformed ones counted in `dropped`)."""
+
     cfg: Config
     model_path: str  # the directory (or hub name) the engines load
     info: models.ModelInfo
@@ -57,40 +58,64 @@ def run_config(cfg: Config, world) -> Resolved:
     on_cpu = world.device.type == "cpu"
     cfg, model_path, info = configure(cfg, on_cpu, world.size)  # the demo's recipe, or a real model's defaults
     from transformers import AutoConfig, AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     rows = load_rows(cfg.data, "train")
     prompts, dropped = encode(rows, tokenizer, cfg.data, cfg.data.path)
     heldout = encode(load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")[0][: cfg.log.eval_size or None]
-    cfg = recipe.fit_to_data(cfg, info, max((len(p.ids) for p in prompts + heldout), default=0), on_cpu=on_cpu,
-                             world_size=world.size)  # the context the data needs, before the plan counts it
+    cfg = recipe.fit_to_data(
+        cfg, info, max((len(p.ids) for p in prompts + heldout), default=0), on_cpu=on_cpu, world_size=world.size
+    )  # the context the data needs, before the plan counts it
     cfg = plan_memory(cfg, model_path, world, on_cpu)  # every phase on the device; what the user left unset
     if cfg.train.prompts_per_step % world.size:
-        raise ConfigError(f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by "
-                          f"the {world.size} ranks")
+        raise ConfigError(
+            f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by the {world.size} ranks"
+        )
     sp = cfg.train.sequence_parallel_size
     if world.size % sp:
-        raise ConfigError(f"train.sequence_parallel_size={sp} must divide the {world.size} ranks: use --nproc a "
-                          f"multiple of {sp}")
-    heads = getattr(AutoConfig.from_pretrained(model_path,
-                                               trust_remote_code=cfg.model.trust_remote_code).get_text_config(),
-                    "num_attention_heads", sp) if sp > 1 else sp
+        raise ConfigError(
+            f"train.sequence_parallel_size={sp} must divide the {world.size} ranks: use --nproc a multiple of {sp}"
+        )
+    heads = (
+        getattr(
+            AutoConfig.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code).get_text_config(),
+            "num_attention_heads",
+            sp,
+        )
+        if sp > 1
+        else sp
+    )
     if heads % sp:
-        raise ConfigError(f"train.sequence_parallel_size={sp} must divide the model's {heads} attention heads (each "
-                          "rank of the group attends with its share of them)")
+        raise ConfigError(
+            f"train.sequence_parallel_size={sp} must divide the model's {heads} attention heads (each "
+            "rank of the group attends with its share of them)"
+        )
     cfg = recipe.set_steps(cfg, len(prompts))  # train.data_epochs -> train.steps
     resumed = checkpoint.Resume.find(cfg, world)  # None: a fresh run
     if resumed:  # continue in that run's directory
         cfg = put(cfg, "log.run_dir", str(resumed.run_dir), "the resumed run")
-    layout = policy.layout(cfg, cfg.model.attn_implementation, native=info.native, plain_cache=info.plain_cache,
-                           name=info.arch)
+    layout = policy.layout(
+        cfg, cfg.model.attn_implementation, native=info.native, plain_cache=info.plain_cache, name=info.arch
+    )
     # frozen from here: what the engines read is what the run prints and records (plan_rollout's
     # measured sizes come back beside it, engine_cycle.plan_rollout)
-    return Resolved(freeze(cfg), model_path, info, tokenizer, prompts, dropped, heldout,
-                    template_choice(rows, tokenizer, cfg.data), layout, resumed)
+    return Resolved(
+        freeze(cfg),
+        model_path,
+        info,
+        tokenizer,
+        prompts,
+        dropped,
+        heldout,
+        template_choice(rows, tokenizer, cfg.data),
+        layout,
+        resumed,
+    )
 
 
-def eval_config(cfg: Config, on_cpu: bool, world_size: int = 1,
-                model_dir: str | None = None) -> tuple[Config, str, models.ModelInfo]:
+def eval_config(
+    cfg: Config, on_cpu: bool, world_size: int = 1, model_dir: str | None = None
+) -> tuple[Config, str, models.ModelInfo]:
     """The config `hybridrl eval` runs with: `configure`'s, and on a GPU with
     rollout.gpu_memory_utilization=auto a fixed fraction, since vLLM has the device to itself."""
     cfg, path, info = configure(cfg, on_cpu, world_size, model_dir)
@@ -99,8 +124,9 @@ def eval_config(cfg: Config, on_cpu: bool, world_size: int = 1,
     return freeze(cfg), path, info
 
 
-def configure(cfg: Config, on_cpu: bool, world_size: int = 1,
-              model_dir: str | None = None) -> tuple[Config, str, models.ModelInfo]:
+def configure(
+    cfg: Config, on_cpu: bool, world_size: int = 1, model_dir: str | None = None
+) -> tuple[Config, str, models.ModelInfo]:
     """The config a run uses: this machine's 'auto' settings (`machine`), then the recipe for the
     model (`models.inspect`: a bad model fails here, in one line, before any engine starts), with
     bfloat16 on CPU only where every rank's CPU has AMX-BF16. `model_dir`: where the model's files
@@ -108,6 +134,7 @@ def configure(cfg: Config, on_cpu: bool, world_size: int = 1,
     Returns (config, model directory, model info)."""
     cfg, path = machine(cfg, on_cpu)
     from hybridrl.data import tasks
+
     if model_dir is None and cfg.model.path == "demo" and cfg.data.path in tasks.BUILT_IN:
         own = getattr(tasks.task(cfg.data.path), "MODEL_DIR", None)  # the demo model warmed on that task
         model_dir = str(own) if own else None
@@ -126,13 +153,17 @@ def machine(cfg: Config, on_cpu: bool) -> tuple[Config, str]:
         if not on_cpu:
             try:
                 import flash_attn  # noqa: F401
+
                 attn = "flash_attention_2"
             except ImportError:
                 pass
         cfg = put(cfg, "model.attn_implementation", attn, "auto")
     if on_cpu and m.dtype != "float32" and not platform.current().amx_bf16:
-        log.warning("model.dtype=%s on a CPU without AMX-BF16: often slower than float32 there "
-                    "(docs/speed.md); compare with --model.dtype float32", m.dtype)
+        log.warning(
+            "model.dtype=%s on a CPU without AMX-BF16: often slower than float32 there "
+            "(docs/speed.md); compare with --model.dtype float32",
+            m.dtype,
+        )
     return cfg, models.local_path(m.path)
 
 
@@ -140,8 +171,15 @@ def plan_memory(cfg: Config, model_path: str, world, on_cpu: bool) -> Config:
     """The memory plan (plan.py) before any engine starts, from what the fullest rank has free:
     its choices go into the config, a run that cannot fit stops here in one line."""
     budget, host = memory.plan_budget(cuda=not on_cpu)
-    cfg, mem = plan.fit(cfg, model_path, world=world.size, local=memory.local_ranks(),
-                        device=int(-launch.all_max(-budget)), host=host, on_cpu=on_cpu)
+    cfg, mem = plan.fit(
+        cfg,
+        model_path,
+        world=world.size,
+        local=memory.local_ranks(),
+        device=int(-launch.all_max(-budget)),
+        host=host,
+        on_cpu=on_cpu,
+    )
     if mem is not None and world.main:
         print(plan.summary(mem) if on_cpu else mem.table(cfg.model.path), flush=True)
     return cfg

@@ -40,8 +40,11 @@ class StopSignals:
             return
         self.signum, self._at = signum, time.monotonic()
         if self.main:
-            print(f"\nreceived {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
-                  "(SIGINT again to stop now)", flush=True)
+            print(
+                f"\nreceived {signal.Signals(signum).name}: finishing this step, then saving a checkpoint "
+                "(SIGINT again to stop now)",
+                flush=True,
+            )
 
     def requested(self) -> int:
         return int(launch.all_max(self.signum))
@@ -49,6 +52,9 @@ class StopSignals:
     def summary(self, signum: int, step: int, ckpt: Path | None, run_dir: Path) -> dict:
         name = signal.Signals(signum).name
         if self.main:
-            print(f"stopped by {name} after step {step}; checkpoint: {ckpt}\n"
-                  f"continue with: hybridrl train --resume {run_dir}", flush=True)
+            print(
+                f"stopped by {name} after step {step}; checkpoint: {ckpt}\n"
+                f"continue with: hybridrl train --resume {run_dir}",
+                flush=True,
+            )
         return {"stopped_by": name, "exit_code": self.EXIT[signal.Signals(signum)], "checkpoint": str(ckpt)}

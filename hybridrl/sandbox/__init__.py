@@ -72,8 +72,9 @@ def _python() -> tuple[str, str]:
 
 
 def _binds(prefix: str) -> list[str]:
-    return [p for p in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32") if os.path.lexists(p)] \
-        + ([prefix] if not prefix.startswith("/usr/") and prefix != "/usr" else [])
+    return [p for p in ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32") if os.path.lexists(p)] + (
+        [prefix] if not prefix.startswith("/usr/") and prefix != "/usr" else []
+    )
 
 
 def _processes_of(uid: int) -> int:
@@ -97,8 +98,7 @@ def _config(base: Path) -> dict:
         maps = {"uid_map": f"0 0 1\n{PROGRAM_UID} {NOBODY} 1", "gid_map": f"0 0 1\n{PROGRAM_UID} {NOBODY} 1"}
     else:  # one id only: the program is this user, whose other processes count against NPROC too
         maps = {"uid_map": f"0 {uid} 1", "gid_map": f"0 {gid} 1"}
-    return {"root": str(base / "root"), "binds": _binds(prefix), "program_uid": PROGRAM_UID if uid == 0 else 0,
-            **maps}
+    return {"root": str(base / "root"), "binds": _binds(prefix), "program_uid": PROGRAM_UID if uid == 0 else 0, **maps}
 
 
 def _remove(base: Path) -> None:
@@ -109,6 +109,7 @@ def _remove(base: Path) -> None:
             func(path)
         except OSError:
             pass
+
     shutil.rmtree(base, onerror=fix)
 
 
@@ -122,9 +123,16 @@ class _Jail:
         (self.base / "root").mkdir()
         cfg = _config(self.base)
         with open(self.base / "jail.err", "wb") as err:
-            self.proc = subprocess.Popen([sys.executable, "-I", "-S", str(JAIL), json.dumps(cfg)],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env={},
-                                         close_fds=True, start_new_session=True, cwd=str(self.base))
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", str(JAIL), json.dumps(cfg)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env={},
+                close_fds=True,
+                start_new_session=True,
+                cwd=str(self.base),
+            )
         self.pending = b""
 
     def ask(self, req: dict, timeout: float) -> dict | None:
@@ -209,18 +217,34 @@ def shutdown() -> None:
         jail.close()
 
 
-def run(source: str, stdin: str = "", limits: Limits = Limits(), files: dict[str, str] | None = None,
-        argv: list[str] | None = None) -> Result:
+def run(
+    source: str,
+    stdin: str = "",
+    limits: Limits = Limits(),
+    files: dict[str, str] | None = None,
+    argv: list[str] | None = None,
+) -> Result:
     """Run `source` as a Python program (as `python -I -S /tmp/prog.py`, beside `files` in its private
     /tmp) with `stdin` as its standard input; never raises for what the program does. `argv` runs
     that command instead ("{python}" names the interpreter), for a program that must be exec'd."""
     uid = NOBODY if os.getuid() == 0 else os.getuid()
     argv = [_python()[0] if a == "{python}" else a for a in argv] if argv else []
-    req = {"source": source, "stdin": stdin, "files": files or {}, "wall_s": limits.wall_s,
-           "output_bytes": limits.output_bytes, "argv": argv,
-           "limits": {"cpu_s": limits.cpu_s, "memory_bytes": limits.memory_mb << 20,
-                      "file_bytes": limits.file_mb << 20, "tmp_bytes": max(4 * limits.file_mb, 64) << 20,
-                      "processes": limits.processes + _processes_of(uid), "open_files": limits.open_files}}
+    req = {
+        "source": source,
+        "stdin": stdin,
+        "files": files or {},
+        "wall_s": limits.wall_s,
+        "output_bytes": limits.output_bytes,
+        "argv": argv,
+        "limits": {
+            "cpu_s": limits.cpu_s,
+            "memory_bytes": limits.memory_mb << 20,
+            "file_bytes": limits.file_mb << 20,
+            "tmp_bytes": max(4 * limits.file_mb, 64) << 20,
+            "processes": limits.processes + _processes_of(uid),
+            "open_files": limits.open_files,
+        },
+    }
     t0 = time.perf_counter()
     jail = _take()
     reply = jail.ask(req, limits.wall_s + 10)
@@ -266,9 +290,14 @@ def _probe() -> str | None:
     if res.ok and res.stdout.strip() == "42":
         return None
     why = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"exit {res.returncode}"
-    fix = ("enable unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, or on Ubuntu "
-           "kernel.apparmor_restrict_unprivileged_userns=0)") if "unshare" in why or "uid map" in why else \
-        "see `hybridrl doctor`"
+    fix = (
+        (
+            "enable unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, or on Ubuntu "
+            "kernel.apparmor_restrict_unprivileged_userns=0)"
+        )
+        if "unshare" in why or "uid map" in why
+        else "see `hybridrl doctor`"
+    )
     return f"the code sandbox cannot start here ({why}): {fix}"
 
 

@@ -48,7 +48,15 @@ CLONE_NEWNS, CLONE_NEWCGROUP, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x0200000
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 NAMESPACES = CLONE_NEWUSER | CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
-    1, 2, 4, 8, 32, 4096, 16384, 1 << 18)
+    1,
+    2,
+    4,
+    8,
+    32,
+    4096,
+    16384,
+    1 << 18,
+)
 PR_SET_PDEATHSIG, PR_SET_NO_NEW_PRIVS, PR_SET_SECCOMP, PR_CAPBSET_DROP, PR_SET_SECUREBITS = 1, 38, 22, 24, 28
 SECCOMP_MODE_FILTER = 2
 LOCKED = ((os.ST_NOEXEC, MS_NOEXEC), (os.ST_NOATIME, 1024), (os.ST_NODIRATIME, 2048), (os.ST_RELATIME, 1 << 21))
@@ -66,6 +74,7 @@ def _check(ret: int, what: str) -> None:
 def _mount(src, dst, fstype, flags, data=None) -> None:
     def enc(s):
         return None if s is None else s.encode()
+
     _check(libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)), f"mount {dst}")
 
 
@@ -73,15 +82,54 @@ def _mount(src, dst, fstype, flags, data=None) -> None:
 AUDIT_ARCH_X86_64 = 0xC000003E
 # x86_64 system call numbers a program that computes has no use for: other processes' memory, the
 # kernel's state, namespaces, mounts, keys, BPF, modules, the clock, raw I/O ports
-DENIED = {101: "ptrace", 165: "mount", 166: "umount2", 155: "pivot_root", 161: "chroot", 246: "kexec_load",
-          320: "kexec_file_load", 321: "bpf", 250: "keyctl", 248: "add_key", 249: "request_key", 272: "unshare",
-          308: "setns", 175: "init_module", 313: "finit_module", 176: "delete_module", 169: "reboot", 167: "swapon",
-          168: "swapoff", 298: "perf_event_open", 323: "userfaultfd", 310: "process_vm_readv",
-          311: "process_vm_writev", 303: "name_to_handle_at", 304: "open_by_handle_at", 163: "acct",
-          164: "settimeofday", 227: "clock_settime", 159: "adjtimex", 172: "iopl", 173: "ioperm", 179: "quotactl",
-          428: "open_tree", 429: "move_mount", 430: "fsopen", 431: "fsconfig", 432: "fsmount", 433: "fspick",
-          442: "mount_setattr", 139: "sysfs", 134: "uselib", 154: "modify_ldt", 212: "lookup_dcookie",
-          425: "io_uring_setup", 426: "io_uring_enter", 427: "io_uring_register"}
+DENIED = {
+    101: "ptrace",
+    165: "mount",
+    166: "umount2",
+    155: "pivot_root",
+    161: "chroot",
+    246: "kexec_load",
+    320: "kexec_file_load",
+    321: "bpf",
+    250: "keyctl",
+    248: "add_key",
+    249: "request_key",
+    272: "unshare",
+    308: "setns",
+    175: "init_module",
+    313: "finit_module",
+    176: "delete_module",
+    169: "reboot",
+    167: "swapon",
+    168: "swapoff",
+    298: "perf_event_open",
+    323: "userfaultfd",
+    310: "process_vm_readv",
+    311: "process_vm_writev",
+    303: "name_to_handle_at",
+    304: "open_by_handle_at",
+    163: "acct",
+    164: "settimeofday",
+    227: "clock_settime",
+    159: "adjtimex",
+    172: "iopl",
+    173: "ioperm",
+    179: "quotactl",
+    428: "open_tree",
+    429: "move_mount",
+    430: "fsopen",
+    431: "fsconfig",
+    432: "fsmount",
+    433: "fspick",
+    442: "mount_setattr",
+    139: "sysfs",
+    134: "uselib",
+    154: "modify_ldt",
+    212: "lookup_dcookie",
+    425: "io_uring_setup",
+    426: "io_uring_enter",
+    427: "io_uring_register",
+}
 NR_CLONE, NR_CLONE3, NR_SOCKET = 56, 435, 41
 AF_PACKET, SOCK_RAW = 17, 3
 EPERM, ENOSYS = 1, 38
@@ -97,10 +145,12 @@ def seccomp_filter() -> bytes:
 
     def errno(e):
         return 0x00050000 | e
+
     prog = []
 
     def op(code, k, jt=0, jf=0):
         prog.append((code, jt, jf, k))
+
     op(LD_W_ABS, 4)  # seccomp_data.arch
     op(JEQ, AUDIT_ARCH_X86_64, 1, 0)
     op(RET, KILL)
@@ -134,6 +184,7 @@ def install_seccomp() -> None:
 
     class Fprog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
     prog = Fprog(len(code) // 8, ctypes.addressof(buf))
     _check(libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
     _check(libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0), "seccomp")
@@ -191,9 +242,14 @@ def build_root(root: str, binds: list[str]) -> None:
 
 
 def set_limits(cfg: dict) -> None:
-    for name, value in (("RLIMIT_CPU", cfg["cpu_s"]), ("RLIMIT_AS", cfg["memory_bytes"]),
-                        ("RLIMIT_FSIZE", cfg["file_bytes"]), ("RLIMIT_NPROC", cfg["processes"]),
-                        ("RLIMIT_NOFILE", cfg["open_files"]), ("RLIMIT_CORE", 0)):
+    for name, value in (
+        ("RLIMIT_CPU", cfg["cpu_s"]),
+        ("RLIMIT_AS", cfg["memory_bytes"]),
+        ("RLIMIT_FSIZE", cfg["file_bytes"]),
+        ("RLIMIT_NPROC", cfg["processes"]),
+        ("RLIMIT_NOFILE", cfg["open_files"]),
+        ("RLIMIT_CORE", 0),
+    ):
         resource.setrlimit(getattr(resource, name), (value, value))
 
 
@@ -201,8 +257,14 @@ def _status(status: int) -> int:
     return 128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
 
-ENV = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1",
-       "PYTHONHASHSEED": "0", "TMPDIR": "/tmp"}
+ENV = {
+    "PATH": "/usr/bin:/bin",
+    "HOME": "/tmp",
+    "LANG": "C.UTF-8",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONHASHSEED": "0",
+    "TMPDIR": "/tmp",
+}
 
 
 def init(cfg: dict) -> int:
@@ -227,6 +289,7 @@ def serve(cfg: dict) -> int:
     import io  # noqa: F401
     import traceback  # noqa: F401
     import types  # noqa: F401
+
     pending = b""
     while True:
         while b"\n" not in pending:
@@ -253,8 +316,13 @@ def run_one(cfg: dict, req: dict, ctl: tuple) -> dict:
                 os.close(fd)
             _check(libc.unshare(PROGRAM_NS), "unshare")
             uid = cfg["program_uid"]
-            _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV,
-                   f"size={lim['tmp_bytes']},nr_inodes=4096,mode=700,uid={uid},gid={uid}")
+            _mount(
+                "tmpfs",
+                "/tmp",
+                "tmpfs",
+                MS_NOSUID | MS_NODEV,
+                f"size={lim['tmp_bytes']},nr_inodes=4096,mode=700,uid={uid},gid={uid}",
+            )
             for name, text in {"prog.py": req["source"], **req["files"]}.items():
                 with open(f"/tmp/{name}", "w", encoding="utf-8") as f:
                     f.write(text)
@@ -303,7 +371,7 @@ def _talk(b, w0, r1, r2, data: bytes, lim: dict, wall_s: float, cap: int) -> tup
         ready_r, ready_w, _ = select.select(open_r, [w0] if w0 is not None else [], [], max(left, 0.0))
         if w0 is not None and ready_w:
             try:
-                data = data[os.write(w0, data[:1 << 16]):]
+                data = data[os.write(w0, data[: 1 << 16]) :]
             except OSError:  # the program closed its stdin
                 data = b""
             if not data:
@@ -317,7 +385,7 @@ def _talk(b, w0, r1, r2, data: bytes, lim: dict, wall_s: float, cap: int) -> tup
                 continue
             total += len(chunk)
             if len(bufs[fd]) <= cap:
-                bufs[fd] += chunk[:cap + 1 - len(bufs[fd])]
+                bufs[fd] += chunk[: cap + 1 - len(bufs[fd])]
             if total > lim["file_bytes"] and not killed:  # what RLIMIT_FSIZE does to a file
                 killed = _kill(b)
     if w0 is not None:
@@ -326,6 +394,7 @@ def _talk(b, w0, r1, r2, data: bytes, lim: dict, wall_s: float, cap: int) -> tup
 
     def text(v):
         return bytes(v[:cap]).decode("utf-8", "replace")
+
     return text(bufs[r1]), text(bufs[r2]), timed_out, cut
 
 
@@ -380,6 +449,7 @@ def run_source(source: str) -> int:
     import io
     import traceback
     import types  # all imported already by serve()
+
     os.environ.clear()
     os.environ.update(ENV)
     sys.argv, sys.path[0] = ["/tmp/prog.py"], "/tmp"
@@ -388,8 +458,9 @@ def run_source(source: str) -> int:
     sys.modules["__main__"] = main
     sys.stdin = sys.__stdin__ = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
     sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8")
-    sys.stderr = sys.__stderr__ = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
-                                                    errors="backslashreplace", line_buffering=True)
+    sys.stderr = sys.__stderr__ = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", line_buffering=True
+    )
     code = 0
     try:
         exec(compile(source, "/tmp/prog.py", "exec"), main.__dict__)

@@ -1,5 +1,6 @@
 """An uninterrupted run of N steps against one stopped at K and resumed to N (test_checkpoint,
 test_faults, test_critic, test_lora, test_tensor_parallel)."""
+
 import json
 import subprocess
 import sys
@@ -7,8 +8,18 @@ import time
 
 from helpers.cli import train_cli
 
-FAST = ["--train.prompts_per_step", "8", "--rollout.n", "4", "--log.eval_every", "0", "--log.eval_size", "16",
-        "--train.probe_every", "0"]
+FAST = [
+    "--train.prompts_per_step",
+    "8",
+    "--rollout.n",
+    "4",
+    "--log.eval_every",
+    "0",
+    "--log.eval_size",
+    "16",
+    "--train.probe_every",
+    "0",
+]
 
 
 N, K = 4, 2  # the uninterrupted run's steps, and where the interrupted one stops
@@ -35,8 +46,11 @@ def _kill_while_resuming(run_dir, *args):
     the engines, the checkpoint load and the probe; a kill -9 in between lost steps 1..K for good."""
     before = _steps(json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines())
     written = (run_dir / "config.yaml").stat().st_mtime_ns
-    proc = subprocess.Popen([sys.executable, "-m", "hybridrl", "train", *args, "--log.run_dir", str(run_dir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hybridrl", "train", *args, "--log.run_dir", str(run_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 300
     while proc.poll() is None and time.time() < deadline and (run_dir / "config.yaml").stat().st_mtime_ns == written:
         time.sleep(0.05)  # the run log writes config.yaml, then opens metrics.jsonl, then the engines start

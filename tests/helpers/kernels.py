@@ -1,5 +1,6 @@
 """Kernel inputs and the fused-vs-reference comparison (tests/kernels/). Imported after
 tests/kernels/conftest.py has set TRITON_INTERPRET on a machine without a GPU."""
+
 import torch
 
 from hybridrl.kernels import logprob as lp_mod
@@ -35,8 +36,9 @@ def batch(n=N, d=D, v=V, dtype=torch.float32, bias=True, device=DEVICE):
     mask = (torch.rand(n, device=device) > 0.25).float()
     mask[targets < 0] = 0
     with torch.no_grad():
-        logp, _ = logprob_entropy_reference(hidden.float(), weight.float(), targets, 1.0,
-                                            None if b is None else b.float())
+        logp, _ = logprob_entropy_reference(
+            hidden.float(), weight.float(), targets, 1.0, None if b is None else b.float()
+        )
     noise = lambda s: logp + s * torch.randn(n, device=device)  # noqa: E731
     data = dict(logp_old=noise(0.3), advantages=torch.randn(n, device=device)[seq], mask=mask)
     extras = dict(seq_ids=seq, logp_ref=noise(0.2), logp_rollout=noise(0.1))
@@ -48,12 +50,21 @@ def both(params, data, loss_kw, temperature=1.0, provider="torch", chunk_size=8)
     hidden, weight, b, targets = params
     wrt = [p for p in (hidden, weight, b) if p is not None]
     loss, metrics, logp, ent = fused_logprob_ppo_loss(
-        hidden, weight, targets, data["logp_old"], data["advantages"], data["mask"], temperature,
-        b, provider=provider, chunk_size=chunk_size, **loss_kw)
+        hidden,
+        weight,
+        targets,
+        data["logp_old"],
+        data["advantages"],
+        data["mask"],
+        temperature,
+        b,
+        provider=provider,
+        chunk_size=chunk_size,
+        **loss_kw,
+    )
     grads = torch.autograd.grad(loss, wrt)
     r_logp, r_ent = logprob_entropy_reference(hidden, weight, targets, temperature, b)
-    r_loss, r_metrics = ppo_loss(r_logp, data["logp_old"], data["advantages"], data["mask"],
-                                 entropy=r_ent, **loss_kw)
+    r_loss, r_metrics = ppo_loss(r_logp, data["logp_old"], data["advantages"], data["mask"], entropy=r_ent, **loss_kw)
     r_grads = torch.autograd.grad(r_loss, wrt)
     torch.testing.assert_close(logp, r_logp.detach(), atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(ent, r_ent.detach(), atol=2e-5, rtol=2e-5)

@@ -1,5 +1,6 @@
 """A stand-in trainer that records the memory cycle's calls (test_memory, test_planner): a state-machine
 check of the phase order, never evidence that the real engine offloads."""
+
 import torch
 
 

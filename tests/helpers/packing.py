@@ -1,6 +1,7 @@
 """The Trainer's log-prob and loss paths on a tiny Qwen2 (sdpa, float32), with the module itself
 standing in for DeepSpeed's engine: no engine starts (test_packing, test_tis, test_share_prompt,
 test_sequence_parallel)."""
+
 import torch
 import transformers
 
@@ -14,9 +15,17 @@ V = 40
 
 def tiny_model():
     torch.manual_seed(0)
-    cfg = transformers.Qwen2Config(vocab_size=V, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                                   num_hidden_layers=2, intermediate_size=96, max_position_embeddings=64,
-                                   tie_word_embeddings=False, attn_implementation="sdpa")
+    cfg = transformers.Qwen2Config(
+        vocab_size=V,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_hidden_layers=2,
+        intermediate_size=96,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        attn_implementation="sdpa",
+    )
     return transformers.Qwen2ForCausalLM(cfg).float()
 
 
@@ -42,11 +51,25 @@ def loss_and_grads(t: Trainer, batch: Batch, tis_level: str | None, agg: str):
     at `tis_level`), backpropagated: (loss, logp, {parameter: gradient})."""
     sel = batch.loss_mask
     seq_ids = torch.arange(len(batch))[:, None].expand_as(sel)[sel]  # [N], as Trainer.step builds it
-    loss, metrics, logp, entropy = t._forward(batch, 1.0, loss=dict(
-        logp_old=batch.logp_old[sel], advantages=batch.advantages[seq_ids], mask=torch.ones(len(seq_ids)),
-        seq_ids=seq_ids, logp_rollout=batch.logp_rollout[sel] if tis_level else None,
-        eps_low=0.2, eps_high=0.28, dual_clip=3.0, tis_cap=2.0 if tis_level else None,
-        tis_level=tis_level or "token", entropy_coef=0.01, agg=agg, normalizer=7.0))
+    loss, metrics, logp, entropy = t._forward(
+        batch,
+        1.0,
+        loss=dict(
+            logp_old=batch.logp_old[sel],
+            advantages=batch.advantages[seq_ids],
+            mask=torch.ones(len(seq_ids)),
+            seq_ids=seq_ids,
+            logp_rollout=batch.logp_rollout[sel] if tis_level else None,
+            eps_low=0.2,
+            eps_high=0.28,
+            dual_clip=3.0,
+            tis_cap=2.0 if tis_level else None,
+            tis_level=tis_level or "token",
+            entropy_coef=0.01,
+            agg=agg,
+            normalizer=7.0,
+        ),
+    )
     loss.backward()
     return loss.detach(), logp, {n: p.grad.clone() for n, p in t.engine.named_parameters()}
 

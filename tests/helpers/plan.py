@@ -1,5 +1,6 @@
 """The planner's inputs: an H100's and a node's bytes, the shapes of shipped model configs, and a run's
 config as `hybridrl train` resolves it on a GPU (test_plan, test_gpu_path_decisions)."""
+
 from hybridrl.core import config, recipe
 from hybridrl.cycle import plan
 from hybridrl.cycle.shape import Shape, info_of, read_config
@@ -21,5 +22,4 @@ def gpu_config(model: str, world: int, **over) -> config.Config:
     """A run's config as `hybridrl train` resolves it on a GPU (the real-model recipe)."""
     cfg = recipe.auto_dtype(config.load(None, {"model.path": model, **over}), on_cpu=False)
     conf = read_config(model)
-    return recipe.resolve(cfg, info_of(model, conf, Shape.from_config(conf)), on_cpu=False,
-                          world_size=world)
+    return recipe.resolve(cfg, info_of(model, conf, Shape.from_config(conf)), on_cpu=False, world_size=world)

@@ -2,6 +2,7 @@
 
 TRITON_INTERPRET must be set before anything imports triton, hence here, at collection time.
 """
+
 import os
 
 import torch

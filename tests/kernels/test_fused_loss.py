@@ -1,4 +1,5 @@
 """fused_logprob_ppo_loss == ppo_loss(*logprob_entropy_reference(...)) in value, metrics, gradients."""
+
 import pytest
 import torch
 
@@ -11,8 +12,9 @@ from helpers.kernels import PROVIDERS, N, assert_same, batch, both
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 
 
-FULL = dict(tis_cap=2.0, tis_level="sequence", kl_coef=0.05, kl_type="k3", entropy_coef=0.01,
-            dual_clip=3.0, eps_high=0.28)
+FULL = dict(
+    tis_cap=2.0, tis_level="sequence", kl_coef=0.05, kl_type="k3", entropy_coef=0.01, dual_clip=3.0, eps_high=0.28
+)
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
@@ -56,15 +58,23 @@ def test_fused_micro_batches_sum_to_full_batch(agg):
     (hidden, weight, b, targets), data, extras = batch(device="cpu")
     kw = dict(FULL, agg=agg, logp_ref=extras["logp_ref"], logp_rollout=extras["logp_rollout"])
     args = (data["logp_old"], data["advantages"], data["mask"])
-    full, *_ = fused_logprob_ppo_loss(hidden, weight, targets, *args, 0.9, b, seq_ids=extras["seq_ids"],
-                                      **kw)
+    full, *_ = fused_logprob_ppo_loss(hidden, weight, targets, *args, 0.9, b, seq_ids=extras["seq_ids"], **kw)
     g_full = torch.autograd.grad(full, [hidden, weight, b])
     norm = loss_normalizer(agg, data["mask"], extras["seq_ids"])
     total = 0.0
     for sl in (slice(0, 12), slice(12, 30), slice(30, N)):  # sequence boundaries (6 tokens each)
         part_kw = {k: v[sl] if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-        part, *_ = fused_logprob_ppo_loss(hidden[sl], weight, targets[sl], *(a[sl] for a in args), 0.9,
-                                          b, seq_ids=extras["seq_ids"][sl], normalizer=norm, **part_kw)
+        part, *_ = fused_logprob_ppo_loss(
+            hidden[sl],
+            weight,
+            targets[sl],
+            *(a[sl] for a in args),
+            0.9,
+            b,
+            seq_ids=extras["seq_ids"][sl],
+            normalizer=norm,
+            **part_kw,
+        )
         total = total + part
     torch.testing.assert_close(total, full)
     for g, gf in zip(torch.autograd.grad(total, [hidden, weight, b]), g_full):
@@ -91,8 +101,12 @@ def test_fused_upstream_scale_and_no_grad():
         g3 = torch.autograd.grad(3.0 * loss, [hidden, weight])
         for a, c in zip(g1, g3):
             assert a.dtype == dtype and a.abs().max() > 0
-            torch.testing.assert_close(c.float(), 3 * a.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1.3e-6,
-                                       atol=0 if dtype == torch.bfloat16 else 1e-5)
+            torch.testing.assert_close(
+                c.float(),
+                3 * a.float(),
+                rtol=1e-2 if dtype == torch.bfloat16 else 1.3e-6,
+                atol=0 if dtype == torch.bfloat16 else 1e-5,
+            )
     with torch.no_grad():  # the float32 batch, the loop's last
         loss2, _, logp, _ = fused_logprob_ppo_loss(*args)
     torch.testing.assert_close(loss2, loss.detach())
@@ -109,8 +123,18 @@ def test_fused_computes_logits_once_per_chunk(monkeypatch):
     real = lp_mod._torch_log_softmax
     monkeypatch.setattr(lp_mod, "_torch_log_softmax", lambda *a: calls.append(1) or real(*a))
     (hidden, weight, b, targets), data, _ = batch(device="cpu")  # N = 37 -> 5 chunks of 8
-    loss, *_ = fused_logprob_ppo_loss(hidden, weight, targets, data["logp_old"], data["advantages"],
-                                      data["mask"], 1.0, b, provider="torch", chunk_size=8)
+    loss, *_ = fused_logprob_ppo_loss(
+        hidden,
+        weight,
+        targets,
+        data["logp_old"],
+        data["advantages"],
+        data["mask"],
+        1.0,
+        b,
+        provider="torch",
+        chunk_size=8,
+    )
     loss.backward()
     assert len(calls) == 5
     calls.clear()

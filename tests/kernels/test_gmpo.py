@@ -2,6 +2,7 @@
 paper's formula on padded [B, T] rows (its code's layout) against ppo_loss on flat packed tokens.
 The fused pass, micro-batches and every aggregation are covered for every declared loss, gmpo
 included, in test_policy_losses.py."""
+
 import math
 
 import pytest
@@ -25,8 +26,17 @@ def test_gmpo_by_hand():
     #   (L_0 + L_1) / 2 and a token's gradient is (2 * 1/4) * dL_i/dlogp_t.
     logp = torch.tensor([LN2, 0.0, -LN2, 0.1], requires_grad=True)
     adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
-    loss, m = ppo_loss(logp, torch.zeros(4), adv, torch.ones(4), seq_ids=torch.tensor([0, 0, 1, 1]),
-                       policy_loss="gmpo", eps_low=0.4, eps_high=0.4, agg="seq_mean_token_mean")
+    loss, m = ppo_loss(
+        logp,
+        torch.zeros(4),
+        adv,
+        torch.ones(4),
+        seq_ids=torch.tensor([0, 0, 1, 1]),
+        policy_loss="gmpo",
+        eps_low=0.4,
+        eps_high=0.4,
+        agg="seq_mean_token_mean",
+    )
     loss.backward()
     s0, s1 = math.exp(0.2), math.exp(-0.15)
     torch.testing.assert_close(loss, torch.tensor((-s0 + s1) / 2))
@@ -61,8 +71,17 @@ def test_gmpo_matches_the_papers_formula(eps):
     sel = mask.bool()
     flat = logp.detach()[sel].requires_grad_()
     seq_ids = torch.arange(B)[:, None].expand(B, T)[sel]
-    got, _ = ppo_loss(flat, old[sel], adv[sel], torch.ones(len(flat)), seq_ids=seq_ids, policy_loss="gmpo",
-                      eps_low=eps[0], eps_high=eps[1], agg="seq_mean_token_mean")
+    got, _ = ppo_loss(
+        flat,
+        old[sel],
+        adv[sel],
+        torch.ones(len(flat)),
+        seq_ids=seq_ids,
+        policy_loss="gmpo",
+        eps_low=eps[0],
+        eps_high=eps[1],
+        agg="seq_mean_token_mean",
+    )
     (g_got,) = torch.autograd.grad(got, flat)
     torch.testing.assert_close(got, want)
     torch.testing.assert_close(g_got, g_want[sel])
@@ -75,12 +94,20 @@ def test_gmpo_is_declared_with_its_properties():
     cfg = recipe.loss_clip(C.load(None, {"algo.policy_loss": "gmpo"}))
     assert (cfg.algo.clip_low, cfg.algo.clip_high) == (0.4, 0.4)
     assert recipe.loss_clip(C.load(None, {"algo.policy_loss": "gmpo", "algo.clip_high": 0.3})).algo.clip_high == 0.3
-    for overrides, message in (({"train.kernels": "liger"}, "train.kernels=liger has no gmpo"),
-                               ({"algo.dual_clip": 3}, "algo.policy_loss=gmpo has not"),
-                               ({"train.sequence_parallel_size": 2},
-                                "algo.policy_loss=gmpo needs each sequence whole")):
+    for overrides, message in (
+        ({"train.kernels": "liger"}, "train.kernels=liger has no gmpo"),
+        ({"algo.dual_clip": 3}, "algo.policy_loss=gmpo has not"),
+        ({"train.sequence_parallel_size": 2}, "algo.policy_loss=gmpo needs each sequence whole"),
+    ):
         with pytest.raises(C.ConfigError, match=message):
             C.load(None, {"algo.policy_loss": "gmpo", **overrides})
     with pytest.raises(ValueError, match="gmpo takes no dual_clip"):
-        ppo_loss(torch.zeros(2), None, torch.ones(2), torch.ones(2), seq_ids=torch.tensor([0, 0]), policy_loss="gmpo",
-                 dual_clip=3.0)
+        ppo_loss(
+            torch.zeros(2),
+            None,
+            torch.ones(2),
+            torch.ones(2),
+            seq_ids=torch.tensor([0, 0]),
+            policy_loss="gmpo",
+            dual_clip=3.0,
+        )

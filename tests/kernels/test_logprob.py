@@ -3,6 +3,7 @@
 Values AND gradients (random upstream gradients on both outputs), fp32 and bf16, shapes that are
 not multiples of any block, V below one block, targets at 0 / V-1 / the last partial block.
 """
+
 import pytest
 import torch
 
@@ -33,8 +34,7 @@ def close(actual, expected, tol, what):
 
 
 def check_against_reference(provider, hidden, weight, bias, targets, temperature, tol, **kw):
-    logp, ent, grads, up = run(logprob_entropy, hidden, weight, bias, targets, temperature,
-                               provider=provider, **kw)
+    logp, ent, grads, up = run(logprob_entropy, hidden, weight, bias, targets, temperature, provider=provider, **kw)
     # the reference runs in fp32 on the same (possibly bf16-rounded) inputs: the truth to compare to
     ref_in = [None if t is None else t.detach().float().requires_grad_() for t in (hidden, weight, bias)]
     r_logp, r_ent, r_grads, _ = run(logprob_entropy_reference, *ref_in, targets, temperature, up)
@@ -72,8 +72,10 @@ def test_chunk_size_invariance(provider):
     """dW must be ACCUMULATED over token chunks; overwriting it would keep only the last chunk."""
     hidden, weight, b, targets = make(*SHAPES["ragged"], bias=True)
     up = (torch.randn(hidden.shape[0], device=DEVICE), torch.randn(hidden.shape[0], device=DEVICE))
-    runs = [run(logprob_entropy, hidden, weight, b, targets, 0.8, up, provider=provider, chunk_size=c)
-            for c in (1, 5, 16, 1000)]
+    runs = [
+        run(logprob_entropy, hidden, weight, b, targets, 0.8, up, provider=provider, chunk_size=c)
+        for c in (1, 5, 16, 1000)
+    ]
     for logp, ent, grads, _ in runs[1:]:
         torch.testing.assert_close(logp, runs[0][0], atol=1e-5, rtol=1e-5)
         for g, g0 in zip(grads, runs[0][2]):
@@ -107,8 +109,7 @@ def test_ignored_targets(provider):
     assert (grads[0][~keep] == 0).all()
     # dW and db equal those of the batch with the ignored rows removed
     sub = [hidden.detach()[keep].requires_grad_(), weight, b]
-    *_, sub_grads, _ = run(logprob_entropy, *sub, targets[keep], 1.0, (up[0][keep], up[1][keep]),
-                           provider=provider)
+    *_, sub_grads, _ = run(logprob_entropy, *sub, targets[keep], 1.0, (up[0][keep], up[1][keep]), provider=provider)
     for g, s in zip(grads[1:], sub_grads[1:]):
         torch.testing.assert_close(g, s, atol=1e-5, rtol=1e-5)
 
@@ -116,8 +117,9 @@ def test_ignored_targets(provider):
 @pytest.mark.parametrize("provider", PROVIDERS + ["naive"])
 def test_all_targets_ignored_no_nan(provider):
     hidden, weight, b, targets = make(*SHAPES["tiny_vocab"], bias=True)
-    logp, ent, grads, _ = run(logprob_entropy, hidden, weight, b, torch.full_like(targets, -100),
-                              1.0, provider=provider)
+    logp, ent, grads, _ = run(
+        logprob_entropy, hidden, weight, b, torch.full_like(targets, -100), 1.0, provider=provider
+    )
     assert (logp == 0).all() and (ent == 0).all()
     assert all((g == 0).all() for g in grads)
 
@@ -161,9 +163,11 @@ def test_backward_through_logp_only():
     """An unused entropy output reaches backward as None; that path must still be right."""
     hidden, weight, b, targets = make(*SHAPES["ragged"], bias=True, device="cpu")
     g_lp = torch.randn(hidden.shape[0])
-    grads = torch.autograd.grad((logprob_entropy(hidden, weight, targets, 0.9, b, chunk_size=7)[0]
-                                 * g_lp).sum(), [hidden, weight, b])
-    refs = torch.autograd.grad((logprob_entropy_reference(hidden, weight, targets, 0.9, b)[0]
-                                * g_lp).sum(), [hidden, weight, b])
+    grads = torch.autograd.grad(
+        (logprob_entropy(hidden, weight, targets, 0.9, b, chunk_size=7)[0] * g_lp).sum(), [hidden, weight, b]
+    )
+    refs = torch.autograd.grad(
+        (logprob_entropy_reference(hidden, weight, targets, 0.9, b)[0] * g_lp).sum(), [hidden, weight, b]
+    )
     for g, r in zip(grads, refs):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)

@@ -1,6 +1,7 @@
 """GSPO, GSPO-token, CISPO and masked importance sampling (kernels.ppo_loss): hand-derived numbers
 (derivations in the comments), the fused pass against the unfused reference (values, metrics and
 gradients, every provider), and micro-batches summing to the full batch."""
+
 import math
 
 import pytest
@@ -36,8 +37,16 @@ def test_gspo_sequence_ratio_and_sequence_clipping():
     # seq_mean_token_mean: every token carries its sequence's L_i with weight 1 / (n_i * S) = 1/4:
     #   loss = (-1.28 + 0.9487) / 2 = -0.1657; dL/dlogp_t (seq 1) = 2 tokens * 1/4 * (-A) * s_1 / n_1 = s_1 / 4.
     logp = leaf(LN2, 0.0, math.log(0.9), 0.0)
-    loss, m = ppo_loss(logp, torch.zeros(4), t(1, 1, -1, -1), torch.ones(4), seq_ids=SEQ, policy_loss="gspo",
-                       eps_high=0.28, agg="seq_mean_token_mean")
+    loss, m = ppo_loss(
+        logp,
+        torch.zeros(4),
+        t(1, 1, -1, -1),
+        torch.ones(4),
+        seq_ids=SEQ,
+        policy_loss="gspo",
+        eps_high=0.28,
+        agg="seq_mean_token_mean",
+    )
     loss.backward()
     torch.testing.assert_close(loss, torch.tensor((-1.28 + S1) / 2))
     torch.testing.assert_close(logp.grad, t(0, 0, S1 / 4, S1 / 4))
@@ -57,15 +66,31 @@ def test_gspo_token_equals_gspo_per_sequence_and_differs_per_token():
     grads = {"gspo": t(0, 0, S1 / 2, S1 / 2), "gspo_token": t(0, 0, S1 / 4, 3 * S1 / 4)}
     for name, expected in grads.items():
         logp = leaf(LN2, 0.0, math.log(0.9), 0.0)
-        loss, _ = ppo_loss(logp, torch.zeros(4), adv, torch.ones(4), seq_ids=SEQ, policy_loss=name,
-                           eps_high=0.28, agg="seq_mean_token_mean")
+        loss, _ = ppo_loss(
+            logp,
+            torch.zeros(4),
+            adv,
+            torch.ones(4),
+            seq_ids=SEQ,
+            policy_loss=name,
+            eps_high=0.28,
+            agg="seq_mean_token_mean",
+        )
         loss.backward()
         torch.testing.assert_close(loss, torch.tensor(value), msg=name)
         torch.testing.assert_close(logp.grad, expected, msg=name)
     # with one advantage per sequence both give s_1 / 4 per seq-1 token (previous test)
     logp = leaf(LN2, 0.0, math.log(0.9), 0.0)
-    loss, _ = ppo_loss(logp, torch.zeros(4), t(1, 1, -1, -1), torch.ones(4), seq_ids=SEQ, policy_loss="gspo_token",
-                       eps_high=0.28, agg="seq_mean_token_mean")
+    loss, _ = ppo_loss(
+        logp,
+        torch.zeros(4),
+        t(1, 1, -1, -1),
+        torch.ones(4),
+        seq_ids=SEQ,
+        policy_loss="gspo_token",
+        eps_high=0.28,
+        agg="seq_mean_token_mean",
+    )
     loss.backward()
     torch.testing.assert_close(logp.grad, t(0, 0, S1 / 4, S1 / 4))
 
@@ -103,12 +128,24 @@ def test_masked_importance_sampling_token_sequence_geometric():
     rollout = -t(math.log(3.0), math.log(1.5), math.log(0.25))
     seq = torch.tensor([0, 0, 1])
     g = math.sqrt(4.5)
-    cases = {("token", 2.0): (-0.5, t(0, -0.5, 0), 0.5), ("sequence", 2.0): (0.0, t(0, 0, 0), 0.0),
-             ("geometric", 2.5): (-2 * g / 3, t(-1 / 3 * g, -1 / 3 * g, 0), 2 * g / 3)}
+    cases = {
+        ("token", 2.0): (-0.5, t(0, -0.5, 0), 0.5),
+        ("sequence", 2.0): (0.0, t(0, 0, 0), 0.0),
+        ("geometric", 2.5): (-2 * g / 3, t(-1 / 3 * g, -1 / 3 * g, 0), 2 * g / 3),
+    }
     for (level, high), (value, grad, tis_mean) in cases.items():
         logp = leaf(0.0, 0.0, 0.0)
-        loss, m = ppo_loss(logp, None, torch.ones(3), torch.ones(3), seq_ids=seq, logp_rollout=rollout,
-                           is_correction="mask", tis_level=level, is_mask_high=high)
+        loss, m = ppo_loss(
+            logp,
+            None,
+            torch.ones(3),
+            torch.ones(3),
+            seq_ids=seq,
+            logp_rollout=rollout,
+            is_correction="mask",
+            tis_level=level,
+            is_mask_high=high,
+        )
         loss.backward()
         torch.testing.assert_close(loss, torch.tensor(value), msg=level)
         torch.testing.assert_close(logp.grad, grad, msg=level)
@@ -136,8 +173,14 @@ def test_sequence_losses_need_seq_ids():
 
 
 def knobs(policy_loss, correction="tis"):
-    kw = dict(policy_loss=policy_loss, kl_coef=0.05, kl_type="k3", entropy_coef=0.01,
-              tis_level="sequence" if correction == "tis" else "geometric", is_correction=correction)
+    kw = dict(
+        policy_loss=policy_loss,
+        kl_coef=0.05,
+        kl_type="k3",
+        entropy_coef=0.01,
+        tis_level="sequence" if correction == "tis" else "geometric",
+        is_correction=correction,
+    )
     if correction == "tis":
         kw["tis_cap"] = 2.0
     own = POLICY_LOSSES[policy_loss].knobs()  # each loss takes only its own hyperparameters
@@ -164,14 +207,21 @@ def test_fused_equals_unfused(provider, policy_loss, agg):
     assert_same(*both(params, data, kw, temperature=0.7, provider=provider))
 
 
-@pytest.mark.parametrize("provider,policy_loss", [("torch", p) for p in POLICY_LOSSES] +
-                         [(pr, "gspo") for pr in PROVIDERS if pr != "torch"])
+@pytest.mark.parametrize(
+    "provider,policy_loss", [("torch", p) for p in POLICY_LOSSES] + [(pr, "gspo") for pr in PROVIDERS if pr != "torch"]
+)
 def test_fused_masked_is_on_and_off_policy(provider, policy_loss):
     params, data, extras = batch()
     # ratios old/rollout spread ~ exp(N(0, 0.3^2)) per token: bounds [0.8, 1.25] mask a good share
     kw = dict(knobs(policy_loss, "mask"), **extras, is_mask_low=0.8, is_mask_high=1.25)
-    w = importance_weights(data["logp_old"], extras["logp_rollout"], extras["seq_ids"], correction="mask",
-                           is_mask_low=0.8, is_mask_high=1.25)
+    w = importance_weights(
+        data["logp_old"],
+        extras["logp_rollout"],
+        extras["seq_ids"],
+        correction="mask",
+        is_mask_low=0.8,
+        is_mask_high=1.25,
+    )
     assert 0.2 < (w == 0).float().mean() < 0.8  # a good share of the tokens is masked
     levels = ("token", "sequence", "geometric") if provider == "torch" else ("geometric",)  # interpreter: slow
     for level in levels:
@@ -196,8 +246,12 @@ def test_fused_per_token_advantages_and_chunk_invariance(policy_loss):
 def test_micro_batches_sum_to_full_batch(policy_loss, agg):
     """Pure and fused: three micro-batches of whole sequences with the full batch's normaliser."""
     (hidden, weight, b, targets), data, extras = batch(device="cpu")
-    kw = dict(knobs(policy_loss, "mask" if policy_loss == "cispo" else "tis"), agg=agg,
-              logp_ref=extras["logp_ref"], logp_rollout=extras["logp_rollout"])
+    kw = dict(
+        knobs(policy_loss, "mask" if policy_loss == "cispo" else "tis"),
+        agg=agg,
+        logp_ref=extras["logp_ref"],
+        logp_rollout=extras["logp_rollout"],
+    )
     args = (data["logp_old"], data["advantages"], data["mask"])
     seq = extras["seq_ids"]
     full, *_ = fused_logprob_ppo_loss(hidden, weight, targets, *args, 0.9, b, seq_ids=seq, chunk_size=5, **kw)
@@ -206,8 +260,18 @@ def test_micro_batches_sum_to_full_batch(policy_loss, agg):
     total = 0.0
     for sl in (slice(0, 12), slice(12, 30), slice(30, len(seq))):  # sequence boundaries (6 tokens each)
         part_kw = {k: v[sl] if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
-        part, *_ = fused_logprob_ppo_loss(hidden[sl], weight, targets[sl], *(a[sl] for a in args), 0.9, b,
-                                          seq_ids=seq[sl], normalizer=norm, chunk_size=5, **part_kw)
+        part, *_ = fused_logprob_ppo_loss(
+            hidden[sl],
+            weight,
+            targets[sl],
+            *(a[sl] for a in args),
+            0.9,
+            b,
+            seq_ids=seq[sl],
+            normalizer=norm,
+            chunk_size=5,
+            **part_kw,
+        )
         total = total + part
     torch.testing.assert_close(total, full)
     for g, gf in zip(torch.autograd.grad(total, [hidden, weight, b]), g_full):
@@ -216,9 +280,17 @@ def test_micro_batches_sum_to_full_batch(policy_loss, agg):
     logp = (data["logp_old"] + 0.2 * torch.randn(len(seq))).requires_grad_()
     ent = torch.rand(len(seq)).requires_grad_()
     pure = ppo_loss(logp, *args, seq_ids=seq, entropy=ent, **kw)[0]
-    parts = sum(ppo_loss(logp[sl], *(a[sl] for a in args), seq_ids=seq[sl], normalizer=norm, entropy=ent[sl],
-                         **{k: v[sl] if isinstance(v, torch.Tensor) else v for k, v in kw.items()})[0]
-                for sl in (slice(0, 12), slice(12, 30), slice(30, len(seq))))
+    parts = sum(
+        ppo_loss(
+            logp[sl],
+            *(a[sl] for a in args),
+            seq_ids=seq[sl],
+            normalizer=norm,
+            entropy=ent[sl],
+            **{k: v[sl] if isinstance(v, torch.Tensor) else v for k, v in kw.items()},
+        )[0]
+        for sl in (slice(0, 12), slice(12, 30), slice(30, len(seq)))
+    )
     torch.testing.assert_close(parts, pure)
     for g, gf in zip(torch.autograd.grad(parts, [logp, ent]), torch.autograd.grad(pure, [logp, ent])):
         torch.testing.assert_close(g, gf)

@@ -1,4 +1,5 @@
 """hybridrl.kernels.ppo_loss.ppo_loss on small hand-derived numbers (derivations in the comments)."""
+
 import math
 
 import pytest
@@ -28,8 +29,7 @@ def test_both_clip_branches_and_zero_gradient_where_clipped():
     #   e: A=+2, r=1  : -2                        unclipped,      dL/dlogp = -2
     # token mean over 5: (-1.28 + 0.8 - 0.5 + 1.5 - 2) / 5 = -0.296; grads / 5.
     logp = leaf(*(math.log(r) for r in (1.5, 0.5, 0.5, 1.5, 1.0)))
-    loss, m = ppo_loss(logp, torch.zeros(5), t(1, -1, 1, -1, 2), torch.ones(5),
-                       eps_low=0.2, eps_high=0.28)
+    loss, m = ppo_loss(logp, torch.zeros(5), t(1, -1, 1, -1, 2), torch.ones(5), eps_low=0.2, eps_high=0.28)
     loss.backward()
     torch.testing.assert_close(loss, torch.tensor(-0.296))
     torch.testing.assert_close(logp.grad, t(0, 0, -0.1, 0.3, -0.4))
@@ -73,23 +73,22 @@ def test_kl_estimators_by_hand(kl_type):
     (v1, v2), (g1, g2) = KL_CASES[kl_type]
     logp = leaf(0.0, 0.0)
     # A = 0 switches the policy term off; kl_coef = 0.5, token mean over 2 tokens
-    loss, m = ppo_loss(logp, None, torch.zeros(2), torch.ones(2), logp_ref=t(LN2, -LN2),
-                       kl_coef=0.5, kl_type=kl_type)
+    loss, m = ppo_loss(logp, None, torch.zeros(2), torch.ones(2), logp_ref=t(LN2, -LN2), kl_coef=0.5, kl_type=kl_type)
     loss.backward()
     torch.testing.assert_close(loss, torch.tensor(0.5 * (v1 + v2) / 2))
     torch.testing.assert_close(logp.grad, 0.5 * t(g1, g2) / 2)
     torch.testing.assert_close(m["kl_mean"], torch.tensor((v1 + v2) / 2))
 
 
-@pytest.mark.parametrize("kl_type,expected", [("k1", (-20.0, 20.0, 15.0)), ("k2", (200.0, 200.0, 112.5)),
-                                               ("k3", (10.0, 10.0, 10.0))])
+@pytest.mark.parametrize(
+    "kl_type,expected", [("k1", (-20.0, 20.0, 15.0)), ("k2", (200.0, 200.0, 112.5)), ("k3", (10.0, 10.0, 10.0))]
+)
 def test_kl_at_clamp_extremes(kl_type, expected):
     # d = 30 and -30 clamp to +-20 (gradient 0 beyond the clamp). k3(20) = e^20 - 21 and
     # k3(-20) = e^-20 + 19 both exceed the cap 10; d = -15 is inside the clamp but k3 = e^-15 + 14
     # is capped too, so k3 has zero gradient at all three; k1/k2 at d=-15: 15 and 112.5.
     logp = leaf(-30.0, 30.0, 15.0)
-    loss, m = ppo_loss(logp, None, torch.zeros(3), torch.ones(3), logp_ref=torch.zeros(3),
-                       kl_coef=1.0, kl_type=kl_type)
+    loss, m = ppo_loss(logp, None, torch.zeros(3), torch.ones(3), logp_ref=torch.zeros(3), kl_coef=1.0, kl_type=kl_type)
     loss.backward()
     assert torch.isfinite(loss)
     torch.testing.assert_close(loss, torch.tensor(sum(expected) / 3))
@@ -100,8 +99,7 @@ def test_kl_at_clamp_extremes(kl_type, expected):
 def test_entropy_bonus():
     # A = 0: loss = -c_H * mean(H) = -0.1 * 1.5; dloss/dH = -0.1 / 2
     ent = leaf(1.0, 2.0)
-    loss, m = ppo_loss(torch.zeros(2), None, torch.zeros(2), torch.ones(2), entropy=ent,
-                       entropy_coef=0.1)
+    loss, m = ppo_loss(torch.zeros(2), None, torch.zeros(2), torch.ones(2), entropy=ent, entropy_coef=0.1)
     loss.backward()
     torch.testing.assert_close(loss, torch.tensor(-0.15))
     torch.testing.assert_close(ent.grad, t(-0.05, -0.05))
@@ -115,8 +113,17 @@ def test_tis_weight_is_detached_and_capped():
     # A w that let gradient through exp(logp - rollout) would double these gradients.
     logp = leaf(0.0, 0.0)
     rollout = t(-math.log(1.5), -math.log(3.0)).requires_grad_()
-    loss, m = ppo_loss(logp, None, torch.ones(2), torch.ones(2), logp_rollout=rollout, tis_cap=2.0,
-                       agg="seq_mean_token_sum_norm", seq_ids=torch.tensor([0, 1]), normalizer=1)
+    loss, m = ppo_loss(
+        logp,
+        None,
+        torch.ones(2),
+        torch.ones(2),
+        logp_rollout=rollout,
+        tis_cap=2.0,
+        agg="seq_mean_token_sum_norm",
+        seq_ids=torch.tensor([0, 1]),
+        normalizer=1,
+    )
     loss.backward()
     torch.testing.assert_close(loss, torch.tensor(-3.5))
     torch.testing.assert_close(logp.grad, t(-1.5, -2.0))
@@ -127,8 +134,16 @@ def test_tis_weight_is_detached_and_capped():
 def test_tis_multiplies_surrogate_not_kl():
     # w = 2 (logp_old - rollout = ln2), A = 1, r = 1: w L = -2; KL k1 with d = ln2 adds -ln2 * 0.5.
     logp_old = torch.zeros(1, requires_grad=True)
-    loss, _ = ppo_loss(torch.zeros(1), logp_old, torch.ones(1), torch.ones(1), logp_rollout=t(-LN2),
-                       logp_ref=t(LN2), kl_coef=0.5, kl_type="k1")
+    loss, _ = ppo_loss(
+        torch.zeros(1),
+        logp_old,
+        torch.ones(1),
+        torch.ones(1),
+        logp_rollout=t(-LN2),
+        logp_ref=t(LN2),
+        kl_coef=0.5,
+        kl_type="k1",
+    )
     torch.testing.assert_close(loss, torch.tensor(-2.0 - 0.5 * LN2))
     assert not loss.requires_grad  # no path from logp_old (nor the weight) into the loss
 
@@ -138,9 +153,16 @@ def test_sequence_level_tis():
     # seq 1: (0.5, 0.6, masked 5.0) -> masked sum 1.1 -> e^1.1 = 3.004 -> cap 2
     # A = 1, r = 1, so w L = -w per token; token mean over 4 unmasked tokens.
     diff = t(0.2, 0.3, 0.5, 0.6, 5.0)
-    loss, m = ppo_loss(torch.zeros(5), torch.zeros(5), torch.ones(5), t(1, 1, 1, 1, 0),
-                       seq_ids=torch.tensor([0, 0, 1, 1, 1]), logp_rollout=-diff, tis_cap=2.0,
-                       tis_level="sequence")
+    loss, m = ppo_loss(
+        torch.zeros(5),
+        torch.zeros(5),
+        torch.ones(5),
+        t(1, 1, 1, 1, 0),
+        seq_ids=torch.tensor([0, 0, 1, 1, 1]),
+        logp_rollout=-diff,
+        tis_cap=2.0,
+        tis_level="sequence",
+    )
     w0 = math.exp(0.5)
     torch.testing.assert_close(loss, torch.tensor(-(2 * w0 + 2 * 2.0) / 4))
     torch.testing.assert_close(m["tis_mean"], torch.tensor((2 * w0 + 4.0) / 4))
@@ -150,8 +172,7 @@ def test_sequence_level_tis():
 #   token_mean:              (-1 - 2 - 3 - 4) / 4           = -2.5
 #   seq_mean_token_mean:     mean(-6 / 3, -4 / 1)           = -3
 #   seq_mean_token_sum_norm: -10 / (2 sequences * 3 tokens) = -10 / 6
-AGG_CASES = {"token_mean": (-2.5, 4), "seq_mean_token_mean": (-3.0, 2),
-             "seq_mean_token_sum_norm": (-10 / 6, 6)}
+AGG_CASES = {"token_mean": (-2.5, 4), "seq_mean_token_mean": (-3.0, 2), "seq_mean_token_sum_norm": (-10 / 6, 6)}
 
 
 @pytest.mark.parametrize("agg", list(AGG_CASES))
@@ -183,8 +204,16 @@ def random_batch(n_seq=6, max_len=7, seed=0):
 @pytest.mark.parametrize("agg", list(AGGREGATORS))
 def test_micro_batches_sum_to_full_batch(agg):
     logp, ent, o, adv, mask, seq = random_batch()
-    kw = dict(logp_ref=o["ref"], logp_rollout=o["roll"], tis_cap=2.0, tis_level="sequence",
-              kl_coef=0.1, entropy_coef=0.01, dual_clip=3.0, agg=agg)
+    kw = dict(
+        logp_ref=o["ref"],
+        logp_rollout=o["roll"],
+        tis_cap=2.0,
+        tis_level="sequence",
+        kl_coef=0.1,
+        entropy_coef=0.01,
+        dual_clip=3.0,
+        agg=agg,
+    )
     full, _ = ppo_loss(logp, o["old"], adv, mask, seq_ids=seq, entropy=ent, **kw)
     g_full = torch.autograd.grad(full, [logp, ent])
     norm = loss_normalizer(agg, mask, seq)
@@ -192,9 +221,16 @@ def test_micro_batches_sum_to_full_batch(agg):
     for ids in ([0, 1], [2, 3, 4], [5]):  # whole sequences per micro-batch
         sel = torch.isin(seq, torch.tensor(ids))
         o_sel = {k: v[sel] for k, v in o.items()}
-        part, _ = ppo_loss(logp[sel], o_sel["old"], adv[sel], mask[sel], seq_ids=seq[sel],
-                           entropy=ent[sel], normalizer=norm, **dict(kw, logp_ref=o_sel["ref"],
-                                                                    logp_rollout=o_sel["roll"]))
+        part, _ = ppo_loss(
+            logp[sel],
+            o_sel["old"],
+            adv[sel],
+            mask[sel],
+            seq_ids=seq[sel],
+            entropy=ent[sel],
+            normalizer=norm,
+            **dict(kw, logp_ref=o_sel["ref"], logp_rollout=o_sel["roll"]),
+        )
         total = total + part
     torch.testing.assert_close(total, full)
     for g, gf in zip(torch.autograd.grad(total, [logp, ent]), g_full):
@@ -225,7 +261,12 @@ def test_on_policy_ratio_is_one_and_argument_checks():
     loss.backward()
     torch.testing.assert_close(logp.grad, t(-0.5, 0.5))  # -A * r / 2 with r = 1
     assert m["clip_frac_low"] == 0 and m["clip_frac_high"] == 0
-    for bad in (dict(agg="nope"), dict(kl_type="k4", logp_ref=logp), dict(kl_coef=0.1),
-                dict(entropy_coef=0.1), dict(agg="seq_mean_token_mean")):
+    for bad in (
+        dict(agg="nope"),
+        dict(kl_type="k4", logp_ref=logp),
+        dict(kl_coef=0.1),
+        dict(entropy_coef=0.1),
+        dict(agg="seq_mean_token_mean"),
+    ):
         with pytest.raises(ValueError):
             ppo_loss(logp, None, t(1.0, -1.0), torch.ones(2), **bad)

@@ -4,6 +4,7 @@ The interpreter runs kernels as Python, so it misses what only the compiler reje
 globals, dtype mismatches in tl.dot, shared memory overflows). This compiles the real kernels to
 a cubin with Triton's bundled ptxas, in a subprocess without TRITON_INTERPRET.
 """
+
 import os
 import subprocess
 import sys
@@ -52,6 +53,5 @@ def test_kernels_compile_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "compiled" in out.stdout, out.stderr[-3000:]

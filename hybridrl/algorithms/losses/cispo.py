@@ -12,6 +12,7 @@ from hybridrl.algorithms.registry import Liger, PolicyLoss, reads, register
 class CISPOParams:
     """The weight is clipped to [1 - low, 1 + high]; defaults 1 and 4: no lower bound (MiniMax-M1), the
     upper bound 5 that Liger-Kernel's documentation suggests."""
+
     cispo_clip_low: float = reads(1.0, "algo.cispo_clip_low")
     cispo_clip_high: float = reads(4.0, "algo.cispo_clip_high")
 
@@ -35,14 +36,24 @@ def clip_fracs(ratio, adv, p: CISPOParams):
 
 def _liger_needs(algo) -> str:
     if algo.loss_agg != "token_mean" or algo.cispo_clip_low < 1:
-        return ("train.kernels=liger's cispo has no lower bound and reduces by token mean: use algo.loss_agg "
-                "token_mean and algo.cispo_clip_low 1, or train.kernels=auto")
+        return (
+            "train.kernels=liger's cispo has no lower bound and reduces by token mean: use algo.loss_agg "
+            "token_mean and algo.cispo_clip_low 1, or train.kernels=auto"
+        )
     return ""
 
 
-SPEC = register(PolicyLoss(
-    "cispo", "clipped IS weight as a stop-gradient coefficient on log pi (bounds: algo.cispo_clip_low/high)", term,
-    ratio=token_ratio, clip_fracs=clip_fracs, params=CISPOParams,
-    # Liger's cispo bounds the ratio itself, above only, and reduces by token mean
-    liger=Liger("token", eps=lambda p: (p.cispo_clip_low, 1.0 + p.cispo_clip_high), loss_type="cispo",
-                needs=_liger_needs)))
+SPEC = register(
+    PolicyLoss(
+        "cispo",
+        "clipped IS weight as a stop-gradient coefficient on log pi (bounds: algo.cispo_clip_low/high)",
+        term,
+        ratio=token_ratio,
+        clip_fracs=clip_fracs,
+        params=CISPOParams,
+        # Liger's cispo bounds the ratio itself, above only, and reduces by token mean
+        liger=Liger(
+            "token", eps=lambda p: (p.cispo_clip_low, 1.0 + p.cispo_clip_high), loss_type="cispo", needs=_liger_needs
+        ),
+    )
+)

@@ -40,6 +40,7 @@ def seq_ratio(logp, old, tok):
 class Clip:
     """The clipped surrogate's range (clip-higher: DAPO, Yu et al. 2025) and the dual clip (Ye et al.
     2020, "Mastering Complex Control in MOBA Games"; None or 0 = off)."""
+
     eps_low: float = reads(0.2, "algo.clip_low")
     eps_high: float = reads(0.2, "algo.clip_high")
     dual_clip: float | None = reads(None, "algo.dual_clip")

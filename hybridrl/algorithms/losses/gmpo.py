@@ -25,6 +25,7 @@ from hybridrl.algorithms.registry import PolicyLoss, reads, register
 @dataclass(frozen=True)
 class LogClip:
     """The per-token clip of log(pi / pi_old): [-eps_low, eps_high] (the paper's 0.4 and 0.4)."""
+
     eps_low: float = reads(0.4, "algo.clip_low")
     eps_high: float = reads(0.4, "algo.clip_high")
 
@@ -43,6 +44,15 @@ def clip_fracs(ratio, adv, p: LogClip):
     return (ratio < math.exp(-p.eps_low)) & (adv < 0), (ratio > math.exp(p.eps_high)) & (adv > 0)
 
 
-SPEC = register(PolicyLoss(
-    "gmpo", "geometric mean of the token ratios, each clipped in log space; default clip 0.4 / 0.4, the paper's",
-    term, ratio=token_ratio, clip_fracs=clip_fracs, params=LogClip, sequence=True, clip=(0.4, 0.4)))
+SPEC = register(
+    PolicyLoss(
+        "gmpo",
+        "geometric mean of the token ratios, each clipped in log space; default clip 0.4 / 0.4, the paper's",
+        term,
+        ratio=token_ratio,
+        clip_fracs=clip_fracs,
+        params=LogClip,
+        sequence=True,
+        clip=(0.4, 0.4),
+    )
+)

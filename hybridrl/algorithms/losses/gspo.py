@@ -30,10 +30,28 @@ def gspo_token(logp, old, adv, tok, p: Clip):
     return clipped(s, adv, p)
 
 
-GSPO = register(PolicyLoss(
-    "gspo", "sequence ratio exp(mean log-ratio), sequence clipping; default clip 3e-4 / 4e-4, the paper's",
-    gspo, ratio=seq_ratio, clip_fracs=clip_fracs, params=Clip, sequence=True, clip=CLIP,
-    liger=Liger("sequence")))
-GSPO_TOKEN = register(PolicyLoss(
-    "gspo_token", "GSPO's token variant, the same clip range", gspo_token, ratio=seq_ratio,
-    clip_fracs=clip_fracs, params=Clip, sequence=True, clip=CLIP))
+GSPO = register(
+    PolicyLoss(
+        "gspo",
+        "sequence ratio exp(mean log-ratio), sequence clipping; default clip 3e-4 / 4e-4, the paper's",
+        gspo,
+        ratio=seq_ratio,
+        clip_fracs=clip_fracs,
+        params=Clip,
+        sequence=True,
+        clip=CLIP,
+        liger=Liger("sequence"),
+    )
+)
+GSPO_TOKEN = register(
+    PolicyLoss(
+        "gspo_token",
+        "GSPO's token variant, the same clip range",
+        gspo_token,
+        ratio=seq_ratio,
+        clip_fracs=clip_fracs,
+        params=Clip,
+        sequence=True,
+        clip=CLIP,
+    )
+)

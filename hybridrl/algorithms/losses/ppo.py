@@ -11,6 +11,8 @@ def term(logp, old, adv, tok, p: Clip):
     return clipped(token_ratio(logp, old, tok), adv, p)
 
 
-SPEC = register(PolicyLoss(
-    "ppo", "clipped token ratio", term, ratio=token_ratio, clip_fracs=clip_fracs, params=Clip,
-    liger=Liger("token")))
+SPEC = register(
+    PolicyLoss(
+        "ppo", "clipped token ratio", term, ratio=token_ratio, clip_fracs=clip_fracs, params=Clip, liger=Liger("token")
+    )
+)

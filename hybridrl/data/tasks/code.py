@@ -47,10 +47,13 @@ def tests(a: int, b: int) -> list[str]:
 def _splits() -> dict[str, tuple[tuple[int, int], ...]]:
     def rank(tag, p):
         return hashlib.sha256(f"{_SPLIT_SALT}:{tag}:{prompt_text(*p)}".encode()).hexdigest()
+
     pairs = [(a, b) for a in range(MAX_COEF + 1) for b in range(MAX_COEF + 1)]
     by_rank = sorted(pairs, key=lambda p: rank("heldout", p))
-    return {"train": tuple(sorted(by_rank[NUM_HELDOUT:], key=lambda p: rank("train-order", p))),
-            "heldout": tuple(sorted(by_rank[:NUM_HELDOUT]))}
+    return {
+        "train": tuple(sorted(by_rank[NUM_HELDOUT:], key=lambda p: rank("train-order", p))),
+        "heldout": tuple(sorted(by_rank[:NUM_HELDOUT])),
+    }
 
 
 def load(split: str) -> list[dict]:
