@@ -57,8 +57,8 @@ def test_a_code_run_scores_programs_in_the_sandbox(tmp_path):
 @pytest.mark.slow
 def test_the_code_demo_learns_from_executed_code(tmp_path):
     """The README's command at its recipe (16 prompts x 8 programs a step, lr 5e-5), 150 of its 200
-    steps: the share of held-out functions whose program passes all five tests rises by a clear
-    margin (23.4% -> 34.4% in 9 min on 2 cores), from rewards the sandbox alone gave."""
+    steps: the share of held-out functions whose program passes all five tests rises, and so does the
+    training reward, from rewards the sandbox alone gave."""
     from helpers.cli import train_cli
 
     _, steps, summary = train_cli(
@@ -80,5 +80,12 @@ def test_the_code_demo_learns_from_executed_code(tmp_path):
         timeout=3600,
     )
     before, after = summary["heldout_acc_before"], summary["heldout_acc_after"]
-    assert before == 0.234375 and after >= before + 0.05, (before, after)  # 60 / 256 at the start
+    # one run's end point is a noisy measure: runs from one seed agree to the bit for 55 steps, then
+    # vLLM's log-probs differ in the 7th digit and the trajectories part. Five runs were at 28.1%, 30.5%,
+    # 32.8%, 34.4%, 35.5% at step 150 (+4.7 to +12.1 points); in the three whose metrics were kept, the
+    # last 30 steps' training reward beat the first 30's by 0.045 to 0.067. The bars sit below both
+    assert before == 0.234375 and after >= before + 0.03, (before, after)  # 60 / 256 at the start
+    rewards = [s["reward"] for s in steps]
+    first, last = sum(rewards[:30]) / 30, sum(rewards[-30:]) / 30
+    assert last >= first + 0.03, (first, last)
     assert sum(s["reward_errors"] + s["reward_timeouts"] for s in steps) == 0
