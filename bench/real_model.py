@@ -175,6 +175,10 @@ def ensure() -> Path:
 
 
 def main() -> None:
+    import argparse
+
+    # a command line of its own, so that --help reads the docstring instead of fetching the model
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(ensure())
 
 
