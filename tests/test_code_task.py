@@ -80,8 +80,8 @@ def test_the_code_demo_learns_from_executed_code(tmp_path):
         timeout=3600,
     )
     before, after = summary["heldout_acc_before"], summary["heldout_acc_after"]
-    # one run's end point is a noisy measure: runs from one seed agree to the bit for 55 steps, then
-    # vLLM's log-probs differ in the 7th digit and the trajectories part. Five runs were at 28.1%, 30.5%,
+    # one run's end point is a noisy measure: a seed is one trajectory only on the same cores (the thread
+    # count changes the update's last bits, and the trajectories part). Five runs were at 28.1%, 30.5%,
     # 32.8%, 34.4%, 35.5% at step 150 (+4.7 to +12.1 points); in the three whose metrics were kept, the
     # last 30 steps' training reward beat the first 30's by 0.045 to 0.067. The bars sit below both
     assert before == 0.234375 and after >= before + 0.03, (before, after)  # 60 / 256 at the start
