@@ -142,3 +142,36 @@ def test_plan_command_plans_a_cpu_run_from_the_data(tiny, chat_data):  # a subpr
     assert res.returncode == 0, res.stderr[-2000:]
     assert "memory plan per host (shared by the node's ranks): 16.0 GiB" in out, out
     assert "the data's longest prompt" in out and "vLLM KV cache" in out
+
+
+def test_a_probe_of_the_longest_prompt_and_a_full_answer_trains(tmp_path):
+    """The demo model given as a path, so the run's context is fitted to the data (the longest prompt
+    + rollout.max_new_tokens), and a first row of the longest prompt whose answer is longer than
+    max_new_tokens: its probe sequence was exactly max_model_len tokens, which vLLM refuses (it scores
+    a sequence as a prompt asking for one token more), and the run died at step 0 with a traceback."""
+    from hybridrl.data.tasks import arithmetic
+
+    from helpers.cli import train_cli
+
+    rows = [{"prompt": "123456+654321=", "answer": "777777"}] + [
+        {"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in ((12, 34), (5, 7), (40, 2), (9, 9), (31, 3))
+    ]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out, steps, _ = train_cli(
+        tmp_path / "run",
+        "--model",
+        str(arithmetic.DEMO_MODEL_DIR),
+        "--data",
+        str(data),
+        "--reward",
+        "arithmetic",
+        "--rollout.max_new_tokens",
+        "4",
+        "--steps",
+        "1",
+        "--train.prompts_per_step",
+        "4",
+    )
+    assert "rollout.max_model_len" in out.stdout  # the recipe fitted it to the data
+    assert [s["step"] for s in steps] == [1] and steps[0]["probe_gap"] <= 1e-4

@@ -89,3 +89,47 @@ def test_the_default_bound_rises_to_the_engines_own_rounding_gap(monkeypatch):
     diff[0] = torch.full((6,), 1e-3)
     small.calibrate(None, None)
     assert small.tol == 2e-2  # a small gap never lowers the default
+
+
+def test_probe_sequences_leave_vllm_the_position_it_asks_for():
+    """vLLM scores a probe sequence as a prompt asking for one token more, so a sequence of exactly
+    rollout.max_model_len tokens is refused. recipe.fit_to_data fits the context at the longest prompt
+    + max_new_tokens: a probe prompt of that length with an answer of max_new_tokens tokens was exactly
+    that long, and the run died at step 0 (VLLMValidationError). Now every sequence is cut to
+    max_model_len - 1, and a prompt with no room left is left out."""
+    from types import SimpleNamespace
+
+    from hybridrl.cycle.sync import probe_sequences
+
+    class Tok:
+        eos_token_id = 2
+
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": [5 + int(c) for c in text]}
+
+    longest = SimpleNamespace(ids=list(range(3, 18)), answer="777777")  # 15 tokens, a 6-token answer
+    short = SimpleNamespace(ids=[3, 4], answer="12")
+    full = SimpleNamespace(ids=list(range(3, 21)), answer="1")  # 18 tokens: no room at a context of 19
+    seqs = probe_sequences([longest, short, full], Tok(), max_new_tokens=4, max_model_len=15 + 4)
+    assert [len(s) for s in seqs] == [18, 5]  # 15 + 3 (not 4), 2 + "12" + EOS
+    assert seqs[0][:15] == longest.ids and seqs[1] == [3, 4, 6, 7, 2]
+
+
+def test_a_sequence_vllm_refuses_to_score_is_one_line_naming_the_knob():
+    """What vLLM refuses at start (the probe's calibration, the first scoring) was a 60-line traceback
+    from inside the engine; it is now one line naming rollout.max_model_len and the value that fits."""
+    from types import SimpleNamespace
+
+    from hybridrl.core.config import ConfigError
+    from hybridrl.engines import vllm_compat
+    from hybridrl.engines.rollout import Rollout
+
+    rollout = object.__new__(Rollout)
+    rollout.cfg = SimpleNamespace(rollout=SimpleNamespace(max_model_len=19))
+
+    def refuse(seqs, params):
+        raise vllm_compat.REJECTED[0]("The decoder prompt (length 19) plus ... is longer than 19.\nmore")
+
+    rollout._run = refuse
+    with pytest.raises(ConfigError, match=r"19-token .* raise --rollout.max_model_len to at least 20$"):
+        rollout.prompt_logprobs([list(range(19))])

@@ -41,14 +41,20 @@ def _counted(named, sent: dict):
         yield name, t
 
 
-def probe_sequences(prompts: list, tokenizer, max_new_tokens: int) -> list[list[int]]:
+def probe_sequences(prompts: list, tokenizer, max_new_tokens: int, max_model_len: int) -> list[list[int]]:
     """The probe's sequences: each prompt followed by its answer's tokens and EOS as a completion, cut
     at `max_new_tokens` so it fits where a sampled one does (a code row's answer is its tests, as JSON:
-    longer than any program, and than the model's context)."""
-    eos = tokenizer.eos_token_id
-    return [
-        p.ids + (tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [eos])[:max_new_tokens] for p in prompts
-    ]
+    longer than any program, and than the model's context), and at `max_model_len - 1` in all: vLLM
+    scores a sequence as a prompt that asks for one token more, so a prompt of the data's longest with
+    a full-length answer (exactly the context recipe.fit_to_data fits) is refused one position short.
+    A prompt that leaves no room for one answer token is left out."""
+    eos, room = tokenizer.eos_token_id, max_model_len - 1
+    seqs = []
+    for p in prompts:
+        answer = (tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [eos])[:max_new_tokens]
+        if len(p.ids) < room:
+            seqs.append(p.ids + answer[: room - len(p.ids)])
+    return seqs
 
 
 def probe_batch(seqs: list[list[int]]) -> Batch:

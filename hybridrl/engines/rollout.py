@@ -25,7 +25,7 @@ import torch
 from vllm import LLM, SamplingParams
 
 from hybridrl.core import launch, memory
-from hybridrl.core.config import Config
+from hybridrl.core.config import Config, ConfigError
 from hybridrl.data.batch import Sample
 from hybridrl.engines import ipc, lora, vllm_compat
 
@@ -408,7 +408,15 @@ class Rollout:
     def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
         """log p(seq[t] | seq[:t]) for t >= 1, as vLLM computes it (temperature 1)."""
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
-        outs = self._run(seqs, params)
+        try:
+            outs = self._run(seqs, params)
+        except vllm_compat.REJECTED as e:  # the probe's or a caller's sequences: a setting, not a crash
+            longest = max(map(len, seqs), default=0)
+            raise ConfigError(
+                f"vLLM refused to score a {longest}-token sequence at rollout.max_model_len "
+                f"{self.cfg.rollout.max_model_len} ({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
+                f"raise --rollout.max_model_len to at least {longest + 1}"
+            ) from None
         return [[d[t].logprob for t, d in zip(s[1:], o.prompt_logprobs[1:])] for s, o in zip(seqs, outs)]
 
     # --- weights and memory -------------------------------------------------------------------

@@ -105,7 +105,9 @@ def train(cfg: Config) -> dict:
         sizing=sizing,
     )  # tp: the ranks that share its engine
     probe = sync.Probe(
-        sync.probe_sequences((heldout or prompts)[:8], tokenizer, cfg.rollout.max_new_tokens),
+        sync.probe_sequences(
+            (heldout or prompts)[:8], tokenizer, cfg.rollout.max_new_tokens, cfg.rollout.max_model_len
+        ),
         cfg.train.probe_tol or sync.PROBE[cfg.model.dtype][1],
         cfg.train.probe_action,
         stat=sync.PROBE[cfg.model.dtype][0],
