@@ -151,7 +151,7 @@ def test_report_panels_hold_the_run(demo_run):
     assert sum(p.get_height() for p in phases.patches) == pytest.approx(
         sum(v for r in run.steps for k, v in r.items() if k.startswith("time/"))
     )
-    for title in ("gradient norm (before clipping)", "entropy (nats/token)", "response length (tokens)"):
+    for title in ("gradient norm (before clipping)", "entropy; teacher KL (nats/token)", "response length (tokens)"):
         assert len(axes[title].lines[0].get_xdata()) == STEPS, title
     memory = axes["device memory by phase (max over the run)"]
     assert "no GPU memory recorded" in memory.texts[0].get_text()  # a CPU run

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from hybridrl.algorithms import distill
 from hybridrl.algorithms.estimators import (
     EPS,
     GROUP_ESTIMATORS,
@@ -37,8 +38,10 @@ class Rollout(Protocol):
     """What `estimate` reads of a rollout batch (data.batch.Batch, a floor up): [B, T] token tensors."""
 
     loss_mask: torch.Tensor
+    logp_rollout: torch.Tensor
     logp_old: torch.Tensor | None
     logp_ref: torch.Tensor | None
+    logp_teacher: torch.Tensor | None
     values: torch.Tensor | None
 
 
@@ -67,19 +70,28 @@ def estimate(
     kl = None
     if a.kl_coef and a.kl_in == "reward":
         kl = kl_penalty(batch.logp_old, batch.logp_ref, batch.loss_mask, a.kl_type, a.kl_coef)
-    x = Experience(rewards.float(), batch.loss_mask, kl, batch.values, a.gamma, a.gae_lambda, all_sum)
+    task = rewards.float() if a.task_reward else torch.zeros_like(rewards, dtype=torch.float32)
+    x = Experience(task, batch.loss_mask, kl, batch.values, a.gamma, a.gae_lambda, all_sum)
     adv, returns = estimator(a.advantage).fn(x)
+    d = None
+    if batch.logp_teacher is not None:  # distillation: the teacher's per-token reverse KL (distill.py)
+        student = batch.logp_old if batch.logp_old is not None else batch.logp_rollout
+        adv, d = distill.token_advantages(adv, student, batch.logp_teacher, batch.loss_mask, a.distill_coef)
     tok = adv if adv.dim() == 2 else adv[:, None].expand(batch.loss_mask.shape)
     s = all_sum(
         [
             float(tok[batch.loss_mask].abs().sum()),
             float(batch.loss_mask.sum()),
             float(kl.sum()) if kl is not None else 0.0,
+            float(d.sum()) if d is not None else 0.0,
         ]
     )
     metrics = {"adv_abs_mean": s[0] / max(s[1], 1.0)}
     if kl is not None:
         metrics["kl_reward"] = s[2] / max(s[1], 1.0)  # mean beta * KL_t per completion token
+    if d is not None:  # the mean over every rank's tokens; the largest of this rank's
+        metrics["teacher_kl"] = s[3] / max(s[1], 1.0)
+        metrics["teacher_kl_max"] = float(d[batch.loss_mask].max()) if batch.loss_mask.any() else 0.0
     return adv, returns, metrics
 
 

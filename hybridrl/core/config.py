@@ -335,6 +335,16 @@ def validate(cfg: Config, lengths: bool = True) -> None:
             f"algo.kl_coef > 0 or algo.advantage {adv.name}",
         ),
         (
+            t.kernels != "liger" or not cfg.algo.teacher,
+            "train.kernels=liger takes one advantage per sample, and algo.teacher gives one per token: use "
+            "train.kernels=auto",
+        ),
+        (
+            not cfg.algo.teacher or cfg.algo.teacher != cfg.model.path,
+            f"algo.teacher={cfg.algo.teacher} is the policy itself: its reverse KL is 0 at the start and "
+            "teaches nothing; name a stronger model",
+        ),
+        (
             t.kernels != "liger" or loss.liger is not None,
             f"train.kernels=liger has no {loss.name}: use algo.policy_loss "
             f"{'/'.join(n for n, spec in POLICY_LOSSES.items() if spec.liger)} or train.kernels=auto",

@@ -53,6 +53,32 @@ class ModelInfo:
         return self.kv_values_per_token * (4 if dtype == "float32" else 2)
 
 
+def check_teacher(teacher: str, tokenizer, student: str, *, trust_remote_code: bool = False) -> None:
+    """algo.teacher scores the student's own token ids, so both must read them alike: the same
+    token -> id map, and a teacher head with a row for every id (a larger, padded one is fine:
+    Qwen2.5-7B has 152064 rows for the 151936-row 0.5B's ids, and rows past the tokenizer are never
+    sampled). Raises ModelError in one line naming both."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        theirs = AutoTokenizer.from_pretrained(teacher, trust_remote_code=trust_remote_code)
+        conf = AutoConfig.from_pretrained(teacher, trust_remote_code=trust_remote_code).get_text_config()
+    except (OSError, ValueError) as e:
+        raise ModelError(f"algo.teacher={teacher}: cannot load its tokenizer and config ({str(e).splitlines()[0]})")
+    if theirs.get_vocab() != tokenizer.get_vocab():
+        raise ModelError(
+            f"algo.teacher={teacher}'s tokenizer ({type(theirs).__name__}, {len(theirs)} tokens) differs from "
+            f"model.path={student}'s ({type(tokenizer).__name__}, {len(tokenizer)} tokens): distillation scores the "
+            "student's token ids with the teacher, so both need one vocabulary"
+        )
+    rows = getattr(conf, "vocab_size", None)
+    if rows is not None and rows < len(tokenizer):
+        raise ModelError(
+            f"algo.teacher={teacher}: its head has {rows} rows, fewer than the {len(tokenizer)} ids of "
+            f"model.path={student}'s tokenizer"
+        )
+
+
 def local_path(name: str) -> str:
     return str(DEMO) if name == "demo" else name
 

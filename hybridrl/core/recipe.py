@@ -25,6 +25,7 @@ from hybridrl.core import environ, families, memory
 from hybridrl.core.config import (
     DEMO,
     DEMO_SOURCE,
+    DEMO_TASKS,
     Config,
     ConfigError,
     default,
@@ -68,6 +69,7 @@ def resolve(
     demo = cfg.model.path == "demo"
     cfg = demo_recipe(cfg)  # loaded configs have it already; not one built in code (hybridrl.train(Config()))
     cfg = loss_clip(cfg)
+    cfg = distill(cfg)
     if cfg.rollout.partial == "on" and not explicit(cfg, "algo.tis_cap") and cfg.algo.is_correction == "tis":
         cfg = put(cfg, "algo.tis_cap", 2.0, "rollout.partial=on (stale tokens are importance-weighted)")
     if cfg.model.lora_rank and cfg.rollout.sleep_level == 2:
@@ -131,6 +133,23 @@ def amp(cfg: Config, on_cpu: bool) -> bool:
     GPU bf16 keeps half the weight memory, which the plans for 7B-72B count on."""
     p = cfg.train.precision
     return cfg.model.dtype == "bfloat16" and (p == "amp" or (p == "auto" and on_cpu))
+
+
+def distill(cfg: Config) -> Config:
+    """algo.teacher with no reward named: pure distillation. The task reward leaves the update
+    (algo.task_reward off); on the user's data, which the demo's verifier cannot score, the reward is
+    `none` and the rows need no answer (data.answer_key ''), while on built-in data (the demo's) its
+    verifier still scores the held-out evaluation."""
+    if not cfg.algo.teacher or explicit(cfg, "reward.fn"):
+        return cfg
+    why = "algo.teacher without a reward: pure distillation"
+    if not explicit(cfg, "algo.task_reward"):
+        cfg = put(cfg, "algo.task_reward", False, why)
+    if cfg.data.path not in DEMO_TASKS:
+        cfg = put(cfg, "reward.fn", "none", why)
+        if not explicit(cfg, "data.answer_key"):
+            cfg = put(cfg, "data.answer_key", "", why)
+    return cfg
 
 
 def loss_clip(cfg: Config) -> Config:

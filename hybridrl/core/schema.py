@@ -398,6 +398,20 @@ class AlgoConfig(Freezable):
     ref_path: str = knob(
         "", "Reference policy for the KL: a HF model directory (default: the initial policy, model.path)."
     )
+    teacher: str = knob(
+        "",
+        "On-policy distillation: a teacher model (HF directory or hub name; any size or family with the "
+        "policy's tokenizer) that scores every sampled token; its per-token reverse KL d_t = log pi(a_t) - "
+        "log pi_teacher(a_t) enters the advantage as A_t - algo.distill_coef * d_t (docs/distillation.md).",
+    )
+    distill_coef: float = knob(
+        1.0, "Weight lambda of the teacher's per-token reverse KL in the advantage (algo.teacher).", valid=">= 0"
+    )
+    task_reward: bool = knob(
+        True,
+        "The reward's advantage enters the update (off: pure distillation, the reward still scores the "
+        "held-out evaluation). algo.teacher with no reward named turns it off.",
+    )
     gamma: float = knob(1.0, "Discount factor of the per-token returns (gae, reinforce_pp).", valid="(0, 1]")
     gae_lambda: float = knob(
         0.95, "GAE lambda: 1 = Monte-Carlo returns minus the value, 0 = one-step TD.", valid="[0, 1]"

@@ -72,6 +72,7 @@ class Batch:
     logp_rollout: torch.Tensor  # [B, T] float, vLLM's log-prob of each completion token
     logp_old: torch.Tensor | None = None  # [B, T] float, trainer log-probs before this update
     logp_ref: torch.Tensor | None = None  # [B, T] float, the reference policy's log-probs (algo.kl_coef > 0)
+    logp_teacher: torch.Tensor | None = None  # [B, T] float, the distillation teacher's log-probs (algo.teacher)
     values: torch.Tensor | None = None  # [B, T] float, the critic's values before this update (gae)
     returns: torch.Tensor | None = None  # [B, T] float, the critic's targets (gae)
     routes: torch.Tensor | None = None  # [B, T, L, k] int16, MoE: vLLM's experts per token and layer, -1 = unknown

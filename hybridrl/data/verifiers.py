@@ -10,6 +10,7 @@
                  "<think>...</think><answer>...</answer>")
     code_tests   the fraction of the row's tests the completion's program passes, run in the code
                  sandbox (code_tests.py; `reward.code_all_or_nothing` for 0/1)
+    none         0 always: a distillation run with no task reward (algo.teacher without --reward)
 
 They are plain functions: import them to test a reward by hand.
 """
@@ -112,13 +113,20 @@ def code_tests(prompt: str, completion: str, answer: str, *, all_or_nothing: boo
     return task.code_tests(prompt, completion, answer, all_or_nothing=all_or_nothing)
 
 
+def none(prompt: str, completion: str, answer: str) -> float:
+    """No task reward: a distillation run without a verifier (algo.teacher, no --reward) learns from
+    the teacher alone."""
+    return 0.0
+
+
 BUILTIN = {
     "arithmetic": arithmetic,
     "exact_match": exact_match,
     "math_verify": math_verify,
     "format": format_check,
     "code_tests": code_tests,
+    "none": none,
 }
 # microseconds per call and cannot hang: worth no worker process (see rewards.Scorer)
-FAST = {"arithmetic", "exact_match", "format"}
+FAST = {"arithmetic", "exact_match", "format", "none"}
 SANDBOXED = {"code_tests"}  # a sandboxed program per sample: rewards.sandbox_workers sizes their pool

@@ -162,6 +162,24 @@ class Reference:
             self._place(torch.device("cpu"))
 
 
+def load_teacher(
+    cfg: Config, *, device: torch.device, dtype: torch.dtype, attn_implementation: str, trainer=None
+) -> Reference | None:
+    """algo.teacher's model, or None: scored as the reference is (colocated, sharded under ZeRO-3 with its
+    shards in pinned host memory, copied to the device for its phase under ZeRO-2), in the policy's
+    numerics; frozen, so a checkpoint holds nothing of it and a resume loads it again."""
+    if not cfg.algo.teacher:
+        return None
+    return Reference(
+        cfg,
+        cfg.algo.teacher,
+        device=device,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        sp=trainer.sp if trainer is not None else None,
+    )
+
+
 class BaseModelReference:
     """LoRA's reference policy for free: the trainer's model with its adapter disabled is the base
     model, i.e. the initial policy (B = 0 at the start). It holds no parameters of its own; under

@@ -74,7 +74,9 @@ class Engines:
     trainer: PolicyTrainer = field(metadata={"checkpoint": "ds"})
     rollout: RolloutEngine | None = None
     critic: Any = field(default=None, metadata={"checkpoint": "critic", "resident": True})  # PPO's value model
-    reference: Any = None  # the KL's reference policy (it stays on the device: engines/reference.py)
+    # frozen models that score the batch's tokens after the rollout: the batch field each fills, its phase
+    reference: Any = field(default=None, metadata={"scores": "logp_ref", "phase": "ref_logprob"})  # the KL's
+    teacher: Any = field(default=None, metadata={"scores": "logp_teacher", "phase": "teacher"})  # algo.teacher
     reward_models: list = field(default_factory=list)  # rm: reward terms, scoring while vLLM is awake
 
     def residents(self) -> list[Resident]:
@@ -83,6 +85,15 @@ class Engines:
             getattr(self, f.name)
             for f in dataclasses.fields(self)
             if f.metadata.get("resident") and getattr(self, f.name) is not None
+        ]
+
+    def scorers(self) -> list[tuple[str, str, Any]]:
+        """(phase, batch field, model) of the frozen models that score every sampled token (the KL's
+        reference, the distillation teacher), in field order; each holds nothing to checkpoint."""
+        return [
+            (f.metadata["phase"], f.metadata["scores"], getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if "scores" in f.metadata and getattr(self, f.name) is not None
         ]
 
     def stateful(self) -> dict[str, Stateful]:

@@ -316,8 +316,9 @@ class RunLog:
         acc = "  --  " if self.last_acc is None else f"{self.last_acc:6.1%}"
         t = sum(v for k, v in m.items() if k.startswith("time/"))
         if self.progress:
+            kl = f"teacher KL {m['teacher_kl']:.3f}  " if "teacher_kl" in m else ""  # distillation's signal
             self._line(
-                f"step {step:>4}/{self.total}  reward {m['reward']:.3f}  held-out {acc}  "
+                f"step {step:>4}/{self.total}  reward {m['reward']:.3f}  {kl}held-out {acc}  "
                 f"{m['rollout_tok_s']:7.0f} rollout tok/s  {t * 1000:6.0f} ms/step  "
                 f"[{m['elapsed_s']:5.0f}s]"
             )

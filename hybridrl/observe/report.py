@@ -268,7 +268,8 @@ def figure(run: Run | str | Path):
         "|delta logp|",
         log=True,
     )
-    _lines(ax[7], run, ["entropy_mean"], "entropy (nats/token)", "nats")
+    # a distillation run's teacher KL (per-token reverse KL to algo.teacher) beside the policy's entropy
+    _lines(ax[7], run, ["entropy_mean", "teacher_kl", "teacher_kl_max"], "entropy; teacher KL (nats/token)", "nats")
     _lines(ax[8], run, ["grad_norm"], "gradient norm (before clipping)", "L2 norm")
     _band(ax[9], run, "response_len")
     _lines(ax[9], run, ["response_len"], "response length (tokens)", "tokens")
@@ -308,6 +309,13 @@ def summary_rows(run: Run) -> list[tuple[str, str]]:
             rows.append((f"  {p}: median s, share of all step time", f"{_fmt(median(t))}  ({sum(t) / total:.0%})"))
     for k, label in [("rollout_tok_s", "rollout tokens/s, median"), ("train_tok_s", "train tokens/s, median")]:
         rows.append((label, _fmt(median(col(k)), ".0f") if col(k) else "-"))
+    if col("teacher_kl"):
+        rows.append(
+            (
+                "teacher KL, mean of the first and the last 10 steps",
+                " -> ".join(_fmt(mean(col("teacher_kl", r))) for r in (run.steps[:10], run.steps[-10:])),
+            )
+        )
     for k in ("logp_gap_max", "probe_gap", "grad_norm"):
         rows.append((f"{k}, max", _fmt(max(col(k))) if col(k) else "-"))
     for phase, kinds in memory_table(run).items():

@@ -25,7 +25,7 @@ from hybridrl.data.batch import Batch
 from hybridrl.data.prompts import Sampler
 from hybridrl.engines import reward_model
 from hybridrl.engines.critic import Critic
-from hybridrl.engines.reference import Reference
+from hybridrl.engines.reference import Reference, load_teacher
 from hybridrl.engines.rollout import Rollout
 from hybridrl.engines.seams import Engines
 from hybridrl.engines.trainer import Trainer
@@ -82,9 +82,10 @@ def train(cfg: Config) -> dict:
         device=world.device, dtype=torch_dtype(cfg.model.dtype), attn_implementation=cfg.model.attn_implementation
     )
     ref = Reference.load(cfg, model_path, trainer=trainer, **engine_kw)  # None when kl_coef == 0; LoRA: the base
+    teacher = load_teacher(cfg, trainer=trainer, **engine_kw)  # None unless algo.teacher (distillation)
     critic = Critic(cfg, model_path, **engine_kw) if estimator(cfg.algo.advantage).critic else None
     reward_models = reward_model.load_all(cfg, world.device)  # rm: terms; they score while vLLM is awake
-    engines = Engines(trainer, critic=critic, reference=ref, reward_models=reward_models)  # what this rank owns
+    engines = Engines(trainer, critic=critic, reference=ref, teacher=teacher, reward_models=reward_models)
     # vLLM's memory, the states' (measured now the trainer is built; the config stays as resolved)
     sizing = engine_cycle.plan_rollout(
         cfg,
@@ -156,9 +157,9 @@ def train(cfg: Config) -> dict:
                     batch.logp_old = trainer.old_logprobs(batch)  # vLLM's, or a trainer forward
             if batch.stale is not None:  # the IS weights' spread on stale and on fresh tokens
                 ro.metrics.update(partial.is_metrics(batch.logp_old, batch.logp_rollout, batch.loss_mask, batch.stale))
-            if ref:
-                with phases("ref_logprob"):
-                    batch.logp_ref = ref.logprobs(batch, cfg.rollout.temperature)
+            for phase, scores, model in engines.scorers():  # the reference (KL), the teacher (distillation)
+                with phases(phase):
+                    setattr(batch, scores, model.logprobs(batch, cfg.rollout.temperature))
             if critic:
                 with phases("values"):
                     batch.values = critic.values(batch)

@@ -62,9 +62,10 @@ def check(cfg: Config, nproc: int = 1) -> None:
 def reward_named(cfg: Config) -> None:
     """The default reward, `arithmetic`, is the demo's verifier: with the user's prompts it would score
     whatever their answers are against sums, and train on that without a word. As TRL and OpenRLHF do,
-    a run on other data names its reward (in YAML, by flag, or changed by a script)."""
+    a run on other data names its reward (in YAML, by flag, or changed by a script). A distillation run
+    (algo.teacher) needs none: the teacher is the signal (recipe.distill gives it reward.fn=none)."""
     paths = _data_paths(cfg)
-    if paths and "reward.fn" not in cfg.sources and cfg.reward.fn == "arithmetic":
+    if paths and "reward.fn" not in cfg.sources and cfg.reward.fn == "arithmetic" and not cfg.algo.teacher:
         key, given = paths[0]
         raise ConfigError(
             f"{key}={given} needs a reward: the default reward.fn=arithmetic is the demo's verifier; "
@@ -94,6 +95,7 @@ def _data_file(key: str, path: str) -> None:
 def _model_paths(cfg: Config) -> list[tuple[str, str]]:
     # model.path itself: models.inspect, right after (it also reads config.json and the tokenizer)
     pairs = [("algo.ref_path", cfg.algo.ref_path), ("algo.critic_path", cfg.algo.critic_path)]
+    pairs.append(("algo.teacher", cfg.algo.teacher))
     return [(k, v) for k, v in pairs if v and v != "demo"]
 
 
