@@ -34,7 +34,9 @@ ifeq ($(STACK),gpu)
 	  $(PY) -c "import site; print('\\n'.join(site.getsitepackages()))" > \
 	  "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_base_env.pth"; }
 ifeq ($(WHEELS),)
-	$(BIN)/pip install -e ".[gpu,test]"
+	# each vLLM release pins one torch: held at the machine's, pip picks the vLLM built for it in the
+	# gpu extra's range (0.26 for torch 2.11 ... 0.33 for 2.14) instead of replacing that torch
+	$(BIN)/pip install -e ".[gpu,test]" $$($(BIN)/python -c 'import torch; print("torch==" + torch.__version__.split("+")[0])')
 else
 	grep -v -e '^#' -e '^deepspeed==' -e '^$$' requirements-gpu.txt > $(VENV)/gpu-wheels.txt
 	$(BIN)/pip install -q --no-index --no-deps --find-links $(WHEELS) -r $(VENV)/gpu-wheels.txt

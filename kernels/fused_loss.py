@@ -23,6 +23,7 @@ from hybridrl.kernels.logprob import (
     BACKENDS,
     Workspace,
     accumulate_grads,
+    autocast_hidden,
     logprob_entropy_reference,
     masked_upstream,
     new_grads,
@@ -138,6 +139,7 @@ def fused_logprob_ppo_loss(
     hp = {**_LOSS_DEFAULTS, **loss_kwargs}
     data = {k: hp.pop(k) for k in _DATA}
     check_hparams(hp, data["agg"], data["logp_ref"], True)
+    hidden = autocast_hidden(hidden)  # under autocast the head's GEMMs in its dtype, as logprob_entropy's
     provider, chunk = resolve(provider, hidden, chunk_size, weight.shape[0])
     tok = prepare_tokens(
         logp_old, advantages, mask, **data, dtype=torch.promote_types(hidden.dtype, torch.float32), hp=hp

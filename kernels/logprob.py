@@ -44,6 +44,20 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def autocast_hidden(hidden: torch.Tensor) -> torch.Tensor:
+    """`hidden` in autocast's dtype where autocast is on for its device, as F.linear would take it
+    there (a floating-point tensor other than float64). The chunk engine's GEMMs write into buffers
+    (`torch.mm(..., out=)`, `addmm_`), which autocast passes by: under train.precision=amp the
+    hidden states after the final norm and the head's weight are float32, so the head, the largest
+    GEMM of the step, ran in float32. From a low-precision hidden the kernels take their bf16 path
+    (the weight cast to it, low-precision GEMMs, float32 log-softmax, logits and dW accumulators),
+    which matches `logprob_entropy_reference` under the same autocast."""
+    device = hidden.device.type
+    if not torch.is_autocast_enabled(device) or not hidden.is_floating_point() or hidden.dtype == torch.float64:
+        return hidden
+    return hidden.to(torch.get_autocast_dtype(device))  # differentiable: dH returns in hidden's dtype
+
+
 def default_chunk_size(n_tokens: int, vocab: int, is_cuda: bool) -> int:
     elems = GPU_CHUNK_ELEMS if is_cuda else CPU_CHUNK_ELEMS
     return max(1, min(n_tokens, elems // vocab))
@@ -483,10 +497,12 @@ def logprob_entropy(hidden, weight, targets, temperature=1.0, bias=None, *, prov
 
     hidden [N, d] (any float dtype, any strides), weight [V, d], bias [V] or None, targets [N]
     int32/int64 (< 0: ignored, logp = entropy = 0, no gradient). Returns (logp [N], entropy [N])
-    in fp32, differentiable w.r.t. hidden, weight and bias through both outputs.
+    in fp32, differentiable w.r.t. hidden, weight and bias through both outputs. Under autocast the
+    GEMMs run in autocast's dtype, as the reference's F.linear does (`autocast_hidden`).
     """
     if provider == "naive":
         return logprob_entropy_reference(hidden, weight, targets, temperature, bias)
+    hidden = autocast_hidden(hidden)  # the weight follows it inside; dW stays in the weight's dtype
     provider, chunk = resolve(provider, hidden, chunk_size, weight.shape[0])
     return _LogprobEntropy.apply(hidden, weight, bias, targets, float(temperature), provider, chunk)
 

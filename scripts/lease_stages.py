@@ -356,19 +356,19 @@ def stage_cpu_adam(cuda: bool) -> None:
 
 # --- issue 47's GPU-only checks (items 2, 5, 6, 7): the decision runs anywhere, the effect needs CUDA ---
 def stage_allreduce(cuda: bool) -> None:
-    """vLLM picks its symmetric-memory all-reduce from VLLM_ALLREDUCE_USE_SYMM_MEM alone; the
-    installed vLLM's default (0.32 on CPU, 0.26 on the lease's GPU) and what a TP engine sets."""
+    """vLLM picks each of its IPC all-reduces (symmetric memory, FlashInfer's) from one variable; the
+    installed vLLM's defaults (0.32 on CPU, 0.26 on the lease's GPU) and what a TP engine sets."""
     from bench.gpu_claims import row, verdict
     from hybridrl.engines import vllm_compat
 
-    default = vllm_compat.env_default(vllm_compat.SYMM_MEM)
+    defaults = {name: vllm_compat.env_default(name) for name in vllm_compat.IPC_ALL_REDUCES}
     env = vllm_compat.all_reduce_env({}, tensor_parallel_size=2, on_cpu=False)
     row(
-        f"vLLM {vllm_compat.VERSION}: {vllm_compat.SYMM_MEM} default, and a colocated TP 2 engine's setting",
-        f"default {default}; set {env or 'nothing'}",
+        f"vLLM {vllm_compat.VERSION}: the IPC all-reduce switches' defaults, and a colocated TP 2 engine's setting",
+        f"defaults {defaults}; set {env or 'nothing'}",
         "off for TP engines",
-        verdict(not default or env.get(vllm_compat.SYMM_MEM) == "0"),
-        default=default,
+        verdict(all(not on or env.get(name) == "0" for name, on in defaults.items())),
+        default=defaults,
         env=env,
     )
 

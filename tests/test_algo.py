@@ -232,3 +232,30 @@ def test_estimator_names_match_the_config():
         config.load(overrides={"algo.advantage": "ppo"})
     with pytest.raises(config.ConfigError, match="train.kernels=liger"):
         config.load(overrides={"algo.advantage": "gae", "train.kernels": "liger"})
+
+
+@pytest.mark.fast
+def test_estimate_reduces_with_the_reduction_it_is_given():
+    """estimate imports nothing distributed: the caller's all_sum (launch.all_sum in a run) is what
+    whitening and the metrics sum over ranks with. Here it stands in for a second rank holding the
+    same rows: sums double, so the means, the whitened advantages and the metrics are one rank's."""
+    from types import SimpleNamespace
+
+    from hybridrl.core.schema import AlgoConfig
+
+    calls = []
+
+    def twice(values):
+        calls.append(list(values))
+        return [2 * v for v in values]
+
+    R, mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]]), _mask(3, [2, 1, 1, 2])
+    batch = SimpleNamespace(loss_mask=mask, logp_old=None, logp_ref=None, values=None)
+    algo = AlgoConfig(advantage="reinforce_pp", kl_coef=0.0)
+    adv, _, metrics = advantages.estimate(algo, R, batch, all_sum=twice)
+    alone, _, alone_metrics = advantages.estimate(algo, R, batch, all_sum=lambda v: v)
+    assert len(calls) == 3  # whiten's mean and variance, then the metrics
+    torch.testing.assert_close(adv, alone)
+    assert metrics == pytest.approx(alone_metrics)
+    with pytest.raises(TypeError, match="all_sum"):
+        advantages.estimate(algo, R, batch)  # no default: a multi-rank caller must not whiten its share alone

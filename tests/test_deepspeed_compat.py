@@ -1,7 +1,7 @@
-"""The DeepSpeed boundary and the platform switch, without an engine: no module but
-engines/deepspeed_compat.py reaches into DeepSpeed's internals or reads its version (read from the
-source, so it holds for code no test runs), and the GPU's DeepSpeed config is the CPU's without the
-CPU branch."""
+"""The DeepSpeed boundary and the platform switch: no module but engines/deepspeed_compat.py reaches
+into DeepSpeed's internals or reads its version (read from the source, so it holds for code no test
+runs), the GPU's DeepSpeed config is the CPU's without the CPU branch, and (one engine test) ZeRO-3
+leaves torch's F.linear in place for the vLLM built after it."""
 
 import ast
 import re
@@ -123,3 +123,46 @@ def test_cpu_branch_of_the_deepspeed_config():
         assert z.get("contiguous_gradients", True) is (zero == 3)
     two = cpu_config(ds_config(config.load(None, {}), False, gpu), world_size=2)
     assert "contiguous_gradients" not in two["zero_optimization"]  # several ranks: DeepSpeed's default
+
+
+def test_zero3_engines_leave_torchs_linear_and_train_as_with_deepspeeds(world_of_one, monkeypatch):
+    """Issue 71 item 3: DeepSpeed 0.19's zero.Init replaces torch.nn.functional.linear with its ZeRO-3
+    autograd function and never puts it back (partition_parameters.py, `_enable_mem_efficient_linear`),
+    and the in-process vLLM is built after the trainer: every vLLM linear layer then ran through
+    DeepSpeed inside torch.compile and CUDA-graph capture. Our ZeRO-3 configs turn that linear off:
+    after the policy and the reference are built partitioned (zero.Init ran), F.linear is torch's,
+    and a ZeRO-3 step trains bit for bit as it did with DeepSpeed's linear."""
+    import torch
+
+    from hybridrl.data.batch import Batch
+    from hybridrl.engines import zero_engine
+    from hybridrl.engines.reference import Reference
+    from hybridrl.engines.trainer import Trainer
+
+    monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)  # put back after DeepSpeed's run
+    demo = str(PACKAGE / "demo_model")
+    kw = dict(device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
+    g = torch.Generator().manual_seed(1)
+    batch = Batch.from_rows(
+        [[1, 2, 3]] * 4,
+        [torch.randint(3, 12, (4,), generator=g).tolist() for _ in range(4)],
+        [[-1.0] * 4] * 4,
+        [1.0, -1.0, 0.5, -0.5],
+    )
+    cfg = config.load(None, {"train.zero_stage": 3, "train.lr": 1e-3})
+
+    def trained() -> dict:
+        torch.manual_seed(0)
+        trainer = Trainer(cfg, demo, **kw)
+        assert all(hasattr(p, "ds_id") for p in trainer.hf.parameters())  # partitioned: zero.Init ran
+        trainer.step(batch)
+        return {n: p.clone() for n, p in trainer.named_parameters_for_sync(1 << 20)}
+
+    ours = trained()
+    ref = Reference.load(config.load(None, {"train.zero_stage": 3, "algo.kl_coef": 0.01}), demo, **kw)
+    assert all(hasattr(p, "ds_id") for p in ref.module.parameters())
+    assert torch.nn.functional.linear is torch._C._nn.linear, torch.nn.functional.linear
+    monkeypatch.setitem(zero_engine.ZERO3_SHARED, "memory_efficient_linear", True)  # DeepSpeed's default
+    theirs = trained()
+    assert torch.nn.functional.linear is not torch._C._nn.linear  # what the configs now keep away
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours)

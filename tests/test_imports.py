@@ -192,6 +192,26 @@ def test_no_import_runs_up_the_floors():
     )
 
 
+# What the pure math (algorithms/) may import of the package beyond itself: the config's types,
+# which it reads under TYPE_CHECKING. core/ shares its floor but holds the distributed launcher
+# (launch.all_sum) and the process environment, which a function of tensors must be handed, not reach.
+MATH_MAY_IMPORT = {"hybridrl.core.config"}
+
+
+def test_the_math_imports_only_itself_and_the_config():
+    graph = _graph()
+    edges = [
+        f"{a} -> {b}"
+        for a in sorted(graph)
+        if a.startswith("hybridrl.algorithms")
+        for b in sorted(graph[a])
+        if not b.startswith("hybridrl.algorithms") and b not in MATH_MAY_IMPORT
+    ]
+    assert not edges, "algorithms/ reaches out of the math (pass the value or the function in):\n  " + "\n  ".join(
+        edges
+    )
+
+
 def test_no_import_circles():
     found = circles(_graph())
     assert not found, f"{len(found)} import circles:\n  " + "\n  ".join(" -> ".join(c) for c in found)

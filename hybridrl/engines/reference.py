@@ -27,13 +27,13 @@ from hybridrl.core.config import Config
 from hybridrl.data.batch import Batch, micro_batches, per_token, shared_micro_batches
 from hybridrl.engines import deepspeed_compat, ulysses
 from hybridrl.engines.policy import TokenLogprobs, module_inputs, share_prompt
-from hybridrl.engines.zero_engine import from_pretrained, plan_micro_batches, precision
+from hybridrl.engines.zero_engine import ZERO3_SHARED, from_pretrained, plan_micro_batches, precision
 
 
 def ds_config(cfg: Config, bf16: bool, cuda: bool) -> dict:
     """The reference's DeepSpeed config: parameters only (no optimizer), the policy's ZeRO stage;
     under ZeRO-3 on a GPU the shards live in pinned host memory between forwards."""
-    zero = {"stage": cfg.train.zero_stage, "stage3_param_persistence_threshold": 0}
+    zero = {"stage": cfg.train.zero_stage, **ZERO3_SHARED}
     if cuda and cfg.train.zero_stage == 3:
         zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {

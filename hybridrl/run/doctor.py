@@ -24,7 +24,8 @@ from hybridrl.core import environ
 
 STATUSES = ("ok", "info", "warn", "fail")  # only "fail" blocks training
 CPU_INSTALL = "pip install -c constraints-cpu.txt -e '.[cpu]' (or `make setup`)"
-GPU_INSTALL = "pip install -e '.[gpu]'"
+# each vLLM release pins one torch: held at the installed one, pip picks the vLLM built for it (docs/install.md)
+GPU_INSTALL = "pip install -e '.[gpu]' torch==<your torch's version> (or `make setup`)"
 
 
 def _row(id: str, name: str, status: str, found: str, fix: str = "", value=None) -> dict:

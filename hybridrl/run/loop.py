@@ -164,7 +164,9 @@ def train(cfg: Config) -> dict:
                 with phases("values"):
                     batch.values = critic.values(batch)
             # [P * n] or [P * n, T]
-            batch.advantages, batch.returns, adv_metrics = advantages.estimate(cfg.algo, R, batch)
+            batch.advantages, batch.returns, adv_metrics = advantages.estimate(
+                cfg.algo, R, batch, all_sum=launch.all_sum
+            )
             batch.advantages[ro.masked] = 0.0  # overlong-filtered samples and a filler group carry no gradient
             signal = advantages.nonzero_advantage(batch.advantages)  # [P * n] bool
             # 3. train on the samples that carry a gradient (equal-reward groups have A == 0, but

@@ -79,3 +79,22 @@ def assert_same(got, ref, tol=2e-5):
         torch.testing.assert_close(metrics[k], r_metrics[k], atol=tol, rtol=tol, msg=k)
     for g, r in zip(grads, r_grads):
         torch.testing.assert_close(g, r, atol=tol * max(1.0, r.abs().max().item()), rtol=tol)
+
+
+GEMMS = ("mm", "addmm", "addmm_", "matmul", "bmm", "linear")
+
+
+class GemmDtypes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the dtypes of every matrix product's two matrices as ATen runs it: below autocast,
+    so what a GEMM was really given (an out= or in-place form autocast passes by shows as it is)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[str, torch.dtype, torch.dtype]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in GEMMS:
+            a, b = args[1:3] if name.startswith("addmm") else args[:2]
+            self.seen.append((name, a.dtype, b.dtype))
+        return func(*args, **(kwargs or {}))

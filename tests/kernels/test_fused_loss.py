@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from hybridrl.kernels.fused_loss import fused_logprob_ppo_loss
-from hybridrl.kernels.logprob import logprob_entropy
-from hybridrl.kernels.ppo_loss import AGGREGATORS, loss_normalizer
+from hybridrl.kernels.logprob import logprob_entropy, logprob_entropy_reference
+from hybridrl.kernels.ppo_loss import AGGREGATORS, loss_normalizer, ppo_loss
 
-from helpers.kernels import PROVIDERS, N, assert_same, batch, both
+from helpers.kernels import PROVIDERS, GemmDtypes, N, assert_same, batch, both
 
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 
@@ -141,3 +141,27 @@ def test_fused_computes_logits_once_per_chunk(monkeypatch):
     logp, ent = logprob_entropy(hidden, weight, targets, 1.0, b, provider="torch", chunk_size=8)
     (logp.sum() + ent.sum()).backward()
     assert len(calls) == 10
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_fused_autocast_runs_the_head_in_its_dtype(provider):
+    """Issue 71 item 3, the training pass: under bfloat16 autocast over float32 weights
+    (train.precision=amp) every GEMM of the fused pass takes bfloat16, the loss is float32, the
+    gradients the parameters' float32, and all match ppo_loss over the reference under the same
+    autocast."""
+    (hidden, weight, b, targets), data, extras = batch(device="cpu")
+    kw = dict(FULL, **extras)
+    wrt = (hidden, weight, b)
+    with GemmDtypes() as gemms:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, metrics, *_ = fused_logprob_ppo_loss(
+                hidden, weight, targets, **data, temperature=0.6, bias=b, provider=provider, chunk_size=8, **kw
+            )
+        grads = torch.autograd.grad(loss, wrt)
+    assert gemms.seen and all(a == w == torch.bfloat16 for _, a, w in gemms.seen), gemms.seen
+    assert loss.dtype == torch.float32 and [g.dtype for g in grads] == [torch.float32] * 3
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        r_logp, r_ent = logprob_entropy_reference(hidden, weight, targets, 0.6, b)
+        r_loss, r_metrics = ppo_loss(r_logp, **data, entropy=r_ent, **kw)
+    r_grads = torch.autograd.grad(r_loss, wrt)
+    assert_same((loss, metrics, grads), (r_loss, r_metrics, r_grads), tol=3e-2)

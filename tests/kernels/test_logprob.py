@@ -7,9 +7,10 @@ not multiples of any block, V below one block, targets at 0 / V-1 / the last par
 import pytest
 import torch
 
+from hybridrl.kernels import logprob as lp_mod
 from hybridrl.kernels.logprob import logprob_entropy, logprob_entropy_reference
 
-from helpers.kernels import BV, DEVICE, PROVIDERS, make
+from helpers.kernels import BV, DEVICE, PROVIDERS, GemmDtypes, make
 
 pytestmark = pytest.mark.fast  # starts no engine (tests/README.md)
 
@@ -171,3 +172,39 @@ def test_backward_through_logp_only():
     )
     for g, r in zip(grads, refs):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_autocast_runs_the_head_in_its_dtype(provider, monkeypatch):
+    """Issue 71 item 3: train.precision=amp gives the kernel float32 hidden states and a float32 head
+    under bfloat16 autocast; its out= GEMMs, which autocast passes by, ran the head in float32. Now
+    every GEMM of the forward and the backward takes bfloat16 (the Triton forward's GEMM is inside
+    its kernel: its inputs are checked), the outputs stay float32, the gradients come
+    back in the parameters' float32, and the values are the reference's under the same autocast
+    (its F.linear autocast casts)."""
+    hidden, weight, b, targets = make(*SHAPES["ragged"], torch.float32, bias=True, device="cpu")
+    up = (torch.randn(hidden.shape[0]), torch.randn(hidden.shape[0]))
+    stats, grad_logits = lp_mod.BACKENDS[provider]
+    given = []  # the dtypes of (hidden, weight) each chunk's forward is handed
+    monkeypatch.setitem(
+        lp_mod.BACKENDS, provider, (lambda h, w, *a: given.append((h.dtype, w.dtype)) or stats(h, w, *a), grad_logits)
+    )
+    with GemmDtypes() as gemms:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logp, ent = logprob_entropy(hidden, weight, targets, 0.7, b, provider=provider, chunk_size=16)
+        grads = torch.autograd.grad((logp * up[0] + ent * up[1]).sum(), (hidden, weight, b))  # outside, as a trainer
+    assert gemms.seen and all(a == w == torch.bfloat16 for _, a, w in gemms.seen), gemms.seen
+    assert given and set(given) == {(torch.bfloat16, torch.bfloat16)}
+    assert logp.dtype == ent.dtype == torch.float32
+    assert [g.dtype for g in grads] == [torch.float32] * 3
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        r_logp, r_ent = logprob_entropy_reference(hidden, weight, targets, 0.7, b)
+    r_grads = torch.autograd.grad((r_logp * up[0] + r_ent * up[1]).sum(), (hidden, weight, b))
+    tol = TOL[torch.bfloat16]
+    close(logp, r_logp.detach(), tol["val"], "logp")
+    close(ent, r_ent.detach(), tol["val"], "entropy")
+    for name, g, r in zip(("hidden", "weight", "bias"), grads, r_grads):
+        close(g, r, tol["grad"], f"d{name}")
+    with GemmDtypes() as gemms:  # no autocast: the weights' own dtype, as before
+        logprob_entropy(hidden, weight, targets, 0.7, b, provider=provider, chunk_size=16)[0].sum().backward()
+    assert gemms.seen and all(a == w == torch.float32 for _, a, w in gemms.seen), gemms.seen
