@@ -250,7 +250,7 @@ def test_estimate_reduces_with_the_reduction_it_is_given():
         return [2 * v for v in values]
 
     R, mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]]), _mask(3, [2, 1, 1, 2])
-    batch = SimpleNamespace(loss_mask=mask, logp_old=None, logp_ref=None, values=None)
+    batch = SimpleNamespace(loss_mask=mask, logp_old=None, logp_ref=None, logp_teacher=None, values=None)
     algo = AlgoConfig(advantage="reinforce_pp", kl_coef=0.0)
     adv, _, metrics = advantages.estimate(algo, R, batch, all_sum=twice)
     alone, _, alone_metrics = advantages.estimate(algo, R, batch, all_sum=lambda v: v)

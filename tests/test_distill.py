@@ -52,7 +52,7 @@ def test_pure_distillation_zeroes_the_task_advantage(tmp_path):
     batch = SimpleNamespace(
         loss_mask=mask, logp_rollout=lp, logp_old=None, logp_ref=None, logp_teacher=lp - 0.2, values=None
     )
-    adv, _, metrics = advantages.estimate(a, torch.tensor([[1.0, 0.0], [0.0, 1.0]]), batch)
+    adv, _, metrics = advantages.estimate(a, torch.tensor([[1.0, 0.0], [0.0, 1.0]]), batch, all_sum=lambda v: v)
     torch.testing.assert_close(adv, torch.full((4, 3), -0.5 * 0.2))
     assert metrics["teacher_kl"] == pytest.approx(0.2) and metrics["teacher_kl_max"] == pytest.approx(0.2)
 

@@ -68,12 +68,14 @@ def estimate(
     batch: Rollout,
     *,
     all_sum: Callable[[list[float]], list[float]],
+    all_max: Callable[[float], float] = float,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """Advantages ([B] or [B, T]), returns (gae) and metrics for a rollout batch whose rows are the
     samples of `rewards` [P, n] in order; the batch carries logp_ref and logp_old when the KL is in
     the reward, values for gae. `all_sum` sums a list over every rank (launch.all_sum; identity on
     one rank): whitening and the metrics are over the global batch. It has no default, so a
-    multi-rank caller cannot forget it and whiten each rank's share on its own."""
+    multi-rank caller cannot forget it and whiten each rank's share on its own. `all_max` (launch.all_max)
+    gives a metric's largest value over the ranks (by default this rank's)."""
     kl = None
     if a.kl_coef and a.kl_in == "reward":
         kl = kl_penalty(batch.logp_old, batch.logp_ref, batch.loss_mask, a.kl_type, a.kl_coef)
@@ -96,9 +98,9 @@ def estimate(
     metrics = {"adv_abs_mean": s[0] / max(s[1], 1.0)}
     if kl is not None:
         metrics["kl_reward"] = s[2] / max(s[1], 1.0)  # mean beta * KL_t per completion token
-    if d is not None:  # the mean over every rank's tokens; the largest of this rank's
+    if d is not None:  # the mean and the largest over every rank's tokens
         metrics["teacher_kl"] = s[3] / max(s[1], 1.0)
-        metrics["teacher_kl_max"] = float(d[batch.loss_mask].max()) if batch.loss_mask.any() else 0.0
+        metrics["teacher_kl_max"] = all_max(float(d[batch.loss_mask].max()) if batch.loss_mask.any() else -1e30)
     return adv, returns, metrics
 
 

@@ -165,7 +165,7 @@ def train(cfg: Config) -> dict:
                     batch.values = critic.values(batch)
             # [P * n] or [P * n, T]
             batch.advantages, batch.returns, adv_metrics = advantages.estimate(
-                cfg.algo, R, batch, all_sum=launch.all_sum
+                cfg.algo, R, batch, all_sum=launch.all_sum, all_max=launch.all_max
             )
             batch.advantages[ro.masked] = 0.0  # overlong-filtered samples and a filler group carry no gradient
             signal = advantages.nonzero_advantage(batch.advantages)  # [P * n] bool
