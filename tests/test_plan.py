@@ -328,6 +328,9 @@ def test_optimizer_and_param_offload_reach_deepspeed():
         "qwen3-30b-a3b-8xh100",
         "qwen2.5-7b-16k-8xh100",
         "qwen2.5-32b-8k-8xh100",
+        "qwen3-32b-to-8b-distill-8xh100",
+        "qwen2.5-7b-to-1.5b-distill-8xh100",
+        "qwen3-30b-a3b-to-4b-distill-8xh100",
     ],
 )
 def test_recipes_fit_8xh100(name):
@@ -342,6 +345,22 @@ def test_recipes_fit_8xh100(name):
     if "k-8xh100" in name:  # 16k, 8k
         assert cfg.rollout.max_new_tokens >= 8192 and p.knobs.mb_tokens == cfg.rollout.max_model_len
         assert cfg.model.gradient_checkpointing
+
+
+@pytest.mark.fast
+def test_the_plan_counts_a_teacher_and_refuses_one_that_cannot_fit():
+    """algo.teacher's own shape in its own phase: its weights (a layer at a time under ZeRO-3, whole
+    under ZeRO-2), its forward's activations, its pinned shards. Qwen3-32B into Qwen3-8B fits 8x80 GiB
+    with the teacher sharded; a 235B teacher of a 0.6B student on one GPU is refused naming the teacher."""
+    cfg = config.load(str(ROOT / "examples" / "recipes" / "qwen3-32b-to-8b-distill-8xh100.yaml"), {})
+    cfg, p, lines = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
+    assert p.fits and "teacher" in p.table().splitlines()[1] and p.knobs.teacher.params > 30e9
+    assert p.rows["teacher"]["teacher"] == 2 * p.knobs.teacher.layer_params * 2  # ZeRO-3: a layer at a time
+    assert p.rows["activations"]["teacher"] > 0 and p.pinned["teacher"] >= p.knobs.teacher.params * 2
+    assert set(p.rows["teacher"]) == {"teacher"}  # nothing of it on the device in any other phase
+    big = config.load(None, {"model.path": "Qwen/Qwen3-0.6B", "algo.teacher": "Qwen/Qwen3-235B-A22B"})
+    with pytest.raises(config.ConfigError, match=r"^no setting fits the teacher: .* smaller algo.teacher$"):
+        plan.dry_run(big, nproc=1, nnodes=1, gpu_gib=80, host_gib=plan.DEFAULT_HOST_GIB)
 
 
 def hybridrl(*args, timeout=120):

@@ -101,6 +101,7 @@ class Knobs:
     seq_kv: int = 0  # KV bytes per rank of one of them at full rollout.max_model_len
     sp: int = 1  # decided: train.sequence_parallel_size (mb_tokens is then one rank's share of a micro-batch)
     wb: int = 0  # bytes per trainer weight and gradient where they differ from b (4: train.precision=amp)
+    teacher: Shape | None = None  # algo.teacher's shape: a distillation run's frozen scorer, of its own size
 
 
 @dataclass
@@ -115,7 +116,7 @@ class MemoryPlan:
     choices: list[str] = field(default_factory=list)  # what the plan decided, and why
     pageable: dict[str, int] = field(default_factory=dict)  # offloaded states in ordinary host memory, per node
 
-    PHASES = ("generate", "hand-off", "reference", "values", "train")
+    PHASES = ("generate", "hand-off", "reference", "teacher", "values", "train")
 
     def total(self, phase: str) -> int:
         return sum(r.get(phase, 0) for r in self.rows.values())
@@ -155,7 +156,7 @@ class MemoryPlan:
             + f"{'bfloat16' if k.b == 2 else 'float32'}"
             + (f" - {title}" if title else "")
         )
-        phases = [p for p in self.PHASES if (p != "reference" or k.reference) and (p != "values" or k.critic)]
+        phases = [p for p in self.PHASES if _shown(p, k)]
         width = max(len(n) for n in self.rows) + 2
         lines = [head, " " * width + "".join(f"{p:>11}" for p in phases)]
         for name, row in self.rows.items():
@@ -193,6 +194,11 @@ class MemoryPlan:
             )
         lines += [f"plan chose: {c}" for c in self.choices]
         return "\n".join(lines)
+
+
+def _shown(phase: str, k: Knobs) -> bool:
+    """A phase the run has: the reference's with a KL, the teacher's with algo.teacher, values with a critic."""
+    return {"reference": k.reference, "teacher": k.teacher is not None, "values": k.critic}.get(phase, True)
 
 
 # vLLM's default cudagraph_mode, FULL_AND_PIECEWISE: every size captured as a full and a piecewise graph
@@ -281,7 +287,7 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
     # the trainer: its parameters stay (the hand-off reads them); its states stay beside vLLM when they
     # fit (train.offload_states auto, decided again by measurement at start), else they leave
     everywhere = MemoryPlan.PHASES
-    training = ("reference", "values", "train") if not k.on_cpu else everywhere
+    training = ("reference", "teacher", "values", "train") if not k.on_cpu else everywhere
     row("trainer params", params, everywhere)
     row("trainer grads", grads, training)
     row("fp32 master + Adam", states, training)
@@ -294,6 +300,13 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
             P * wb if not z3 else 2 * shape.layer_params * wb,
             ("reference",) if not k.on_cpu else everywhere,
         )
+    ts = k.teacher
+    if ts is not None:  # as the reference (reference.py), at its own shape: a layer at a time under ZeRO-3
+        rows["activations"]["teacher"] = tokens * ts.layer_activations(b) + min(k.chunk, tokens) * ts.vocab * (
+            (2 * b + 12) if k.on_cpu else (b + 8)
+        )
+        teacher_w = ts.params * wb if not z3 else 2 * ts.layer_params * wb
+        row("teacher", teacher_w, ("teacher",) if not k.on_cpu else everywhere)
     critic_states = 0
     if k.critic:
         cP = P - shape.vocab * shape.hidden * (0 if shape.tied else 1)  # no LM head: a one-output value head
@@ -310,7 +323,7 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
         row(
             "ZeRO-3 gathered",
             min(STAGE3_LIVE, P) * wb,
-            ("reference", "values", "train") if not k.on_cpu else everywhere,
+            ("reference", "teacher", "values", "train") if not k.on_cpu else everywhere,
         )
     row("reserve", k.reserve, everywhere)
     plan = MemoryPlan(device, host, rows, {}, k)
@@ -334,6 +347,8 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
         sub = SUB_GROUP if z3 else part  # ZeRO-3 flattens it in sub-groups of this many elements, ZeRO-1/2 in one
         if k.reference:  # tensor by tensor: ZeRO-2 a whole copy per rank (reference.py); ZeRO-3 its shards
             pinned["reference"] = sum(pinned_bytes(-(-n // N) * b if z3 else n * b) for n in shape.tensors()) * L
+        if ts is not None:  # the teacher's likewise: its shards (ZeRO-3) or its whole copy per rank (ZeRO-2)
+            pinned["teacher"] = sum(pinned_bytes(-(-n // N) * b if z3 else n * b) for n in ts.tensors()) * L
         if k.sleep_level == 1:  # vLLM's sleep backs each of its weight allocations up to pinned memory
             pinned["vLLM weights (sleep level 1)"] = sum(pinned_bytes(n // k.tp * b) for n in shape.tensors(True)) * L
         if k.optimizer_offload:
@@ -422,6 +437,7 @@ def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp
         seq_kv=seq_kv,
         sp=t.sequence_parallel_size,
         wb=4 if recipe.amp(cfg, on_cpu) else 0,
+        teacher=Shape.from_config(read_config(cfg.algo.teacher)) if cfg.algo.teacher else None,
     )
 
 
@@ -634,6 +650,17 @@ def _refusal(cfg: Config, shape: Shape, base: Knobs, device: int, host: int, wor
         )
         if explicit(cfg, key) and not done
     ]
+    if phase == "teacher" and k.teacher is not None:
+        return (
+            f"no setting fits the teacher: its phase needs {peak / GIB:.1f} of {device / GIB:.1f} GiB per GPU at "
+            f"best ({k.teacher.describe()}, {k.teacher.params * (k.wb or k.b) / GIB:.1f} GiB of weights): "
+            + (
+                "set train.zero_stage 3 (its shards wait in pinned host memory, a layer gathered at a time), "
+                if k.zero != 3
+                else ""
+            )
+            + "use more GPUs (--nproc/--nnodes), a shorter rollout.max_model_len or a smaller algo.teacher"
+        )
     return (
         f"no setting fits: phase {phase} needs {peak / GIB:.1f} of {device / GIB:.1f} GiB per GPU at best: "
         + (f"set {', '.join(levers)}, or " if levers else "")
