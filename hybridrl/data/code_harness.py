@@ -40,7 +40,6 @@ import types
 
 MAX_LINE = 64 << 20  # the longest reply the checker reads
 MAX_ITEMS = 1 << 20  # items a handle's iteration may yield
-MAX_EARLY = 1 << 20  # output kept before the decoy nonce is known
 INTROSPECTION = {"gc.get_objects", "gc.get_referrers", "gc.get_referents", "sys._current_frames"}
 PLAIN = (type(None), bool, int, float, str)
 DICTS = {"dict": dict, "Counter": collections.Counter, "OrderedDict": collections.OrderedDict}
@@ -149,8 +148,8 @@ def _send(fd: int, data: bytes) -> None:
 
 
 # --- the solution's process -----------------------------------------------------------------------
-def solution_side(calls: int, replies: int) -> None:
-    nonce = os.urandom(16).hex()  # a decoy: a solution that digs the report's nonce out of frames finds this
+def solution_side(calls: int, replies: int, decoy: str) -> None:
+    nonce = decoy  # noqa: F841  a bait: what a solution digging the report's nonce out of its frames finds
     flags = set()
     pristine = _fingerprint()
 
@@ -167,7 +166,6 @@ def solution_side(calls: int, replies: int) -> None:
         msg["flags"] = sorted(flags)
         _send(replies, (json.dumps(msg) + "\n").encode())
 
-    _send(replies, (json.dumps({"decoy": nonce}) + "\n").encode())
     ns = {"__name__": "__main__", "__builtins__": builtins}
     refs: dict = {}
 
@@ -298,11 +296,7 @@ class Peer:
         seen = self.tail + chunk
         if self.decoy and self.decoy.encode() in seen:
             self.flags.add("decoy")
-        self.tail = seen[-64:] if self.decoy else seen[-MAX_EARLY:]  # all of it until the decoy is known
-
-    def know_decoy(self, decoy) -> None:
-        self.decoy = str(decoy)
-        self.drained(b"-")  # what came before it
+        self.tail = seen[-64:]
 
     def read(self) -> dict:
         if self.gone:
@@ -387,7 +381,7 @@ class Peer:
         return got
 
 
-def checker(pid: int, calls: int, replies: int, output: int) -> None:
+def checker(pid: int, calls: int, replies: int, output: int, decoy: str) -> None:
     ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the solution cannot read this process
     job = json.loads(sys.stdin.readline())  # only now: the solution's process never held it
     sys.stdin = open(os.devnull)
@@ -400,8 +394,8 @@ def checker(pid: int, calls: int, replies: int, output: int) -> None:
     except BaseException:  # noqa: BLE001
         ns = None
     peer = Peer(pid, calls, replies, output, deadline, ns or {})
+    peer.decoy = decoy
     try:
-        peer.know_decoy(peer.read().get("decoy"))
         ready = peer.read()
         names = ready.get("names") if ns is not None else None
         if type(names) is not dict:
@@ -434,6 +428,7 @@ def checker(pid: int, calls: int, replies: int, output: int) -> None:
 def main() -> None:
     sys.set_int_max_str_digits(0)
     (cr, cw), (rr, rw), (orr, ow) = os.pipe(), os.pipe(), os.pipe()
+    decoy = os.urandom(16).hex()
     pid = os.fork()
     if pid == 0:
         null = os.open(os.devnull, os.O_RDONLY)
@@ -451,12 +446,12 @@ def main() -> None:
         sys.stdout = open(1, "w", closefd=False, buffering=1)
         sys.stderr = open(2, "w", closefd=False, buffering=1)
         try:
-            solution_side(cr, rw)
+            solution_side(cr, rw, decoy)
         finally:
             os._exit(0)
     for fd in (cr, rw, ow):
         os.close(fd)
-    checker(pid, cw, rr, orr)
+    checker(pid, cw, rr, orr, decoy)
 
 
 if __name__ == "__main__":
