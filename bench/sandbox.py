@@ -7,10 +7,12 @@ Rows, one workload at a time: `print(1)` run bare (`python -I -S`, no sandbox: a
 then in a fresh jail (its interpreter, namespaces and root built, then the program: what each program
 would cost without jails kept warm), then in a warm jail (hybridrl.sandbox.run: the program forked
 from the jail's interpreter into namespaces and a /tmp of its own, rlimits, seccomp); then an
-MBPP-style sample through the code_tests reward (the harness, three asserts) with 1..N workers in
-threads, each program its own sandbox. Medians of the single-program
-rows; the throughput rows count programs finished over wall time. A row per run in
-bench/results/sandbox.jsonl.
+MBPP-style sample through the code_tests reward (the harness, three asserts): one at a time (its
+latency: since issue 72 a checker and the solution's process, a round trip per call), then with
+1..N workers in threads, each program its own sandbox. Medians of the single-program rows; the
+throughput rows count programs finished over wall time. A row per run in
+bench/results/sandbox.jsonl, with the 1-minute load average at the start (other jobs on the cores
+stretch every figure here).
 """
 
 from __future__ import annotations
@@ -55,6 +57,18 @@ def sandboxed(n: int, fresh: bool = False) -> list[float]:
     return out
 
 
+def verdicts(n: int) -> list[float]:
+    from hybridrl.data import code_tests
+
+    answer = json.dumps({"code_tests": code_tests.spec_of(ROW)})
+    out = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        assert code_tests.code_tests("", SAMPLE, answer) == 1.0
+        out.append(time.perf_counter() - t0)
+    return out
+
+
 def throughput(n: int, workers: int) -> float:
     from hybridrl.data import code_tests
 
@@ -77,15 +91,18 @@ def main() -> None:
     if why:
         raise SystemExit(why)
     n = args.programs
+    load = os.getloadavg()[0]
     b, f = bare(n), sandboxed(n, fresh=True)
     sandbox.run("print(1)")  # a jail started outside the timing
     s = sandboxed(n)
-    print(f"{n} programs a row, {os.cpu_count()} cores")
+    v = verdicts(n)
+    print(f"{n} programs a row, {os.cpu_count()} cores, load {load:.1f}")
     print(f"{'what':>44} {'median ms':>10} {'programs/s':>11}")
     for what, walls in (
         ("print(1), bare python -I -S", b),
         ("print(1), a fresh jail", f),
         ("print(1), a warm jail", s),
+        ("code_tests, 3 asserts, one sample", v),
     ):
         print(f"{what:>44} {statistics.median(walls) * 1e3:>10.1f} {1 / statistics.median(walls):>11.1f}")
     rates = {}
@@ -99,8 +116,10 @@ def main() -> None:
             "bare_ms": round(statistics.median(b) * 1e3, 1),
             "fresh_jail_ms": round(statistics.median(f) * 1e3, 1),
             "sandbox_ms": round(statistics.median(s) * 1e3, 1),
+            "code_tests_ms": round(statistics.median(v) * 1e3, 1),
             "programs_per_s": {str(w): round(r, 1) for w, r in rates.items()},
         },
+        load=round(load, 1),
     )
 
 
