@@ -25,6 +25,7 @@ called, a decoy nonce kept in the solution's frames printed, a handle compared, 
 the protocol's.
 """
 
+import ast
 import builtins
 import collections
 import ctypes
@@ -285,7 +286,7 @@ class Peer:
     def __init__(self, pid, calls, replies, output, deadline, setup_ns):
         self.pid, self.calls, self.replies, self.output = pid, calls, replies, output
         self.deadline, self.ns, self.pending, self.tail = deadline, setup_ns, bytearray(), b""
-        self.flags, self.decoy, self.gone = set(), None, False
+        self.flags, self.decoy, self.gone, self.sent = set(), None, False, []
         self.globals = {id(v): k for k, v in setup_ns.items() if not k.startswith("__")}
 
     def drained(self, chunk: bytes) -> None:
@@ -332,6 +333,36 @@ class Peer:
             except OSError:
                 pass
 
+    def send(self, text: str) -> None:
+        try:
+            _send(self.calls, text.encode())
+        except OSError:
+            self.stop()
+            raise Gone("gone") from None
+
+    def prefetch(self, tests: list[str]) -> None:
+        """Where every test is `assert f(literals) == literal` with f the solution's (MBPP's usual shape,
+        the code task's), ask all the calls at once, in the tests' order: one round trip, not one a
+        test. Only arguments cross, as they would one at a time; the comparison stays here."""
+        lines = []
+        for test in tests:
+            try:
+                (node,) = ast.parse(test).body
+                cmp = node.test
+                ok = type(node) is ast.Assert and type(cmp) is ast.Compare and len(cmp.ops) == 1
+                ok = ok and type(cmp.ops[0]) is ast.Eq and type(cmp.left) is ast.Call and not cmp.left.keywords
+                target = self.ns.get(cmp.left.func.id) if ok and type(cmp.left.func) is ast.Name else None
+                if type(target) is not Remote:
+                    return
+                ast.literal_eval(cmp.comparators[0])
+                args = [encode(ast.literal_eval(a), self.to_data) for a in cmp.left.args]
+            except (ValueError, TypeError, SyntaxError, AttributeError, MemoryError, RecursionError):
+                return
+            lines.append(json.dumps({"op": "call", "ref": target._id, "args": args, "kwargs": {}}) + "\n")
+        if sum(map(len, lines)) < 1 << 15:  # under a pipe's buffer: this write never waits on the solution
+            self.send("".join(lines))
+            self.sent = lines
+
     def to_data(self, v):
         if type(v) is Remote and v._peer is self:
             return {"ref": v._id}
@@ -353,11 +384,14 @@ class Peer:
             raise Gone("gone")
         msg = {"op": op, "ref": rid, "args": [encode(a, self.to_data) for a in args]}
         msg["kwargs"] = {str(k): encode(v, self.to_data) for k, v in (kwargs or {}).items()}
-        try:
-            _send(self.calls, (json.dumps(msg) + "\n").encode())
-        except OSError:
-            self.stop()
-            raise Gone("gone") from None
+        line = json.dumps(msg) + "\n"
+        if self.sent and self.sent[0] == line:  # asked already (prefetch): its reply is the next one
+            self.sent.pop(0)
+        else:
+            while self.sent:  # not what was prefetched: those replies come first
+                self.sent.pop(0)
+                self.read()
+            self.send(line)
         reply = self.read()
         if "raise" in reply:
             cls = getattr(builtins, str(reply["raise"]), None)
@@ -415,6 +449,7 @@ def checker(pid: int, calls: int, replies: int, output: int, decoy: str) -> None
     except Gone:
         outcomes = [0] * len(tests)
     else:
+        peer.prefetch(tests)
         for test in tests:
             try:
                 exec(compile(test, "test", "exec"), ns)
