@@ -12,6 +12,8 @@ import pytest
 from hybridrl import sandbox
 from hybridrl.data import code_tests
 
+from helpers.sandbox import left_over
+
 LIMITS = sandbox.Limits(wall_s=4, cpu_s=2, memory_mb=256, output_bytes=4096)
 ROW = {"prompt": "Write add(a, b).", "test_list": ["assert add(1, 2) == 3", "assert add(2, 5) == 7"]}
 EVAL = {
@@ -147,7 +149,8 @@ def test_many_attacks_at_once_leave_honest_scores_alone():
     assert all(not r.ok and r.status != "jail" for r in got[: len(bad)])
     assert got[len(bad) : len(bad) + len(HACKS)] == [0.0] * len(HACKS) and got[-4:] == [1.0] * 4
     assert code_tests.take_hostile() == len(HACKS)
-    assert sandbox.run("print(1)").stdout == "1\n"
+    time.sleep(0.2)
+    assert left_over() == [] and sandbox.run("print(1)").stdout == "1\n"  # nothing left running; the run goes on
 
 
 def test_the_run_logs_the_share_of_hostile_samples(tmp_path):

@@ -12,14 +12,19 @@ import pytest
 
 from hybridrl import sandbox
 
+from helpers.sandbox import left_over
+
 LIMITS = sandbox.Limits(wall_s=4, cpu_s=2, memory_mb=256, output_bytes=4096)
 
 
 @pytest.fixture(autouse=True)
-def sandbox_here():
+def contained():
+    """Nothing left running outside, and the next program runs."""
     if sandbox.available() is not None:
         pytest.fail(sandbox.available())
     yield
+    time.sleep(0.2)
+    assert left_over() == []
     assert sandbox.run("print(1)", limits=LIMITS).stdout == "1\n"  # the run goes on
 
 
