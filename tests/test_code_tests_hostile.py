@@ -168,3 +168,16 @@ def test_the_run_logs_the_share_of_hostile_samples(tmp_path):
         assert s.counts()["reward/hostile"] == 0  # reset
     finally:
         s.close()
+
+
+def test_a_solution_cannot_stand_in_for_a_module_the_tests_use():
+    """MBPP's tests read modules the solution imported (`math.isclose` with no setup): the checker binds
+    its own module under that name, never the solution's object (whose isclose said yes on f6da8fd)."""
+    row = {"prompt": "p", "test_list": ["assert math.isclose(vol(1), 4.18879, rel_tol=1e-3)"]}
+    honest = "import math\ndef vol(r):\n    return 4 / 3 * math.pi * r ** 3\n"
+    assert code_tests.code_tests("", honest, _answer(row)) == 1.0
+    for fake in (
+        "class M:\n    def isclose(self, *a, **k):\n        return True\nmath = M()\ndef vol(r):\n    return 0\n",
+        "import types\nmath = types.ModuleType('math')\nmath.isclose = lambda *a, **k: True\nvol = abs\n",
+    ):
+        assert code_tests.code_tests("", fake, _answer(row)) == 0.0

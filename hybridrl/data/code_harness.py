@@ -31,6 +31,7 @@ import collections
 import ctypes
 import decimal
 import fractions
+import importlib
 import json
 import os
 import select
@@ -416,7 +417,8 @@ class Peer:
 
 
 def checker(pid: int, calls: int, replies: int, output: int, decoy: str) -> None:
-    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE 0: the solution cannot read this process
+    if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: the solution cannot read this process
+        raise SystemExit("the checker could not make itself undumpable")  # no report: every test 0
     job = json.loads(sys.stdin.readline())  # only now: the solution's process never held it
     sys.stdin = open(os.devnull)
     deadline = time.monotonic() + float(job["deadline_s"])
@@ -437,9 +439,15 @@ def checker(pid: int, calls: int, replies: int, output: int, decoy: str) -> None
         for k, x in names.items():
             if k in ns or hasattr(builtins, k):  # the setup's names and builtins stay the checker's own
                 continue
-            if type(x) is dict and set(x) == {"mod"}:
-                if x["mod"] in sys.stdlib_module_names:
-                    ns[k] = __import__(x["mod"])
+            mod = (
+                str(x["mod"]) if type(x) is dict and set(x) == {"mod"} else k if k in sys.stdlib_module_names else None
+            )
+            if mod is not None:  # a module, or a name the tests may read as one (math.isclose): the checker's own
+                if mod.split(".")[0] in sys.stdlib_module_names:
+                    try:
+                        ns[k] = importlib.import_module(mod)
+                    except ImportError:
+                        pass
                 continue
             try:
                 ns[k] = peer.value(x)
