@@ -13,23 +13,9 @@ import pytest
 
 from hybridrl import sandbox
 
+from helpers.sandbox import left_over
+
 LIMITS = sandbox.Limits(wall_s=4, cpu_s=2, memory_mb=256, output_bytes=4096)
-
-
-def _left_over() -> list[int]:
-    """Sandboxed programs still running anywhere on this machine: processes in a PID namespace nested
-    two deep below this one's (a jail's, then a program's own)."""
-    found = []
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                status = Path(f"/proc/{d}/status").read_text()
-            except OSError:
-                continue
-            depth = next((len(line.split()) - 1 for line in status.splitlines() if line.startswith("NSpid:")), 1)
-            if depth >= 3:
-                found.append(int(d))
-    return found
 
 
 @pytest.fixture(autouse=True)
@@ -38,7 +24,7 @@ def nothing_left():
         pytest.fail(sandbox.available())
     yield
     time.sleep(0.2)
-    assert _left_over() == []
+    assert left_over() == []
 
 
 def test_a_program_runs_and_reads_its_input():
@@ -202,7 +188,7 @@ def test_the_left_over_check_sees_a_running_program():
     t = threading.Thread(target=sandbox.run, args=("import time\ntime.sleep(1.5)",))
     t.start()
     time.sleep(0.7)
-    assert _left_over()
+    assert left_over()
     t.join()
 
 

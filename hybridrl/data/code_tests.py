@@ -14,11 +14,15 @@ its file and line. Each sample is one sandboxed program for assert and check tes
 case for stdin/stdout tests, whose output is compared here, outside the sandbox (tokens separated
 by whitespace, as APPS' checker does).
 
-Assert and check tests run in the program's own process, as every peer runs them: the harness
-reports the outcomes behind a nonce it read from stdin before the solution ran, so printing a fake
-report needs the solution to dig the nonce out of its caller's frames. A solution can still cheat an
-`assert f(x) == y` with an object whose `__eq__` is always true; stdin/stdout tests have no such
-hole.
+Assert and check tests are decided where the solution cannot reach (`code_harness.py`): the sandboxed
+program is a checker that forks the solution's process before it reads the tests, runs the tests in
+its own interpreter and calls the solution's functions across a pipe, arguments and results crossing
+as plain data, so every comparison is the checker's. Patching builtins, `exec`, `compile` or the
+report's serializer, digging a nonce out of frames, an object whose `__eq__` is always true, reading
+the expected values from the harness's memory: each scores what the solution's real results score,
+and is counted (`take_hostile()`; the Scorer reports it as `reward/hostile`). What does not cross: an
+argument the tests build from a class of their own (the setup's objects cross by name), a callable
+passed to the solution, in-place changes to anything but a list, dict, set or bytearray argument.
 """
 
 from __future__ import annotations
@@ -26,7 +30,11 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
 
+from hybridrl import sandbox
 from hybridrl.sandbox import Limits, Result, run
 
 MAX_CASES = 16  # stdin/stdout cases run per sample: the first ones
@@ -98,38 +106,37 @@ def program_of(completion: str) -> str:
     return completion
 
 
-HARNESS = """import json, sys
-def _run():
-    nonce = sys.stdin.readline().strip()
-    solution, setup, tests = json.loads(sys.stdin.readline())
-    sys.stdin = open("/dev/null")
-    ns = {"__name__": "__main__"}
-    outcomes = []
-    try:
-        exec(compile(setup, "setup", "exec"), ns)
-        exec(compile(solution, "solution.py", "exec"), ns)
-    except BaseException:
-        outcomes = [0] * len(tests)
-    else:
-        for test in tests:
-            try:
-                exec(compile(test, "test", "exec"), ns)
-                outcomes.append(1)
-            except BaseException:
-                outcomes.append(0)
-    sys.stdout.flush()
-    print("\\n" + nonce + json.dumps(outcomes), flush=True)
-_run()
-"""
+HARNESS = Path(__file__).with_name("code_harness.py").read_text()
+if HARNESS not in sandbox.PRELOAD:
+    sandbox.PRELOAD.append(HARNESS)  # each jail compiles it, and imports what it imports, once
+_HOSTILE = [0]
+_LOCK = threading.Lock()
 
 
-def _outcomes(res: Result, nonce: str, n: int) -> list[int]:
+@dataclass
+class Verdict:
+    outcomes: list[int]  # 1 or 0 for each test
+    hostile: list[str] = field(default_factory=list)  # what the solution did to reach its verdict (harness's names)
+
+
+def take_hostile() -> int:
+    """Samples whose program tried to reach its own verdict since the last call, in this process; resets."""
+    with _LOCK:
+        n, _HOSTILE[0] = _HOSTILE[0], 0
+    return n
+
+
+def _report(res: Result, nonce: str, n: int) -> Verdict:
     for line in reversed(res.stdout.splitlines()):
         if line.startswith(nonce):
-            got = json.loads(line[len(nonce) :])
-            if isinstance(got, list) and len(got) == n:
-                return [int(x == 1) for x in got]
-    return [0] * n
+            try:
+                got = json.loads(line[len(nonce) :])
+                outcomes, hostile = got["outcomes"], got["hostile"]
+            except (ValueError, KeyError, TypeError):
+                break
+            if isinstance(outcomes, list) and len(outcomes) == n:
+                return Verdict([int(x == 1) for x in outcomes], [str(h) for h in hostile])
+    return Verdict([0] * n)
 
 
 def _same_output(got: str, want: str) -> bool:
@@ -138,17 +145,27 @@ def _same_output(got: str, want: str) -> bool:
 
 def outcomes(spec: dict, program: str, limits: Limits = LIMITS) -> list[int]:
     """1 or 0 for each test of `spec` run against `program`."""
+    return verdict(spec, program, limits).outcomes
+
+
+def verdict(spec: dict, program: str, limits: Limits = LIMITS) -> Verdict:
+    """Each test's outcome, and what the program did to reach its verdict (counted: take_hostile)."""
     if spec["kind"] == "io":
         cases = list(zip(spec["inputs"], spec["outputs"]))[:MAX_CASES]
         results = [(run(program, stdin=given, limits=limits), want) for given, want in cases]
-        return [int(r.ok and _same_output(r.stdout, want)) for r, want in results]
+        return Verdict([int(r.ok and _same_output(r.stdout, want)) for r, want in results])
     if spec["kind"] == "asserts":
         setup, tests = spec["setup"], spec["tests"]
     else:  # HumanEval: check(candidate) defined by the test, called on the entry point
         setup, tests = "", [spec["test"] + f"\ncheck({spec['entry_point']})"]
     nonce = secrets.token_hex(16)
-    res = run(HARNESS, stdin=nonce + "\n" + json.dumps([program, setup, tests]) + "\n", limits=limits)
-    return _outcomes(res, nonce, len(tests))
+    job = {"nonce": nonce, "setup": setup, "tests": tests, "deadline_s": max(limits.wall_s - 1.0, 0.8 * limits.wall_s)}
+    files = {"solution.py": program, "setup.py": setup}  # not secret: the tests go to the checker's stdin
+    got = _report(run(HARNESS, stdin=json.dumps(job) + "\n", limits=limits, files=files), nonce, len(tests))
+    if got.hostile:
+        with _LOCK:
+            _HOSTILE[0] += 1
+    return got
 
 
 def code_tests(prompt: str, completion: str, answer: str, *, all_or_nothing: bool = False) -> float:

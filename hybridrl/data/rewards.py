@@ -35,6 +35,7 @@ import math
 import multiprocessing as mp
 import os
 import signal
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -213,9 +214,17 @@ def _worker(conn, spec: str, format_pattern: str, code_all_or_nothing: bool = Fa
             return
         key, prompt, completions, answer = msg
         try:
-            conn.send(("ok", key, evaluate(terms, prompt, completions, answer)))
+            rows = evaluate(terms, prompt, completions, answer)
+            conn.send(("ok", key, rows, _hostile()))
         except BaseException as e:  # noqa: BLE001 (a reward function may raise anything)
             conn.send(("error", key, f"{type(e).__name__}: {e}", traceback.format_exc()))
+
+
+def _hostile() -> int:
+    """Samples whose program tried to reach its own verdict since the last call (code_tests counts
+    them: its harness decides the tests where the program cannot reach, and says when it tried)."""
+    code_tests = sys.modules.get("hybridrl.data.code_tests")
+    return code_tests.take_hostile() if code_tests else 0
 
 
 _VERB = {"error": "raised", "timeout": "timed out", "crash": "killed its worker"}  # dead-letter kind -> words
@@ -284,7 +293,8 @@ class Scorer:
         self.running: dict[Any, _Task] = {}
         self.results: dict[Any, list[float]] = {}
         self.term_sums = [0.0] * len(self.terms)
-        self.errors = self.timeouts = 0
+        self.errors = self.timeouts = self.hostile = 0
+        self.sandboxed = any(t.name in verifiers.SANDBOXED for t in self.terms)
         self._ctx = mp.get_context("spawn")
         self.slots = [self._start() for _ in range(w)]
         self._dead_letter = None
@@ -320,12 +330,15 @@ class Scorer:
         return [got[("score", i)][0] for i in range(len(prompts))]
 
     def counts(self) -> dict[str, float]:
-        """Errors and timeouts since the last call and, when there are several terms, each term's
-        sum over the samples scored (`reward/<name>`); resets them."""
+        """Errors and timeouts since the last call; when there are several terms, each term's sum over
+        the samples scored (`reward/<name>`); with code_tests, the samples whose program tried to reach
+        its own verdict (`reward/hostile`, code_tests.take_hostile); resets them."""
         out = {"reward_errors": self.errors, "reward_timeouts": self.timeouts}
         if len(self.terms) + self.n_model_terms > 1:
             out.update({f"reward/{t.name}": s for t, s in zip(self.terms, self.term_sums)})
-        self.errors = self.timeouts = 0
+        if self.sandboxed:  # the collector turns a reward/ key into a per-sample mean: the share of hostile ones
+            out["reward/hostile"] = self.hostile
+        self.errors = self.timeouts = self.hostile = 0
         self.term_sums = [0.0] * len(self.terms)
         return out
 
@@ -404,6 +417,7 @@ class Scorer:
         except Exception as e:  # noqa: BLE001
             self._failed(task, "error", f"{type(e).__name__}: {e}", traceback.format_exc())
             return
+        self.hostile += _hostile()
         self._done(task, rows)
 
     # --- the pool -----------------------------------------------------------------------------
@@ -468,6 +482,7 @@ class Scorer:
         task = self.running.pop(msg[1])
         s.key = None
         if msg[0] == "ok":
+            self.hostile += msg[3]
             self._done(task, msg[2])
         else:
             self._failed(task, "error", msg[2], msg[3])

@@ -1,26 +1,47 @@
 """Run untrusted (model-written) Python in a local sandbox: `run(source, stdin, limits) -> Result`.
 
 Each program runs in a fresh process tree in its own PID, network, mount, IPC and UTS namespaces,
-under a user namespace of the jail's (`jail.py`, an interpreter started with an empty environment):
-no network at all (a loopback interface, down), a private writable /tmp (a tmpfs of its own) and
-read-only views of the system's /usr and /lib and the interpreter's prefix (nothing of the run
-directory, the checkpoints, the home directory, the site-packages or the trainer's environment
-variables); rlimits on CPU seconds, address space, file size, processes and open files; no
-capabilities and a seccomp filter (no ptrace, mount, kexec, bpf, keyctl, namespaces, packet or raw
-sockets, ...). A wall-clock limit kills the whole tree: the program's PID 1 waits for it, and when it
-goes every process left in the namespace goes too, also children that called setsid or
-double-forked. Output is kept up to `Limits.output_bytes` a stream; more than the file-size limit
-kills the program.
+under a user namespace of the jail's (`jail.py`, an interpreter started with an empty environment).
+
+Isolated (each a program in tests/test_sandbox.py or tests/test_sandbox_hostile.py):
+- the file system: read-only views of the system's /usr and /lib and the interpreter's prefix, with
+  its site-packages (and a distribution's dist-packages) hidden: the standard library only; a private
+  writable /tmp (a tmpfs of its own, 4x `file_mb`); nothing of the run directory, the checkpoints or
+  the home directory. The trainer's environment variables are not passed.
+- the network: a loopback interface, down; sockets of a family other than AF_UNIX, AF_INET, AF_INET6
+  refused by the seccomp filter (no vsock, netlink, packet), raw sockets too.
+- other processes: a PID namespace per program (it sees itself and its PID 1), no ptrace,
+  process_vm_*, namespaces, mounts, BPF, keys, perf, io_uring, ...; when the program ends or hits the
+  wall clock (enforced whatever it does with its pipes) every process it started goes.
+- other programs: each is forked from a zygote that never held a request, so no program's memory
+  holds another's source, stdin, output or tests.
+- resources per program: CPU seconds, address space, file size, processes and threads (RLIMIT_NPROC,
+  which counts in the jail's own user namespace: exactly `processes` a program), open files; SysV
+  shared memory and message queues, POSIX message queues and memfds, which RLIMIT_AS does not count,
+  are refused. For all programs together: at most `slots()` run at once on this machine (an flock per
+  slot across every process of this user), so what they hold is at most slots x processes x memory_mb
+  plus a /tmp each.
+- what the caller sees: a jail's own failure comes on a pipe no program holds (status "jail"); output
+  is kept up to `Limits.output_bytes` a stream, and more than the file-size limit kills the program.
+
+Not isolated: the kernel itself (a kernel bug reachable through the allowed system calls), CPU time
+and caches shared with the trainer (a program competes for the cores its rlimit allows), the clock,
+/dev/urandom, what the read-only system files say about the machine (/usr, /proc's own view), and
+resident memory across programs beyond the address-space bound (no cgroup: this machine's cgroups are
+v1 and read-only).
 
 Jails are kept warm, one per calling thread at a time: a program is forked from the jail's running
-interpreter, so it starts in milliseconds rather than an interpreter start's tens (`bench/sandbox.py`
-measures both). Where the kernel refuses what the jail needs (user namespaces off, seccomp missing),
-`available()` says so in one line naming the fix, and callers refuse to start (no silent weakening).
+zygote, so it starts in milliseconds rather than an interpreter start's tens (`bench/sandbox.py`
+measures both); programs listed in `PRELOAD` are compiled once per jail. Where the kernel refuses
+what the jail needs (user namespaces off, seccomp missing), `available()` says so in one line naming
+the fix, and callers refuse to start (no silent weakening).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
 import json
 import os
 import select
@@ -28,6 +49,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -38,6 +60,12 @@ JAIL = Path(__file__).with_name("jail.py")
 PROGRAM_UID = 1000  # the program's uid inside the namespace when the caller is root (mapped to nobody)
 NOBODY = 65534
 JAIL_FAILED = 125
+JAIL_PROCESSES = 5  # ns, init, zygote, a program's fork and pid1: the jail's own, in its user namespace
+
+
+# Programs the caller runs often, compiled (and their imports loaded) by each jail before its first
+# request, so they start as fast as print(1): fixed text of the caller's own, never a request's.
+PRELOAD: list[str] = []
 
 
 @dataclass(frozen=True)
@@ -77,18 +105,13 @@ def _binds(prefix: str) -> list[str]:
     )
 
 
-def _processes_of(uid: int) -> int:
-    """Processes (threads count against RLIMIT_NPROC too) this uid runs now."""
-    n = 0
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                st = os.stat(f"/proc/{d}")
-                if st.st_uid == uid:
-                    n += len(os.listdir(f"/proc/{d}/task"))
-            except OSError:
-                pass
-    return n
+def _masks(prefix: str) -> list[str]:
+    """The package directories the binds would show (the interpreter's site-packages, a distribution's
+    dist-packages): each is hidden under an empty directory."""
+    ver = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    paths = {sysconfig.get_path(k, vars={"base": prefix, "platbase": prefix}) for k in ("purelib", "platlib")}
+    paths |= {f"/usr/lib/{ver}/site-packages", f"/usr/local/lib/{ver}/dist-packages", "/usr/lib/python3/dist-packages"}
+    return sorted(os.path.realpath(p) for p in paths if p and os.path.isdir(p))
 
 
 def _config(base: Path) -> dict:
@@ -98,7 +121,14 @@ def _config(base: Path) -> dict:
         maps = {"uid_map": f"0 0 1\n{PROGRAM_UID} {NOBODY} 1", "gid_map": f"0 0 1\n{PROGRAM_UID} {NOBODY} 1"}
     else:  # one id only: the program is this user, whose other processes count against NPROC too
         maps = {"uid_map": f"0 {uid} 1", "gid_map": f"0 {gid} 1"}
-    return {"root": str(base / "root"), "binds": _binds(prefix), "program_uid": PROGRAM_UID if uid == 0 else 0, **maps}
+    return {
+        "root": str(base / "root"),
+        "binds": _binds(prefix),
+        "masks": _masks(prefix),
+        "preload": list(PRELOAD),
+        "program_uid": PROGRAM_UID if uid == 0 else 0,
+        **maps,
+    }
 
 
 def _remove(base: Path) -> None:
@@ -122,6 +152,7 @@ class _Jail:
         self.base = Path(tempfile.mkdtemp(prefix=f"hybridrl-sandbox-{os.getpid()}-"))
         (self.base / "root").mkdir()
         cfg = _config(self.base)
+        self.preloaded = len(cfg["preload"])
         with open(self.base / "jail.err", "wb") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-I", "-S", str(JAIL), json.dumps(cfg)],
@@ -184,6 +215,41 @@ def _sweep() -> None:
             pass
 
 
+def slots() -> int:
+    """How many sandboxed programs run at once on this machine, all callers together (reward workers,
+    tool calls): `HYBRIDRL_SANDBOX_SLOTS`, else the CPUs (at least 2). What all of them may hold is
+    this times `Limits.processes` processes of `Limits.memory_mb` each, plus a /tmp each."""
+    try:
+        return max(1, int(os.environ.get("HYBRIDRL_SANDBOX_SLOTS", "")))
+    except ValueError:
+        return max(2, os.cpu_count() or 1)
+
+
+@contextlib.contextmanager
+def _slot():
+    """One of `slots()` machine-wide: an flock on a file of a directory per user, held while the
+    program runs and dropped by the kernel if this process dies."""
+    d = Path(tempfile.gettempdir()) / f"hybridrl-sandbox.slots-{os.getuid()}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    n, fd, wait = slots(), None, 0.001
+    while fd is None:
+        for i in range(n):
+            f = os.open(d / str(i), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fd = f
+                break
+            except BlockingIOError:
+                os.close(f)
+        else:
+            time.sleep(wait)
+            wait = min(wait * 2, 0.05)
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
 _IDLE: list[_Jail] = []
 _LOCK = threading.Lock()
 _OWNER = [os.getpid()]
@@ -194,9 +260,12 @@ def _take() -> _Jail:
         if _OWNER[0] != os.getpid():  # a forked child: the parent's jails answer the parent only
             _IDLE.clear()
             _OWNER[0] = os.getpid()
-        if _IDLE:
-            return _IDLE.pop()
-    return _Jail()
+        stale = [j for j in _IDLE if j.preloaded != len(PRELOAD)]  # started before a program was preloaded
+        _IDLE[:] = [j for j in _IDLE if j.preloaded == len(PRELOAD)]
+        jail = _IDLE.pop() if _IDLE else None
+    for j in stale:
+        j.close()
+    return jail or _Jail()
 
 
 def _give(jail: _Jail) -> None:
@@ -227,7 +296,6 @@ def run(
     """Run `source` as a Python program (as `python -I -S /tmp/prog.py`, beside `files` in its private
     /tmp) with `stdin` as its standard input; never raises for what the program does. `argv` runs
     that command instead ("{python}" names the interpreter), for a program that must be exec'd."""
-    uid = NOBODY if os.getuid() == 0 else os.getuid()
     argv = [_python()[0] if a == "{python}" else a for a in argv] if argv else []
     req = {
         "source": source,
@@ -241,14 +309,17 @@ def run(
             "memory_bytes": limits.memory_mb << 20,
             "file_bytes": limits.file_mb << 20,
             "tmp_bytes": max(4 * limits.file_mb, 64) << 20,
-            "processes": limits.processes + _processes_of(uid),
+            # counted per user namespace (each jail has its own) and uid: as root the program's uid
+            # owns nothing else there; else the jail's own processes (ns, init, zygote, fork, pid1) too
+            "processes": limits.processes + (0 if os.getuid() == 0 else JAIL_PROCESSES),
             "open_files": limits.open_files,
         },
     }
-    t0 = time.perf_counter()
-    jail = _take()
-    reply = jail.ask(req, limits.wall_s + 10)
-    wall = time.perf_counter() - t0
+    with _slot():
+        t0 = time.perf_counter()
+        jail = _take()
+        reply = jail.ask(req, limits.wall_s + 10)
+        wall = time.perf_counter() - t0
     if reply is None:  # the jail died (it could not start here) or hung: a fresh one serves the next
         why = jail.why()
         jail.close()
@@ -257,10 +328,10 @@ def run(
         return Result("timeout", -signal.SIGKILL, "", "", wall)
     _give(jail)
     code, err = reply["code"], reply["stderr"]
+    if reply.get("jail"):  # reported on a pipe of the jail's own, never by what the program printed
+        return Result("jail", JAIL_FAILED, reply["stdout"], reply["jail"], wall)
     if reply["timeout"]:
         status = "timeout"
-    elif code == JAIL_FAILED and "sandbox: " in err:
-        status = "jail"
     elif code == 0:
         status = "ok"
     elif code > 128:

@@ -10,14 +10,21 @@ files and limits) and answers a line on its stdout (exit status, output). Its pr
            to nobody, whom programs run as: root is exempt from RLIMIT_NPROC, nobody is not.
   ns     - unshares user, mount, PID, network, IPC and UTS namespaces, then forks `init`.
   init   - PID 1 of the jail: builds a root of read-only binds (the system's /usr, /lib, the
-           interpreter's prefix), a fresh /proc and four devices, chroots there, and serves requests.
+           interpreter's prefix, its site-packages hidden under empty directories), a fresh /proc and
+           four devices, chroots there, forks `zygote`, then serves requests.
+  zygote - forked before the first request, so its memory never holds one: it compiles the caller's
+           preloaded programs (cfg "preload", fixed text such as the code_tests harness), then forks
+           a `fork` process per request. init hands it that request's pipes (SCM_RIGHTS); the
+           request itself (source, files, limits) goes from init to `fork` on a pipe of its own, and
+           the program's stdin on another: no program's memory holds what an earlier one read,
+           wrote or was given, and none holds its own stdin but by reading it.
 
-Each program then gets a process tree of its own, forked from this already-started interpreter (a
-fork costs a few milliseconds where an interpreter start costs tens):
+Each program then gets a process tree of its own, forked from the zygote's already-started
+interpreter (a fork costs a few milliseconds where an interpreter start costs tens):
 
-  fork   - unshares mount, PID, network, IPC and UTS namespaces again (new ones under the jail's user
-           namespace), mounts a new tmpfs on /tmp holding the program and its files, forks `pid1`,
-           reports its pid, exits.
+  fork   - reads its request, unshares mount, PID, network, IPC and UTS namespaces again (new ones
+           under the jail's user namespace), mounts a new tmpfs on /tmp holding the program and its
+           files, forks `pid1`, reports its pid, exits.
   pid1   - PID 1 of the program's own PID namespace: mounts its /proc, forks the program, waits for
            it. When pid1 exits, the kernel kills every process left in the namespace: children that
            called setsid or double-forked die with it.
@@ -26,11 +33,14 @@ fork costs a few milliseconds where an interpreter start costs tens):
            `__main__` (run_source: what `python -I -S /tmp/prog.py` does), or an argv is exec'd.
 
 `init` writes the program's stdin, keeps its stdout and stderr (capped), and kills `pid1`, so the
-whole namespace, at the wall-clock limit or when output passes the file-size limit. Programs see
-nothing of each other: every namespace but the user one, and /tmp, are new per program. The network
-namespace has only a loopback interface, down: nothing on this machine or beyond is reachable, not
-even a loopback service. Exit status: the program's, or 128 + signal; 125 when the jail failed (its
-reason on stderr, prefixed "sandbox:").
+whole namespace, at the wall-clock limit (watched on a pidfd: closing its pipes changes nothing) or
+when output passes the file-size limit. Programs see nothing of each other: every namespace but the
+user one, and /tmp, are new per program. The network namespace has only a loopback interface, down:
+nothing on this machine or beyond is reachable, not even a loopback service; sockets of any family
+but AF_UNIX, AF_INET and AF_INET6 are refused (AF_VSOCK is not network-namespaced). Exit status: the
+program's, or 128 + signal. A failure of the jail's own (a mount, an unshare, the filter) is written
+to a pipe no program holds, and answered as "jail"; a program that exits 125 and prints "sandbox:"
+is a program that failed.
 """
 
 import ctypes
@@ -129,17 +139,25 @@ DENIED = {
     425: "io_uring_setup",
     426: "io_uring_enter",
     427: "io_uring_register",
+    # memory the rlimits do not count (RLIMIT_AS), which outlives or escapes the program's processes
+    29: "shmget",
+    68: "msgget",
+    240: "mq_open",
+    319: "memfd_create",
+    447: "memfd_secret",
 }
-NR_CLONE, NR_CLONE3, NR_SOCKET = 56, 435, 41
-AF_PACKET, SOCK_RAW = 17, 3
+NR_CLONE, NR_CLONE3, NR_SOCKET, NR_SOCKETPAIR = 56, 435, 41, 53
+AF_UNIX, AF_INET, AF_INET6, SOCK_RAW = 1, 2, 10, 3
+SOCKET_FAMILIES = (AF_UNIX, AF_INET, AF_INET6)  # an allow-list: no vsock, netlink, packet, bluetooth, ...
 EPERM, ENOSYS = 1, 38
 
 
 @functools.lru_cache(maxsize=None)  # built once in the jail, installed by every program
 def seccomp_filter() -> bytes:
-    """A classic-BPF program: other architectures killed; the DENIED calls, clone with a namespace flag
-    and packet or raw sockets fail with EPERM; clone3 with ENOSYS (its flags are behind a pointer, so
-    libc falls back to clone, whose flags the filter reads); the rest allowed."""
+    """A classic-BPF program: other architectures killed; the DENIED calls, clone with a namespace flag,
+    sockets of a family outside SOCKET_FAMILIES (AF_VSOCK reaches the host: it is not network-namespaced)
+    and raw sockets fail with EPERM; clone3 with ENOSYS (its flags are behind a pointer, so libc falls
+    back to clone, whose flags the filter reads); the rest allowed."""
     LD_W_ABS, JEQ, JSET, JGE, RET, AND = 0x20, 0x15, 0x45, 0x35, 0x06, 0x54
     ALLOW, KILL = 0x7FFF0000, 0x80000000
 
@@ -167,9 +185,17 @@ def seccomp_filter() -> bytes:
     op(JSET, NAMESPACES | CLONE_NEWCGROUP, 0, 1)
     op(RET, errno(EPERM))
     op(RET, ALLOW)
-    op(JEQ, NR_SOCKET, 0, 6)
+    n = len(SOCKET_FAMILIES)
+    op(JEQ, NR_SOCKETPAIR, 0, 4)
+    op(LD_W_ABS, 16)  # socketpair's domain: only AF_UNIX pairs exist
+    op(JEQ, AF_UNIX, 0, 1)
+    op(RET, ALLOW)
+    op(RET, errno(EPERM))
+    op(JEQ, NR_SOCKET, 0, n + 6)
     op(LD_W_ABS, 16)  # socket's domain
-    op(JEQ, AF_PACKET, 3, 0)
+    for i, family in enumerate(SOCKET_FAMILIES):
+        op(JEQ, family, n - i, 0)  # to the type's check
+    op(RET, errno(EPERM))
     op(LD_W_ABS, 24)  # its type, less SOCK_NONBLOCK / SOCK_CLOEXEC
     op(AND, 0xF)
     op(JEQ, SOCK_RAW, 0, 1)
@@ -208,9 +234,10 @@ def drop_privileges(uid: int) -> None:
 
 
 # --- the file system -----------------------------------------------------------------------------------
-def build_root(root: str, binds: list[str]) -> None:
+def build_root(root: str, binds: list[str], masks: list[str]) -> None:
     """`root`: a tmpfs holding read-only binds of `binds` at their own paths (symlinks such as a
-    merged /bin copied as links), an empty /tmp, a fresh /proc and four device nodes."""
+    merged /bin copied as links), each of `masks` (site-packages) hidden under an empty read-only
+    tmpfs, an empty /tmp, a fresh /proc and four device nodes."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
     for path in binds:
@@ -229,6 +256,9 @@ def build_root(root: str, binds: list[str]) -> None:
         for st_flag, ms_flag in LOCKED:
             flags |= ms_flag if st.f_flag & st_flag else 0
         _mount(None, dst, None, flags)
+    for path in masks:
+        if os.path.isdir(root + path):
+            _mount("tmpfs", root + path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=555")
     os.makedirs(root + "/tmp")  # where each program's own tmpfs goes
     os.makedirs(root + "/proc")
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -270,16 +300,19 @@ ENV = {
 def init(cfg: dict) -> int:
     """PID 1 of the jail: the root, then requests served until the caller closes their pipe."""
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    build_root(cfg["root"], cfg["binds"])
+    build_root(cfg["root"], cfg["binds"], cfg.get("masks", []))
     return serve(cfg)
 
 
 # --- kept warm: a program per request, each in namespaces of its own --------------------------------
 PROGRAM_NS = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET | CLONE_NEWIPC | CLONE_NEWUTS
+M_ARENA_MAX = -8
 
 
 def serve(cfg: dict) -> int:
-    """Answer requests (a JSON line each on fd 0) until end of input; the control pipes move above
+    """Answer requests (a JSON line each on fd 0) until end of input. Programs are forked from a zygote
+    forked before the first request: no program's memory holds what an earlier one read, wrote or was
+    given (this process holds every request; the zygote never holds one). The control pipes move above
     the program's fds, so no program inherits them."""
     ctl_in, ctl_out = os.dup(0), os.dup(1)
     null = os.open("/dev/null", os.O_RDWR)
@@ -287,9 +320,18 @@ def serve(cfg: dict) -> int:
     seccomp_filter()  # built before any program: each fork finds it cached
     import atexit  # noqa: F401  what run_source needs, imported once: each program is spared it
     import io  # noqa: F401
+    import socket
     import traceback  # noqa: F401
     import types  # noqa: F401
 
+    here, there = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    z = os.fork()
+    if z == 0:
+        here.close()
+        for fd in (ctl_in, ctl_out):
+            os.close(fd)
+        os._exit(zygote(cfg, there))
+    there.close()
     pending = b""
     while True:
         while b"\n" not in pending:
@@ -298,77 +340,141 @@ def serve(cfg: dict) -> int:
                 return 0
             pending += chunk
         line, pending = pending.split(b"\n", 1)
-        reply = run_one(cfg, json.loads(line), ctl=(ctl_in, ctl_out))
+        reply = run_one(json.loads(line), here)
         os.write(ctl_out, json.dumps(reply).encode() + b"\n")
 
 
-def run_one(cfg: dict, req: dict, ctl: tuple) -> dict:
-    lim = req["limits"]
-    r0, w0 = os.pipe()
-    r1, w1 = os.pipe()
-    r2, w2 = os.pipe()
-    rp, wp = os.pipe()
-    a = os.fork()
-    if a == 0:  # fork: fresh namespaces and /tmp, then pid1
-        code = JAIL_FAILED
+PRECOMPILED: dict = {}  # source -> code: the zygote's preloaded programs, compiled before any request
+
+
+def zygote(cfg: dict, sock) -> int:
+    """Fork a program's `fork` process per message (its pipes ride along as SCM_RIGHTS; the message
+    itself is empty), reap it, say so. The `fork` process reads its request from its own pipe."""
+    import socket
+
+    for text in cfg.get("preload", []):  # the caller's own fixed programs (the code_tests harness)
+        code = compile(text, "/tmp/prog.py", "exec")
+        exec(code, {"__name__": "__preload__", "__builtins__": __builtins__})  # its imports, once
+        PRECOMPILED[text] = code
+    while True:
         try:
-            for fd in (w0, r1, r2, rp, *ctl):
-                os.close(fd)
-            _check(libc.unshare(PROGRAM_NS), "unshare")
-            uid = cfg["program_uid"]
-            _mount(
-                "tmpfs",
-                "/tmp",
-                "tmpfs",
-                MS_NOSUID | MS_NODEV,
-                f"size={lim['tmp_bytes']},nr_inodes=4096,mode=700,uid={uid},gid={uid}",
-            )
-            for name, text in {"prog.py": req["source"], **req["files"]}.items():
-                with open(f"/tmp/{name}", "w", encoding="utf-8") as f:
-                    f.write(text)
-                os.chown(f"/tmp/{name}", uid, uid)
-            b = os.fork()
-            if b == 0:
-                os.close(wp)
-                os._exit(pid1(cfg, req, (r0, w1, w2)))
-            os.write(wp, str(b).encode())
-            code = 0
-        except BaseException as e:  # noqa: BLE001
-            os.write(w2, f"sandbox: {e}\n".encode())
-        os._exit(code)
-    for fd in (r0, w1, w2, wp):
+            _, fds, _, _ = socket.recv_fds(sock, 16, 8)
+        except OSError:
+            return 0
+        if not fds:
+            return 0
+        a = os.fork()
+        if a == 0:
+            sock.close()
+            os._exit(fork_program(cfg, *fds))
+        for fd in fds:
+            os.close(fd)
+        os.waitpid(a, 0)  # pid1, orphaned, is the jail's PID 1's child from here on
+        sock.send(b"reaped")
+
+
+def fork_program(cfg: dict, req_r: int, r0: int, w1: int, w2: int, wp: int, werr: int) -> int:
+    """The `fork` process: its request, fresh namespaces and /tmp, then pid1; reports pid1's pid on
+    `wp`, a failure on `werr` (never the program's stderr: what a program prints cannot pose as one)."""
+    try:
+        data = b""
+        while chunk := os.read(req_r, 1 << 20):
+            data += chunk
+        os.close(req_r)
+        req = json.loads(data)
+        lim = req["limits"]
+        _check(libc.unshare(PROGRAM_NS), "unshare")
+        uid = cfg["program_uid"]
+        _mount(
+            "tmpfs",
+            "/tmp",
+            "tmpfs",
+            MS_NOSUID | MS_NODEV,
+            f"size={lim['tmp_bytes']},nr_inodes=4096,mode=700,uid={uid},gid={uid}",
+        )
+        for name, text in {"prog.py": req["source"], **req["files"]}.items():
+            with open(f"/tmp/{name}", "w", encoding="utf-8") as f:
+                f.write(text)
+            os.chown(f"/tmp/{name}", uid, uid)
+        del data
+        b = os.fork()
+        if b == 0:
+            os.close(wp)
+            os._exit(pid1(cfg, req, (r0, w1, w2), werr))
+        os.write(wp, str(b).encode())
+        return 0
+    except BaseException as e:  # noqa: BLE001
+        os.write(werr, f"sandbox: {e}\n".encode())
+        return JAIL_FAILED
+
+
+def run_one(req: dict, zygote_sock) -> dict:
+    lim = req["limits"]
+    pipes = [os.pipe() for _ in range(6)]  # request, stdin, stdout, stderr, pid1's pid, jail failure
+    (req_r, req_w), (r0, w0), (r1, w1), (r2, w2), (rp, wp), (rerr, werr) = pipes
+    os.set_inheritable(werr, False)  # closed by an exec'd program's execve
+    import socket
+
+    socket.send_fds(zygote_sock, [b"go"], [req_r, r0, w1, w2, wp, werr])
+    for fd in (req_r, r0, w1, w2, wp, werr):
         os.close(fd)
+    body = {k: req[k] for k in ("source", "files", "limits", "argv")}  # never the stdin: pid1 reads a pipe
+    try:
+        view = memoryview(json.dumps(body).encode())
+        while view:
+            view = view[os.write(req_w, view[: 1 << 20]) :]
+    except OSError:
+        pass
+    os.close(req_w)
     got = b""
     while chunk := os.read(rp, 32):
         got += chunk
     os.close(rp)
-    os.waitpid(a, 0)
+    zygote_sock.recv(16)  # `fork` reaped: pid1 is this process's child
     b = int(got) if got else None
-    out, err, timed_out, cut = _talk(b, w0, r1, r2, req["stdin"].encode(), lim, req["wall_s"], req["output_bytes"])
-    if b is None:
-        return {"code": JAIL_FAILED, "stdout": out, "stderr": err, "timeout": False, "truncated": cut}
-    _, status = os.waitpid(b, 0)  # pid1 is this process's child once `fork` has exited
+    out, err, timed_out, cut, status = _talk(
+        b, w0, r1, r2, req["stdin"].encode(), lim, req["wall_s"], req["output_bytes"]
+    )
+    failed = _read_all(rerr)
+    if b is None or failed:
+        return {"code": JAIL_FAILED, "stdout": out, "stderr": err, "timeout": False, "truncated": cut, "jail": failed}
     return {"code": _status(status), "stdout": out, "stderr": err, "timeout": timed_out, "truncated": cut}
 
 
+def _read_all(fd: int) -> str:
+    os.set_blocking(fd, False)
+    got = b""
+    try:
+        while chunk := os.read(fd, 1 << 16):
+            got += chunk
+    except BlockingIOError:
+        pass
+    os.close(fd)
+    return got.decode("utf-8", "replace")
+
+
 def _talk(b, w0, r1, r2, data: bytes, lim: dict, wall_s: float, cap: int) -> tuple:
-    """Feed stdin, keep up to `cap` bytes of stdout and of stderr, until both close; kill pid1 (and
-    so the namespace) at the deadline or past the file-size limit. Returns (out, err, timed_out, cut)."""
+    """Feed stdin, keep up to `cap` bytes of stdout and of stderr, until both close and pid1 has exited;
+    kill pid1 (and so the namespace) at the deadline, whatever the program did with its pipes, or past
+    the file-size limit. Returns (out, err, timed_out, cut, pid1's wait status)."""
     deadline = time.monotonic() + wall_s
     bufs, total, timed_out, killed = {r1: bytearray(), r2: bytearray()}, 0, False, b is None
     open_r = [r1, r2]
+    gone = os.pidfd_open(b) if b is not None else None
+    status = None
     if not data or b is None:
         os.close(w0)
         w0 = None
     else:
         os.set_blocking(w0, False)
-    while open_r:
+    while open_r or status is None and b is not None:
         left = deadline - time.monotonic()
         if left <= 0 and not killed:
             timed_out = killed = _kill(b)
         if killed:  # the namespace is going: its pipes close in a moment
             left = 1.0
-        ready_r, ready_w, _ = select.select(open_r, [w0] if w0 is not None else [], [], max(left, 0.0))
+        watch = open_r + ([gone] if status is None and gone is not None else [])
+        ready_r, ready_w, _ = select.select(watch, [w0] if w0 is not None else [], [], max(left, 0.0))
         if w0 is not None and ready_w:
             try:
                 data = data[os.write(w0, data[: 1 << 16]) :]
@@ -378,6 +484,9 @@ def _talk(b, w0, r1, r2, data: bytes, lim: dict, wall_s: float, cap: int) -> tup
                 os.close(w0)
                 w0 = None
         for fd in ready_r:
+            if fd == gone:
+                _, status = os.waitpid(b, 0)  # pid1 gone: the kernel empties its namespace
+                continue
             chunk = os.read(fd, 1 << 16)
             if not chunk:
                 open_r.remove(fd)
@@ -390,12 +499,14 @@ def _talk(b, w0, r1, r2, data: bytes, lim: dict, wall_s: float, cap: int) -> tup
                 killed = _kill(b)
     if w0 is not None:
         os.close(w0)
+    if gone is not None:
+        os.close(gone)
     cut = any(len(v) > cap for v in bufs.values())
 
     def text(v):
         return bytes(v[:cap]).decode("utf-8", "replace")
 
-    return text(bufs[r1]), text(bufs[r2]), timed_out, cut
+    return text(bufs[r1]), text(bufs[r2]), timed_out, cut, status
 
 
 def _kill(pid: int) -> bool:
@@ -406,20 +517,16 @@ def _kill(pid: int) -> bool:
     return True
 
 
-def pid1(cfg: dict, req: dict, fds: tuple) -> int:
+def pid1(cfg: dict, req: dict, fds: tuple, werr: int) -> int:
     try:
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)  # this namespace's processes only
         c = os.fork()
         if c == 0:
-            try:
-                serve_program(cfg, req, fds)
-            except BaseException as e:  # noqa: BLE001
-                os.write(fds[2], f"sandbox: {e}\n".encode())
-            os._exit(JAIL_FAILED)
+            serve_program(cfg, req, fds, werr)
     except BaseException as e:  # noqa: BLE001
-        os.write(fds[2], f"sandbox: {e}\n".encode())
+        os.write(werr, f"sandbox: {e}\n".encode())
         return JAIL_FAILED
-    for fd in fds:
+    for fd in (*fds, werr):
         os.close(fd)
     while True:
         done, status = os.wait()
@@ -427,17 +534,28 @@ def pid1(cfg: dict, req: dict, fds: tuple) -> int:
             return _status(status)
 
 
-def serve_program(cfg: dict, req: dict, fds: tuple) -> None:
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-    os.closerange(3, 1 << 20)
-    os.chdir("/tmp")
-    set_limits(req["limits"])
-    drop_privileges(cfg["program_uid"])
-    install_seccomp()
-    if req.get("argv"):
-        os.execve(req["argv"][0], req["argv"], ENV)
-    os._exit(run_source(req["source"]))
+def serve_program(cfg: dict, req: dict, fds: tuple, werr: int) -> None:
+    """The program's process: its fds, limits and filter, then its source (or argv exec'd). A failure
+    before the program's first line goes to `werr`, which the program never holds."""
+    try:
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        werr = os.dup2(werr, 3, inheritable=False)  # close-on-exec: an exec'd program never holds it
+        os.closerange(4, 1 << 20)
+        os.chdir("/tmp")
+        set_limits(req["limits"])
+        drop_privileges(cfg["program_uid"])
+        libc.mallopt(M_ARENA_MAX, 2)  # each malloc arena reserves 64 MiB of RLIMIT_AS: let threads fit
+        install_seccomp()
+        if req.get("argv"):
+            os.execve(req["argv"][0], req["argv"], ENV)
+    except BaseException as e:  # noqa: BLE001
+        os.write(werr, f"sandbox: {e}\n".encode())
+        os._exit(JAIL_FAILED)
+    source = req["source"]
+    req.clear()
+    os.close(werr)  # from here on a failure is the program's own
+    os._exit(run_source(source))
 
 
 def run_source(source: str) -> int:
@@ -463,7 +581,7 @@ def run_source(source: str) -> int:
     )
     code = 0
     try:
-        exec(compile(source, "/tmp/prog.py", "exec"), main.__dict__)
+        exec(PRECOMPILED.get(source) or compile(source, "/tmp/prog.py", "exec"), main.__dict__)
     except SystemExit as e:
         code = _exit_code(e)
     except BaseException as e:  # noqa: BLE001
