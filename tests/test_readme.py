@@ -125,6 +125,14 @@ COMMANDS: dict[str, list[str]] = {
     # takes minutes, see docs/testing.md) and the renderer
     "python -m bench.partial_rollout": ["tests/test_bench_results.py::test_every_bench_module_runs_as_a_module"],
     "python -m bench.peers": ["tests/test_bench_results.py::test_every_bench_module_runs_as_a_module"],
+    "python -m bench.distill": [
+        "tests/test_bench_results.py::test_every_bench_module_runs_as_a_module",
+        "tests/test_distill.py::test_distillation_learns_the_teachers_task",
+    ],
+    "hybridrl train --algo.teacher runs/distill/teacher": [
+        "tests/test_distill.py::test_distillation_trains_with_the_probe_holding",
+        "tests/test_distill.py::test_distillation_learns_the_teachers_task",
+    ],
     "python -m bench.render": [
         "tests/test_bench_results.py::test_the_repository_tables_are_current",
         "tests/test_bench_results.py::test_render_fills_a_marked_region_and_check_finds_it_stale",
