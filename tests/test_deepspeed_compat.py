@@ -11,6 +11,8 @@ from hybridrl.core import config, environ, platform
 from hybridrl.engines.deepspeed_compat import cpu_config
 from hybridrl.engines.trainer import ds_config
 
+from helpers.memory import four_rows
+
 PACKAGE = Path(__file__).resolve().parents[1] / "hybridrl"
 BOUNDARY = PACKAGE / "engines" / "deepspeed_compat.py"
 INTERNALS = ("runtime", "ops", "utils", "accelerator")
@@ -134,7 +136,6 @@ def test_zero3_engines_leave_torchs_linear_and_train_as_with_deepspeeds(world_of
     and a ZeRO-3 step trains bit for bit as it did with DeepSpeed's linear."""
     import torch
 
-    from hybridrl.data.batch import Batch
     from hybridrl.engines import zero_engine
     from hybridrl.engines.reference import Reference
     from hybridrl.engines.trainer import Trainer
@@ -142,13 +143,7 @@ def test_zero3_engines_leave_torchs_linear_and_train_as_with_deepspeeds(world_of
     monkeypatch.setattr(torch.nn.functional, "linear", torch.nn.functional.linear)  # put back after DeepSpeed's run
     demo = str(PACKAGE / "demo_model")
     kw = dict(device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
-    g = torch.Generator().manual_seed(1)
-    batch = Batch.from_rows(
-        [[1, 2, 3]] * 4,
-        [torch.randint(3, 12, (4,), generator=g).tolist() for _ in range(4)],
-        [[-1.0] * 4] * 4,
-        [1.0, -1.0, 0.5, -0.5],
-    )
+    batch = four_rows()
     cfg = config.load(None, {"train.zero_stage": 3, "train.lr": 1e-3})
 
     def trained() -> dict:

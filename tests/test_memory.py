@@ -17,7 +17,7 @@ from hybridrl.cycle import engine_cycle
 from hybridrl.engines import ipc, vllm_compat
 from hybridrl.engines.seams import Engines
 
-from helpers.memory import FakeTrainer
+from helpers.memory import FakeTrainer, four_rows
 
 GIB = 1 << 30
 DEMO = str(Path(hybridrl.__file__).parent / "demo_model")
@@ -260,20 +260,13 @@ def test_offload_reload_keeps_training_bitwise(zero, world_of_one):
     """The trainer verbs' DeepSpeed calls (offload_states with optimizer states, fp32 master,
     gradients and parameters; reload_states) run here from CPU to CPU: training continues
     bit for bit as without them. On a GPU the same calls move the states to pinned host memory."""
-    from hybridrl.data.batch import Batch
     from hybridrl.engines.trainer import Trainer
 
     def train(offload):
         torch.manual_seed(0)
         cfg = config.load(None, {"train.zero_stage": zero})
         trainer = Trainer(cfg, DEMO, device=torch.device("cpu"), dtype=torch.float32, attn_implementation="sdpa")
-        g = torch.Generator().manual_seed(1)
-        batch = Batch.from_rows(
-            [[1, 2, 3]] * 4,
-            [torch.randint(3, 12, (4,), generator=g).tolist() for _ in range(4)],
-            [[-1.0] * 4] * 4,
-            [1.0, -1.0, 0.5, -0.5],
-        )
+        batch = four_rows()
         if offload:  # the loop offloads once before the first step (engine_cycle.plan_rollout)
             trainer._offload_states(params=False)
             trainer._reload_states()

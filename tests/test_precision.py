@@ -15,19 +15,9 @@ import torch
 import hybridrl
 from hybridrl.core import config, recipe
 
+from helpers.memory import four_rows
+
 DEMO = str(Path(hybridrl.__file__).parent / "demo_model")
-
-
-def _batch():
-    from hybridrl.data.batch import Batch
-
-    g = torch.Generator().manual_seed(1)
-    return Batch.from_rows(
-        [[1, 2, 3]] * 4,
-        [torch.randint(3, 12, (4,), generator=g).tolist() for _ in range(4)],
-        [[-1.0] * 4] * 4,
-        [1.0, -1.0, 0.5, -0.5],
-    )
 
 
 @pytest.mark.parametrize(
@@ -39,7 +29,7 @@ def test_a_bfloat16_trainer_keeps_float32_weights_under_autocast_on_cpu(precisio
     cfg = config.load(None, {"model.dtype": "bfloat16", "train.precision": precision, "train.lr": 1e-3})
     trainer = Trainer(cfg, DEMO, device=torch.device("cpu"), dtype=torch.bfloat16, attn_implementation="sdpa")
     assert {p.dtype for p in trainer.hf.parameters()} == {weights}
-    batch = _batch()
+    batch = four_rows()
     logp = trainer.logprobs(batch, 1.0)[batch.loss_mask]
     # the GEMMs round to bfloat16 either way: the log-probs are not float32's over the same weights
     exact = Trainer(
