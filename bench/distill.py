@@ -51,6 +51,15 @@ def reach(c: list[tuple[int, float, float]], target: float) -> tuple[int, float]
     return next(((s, t) for s, t, acc in c if acc >= target), None)
 
 
+def shown(path: Path) -> str:
+    """A path as the results record it: relative to the working directory where it lies under it (no
+    machine's absolute paths in bench/results)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def make_teacher(out: Path, reuse: bool) -> tuple[Path, float]:
     """The demo after the default GRPO run, exported: (its directory, its final held-out accuracy)."""
     rows = train(out / "teacher_run", "--train.seed", "0", reuse=reuse)
@@ -134,7 +143,7 @@ def main() -> None:
     )
     record(
         "distill",
-        {"seeds": args.seeds, "steps": args.steps, "eval_every": args.eval_every, "teacher": str(teacher)},
+        {"seeds": args.seeds, "steps": args.steps, "eval_every": args.eval_every, "teacher": shown(teacher)},
         {
             "teacher_acc": teacher_acc,
             "table": table,
