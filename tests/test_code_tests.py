@@ -106,3 +106,20 @@ def test_the_built_in_term_and_its_all_or_nothing_knob():
     assert rewards.evaluate(terms, "", [right, "def inc(x):\n    return x"], _answer(HUMANEVAL)) == [[1.0], [0.0]]
     with pytest.raises(ValueError, match="this row has no tests"):
         code_tests.code_tests("", right, "42")
+
+
+def test_the_packages_knob_lets_solutions_import_what_it_names():
+    """reward.sandbox_packages: a solution using numpy passes with it named, scores 0 without; a name
+    not installed stops the run at start in one line."""
+    from hybridrl.core import config
+    from hybridrl.core.config import ConfigError
+    from hybridrl.run import preflight
+
+    uses_numpy = "import numpy\ndef inc(x):\n    return int(numpy.int64(x) + 1)"
+    for packages, want in (((), 0.0), (("numpy",), 1.0)):
+        terms = rewards.load_terms("code_tests", code_packages=packages)
+        assert rewards.evaluate(terms, "", [uses_numpy], _answer(HUMANEVAL)) == [[want]], packages
+    cfg = config.load(None, {"reward.fn": "code_tests", "reward.sandbox_packages": "numpy, no_such_pkg"})
+    assert cfg.reward.packages == ("numpy", "no_such_pkg")
+    with pytest.raises(ConfigError, match=r"reward.sandbox_packages='numpy, no_such_pkg': .*'no_such_pkg'"):
+        preflight.check(cfg, 1)

@@ -181,3 +181,21 @@ def test_a_solution_cannot_stand_in_for_a_module_the_tests_use():
         "import types\nmath = types.ModuleType('math')\nmath.isclose = lambda *a, **k: True\nvol = abs\n",
     ):
         assert code_tests.code_tests("", fake, _answer(row)) == 0.0
+
+
+@pytest.mark.parametrize("kind", ["asserts", "io"])
+def test_a_solution_starts_no_process_of_its_own(kind):
+    """The harness's two processes, or a stdin/stdout row's one, are all a sample holds
+    (code_tests.ceiling, which the memory plan counts): a fork in the solution fails with EAGAIN."""
+    probe = (
+        "import os\ndef probe():\n    try:\n        pid = os.fork()\n    except OSError as e:\n"
+        "        return 'refused' if e.errno == 11 else str(e)\n    if pid == 0:\n        os._exit(0)\n"
+        "    os.waitpid(pid, 0)\n    return 'forked'\n"
+    )
+    if kind == "asserts":
+        spec = {"kind": "asserts", "setup": "", "tests": ["assert probe() == 'refused'"]}
+    else:
+        probe += "print(probe())\n"
+        spec = {"kind": "io", "inputs": [""], "outputs": ["refused"]}
+    assert code_tests.verdict(spec, probe).outcomes == [1]
+    assert code_tests.ceiling() == 2 * (code_tests.LIMITS.memory_mb << 20) + code_tests.LIMITS.tmp_bytes

@@ -280,6 +280,39 @@ def test_cpu_runs_are_checked_not_decided():
         )
 
 
+def test_the_plan_counts_sandboxed_programs_and_names_them_when_they_do_not_fit(monkeypatch):
+    """code_tests runs a program a reward worker at once, up to sandbox.slots() on the node, each
+    holding at most code_tests.ceiling (tests/test_sandbox_hostile.py holds programs to that): the
+    plan counts them in the generate phase, beside the engines, and a node they would overfill is
+    refused in one line naming the knobs."""
+    from hybridrl.data import code_tests
+
+    monkeypatch.setenv("HYBRIDRL_SANDBOX_SLOTS", "2")
+    cfg = recipe.auto_dtype(config.load(None, {"reward.fn": "code_tests", "reward.workers": 4}), on_cpu=True)
+    _, p = plan.decide(cfg, shape("demo"), device=20 * GIB, host=24 * GIB, world=1, local=1, on_cpu=True)
+    assert p.rows["sandboxed programs"] == {"generate": 2 * code_tests.ceiling()}  # 2 slots of 4 workers
+    assert (
+        "sandboxed programs"
+        not in plan.decide(
+            recipe.auto_dtype(config.load(None, {}), on_cpu=True),
+            shape("demo"),
+            device=20 * GIB,
+            host=24 * GIB,
+            world=1,
+            local=1,
+            on_cpu=True,
+        )[1].rows
+    )
+    monkeypatch.setenv("HYBRIDRL_SANDBOX_SLOTS", "32")
+    with pytest.raises(ConfigError, match="fewer sandboxed programs at once .*HYBRIDRL_SANDBOX_SLOTS, reward.workers"):
+        plan.decide(cfg, shape("demo"), device=4 * GIB, host=24 * GIB, world=1, local=1, on_cpu=True)
+    # a GPU node: pageable host memory beside the pinned, in the table `hybridrl plan` prints
+    gpu = gpu_config("Qwen/Qwen2.5-7B-Instruct", 8, **{"reward.fn": "code_tests", "reward.workers": 4})
+    _, p2 = plan.decide(gpu, shape("Qwen/Qwen2.5-7B-Instruct"), device=H100, host=NODE, world=8, local=8, on_cpu=False)
+    assert p2.pageable["sandboxed programs"] == 32 * code_tests.ceiling()  # 8 ranks x 4 workers, 32 slots
+    assert "sandboxed programs 34.0" in p2.table()
+
+
 @pytest.mark.vllm
 def test_cuda_graph_sizes_are_bounded_by_max_num_seqs():
     """Issue 59: the largest capture is max_num_seqs itself, also where it is not a multiple of 8 (a

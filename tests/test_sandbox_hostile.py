@@ -129,3 +129,63 @@ def test_honest_threaded_code_gets_its_threads():
     )
     res = sandbox.run(src, limits=sandbox.Limits(wall_s=10, memory_mb=1024))
     assert res.ok and res.stdout == "24\n", res.stderr
+
+
+def test_a_program_without_fork_is_one_process_and_keeps_its_threads():
+    """With Limits.fork off a program's address space is all it holds: fork, vfork-style spawns and
+    multiprocessing fail as at RLIMIT_NPROC (EAGAIN); threads are still made."""
+    src = (
+        "import os, subprocess, threading, multiprocessing\nout = []\n"
+        "for name, start in [('fork', os.fork), ('spawn', lambda: subprocess.run(['/bin/true'])),\n"
+        "                    ('posix_spawn', lambda: os.posix_spawn('/bin/true', ['true'], {})),\n"
+        "                    ('mp', lambda: multiprocessing.get_context('fork').Process(target=print).start())]:\n"
+        "    pid = None\n    try:\n        pid = start()\n        out.append(name)\n    except OSError as e:\n"
+        "        assert e.errno == 11, e\n"
+        "    if pid == 0:\n        os._exit(0)\n"
+        "ts = [threading.Thread(target=out.append, args=(i,)) for i in range(24)]\n"
+        "for t in ts:\n    t.start()\nfor t in ts:\n    t.join()\nprint(sorted(map(str, out)))"
+    )
+    res = sandbox.run(src, limits=sandbox.Limits(wall_s=10, memory_mb=512, fork=False))
+    assert res.ok and res.stdout == f"{sorted(map(str, range(24)))}\n", res.stdout + res.stderr
+    lim = sandbox.Limits(memory_mb=512, processes=32, fork=False)
+    assert lim.ceiling == (512 << 20) + lim.tmp_bytes  # what the memory plan counts for one program
+
+
+def test_many_hostile_programs_at_once_hold_no_more_than_the_plan_counts(monkeypatch):
+    """Eight programs at once, each forking what it can and allocating all it can: at most slots() run
+    at the same time, none starts a second process, none holds more than its address space. So all of
+    them together stay under slots x Limits.ceiling, the figure rewards.sandbox_bytes gives the plan."""
+    monkeypatch.setenv("HYBRIDRL_SANDBOX_SLOTS", "2")
+    src = (
+        "import os, time\nt0 = time.monotonic()\nforks = 0\n"
+        "for _ in range(64):\n    try:\n        pid = os.fork()\n    except OSError:\n        break\n"
+        "    if pid == 0:\n        time.sleep(5)\n        os._exit(0)\n    forks += 1\n"
+        "held, size = [], 64 << 20\nwhile size >= 1 << 20:\n    try:\n        held.append(bytearray(size))\n"
+        "    except MemoryError:\n        size //= 2\n"
+        "time.sleep(0.3)\nprint(t0, time.monotonic(), forks, sum(map(len, held)))"
+    )
+    lim = sandbox.Limits(wall_s=20, cpu_s=8, memory_mb=256, fork=False)
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda _: sandbox.run(src, limits=lim), range(8)))
+    assert all(r.ok for r in got), [r.stderr[-300:] for r in got]
+    rows = [[float(x) for x in r.stdout.split()] for r in got]
+    assert all(forks == 0 and held <= lim.memory_mb << 20 for _, _, forks, held in rows), rows
+    events = sorted([(t0, 1) for t0, *_ in rows] + [(t1, -1) for _, t1, *_ in rows])
+    running = [sum(d for _, d in events[: i + 1]) for i in range(len(events))]
+    assert max(running) <= sandbox.slots() == 2, rows
+
+
+def test_a_package_is_importable_only_where_the_caller_names_it():
+    """site-packages stays hidden; Limits.packages (reward.sandbox_packages) shows the named ones
+    read-only under /packages, after the standard library, and nothing else of site-packages."""
+    src = (
+        "import numpy, os\nprint(int(numpy.arange(4).sum()), sorted(os.listdir('/packages')))\n"
+        "try:\n    open(numpy.__file__, 'a')\nexcept OSError as e:\n    print(e.errno in (13, 30))\n"  # EACCES, EROFS
+        "try:\n    import torch\nexcept ImportError:\n    print('no torch')"
+    )
+    lim = sandbox.Limits(wall_s=10, memory_mb=512, fork=False, packages=("numpy",))
+    res = sandbox.run(src, limits=lim)
+    assert res.ok and res.stdout == "6 ['numpy', 'numpy.libs']\nTrue\nno torch\n", res.stdout + res.stderr
+    assert not sandbox.run("import numpy", limits=LIMITS).ok  # a jail without it stays without it
+    with pytest.raises(ValueError, match="no such package"):
+        sandbox.run("print(1)", limits=sandbox.Limits(packages=("no_such_package",)))

@@ -528,6 +528,15 @@ class RewardConfig(Freezable):
     code_all_or_nothing: bool = knob(
         False, "The 'code_tests' reward scores 1 when every test passes, else 0 (default: the fraction passed)."
     )
+    sandbox_packages: str = knob(
+        "",
+        "Installed packages the 'code_tests' programs may import, comma-separated top-level names "
+        "(numpy,sympy); each is shown to the sandbox read-only. '' = the standard library only.",
+    )
+
+    @property
+    def packages(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.sandbox_packages.split(",") if p.strip())
 
 
 @dataclass

@@ -102,6 +102,7 @@ class Knobs:
     sp: int = 1  # decided: train.sequence_parallel_size (mb_tokens is then one rank's share of a micro-batch)
     wb: int = 0  # bytes per trainer weight and gradient where they differ from b (4: train.precision=amp)
     teacher: Shape | None = None  # algo.teacher's shape: a distillation run's frozen scorer, of its own size
+    sandbox: int = 0  # host bytes the node's sandboxed programs may hold at once (rewards.sandbox_bytes)
 
 
 @dataclass
@@ -326,6 +327,9 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
             ("reference", "teacher", "values", "train") if not k.on_cpu else everywhere,
         )
     row("reserve", k.reserve, everywhere)
+    # sandboxed programs (code_tests, the python tool) run while vLLM generates, in host memory: on
+    # CPU beside the engines, a rank's share of the node's; on a GPU node, pageable host memory below
+    row("sandboxed programs", k.sandbox // k.local if k.on_cpu else 0, ("generate",))
     plan = MemoryPlan(device, host, rows, {}, k)
     over = plan.total("generate") - device
     if over > 0 and k.kv > k.kv_floor:  # a smaller KV cache: vLLM runs the step in more waves
@@ -369,6 +373,8 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
             pinned["critic while generating"] = (
                 pinned_bytes(b * cpart) + 3 * _sub_groups(cpart, SUB_GROUP if z3 else cpart, 4)
             ) * L
+        if k.sandbox:
+            plan.pageable["sandboxed programs"] = k.sandbox
     return plan
 
 
@@ -389,6 +395,7 @@ def _sub_groups(numel: int, sub: int, width: int) -> int:
 def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp: int = 0) -> Knobs:
     """The plan's inputs from a resolved config; `tp` other than the config's to try another size."""
     from hybridrl.core import recipe
+    from hybridrl.data import rewards
 
     t, r, m = cfg.train, cfg.rollout, cfg.model
     b = 4 if m.dtype == "float32" else 2
@@ -438,6 +445,7 @@ def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp
         sp=t.sequence_parallel_size,
         wb=4 if recipe.amp(cfg, on_cpu) else 0,
         teacher=Shape.from_config(read_config(cfg.algo.teacher)) if cfg.algo.teacher else None,
+        sandbox=rewards.sandbox_bytes(cfg, local),
     )
 
 
@@ -548,7 +556,9 @@ def decide(
                 f"the memory plan needs {first.peak[1] / GIB:.1f} GiB of host memory per rank in "
                 f"phase {first.peak[0]} ({local} rank(s) share {device * local / GIB:.1f} GiB "
                 "available): use fewer ranks (--nproc), model.gradient_checkpointing, a smaller "
-                "train.max_tokens_per_micro_batch or a smaller model (`hybridrl plan` shows the table)"
+                "train.max_tokens_per_micro_batch"
+                + _fewer_programs(base)
+                + " or a smaller model (`hybridrl plan` shows the table)"
             )
         return cfg, first
     plans = [
@@ -608,6 +618,16 @@ def _weights_note(shape: Shape, k: Knobs, device: int, local: int) -> str:
     )
 
 
+def _fewer_programs(k: Knobs) -> str:
+    """The lever for the sandbox's share, where the run has one (knobs.sandbox)."""
+    if not k.sandbox:
+        return ","
+    return (
+        f", fewer sandboxed programs at once (they may hold {k.sandbox / GIB:.1f} GiB: "
+        "HYBRIDRL_SANDBOX_SLOTS, reward.workers),"
+    )
+
+
 def _refusal(cfg: Config, shape: Shape, base: Knobs, device: int, host: int, world: int, local: int) -> str:
     """One line: what stops the run, and what would change it."""
     tp = next((t for t in (1, 2, 4, 8) if t >= base.tp and vllm_fits(shape, base, t, device)), None)
@@ -629,8 +649,9 @@ def _refusal(cfg: Config, shape: Shape, base: Knobs, device: int, host: int, wor
         return (
             f"the memory plan needs {last.host_total / GIB:.0f} GiB of host memory per node "
             f"({last.pinned_total / GIB:.0f} GiB of it pinned host memory), more than "
-            f"90% of {host / GIB:.0f} GiB: use more nodes, LoRA (model.lora_rank), or a node with more memory "
-            "(`hybridrl plan` shows the table)"
+            f"90% of {host / GIB:.0f} GiB: use more nodes, LoRA (model.lora_rank)"
+            + _fewer_programs(base)
+            + " or a node with more memory (`hybridrl plan` shows the table)"
         )
     from hybridrl.core.recipe import explicit
 

@@ -36,6 +36,7 @@ import json
 import os
 import select
 import signal
+import struct
 import sys
 import time
 import types
@@ -416,7 +417,32 @@ class Peer:
         return got
 
 
+def no_more_processes() -> None:
+    """Stack a seccomp filter on this process (the jail's stays beneath it): fork, vfork and clone
+    without CLONE_THREAD fail with EAGAIN, threads are still made. The two processes the harness
+    starts are then all the program's: it holds at most two address spaces (code_tests.ceiling)."""
+    ins = [  # classic BPF (code, jt, jf, k), after the jail's filter has refused every other ABI
+        (0x20, 0, 0, 0),  # the system call's number
+        (0x15, 5, 0, 57),  # fork
+        (0x15, 4, 0, 58),  # vfork
+        (0x15, 0, 2, 56),  # clone: its flags; anything else allowed
+        (0x20, 0, 0, 16),
+        (0x45, 0, 1, 0x00010000),  # CLONE_THREAD
+        (0x06, 0, 0, 0x7FFF0000),  # allow
+        (0x06, 0, 0, 0x00050000 | 11),  # EAGAIN
+    ]
+    code = ctypes.create_string_buffer(b"".join(struct.pack("HBBI", *i) for i in ins))
+
+    class Fprog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    prog = Fprog(len(ins), ctypes.addressof(code))
+    if ctypes.CDLL(None).prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        raise SystemExit("the harness could not limit its processes")  # no report: every test 0
+
+
 def checker(pid: int, calls: int, replies: int, output: int, decoy: str) -> None:
+    no_more_processes()
     if ctypes.CDLL(None).prctl(4, 0, 0, 0, 0) != 0:  # PR_SET_DUMPABLE 0: the solution cannot read this process
         raise SystemExit("the checker could not make itself undumpable")  # no report: every test 0
     job = json.loads(sys.stdin.readline())  # only now: the solution's process never held it
@@ -489,6 +515,7 @@ def main() -> None:
         sys.stdout = open(1, "w", closefd=False, buffering=1)
         sys.stderr = open(2, "w", closefd=False, buffering=1)
         try:
+            no_more_processes()
             solution_side(cr, rw, decoy)
         finally:
             os._exit(0)

@@ -31,14 +31,21 @@ import json
 import re
 import secrets
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hybridrl import sandbox
 from hybridrl.sandbox import Limits, Result, run
 
 MAX_CASES = 16  # stdin/stdout cases run per sample: the first ones
-LIMITS = Limits(wall_s=10, cpu_s=5, memory_mb=512)
+LIMITS = Limits(wall_s=10, cpu_s=5, memory_mb=512, fork=False)
+HARNESS_PROCESSES = 2  # the checker and the solution; the harness then refuses any other (no_more_processes)
+
+
+def ceiling(limits: Limits = LIMITS) -> int:
+    """The most memory one sample's program holds: a stdin/stdout row's one process, or the harness's
+    two, each within limits.memory_mb, and its /tmp."""
+    return max(limits.ceiling, HARNESS_PROCESSES * (limits.memory_mb << 20) + limits.tmp_bytes)
 
 
 def spec_of(row: dict) -> dict | None:
@@ -161,21 +168,25 @@ def verdict(spec: dict, program: str, limits: Limits = LIMITS) -> Verdict:
     nonce = secrets.token_hex(16)
     job = {"nonce": nonce, "setup": setup, "tests": tests, "deadline_s": max(limits.wall_s - 1.0, 0.8 * limits.wall_s)}
     files = {"solution.py": program, "setup.py": setup}  # not secret: the tests go to the checker's stdin
-    got = _report(run(HARNESS, stdin=json.dumps(job) + "\n", limits=limits, files=files), nonce, len(tests))
+    harness = replace(limits, fork=True)  # its one fork; then it lets neither process start another
+    got = _report(run(HARNESS, stdin=json.dumps(job) + "\n", limits=harness, files=files), nonce, len(tests))
     if got.hostile:
         with _LOCK:
             _HOSTILE[0] += 1
     return got
 
 
-def code_tests(prompt: str, completion: str, answer: str, *, all_or_nothing: bool = False) -> float:
+def code_tests(
+    prompt: str, completion: str, answer: str, *, all_or_nothing: bool = False, packages: tuple[str, ...] = ()
+) -> float:
     """The fraction of the row's tests the completion's program passes (all_or_nothing: 1 or 0).
-    `answer` is the row's tests as the data loader wrote them (`spec_of`, as JSON)."""
+    `answer` is the row's tests as the data loader wrote them (`spec_of`, as JSON); `packages` the
+    installed ones a program may import (reward.sandbox_packages)."""
     try:
         spec = json.loads(answer)["code_tests"]
     except (ValueError, KeyError, TypeError):
         raise ValueError("code_tests: this row has no tests (test_list, test + entry_point, or input_output)") from None
-    passed = outcomes(spec, program_of(completion))
+    passed = outcomes(spec, program_of(completion), replace(LIMITS, packages=packages) if packages else LIMITS)
     if not passed:
         return 0.0
     return float(all(passed)) if all_or_nothing else sum(passed) / len(passed)

@@ -264,7 +264,7 @@ class ToolEnv:
 
 
 # --- model-written code as a tool: the sandbox --------------------------------------------------
-TOOL_LIMITS = {"wall_s": 8.0, "cpu_s": 5, "memory_mb": 512, "output_bytes": 4000}
+TOOL_LIMITS = {"wall_s": 8.0, "cpu_s": 5, "memory_mb": 512, "output_bytes": 4000, "fork": False}
 
 
 def python(code: str) -> str:

@@ -43,7 +43,7 @@ from multiprocessing.connection import wait as wait_ready
 from pathlib import Path
 from typing import Any, Callable
 
-from hybridrl.core.config import ConfigError, RewardConfig, UserError, import_spec
+from hybridrl.core.config import Config, ConfigError, RewardConfig, UserError, import_spec
 from hybridrl.core.journal import DEAD_LETTER_CAP, Journal
 from hybridrl.data import verifiers
 
@@ -107,7 +107,10 @@ def model_terms(spec: str) -> list[tuple[str, float]]:
 
 
 def load_terms(
-    spec: str, format_pattern: str = verifiers.DEFAULT_FORMAT, code_all_or_nothing: bool = False
+    spec: str,
+    format_pattern: str = verifiers.DEFAULT_FORMAT,
+    code_all_or_nothing: bool = False,
+    code_packages: tuple[str, ...] = (),
 ) -> list[Term]:
     """The rule-based terms (built-ins and functions) of a spec; rm: terms are the collector's."""
     terms = []
@@ -117,7 +120,7 @@ def load_terms(
         if name == "format":
             fn = _FormatCheck(format_pattern)
         elif name == "code_tests":
-            fn = _CodeTests(code_all_or_nothing)
+            fn = _CodeTests(code_all_or_nothing, code_packages)
         else:
             fn = BUILTIN.get(name) or _import(name, spec)
         terms.append(
@@ -143,9 +146,12 @@ class _FormatCheck:
 @dataclass
 class _CodeTests:
     all_or_nothing: bool
+    packages: tuple[str, ...] = ()
 
     def __call__(self, prompt: str, completion: str, answer: str) -> float:
-        return verifiers.code_tests(prompt, completion, answer, all_or_nothing=self.all_or_nothing)
+        return verifiers.code_tests(
+            prompt, completion, answer, all_or_nothing=self.all_or_nothing, packages=self.packages
+        )
 
 
 def evaluate(
@@ -203,10 +209,10 @@ def total(terms: list[Term], values: list[float]) -> float:
 
 
 # --- worker processes ----------------------------------------------------------------------------
-def _worker(conn, spec: str, format_pattern: str, code_all_or_nothing: bool = False) -> None:
+def _worker(conn, spec: str, format_pattern: str, code_all_or_nothing: bool = False, code_packages=()) -> None:
     """A reward worker: load the terms, then answer (key, prompt, completions, answer) messages."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle (save, stop)
-    terms = load_terms(spec, format_pattern, code_all_or_nothing)
+    terms = load_terms(spec, format_pattern, code_all_or_nothing, code_packages)
     conn.send(("ready",))
     while True:
         msg = conn.recv()
@@ -260,6 +266,35 @@ def sandbox_workers(cores: int | None = None, ranks: int | None = None) -> int:
     return max(2, min(32, (cores - 2 * ranks) // ranks))
 
 
+def worker_count(rc: RewardConfig, names: list[str], cores: int | None = None, ranks: int | None = None) -> int:
+    """The Scorer's pool on each rank for reward terms `names` (reward.workers; -1: see module doc)."""
+    if rc.workers >= 0:
+        return rc.workers
+    if all(n in verifiers.FAST for n in names):
+        return 0
+    if any(n in verifiers.SANDBOXED for n in names):
+        return sandbox_workers(cores, ranks)
+    return min(4, os.cpu_count() or 1)
+
+
+def sandbox_bytes(cfg: Config, ranks: int, cores: int | None = None) -> int:
+    """The most host memory the node's sandboxed programs hold at once, for the memory plan: as many
+    as run at once (at most `sandbox.slots()`; code_tests alone: at most its workers, or one a rank
+    with none) times the most one may hold (code_tests.ceiling; a tool call's Limits.ceiling)."""
+    from hybridrl import sandbox
+    from hybridrl.data import code_tests, envs
+
+    names = [n for n, _ in parse_spec(cfg.reward.fn)]
+    sizes, at_once = [], 0
+    if any(n in verifiers.SANDBOXED for n in names):
+        sizes.append(code_tests.ceiling())
+        at_once += ranks * max(1, worker_count(cfg.reward, names, cores, ranks))
+    if cfg.env.cls:  # an environment may call the python tool (envs.python), a call a thread at a time
+        sizes.append(sandbox.Limits(**envs.TOOL_LIMITS).ceiling)
+        at_once = sandbox.slots()
+    return min(sandbox.slots(), at_once) * max(sizes, default=0)
+
+
 @dataclass
 class Scorer:
     """Scores submitted samples, in-process or in a pool of worker processes (see module doc).
@@ -276,19 +311,12 @@ class Scorer:
     workers: int = field(init=False)
 
     def __post_init__(self):
-        self.terms = load_terms(self.cfg.fn, self.cfg.format_pattern, self.cfg.code_all_or_nothing)  # fails fast here
+        self.terms = load_terms(  # fails fast here
+            self.cfg.fn, self.cfg.format_pattern, self.cfg.code_all_or_nothing, self.cfg.packages
+        )
         self.n_model_terms = len(model_terms(self.cfg.fn))  # scored by the collector (reward_model.py)
         self.batched = any(t.batched for t in self.terms)
-        w = self.cfg.workers
-        if w < 0:  # auto
-            w = (
-                0
-                if all(t.name in verifiers.FAST for t in self.terms)
-                else sandbox_workers()
-                if any(t.name in verifiers.SANDBOXED for t in self.terms)
-                else min(4, os.cpu_count() or 1)
-            )
-        self.workers = w
+        self.workers = w = worker_count(self.cfg, [t.name for t in self.terms])
         self.pending: list[_Task] = []
         self.running: dict[Any, _Task] = {}
         self.results: dict[Any, list[float]] = {}
@@ -427,7 +455,7 @@ class Scorer:
             target=_worker,
             daemon=True,
             name="hybridrl-reward",
-            args=(child, self.cfg.fn, self.cfg.format_pattern, self.cfg.code_all_or_nothing),
+            args=(child, self.cfg.fn, self.cfg.format_pattern, self.cfg.code_all_or_nothing, self.cfg.packages),
         )
         proc.start()
         child.close()

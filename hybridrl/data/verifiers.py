@@ -107,10 +107,12 @@ def format_check(prompt: str, completion: str, answer: str, *, pattern: str = DE
     return float(re.fullmatch(pattern, completion.strip(), flags=re.S) is not None)
 
 
-def code_tests(prompt: str, completion: str, answer: str, *, all_or_nothing: bool = False) -> float:
+def code_tests(
+    prompt: str, completion: str, answer: str, *, all_or_nothing: bool = False, packages: tuple[str, ...] = ()
+) -> float:
     from hybridrl.data import code_tests as task
 
-    return task.code_tests(prompt, completion, answer, all_or_nothing=all_or_nothing)
+    return task.code_tests(prompt, completion, answer, all_or_nothing=all_or_nothing, packages=packages)
 
 
 def none(prompt: str, completion: str, answer: str) -> float:

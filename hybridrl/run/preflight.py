@@ -40,6 +40,10 @@ def check(cfg: Config, nproc: int = 1) -> None:
         why = sandbox.available()  # no weaker fallback: model-written code runs sandboxed or not at all
         if why is not None:
             raise ConfigError(f"reward.fn={cfg.reward.fn!r}: {why}")
+        try:
+            sandbox.package_binds(cfg.reward.packages)
+        except ValueError as e:
+            raise ConfigError(f"reward.sandbox_packages={cfg.reward.sandbox_packages!r}: {e}") from None
     if cfg.env.cls:
         envs.load(cfg.env.cls)  # likewise the environment's module (before: only once the engines had started)
     sp = cfg.train.sequence_parallel_size

@@ -5,9 +5,10 @@ under a user namespace of the jail's (`jail.py`, an interpreter started with an 
 
 Isolated (each a program in tests/test_sandbox.py or tests/test_sandbox_hostile.py):
 - the file system: read-only views of the system's /usr and /lib and the interpreter's prefix, with
-  its site-packages (and a distribution's dist-packages) hidden: the standard library only; a private
-  writable /tmp (a tmpfs of its own, 4x `file_mb`); nothing of the run directory, the checkpoints or
-  the home directory. The trainer's environment variables are not passed.
+  its site-packages (and a distribution's dist-packages) hidden: the standard library only, and the
+  installed packages `Limits.packages` names, bound read-only under /packages; a private writable
+  /tmp (a tmpfs of its own, 4x `file_mb`); nothing of the run directory, the checkpoints or the
+  home directory. The trainer's environment variables are not passed.
 - the network: a loopback interface, down; sockets of a family other than AF_UNIX, AF_INET, AF_INET6
   refused by the seccomp filter (no vsock, netlink, packet), raw sockets too.
 - other processes: a PID namespace per program (it sees itself and its PID 1), no ptrace,
@@ -18,9 +19,10 @@ Isolated (each a program in tests/test_sandbox.py or tests/test_sandbox_hostile.
 - resources per program: CPU seconds, address space, file size, processes and threads (RLIMIT_NPROC,
   which counts in the jail's own user namespace: exactly `processes` a program), open files; SysV
   shared memory and message queues, POSIX message queues and memfds, which RLIMIT_AS does not count,
-  are refused. For all programs together: at most `slots()` run at once on this machine (an flock per
-  slot across every process of this user), so what they hold is at most slots x processes x memory_mb
-  plus a /tmp each.
+  are refused; with `Limits.fork` off, no new process (threads still), so one address space is all
+  a program holds (`Limits.ceiling`). For all programs together: at most `slots()` run at once on
+  this machine (an flock per slot across every process of this user), so what they hold is at most
+  slots x ceiling: the memory plan counts it (`rewards.sandbox_bytes`, a row of `hybridrl plan`).
 - what the caller sees: a jail's own failure comes on a pipe no program holds (status "jail"); output
   is kept up to `Limits.output_bytes` a stream, and more than the file-size limit kills the program.
 
@@ -77,6 +79,18 @@ class Limits:
     processes: int = 32  # processes and threads (RLIMIT_NPROC)
     open_files: int = 64
     output_bytes: int = 64 << 10  # kept of stdout and of stderr; past file_mb in all, the program is killed
+    fork: bool = True  # may start processes; False: threads only, so memory_mb bounds the whole program
+    packages: tuple[str, ...] = ()  # installed packages the program may import (top-level names): none else
+
+    @property
+    def tmp_bytes(self) -> int:
+        return max(4 * self.file_mb, 64) << 20
+
+    @property
+    def ceiling(self) -> int:
+        """The most memory one program holds, whatever it does: each of its processes' address space
+        (one process without `fork`) and its /tmp, a tmpfs in RAM."""
+        return (self.processes if self.fork else 1) * (self.memory_mb << 20) + self.tmp_bytes
 
 
 @dataclass
@@ -114,7 +128,25 @@ def _masks(prefix: str) -> list[str]:
     return sorted(os.path.realpath(p) for p in paths if p and os.path.isdir(p))
 
 
-def _config(base: Path) -> dict:
+def package_binds(names: tuple[str, ...]) -> list[list[str]]:
+    """[path here, path in the jail] of each package the program may import, and of the libraries its
+    wheel vendors beside it (numpy.libs), under /packages; ValueError naming one not installed."""
+    import importlib.util
+
+    out = []
+    for name in names:
+        spec = importlib.util.find_spec(name) if name.isidentifier() else None
+        where = (spec.submodule_search_locations or [spec.origin]) if spec else [None]
+        if not where[0] or not os.path.exists(where[0]) or spec.origin in ("built-in", "frozen"):
+            raise ValueError(f"the sandbox cannot offer package {name!r}: no such package is installed here")
+        path = os.path.realpath(where[0])
+        for p in (path, os.path.join(os.path.dirname(path), name + ".libs")):
+            if os.path.exists(p):
+                out.append([p, "/packages/" + os.path.basename(p)])
+    return out
+
+
+def _config(base: Path, packages: tuple[str, ...] = ()) -> dict:
     _, prefix = _python()
     uid, gid = os.getuid(), os.getgid()
     if uid == 0:  # the namespace's root is root (it builds the jail); the program is nobody, whom NPROC binds
@@ -125,6 +157,7 @@ def _config(base: Path) -> dict:
         "root": str(base / "root"),
         "binds": _binds(prefix),
         "masks": _masks(prefix),
+        "packages": package_binds(packages),
         "preload": list(PRELOAD),
         "program_uid": PROGRAM_UID if uid == 0 else 0,
         **maps,
@@ -147,11 +180,12 @@ class _Jail:
     """One jail kept warm (jail.py's serve mode): started once, then a program per request, each in
     namespaces and a /tmp of its own. Used by one thread at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, packages: tuple[str, ...] = ()) -> None:
+        cfg = _config(Path("."), packages)  # a package not installed fails here, before anything starts
         _sweep()
         self.base = Path(tempfile.mkdtemp(prefix=f"hybridrl-sandbox-{os.getpid()}-"))
         (self.base / "root").mkdir()
-        cfg = _config(self.base)
+        cfg["root"], self.packages = str(self.base / "root"), packages
         self.preloaded = len(cfg["preload"])
         with open(self.base / "jail.err", "wb") as err:
             self.proc = subprocess.Popen(
@@ -255,17 +289,19 @@ _LOCK = threading.Lock()
 _OWNER = [os.getpid()]
 
 
-def _take() -> _Jail:
+def _take(packages: tuple[str, ...] = ()) -> _Jail:
     with _LOCK:
         if _OWNER[0] != os.getpid():  # a forked child: the parent's jails answer the parent only
             _IDLE.clear()
             _OWNER[0] = os.getpid()
         stale = [j for j in _IDLE if j.preloaded != len(PRELOAD)]  # started before a program was preloaded
         _IDLE[:] = [j for j in _IDLE if j.preloaded == len(PRELOAD)]
-        jail = _IDLE.pop() if _IDLE else None
+        jail = next((j for j in reversed(_IDLE) if j.packages == packages), None)  # its root shows those
+        if jail is not None:
+            _IDLE.remove(jail)
     for j in stale:
         j.close()
-    return jail or _Jail()
+    return jail or _Jail(packages)
 
 
 def _give(jail: _Jail) -> None:
@@ -308,16 +344,17 @@ def run(
             "cpu_s": limits.cpu_s,
             "memory_bytes": limits.memory_mb << 20,
             "file_bytes": limits.file_mb << 20,
-            "tmp_bytes": max(4 * limits.file_mb, 64) << 20,
+            "tmp_bytes": limits.tmp_bytes,
             # counted per user namespace (each jail has its own) and uid: as root the program's uid
             # owns nothing else there; else the jail's own processes (ns, init, zygote, fork, pid1) too
             "processes": limits.processes + (0 if os.getuid() == 0 else JAIL_PROCESSES),
             "open_files": limits.open_files,
+            "fork": limits.fork,
         },
     }
     with _slot():
         t0 = time.perf_counter()
-        jail = _take()
+        jail = _take(tuple(limits.packages))
         reply = jail.ask(req, limits.wall_s + 10)
         wall = time.perf_counter() - t0
     if reply is None:  # the jail died (it could not start here) or hung: a fresh one serves the next

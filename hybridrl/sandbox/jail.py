@@ -146,18 +146,21 @@ DENIED = {
     319: "memfd_create",
     447: "memfd_secret",
 }
-NR_CLONE, NR_CLONE3, NR_SOCKET, NR_SOCKETPAIR = 56, 435, 41, 53
+NR_CLONE, NR_CLONE3, NR_SOCKET, NR_SOCKETPAIR, NR_FORK, NR_VFORK = 56, 435, 41, 53, 57, 58
+CLONE_THREAD = 0x00010000
 AF_UNIX, AF_INET, AF_INET6, SOCK_RAW = 1, 2, 10, 3
 SOCKET_FAMILIES = (AF_UNIX, AF_INET, AF_INET6)  # an allow-list: no vsock, netlink, packet, bluetooth, ...
-EPERM, ENOSYS = 1, 38
+EPERM, EAGAIN, ENOSYS = 1, 11, 38
 
 
 @functools.lru_cache(maxsize=None)  # built once in the jail, installed by every program
-def seccomp_filter() -> bytes:
+def seccomp_filter(fork: bool = True) -> bytes:
     """A classic-BPF program: other architectures killed; the DENIED calls, clone with a namespace flag,
     sockets of a family outside SOCKET_FAMILIES (AF_VSOCK reaches the host: it is not network-namespaced)
     and raw sockets fail with EPERM; clone3 with ENOSYS (its flags are behind a pointer, so libc falls
-    back to clone, whose flags the filter reads); the rest allowed."""
+    back to clone, whose flags the filter reads); without `fork`, a new process (fork, vfork, clone
+    without CLONE_THREAD) fails with EAGAIN, as at RLIMIT_NPROC, and threads are still made; the rest
+    allowed."""
     LD_W_ABS, JEQ, JSET, JGE, RET, AND = 0x20, 0x15, 0x45, 0x35, 0x06, 0x54
     ALLOW, KILL = 0x7FFF0000, 0x80000000
 
@@ -180,11 +183,20 @@ def seccomp_filter() -> bytes:
         op(RET, errno(EPERM))
     op(JEQ, NR_CLONE3, 0, 1)
     op(RET, errno(ENOSYS))
-    op(JEQ, NR_CLONE, 0, 4)
+    if not fork:  # one process: its address space (RLIMIT_AS) is all the memory the program holds
+        op(JEQ, NR_FORK, 1, 0)
+        op(JEQ, NR_VFORK, 0, 1)
+        op(RET, errno(EAGAIN))
+    op(JEQ, NR_CLONE, 0, 4 if fork else 6)
     op(LD_W_ABS, 16)  # args[0], low word: clone's flags
     op(JSET, NAMESPACES | CLONE_NEWCGROUP, 0, 1)
     op(RET, errno(EPERM))
-    op(RET, ALLOW)
+    if not fork:
+        op(JSET, CLONE_THREAD, 0, 1)
+        op(RET, ALLOW)
+        op(RET, errno(EAGAIN))
+    else:
+        op(RET, ALLOW)
     n = len(SOCKET_FAMILIES)
     op(JEQ, NR_SOCKETPAIR, 0, 4)
     op(LD_W_ABS, 16)  # socketpair's domain: only AF_UNIX pairs exist
@@ -204,8 +216,8 @@ def seccomp_filter() -> bytes:
     return b"".join(struct.pack("HBBI", *ins) for ins in prog)
 
 
-def install_seccomp() -> None:
-    code = seccomp_filter()
+def install_seccomp(fork: bool = True) -> None:
+    code = seccomp_filter(fork)
     buf = ctypes.create_string_buffer(code)
 
     class Fprog(ctypes.Structure):
@@ -234,10 +246,25 @@ def drop_privileges(uid: int) -> None:
 
 
 # --- the file system -----------------------------------------------------------------------------------
-def build_root(root: str, binds: list[str], masks: list[str]) -> None:
+def _bind_ro(path: str, dst: str) -> None:
+    if os.path.isdir(path):
+        os.makedirs(dst, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        open(dst, "w").close()
+    _mount(path, dst, None, MS_BIND | MS_REC)
+    flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV
+    st = os.statvfs(dst)  # a remount must keep the flags the outer mount locked (noexec, atime, ...)
+    for st_flag, ms_flag in LOCKED:
+        flags |= ms_flag if st.f_flag & st_flag else 0
+    _mount(None, dst, None, flags)
+
+
+def build_root(root: str, binds: list[str], masks: list[str], packages: list[list[str]]) -> None:
     """`root`: a tmpfs holding read-only binds of `binds` at their own paths (symlinks such as a
     merged /bin copied as links), each of `masks` (site-packages) hidden under an empty read-only
-    tmpfs, an empty /tmp, a fresh /proc and four device nodes."""
+    tmpfs, the `packages` a program may import bound read-only under /packages, an empty /tmp, a
+    fresh /proc and four device nodes."""
     _mount(None, "/", None, MS_REC | MS_PRIVATE)
     _mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=755")
     for path in binds:
@@ -249,16 +276,12 @@ def build_root(root: str, binds: list[str], masks: list[str]) -> None:
             continue
         if not os.path.exists(path) or os.path.lexists(dst) and not os.path.isdir(dst):
             continue
-        os.makedirs(dst, exist_ok=True)
-        _mount(path, dst, None, MS_BIND | MS_REC)
-        flags = MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV
-        st = os.statvfs(dst)  # a remount must keep the flags the outer mount locked (noexec, atime, ...)
-        for st_flag, ms_flag in LOCKED:
-            flags |= ms_flag if st.f_flag & st_flag else 0
-        _mount(None, dst, None, flags)
+        _bind_ro(path, dst)
     for path in masks:
         if os.path.isdir(root + path):
             _mount("tmpfs", root + path, "tmpfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, "size=4k,mode=555")
+    for path, dst in packages:
+        _bind_ro(path, root + dst)
     os.makedirs(root + "/tmp")  # where each program's own tmpfs goes
     os.makedirs(root + "/proc")
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -300,7 +323,7 @@ ENV = {
 def init(cfg: dict) -> int:
     """PID 1 of the jail: the root, then requests served until the caller closes their pipe."""
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    build_root(cfg["root"], cfg["binds"], cfg.get("masks", []))
+    build_root(cfg["root"], cfg["binds"], cfg.get("masks", []), cfg.get("packages", []))
     return serve(cfg)
 
 
@@ -317,7 +340,7 @@ def serve(cfg: dict) -> int:
     ctl_in, ctl_out = os.dup(0), os.dup(1)
     null = os.open("/dev/null", os.O_RDWR)
     os.dup2(null, 0), os.dup2(null, 1), os.close(null)
-    seccomp_filter()  # built before any program: each fork finds it cached
+    seccomp_filter(), seccomp_filter(fork=False)  # built before any program: each fork finds them cached
     import atexit  # noqa: F401  what run_source needs, imported once: each program is spared it
     import io  # noqa: F401
     import socket
@@ -546,7 +569,7 @@ def serve_program(cfg: dict, req: dict, fds: tuple, werr: int) -> None:
         set_limits(req["limits"])
         drop_privileges(cfg["program_uid"])
         libc.mallopt(M_ARENA_MAX, 2)  # each malloc arena reserves 64 MiB of RLIMIT_AS: let threads fit
-        install_seccomp()
+        install_seccomp(req["limits"].get("fork", True))
         if req.get("argv"):
             os.execve(req["argv"][0], req["argv"], ENV)
     except BaseException as e:  # noqa: BLE001
@@ -555,6 +578,8 @@ def serve_program(cfg: dict, req: dict, fds: tuple, werr: int) -> None:
     source = req["source"]
     req.clear()
     os.close(werr)  # from here on a failure is the program's own
+    if cfg.get("packages"):  # after the standard library: a package cannot stand in for a module of it
+        sys.path.append("/packages")
     os._exit(run_source(source))
 
 
