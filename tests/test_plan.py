@@ -396,6 +396,20 @@ def test_the_plan_counts_a_teacher_and_refuses_one_that_cannot_fit():
         plan.dry_run(big, nproc=1, nnodes=1, gpu_gib=80, host_gib=plan.DEFAULT_HOST_GIB)
 
 
+def test_the_full_vocabulary_divergence_plans_the_teachers_head_and_hidden_states():
+    """algo.distill_loss full: the teacher's head beside the policy in the train phase with a
+    micro-batch of its hidden states, the step's hidden states ([rows, max_model_len, hidden]) in
+    host memory. The 32B -> 8B recipe still fits 8x80 GiB."""
+    recipe_path = str(ROOT / "examples" / "recipes" / "qwen3-32b-to-8b-distill-8xh100.yaml")
+    cfg = config.load(recipe_path, {"algo.distill_loss": "full"})
+    cfg, p, _ = plan.dry_run(cfg, nproc=8, nnodes=1, gpu_gib=plan.DEFAULT_GPU_GIB, host_gib=plan.DEFAULT_HOST_GIB)
+    ts, k = p.knobs.teacher, p.knobs
+    assert p.fits, p.table()
+    assert p.rows["teacher head (full KL)"] == {"train": (ts.vocab + k.mb_tokens) * ts.hidden * 2}
+    assert p.pageable["teacher hidden states"] == 8 * (64 // 8 * 4) * 4096 * 5120 * 2  # 8 ranks' [32, 4096, 5120]
+    assert "teacher hidden states 10.0" in p.table()
+
+
 def hybridrl(*args, timeout=120):
     return subprocess.run([sys.executable, "-m", "hybridrl", *args], capture_output=True, text=True, timeout=timeout)
 

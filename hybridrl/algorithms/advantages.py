@@ -85,7 +85,8 @@ def estimate(
     d = None
     if batch.logp_teacher is not None:  # distillation: the teacher's per-token reverse KL (distill.py)
         student = batch.logp_old if batch.logp_old is not None else batch.logp_rollout
-        adv, d = distill.token_advantages(adv, student, batch.logp_teacher, batch.loss_mask, a.distill_coef)
+        coef = a.distill_coef if a.distill_loss == "sampled" else 0.0  # full: the loss carries the teacher
+        adv, d = distill.token_advantages(adv, student, batch.logp_teacher, batch.loss_mask, coef)
     tok = adv if adv.dim() == 2 else adv[:, None].expand(batch.loss_mask.shape)
     s = all_sum(
         [
@@ -108,6 +109,12 @@ def nonzero_advantage(adv: torch.Tensor) -> torch.Tensor:
     """[B] bool: the samples whose advantage is not 0 (on some token): those that carry a policy
     gradient. (dapo.mixed_groups is the group-level question asked before advantages exist.)"""
     return adv != 0 if adv.dim() == 1 else (adv != 0).any(dim=1)
+
+
+def gradient_without_advantage(a) -> bool:
+    """The loss has a term that reaches every sample whatever its advantage (the KL in the loss, the
+    full-vocabulary distillation divergence): no sample may be skipped for a zero advantage."""
+    return bool(a.kl_coef and a.kl_in == "loss") or bool(a.teacher and a.distill_loss == "full")
 
 
 # --- the critic's loss ------------------------------------------------------------------------

@@ -340,6 +340,15 @@ def validate(cfg: Config, lengths: bool = True) -> None:
             "train.kernels=auto",
         ),
         (
+            cfg.algo.distill_loss == "sampled" or cfg.algo.teacher,
+            "algo.distill_loss=full needs a teacher: set algo.teacher",
+        ),
+        (
+            cfg.algo.distill_loss == "sampled" or t.sequence_parallel_size == 1,
+            "algo.distill_loss=full does not split a sequence's teacher hidden states over ranks yet: use "
+            "train.sequence_parallel_size 1 or algo.distill_loss sampled",
+        ),
+        (
             not cfg.algo.teacher or cfg.algo.teacher != cfg.model.path,
             f"algo.teacher={cfg.algo.teacher} is the policy itself: its reverse KL is 0 at the start and "
             "teaches nothing; name a stronger model",

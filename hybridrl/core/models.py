@@ -53,11 +53,14 @@ class ModelInfo:
         return self.kv_values_per_token * (4 if dtype == "float32" else 2)
 
 
-def check_teacher(teacher: str, tokenizer, student: str, *, trust_remote_code: bool = False) -> None:
+def check_teacher(
+    teacher: str, tokenizer, student: str, *, trust_remote_code: bool = False, full: bool = False
+) -> None:
     """algo.teacher scores the student's own token ids, so both must read them alike: the same
     token -> id map, and a teacher head with a row for every id (a larger, padded one is fine:
     Qwen2.5-7B has 152064 rows for the 151936-row 0.5B's ids, and rows past the tokenizer are never
-    sampled). Raises ModelError in one line naming both."""
+    sampled). `full` (algo.distill_loss full) compares the two heads row by row: the teacher's needs a
+    row for each of the student's. Raises ModelError in one line naming both."""
     from transformers import AutoConfig, AutoTokenizer
 
     try:
@@ -76,6 +79,13 @@ def check_teacher(teacher: str, tokenizer, student: str, *, trust_remote_code: b
         raise ModelError(
             f"algo.teacher={teacher}: its head has {rows} rows, fewer than the {len(tokenizer)} ids of "
             f"model.path={student}'s tokenizer"
+        )
+    mine = getattr(AutoConfig.from_pretrained(student, trust_remote_code=trust_remote_code).get_text_config(),
+                   "vocab_size", None) if full else None  # fmt: skip
+    if rows is not None and mine is not None and rows < mine:
+        raise ModelError(
+            f"algo.teacher={teacher}: its head has {rows} rows, fewer than the {mine} of model.path={student}'s, "
+            "and algo.distill_loss=full compares the heads row by row: use algo.distill_loss sampled"
         )
 
 

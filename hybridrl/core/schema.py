@@ -405,7 +405,22 @@ class AlgoConfig(Freezable):
         "log pi_teacher(a_t) enters the advantage as A_t - algo.distill_coef * d_t (docs/distillation.md).",
     )
     distill_coef: float = knob(
-        1.0, "Weight lambda of the teacher's per-token reverse KL in the advantage (algo.teacher).", valid=">= 0"
+        1.0,
+        "Weight lambda of the teacher's signal (algo.teacher): of d_t in the advantage, or of the full-vocabulary "
+        "divergence in the loss (algo.distill_loss full).",
+        valid=">= 0",
+    )
+    distill_loss: Literal["sampled", "full"] = knob(
+        "sampled",
+        "The teacher's signal: sampled = the sampled token's reverse KL d_t as a per-token advantage; full = "
+        "the exact divergence over the whole vocabulary from both models' final hidden states (fused, chunked: "
+        "no [tokens, vocab] logits), added to the loss as lambda x its token aggregate (TRL's GKD).",
+    )
+    distill_beta: float = knob(
+        1.0,
+        "algo.distill_loss full's divergence, TRL's generalised JSD beta: 1 = reverse KL(student || teacher), "
+        "0 = forward KL(teacher || student), in between the JSD of the beta-mixture.",
+        valid="[0, 1]",
     )
     task_reward: bool = knob(
         True,

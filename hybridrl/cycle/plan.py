@@ -103,6 +103,7 @@ class Knobs:
     wb: int = 0  # bytes per trainer weight and gradient where they differ from b (4: train.precision=amp)
     teacher: Shape | None = None  # algo.teacher's shape: a distillation run's frozen scorer, of its own size
     sandbox: int = 0  # host bytes the node's sandboxed programs may hold at once (rewards.sandbox_bytes)
+    teacher_hidden: int = 0  # algo.distill_loss full: bytes of a rank's step of teacher hidden states (host)
 
 
 @dataclass
@@ -308,6 +309,10 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
         )
         teacher_w = ts.params * wb if not z3 else 2 * ts.layer_params * wb
         row("teacher", teacher_w, ("teacher",) if not k.on_cpu else everywhere)
+        if k.teacher_hidden:  # algo.distill_loss full: its head beside the policy, a micro-batch of its hidden states
+            row("teacher head (full KL)", ts.vocab * ts.hidden * b + tokens * ts.hidden * b, ("train",))
+            # the step's hidden states wait in host memory (on CPU beside everything, from the teacher's phase)
+            row("teacher hidden states", k.teacher_hidden if k.on_cpu else 0, ("teacher", "train"))
     critic_states = 0
     if k.critic:
         cP = P - shape.vocab * shape.hidden * (0 if shape.tied else 1)  # no LM head: a one-output value head
@@ -375,6 +380,8 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
             ) * L
         if k.sandbox:
             plan.pageable["sandboxed programs"] = k.sandbox
+        if k.teacher_hidden:
+            plan.pageable["teacher hidden states"] = k.teacher_hidden * L
     return plan
 
 
@@ -446,7 +453,16 @@ def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp
         wb=4 if recipe.amp(cfg, on_cpu) else 0,
         teacher=Shape.from_config(read_config(cfg.algo.teacher)) if cfg.algo.teacher else None,
         sandbox=rewards.sandbox_bytes(cfg, local),
+        teacher_hidden=_teacher_hidden(cfg, world, b),
     )
+
+
+def _teacher_hidden(cfg: Config, world: int, b: int) -> int:
+    """A rank's step of teacher hidden states ([rows, max_model_len, hidden], Batch.hidden_teacher)."""
+    if not (cfg.algo.teacher and cfg.algo.distill_loss == "full"):
+        return 0
+    rows = -(-cfg.train.prompts_per_step // world) * cfg.rollout.n
+    return rows * cfg.rollout.max_model_len * Shape.from_config(read_config(cfg.algo.teacher)).hidden * b
 
 
 FREE = (

@@ -73,6 +73,7 @@ class Batch:
     logp_old: torch.Tensor | None = None  # [B, T] float, trainer log-probs before this update
     logp_ref: torch.Tensor | None = None  # [B, T] float, the reference policy's log-probs (algo.kl_coef > 0)
     logp_teacher: torch.Tensor | None = None  # [B, T] float, the distillation teacher's log-probs (algo.teacher)
+    hidden_teacher: torch.Tensor | None = None  # [B, T, d] its final hidden states (algo.distill_loss full)
     values: torch.Tensor | None = None  # [B, T] float, the critic's values before this update (gae)
     returns: torch.Tensor | None = None  # [B, T] float, the critic's targets (gae)
     routes: torch.Tensor | None = None  # [B, T, L, k] int16, MoE: vLLM's experts per token and layer, -1 = unknown
@@ -259,16 +260,28 @@ def shared_micro_batches(batch: Batch, max_tokens: int) -> list[torch.Tensor]:
     return out
 
 
-def per_token(forward, batch: Batch, groups: list[torch.Tensor | None], device) -> torch.Tensor:
+def per_token(forward, batch: Batch, groups: list[torch.Tensor | None], device):
     """Run `forward(micro_batch) -> [N]` (one value per masked token) over `groups` of rows and
     lay the results out like `batch.loss_mask`: [B, T] float32 on the CPU. A None group runs row 0
-    and is dropped (it keeps a rank in step with the others' collectives under ZeRO-3)."""
-    out = torch.zeros(batch.tokens.shape, dtype=torch.float32)
+    and is dropped (it keeps a rank in step with the others' collectives under ZeRO-3). A forward
+    that returns ([N], [N, d]) gives ([B, T], [B, T, d]), the second in its own dtype (hidden states)."""
+    outs: list[torch.Tensor] = []
     for idx in groups:
         mb = batch.select(idx if idx is not None else torch.tensor([0]))
         vals = forward(mb.to(device))
-        if idx is not None:
-            rows = torch.zeros(mb.tokens.shape, dtype=torch.float32)
-            rows[mb.loss_mask] = vals.float().cpu()
+        if idx is None:
+            continue
+        vals = vals if isinstance(vals, tuple) else (vals,)
+        if not outs:
+            outs = [torch.zeros(batch.tokens.shape + v.shape[1:], dtype=_kept(v)) for v in vals]
+        for out, v in zip(outs, vals):
+            rows = torch.zeros(mb.tokens.shape + v.shape[1:], dtype=out.dtype)
+            rows[mb.loss_mask] = v.to(out.dtype).cpu()
             out[idx, : rows.shape[1]] = rows
-    return out
+    if not outs:
+        return torch.zeros(batch.tokens.shape, dtype=torch.float32)
+    return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _kept(v: torch.Tensor) -> torch.dtype:
+    return torch.float32 if v.dim() == 1 else v.dtype

@@ -22,10 +22,11 @@ from hybridrl.core.models import is_native, plain_cache
 from hybridrl.data.batch import Batch, Shared
 from hybridrl.engines import ulysses
 from hybridrl.engines.zero_engine import autocast
+from hybridrl.kernels.distill_kl import distill_divergence
 from hybridrl.kernels.fused_loss import fused_logprob_ppo_loss
 from hybridrl.kernels.liger_loss import liger_ppo_loss
 from hybridrl.kernels.logprob import logprob_entropy
-from hybridrl.kernels.ppo_loss import importance_weights
+from hybridrl.kernels.ppo_loss import agg_weights, importance_weights
 
 log = logging.getLogger("hybridrl")
 # the warning when train.share_prompt=on cannot be honoured (bench/peers.py reads it from the run's output)
@@ -68,14 +69,19 @@ class TokenLogprobs(nn.Module):
         position_ids=None,
         shared: dict | None = None,
         shard: dict | None = None,
+        distill: dict | None = None,
+        keep_hidden: bool = False,
     ):
-        """Without `loss`: (logp [N], entropy [N]) of the masked tokens. With `loss` (ppo_loss's
+        """Without `loss`: (logp [N], entropy [N]) of the masked tokens, and their final hidden states
+        [N, d] with `keep_hidden` (a teacher's, for algo.distill_loss full). With `loss` (ppo_loss's
         per-token tensors and knobs): (loss, metrics, logp, entropy) from the fused kernel, which
-        produces the logits' gradient in the same pass. Packed rows (`Batch.packed()`) come with
-        position_ids and attention_mask=None; the shared-prompt layout (`Batch.shared()`, as a dict)
-        comes alone, tokens, attention_mask and loss_mask None. Sequence parallelism (`ulysses.shard`, as a
-        dict) gives this rank's slice of a packed row in tokens and position_ids, and `shard` the slice's
-        next-token targets and loss positions and the whole row's layout, which its attention reads."""
+        produces the logits' gradient in the same pass; with `distill` (the teacher's hidden states
+        of the same tokens, its head, beta, coef) plus coef x the aggregated full-vocabulary
+        divergence. Packed rows (`Batch.packed()`) come with position_ids and attention_mask=None;
+        the shared-prompt layout (`Batch.shared()`, as a dict) comes alone, tokens, attention_mask
+        and loss_mask None. Sequence parallelism (`ulysses.shard`, as a dict) gives this rank's slice
+        of a packed row in tokens and position_ids, and `shard` the slice's next-token targets and
+        loss positions and the whole row's layout, which its attention reads."""
         ulysses.ACTIVE = (
             None if shard is None else ulysses.Active(self.sp, shard["segments"], shard["full_position_ids"])
         )
@@ -113,8 +119,16 @@ class TokenLogprobs(nn.Module):
             provider="torch" if self.provider == "liger" else self.provider,
         )
         if loss is None:
-            return logprob_entropy(h, head.weight, y, **kw)
+            logp, entropy = logprob_entropy(h, head.weight, y, **kw)
+            return (logp, entropy, h) if keep_hidden else (logp, entropy)
         out = fused_logprob_ppo_loss(h, head.weight, y, **kw, **loss)
+        if distill is not None:  # the teacher's whole distribution at every loss token (kernels/distill_kl.py)
+            d = distill_divergence(
+                h, head.weight, distill["hidden"], distill["weight"], beta=distill["beta"], temperature=temperature
+            )
+            w = agg_weights(loss["agg"], loss["mask"], loss["seq_ids"], loss["normalizer"])
+            metrics = {**out[1], "distill_div": d.detach().mean() if len(d) else d.new_zeros(())}
+            out = (out[0] + distill["coef"] * (w * d).sum(), metrics, *out[2:])
         if shard is not None:  # backward must reach every layer's all-to-all on every rank, also one whose
             out = (out[0] + 0.0 * hidden.sum(), *out[1:])  # slice holds no loss token (they are collectives)
         return out

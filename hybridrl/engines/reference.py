@@ -127,9 +127,12 @@ class Reference:
         for t, host in self._host:
             t.data = host if device.type == "cpu" else host.to(device, non_blocking=True)
 
+    keep_hidden = False  # a teacher of algo.distill_loss full: its final hidden states too
+
     @torch.no_grad()
-    def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
-        """Reference log-probs of every completion token at the sampling temperature: [B, T]."""
+    def logprobs(self, batch: Batch, temperature: float):
+        """Reference log-probs of every completion token at the sampling temperature: [B, T]; with
+        `keep_hidden`, and the final hidden states that predict them: ([B, T], [B, T, d])."""
         budget = self.cfg.train.max_tokens_per_micro_batch
         if self.sp is not None:  # the group's rows in packed micro-batches of its ranks' budgets, each rank a slice
 
@@ -153,7 +156,8 @@ class Reference:
 
         def forward(mb):
             args, kw = module_inputs(mb, False, self.share)
-            return self.module(*args, temperature, **kw)[0]
+            out = self.module(*args, temperature, keep_hidden=self.keep_hidden, **kw)
+            return (out[0], out[2]) if self.keep_hidden else out[0]
 
         self._place(self.device)
         try:
@@ -161,16 +165,26 @@ class Reference:
         finally:
             self._place(torch.device("cpu"))
 
+    def head_weight(self, device: torch.device) -> torch.Tensor:
+        """The LM head's whole weight on `device`, gathered under ZeRO-3: the teacher's logits in the
+        train phase (algo.distill_loss full), where its hidden states come from the batch."""
+        w = (self.module.module if self.sharded else self.module).hf.get_output_embeddings().weight
+        if self.sharded:
+            with deepspeed.zero.GatheredParameters([w]):
+                return w.data.to(device, copy=True)
+        return w.data.to(device)
+
 
 def load_teacher(
     cfg: Config, *, device: torch.device, dtype: torch.dtype, attn_implementation: str, trainer=None
 ) -> Reference | None:
     """algo.teacher's model, or None: scored as the reference is (colocated, sharded under ZeRO-3 with its
     shards in pinned host memory, copied to the device for its phase under ZeRO-2), in the policy's
-    numerics; frozen, so a checkpoint holds nothing of it and a resume loads it again."""
+    numerics; frozen, so a checkpoint holds nothing of it and a resume loads it again. With
+    algo.distill_loss full it keeps its hidden states (Batch.hidden_teacher) and the trainer its head."""
     if not cfg.algo.teacher:
         return None
-    return Reference(
+    teacher = Reference(
         cfg,
         cfg.algo.teacher,
         device=device,
@@ -178,6 +192,11 @@ def load_teacher(
         attn_implementation=attn_implementation,
         sp=trainer.sp if trainer is not None else None,
     )
+    if cfg.algo.distill_loss == "full":
+        teacher.keep_hidden = True
+        if trainer is not None:
+            trainer.teacher = teacher
+    return teacher
 
 
 class BaseModelReference:

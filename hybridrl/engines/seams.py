@@ -74,9 +74,12 @@ class Engines:
     trainer: PolicyTrainer = field(metadata={"checkpoint": "ds"})
     rollout: RolloutEngine | None = None
     critic: Any = field(default=None, metadata={"checkpoint": "critic", "resident": True})  # PPO's value model
-    # frozen models that score the batch's tokens after the rollout: the batch field each fills, its phase
-    reference: Any = field(default=None, metadata={"scores": "logp_ref", "phase": "ref_logprob"})  # the KL's
-    teacher: Any = field(default=None, metadata={"scores": "logp_teacher", "phase": "teacher"})  # algo.teacher
+    # frozen models that score the batch's tokens after the rollout: the batch fields each fills (a
+    # teacher of algo.distill_loss full gives its hidden states too), its phase
+    reference: Any = field(default=None, metadata={"scores": ("logp_ref",), "phase": "ref_logprob"})  # the KL's
+    teacher: Any = field(
+        default=None, metadata={"scores": ("logp_teacher", "hidden_teacher"), "phase": "teacher"}
+    )  # algo.teacher
     reward_models: list = field(default_factory=list)  # rm: reward terms, scoring while vLLM is awake
 
     def residents(self) -> list[Resident]:
@@ -87,9 +90,10 @@ class Engines:
             if f.metadata.get("resident") and getattr(self, f.name) is not None
         ]
 
-    def scorers(self) -> list[tuple[str, str, Any]]:
-        """(phase, batch field, model) of the frozen models that score every sampled token (the KL's
-        reference, the distillation teacher), in field order; each holds nothing to checkpoint."""
+    def scorers(self) -> list[tuple[str, tuple[str, ...], Any]]:
+        """(phase, batch fields, model) of the frozen models that score every sampled token (the KL's
+        reference, the distillation teacher), in field order; each holds nothing to checkpoint. The
+        model's `logprobs(batch, temperature)` gives the first field, or a tuple of the first ones."""
         return [
             (f.metadata["phase"], f.metadata["scores"], getattr(self, f.name))
             for f in dataclasses.fields(self)

@@ -52,6 +52,7 @@ class Trainer:
         from transformers import AutoModelForCausalLM
 
         self.cfg, self.device, self.platform = cfg, device, platform.current()
+        self.teacher = None  # algo.distill_loss full: the teacher (reference.load_teacher), whose head the loss reads
         self.compute_dtype = dtype  # model.dtype: vLLM's weights and KV cache, the GEMMs' here
         dtype, autocast = precision(cfg, dtype)  # amp: float32 weights under bfloat16 autocast
         conf = ds_config(cfg, dtype == torch.bfloat16, self.platform)
@@ -152,9 +153,9 @@ class Trainer:
         return self.router.run(segments, self.replay)
 
     # --- log-probs ----------------------------------------------------------------------------
-    def _forward(self, mb: Batch, temperature: float, loss: dict | None = None):
+    def _forward(self, mb: Batch, temperature: float, loss: dict | None = None, **distill):
         """Log-probs (and the loss) of mb's masked tokens, in the order of `mb.loss_mask`'s True
-        entries whether packed or padded."""
+        entries whether packed or padded; `distill` (TokenLogprobs' distill=) with the loss."""
         if self.sp.size > 1:  # this rank's slice of the packed row, and of the per-token loss inputs
             s, args, kw = ulysses.module_inputs(mb, self.sp)
             self._part = s.part
@@ -162,7 +163,7 @@ class Trainer:
                 loss = {k: v[s.part] if isinstance(v, torch.Tensor) else v for k, v in loss.items()}
             return self.engine(*args, temperature, loss, **kw)
         args, kw = module_inputs(mb, self.packing, self.share_prompt)
-        return self.engine(*args, temperature, loss, **kw)
+        return self.engine(*args, temperature, loss, **kw, **distill)
 
     def _plan(self, rows: Batch | None) -> list[torch.Tensor | None]:
         """Micro-batches of train.max_tokens_per_micro_batch tokens per rank: with sequence parallelism
@@ -278,6 +279,8 @@ class Trainer:
         if self.peft is not None:
             lora.set_dropout(self.hf, True)  # the adapter's dropout, while updating only
         batch = ulysses.gather_batch(batch, self.sp)[0]  # sequence parallelism: the group's rows, on each rank
+        # algo.distill_loss full: the teacher's head beside the policy for the step (its hidden states are the batch's)
+        head_t = self.teacher.head_weight(self.device) if self.teacher is not None else None
         for m, norm, scale in minibatch_updates(
             self.engine, batch, t, self._plan, self._normalizer, self.device, grad_norms, self.platform
         ):
@@ -296,6 +299,15 @@ class Trainer:
                         logp_rollout=m.logp_rollout[sel] if self.importance_correction else None,
                         normalizer=norm,
                         **self.loss_knobs(),
+                    ),
+                    **(
+                        {}
+                        if head_t is None
+                        else {
+                            "distill": dict(
+                                hidden=m.hidden_teacher[sel], weight=head_t, beta=a.distill_beta, coef=a.distill_coef
+                            )
+                        }
                     ),
                 )
                 part = self._part  # this rank's loss tokens (a slice of every micro-batch's with sequence parallelism)

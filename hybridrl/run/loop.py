@@ -159,7 +159,9 @@ def train(cfg: Config) -> dict:
                 ro.metrics.update(partial.is_metrics(batch.logp_old, batch.logp_rollout, batch.loss_mask, batch.stale))
             for phase, scores, model in engines.scorers():  # the reference (KL), the teacher (distillation)
                 with phases(phase):
-                    setattr(batch, scores, model.logprobs(batch, cfg.rollout.temperature))
+                    got = model.logprobs(batch, cfg.rollout.temperature)
+                    for name, value in zip(scores, got if isinstance(got, tuple) else (got,)):
+                        setattr(batch, name, value)
             if critic:
                 with phases("values"):
                     batch.values = critic.values(batch)
@@ -170,8 +172,8 @@ def train(cfg: Config) -> dict:
             batch.advantages[ro.masked] = 0.0  # overlong-filtered samples and a filler group carry no gradient
             signal = advantages.nonzero_advantage(batch.advantages)  # [P * n] bool
             # 3. train on the samples that carry a gradient (equal-reward groups have A == 0, but
-            # with the KL in the loss every unmasked sample still has one)
-            skip = cfg.algo.skip_zero_advantage and not (cfg.algo.kl_coef and cfg.algo.kl_in == "loss")
+            # with the KL or the teacher's divergence in the loss every unmasked sample still has one)
+            skip = cfg.algo.skip_zero_advantage and not advantages.gradient_without_advantage(cfg.algo)
             keep = signal.clone() if skip else ~ro.masked
             keep[0] |= not keep.any()  # one zero-advantage row keeps this rank in the collectives
             batch = batch.select(keep.nonzero().flatten())

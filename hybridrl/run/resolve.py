@@ -61,7 +61,13 @@ def run_config(cfg: Config, world) -> Resolved:
 
     tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     if cfg.algo.teacher:  # before any engine: the teacher scores the student's token ids
-        models.check_teacher(cfg.algo.teacher, tokenizer, model_path, trust_remote_code=cfg.model.trust_remote_code)
+        models.check_teacher(
+            cfg.algo.teacher,
+            tokenizer,
+            model_path,
+            trust_remote_code=cfg.model.trust_remote_code,
+            full=cfg.algo.distill_loss == "full",
+        )
     rows = load_rows(cfg.data, "train")
     prompts, dropped = encode(rows, tokenizer, cfg.data, cfg.data.path)
     heldout = encode(load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")[0][: cfg.log.eval_size or None]

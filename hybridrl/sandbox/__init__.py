@@ -146,7 +146,7 @@ def package_binds(names: tuple[str, ...]) -> list[list[str]]:
     return out
 
 
-def _config(base: Path, packages: tuple[str, ...] = ()) -> dict:
+def _config(base: Path) -> dict:
     _, prefix = _python()
     uid, gid = os.getuid(), os.getgid()
     if uid == 0:  # the namespace's root is root (it builds the jail); the program is nobody, whom NPROC binds
@@ -157,7 +157,6 @@ def _config(base: Path, packages: tuple[str, ...] = ()) -> dict:
         "root": str(base / "root"),
         "binds": _binds(prefix),
         "masks": _masks(prefix),
-        "packages": package_binds(packages),
         "preload": list(PRELOAD),
         "program_uid": PROGRAM_UID if uid == 0 else 0,
         **maps,
@@ -181,15 +180,15 @@ class _Jail:
     namespaces and a /tmp of its own. Used by one thread at a time."""
 
     def __init__(self, packages: tuple[str, ...] = ()) -> None:
-        cfg = _config(Path("."), packages)  # a package not installed fails here, before anything starts
+        binds = package_binds(packages)  # a package not installed fails here, before anything starts
         _sweep()
         self.base = Path(tempfile.mkdtemp(prefix=f"hybridrl-sandbox-{os.getpid()}-"))
         (self.base / "root").mkdir()
-        cfg["root"], self.packages = str(self.base / "root"), packages
-        self.preloaded = len(cfg["preload"])
+        jail = {**_config(self.base), "packages": binds}
+        self.preloaded, self.packages = len(jail["preload"]), packages
         with open(self.base / "jail.err", "wb") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-I", "-S", str(JAIL), json.dumps(cfg)],
+                [sys.executable, "-I", "-S", str(JAIL), json.dumps(jail)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=err,
