@@ -23,33 +23,13 @@ def _text(**kw) -> dict:
     )
 
 
+_TOWER = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, spatial_merge_size=2)
 VISION = {
-    "qwen2_vl": dict(
-        depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14, spatial_merge_size=2
-    ),
-    "qwen2_5_vl": dict(
-        depth=2,
-        hidden_size=32,
-        out_hidden_size=64,
-        intermediate_size=64,
-        num_heads=2,
-        patch_size=14,
-        spatial_merge_size=2,
-        window_size=56,
-        fullatt_block_indexes=[1],
-    ),
-    "qwen3_vl": dict(
-        depth=2,
-        hidden_size=32,
-        out_hidden_size=64,
-        intermediate_size=64,
-        num_heads=2,
-        patch_size=16,
-        spatial_merge_size=2,
-        deepstack_visual_indexes=[0],
-        num_position_embeddings=16,
-    ),
-}
+    "qwen2_vl": dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                     spatial_merge_size=2),
+    "qwen2_5_vl": dict(_TOWER, patch_size=14, window_size=56, fullatt_block_indexes=[1]),
+    "qwen3_vl": dict(_TOWER, patch_size=16, deepstack_visual_indexes=[0], num_position_embeddings=16),
+}  # fmt: skip
 CONFIGS = {
     "qwen2_vl": (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration),
     "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration),
