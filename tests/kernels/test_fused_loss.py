@@ -144,11 +144,14 @@ def test_fused_computes_logits_once_per_chunk(monkeypatch):
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-def test_fused_autocast_runs_the_head_in_its_dtype(provider):
+def test_fused_autocast_runs_the_head_in_its_dtype(provider, monkeypatch):
     """Issue 71 item 3, the training pass: under bfloat16 autocast over float32 weights
-    (train.precision=amp) every GEMM of the fused pass takes bfloat16, the loss is float32, the
-    gradients the parameters' float32, and all match ppo_loss over the reference under the same
-    autocast."""
+    (train.precision=amp) on a GPU (HEAD_IN_AUTOCAST, forced here onto the CPU) every GEMM of the
+    fused pass takes bfloat16, the loss is float32, the gradients the parameters' float32, and all
+    match ppo_loss over the reference under the same autocast."""
+    from hybridrl.kernels import logprob as lp_mod
+
+    monkeypatch.setitem(lp_mod.HEAD_IN_AUTOCAST, "cpu", True)
     (hidden, weight, b, targets), data, extras = batch(device="cpu")
     kw = dict(FULL, **extras)
     wrt = (hidden, weight, b)

@@ -177,12 +177,19 @@ def test_backward_through_logp_only():
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_autocast_runs_the_head_in_its_dtype(provider, monkeypatch):
     """Issue 71 item 3: train.precision=amp gives the kernel float32 hidden states and a float32 head
-    under bfloat16 autocast; its out= GEMMs, which autocast passes by, ran the head in float32. Now
-    every GEMM of the forward and the backward takes bfloat16 (the Triton forward's GEMM is inside
-    its kernel: its inputs are checked), the outputs stay float32, the gradients come
-    back in the parameters' float32, and the values are the reference's under the same autocast
-    (its F.linear autocast casts)."""
+    under bfloat16 autocast; its out= GEMMs, which autocast passes by, ran the head in float32. On a
+    GPU (HEAD_IN_AUTOCAST, forced here onto the CPU) every GEMM of the forward and the backward takes
+    bfloat16 (the Triton forward's GEMM is inside its kernel: its inputs are checked), the outputs
+    stay float32, the gradients come back in the parameters' float32, and the values are the
+    reference's under the same autocast (its F.linear autocast casts). On a CPU the head stays
+    float32 under autocast (the CPU default's learning: kernels/logprob.py)."""
     hidden, weight, b, targets = make(*SHAPES["ragged"], torch.float32, bias=True, device="cpu")
+    with GemmDtypes() as gemms:  # the CPU's own setting: the head in float32 under autocast
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logp = logprob_entropy(hidden, weight, targets, 0.7, b, provider=provider, chunk_size=16)[0]
+        torch.autograd.grad(logp.sum(), (hidden, weight, b))
+    assert gemms.seen and all(a == w == torch.float32 for _, a, w in gemms.seen), gemms.seen
+    monkeypatch.setitem(lp_mod.HEAD_IN_AUTOCAST, "cpu", True)  # the GPU's branch, on this CPU
     up = (torch.randn(hidden.shape[0]), torch.randn(hidden.shape[0]))
     stats, grad_logits = lp_mod.BACKENDS[provider]
     given = []  # the dtypes of (hidden, weight) each chunk's forward is handed
