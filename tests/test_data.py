@@ -255,3 +255,19 @@ def test_prompts_rendered_with_the_template_are_not_templated_twice(tmp_path, ch
         data.encode(data.read_rows(str(mixed)), chatml, cfg, "x")
     off = DataConfig(prompt_key="question", answer_key="label", chat_template="off")  # off: the text, tokenized
     assert data.encode(data.read_rows(str(given)), chatml, off, "x")[0][0].ids == chatml(rendered)["input_ids"]
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"question": "<image>How many squares?", "label": "2", "images": ["a.png"]},  # verl's layout
+        {"messages": [{"role": "user", "content": "How many?"}], "label": "2", "images": ["a.png"]},  # TRL's
+    ],
+    ids=["verl", "trl"],
+)
+def test_a_row_with_images_stops_in_one_line_until_vision_rl_is_built(tmp_path, tok, row):
+    """Read as text, an image column would be dropped and the model trained on '<image>' alone."""
+    with pytest.raises(data.DataError) as e:
+        load(write(tmp_path, "jsonl", [{"question": "1+1=", "label": "2"}, row]), tok)
+    assert str(e.value).startswith(f"{tmp_path / 'd.jsonl'}:2: a row with images needs vision-language RL")
+    assert "\n" not in str(e.value)

@@ -224,6 +224,11 @@ def _problem(row: Any, cfg: DataConfig) -> str:
     """What is wrong with a parsed row ('' if nothing)."""
     if not isinstance(row, dict):
         return f"expected an object with a '{cfg.prompt_key}' field, got {type(row).__name__}"
+    if row.get("images") or row.get("image"):  # TRL's and verl's image columns: read as text, they would be lost
+        return (
+            "a row with images needs vision-language RL, which is not built yet (docs/design/vision.md): "
+            "give text prompts without the 'images' column"
+        )
     spec, bad = _code_tests(row)
     if bad:
         return bad
