@@ -153,7 +153,7 @@ class Trainer:
         return self.router.run(segments, self.replay)
 
     # --- log-probs ----------------------------------------------------------------------------
-    def _forward(self, mb: Batch, temperature: float, loss: dict | None = None, **distill):
+    def _forward(self, mb: Batch, temperature: float, loss: dict | None = None, distill: dict | None = None):
         """Log-probs (and the loss) of mb's masked tokens, in the order of `mb.loss_mask`'s True
         entries whether packed or padded; `distill` (TokenLogprobs' distill=) with the loss."""
         if self.sp.size > 1:  # this rank's slice of the packed row, and of the per-token loss inputs
@@ -163,7 +163,7 @@ class Trainer:
                 loss = {k: v[s.part] if isinstance(v, torch.Tensor) else v for k, v in loss.items()}
             return self.engine(*args, temperature, loss, **kw)
         args, kw = module_inputs(mb, self.packing, self.share_prompt)
-        return self.engine(*args, temperature, loss, **kw, **distill)
+        return self.engine(*args, temperature, loss, **kw, distill=distill)
 
     def _plan(self, rows: Batch | None) -> list[torch.Tensor | None]:
         """Micro-batches of train.max_tokens_per_micro_batch tokens per rank: with sequence parallelism
@@ -300,15 +300,9 @@ class Trainer:
                         normalizer=norm,
                         **self.loss_knobs(),
                     ),
-                    **(
-                        {}
-                        if head_t is None
-                        else {
-                            "distill": dict(
-                                hidden=m.hidden_teacher[sel], weight=head_t, beta=a.distill_beta, coef=a.distill_coef
-                            )
-                        }
-                    ),
+                    distill=None
+                    if head_t is None
+                    else dict(hidden=m.hidden_teacher[sel], weight=head_t, beta=a.distill_beta, coef=a.distill_coef),
                 )
                 part = self._part  # this rank's loss tokens (a slice of every micro-batch's with sequence parallelism)
                 seq_ids = seq_ids[part]
