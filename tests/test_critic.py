@@ -58,11 +58,12 @@ KEYS = (
 )
 
 
-# the default suite: 1 rank ZeRO-2 with two minibatches, and 2 ranks ZeRO-3 (sharded reference) with
-# one update per rollout (~150 s on the 2-core EPYC); 2 ranks ZeRO-2 is slow
+# the default suite: 2 ranks ZeRO-3 (sharded reference) with two minibatches, both cases below in one
+# run; one rank with ZeRO-2 and 2 ranks ZeRO-2 are the slow tier's
 @pytest.mark.cpu_only("bit-identical resumes rest on deterministic CPU kernels")
 @pytest.mark.parametrize(
-    "nproc,zero,minibatches", [(1, 2, 2), pytest.param(2, 2, 1, marks=pytest.mark.slow), (2, 3, 1)]
+    "nproc,zero,minibatches",
+    [pytest.param(1, 2, 2, marks=pytest.mark.slow), pytest.param(2, 2, 1, marks=pytest.mark.slow), (2, 3, 2)],
 )
 def test_resume_with_critic_and_reference_is_exact(tmp_path, nproc, zero, minibatches):
     # with two minibatches the policy and the critic each step twice per rollout through the one CPU

@@ -161,3 +161,22 @@ def test_zero3_engines_leave_torchs_linear_and_train_as_with_deepspeeds(world_of
     theirs = trained()
     assert torch.nn.functional.linear is not torch._C._nn.linear  # what the configs now keep away
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[n], theirs[n]) for n in ours)
+
+
+def test_cpu_adam_ops_build_and_load_without_debug_info(monkeypatch):
+    """The CPU Adam ops compile without `-g` (1.6x the build time, once per fresh machine), and a
+    CPU engine's config (what precedes every load) drops it as the setup's build does: the flags are
+    in torch's hash of the op, so a mismatch would build it again on the first run."""
+    from deepspeed.ops.op_builder.cpu.builder import CPUOpBuilder
+
+    from hybridrl.engines import deepspeed_compat
+
+    monkeypatch.setattr(CPUOpBuilder, "cxx_args", CPUOpBuilder.cxx_args)  # restored after the test
+    if getattr(CPUOpBuilder.cxx_args, "without_debug_info", False):  # this process built an engine already
+        monkeypatch.setattr(CPUOpBuilder, "cxx_args", lambda self: ["-O3", "-g", "-fopenmp"])
+    builders = [deepspeed_compat.op_builder(name) for name in ("FusedAdamBuilder", "CPUAdamBuilder")]
+    assert all("-g" in b.cxx_args() for b in builders)  # DeepSpeed's own flags
+    ds_config(config.load(None, {}), True, platform.Platform.detect(cuda=False))
+    assert not any("-g" in b.cxx_args() for b in builders) and all("-O3" in b.cxx_args() for b in builders)
+    deepspeed_compat.cpu_ops_without_debug_info()  # the build's call, again: once is enough
+    assert builders[0].cxx_args().count("-O3") == 1

@@ -1,11 +1,15 @@
 """The demo really learns: a short seeded run of the default recipe raises held-out accuracy
-and reward by a clear margin (the full curve is python -m bench.demo_curve)."""
+and reward by a clear margin (the full curve is python -m bench.demo_curve). A learning run, so in
+the slow tier: the default tier's end-to-end runs check each step's mechanics, not learning."""
 
 import statistics
+
+import pytest
 
 from helpers.cli import train_cli
 
 
+@pytest.mark.slow
 def test_short_demo_run_raises_accuracy_and_reward(tmp_path):
     # 250 steps (~1 min on 2 cores) of one update per rollout (lr 5e-5, 16 prompts x 8 samples); the default
     # recipe's two updates per rollout are the learning-curve bench's (and test_losses_e2e's slow runs')
