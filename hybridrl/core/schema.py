@@ -167,6 +167,12 @@ class RolloutConfig(Freezable):
         valid=">= 0",
     )
     enable_prefix_caching: bool = knob(True, "Reuse a prompt's KV cache across its n samples.")
+    images_per_prompt: int = knob(
+        4,
+        "Vision-language models: the most images one prompt holds; vLLM sizes its encoder's profile and "
+        "cache for them, and takes no video.",
+        valid=">= 1",
+    )
     enforce_eager: bool = knob(
         True,
         "Skip graph capture/compilation. Unset: False on GPUs (vLLM decodes with CUDA "
