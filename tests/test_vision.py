@@ -8,6 +8,7 @@ engine starts."""
 import io
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -17,11 +18,14 @@ import torch
 from PIL import Image
 from transformers import AutoTokenizer
 
-from hybridrl.core.config import ConfigError, DataConfig
+from hybridrl.core import config as C
+from hybridrl.core.config import ConfigError, DataConfig, UserError
 from hybridrl.core.families import VISION_FAMILIES, vision_family
+from hybridrl.cycle import plan
 from hybridrl.data import images, prompts as data
 from hybridrl.data.images import Vision
 from hybridrl.data.tasks.arithmetic import DEMO_MODEL_DIR
+from hybridrl.run import resolve
 
 from helpers.vision import PAD, image_processor, tiny_vlm, tokenizer, write
 
@@ -238,6 +242,8 @@ def test_images_go_where_their_markers_are_and_the_prompt_is_as_long_as_they_exp
     assert [im.size for im in prompt.images] == [(56, 56), (112, 56)]
     assert encode(path, model_dirs["qwen2_vl"], max_prompt_len=18)[1]["too_long"] == 1  # ids alone are 9
     assert len(encode(path, model_dirs["qwen2_vl"], max_prompt_len=19)[0]) == 1
+    cfg = C.load(None, {"model.path": str(model_dirs["qwen2_vl"]), "data.path": str(path)})
+    assert plan.data_longest(cfg) == 19
 
 
 def test_every_bad_image_row_stops_in_one_line_naming_it_or_is_skipped(tmp_path, model_dirs):
@@ -275,3 +281,14 @@ def test_every_bad_image_row_stops_in_one_line_naming_it_or_is_skipped(tmp_path,
     with pytest.raises(data.DataError, match=r"d.jsonl:1: a row with 1 image\(s\), but the model is text-only"):
         cfg = DataConfig(path=str(path))
         data.encode(data.load_rows(cfg, "train"), tokenizer(), cfg, str(path))  # no Vision: a text-only model
+
+
+def test_a_run_with_image_prompts_stops_before_any_engine_until_they_are_wired(tmp_path, model_dirs):
+    """The data is read and checked; the rollout and the trainer do not take images yet (issue 74):
+    one line, from where the run loads its prompts (resolve.images_not_wired)."""
+    (tmp_path / "a.png").write_bytes(png(56, 56, 0))
+    path = write_rows(tmp_path, "jsonl", [{"prompt": "<image>a", "answer": "1", "images": ["a.png"]}])
+    world = SimpleNamespace(device=torch.device("cpu"), size=1, main=True)
+    over = {"model.path": str(model_dirs["qwen2_vl"]), "data.path": str(path), "train.prompts_per_step": 1}
+    with pytest.raises(UserError, match="1 prompt.s. have images, and vision-language training is not wired yet"):
+        resolve.run_config(C.load(None, over), world)
