@@ -51,17 +51,16 @@ class Vision:
         read), or its config (a dict or a transformers config: the pixel bounds are then the
         family's). Values the files do not give are the family's (VisionFamily's defaults). A
         tokenizer that does not encode the placeholder as one image token is a ConfigError."""
-        pre: dict = {}
-        if isinstance(model, (str, Path)):
-            conf = _model_json(model, "config.json", local_files_only)
-            if conf is None:
-                raise ConfigError(f"model {model}: no config.json to read its vision settings from")
-            pre = _model_json(model, "preprocessor_config.json", local_files_only) or {}
-        else:
+        files = isinstance(model, (str, Path))
+        conf = _model_json(model, "config.json", local_files_only) if files else None
+        if files and conf is None:
+            raise ConfigError(f"model {model}: no config.json to read its vision settings from")
+        if conf is None:
             conf = model if isinstance(model, dict) else model.to_dict()
         family = vision_family(conf)
-        if family is None:
+        if family is None:  # a text-only model: its preprocessor file (if any) is never asked for
             return None
+        pre = (_model_json(model, "preprocessor_config.json", local_files_only) if files else None) or {}
         v = conf.get("vision_config") or {}
         size = pre.get("size") or {}  # transformers 5: {shortest_edge, longest_edge} are the pixel bounds
         placeholder = family.image_wrap[0] + family.image_token + family.image_wrap[1]
