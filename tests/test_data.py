@@ -262,12 +262,16 @@ def test_prompts_rendered_with_the_template_are_not_templated_twice(tmp_path, ch
     [
         {"question": "<image>How many squares?", "label": "2", "images": ["a.png"]},  # verl's layout
         {"messages": [{"role": "user", "content": "How many?"}], "label": "2", "images": ["a.png"]},  # TRL's
+        {"messages": [{"role": "user", "content": [{"type": "image"}]}], "label": "2"},  # an image part alone
     ],
-    ids=["verl", "trl"],
+    ids=["verl", "trl", "part"],
 )
-def test_a_row_with_images_stops_in_one_line_until_vision_rl_is_built(tmp_path, tok, row):
-    """Read as text, an image column would be dropped and the model trained on '<image>' alone."""
+def test_a_row_with_images_for_a_text_only_model_stops_in_one_line(tmp_path, tok, row):
+    """Read as text, an image column would be dropped and the model trained on '<image>' alone; the
+    demo model is text-only (rows with images for a vision-language model: test_vision.py)."""
     with pytest.raises(data.DataError) as e:
         load(write(tmp_path, "jsonl", [{"question": "1+1=", "label": "2"}, row]), tok)
-    assert str(e.value).startswith(f"{tmp_path / 'd.jsonl'}:2: a row with images needs vision-language RL")
+    assert str(e.value).startswith(f"{tmp_path / 'd.jsonl'}:2: a row with 1 image(s), but the model is text-only")
     assert "\n" not in str(e.value)
+    prompts, dropped = load(write(tmp_path, "jsonl", [{"question": "1+1=", "label": "2"}, row]), tok, on_error="skip")
+    assert [p.text for p in prompts] == ["1+1="] and dropped["malformed"] == 1

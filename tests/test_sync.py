@@ -127,7 +127,7 @@ def test_a_sequence_vllm_refuses_to_score_is_one_line_naming_the_knob():
     rollout = object.__new__(Rollout)
     rollout.cfg = SimpleNamespace(rollout=SimpleNamespace(max_model_len=19))
 
-    def refuse(seqs, params):
+    def refuse(seqs, params, images=None):
         raise vllm_compat.REJECTED[0]("The decoder prompt (length 19) plus ... is longer than 19.\nmore")
 
     rollout._run = refuse

@@ -164,7 +164,9 @@ def test_a_rank_local_random_op_does_not_change_what_the_group_samples(monkeypat
     from types import SimpleNamespace as NS
 
     monkeypatch.setattr(
-        vllm_compat, "add_request", lambda llm, rid, ids, params, lora=None: llm.llm_engine.queued.append(rid)
+        vllm_compat,
+        "add_request",
+        lambda llm, rid, ids, params, lora=None, images=(): llm.llm_engine.queued.append(rid),
     )
     _Pair.sent = []
     sampled = []

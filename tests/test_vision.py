@@ -1,19 +1,33 @@
 """Vision-language building blocks (hybridrl/data/images.py, core/families.py's VISION_FAMILIES) on a
 tiny model of every family row, built from a config (tests/helpers/vision.py): the ids the trainer
 makes are the processor's grid, the positions are the model's own, and a packed row of several
-samples with several images equals each sample alone. No engine starts."""
+samples with several images equals each sample alone. Rows with images (data/prompts.py) read in
+each format users have, sized once, counted expanded, and every bad one stops in one line. No
+engine starts."""
 
 import io
+import json
+from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 from PIL import Image
+from transformers import AutoTokenizer
 
+from hybridrl.core import config as C
+from hybridrl.core.config import ConfigError, DataConfig, UserError
 from hybridrl.core.families import VISION_FAMILIES, vision_family
-from hybridrl.data import images
+from hybridrl.cycle import plan
+from hybridrl.data import images, prompts as data
+from hybridrl.data.images import Vision
+from hybridrl.data.tasks.arithmetic import DEMO_MODEL_DIR
+from hybridrl.run import resolve
 
-from helpers.vision import PAD, image_processor, tiny_vlm
+from helpers.vision import PAD, image_processor, tiny_vlm, tokenizer, write
 
 pytestmark = pytest.mark.fast
 FAMILIES = sorted(VISION_FAMILIES)
@@ -103,3 +117,178 @@ def test_an_image_loads_from_a_path_bytes_or_a_datasets_feature_and_fails_in_one
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match=r"2 image placeholder\(s\) for 1 image\(s\)"):
         images.expand([PAD, 1, PAD], torch.tensor([[1, 4, 4]]), PAD, 2)
+
+
+# --- rows with images (data/prompts.py, images.Vision) ----------------------------------------------
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """A tiny model directory of each family (tests/helpers/vision.py's `write`)."""
+    return {t: write(tmp_path_factory.mktemp(t) / "m", t) for t in FAMILIES}
+
+
+def png(h: int, w: int, seed: int) -> bytes:
+    buf = io.BytesIO()
+    picture(h, w, seed).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def chars(text: str) -> list[int]:
+    return tokenizer()(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_vision_reads_the_model_directory_and_counts_an_images_tokens_as_its_processor(model_dirs, model_type):
+    """Vision.of reads config.json and preprocessor_config.json (transformers 5's `size`, or older
+    files' min_pixels/max_pixels; without one, the family's defaults); an image of an odd size becomes
+    the tokens the image processor's grid gives it once fitted."""
+    v = Vision.of(model_dirs[model_type], tokenizer())
+    f = 32 if model_type == "qwen3_vl" else 28
+    assert (v.family, v.placeholder, v.image_token_id) == (
+        VISION_FAMILIES[model_type],
+        "<|vision_start|><|image_pad|><|vision_end|>",
+        PAD,
+    )
+    assert (v.patch, v.merge, v.factor, v.min_pixels, v.max_pixels) == (f // 2, 2, f, f * f, (4 * f) ** 2)
+    ip = image_processor(tiny_vlm(model_type))  # the same pixel bounds
+    for h, w in ((50, 130), (3, 300), (500, 500)):
+        im = v.fit(picture(h, w, 5))
+        grid = ip(images=[im], return_tensors="pt")["image_grid_thw"]
+        assert im.height % f == 0 and im.width % f == 0 and v.fit(im) is im
+        assert v.tokens(picture(h, w, 5)) == v.tokens(im) == int(grid.prod()) // 4
+    pre = json.loads((model_dirs[model_type] / "preprocessor_config.json").read_text())
+    conf = json.loads((model_dirs[model_type] / "config.json").read_text())
+    row = VISION_FAMILIES[model_type]
+    assert Vision.of(conf, tokenizer()).max_pixels == row.max_pixels  # no preprocessor file: the family's
+    old = model_dirs[model_type].parent / "old"  # a preprocessor_config.json of before transformers 5
+    old.mkdir(exist_ok=True)
+    (old / "config.json").write_text(json.dumps(conf))
+    (old / "preprocessor_config.json").write_text(json.dumps({k: pre[k] for k in ("min_pixels", "max_pixels")}))
+    v = Vision.of(old, tokenizer())
+    assert (v.patch, v.min_pixels, v.max_pixels) == (f // 2, f * f, (4 * f) ** 2)  # the patch from config.json
+    assert Vision.of(DEMO_MODEL_DIR, tokenizer()) is None  # a text-only model
+    with pytest.raises(ConfigError, match=r"not with the model's image token 5 once: its tokenizer must hold"):
+        Vision.of(model_dirs[model_type], AutoTokenizer.from_pretrained(DEMO_MODEL_DIR))  # not the model's
+
+
+def image_rows(d):
+    """The same prompt in every format a row with images comes in; images in d/imgs/."""
+    (d / "imgs").mkdir(parents=True, exist_ok=True)
+    (d / "imgs" / "a.png").write_bytes(png(50, 60, 0))
+    trl = [{"type": "image"}, {"type": "text", "text": "how many?"}]
+    q, a = "<image>how many?", png(50, 60, 0)
+    return {
+        "trl": {"messages": [{"role": "user", "content": trl}], "answer": "2", "images": ["imgs/a.png"]},
+        "verl": {"prompt": q, "answer": "2", "images": ["imgs/a.png"]},
+        "verl-turns": {"prompt": [{"role": "user", "content": q}], "answer": "2", "image": "imgs/a.png"},
+        "bytes": {"prompt": q, "answer": "2", "images": [a]},
+        "datasets-dict": {"prompt": q, "answer": "2", "images": [{"bytes": a, "path": None}]},
+    }
+
+
+def write_rows(d, fmt, rows) -> Path:
+    if fmt == "jsonl":
+        (d / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return d / "d.jsonl"
+    if fmt == "parquet":
+        pq.write_table(pa.Table.from_pylist(rows), d / "d.parquet")
+        return d / "d.parquet"
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_dict(
+        {"prompt": [r["prompt"] for r in rows], "answer": [r["answer"] for r in rows],
+         "images": [[im["bytes"] for im in r["images"]] for r in rows]},
+        features=datasets.Features({"prompt": datasets.Value("string"), "answer": datasets.Value("string"),
+                                    "images": datasets.List(datasets.Image())}),
+    )  # fmt: skip
+    ds.save_to_disk(d / "ds")
+    return d / "ds"
+
+
+def encode(path, model_dir, **kw):
+    cfg = DataConfig(path=str(path), **kw)
+    tok = tokenizer()
+    return data.encode(data.load_rows(cfg, "train"), tok, cfg, str(path), Vision.of(model_dir, tok))
+
+
+@pytest.mark.parametrize(
+    "fmt, kind",
+    [("jsonl", "trl"), ("jsonl", "verl"), ("jsonl", "verl-turns"), ("parquet", "bytes"), ("parquet", "datasets-dict"),
+     ("dataset", "datasets-dict")],
+)  # fmt: skip
+def test_a_row_with_images_reads_in_every_format(tmp_path, model_dirs, fmt, kind):
+    """TRL's messages with image parts, verl's prompt with '<image>' markers (a string or turns; an
+    `images` list or one `image`), bytes, `datasets` Image dicts and a saved dataset with an Image
+    feature: one image token per image in the ids (what vLLM takes), the image fitted to the patch
+    grid (50x60 -> 56x56: 4 image tokens), paths relative to the data file, the reward's text with
+    the marker. Read from another directory than the data's."""
+    d = tmp_path / "data"
+    path = write_rows(d, fmt, [image_rows(d)[kind]])
+    (prompt,), dropped = encode(path, model_dirs["qwen2_vl"])
+    assert prompt.ids == [1, 3, PAD, 4] + chars("how many?") and dropped == {"too_long": 0, "malformed": 0}
+    assert prompt.text == "<image>how many?" and prompt.answer == "2"
+    assert [im.size for im in prompt.images] == [(56, 56)] and prompt.images[0].mode == "RGB"
+    assert prompt.image_tokens == (4,) and prompt.length == len(prompt.ids) + 3
+
+
+def test_images_go_where_their_markers_are_and_the_prompt_is_as_long_as_they_expand(tmp_path, model_dirs):
+    """Two images in order (56x56: 4 tokens, 56x112: 8); data.max_prompt_len compares the expanded
+    length, which the plan and the run's context count too (plan.data_longest)."""
+    (tmp_path / "a.png").write_bytes(png(56, 56, 0))
+    (tmp_path / "b.png").write_bytes(png(56, 112, 1))
+    row = {"prompt": "<image>a<image>b", "answer": "1", "images": ["a.png", "b.png"]}
+    path = write_rows(tmp_path, "jsonl", [row])
+    (prompt,), _ = encode(path, model_dirs["qwen2_vl"])
+    assert prompt.ids == [1, 3, PAD, 4, *chars("a"), 3, PAD, 4, *chars("b")] and prompt.image_tokens == (4, 8)
+    assert prompt.length == len(prompt.ids) + 10 == 19
+    assert [im.size for im in prompt.images] == [(56, 56), (112, 56)]
+    assert encode(path, model_dirs["qwen2_vl"], max_prompt_len=18)[1]["too_long"] == 1  # ids alone are 9
+    assert len(encode(path, model_dirs["qwen2_vl"], max_prompt_len=19)[0]) == 1
+    cfg = C.load(None, {"model.path": str(model_dirs["qwen2_vl"]), "data.path": str(path)})
+    assert plan.data_longest(cfg) == 19
+
+
+def test_every_bad_image_row_stops_in_one_line_naming_it_or_is_skipped(tmp_path, model_dirs):
+    (tmp_path / "a.png").write_bytes(png(56, 56, 0))
+    (tmp_path / "bad.png").write_bytes(b"not an image")
+    good = {"prompt": "<image>a", "answer": "1", "images": ["a.png"]}
+    bad = [
+        ({"prompt": "<image>a", "answer": "1", "images": ["nope.png"]},
+         f"images[0]: image 'nope.png': no such file (relative to {tmp_path}); a path is relative to the data "
+         "file's directory"),
+        ({"prompt": "<image>a", "answer": "1", "images": ["bad.png"]}, "images[0]: image 'bad.png': unreadable"),
+        ({"prompt": "<image><image>a", "answer": "1", "images": ["a.png"]},
+         "2 image marker(s) ('<image>' in the text or {\"type\": \"image\"} parts) for 1 image(s) in 'images': "
+         "give one marker per image, in the images' order"),
+        ({"prompt": "a", "answer": "1", "images": ["a.png"]}, "0 image marker(s)"),
+        ({"prompt": "<image>a", "answer": "1"}, "1 image marker(s) ('<image>' in the text or"),
+        ({"prompt": "<image><|image_pad|>a", "answer": "1", "images": ["a.png"]},
+         "its tokens hold 2 image token(s) for 1 image(s)"),
+        ({"messages": [{"role": "user", "content": [{"type": "video"}]}], "answer": "1"},
+         "'messages' must be a list of"),
+    ]  # fmt: skip
+    for row, why in bad:
+        path = write_rows(tmp_path, "jsonl", [good, row])
+        with pytest.raises(data.DataError) as e:
+            encode(path, model_dirs["qwen2_vl"])
+        assert str(e.value).startswith(f"{path}:2: {why}"), str(e.value)
+        assert "\n" not in str(e.value) and str(e.value).endswith("(data.on_error=skip skips malformed rows)")
+        prompts, dropped = encode(path, model_dirs["qwen2_vl"], on_error="skip")
+        assert len(prompts) == 1 and dropped["malformed"] == 1
+    pq.write_table(pa.Table.from_pylist([{"prompt": "<image>a", "answer": "1", "images": [b"not an image"]}]),
+                   tmp_path / "d.parquet")  # fmt: skip
+    with pytest.raises(data.DataError, match=r"d.parquet row 0: images\[0\]: image 12 bytes: unreadable \(") as e:
+        encode(tmp_path / "d.parquet", model_dirs["qwen2_vl"])
+    assert "\n" not in str(e.value)
+    with pytest.raises(data.DataError, match=r"d.jsonl:1: a row with 1 image\(s\), but the model is text-only"):
+        cfg = DataConfig(path=str(path))
+        data.encode(data.load_rows(cfg, "train"), tokenizer(), cfg, str(path))  # no Vision: a text-only model
+
+
+def test_a_run_with_image_prompts_stops_before_any_engine_until_they_are_wired(tmp_path, model_dirs):
+    """The data is read and checked; the rollout and the trainer do not take images yet (issue 74):
+    one line, from where the run loads its prompts (resolve.images_not_wired)."""
+    (tmp_path / "a.png").write_bytes(png(56, 56, 0))
+    path = write_rows(tmp_path, "jsonl", [{"prompt": "<image>a", "answer": "1", "images": ["a.png"]}])
+    world = SimpleNamespace(device=torch.device("cpu"), size=1, main=True)
+    over = {"model.path": str(model_dirs["qwen2_vl"]), "data.path": str(path), "train.prompts_per_step": 1}
+    with pytest.raises(UserError, match="1 prompt.s. have images, and vision-language training is not wired yet"):
+        resolve.run_config(C.load(None, over), world)

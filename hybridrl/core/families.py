@@ -115,6 +115,13 @@ class VisionFamily:
     projector: tuple[str, ...] = ("model.visual.merger.",)  # its features -> the text embedding space
     image_token: str = "<|image_pad|>"  # one a prompt holds per image; vLLM and images.expand make it a run
     image_wrap: tuple[str, str] = ("<|vision_start|>", "<|vision_end|>")
+    # what a model directory without them takes (data/images.py's Vision): the patch grid, and the
+    # pixel bounds of the family's released preprocessor_config.json (min_pixels/max_pixels, or
+    # size's shortest_edge/longest_edge)
+    patch: int = 14
+    merge: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 16384
 
 
 VISION_FAMILIES = {
@@ -126,6 +133,9 @@ VISION_FAMILIES = {
             "qwen3_vl",
             "Qwen3VLForConditionalGeneration",
             projector=("model.visual.merger.", "model.visual.deepstack_merger_list."),
+            patch=16,
+            min_pixels=256 * 256,
+            max_pixels=4096 * 4096,
         ),
     )
 }

@@ -167,6 +167,12 @@ class RolloutConfig(Freezable):
         valid=">= 0",
     )
     enable_prefix_caching: bool = knob(True, "Reuse a prompt's KV cache across its n samples.")
+    images_per_prompt: int = knob(
+        4,
+        "Vision-language models: the most images one prompt holds; vLLM sizes its encoder's profile and "
+        "cache for them, and takes no video.",
+        valid=">= 1",
+    )
     enforce_eager: bool = knob(
         True,
         "Skip graph capture/compilation. Unset: False on GPUs (vLLM decodes with CUDA "
@@ -563,7 +569,11 @@ class DataConfig(Freezable):
         ".csv file, or a directory written by datasets' save_to_disk.",
     )
     heldout_path: str = knob("", "Held-out prompts for evaluation (default: the demo's held-out split, or none).")
-    prompt_key: str = knob("prompt", "Column holding the prompt text.")
+    prompt_key: str = knob(
+        "prompt",
+        "Column holding the prompt text (or its chat turns, as data.messages_key's); for a "
+        "vision-language model an '<image>' marker places each image of the row's 'images' column.",
+    )
     answer_key: str = knob("answer", "Column holding the reference answer passed to the reward.")
     max_prompt_len: int = knob(
         512, "Prompts longer than this many tokens are dropped (counted; verl's 512).", valid=">= 1"
@@ -572,7 +582,9 @@ class DataConfig(Freezable):
         "messages",
         "Column of chat-format rows: a list of {role, content} turns (system, "
         "user, ...), rendered with the tokenizer's chat template; used when a row has no "
-        "data.prompt_key. A trailing assistant turn is left out (the model writes it).",
+        "data.prompt_key. A trailing assistant turn is left out (the model writes it). A content may "
+        "be a list of {type: text, text} and {type: image} parts (TRL's), each image from the "
+        "row's 'images' column.",
     )
     chat_template: Literal["auto", "on", "off"] = knob(
         "auto",

@@ -767,22 +767,27 @@ def dry_run(
 
 
 def data_longest(cfg: Config) -> int:
-    """The longest training or held-out prompt in tokens, as a run encodes them; 0 where the model's
-    tokenizer is not on this machine (the plan then counts data.max_prompt_len) or for the demo."""
+    """The longest training or held-out prompt in tokens, as a run encodes them (images as the
+    tokens they become); 0 where the model's tokenizer is not on this machine (the plan then counts
+    data.max_prompt_len) or for the demo."""
     if cfg.model.path == "demo":
         return 0
     from transformers import AutoTokenizer
 
     from hybridrl.core.config import UserError
+    from hybridrl.data.images import Vision
     from hybridrl.data.prompts import encode, load_rows
 
     try:  # a recipe planned on another machine than its run's may have neither
         tok = AutoTokenizer.from_pretrained(
             cfg.model.path, trust_remote_code=cfg.model.trust_remote_code, local_files_only=True
         )
+        vision = Vision.of(cfg.model.path, tok, local_files_only=True)
         kept = [
-            p for split in ("train", "heldout") for p in encode(load_rows(cfg.data, split), tok, cfg.data, split)[0]
+            p
+            for split in ("train", "heldout")
+            for p in encode(load_rows(cfg.data, split), tok, cfg.data, split, vision)[0]
         ]
     except (OSError, ValueError, UserError):
         return 0
-    return max((len(p.ids) for p in kept), default=0)
+    return max((p.length for p in kept), default=0)

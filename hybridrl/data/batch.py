@@ -38,6 +38,9 @@ class Sample:
     # partial rollouts (data/partial.py): the policy version (optimizer updates before it) that sampled
     # each completion token; None = all by the version of this step
     versions: list[int] | None = None
+    # vision-language prompts: the prompt's ids as vLLM ran them, each image's placeholder expanded into
+    # its patch tokens (data/images.py); None for a text prompt (its ids are the ones sent)
+    prompt_ids: list[int] | None = None
 
 
 class Packed(NamedTuple):

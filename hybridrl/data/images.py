@@ -8,15 +8,105 @@ no error). `expand` makes the same run here from the image processor's grids, so
 are vLLM's. `rope_positions` gives one sample's multimodal rotary positions as [4, T]: the text
 position first (transformers' Qwen-VL models find packed samples from it, where positions restart),
 then t, h and w; samples concatenated along T keep their own positions and attend only to themselves.
+`Vision` is what the data path needs of a model to take images: its placeholder, the patch grid and
+the pixel bounds images are fitted to, read from its config.json and preprocessor_config.json.
 """
 
 from __future__ import annotations
 
 import io
+import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from hybridrl.core.config import ConfigError
+from hybridrl.core.families import VisionFamily, vision_family
+
+if TYPE_CHECKING:  # the data path imports this module; torch loads where positions are computed
+    import torch
+
+
+@dataclass(frozen=True)
+class Vision:
+    """How a vision-language model takes images: `Vision.of(model, tokenizer)`, None for a text-only
+    model. A prompt holds `placeholder` once per image (its `image_token_id` once); each image is
+    `fit` to multiples of `factor` within [min_pixels, max_pixels] and becomes `tokens(image)` tokens."""
+
+    family: VisionFamily
+    placeholder: str  # image_wrap[0] + image_token + image_wrap[1], what a prompt's text holds per image
+    image_token_id: int
+    patch: int  # pixels of a patch side
+    merge: int  # patches merged per side into one token
+    min_pixels: int
+    max_pixels: int
+
+    @property
+    def factor(self) -> int:
+        return self.patch * self.merge
+
+    @classmethod
+    def of(cls, model: Any, tokenizer, *, local_files_only: bool = False) -> Vision | None:
+        """`model`: a model directory or hub name (its config.json and preprocessor_config.json
+        read), or its config (a dict or a transformers config: the pixel bounds are then the
+        family's). Values the files do not give are the family's (VisionFamily's defaults). A
+        tokenizer that does not encode the placeholder as one image token is a ConfigError."""
+        files = isinstance(model, (str, Path))
+        conf = _model_json(model, "config.json", local_files_only) if files else None
+        if files and conf is None:
+            raise ConfigError(f"model {model}: no config.json to read its vision settings from")
+        if conf is None:
+            conf = model if isinstance(model, dict) else model.to_dict()
+        family = vision_family(conf)
+        if family is None:  # a text-only model: its preprocessor file (if any) is never asked for
+            return None
+        pre = (_model_json(model, "preprocessor_config.json", local_files_only) if files else None) or {}
+        v = conf.get("vision_config") or {}
+        size = pre.get("size") or {}  # transformers 5: {shortest_edge, longest_edge} are the pixel bounds
+        placeholder = family.image_wrap[0] + family.image_token + family.image_wrap[1]
+        token = conf.get("image_token_id", tokenizer.convert_tokens_to_ids(family.image_token))
+        ids = tokenizer(placeholder, add_special_tokens=False)["input_ids"]
+        if ids.count(token) != 1:
+            raise ConfigError(
+                f"the tokenizer encodes {placeholder!r} as {ids}, not with the model's image token {token} once: "
+                f"its tokenizer must hold {family.image_token!r} as a special token (use the model's own)"
+            )
+        return cls(
+            family,
+            placeholder,
+            token,
+            patch=int(pre.get("patch_size") or v.get("patch_size") or family.patch),
+            merge=int(pre.get("merge_size") or v.get("spatial_merge_size") or family.merge),
+            min_pixels=int(size.get("shortest_edge") or pre.get("min_pixels") or family.min_pixels),
+            max_pixels=int(size.get("longest_edge") or pre.get("max_pixels") or family.max_pixels),
+        )
+
+    def fit(self, image):
+        """`image` at the size the model's image processor would give it (`fit`)."""
+        return fit(image, self.factor, self.min_pixels, self.max_pixels)
+
+    def tokens(self, image) -> int:
+        """The image tokens `image` becomes once fitted: grid (h / patch) x (w / patch) / merge^2."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+        h, w = smart_resize(
+            image.height, image.width, factor=self.factor, min_pixels=self.min_pixels, max_pixels=self.max_pixels
+        )
+        return (h // self.patch) * (w // self.patch) // self.merge**2
+
+
+def _model_json(model: str | Path, name: str, local_files_only: bool) -> dict | None:
+    """A JSON file of a model directory or hub repository (its cache, or the hub as transformers
+    would read it); None where it has none."""
+    p = Path(model).expanduser()
+    if p.is_dir():
+        return json.loads((p / name).read_text()) if (p / name).is_file() else None
+    try:
+        from huggingface_hub import hf_hub_download
+
+        return json.loads(Path(hf_hub_download(str(model), name, local_files_only=local_files_only)).read_text())
+    except Exception:  # noqa: BLE001 - not on the hub, not cached, offline: the file is absent
+        return None
 
 
 def load(value: Any, base: Path | None = None):
@@ -70,6 +160,8 @@ def expand(ids: list[int], grid_thw: torch.Tensor, pad: int, merge: int) -> list
 def rope_positions(model, ids: list[int], grid_thw: torch.Tensor, pad: int) -> torch.Tensor:
     """[4, T] long: the expanded prompt-and-completion `ids`' text positions (0..T-1), then the
     multimodal t, h, w positions the model's own get_rope_index gives them."""
+    import torch
+
     t = torch.tensor([ids])
     text = torch.arange(len(ids))[None]
     if not (t == pad).any():  # a text-only sample: every row is its text position

@@ -18,7 +18,17 @@ object, a missing key, a prompt that is not a non-empty string, bytes that are n
 with its location (`file:line` for line formats, `file row i`, 0-based, for tables) and what to
 change, or with
 `data.on_error=skip` is skipped, counted, and logged once with the first location. Prompts
-longer than `data.max_prompt_len` tokens are dropped and counted.
+longer than `data.max_prompt_len` tokens (images counted expanded) are dropped and counted.
+
+Images (a vision-language model's, `images.Vision`): a row's `images` column (a list; or `image`,
+one) holds paths (relative to the directory of the data file or dataset directory), bytes, `datasets`
+Image dicts or PIL images; the text says where each goes, in order, with an `<image>` marker (verl's
+`prompt`) or a `{"type": "image"}` content part (TRL's `messages`, whose turns' content may be a
+list of `{"type": "text", "text": ...}` and image parts). Each becomes the family's placeholder
+string in the text before the chat template (any template works), so `Prompt.ids` hold one image
+token per image, as vLLM takes them; the reward sees the text with `<image>` markers. A missing or
+unreadable image, markers and images that differ in number, or images for a text-only model are
+malformed rows like the others.
 """
 
 from __future__ import annotations
@@ -33,6 +43,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridrl.core.config import ConfigError, DataConfig, UserError
+from hybridrl.core.families import VISION_FAMILIES
+from hybridrl.data import images as image_io
 
 log = logging.getLogger("hybridrl")
 
@@ -43,9 +55,16 @@ class DataError(UserError):
 
 @dataclass
 class Prompt:
-    text: str
-    ids: list[int]  # token ids vLLM receives (chat template applied if any)
+    text: str  # what the reward sees as the prompt (images as '<image>' markers)
+    ids: list[int]  # token ids vLLM receives (chat template applied if any): one image token per image
     answer: str
+    images: tuple = ()  # PIL images, RGB, fitted to the model's patch grid and pixel bounds (Vision.fit)
+    image_tokens: tuple[int, ...] = ()  # the tokens each image becomes (Vision.tokens)
+
+    @property
+    def length(self) -> int:
+        """Tokens of the prompt as the model runs it: each image's one token expanded to its own."""
+        return len(self.ids) + sum(self.image_tokens) - len(self.image_tokens)
 
 
 @dataclass
@@ -53,6 +72,7 @@ class Row:
     where: str  # how a user finds it: "train.jsonl:12", "train.parquet row 3"
     value: Any  # the parsed row; a dict when well formed
     problem: str = ""  # set by a reader that could not parse the row at all
+    base: Path | None = None  # the directory an image path is relative to: the data file's
 
 
 # --- readers: path -> rows (a broken file raises; a broken row is passed on with its problem) ----
@@ -165,15 +185,16 @@ def read_rows(path: str, split: str = "train") -> list[Row]:
     p = Path(path)
     if not p.exists():
         raise DataError(f"data file {path} not found")
-    if p.is_dir():
-        return _saved_dataset(p, split)
-    reader = READERS.get(p.suffix.lower())
+    reader = (lambda p: _saved_dataset(p, split)) if p.is_dir() else READERS.get(p.suffix.lower())
     if reader is None:
         raise DataError(
             f"{path}: unknown format {p.suffix!r}; use .jsonl, .json, .parquet, .csv "
             "or a directory written by datasets' save_to_disk"
         )
-    return reader(p)
+    rows = reader(p)
+    for r in rows:
+        r.base = p.parent  # an image path is relative to where the data is
+    return rows
 
 
 def load_rows(cfg: DataConfig, split: str) -> list[Row]:
@@ -187,27 +208,103 @@ def load_rows(cfg: DataConfig, split: str) -> list[Row]:
 
 
 # --- rows -> prompts -----------------------------------------------------------------------------
+MARKER = "<image>"  # where a plain prompt's (verl's) image goes
+
+
 def _turns(row: dict, cfg: DataConfig) -> list[dict] | None:
-    """A chat-format row's turns up to the last non-assistant one; None for a plain-prompt row."""
-    if cfg.prompt_key in row or cfg.messages_key not in row:
+    """A chat-format row's turns up to the last non-assistant one: `data.messages_key`'s, or a
+    `data.prompt_key` that holds turns (verl's and TRL's conversational rows); None for a plain-prompt row."""
+    if isinstance(row.get(cfg.prompt_key), list):
+        turns = list(row[cfg.prompt_key])
+    elif cfg.prompt_key in row or cfg.messages_key not in row:
         return None
-    turns = list(row[cfg.messages_key] or [])
+    else:
+        turns = list(row[cfg.messages_key] or [])
     while turns and isinstance(turns[-1], dict) and turns[-1].get("role") == "assistant":
         turns.pop()  # the reference reply of a chat dataset: the model writes its own
     return turns
 
 
-def _chat_problem(turns: list, cfg: DataConfig) -> str:
+def _part_ok(part: Any) -> bool:
+    """A turn's content part: {"type": "text", "text": "..."} or {"type": "image"} (TRL's layout)."""
+    return isinstance(part, dict) and (
+        part.get("type") == "image" or (part.get("type") == "text" and isinstance(part.get("text"), str))
+    )
+
+
+def _chat_problem(turns: list, key: str) -> str:
     if not turns or not all(
-        isinstance(t, dict) and isinstance(t.get("role"), str) and isinstance(t.get("content"), str) for t in turns
+        isinstance(t, dict)
+        and isinstance(t.get("role"), str)
+        and (
+            isinstance(t.get("content"), str)
+            or (isinstance(t.get("content"), list) and all(map(_part_ok, t["content"])))
+        )
+        for t in turns
     ):
         return (
-            f'\'{cfg.messages_key}\' must be a list of {{"role": ..., "content": "..."}} turns with at least '
-            "one before the assistant's"
+            f'\'{key}\' must be a list of {{"role": ..., "content": "..."}} turns with at least one before the '
+            'assistant\'s (a content may be a list of {"type": "text", "text": "..."} and {"type": "image"} parts)'
         )
     if not any(t["role"] == "user" and t["content"] for t in turns):
-        return f"'{cfg.messages_key}' has no non-empty user turn"
+        return f"'{key}' has no non-empty user turn"
     return ""
+
+
+def _image_values(row: dict) -> list:
+    """The row's images: its `images` column (a list, TRL's and verl's) or its `image` (one)."""
+    value = row.get("images")
+    if value is None:
+        value = row.get("image")
+        return [] if value is None else [value]
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _render(content: str | list, placeholder: str) -> tuple[str, str, int]:
+    """A prompt's or turn's content as (the text the tokenizer gets, each image `placeholder`;
+    the text the reward sees, each image a '<image>' marker; the images it places)."""
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+    model, reward, n = [], [], 0
+    for part in parts:
+        if part["type"] == "image":
+            model.append(placeholder)
+            reward.append(MARKER)
+            n += 1
+        else:
+            model.append(part["text"].replace(MARKER, placeholder))
+            reward.append(part["text"])
+            n += part["text"].count(MARKER)
+    return "".join(model), "".join(reward), n
+
+
+def _image_problem(row: Row, vision: image_io.Vision | None, placed: int) -> tuple[list, list[int], str]:
+    """The row's images loaded and fitted, the tokens each becomes, and what is wrong with them ('')."""
+    values, problem = _image_values(row.value), ""
+    if vision is None:
+        problem = (
+            f"a row with {max(len(values), placed)} image(s), but the model is text-only (not a vision-language "
+            f"family: {', '.join(sorted(VISION_FAMILIES))}); train a vision-language model or give rows "
+            "without images"
+        )
+    elif placed != len(values):
+        problem = (
+            f'{placed} image marker(s) (\'{MARKER}\' in the text or {{"type": "image"}} parts) for '
+            f"{len(values)} image(s) in 'images': give one marker per image, in the images' order"
+        )
+    if problem or vision is None:
+        return [], [], problem
+    loaded = []
+    for i, value in enumerate(values):
+        try:
+            loaded.append(vision.fit(image_io.load(value, row.base)))
+        except ValueError as e:
+            why = str(e)
+            if "no such file" in why:
+                why += "; a path is relative to the data file's directory"
+            elif "unreadable" in why:
+                why += "; give an image file PIL reads (PNG, JPEG, WebP, ...)"
+            return [], [], f"images[{i}]: {why}"
+    return loaded, [vision.tokens(im) for im in loaded], ""
 
 
 def _code_tests(row: dict) -> tuple[dict | None, str]:
@@ -224,11 +321,6 @@ def _problem(row: Any, cfg: DataConfig) -> str:
     """What is wrong with a parsed row ('' if nothing)."""
     if not isinstance(row, dict):
         return f"expected an object with a '{cfg.prompt_key}' field, got {type(row).__name__}"
-    if row.get("images") or row.get("image"):  # TRL's and verl's image columns: read as text, they would be lost
-        return (
-            "a row with images needs vision-language RL, which is not built yet (docs/design/vision.md): "
-            "give text prompts without the 'images' column"
-        )
     spec, bad = _code_tests(row)
     if bad:
         return bad
@@ -238,7 +330,8 @@ def _problem(row: Any, cfg: DataConfig) -> str:
     if turns is not None:
         if cfg.answer_key and cfg.answer_key not in row:
             return f"no '{cfg.answer_key}' field (has {sorted(map(str, row))}); set data.answer_key"
-        return _chat_problem(turns, cfg) or (
+        key = cfg.prompt_key if cfg.prompt_key in row else cfg.messages_key
+        return _chat_problem(turns, key) or (
             f"'{cfg.answer_key}' is null" if cfg.answer_key and row[cfg.answer_key] is None else ""
         )
     if cfg.prompt_key not in row:
@@ -327,9 +420,55 @@ def template_choice(rows: list[Row], tokenizer, cfg: DataConfig) -> dict[str, tu
     return {"data.chat_template": ("on", "auto, the tokenizer has a chat template")}
 
 
-def encode(rows: list[Row], tokenizer, cfg: DataConfig, source: str) -> tuple[list[Prompt], dict[str, int]]:
+def _prompt(
+    row: Row, tokenizer, cfg: DataConfig, vision: image_io.Vision | None, template: bool, as_given: bool
+) -> tuple[Prompt | None, str]:
+    """A well-formed row as a Prompt, or what is wrong with its images. `template`: wrap a plain
+    prompt in the chat template; `as_given`: it carries the template's markers already."""
+    value = row.value
+    turns = _turns(value, cfg)
+    placeholder = vision.placeholder if vision is not None else MARKER  # text-only: a marker stays text
+    if turns is not None:
+        rendered = [(t["role"], *_render(t["content"], placeholder)) for t in turns]
+        chat = [{"role": role, "content": text} for role, text, _, _ in rendered]
+        text = [reward for role, _, reward, _ in rendered if role == "user"][-1]
+        placed = sum(n for *_, n in rendered)
+        parts = any(isinstance(t["content"], list) and any(p["type"] == "image" for p in t["content"]) for t in turns)
+    else:
+        model_text, text, placed = _render(value[cfg.prompt_key], placeholder)
+        chat, parts = [{"role": "user", "content": model_text}], False
+    pictures: list = []
+    tokens: list[int] = []
+    if _image_values(value) or parts or (vision is not None and placed):
+        pictures, tokens, problem = _image_problem(row, vision, placed)
+        if problem:
+            return None, problem
+    if turns is not None and not getattr(tokenizer, "chat_template", None):  # chat format: always templated
+        key = cfg.prompt_key if cfg.prompt_key in value else cfg.messages_key
+        raise DataError(
+            f"{row.where}: chat-format rows ('{key}') need a tokenizer with a chat "
+            "template; set tokenizer.chat_template or give plain prompts"
+        )
+    if turns is not None or (template and not as_given):
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+    else:  # a rendered prompt brings its own special tokens (a second BOS would not be the template's)
+        model_text = chat[0]["content"]
+        ids = (tokenizer(model_text, add_special_tokens=False) if as_given else tokenizer(model_text))["input_ids"]
+    if vision is not None and list(ids).count(vision.image_token_id) != len(pictures):
+        return None, (
+            f"its tokens hold {list(ids).count(vision.image_token_id)} image token(s) for {len(pictures)} "
+            f"image(s): the text holds {vision.family.image_token!r} itself, or the chat template drops an image; "
+            f"mark images with '{MARKER}' only"
+        )
+    return Prompt(text, list(ids), _row_answer(value, cfg), tuple(pictures), tuple(tokens)), ""
+
+
+def encode(
+    rows: list[Row], tokenizer, cfg: DataConfig, source: str, vision: image_io.Vision | None = None
+) -> tuple[list[Prompt], dict[str, int]]:
     """Check and tokenize rows; returns the kept prompts and how many were dropped, by reason
-    ({"too_long": n, "malformed": m}). `data.answer_key` '' means rows carry no answer."""
+    ({"too_long": n, "malformed": m}). `data.answer_key` '' means rows carry no answer. `vision`:
+    how the model takes images (`images.Vision.of`); None, a text-only model, refuses rows with images."""
     has_template = bool(getattr(tokenizer, "chat_template", None))
     if cfg.chat_template == "on" and not has_template:
         raise ConfigError("data.chat_template=on but the tokenizer has no chat template; set data.chat_template=off")
@@ -337,34 +476,19 @@ def encode(rows: list[Row], tokenizer, cfg: DataConfig, source: str) -> tuple[li
     as_given = cfg.chat_template != "off" and has_template and rendered_prompts(rows, tokenizer, cfg, source)
     out, too_long, malformed, first = [], 0, 0, ""
     for row in rows:
-        problem = row.problem or _problem(row.value, cfg)
-        if problem:
+        prompt, problem = None, row.problem or _problem(row.value, cfg)
+        if not problem:
+            prompt, problem = _prompt(row, tokenizer, cfg, vision, use_template, as_given)
+        if problem or prompt is None:
             if cfg.on_error != "skip":
                 raise DataError(f"{row.where}: {problem} (data.on_error=skip skips malformed rows)")
             malformed += 1
             first = first or f"{row.where}: {problem}"
             continue
-        turns = _turns(row.value, cfg)
-        if turns is not None:  # chat format: always through the template
-            if not has_template:
-                raise DataError(
-                    f"{row.where}: chat-format rows ('{cfg.messages_key}') need a tokenizer with a chat "
-                    "template; set tokenizer.chat_template or give plain prompts"
-                )
-            text = [t["content"] for t in turns if t["role"] == "user"][-1]
-            ids = tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=True, return_dict=False)
-        elif use_template and not as_given:
-            text = row.value[cfg.prompt_key]
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
-            )
-        else:  # a rendered prompt brings its own special tokens (a second BOS would not be the template's)
-            text = row.value[cfg.prompt_key]
-            ids = (tokenizer(text, add_special_tokens=False) if as_given else tokenizer(text))["input_ids"]
-        if len(ids) > cfg.max_prompt_len:
+        if prompt.length > cfg.max_prompt_len:  # images counted as the tokens they become
             too_long += 1
             continue
-        out.append(Prompt(text, list(ids), _row_answer(row.value, cfg)))
+        out.append(prompt)
     if malformed:
         log.warning(
             "%s: skipped %d of %d malformed rows (data.on_error=skip); the first: %s",

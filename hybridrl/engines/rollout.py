@@ -69,6 +69,7 @@ class Generation:
     lost: list = field(default_factory=list)  # (prompt index, sample index, why): own extend()s vLLM refused
     rng: object = None  # a tensor-parallel group's sampling state (vllm_compat.SamplingRNG)
     routes: object = None  # Rollout.routes_of, when the model's routes are recorded
+    images: bool = False  # prompts with images: samples carry the prompt as vLLM expanded it
 
     def extend(self, i: int, j: int, ids: list[int], max_tokens: int, turn: int) -> None:
         """Queue one more request for (prompt i, sample j) while this generation is being iterated:
@@ -141,6 +142,8 @@ class Generation:
                     done.append(
                         Sample(i, ids, lps, c.finish_reason == "stop", c.index if j is None else j, routes=routes)
                     )
+                    if self.images:
+                        done[-1].prompt_ids = list(out.prompt_token_ids)  # expanded by vLLM
             yield done
 
 
@@ -180,6 +183,9 @@ class Rollout:
         self.lora_request = None  # set by the first adapter hand-off; before it, adapter == base (B = 0)
         vllm_compat.exact_float32(cuda=self.cuda, dtype=cfg.model.dtype)
         self.moe = self._moe(model_path)  # a mixture of experts: samples carry their routes (routing.py)
+        self.vision = self._vision(model_path)  # a vision-language model: prompts may hold images
+        if self.vision:
+            vllm_compat.images_without_torchvision(on_cpu)
         with (
             memory.vllm_pool(self.cuda),
             vllm_compat.engine_env(out_of_process=self.out_of_process, local_rank=local_rank, cuda=self.cuda),
@@ -207,6 +213,7 @@ class Rollout:
                     tensor_parallel_size=r.tensor_parallel_size,
                 ),
                 **(vllm_compat.route_kwargs(on_cpu) if self.moe else {}),
+                **(vllm_compat.image_kwargs(r.images_per_prompt) if self.vision else {}),
             )
         self.sender = ipc.BucketSender(cfg.train.sync_bucket_mb << 20, cuda=self.cuda) if self.out_of_process else None
         self.digest = False  # tests: the out-of-process receiver returns a sha256 of every tensor it rebuilt
@@ -225,6 +232,14 @@ class Rollout:
 
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=self.cfg.model.trust_remote_code)
         return routing.wanted(self.cfg, config)[0]
+
+    def _vision(self, model_path: str) -> bool:
+        from transformers import AutoConfig
+
+        from hybridrl.core import families
+
+        config = AutoConfig.from_pretrained(model_path, trust_remote_code=self.cfg.model.trust_remote_code)
+        return families.vision_family(config) is not None
 
     def _record_routes(self, on_cpu: bool) -> bool:
         """Whether samples carry their routes: a MoE model, and vLLM returns them (native_routes) or this
@@ -261,15 +276,17 @@ class Rollout:
             vllm_compat.SamplingRNG(per[0][1], self.cuda),
         )
 
-    def _run(self, prompts: list[list[int]], params: SamplingParams):
-        """vLLM's outputs for `prompts` (one call of LLM.generate, the group's in tensor parallel)."""
+    def _run(self, prompts: list[list[int]], params: SamplingParams, images: list[tuple] | None = None):
+        """vLLM's outputs for `prompts` (one call of LLM.generate, the group's in tensor parallel),
+        with each prompt's `images` if given."""
+        if images is not None:
+            prompts = list(zip(prompts, images))  # type: ignore[arg-type]
         every, counts, rng = self._group(prompts)
         if not every:  # the whole group has nothing to ask (every rank knows it)
             return []
+        asked = [vllm_compat.prompt_of(*p) if images is not None else vllm_compat.prompt_of(p) for p in every]
         with rng.active() if rng is not None else nullcontext():
-            outs = self.llm.generate(
-                [{"prompt_token_ids": p} for p in every], params, use_tqdm=False, lora_request=self.lora_request
-            )
+            outs = self.llm.generate(asked, params, use_tqdm=False, lora_request=self.lora_request)
         return outs[launch.own_slice(counts, self.tp.member)] if self.tp else outs
 
     def generate(
@@ -281,6 +298,7 @@ class Rollout:
         top_p: float,
         max_tokens: int,
         seed: int | None = None,
+        images: list[tuple] | None = None,
     ) -> "Generation":
         """n samples per prompt, with the sampled tokens' log-probs, streamed as they finish.
 
@@ -293,7 +311,8 @@ class Rollout:
         cache shares the prompt's KV. A prompt the engine rejects (longer than max_model_len, a
         token outside the vocabulary) is left out, logged, and listed in `Generation.rejected`.
         A `seed` gives each sample its own request and generator (seed, seed + 1, ...), leaving
-        the engine's sampling stream as it was."""
+        the engine's sampling stream as it was. `images`: each prompt's images (a vision-language
+        model's; the prompt holds one placeholder per image, which vLLM expands)."""
         params = SamplingParams(
             n=n if seed is None else 1,
             temperature=temperature,
@@ -314,33 +333,35 @@ class Rollout:
             self.lora_request,
             self.tp,
             routes=self.routes_of if self.record_routes else None,
+            images=images is not None,
         )
         if self.capture is not None:  # the last generation's samples have taken theirs
             self.capture.reset()
         # tensor parallel: every rank's prompts with its own settings (an episode's room differs by rank),
         # and the group's sampling state from its first member's draw (vllm_compat.SamplingRNG)
+        pictures = images or [()] * len(prompts)
         per = (
-            self.tp.gather((prompts, params, seed, vllm_compat.SamplingRNG.draw()))
+            self.tp.gather((prompts, params, seed, vllm_compat.SamplingRNG.draw(), pictures))
             if self.tp
-            else [(prompts, params, seed, None)]
+            else [(prompts, params, seed, None, pictures)]
         )
         if self.tp:
             gen.rng = vllm_compat.SamplingRNG(per[0][3], self.cuda)
-        for m, (some, params, seed, _) in enumerate(per):
+        for m, (some, params, seed, _, pictures) in enumerate(per):
             mine = self.tp is None or m == self.tp.member
             tag = f"{self._calls}" if self.tp is None else f"{self._calls}-m{m}"  # a group's ranks reuse indices
             for i, ids in enumerate(some):
                 try:
                     if seed is None:
                         rid = f"{tag}-{i}"
-                        vllm_compat.add_request(self.llm, rid, ids, params, self.lora_request)
+                        vllm_compat.add_request(self.llm, rid, ids, params, self.lora_request, pictures[i])
                         gen.keep(rid, (i, None), mine)
                         continue
                     for j in range(n):  # with a seed: one request per sample, each with its own seed
                         rid = f"{tag}-{i}-{j}"
                         own = params.clone()
                         own.seed = seed + i * n + j  # the rank's own prompt index: as with its own engine
-                        vllm_compat.add_request(self.llm, rid, ids, own, self.lora_request)
+                        vllm_compat.add_request(self.llm, rid, ids, own, self.lora_request, pictures[i])
                         gen.keep(rid, (i, j), mine)
                 except vllm_compat.REJECTED as e:  # only the first sample can be refused: the rest are the same
                     if mine:
@@ -405,11 +426,13 @@ class Rollout:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=[self.eos], **self._stop())
         return [list(o.outputs[0].token_ids) for o in self._run(prompts, params)]
 
-    def prompt_logprobs(self, seqs: list[list[int]]) -> list[list[float]]:
-        """log p(seq[t] | seq[:t]) for t >= 1, as vLLM computes it (temperature 1)."""
+    def prompt_logprobs(self, seqs: list[list[int]], images: list[tuple] | None = None) -> list[list[float]]:
+        """log p(seq[t] | seq[:t]) for t >= 1, as vLLM computes it (temperature 1). With `images`
+        (each sequence's, holding one placeholder per image), over the sequence as vLLM expanded it
+        (`expanded_prompts` of the same call)."""
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=1.0, detokenize=False)
         try:
-            outs = self._run(seqs, params)
+            outs = self._run(seqs, params, images)
         except vllm_compat.REJECTED as e:  # the probe's or a caller's sequences: a setting, not a crash
             longest = max(map(len, seqs), default=0)
             raise ConfigError(
@@ -417,7 +440,10 @@ class Rollout:
                 f"{self.cfg.rollout.max_model_len} ({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
                 f"raise --rollout.max_model_len to at least {longest + 1}"
             ) from None
-        return [[d[t].logprob for t, d in zip(s[1:], o.prompt_logprobs[1:])] for s, o in zip(seqs, outs)]
+        self.expanded_prompts = [list(o.prompt_token_ids) for o in outs]
+        return [
+            [d[t].logprob for t, d in zip(s[1:], o.prompt_logprobs[1:])] for s, o in zip(self.expanded_prompts, outs)
+        ]
 
     # --- weights and memory -------------------------------------------------------------------
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

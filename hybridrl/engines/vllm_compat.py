@@ -114,6 +114,69 @@ def engine_kwargs(
     return kw
 
 
+def image_kwargs(images_per_prompt: int) -> dict:
+    """`LLM(...)`'s arguments for a vision-language model: at most `images_per_prompt` images and no
+    video, so vLLM profiles its encoder (and sizes its encoder cache) for images only."""
+    return {"limit_mm_per_prompt": {"image": images_per_prompt, "video": 0}}
+
+
+def images_without_torchvision(on_cpu: bool) -> None:
+    """Let vLLM load a Qwen-VL model where torchvision is missing: the CPU stack, whose torch
+    (+cpu) no registry's torchvision loads against (the registry's are CUDA builds). Images need
+    none of it: transformers' PIL image processors do the same work. Three things reach for it, on
+    vLLM 0.26 and 0.32 alike (docs/design/vision.md, section 2):
+    - vLLM's model modules import `smart_resize` and the image processor class from transformers'
+      torchvision image-processing module: it is given the PIL module's;
+    - their processors (`Qwen2VLProcessor.from_pretrained`) load a video processor, which needs
+      torchvision: a stand-in that has its sizes and refuses videos (engine_kwargs admits none);
+    - vLLM inspects a model's class in a subprocess (to keep CUDA out of the parent), which would
+      miss both: on a CPU there is no CUDA to keep out, so it is inspected here.
+    Nothing changes where torchvision is installed (a GPU node's vLLM requires it)."""
+    import sys
+    import types
+
+    import transformers
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        return
+    from transformers import processing_utils
+    from transformers.models.qwen2_vl import image_processing_pil_qwen2_vl as pil
+    from transformers.video_processing_utils import VideoProcessorMixin
+
+    name = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+    if name not in sys.modules:
+        module = types.ModuleType(name)
+        module.smart_resize = pil.smart_resize  # type: ignore[attr-defined]
+        module.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil  # type: ignore[attr-defined]
+        sys.modules[name] = module
+    processing_utils.transformers_module.VideoProcessorMixin = VideoProcessorMixin  # the class check's lookup
+    processing_utils._LazyAutoProcessorMapping._MAPPING_NAMES["video_processor"] = (__name__, "NoVideoProcessor")
+    if on_cpu:
+        from vllm.model_executor.models import registry
+
+        registry._run_in_subprocess = lambda fn: fn()
+    globals()["NoVideoProcessor"] = _no_video_processor(transformers, VideoProcessorMixin)
+
+
+def _no_video_processor(transformers, mixin):
+    class NoVideoProcessor(mixin):
+        """A Qwen-VL video processor's sizes, read from the model's image processor; no videos."""
+
+        model_input_names = ["pixel_values_videos", "video_grid_thw"]
+
+        @classmethod
+        def from_pretrained(cls, path, **kw):
+            image = transformers.AutoImageProcessor.from_pretrained(path, backend="pil")
+            sizes = ("patch_size", "merge_size", "temporal_patch_size", "size", "image_mean", "image_std")
+            return cls(**{k: getattr(image, k) for k in sizes}, fps=2.0, min_frames=4, max_frames=768)
+
+        def __call__(self, *args, **kwargs):
+            raise ValueError("videos need torchvision, which this machine's torch has none of")
+
+    return NoVideoProcessor
+
+
 def _pass_config_has(name: str) -> bool:
     try:
         from vllm.config.compilation import PassConfig
@@ -441,12 +504,22 @@ def _rejections() -> tuple[type[BaseException], ...]:
 REJECTED = _rejections()
 
 
-def add_request(llm: LLM, request_id: str, prompt_ids: list[int], params: SamplingParams, lora_request=None) -> None:
+def prompt_of(prompt_ids: list[int], images=()) -> dict:
+    """vLLM's prompt for token ids holding one placeholder per image (data/images.py): vLLM expands
+    each into the image's patch tokens itself, on every version from 0.26 (its processor applies
+    its prompt updates to token prompts), and returns the expanded ids as the output's
+    `prompt_token_ids`."""
+    return {"prompt_token_ids": prompt_ids, **({"multi_modal_data": {"image": list(images)}} if images else {})}
+
+
+def add_request(
+    llm: LLM, request_id: str, prompt_ids: list[int], params: SamplingParams, lora_request=None, images=()
+) -> None:
     """Queue one request on the engine, final output only (what `LLM.generate` does per prompt),
-    served with `lora_request`'s adapter if given. Raises one of REJECTED if the engine will not
-    serve it."""
+    served with `lora_request`'s adapter if given, with the prompt's `images` (PIL) if any. Raises
+    one of REJECTED if the engine will not serve it."""
     params.output_kind = RequestOutputKind.FINAL_ONLY
-    prompt = {"prompt_token_ids": prompt_ids}
+    prompt = prompt_of(prompt_ids, images)
     if hasattr(llm, "_preprocess_cmpl_one"):  # vLLM >= 0.30 renders prompts before the engine sees them
         prompt = llm._preprocess_cmpl_one(prompt)
     llm.llm_engine.add_request(request_id, prompt, params, lora_request=lora_request)

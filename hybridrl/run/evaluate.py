@@ -94,7 +94,7 @@ def run(target: str, cfg) -> dict:
     HF directory, or a model directory / hub name), build vLLM alone and evaluate once."""
     from hybridrl.core import environ
     from hybridrl.core.config import UserError
-    from hybridrl.data import prompts, rewards
+    from hybridrl.data import images, prompts, rewards
     from hybridrl.engines.rollout import Rollout
     from hybridrl.run import export, resolve
 
@@ -110,8 +110,12 @@ def run(target: str, cfg) -> dict:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
-        heldout, dropped = prompts.encode(prompts.load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")
+        vision = images.Vision.of(path, tokenizer)
+        heldout, dropped = prompts.encode(
+            prompts.load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out", vision
+        )
         heldout = heldout[: cfg.log.eval_size or None]
+        resolve.images_not_wired(heldout)
         if not heldout:
             raise UserError("no held-out prompts to evaluate: pass --data FILE (or set data.heldout_path)")
         rollout = Rollout(

@@ -24,8 +24,9 @@ import logging
 from dataclasses import dataclass
 
 from hybridrl.core import launch, memory, models, platform, recipe
-from hybridrl.core.config import Config, ConfigError, freeze, put
+from hybridrl.core.config import Config, ConfigError, UserError, freeze, put
 from hybridrl.cycle import plan
+from hybridrl.data.images import Vision
 from hybridrl.data.prompts import encode, load_rows, template_choice
 from hybridrl.engines import policy
 from hybridrl.run import checkpoint
@@ -68,11 +69,14 @@ def run_config(cfg: Config, world) -> Resolved:
             trust_remote_code=cfg.model.trust_remote_code,
             full=cfg.algo.distill_loss == "full",
         )
+    vision = Vision.of(model_path, tokenizer)  # None: a text-only model, which refuses rows with images
     rows = load_rows(cfg.data, "train")
-    prompts, dropped = encode(rows, tokenizer, cfg.data, cfg.data.path)
-    heldout = encode(load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out")[0][: cfg.log.eval_size or None]
+    prompts, dropped = encode(rows, tokenizer, cfg.data, cfg.data.path, vision)
+    heldout = encode(load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out", vision)[0]
+    heldout = heldout[: cfg.log.eval_size or None]
+    images_not_wired(prompts + heldout)
     cfg = recipe.fit_to_data(
-        cfg, info, max((len(p.ids) for p in prompts + heldout), default=0), on_cpu=on_cpu, world_size=world.size
+        cfg, info, max((p.length for p in prompts + heldout), default=0), on_cpu=on_cpu, world_size=world.size
     )  # the context the data needs, before the plan counts it
     cfg = plan_memory(cfg, model_path, world, on_cpu)  # every phase on the device; what the user left unset
     if cfg.train.prompts_per_step % world.size:
@@ -119,6 +123,19 @@ def run_config(cfg: Config, world) -> Resolved:
         layout,
         resumed,
     )
+
+
+def images_not_wired(prompts: list) -> None:
+    """Prompts with images stop here, before any engine starts, until the rollout and the trainer
+    take them (issue 74: vLLM's multi_modal_data, the trainer's pixel_values and positions); the
+    data path reads and checks them already. Remove this, and its calls (run_config,
+    evaluate.run), when they do."""
+    n = sum(bool(p.images) for p in prompts)
+    if n:
+        raise UserError(
+            f"{n} prompt(s) have images, and vision-language training is not wired yet (the data is read "
+            "and checked; vLLM and the trainer do not take images yet: issue 74); give text prompts"
+        )
 
 
 def eval_config(

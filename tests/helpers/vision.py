@@ -19,6 +19,9 @@ def _text(**kw) -> dict:
         num_attention_heads=2,
         num_key_value_heads=1,
         max_position_embeddings=256,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
         **kw,
     )
 
@@ -41,7 +44,14 @@ def tiny_vlm(model_type: str, seed: int = 0):
     conf_cls, model_cls = CONFIGS[model_type]
     rope = {**ROPE, "mrope_interleaved": True} if model_type == "qwen3_vl" else ROPE
     text = _text(rope_parameters=rope, **({"head_dim": 32} if model_type == "qwen3_vl" else {}))
-    conf = conf_cls(text_config=text, vision_config=VISION[model_type], tie_word_embeddings=False, **IDS)
+    conf = conf_cls(
+        text_config=text,
+        vision_config=VISION[model_type],
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        **IDS,
+    )
     torch.manual_seed(seed)
     return model_cls(conf).float().eval()
 
@@ -59,3 +69,49 @@ def image_processor(model):
         min_pixels=factor * factor,
         max_pixels=(4 * factor) ** 2,
     )
+
+
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
+CHARS = list("0123456789abcdefghijklmnopqrstuvwxyz ?:.,")  # one token a character, after the specials
+
+
+def tokenizer():
+    """A character-level tokenizer whose first ids are IDS' (vision start/end 3/4, image 5, video 6),
+    with a chat template that writes each turn's content as it is."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={t: i for i, t in enumerate(SPECIALS + CHARS)}, unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+    fast.add_special_tokens({"additional_special_tokens": SPECIALS[3:]})
+    fast.chat_template = "<bos>{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    return fast
+
+
+def write(dest, model_type: str = "qwen2_vl", seed: int = 0):
+    """A tiny model of the family as a directory vLLM and transformers load: weights, tokenizer and a
+    preprocessor_config.json whose pixel bounds keep every image between 1 and 16 image tokens."""
+    import json
+    from pathlib import Path
+
+    dest = Path(dest)
+    model = tiny_vlm(model_type, seed)
+    model.save_pretrained(dest)
+    tokenizer().save_pretrained(dest)
+    v = model.config.vision_config
+    factor = v.patch_size * v.spatial_merge_size
+    pre = dict(
+        image_processor_type="Qwen2VLImageProcessor",
+        patch_size=v.patch_size,
+        merge_size=v.spatial_merge_size,
+        temporal_patch_size=2,
+        min_pixels=factor * factor,
+        max_pixels=(4 * factor) ** 2,
+        size={"shortest_edge": factor * factor, "longest_edge": (4 * factor) ** 2},
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    )
+    (dest / "preprocessor_config.json").write_text(json.dumps(pre, indent=1))
+    return dest
