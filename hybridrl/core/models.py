@@ -304,16 +304,26 @@ def _servable(name: str, archs: list[str], model_type: str) -> str:
     )
 
 
-def _count_params(config, trust_remote_code: bool) -> tuple[int, bool]:
-    """Parameters of the model built on the meta device (no memory, no weights read), 0 if that
-    fails; and whether its class is transformers' own (when it fails: unless remote code builds it,
-    as AutoModelForCausalLM decides)."""
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM
+def meta_model(config, trust_remote_code: bool = False):
+    """The model of a transformers `config` built on the meta device (no memory, no weights read): a
+    vision-language family's own class (families.VISION_FAMILIES; AutoModelForCausalLM maps none of
+    them), else the one AutoModelForCausalLM picks."""
+    import torch
+    import transformers
 
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    family = families.vision_family(config)
+    with torch.device("meta"):
+        if family is not None:
+            return getattr(transformers, family.model_class)._from_config(config)
+        return transformers.AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
+def _count_params(config, trust_remote_code: bool) -> tuple[int, bool]:
+    """Parameters of the model built on the meta device (meta_model), 0 if that fails; and whether
+    its class is transformers' own (when it fails: unless remote code builds it, as
+    AutoModelForCausalLM decides)."""
+    try:
+        model = meta_model(config, trust_remote_code)
         return sum(p.numel() for p in model.parameters()), is_native(type(model))
     except Exception as e:  # a count for the printed recipe only: never worth stopping a run
         log.debug("could not count the model's parameters: %s", e)
