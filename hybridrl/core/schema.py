@@ -75,6 +75,13 @@ class ModelConfig(Freezable):
         "fit (`hybridrl plan` shows why).",
     )
     trust_remote_code: bool = knob(False, "Allow custom modelling code from the model directory.")
+    train_vision: Literal["off", "projector", "all"] = knob(
+        "off",
+        "Vision-language models: which part of the vision tower trains. off: none (frozen: no gradients "
+        "or optimizer states); projector: the merger(s) that map its features into the text embeddings; "
+        "all: the whole tower. The memory plan counts each; the trainer does not take images yet "
+        "(docs/design/vision.md).",
+    )
     lora_rank: int = knob(
         0,
         "LoRA rank r (0 = off: full fine-tuning). On: only the adapter trains (the base weights "
