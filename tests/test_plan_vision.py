@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from hybridrl.core import config, models
+from hybridrl.cycle import plan
 from hybridrl.cycle.shape import Shape, read_config, shipped_config
 
 from helpers.plan import shape
@@ -62,6 +63,43 @@ def test_count_params_builds_the_vision_family_class():
 
     conf = AutoConfig.for_model(**read_config("Qwen/Qwen2.5-VL-7B-Instruct"))
     assert models._count_params(conf, False) == (8_292_166_656, True)
+
+
+@pytest.mark.parametrize("name", VLMS)
+@pytest.mark.parametrize("train", ["off", "projector", "all"])
+def test_a_vlm_plans_larger_than_its_text_model_by_the_tower(name, train):
+    """The recipe's settings, one plan for the model and one for its language model alone: vLLM's and
+    the trainer's weights differ by the tower; gradients and Adam by the part model.train_vision trains;
+    the trainer's activations by the tower's forward on a micro-batch of image tokens and their features;
+    vLLM's by its encoder profile (16384 image tokens) and cache. Nothing else differs."""
+    s = shape(name)
+    text = dataclasses.replace(s, vision=None)
+    recipe = f"examples/recipes/{name.split('/')[1].lower().removesuffix('-instruct')}-8xh100.yaml"
+    cfg, p, _ = plan.dry_run(
+        config.load(recipe, {"model.train_vision": train}),
+        nproc=8,
+        nnodes=1,
+        gpu_gib=plan.DEFAULT_GPU_GIB,
+        host_gib=plan.DEFAULT_HOST_GIB,
+    )
+    k, v, b, N = p.knobs, s.vision, 2, 8
+    assert k.trained == text.params + {"off": 0, "projector": v.projector, "all": v.params}[train]
+    assert k.images == 16 * 8 * 2048  # a rank's 128 rows x data.max_prompt_len (2 images of 16384 tokens fill it)
+    ours = plan.build(s, k, device=p.device, host=p.host).rows
+    theirs = plan.build(text, dataclasses.replace(k, trained=text.params), device=p.device, host=p.host).rows
+    img = min(k.mb_tokens, k.images)  # every token of the micro-batch an image token, at most
+    enc = max(plan.BATCHED_TOKENS, v.image_tokens)
+    extra = {
+        "vLLM weights": v.params * b,
+        "trainer params": v.params * b,  # ZeRO-2: whole on every rank
+        "trainer grads": (k.trained // N - text.params // N) * b,
+        "fp32 master + Adam": 12 * k.trained // N - 12 * text.params // N,
+        "activations": v.activations(img * v.merge, b, train, k.ckpt) + img * v.outputs * b,
+        "vLLM activations": v.activations(enc * v.merge, b) + enc * v.outputs * b,
+    }
+    assert k.zero == 2 and set(ours) == set(theirs)
+    for row in set(ours) - {"vLLM KV cache"}:  # the cache is what the GPU has left: smaller by the tower's terms
+        assert max(ours[row].values()) - max(theirs[row].values()) == extra.get(row, 0), row
 
 
 def test_model_train_vision_refuses_a_bad_value_in_one_line():
