@@ -291,6 +291,7 @@ def test_every_bad_image_row_stops_in_one_line_naming_it_or_is_skipped(tmp_path,
         ({"train.sequence_parallel_size": 2}, "sequence parallelism is not wired for images yet; set train.seq"),
         ({"env.cls": "examples.calculator_env:Calculator"}, "multi-turn environments is not wired"),
         ({"rollout.partial": "on"}, "partial rollouts is not wired"),
+        ({"rollout.mode": "outofprocess"}, "an out-of-process vLLM is not wired"),
         ({"model.lora_rank": 8}, "LoRA is not wired for images yet; set model.lora_rank 0"),
         ({"algo.advantage": "gae"}, r"a critic \(algo.advantage=gae\) is not wired"),
         ({"train.zero_stage": 3}, r"under ZeRO-3: 1 prompt\(s\) without images"),
@@ -373,5 +374,7 @@ def test_vllm_cpu_groups_a_vision_towers_weights_apart_from_the_language_model()
     assert _layer_of("language_model.model.layers.3.mlp.gate_up_proj.weight") == "layers.3"
     assert _layer_of("model.visual.blocks.0.attn.qkv.weight") == _layer_of("visual.blocks.0.attn.qkv.weight")
     assert _layer_of("visual.blocks.0.attn.qkv.weight") == "visual.blocks.0"
-    assert _layer_of("model.visual.merger.mlp.0.weight") == _layer_of("visual.merger.mlp.0.weight") == "visual"
+    assert _layer_of("model.visual.merger.mlp.0.weight") == _layer_of("visual.merger.mlp.0.weight") == "visual.merger"
+    # a trained tower arrives patch embedding, blocks, merger: each group in one run
+    assert _layer_of("model.visual.patch_embed.proj.weight") == "visual.patch_embed"
     assert _layer_of("model.language_model.embed_tokens.weight") == _layer_of("lm_head.weight") == ""

@@ -465,7 +465,8 @@ class Rollout:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load every parameter anew (in process: tensors by reference, no serialisation; out of
         process: through the staging buckets), then drop the prefix cache: its KV entries were
-        computed by the old weights. Always the full set, so it also restores a level-2 sleep.
+        computed by the old weights (and a vision-language model's encoder cache: its tower's features).
+        Always the full set, so it also restores a level-2 sleep.
         LoRA: the tensors are the adapter, which replaces the previous one (the base weights stay;
         a level-2 sleep, which discards them, is not used with LoRA: recipe.resolve)."""
         if self.sender is not None:
@@ -479,6 +480,8 @@ class Rollout:
         else:
             vllm_compat.load_weights(self.llm, named_tensors)
         self.llm.reset_prefix_cache()
+        if self.vision:  # a trained tower's features changed (model.train_vision); a frozen one's are recomputed
+            vllm_compat.reset_encoder_cache(self.llm)
         if self.adapter:
             self.lora_request = vllm_compat.lora_request()
         else:

@@ -175,14 +175,16 @@ def _layer_of(name: str) -> str:
     """The layer a weight belongs to, alike in the trainer's names and vLLM's: 'layers.3' for
     'model.layers.3.mlp.gate_proj.weight' (and a vision-language model's 'model.language_model.layers.3...',
     vLLM's 'language_model.model.layers.3...'); '' for the rest of the language model. A Qwen-VL vision
-    tower ('visual' in both engines' names) is its own: 'visual.blocks.0', and 'visual' for its patch
-    embedding and projector, so that a hand-off that leaves the frozen tower out never unpacks it."""
+    tower ('visual' in both engines' names) is apart: 'visual.blocks.0', and 'visual.merger',
+    'visual.patch_embed', ... for its other modules (each arrives in one run, in the trainer's order),
+    so that a hand-off that leaves the frozen tower out never unpacks it."""
     parts = name.split(".")
-    tower = "visual." if "visual" in parts else ""
     for i, p in enumerate(parts[:-1]):
         if p in ("layers", "blocks") and parts[i + 1].isdigit():
-            return f"{tower}{p}.{parts[i + 1]}"
-    return tower.rstrip(".")
+            return f"{'visual.' if 'visual' in parts[:i] else ''}{p}.{parts[i + 1]}"
+    if "visual" in parts[:-1]:
+        return "visual." + parts[parts.index("visual") + 1]
+    return ""
 
 
 def _reload_cpu_packed(

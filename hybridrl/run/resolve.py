@@ -135,7 +135,8 @@ def run_config(cfg: Config, world) -> Resolved:
 
 def vision_limits(cfg: Config, vision: Vision | None, prompts: list) -> None:
     """What a vision-language run does not do yet stops here, before any engine starts, in one line
-    naming the setting to change (docs/vision.md's limits). A text model passes."""
+    naming the setting to change (docs/vision.md's limits). A text model passes. (An out-of-process
+    vLLM would need vllm_compat.images_without_torchvision in its own process too.)"""
     if vision is None:
         return
     name = vision.family.model_type
@@ -143,6 +144,7 @@ def vision_limits(cfg: Config, vision: Vision | None, prompts: list) -> None:
         (cfg.train.sequence_parallel_size > 1, "sequence parallelism", "set train.sequence_parallel_size 1"),
         (bool(cfg.env.cls), "multi-turn environments", "unset env.cls"),
         (cfg.rollout.partial == "on", "partial rollouts", "set rollout.partial off"),
+        (cfg.rollout.mode == "outofprocess", "an out-of-process vLLM", "set rollout.mode inprocess"),
         (bool(cfg.model.lora_rank), "LoRA", "set model.lora_rank 0 (full fine-tuning)"),
         (bool(cfg.algo.teacher), "a distillation teacher", "unset algo.teacher"),
         (estimator(cfg.algo.advantage).critic, f"a critic (algo.advantage={cfg.algo.advantage})",
