@@ -378,3 +378,31 @@ def test_vllm_cpu_groups_a_vision_towers_weights_apart_from_the_language_model()
     # a trained tower arrives patch embedding, blocks, merger: each group in one run
     assert _layer_of("model.visual.patch_embed.proj.weight") == "visual.patch_embed"
     assert _layer_of("model.language_model.embed_tokens.weight") == _layer_of("lm_head.weight") == ""
+
+
+def test_the_vision_demo_task_and_its_model_builder(tmp_path):
+    """tasks/cells.py: 4,928 train and 256 held-out prompts, disjoint, one 56x56 image each, whose cell
+    holds the answer's colour; examples/make_vision_demo_model.py builds a model directory the data
+    path reads (its placeholder one image token, a 56x56 image 4 tokens), as the shipped one is."""
+    import sys
+
+    from hybridrl.data.tasks import cells
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import make_vision_demo_model
+
+    train, held = cells.load("train"), cells.load("heldout")
+    assert (len(train), len(held)) == (4928, 256)
+    key = lambda r: (r["prompt"], r["images"][0].tobytes())  # noqa: E731
+    assert not {key(r) for r in train} & {key(r) for r in held}
+    r = held[0]
+    k = int(r["prompt"].rstrip("?").split()[-1]) - 1
+    assert r["images"][0].getpixel((28 * (k % 2) + 5, 28 * (k // 2) + 5)) == cells.COLOURS[r["answer"]]
+    for model_dir in (make_vision_demo_model.build(tmp_path / "m", warm=False), cells.MODEL_DIR):
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        v = Vision.of(model_dir, tok)
+        assert v.family.model_type == "qwen2_vl" and v.tokens(r["images"][0]) == 4
+        px = v.pixels(
+            r["images"], images.expand([1, v.image_token_id, 2], torch.tensor([[1, 4, 4]]), v.image_token_id, 2)
+        )
+        assert px.grid.tolist() == [[1, 4, 4]] and px.next == 4
