@@ -101,7 +101,7 @@ def build_tokenizer(chars: list[str] = CHARS, pieces: tuple[str, ...] = ()):
     )
 
 
-def save_tokenizer(tokenizer, out: Path) -> None:
+def save_tokenizer(tokenizer, out: Path, probe: str = "12+34=", answer: str = "46") -> None:
     """Save, then check that AutoTokenizer (as transformers and vLLM load it) gets back the
     same pipeline and ids. Call after the model's config.json is in `out`."""
     from transformers import AutoTokenizer
@@ -124,8 +124,8 @@ def save_tokenizer(tokenizer, out: Path) -> None:
         a = json.loads(loaded.backend_tokenizer.to_str())[key]
         b = json.loads(tokenizer.backend_tokenizer.to_str())[key]
         assert a == b, f"AutoTokenizer changed the tokenizer's {key}: {a} != {b}"
-    assert loaded("12+34=").input_ids == tokenizer("12+34=").input_ids
-    assert loaded.decode(loaded("46", add_special_tokens=False).input_ids + [2]) == "46<eos>"
+    assert loaded(probe).input_ids == tokenizer(probe).input_ids
+    assert loaded.decode(loaded(answer, add_special_tokens=False).input_ids + [2]) == answer + "<eos>"
 
 
 def build_model(tokenizer):

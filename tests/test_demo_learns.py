@@ -36,3 +36,32 @@ def test_short_demo_run_raises_accuracy_and_reward(tmp_path):
     first = statistics.mean(s["reward"] for s in steps[:25])
     last = statistics.mean(s["reward"] for s in steps[-25:])
     assert last >= first + 0.05 and last >= 1.5 * first, (first, last)
+
+
+@pytest.mark.slow
+def test_the_vision_demo_raises_accuracy_and_reward(tmp_path):
+    """The README's vision command: the tiny Qwen2-VL (hybridrl/demo_model_vision, warmed to 30%
+    held-out on the cells task, guessing 1/6) trained with GRPO by the demo's recipe, its tower frozen,
+    for 150 steps (~2 min on 2 cores). In three runs of 300 steps on a 2-core EPYC the held-out accuracy
+    peaked at 40-43% (30.1% at step 0), the sampled reward about doubled (0.17 -> 0.34)."""
+    out, steps, summary = train_cli(
+        tmp_path / "run",
+        "--data.path",
+        "vision",
+        "--steps",
+        "150",
+        "--train.prompts_per_step",
+        "32",
+        "--rollout.n",
+        "8",
+        "--train.lr",
+        "5e-5",
+        "--log.eval_size",
+        "256",
+    )
+    before, after = summary["heldout_acc_before"], summary["heldout_acc_after"]
+    assert before == 77 / 256  # the shipped model's fixed held-out score (30.1%)
+    assert after >= before + 0.05, (before, after)
+    first = statistics.mean(s["reward"] for s in steps[:25])
+    last = statistics.mean(s["reward"] for s in steps[-25:])
+    assert last >= first + 0.05, (first, last)

@@ -364,6 +364,8 @@ def test_optimizer_and_param_offload_reach_deepspeed():
         "qwen3-32b-to-8b-distill-8xh100",
         "qwen2.5-7b-to-1.5b-distill-8xh100",
         "qwen3-30b-a3b-to-4b-distill-8xh100",
+        "qwen2.5-vl-7b-8xh100",
+        "qwen3-vl-8b-8xh100",
     ],
 )
 def test_recipes_fit_8xh100(name):

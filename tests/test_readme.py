@@ -72,6 +72,14 @@ COMMANDS: dict[str, list[str]] = {
         "tests/test_readme.py::test_cheap_commands_run_as_shown",
         "tests/test_plan.py::test_recipes_fit_8xh100",
     ],
+    "hybridrl train --data.path vision": [
+        "tests/test_vision_train.py::test_image_prompts_train_and_both_engines_agree_packed_and_padded",
+        "tests/test_demo_learns.py::test_the_vision_demo_raises_accuracy_and_reward",
+    ],
+    "hybridrl plan --config examples/recipes/qwen2.5-vl-7b-8xh100.yaml --nproc 8": [
+        "tests/test_plan.py::test_recipes_fit_8xh100",
+        "tests/test_plan_vision.py::test_a_vlm_plans_larger_than_its_text_model_by_the_tower",
+    ],
     "hybridrl train --data.path code": [
         "tests/test_code_task.py::test_a_code_run_scores_programs_in_the_sandbox",
         "tests/test_code_task.py::test_the_code_demo_learns_from_executed_code",

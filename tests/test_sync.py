@@ -40,7 +40,7 @@ def test_a_nan_probe_gap_fails_the_probe(monkeypatch):
 
     theirs = torch.tensor([-1.0, -2.0])
     for diff, ok in ((torch.tensor([1e-6, 2e-6]), True), (torch.tensor([1e-6, math.nan]), False)):
-        monkeypatch.setattr(sync, "probe", lambda trainer, rollout, seqs, d=diff: (d, theirs))
+        monkeypatch.setattr(sync, "probe", lambda trainer, rollout, seqs, *images, d=diff: (d, theirs))
         p = Probe([[1, 2, 3]], tol=1e-4, action="error", stat="max", every=20)
         if ok:
             assert p(None, None, 1)["probe_gap"] < 1e-4
@@ -74,7 +74,7 @@ def test_the_default_bound_rises_to_the_engines_own_rounding_gap(monkeypatch):
     from hybridrl.cycle import sync
 
     diff = [torch.full((6,), 0.06)]
-    monkeypatch.setattr(sync, "probe", lambda trainer, rollout, seqs: (diff[0], torch.zeros(6)))
+    monkeypatch.setattr(sync, "probe", lambda trainer, rollout, seqs, *images: (diff[0], torch.zeros(6)))
     p = Probe([[1, 2, 3]], tol=2e-2, action="error", stat="mean", every=20, calibrated=False)
     assert p.calibrate(None, None) == {"probe_floor": pytest.approx(0.06), "probe_tol": pytest.approx(0.18)}
     assert p(None, None, 1)["probe_gap_mean"] == pytest.approx(0.06)  # the rounding alone: passes

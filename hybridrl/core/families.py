@@ -10,7 +10,8 @@ down_proj [E, H, I]); others (DeepSeek-V2/V3, gpt-oss, Llama 4, Jamba, ...) have
 layouts, shared or dense layers, biases or quantized experts that nothing here has checked.
 
 The vision-language families (VISION_FAMILIES, below) are a table of their own: the tower and projector
-a hand-off may leave out, the placeholder a prompt holds per image. tests/test_vision.py runs every row.
+a hand-off may leave out, the placeholder a prompt holds per image, the class the memory plan builds on the
+meta device to count the tower (shape.Tower). tests/test_vision.py runs every row.
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ class VisionFamily:
     merge: int = 2
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 16384
+    # the text-only model_type its language model is laid out as (what the memory plan counts of it:
+    # Qwen2's q/k/v biases, Qwen3's q/k norms); its own text model_type names neither
+    text: str = "qwen2"
 
 
 VISION_FAMILIES = {
@@ -136,6 +140,7 @@ VISION_FAMILIES = {
             patch=16,
             min_pixels=256 * 256,
             max_pixels=4096 * 4096,
+            text="qwen3",
         ),
     )
 }

@@ -48,6 +48,7 @@ class ModelInfo:
     native: bool = True
     plain_cache: bool = True
     moe: str = ""  # the mixture-of-experts family (its model_type, one of MOE_FAMILIES); "" for a dense model
+    vision: str = ""  # the vision-language family (its model_type, in VISION_FAMILIES); "" for a text model
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         return self.kv_values_per_token * (4 if dtype == "float32" else 2)
@@ -240,6 +241,7 @@ def inspect(name: str, trust_remote_code: bool = False) -> ModelInfo:
         native=native,
         plain_cache=plain_cache(config),
         moe=moe,
+        vision=getattr(families.vision_family(config), "model_type", ""),
     )
 
 
@@ -277,6 +279,45 @@ def is_native(model_class: type) -> bool:
     return model_class.__module__.startswith("transformers.")
 
 
+def model_class(config):
+    """The transformers class the engines load a model of `config` with: a vision-language family's own
+    (its row in core/families.py: AutoModelForCausalLM maps none of them), else AutoModelForCausalLM."""
+    import transformers
+
+    row = families.vision_family(config)
+    return getattr(transformers, row.model_class) if row else transformers.AutoModelForCausalLM
+
+
+def load_class(path: str, trust_remote_code: bool = False):
+    """model_class of the model at `path` (a directory or hub name)."""
+    from transformers import AutoConfig
+
+    return model_class(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code))
+
+
+def freeze_vision(hf, train_vision: str) -> int:
+    """A vision-language model's frozen part, per model.train_vision: off, the whole tower (its projector
+    included); projector, the tower but its projector; all, nothing. Returns the parameters frozen (0
+    for a text model). Frozen parameters get no gradient or optimizer state and are not handed off."""
+    row = families.vision_family(hf.config)
+    if row is None or train_vision == "all":
+        return 0
+    frozen = 0
+    for name, p in hf.named_parameters():
+        if vision_frozen(name, row, train_vision):
+            p.requires_grad_(False)
+            frozen += 1
+    return frozen
+
+
+def vision_frozen(name: str, row: families.VisionFamily, train_vision: str) -> bool:
+    """Whether parameter `name` (transformers' naming, a PEFT prefix allowed) is frozen under train_vision."""
+    name = name.removeprefix("base_model.model.")
+    if train_vision == "all" or not name.startswith(row.tower):
+        return False
+    return train_vision == "off" or not name.startswith(row.projector)
+
+
 def _servable(name: str, archs: list[str], model_type: str) -> str:
     """The first architecture vLLM serves natively, or through its Transformers backend."""
     if not archs:
@@ -304,16 +345,26 @@ def _servable(name: str, archs: list[str], model_type: str) -> str:
     )
 
 
-def _count_params(config, trust_remote_code: bool) -> tuple[int, bool]:
-    """Parameters of the model built on the meta device (no memory, no weights read), 0 if that
-    fails; and whether its class is transformers' own (when it fails: unless remote code builds it,
-    as AutoModelForCausalLM decides)."""
-    try:
-        import torch
-        from transformers import AutoModelForCausalLM
+def meta_model(config, trust_remote_code: bool = False):
+    """The model of a transformers `config` built on the meta device (no memory, no weights read): a
+    vision-language family's own class (families.VISION_FAMILIES; AutoModelForCausalLM maps none of
+    them), else the one AutoModelForCausalLM picks."""
+    import torch
+    import transformers
 
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    cls = model_class(config)
+    with torch.device("meta"):
+        if cls is transformers.AutoModelForCausalLM:
+            return cls.from_config(config, trust_remote_code=trust_remote_code)
+        return cls._from_config(config)
+
+
+def _count_params(config, trust_remote_code: bool) -> tuple[int, bool]:
+    """Parameters of the model built on the meta device (meta_model), 0 if that fails; and whether
+    its class is transformers' own (when it fails: unless remote code builds it, as
+    AutoModelForCausalLM decides)."""
+    try:
+        model = meta_model(config, trust_remote_code)
         return sum(p.numel() for p in model.parameters()), is_native(type(model))
     except Exception as e:  # a count for the printed recipe only: never worth stopping a run
         log.debug("could not count the model's parameters: %s", e)

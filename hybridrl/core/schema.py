@@ -75,6 +75,12 @@ class ModelConfig(Freezable):
         "fit (`hybridrl plan` shows why).",
     )
     trust_remote_code: bool = knob(False, "Allow custom modelling code from the model directory.")
+    train_vision: Literal["off", "projector", "all"] = knob(
+        "off",
+        "Vision-language models: what of the vision side trains. off: the tower and its projector are "
+        "frozen (no gradients or optimizer states; the hand-off sends the language model only); projector: "
+        "the projector (merger) trains too and is handed off; all: the whole tower. The memory plan counts each.",
+    )
     lora_rank: int = knob(
         0,
         "LoRA rank r (0 = off: full fine-tuning). On: only the adapter trains (the base weights "
@@ -751,4 +757,12 @@ DEMO_CODE = {
     "train.max_minutes": 30.0,
     "log.eval_every": 50,
 }
-DEMO_TASKS = {"demo": {}, "longtail": DEMO_LONGTAIL, "code": DEMO_CODE}  # data.path's built-in tasks
+# data.path=vision on the demo (tasks/cells.py, "what colour is cell 3?" of an image of four cells): colour
+# names of up to 6 characters and EOS, scored by exact_match; the model is hybridrl/demo_model_vision, a tiny
+# Qwen2-VL whose image is 4 tokens.
+DEMO_VISION = {
+    "rollout.max_new_tokens": 8,
+    "data.max_prompt_len": 40,
+    "reward.fn": "exact_match",
+}
+DEMO_TASKS = {"demo": {}, "longtail": DEMO_LONGTAIL, "code": DEMO_CODE, "vision": DEMO_VISION}  # built-in data.path

@@ -45,6 +45,12 @@ of the trainer's data parallelism, TP vLLM's tensor-parallel size):
 - reference: under ZeRO-2 a device copy of the weights for the phase (pinned in host memory
   between phases, one copy per rank); under ZeRO-3 its shard in pinned host memory, gathered a
   layer at a time. Critic: a second trainer of the same shape without the LM head.
+- a vision-language model's vision tower (shape.Tower): its weights in P (vLLM's split over TP), its
+  gradients and Adam states only for the part model.train_vision trains (off: none); its forward on
+  a micro-batch's images (at most every token an image token; frozen: without gradients, a block at
+  a time) beside the trainer's activations, and vLLM's encoder profile and cache
+  (max_num_batched_tokens' image tokens, or one image at max_pixels) beside vLLM's. Image tokens are
+  tokens in the KV cache and the micro-batches: data.max_prompt_len counts them.
 - the reserve (rollout.memory_margin_mb): CUDA context, NCCL buffers, allocator fragmentation.
 
 On CPU the same arithmetic checks the host: both engines share the node's memory, vLLM never
@@ -104,6 +110,8 @@ class Knobs:
     teacher: Shape | None = None  # algo.teacher's shape: a distillation run's frozen scorer, of its own size
     sandbox: int = 0  # host bytes the node's sandboxed programs may hold at once (rewards.sandbox_bytes)
     teacher_hidden: int = 0  # algo.distill_loss full: bytes of a rank's step of teacher hidden states (host)
+    images: int = 0  # a vision-language model: the most image tokens the rank's step holds (a micro-batch: fewer)
+    train_vision: str = "off"  # model.train_vision
 
 
 @dataclass
@@ -260,8 +268,8 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
     head = min(k.chunk, tokens) * shape.vocab * ((2 * b + 12) if k.on_cpu else (b + 8))
     # the head's weight gradient, whole on every rank whatever the ZeRO stage: the fused path's float32
     # accumulator and one low-precision copy at a time (a chunk's product, then the one backward returns);
-    # none where the head is frozen (LoRA)
-    vocab_grads = shape.vocab * shape.hidden * (4 + b) if T >= P else 0
+    # none where the head is frozen (LoRA; a frozen vision tower leaves it trained)
+    vocab_grads = shape.vocab * shape.hidden * (4 + b) if T >= P - shape.vision_params else 0
     # amp: autocast's bfloat16 copies of the weights, which the backward keeps (ZeRO-3: the gathered layers')
     casts = (2 * shape.layer_params if z3 else P) * b if wb != b else 0
     act = saved + backward + head + vocab_grads + casts
@@ -270,6 +278,19 @@ def build(shape: Shape, k: Knobs, *, device: int, host: int) -> MemoryPlan:
     vllm_w = shape.vllm_rank_params(k.tp) * b  # every expert split over the TP ranks, the router on each
     # its activations scale with the weights a token runs through: a mixture of experts' active ones
     vllm_act = GIB + shape.active_params * b // k.tp // 10 + memory.sampler_bytes(k.max_num_seqs, shape.vocab)
+    v = shape.vision
+    if v:
+        # the tower runs on the micro-batch's images (at most every token of it an image token) and hands
+        # the language model their features; added to its activations, a bound where the tower is frozen
+        # (its blocks are freed before the first layer runs)
+        img = min(tokens, k.images)
+        act += v.activations(img * v.merge, b, k.train_vision, k.ckpt) + img * v.outputs * b
+        fwd_only += v.activations(img * v.merge, b) + img * v.outputs * b
+        # vLLM's profile encodes its encoder budget's images at once (max_num_batched_tokens' worth, or one
+        # image at max_pixels where that is more), and its encoder cache keeps as many tokens' features;
+        # the tower whole on each rank (a bound: TP splits its projections)
+        enc = max(BATCHED_TOKENS, v.image_tokens)
+        vllm_act += v.activations(enc * v.merge, b) + enc * v.outputs * b
     graphs = graph_bytes(shape, b, k.max_num_seqs, k.tp) if k.graphs and not k.on_cpu else 0
     # vLLM while asleep: level 1 keeps its weights in host memory, level 2 drops them; on CPU it never sleeps
     awake = ("generate", "hand-off")
@@ -419,10 +440,15 @@ def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp
         # short, the longest sequences running (memory.kv_floor): `decide` prefers plans of at most two waves
         need = seqs * seq_kv
         kv, floor = max(memory.KV_HEADROOM * need, memory.KV_MIN), max(memory.kv_floor(seqs, seq_kv), memory.KV_MIN)
-    trained = shape.lora_params(m.lora_rank, m.lora_target_modules) if m.lora_rank else shape.params
+    v = shape.vision  # a frozen tower (model.train_vision) has no gradients or optimizer states
+    frozen = {"off": v.params, "projector": v.params - v.projector, "all": 0}[m.train_vision] if v else 0
+    trained = shape.lora_params(m.lora_rank, m.lora_target_modules) if m.lora_rank else shape.params - frozen
     # a micro-batch holds at most the rank's whole step: its rows at full context (a short step's
     # micro-batch is smaller than the token budget), and at least a rank's share of one sequence
-    step_tokens = -(-t.prompts_per_step // world) * r.n * r.max_model_len
+    rows = -(-t.prompts_per_step // world) * r.n
+    step_tokens = rows * r.max_model_len
+    # each row's images: rollout.images_per_prompt at max_pixels, within data.max_prompt_len (which counts them)
+    images = rows * min(r.images_per_prompt * v.image_tokens, cfg.data.max_prompt_len) if v else 0
     mb_tokens = max(min(t.max_tokens_per_micro_batch, step_tokens), -(-r.max_model_len // t.sequence_parallel_size))
     return Knobs(
         world=world,
@@ -454,6 +480,8 @@ def knobs(cfg: Config, shape: Shape, *, world: int, local: int, on_cpu: bool, tp
         teacher=Shape.from_config(read_config(cfg.algo.teacher)) if cfg.algo.teacher else None,
         sandbox=rewards.sandbox_bytes(cfg, local),
         teacher_hidden=_teacher_hidden(cfg, world, b),
+        images=images,
+        train_vision=m.train_vision,
     )
 
 

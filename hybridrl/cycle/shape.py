@@ -2,13 +2,16 @@
 
 `Shape` is what plan.py's arithmetic needs of a decoder-only model (layers, widths, heads,
 vocabulary, the experts of a mixture-of-experts layer) and what each engine holds of it: the
-trainer's parameters tensor by tensor, vLLM's per tensor-parallel rank. `read_config` finds the
+trainer's parameters tensor by tensor, vLLM's per tensor-parallel rank. A vision-language model's
+vision tower is a `Tower` beside it, counted on the family's class built on the meta device (the
+one part that imports transformers, and only for such a model). `read_config` finds the
 config.json of a directory, of a shipped real model (hybridrl/model_configs) or in the Hugging Face
 cache; `info_of` gives the recipe's models.ModelInfo from it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +28,87 @@ CONFIGS = Path(__file__).resolve().parents[1] / "model_configs"
 MOE_TYPES = tuple(families.FAMILIES)
 # RMSNorms on the queries and keys: over one head (Qwen3) or over all heads (OLMo)
 QK_NORM = {"qwen3": "head", "olmo2": "all", **{k: f.qk_norm for k, f in families.FAMILIES.items() if f.qk_norm}}
+
+
+@dataclass(frozen=True)
+class Tower:
+    """A vision-language model's vision tower (VisionFamily.tower, `model.visual.*`) as the plan counts it:
+    its tensors, exact (`Tower.of` builds the family's class on the meta device, so no family needs a
+    formula of its own), and the largest image it sizes for, one at the family's max_pixels (the
+    released preprocessor_config.json's: what vLLM's profile encodes, and the most a fitted image holds)."""
+
+    tensors: tuple[int, ...]  # every tower tensor's elements
+    projector: int  # the merger(s)' parameters (VisionFamily.projector): its features -> the text embedding
+    blocks: int
+    width: int  # a patch's features inside the tower
+    held: int  # elements per patch one block holds (activations)
+    patch_in: int  # a patch's pixel values: channels x temporal patch x patch x patch
+    merge: int  # patches per image token (spatial_merge_size squared)
+    outputs: int  # values per image token handed to the language model: its hidden size x the mergers
+    image_tokens: int  # tokens of one image at max_pixels
+
+    @property
+    def params(self) -> int:
+        return sum(self.tensors)
+
+    def activations(self, patches: int, b: int, train: str = "off", ckpt: bool = False) -> int:
+        """Bytes of the tower's forward on `patches` patches (the features it hands on are the caller's):
+        the processor's float32 pixel values and their cast, and one block's working set, estimated as
+        every output of its modules alive at once beside its input and the attention's output (not
+        measured; attention is flash or memory-efficient, so no patch x patch scores). Frozen
+        (model.train_vision off) it runs without gradients, a block at a time; a trained projector
+        saves about one block's worth for its backward; a trained tower saves every block's (with
+        gradient checkpointing each block's input, and one block recomputed)."""
+        block = patches * self.held * b
+        saved = {
+            "off": 0,
+            "projector": block,
+            "all": patches * self.width * b * self.blocks if ckpt else block * self.blocks,
+        }[train]
+        return patches * self.patch_in * (4 + b) + block + saved
+
+    @staticmethod
+    def of(conf: dict) -> "Tower":
+        return _tower(json.dumps(conf, sort_keys=True))
+
+
+@functools.lru_cache(maxsize=8)
+def _tower(conf_json: str) -> Tower:
+    """Tower.of, once per config (the plan reads a shape per decision). The tensor names are those of
+    transformers' Qwen-VL classes (patch_embed, blocks.N, the family's projector prefixes)."""
+    conf = json.loads(conf_json)
+    family = families.vision_family(conf)
+    try:
+        from transformers import AutoConfig
+
+        from hybridrl.core.models import meta_model
+
+        model = meta_model(AutoConfig.for_model(**conf))
+    except Exception as e:  # noqa: BLE001 - an unbuildable config is the plan's one line, whatever the cause
+        raise ConfigError(
+            f"the memory plan cannot build {family.model_class} on the meta device to count its vision tower: "
+            f"{str(e).splitlines()[0] if str(e) else type(e).__name__}"
+        ) from None
+    shapes = {n: p.shape for n, p in model.named_parameters() if n.startswith(family.tower)}
+    embed = shapes[family.tower + "patch_embed.proj.weight"]  # [width, channels, t, patch, patch]
+    width, blocks = embed[0], family.tower + "blocks."
+    # a block's module outputs: each weight's first dimension (a linear's outputs, a norm's width)
+    held = sum(s[0] for n, s in shapes.items() if n.startswith(blocks + "0.") and n.endswith(".weight")) + 2 * width
+    v, text = conf["vision_config"], conf.get("text_config") or conf
+    patch, merge = int(v.get("patch_size") or family.patch), int(v.get("spatial_merge_size") or family.merge)
+    return Tower(
+        tensors=tuple(s.numel() for s in shapes.values()),
+        projector=sum(s.numel() for n, s in shapes.items() if n.startswith(family.projector)),
+        blocks=len({n[len(blocks) :].split(".")[0] for n in shapes if n.startswith(blocks)}),
+        width=width,
+        held=held,
+        patch_in=embed[1:].numel(),
+        merge=merge**2,
+        # Qwen3-VL's deepstack mergers add their features to the first layers' hidden states
+        outputs=int(text["hidden_size"]) * (1 + len(v.get("deepstack_visual_indexes") or ())),
+        # vLLM's profile factorises max_pixels into the most merged patches an image may have
+        image_tokens=family.max_pixels // (patch * merge) ** 2,
+    )
 
 
 @dataclass(frozen=True)
@@ -49,6 +133,7 @@ class Shape:
     expert_intermediate: int = 0  # one expert's MLP width
     shared_intermediate: int = 0  # Qwen2-MoE's shared expert's width (0: none)
     moe_layers: int = 0  # how many of the layers are mixture-of-experts (the rest are dense)
+    vision: Tower | None = None  # a vision-language model's vision tower
 
     @classmethod
     def from_config(cls, conf: dict) -> "Shape":
@@ -59,7 +144,8 @@ class Shape:
             layers = int(text["num_hidden_layers"])
             kv_heads = int(text.get("num_key_value_heads") or heads)
             head_dim = int(text.get("head_dim") or hidden // heads)
-            kind = text.get("model_type", "")
+            family = families.vision_family(conf)
+            kind = family.text if family else text.get("model_type", "")
             experts = families.expert_count(text)
             moe: dict = {}
             if families.is_moe(text):
@@ -91,6 +177,7 @@ class Shape:
                 tied=bool(conf.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
                 qkv_bias=bool(text.get("attention_bias", text.get("qkv_bias", kind in ("qwen2", "qwen2_moe")))),
                 qk_norm=qk_norm,
+                vision=Tower.of(conf) if family else None,
                 **moe,
             )
         except ConfigError:
@@ -124,6 +211,10 @@ class Shape:
         mlp = self._moe_mlp_params(self.experts) if self.moe_layers else 3 * self.hidden * self.intermediate
         return self._attention_params() + mlp
 
+    @property
+    def vision_params(self) -> int:
+        return self.vision.params if self.vision else 0
+
     def _params(self, experts: int) -> int:
         embed = self.vocab * self.hidden
         dense = self.layers - self.moe_layers
@@ -132,28 +223,31 @@ class Shape:
 
     @property
     def params(self) -> int:
-        """Every parameter, every expert included: weights, gradients, optimizer states, vLLM's weights."""
-        return self._params(self.experts)
+        """Every parameter, every expert and the vision tower included: weights, gradients, optimizer
+        states, vLLM's weights."""
+        return self._params(self.experts) + self.vision_params
 
     def vllm_rank_params(self, tp: int) -> int:
         """The parameters one rank of a vLLM engine of tensor-parallel size `tp` holds, as vLLM lays them
         out: q, o, the MLPs, the embedding and the LM head split over the ranks, every expert split on its
         MLP width (vLLM's default for these MoE families: expert parallelism off; with it, whole experts
         per rank hold as much); the key/value heads split while there are as many as ranks, else one
-        per rank (replicated); the norms, the router and the shared expert's gate whole on every rank.
-        tp = 1: `params`."""
+        per rank (replicated); the norms, the router and the shared expert's gate whole on every rank;
+        a vision tower split over the ranks (vLLM's mm_encoder_tp_mode "weights", its default: its few
+        MiB of norms and patch embedding counted split too). tp = 1: `params`."""
         h, m, e, s = self.hidden, self.intermediate, self.expert_intermediate, self.shared_intermediate
         q, kv = self.q_dim // tp, self.head_dim * max(1, self.kv_heads // tp)
         attn = h * q + 2 * h * kv + q * h + (q + 2 * kv) * self.qkv_bias + self.qk_norm + 2 * h
         moe = self.experts * 3 * h * e // tp + self.experts * h + (3 * h * s // tp + h if s else 0)
         dense = self.layers - self.moe_layers
         body = self.layers * attn + dense * 3 * h * m // tp + self.moe_layers * moe
-        return self.vocab * h // tp * (1 if self.tied else 2) + body + h
+        return self.vocab * h // tp * (1 if self.tied else 2) + body + h + self.vision_params // tp
 
     @property
     def active_params(self) -> int:
         """The parameters one token runs through (top_k experts of each mixture-of-experts layer, the router,
-        the shared expert): what sets the compute per token. A dense model's are all of them."""
+        the shared expert): what sets the compute per token. A dense model's are all of them, less its
+        vision tower (which runs on an image's patches, not on its tokens)."""
         return self._params(self.top_k)
 
     @property
@@ -218,11 +312,13 @@ class Shape:
             if self.moe_layers
             else ""
         )
-        return f"{count(self.params)} parameters" + moe
+        tower = f", {count(self.vision_params)} of them the vision tower" if self.vision else ""
+        return f"{count(self.params)} parameters" + moe + tower
 
     def tensors(self, fused: bool = False) -> list[int]:
         """Every parameter tensor's elements (they sum to `params`), as transformers holds them, or
-        `fused` as vLLM does (q/k/v in one, gate/up in one): what is pinned tensor by tensor."""
+        `fused` as vLLM does (q/k/v in one, gate/up in one; a vision tower's as transformers holds
+        them either way): what is pinned tensor by tensor."""
         h, kv, q, m = self.hidden, self.kv_dim, self.q_dim, self.intermediate
         attn = [h * (q + 2 * kv)] if fused else [h * q, h * kv, h * kv]
         bias = ([q + 2 * kv] if fused else [q, kv, kv]) if self.qkv_bias else []
@@ -235,7 +331,8 @@ class Shape:
         shared = ([2 * h * s, s * h] if fused else [h * s, h * s, s * h]) + [h] if s else []
         moe = [self.experts * 2 * e * h, self.experts * h * e, self.experts * h] + shared
         body = (layer + moe) * self.moe_layers + (layer + mlp) * (self.layers - self.moe_layers)
-        return [self.vocab * h] + body + [h] + ([] if self.tied else [self.vocab * h])
+        tower = list(self.vision.tensors) if self.vision else []
+        return [self.vocab * h] + body + [h] + ([] if self.tied else [self.vocab * h]) + tower
 
 
 def read_config(path: str) -> dict:

@@ -42,35 +42,58 @@ def _counted(named, sent: dict):
 
 
 def probe_sequences(prompts: list, tokenizer, max_new_tokens: int, max_model_len: int) -> list[list[int]]:
+    """probe_inputs' sequences."""
+    return probe_inputs(prompts, tokenizer, max_new_tokens, max_model_len)[0]
+
+
+def probe_inputs(
+    prompts: list, tokenizer, max_new_tokens: int, max_model_len: int
+) -> tuple[list[list[int]], list[tuple] | None]:
     """The probe's sequences: each prompt followed by its answer's tokens and EOS as a completion, cut
     at `max_new_tokens` so it fits where a sampled one does (a code row's answer is its tests, as JSON:
     longer than any program, and than the model's context), and at `max_model_len - 1` in all: vLLM
     scores a sequence as a prompt that asks for one token more, so a prompt of the data's longest with
     a full-length answer (exactly the context recipe.fit_to_data fits) is refused one position short.
-    A prompt that leaves no room for one answer token is left out."""
+    A prompt that leaves no room for one answer token is left out. With them, each sequence's prompt's
+    images (a vision-language model's: counted at the length they expand to), None if none has any."""
     eos, room = tokenizer.eos_token_id, max_model_len - 1
-    seqs = []
+    seqs, images = [], []
     for p in prompts:
         answer = (tokenizer(p.answer, add_special_tokens=False)["input_ids"] + [eos])[:max_new_tokens]
-        if len(p.ids) < room:
-            seqs.append(p.ids + answer[: room - len(p.ids)])
-    return seqs
+        extra = getattr(p, "length", len(p.ids)) - len(p.ids)  # the image tokens the placeholders become
+        if len(p.ids) + extra < room:
+            seqs.append(p.ids + answer[: room - len(p.ids) - extra])
+            images.append(tuple(getattr(p, "images", ())))
+    return seqs, (images if any(images) else None)
 
 
-def probe_batch(seqs: list[list[int]]) -> Batch:
-    """Score every token after the first of each sequence."""
+def probe_batch(seqs: list[list[int]], pixels: list | None = None) -> Batch:
+    """Score every token after the first of each sequence; `pixels`: each one's images (Vision.pixels)."""
     n = [len(s) for s in seqs]
     batch = Batch.from_rows(
-        [s[:1] for s in seqs], [s[1:] for s in seqs], [[0.0] * (k - 1) for k in n], [0.0] * len(seqs)
+        [s[:1] for s in seqs], [s[1:] for s in seqs], [[0.0] * (k - 1) for k in n], [0.0] * len(seqs), pixels=pixels
     )
     return batch
 
 
-def probe(trainer: PolicyTrainer, rollout: RolloutEngine, seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """|logp_vllm - logp_trainer| of every token of a fixed probe batch, and vLLM's log-probs."""
-    batch = probe_batch(seqs)
-    ours = trainer.logprobs(batch, temperature=1.0)[batch.loss_mask].float().cpu()  # [N]
-    theirs = torch.tensor([x for row in rollout.prompt_logprobs(seqs) for x in row])  # [N]
+def probe(
+    trainer: PolicyTrainer,
+    rollout: RolloutEngine,
+    seqs: list[list[int]],
+    images: list[tuple] | None = None,
+    vision=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """|logp_vllm - logp_trainer| of every token of a fixed probe batch, and vLLM's log-probs. With
+    `images` (each sequence's prompt's, `vision` the model's images.Vision) over the sequences as vLLM
+    expanded them, the trainer given their pixels; both score without the placeholder ban, as vLLM
+    scores a prompt."""
+    theirs = torch.tensor([x for row in rollout.prompt_logprobs(seqs, images) for x in row])  # [N]
+    pixels = None
+    if images is not None:
+        seqs = rollout.expanded_prompts
+        pixels = [vision.pixels(im, s) if im else None for im, s in zip(images, seqs)]
+    batch = probe_batch(seqs, pixels)
+    ours = trainer.logprobs(batch, temperature=1.0, ban=False)[batch.loss_mask].float().cpu()  # [N]
     return (ours - theirs).abs(), theirs
 
 
@@ -93,9 +116,20 @@ class Probe:
     lost weeks to silently stale weights); `action="warn"` only logs."""
 
     def __init__(
-        self, seqs: list[list[int]], tol: float, action: str, stat: str = "max", every: int = 1, calibrated: bool = True
+        self,
+        seqs: list[list[int]],
+        tol: float,
+        action: str,
+        stat: str = "max",
+        every: int = 1,
+        calibrated: bool = True,
+        images: list[tuple] | None = None,
+        vision=None,
     ):
+        """`images`, `vision`: a vision-language model's probe sequences' images (probe_inputs), and its
+        images.Vision."""
         self.seqs, self.tol, self.action, self.stat, self.every = seqs, tol, action, stat, every
+        self.images, self.vision = images, vision
         self.calibrated = calibrated  # False: the dtype's default bound, which `calibrate` may raise
         self.last: torch.Tensor | None = None
         self.checked = False  # a hand-off of this process has been probed
@@ -106,7 +140,7 @@ class Probe:
         the user set, train.probe_tol, is kept). Returns probe_floor and probe_tol for the run's log."""
         if not self.every or self.calibrated:
             return {}
-        diff, _ = probe(trainer, rollout, self.seqs)
+        diff, _ = probe(trainer, rollout, self.seqs, self.images, self.vision)
         floor = float(diff.max() if self.stat == "max" else diff.mean())
         if floor == floor:  # a NaN here is the first probe's to report, with its advice
             self.tol = max(self.tol, launch.all_max(CALIBRATION * floor))
@@ -128,7 +162,7 @@ class Probe:
 
     def __call__(self, trainer: PolicyTrainer, rollout: RolloutEngine, step: int) -> dict:
         self.checked = True
-        diff, theirs = probe(trainer, rollout, self.seqs)  # [N]
+        diff, theirs = probe(trainer, rollout, self.seqs, self.images, self.vision)  # [N]
         out = {"probe_gap": float(diff.max()), "probe_gap_mean": float(diff.mean())}  # vLLM vs trainer now: ~0
         gap = out["probe_gap" if self.stat == "max" else "probe_gap_mean"]
         if self.last is not None:  # vLLM now vs at the last probe: > 0 proves the weights moved

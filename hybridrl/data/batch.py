@@ -7,16 +7,22 @@ assistant's: environment tokens inside the completion are context, like the prom
 ids are 0..len-1 in both engines. `Batch.packed()` lays the rows end to end without padding
 (`train.packing`: on by default with flash-attention). `Batch.shared()` lays them out as their distinct
 prompts plus each row's completion (`train.share_prompt`: a group's prompt is computed once).
+A vision-language batch also carries each row's images (`RowImages`: the pixels its prompt's
+placeholders are filled from) and its multimodal rotary positions (`mrope`, data/images.py), which
+both layouts hand to the model beside the text positions.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, fields, replace
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from hybridrl.data.images import Pixels
 
 
 @dataclass
@@ -47,7 +53,8 @@ class Packed(NamedTuple):
     """A batch's rows laid end to end in one row of sum(lengths) tokens, no padding."""
 
     tokens: torch.Tensor  # [1, L] long
-    position_ids: torch.Tensor  # [1, L] long, 0..len-1 within each sample
+    # [1, L] long, 0..len-1 within each sample; with images [4, 1, L]: those, then t, h, w (Batch.mrope)
+    position_ids: torch.Tensor
     loss_mask: torch.Tensor  # [1, L] bool
     seq_ids: torch.Tensor  # [1, L] long, the batch row each token came from
 
@@ -67,6 +74,35 @@ class Shared(NamedTuple):
 
 
 @dataclass
+class RowImages:
+    """Each row's images as the model takes them (images.Pixels' values and grid), None for a row
+    without: a prompt's rows hold the same tensors, moved once. A micro-batch's `inputs()` lay them
+    out in row order, the order the model fills the rows' image tokens in (packed or padded)."""
+
+    values: list[torch.Tensor | None]  # per row: [patches, D] float
+    grids: list[torch.Tensor | None]  # per row: [images, 3] long
+
+    def select(self, idx: torch.Tensor) -> "RowImages":
+        rows = idx.tolist()
+        return RowImages([self.values[b] for b in rows], [self.grids[b] for b in rows])
+
+    def to(self, device) -> "RowImages":
+        moved: dict[int, torch.Tensor] = {}
+
+        def move(t):
+            return None if t is None else moved.setdefault(id(t), t.to(device))
+
+        return RowImages([move(t) for t in self.values], [move(t) for t in self.grids])
+
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """pixel_values and image_grid_thw of the rows' images, in row order; {} if they have none."""
+        rows = [(v, g) for v, g in zip(self.values, self.grids) if v is not None]
+        if not rows:
+            return {}
+        return dict(pixel_values=torch.cat([v for v, _ in rows]), image_grid_thw=torch.cat([g for _, g in rows]))
+
+
+@dataclass
 class Batch:
     tokens: torch.Tensor  # [B, T] long, prompt + completion, right-padded with 0
     lengths: torch.Tensor  # [B] long, real tokens per row
@@ -81,6 +117,10 @@ class Batch:
     returns: torch.Tensor | None = None  # [B, T] float, the critic's targets (gae)
     routes: torch.Tensor | None = None  # [B, T, L, k] int16, MoE: vLLM's experts per token and layer, -1 = unknown
     stale: torch.Tensor | None = None  # [B, T] bool, partial rollouts: tokens an older policy sampled (data/partial.py)
+    # vision-language rows: [B, T, 3] long, each token's multimodal rotary position (t, h, w), and the
+    # rows' images; None for a text batch
+    mrope: torch.Tensor | None = None
+    images: RowImages | None = None
 
     @classmethod
     def from_rows(
@@ -91,10 +131,12 @@ class Batch:
         advantages: list[float],
         completion_masks: list[list[int] | None] | None = None,
         routes: list[torch.Tensor | None] | None = None,
+        pixels: list[Pixels | None] | None = None,
     ) -> "Batch":
         """`completion_masks[b]`: 1 on the completion tokens that carry loss (a multi-turn episode's
         assistant tokens), 0 on context inside it (environment tokens); None = all of them.
-        `routes[b]`: [len, L, k] the experts vLLM routed row b's tokens to (MoE); None = not recorded."""
+        `routes[b]`: [len, L, k] the experts vLLM routed row b's tokens to (MoE); None = not recorded.
+        `pixels[b]`: row b's prompt's images (images.Vision.pixels of its expanded ids); None = none."""
         p_len = np.fromiter((len(p) for p in prompts), np.int64, len(prompts))
         c_len = np.fromiter((len(c) for c in completions), np.int64, len(completions))
         lengths = p_len + c_len  # [B]
@@ -125,6 +167,7 @@ class Batch:
             torch.tensor(advantages, dtype=torch.float32),
             torch.from_numpy(logp),
             routes=stack_routes(routes, real.shape[1]),
+            **_with_images(pixels, lengths),
         )
 
     def __len__(self) -> int:
@@ -135,7 +178,9 @@ class Batch:
         T = int(self.lengths[idx].max())
 
         def take(x):
-            return None if x is None else (x[idx, :T] if x.dim() >= 2 else x[idx])
+            if x is None or isinstance(x, RowImages):
+                return x and x.select(idx)
+            return x[idx, :T] if x.dim() >= 2 else x[idx]
 
         return replace(self, **{f.name: take(getattr(self, f.name)) for f in fields(self)})
 
@@ -163,7 +208,19 @@ class Batch:
         B, T = real.shape
         pos = torch.arange(T, device=real.device)[None].expand(B, T)
         rows = torch.arange(B, device=real.device)[:, None].expand(B, T)
-        return Packed(*(x[real][None] for x in (self.tokens, pos, self.loss_mask, rows)))  # each [1, L]
+        packed = Packed(*(x[real][None] for x in (self.tokens, pos, self.loss_mask, rows)))  # each [1, L]
+        if self.mrope is None:
+            return packed
+        return packed._replace(position_ids=torch.cat([packed.position_ids, self.mrope[real].T])[:, None])
+
+    def position_ids(self) -> torch.Tensor | None:
+        """The padded rows' position ids where the model needs them given: [4, B, T] for a
+        vision-language batch (the text position 0..T-1, then t, h, w); None for a text batch."""
+        if self.mrope is None:
+            return None
+        B, T = self.tokens.shape
+        text = torch.arange(T, device=self.tokens.device).expand(1, B, T)
+        return torch.cat([text, self.mrope.permute(2, 0, 1)])
 
     def prompt_lengths(self) -> torch.Tensor:
         """[B] the tokens before each row's first loss token (0 for a row without one)."""
@@ -205,6 +262,25 @@ class Batch:
         loss = self.loss_mask.gather(1, src) & comp_mask
         attn = torch.cat([prompt_mask[group], comp_mask], 1).long()
         return Shared(prompts, plen, group, completions, attn, lens[:, None] + C_idx[None], loss)
+
+
+def _with_images(pixels: list[Pixels | None] | None, lengths: np.ndarray) -> dict:
+    """Batch's mrope and images for rows whose prompts have `pixels`; {} if none has. A row's prompt
+    takes its images' positions and every token after it counts on from `Pixels.next` (text, in all
+    three rows); a row without images counts 0..len-1 in all three, as a text model does."""
+    if not pixels or all(px is None for px in pixels):
+        return {}
+    T = int(lengths.max())
+    mrope = torch.arange(T).repeat(len(pixels), 3, 1)  # [B, 3, T]
+    for b, px in enumerate(pixels):
+        if px is not None:
+            P = px.positions.shape[1]
+            mrope[b, :, :P] = px.positions
+            mrope[b, :, P:] = torch.arange(px.next, px.next + T - P)
+    return dict(
+        mrope=mrope.transpose(1, 2).contiguous(),
+        images=RowImages([px and px.values for px in pixels], [px and px.grid for px in pixels]),
+    )
 
 
 def stack_routes(routes: list[torch.Tensor | None] | None, T: int) -> torch.Tensor | None:

@@ -5,26 +5,39 @@ ids and positions both engines see.
 A prompt holds one placeholder token per image, which is what vLLM takes: it expands each into the
 image's merged patches itself (given already-expanded ids it would expand the first run again, with
 no error). `expand` makes the same run here from the image processor's grids, so the trainer's ids
-are vLLM's. `rope_positions` gives one sample's multimodal rotary positions as [4, T]: the text
-position first (transformers' Qwen-VL models find packed samples from it, where positions restart),
-then t, h and w; samples concatenated along T keep their own positions and attend only to themselves.
+are vLLM's. `positions` gives one sample's multimodal rotary positions (t, h, w) as [3, T], the rule
+the models' own get_rope_index follows (`rope_positions`, its reference, calls it: [4, T], the text
+position first, from which transformers' Qwen-VL models find packed samples where it restarts);
+samples concatenated along T keep their own positions and attend only to themselves. `pixels` is
+what the trainer's forward takes of a prompt's images: the image processor's patches and grids.
 `Vision` is what the data path needs of a model to take images: its placeholder, the patch grid and
 the pixel bounds images are fitted to, read from its config.json and preprocessor_config.json.
 """
 
 from __future__ import annotations
 
+import functools
 import io
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from hybridrl.core.config import ConfigError
 from hybridrl.core.families import VisionFamily, vision_family
 
 if TYPE_CHECKING:  # the data path imports this module; torch loads where positions are computed
     import torch
+
+
+class Pixels(NamedTuple):
+    """One prompt's images as the trainer's model takes them (Vision.pixels)."""
+
+    values: torch.Tensor  # [patches, 3 * temporal * patch^2] float: pixel_values, the image processor's
+    grid: torch.Tensor  # [images, 3] long: image_grid_thw
+    positions: torch.Tensor  # [3, prompt tokens] long: t, h, w of the expanded prompt
+    next: int  # the position of the first token after the prompt (every row of a completion's text)
 
 
 @dataclass(frozen=True)
@@ -40,6 +53,7 @@ class Vision:
     merge: int  # patches merged per side into one token
     min_pixels: int
     max_pixels: int
+    source: str = ""  # the model directory or hub name whose preprocessor_config.json `pixels` follows
 
     @property
     def factor(self) -> int:
@@ -79,7 +93,30 @@ class Vision:
             merge=int(pre.get("merge_size") or v.get("spatial_merge_size") or family.merge),
             min_pixels=int(size.get("shortest_edge") or pre.get("min_pixels") or family.min_pixels),
             max_pixels=int(size.get("longest_edge") or pre.get("max_pixels") or family.max_pixels),
+            source=str(model) if files else "",
         )
+
+    @functools.cached_property
+    def processor(self):
+        """The model's image processor, PIL's (no torchvision needed), as vLLM's own reads the model's
+        preprocessor_config.json: the same mean, std and patch layout on both engines."""
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        kw = dict(patch_size=self.patch, merge_size=self.merge, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
+        if self.source:
+            return Qwen2VLImageProcessorPil.from_pretrained(self.source, **kw)
+        return Qwen2VLImageProcessorPil(**kw)
+
+    def pixels(self, images, ids: list[int]) -> Pixels:
+        """A prompt's fitted `images` as the trainer's forward takes them, with the multimodal positions
+        of its expanded `ids` (vLLM's) and the position its completion starts at."""
+        out = self.processor(images=list(images), return_tensors="pt")
+        grid = out["image_grid_thw"]
+        want, got = int((grid.prod(-1) // self.merge**2).sum()), list(ids).count(self.image_token_id)
+        if got != want:  # the features would not fill the placeholders: transformers would refuse the batch
+            raise ValueError(f"the prompt holds {got} image tokens, its images' patches make {want}")
+        pos = positions(ids, grid, self.image_token_id, self.merge)
+        return Pixels(out["pixel_values"], grid, pos, int(pos.max()) + 1 if pos.numel() else 0)
 
     def fit(self, image):
         """`image` at the size the model's image processor would give it (`fit`)."""
@@ -157,9 +194,61 @@ def expand(ids: list[int], grid_thw: torch.Tensor, pad: int, merge: int) -> list
     return [t for x in ids for t in ([pad] * next(runs) if x == pad else [x])]
 
 
+# vLLM clamps a logit bias to +-100: a placeholder token then has p < e^-90, and both engines add the same
+BAN = -100.0
+
+
+def placeholders(config: Any) -> list[int]:
+    """A vision-language model's image and video placeholder ids (config.json's), which a completion
+    must not hold: vLLM would not expand them, and the trainer would find more image tokens than
+    features. [] for a text-only model."""
+    conf = config if isinstance(config, dict) else config.to_dict()
+    if vision_family(conf) is None:
+        return []
+    return [int(conf[k]) for k in ("image_token_id", "video_token_id") if conf.get(k) is not None]
+
+
+def ban(config: Any, vocab: int) -> torch.Tensor | None:
+    """[vocab] float: BAN on the placeholders, 0 elsewhere, the logit bias both engines apply to the
+    tokens they sample or score (vLLM's SamplingParams.logit_bias, the log-prob kernels' bias); None
+    for a text-only model."""
+    import torch
+
+    ids = placeholders(config)
+    if not ids:
+        return None
+    out = torch.zeros(vocab)
+    out[ids] = BAN
+    return out
+
+
+def positions(ids: list[int], grid_thw: torch.Tensor, pad: int, merge: int) -> torch.Tensor:
+    """[3, T] long: the multimodal rotary positions (t, h, w) of expanded `ids`, as the Qwen-VL
+    models' get_rope_index gives them for images: text runs count on in all three rows; an image's
+    run of (h / merge) x (w / merge) tokens takes t = start, h = start + row, w = start + column,
+    and the text after it resumes at start + max(h, w) / merge."""
+    import torch
+
+    grids, out, at = iter(grid_thw.tolist()), [], 0
+    for image, run in itertools.groupby(ids, lambda t: t == pad):
+        n = len(list(run))
+        if not image:
+            out.append(torch.arange(at, at + n).expand(3, -1))
+            at += n
+            continue
+        t, h, w = next(grids)
+        h, w = h // merge, w // merge
+        if t * h * w != n:
+            raise ValueError(f"an image run of {n} tokens for a {t}x{h}x{w} grid of merged patches")
+        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
+        out.append(torch.stack([tt, hh, ww]).reshape(3, -1) + at)
+        at += max(h, w)
+    return torch.cat(out, 1) if out else torch.zeros(3, 0, dtype=torch.long)
+
+
 def rope_positions(model, ids: list[int], grid_thw: torch.Tensor, pad: int) -> torch.Tensor:
     """[4, T] long: the expanded prompt-and-completion `ids`' text positions (0..T-1), then the
-    multimodal t, h, w positions the model's own get_rope_index gives them."""
+    multimodal t, h, w positions the model's own get_rope_index gives them (`positions`' reference)."""
     import torch
 
     t = torch.tensor([ids])

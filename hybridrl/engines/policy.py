@@ -18,7 +18,9 @@ from torch import nn
 
 from hybridrl.algorithms import policy_loss
 from hybridrl.core.config import Config, UserError
+from hybridrl.core.families import vision_family
 from hybridrl.core.models import is_native, plain_cache
+from hybridrl.data import images as image_io
 from hybridrl.data.batch import Batch, Shared
 from hybridrl.engines import ulysses
 from hybridrl.engines.zero_engine import autocast
@@ -47,6 +49,9 @@ class TokenLogprobs(nn.Module):
         super().__init__()
         self.hf, self.provider, self.chunk, self.max_len, self.autocast = hf, provider, chunk, max_len, autocast
         self.sp: ulysses.Group | None = None  # the trainer's sequence-parallel group (train.sequence_parallel_size > 1)
+        # a vision-language model's placeholder ban, [V]: the logit bias vLLM samples with (images.ban), so
+        # that both engines score sampled tokens under the same distribution; None for a text model
+        self.ban = image_io.ban(hf.config, hf.get_output_embeddings().out_features)
         for attr in ("final_logit_softcapping", "logit_scale"):
             if getattr(hf.config, attr, None) not in (None, 1.0):
                 raise UserError(
@@ -71,6 +76,8 @@ class TokenLogprobs(nn.Module):
         shard: dict | None = None,
         distill: dict | None = None,
         keep_hidden: bool = False,
+        images: dict | None = None,
+        ban: bool = True,
     ):
         """Without `loss`: (logp [N], entropy [N]) of the masked tokens, and their final hidden states
         [N, d] with `keep_hidden` (a teacher's, for algo.distill_loss full). With `loss` (ppo_loss's
@@ -81,7 +88,12 @@ class TokenLogprobs(nn.Module):
         the shared-prompt layout (`Batch.shared()`, as a dict) comes alone, tokens, attention_mask
         and loss_mask None. Sequence parallelism (`ulysses.shard`, as a dict) gives this rank's slice
         of a packed row in tokens and position_ids, and `shard` the slice's next-token targets and
-        loss positions and the whole row's layout, which its attention reads."""
+        loss positions and the whole row's layout, which its attention reads. `images` (a
+        vision-language batch's RowImages.inputs(): pixel_values, image_grid_thw) go to the model,
+        which fills the rows' image tokens with the tower's features; position_ids then hold the
+        multimodal positions too ([4, 1, L] packed, [4, B, T] padded). `ban`: score under the
+        placeholder ban vLLM samples with (self.ban); off for a prompt's tokens as vLLM scores them
+        (the probe's prompt_logprobs, which no logit bias touches)."""
         ulysses.ACTIVE = (
             None if shard is None else ulysses.Active(self.sp, shard["segments"], shard["full_position_ids"])
         )
@@ -97,14 +109,21 @@ class TokenLogprobs(nn.Module):
             # use_cache=False: a KV cache is useless here, and transformers only looks for packed
             # sequences in position_ids when there is none (masking_utils._preprocess_mask_arguments)
             hidden = self.hf.base_model(
-                input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+                input_ids=tokens,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+                **(images or {}),
             ).last_hidden_state[:, :-1]
             sel, targets = loss_mask[:, 1:], tokens[:, 1:]  # [B, T-1]: position t predicts token t+1
         h = hidden[sel]  # [N, d]
         y = targets[sel]  # [N]
         head = self.hf.get_output_embeddings()
+        bias = head.bias
+        if ban and self.ban is not None:
+            bias = self.ban.to(head.weight.device) + (0.0 if bias is None else bias)
         if self.provider == "liger" and loss is not None:
-            return self._liger(hidden, head, targets, sel, h, y, temperature, loss)
+            return self._liger(hidden, head, targets, sel, h, y, temperature, loss, bias)
         if shard is not None and not len(y):  # a slice that predicts no loss token (a prompt's): zeros, but one
             # that reaches every parameter, so that backward runs every layer's all-to-all and ZeRO sees a gradient
             empty = h.new_zeros(0, dtype=torch.float32)
@@ -114,7 +133,7 @@ class TokenLogprobs(nn.Module):
             return zero, {}, empty, empty
         kw = dict(
             temperature=temperature,
-            bias=head.bias,
+            bias=bias,
             chunk_size=self.chunk,
             provider="torch" if self.provider == "liger" else self.provider,
         )
@@ -155,13 +174,13 @@ class TokenLogprobs(nn.Module):
         last = out.last_hidden_state[torch.arange(len(s.prompts), device=comp.device), s.prompt_lens - 1]  # [G, d]
         return torch.cat([last[s.group][:, None], comp[:, :-1]], 1)
 
-    def _liger(self, hidden, head, targets, sel, h, y, temperature, loss):
+    def _liger(self, hidden, head, targets, sel, h, y, temperature, loss, bias):
         """Liger's fused GRPO loss on whole rows (it takes [B, T, d]: the positions that predict a next
         token); our per-token inputs are scattered back to rows. logp is computed first without grad:
         for the metrics, and for the IS weight when the pass is on-policy (logp_old None)."""
         seq_ids = loss["seq_ids"]
         with torch.no_grad():
-            logp, entropy = logprob_entropy(h, head.weight, y, temperature, head.bias, provider="torch")
+            logp, entropy = logprob_entropy(h, head.weight, y, temperature, bias, provider="torch")
 
         def rows(x):  # [N] -> [B, T-1], zero off the completion tokens
             out = torch.zeros(sel.shape, device=h.device)
@@ -192,7 +211,7 @@ class TokenLogprobs(nn.Module):
             adv,
             old,
             temperature,
-            head.bias,
+            bias,
             policy_loss=loss["policy_loss"],
             is_weights=is_w,
             agg=loss["agg"],
@@ -219,7 +238,15 @@ def packs(cfg: Config, provider: str, attn_implementation: str, native: bool) ->
 
 
 def share_prompt_refusals(
-    cfg: Config, provider: str, attn_implementation: str, packing: bool, *, native: bool, plain_cache: bool, name: str
+    cfg: Config,
+    provider: str,
+    attn_implementation: str,
+    packing: bool,
+    *,
+    native: bool,
+    plain_cache: bool,
+    name: str,
+    vision: bool = False,
 ) -> list[str]:
     """Why train.share_prompt (on or auto) is not done for a model of class `name`; [] when it is."""
     return [
@@ -232,6 +259,7 @@ def share_prompt_refusals(
             (f"{name} (not transformers' own, or a sliding-window cache)", not plain_cache or not native),
             ("ZeRO-3 (auto)", cfg.train.share_prompt == "auto" and cfg.train.zero_stage == 3),
             ("sequence parallelism", cfg.train.sequence_parallel_size > 1),
+            ("a vision-language model (its prompt's images and positions)", vision),
         )
         if bad
     ]
@@ -254,6 +282,7 @@ def share_prompt(cfg: Config, hf: nn.Module, provider: str, attn_implementation:
         native=is_native(type(hf)),
         plain_cache=plain_cache(hf.config),
         name=type(hf).__name__,
+        vision=vision_family(hf.config) is not None,
     )
     if why and want == "on":  # asked for by name: say why it is not done
         log.warning(SHARE_PROMPT_REFUSED + " %s; every row computes its own prompt", ", ".join(why))
@@ -286,13 +315,19 @@ class Layout:
 
 
 def layout(
-    cfg: Config, attn_implementation: str, *, native: bool = True, plain_cache: bool = True, name: str = "the model"
+    cfg: Config,
+    attn_implementation: str,
+    *,
+    native: bool = True,
+    plain_cache: bool = True,
+    name: str = "the model",
+    vision: bool = False,
 ) -> Layout:
-    """The trainer's Layout for a model with these facts (models.ModelInfo's native and plain_cache)."""
+    """The trainer's Layout for a model with these facts (models.ModelInfo's native, plain_cache, vision)."""
     provider = kernel_provider(cfg)
     packing = packs(cfg, provider, attn_implementation, native)
     share = cfg.train.share_prompt != "off" and not share_prompt_refusals(
-        cfg, provider, attn_implementation, packing, native=native, plain_cache=plain_cache, name=name
+        cfg, provider, attn_implementation, packing, native=native, plain_cache=plain_cache, name=name, vision=vision
     )
     return Layout(provider, packing, share)
 
@@ -311,8 +346,17 @@ def module_inputs(mb: Batch, packing: bool, share: bool) -> tuple[tuple, dict]:
 
         if packing:
             p = host.packed()
-            return (move(p.tokens), None, move(p.loss_mask)), dict(position_ids=move(p.position_ids))
+            kw = dict(position_ids=move(p.position_ids), **_images(mb))
+            return (move(p.tokens), None, move(p.loss_mask)), kw
         s = host.shared()
         if s is not None and len(s.prompts) < len(mb):
             return (None, None, None), dict(shared={k: move(v) for k, v in s._asdict().items()})
+    if mb.mrope is not None:  # a vision-language batch: its positions, and its rows' images
+        return (mb.tokens, mb.attention_mask(), mb.loss_mask), dict(position_ids=mb.position_ids(), **_images(mb))
     return (mb.tokens, mb.attention_mask(), mb.loss_mask), {}
+
+
+def _images(mb: Batch) -> dict:
+    """TokenLogprobs' images= of a micro-batch whose rows have any; {} otherwise."""
+    got = mb.images.inputs() if mb.images is not None else {}
+    return dict(images=got) if got else {}

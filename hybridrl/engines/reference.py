@@ -24,6 +24,7 @@ import deepspeed
 import torch
 
 from hybridrl.core.config import Config
+from hybridrl.core.models import load_class
 from hybridrl.data.batch import Batch, micro_batches, per_token, shared_micro_batches
 from hybridrl.engines import deepspeed_compat, ulysses
 from hybridrl.engines.policy import TokenLogprobs, module_inputs, share_prompt
@@ -82,15 +83,13 @@ class Reference:
         sp: ulysses.Group | None = None,
     ):
         """`sp`: the trainer's sequence-parallel group (None or a group of one: none)."""
-        from transformers import AutoModelForCausalLM
-
         self.cfg, self.device = cfg, device
         self.sp = sp if sp is not None and sp.size > 1 else None
         cuda = device.type == "cuda"
         dtype, autocast = precision(cfg, dtype)  # the policy's numerics: at step 1 its log-probs to the bit
         conf = ds_config(cfg, dtype == torch.bfloat16, cuda)
         hf = from_pretrained(
-            AutoModelForCausalLM,
+            load_class(path, cfg.model.trust_remote_code),
             path,
             conf,
             dtype=dtype,

@@ -26,6 +26,7 @@ from vllm import LLM, SamplingParams
 
 from hybridrl.core import launch, memory
 from hybridrl.core.config import Config, ConfigError
+from hybridrl.data import images as image_io
 from hybridrl.data.batch import Sample
 from hybridrl.engines import ipc, lora, vllm_compat
 
@@ -151,6 +152,9 @@ class Rollout:
     # no routes unless __init__ finds a mixture-of-experts model (and for a stand-in built without it)
     capture = None
     record_routes = False
+    vision = False  # a vision-language model (__init__): prompts may hold images
+    expanded_prompts: list[list[int]] = []  # the last prompt_logprobs call's sequences, as vLLM ran them
+    ban: dict[int, float] = {}  # its placeholder tokens' logit bias: no completion samples one (images.ban)
 
     def __init__(
         self,
@@ -183,7 +187,8 @@ class Rollout:
         self.lora_request = None  # set by the first adapter hand-off; before it, adapter == base (B = 0)
         vllm_compat.exact_float32(cuda=self.cuda, dtype=cfg.model.dtype)
         self.moe = self._moe(model_path)  # a mixture of experts: samples carry their routes (routing.py)
-        self.vision = self._vision(model_path)  # a vision-language model: prompts may hold images
+        self.ban = {i: image_io.BAN for i in self._placeholders(model_path)}  # the trainer scores with it too
+        self.vision = bool(self.ban)  # a vision-language model: prompts may hold images
         if self.vision:
             vllm_compat.images_without_torchvision(on_cpu)
         with (
@@ -233,13 +238,13 @@ class Rollout:
         config = AutoConfig.from_pretrained(model_path, trust_remote_code=self.cfg.model.trust_remote_code)
         return routing.wanted(self.cfg, config)[0]
 
-    def _vision(self, model_path: str) -> bool:
+    def _placeholders(self, model_path: str) -> list[int]:
+        """A vision-language model's image and video placeholder ids; [] for a text model."""
         from transformers import AutoConfig
 
-        from hybridrl.core import families
-
-        config = AutoConfig.from_pretrained(model_path, trust_remote_code=self.cfg.model.trust_remote_code)
-        return families.vision_family(config) is not None
+        return image_io.placeholders(
+            AutoConfig.from_pretrained(model_path, trust_remote_code=self.cfg.model.trust_remote_code)
+        )
 
     def _record_routes(self, on_cpu: bool) -> bool:
         """Whether samples carry their routes: a MoE model, and vLLM returns them (native_routes) or this
@@ -279,6 +284,8 @@ class Rollout:
     def _run(self, prompts: list[list[int]], params: SamplingParams, images: list[tuple] | None = None):
         """vLLM's outputs for `prompts` (one call of LLM.generate, the group's in tensor parallel),
         with each prompt's `images` if given."""
+        if images is None and self.vision:  # a group's ranks ask alike, with images or not
+            images = [()] * len(prompts)
         if images is not None:
             prompts = list(zip(prompts, images))  # type: ignore[arg-type]
         every, counts, rng = self._group(prompts)
@@ -320,6 +327,7 @@ class Rollout:
             max_tokens=max_tokens,
             logprobs=0,
             stop_token_ids=[self.eos],
+            logit_bias=self.ban or None,
             **self._stop(),
         )
         self._calls += 1
@@ -333,7 +341,7 @@ class Rollout:
             self.lora_request,
             self.tp,
             routes=self.routes_of if self.record_routes else None,
-            images=images is not None,
+            images=images is not None or self.vision,
         )
         if self.capture is not None:  # the last generation's samples have taken theirs
             self.capture.reset()
@@ -393,6 +401,7 @@ class Rollout:
             max_tokens=max_tokens,
             logprobs=0,
             stop_token_ids=[self.eos],
+            logit_bias=self.ban or None,
             **self._stop(),
         )
         self._calls += 1
@@ -421,10 +430,17 @@ class Rollout:
         stop = [str(s) for s in self.cfg.rollout.stop]
         return dict(stop=stop, include_stop_str_in_output=True, detokenize=True) if stop else dict(detokenize=False)
 
-    def greedy(self, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        """Greedy completions (a tensor-parallel group's ranks call it together, with or without prompts)."""
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, stop_token_ids=[self.eos], **self._stop())
-        return [list(o.outputs[0].token_ids) for o in self._run(prompts, params)]
+    def greedy(self, prompts: list[list[int]], max_tokens: int, images: list[tuple] | None = None) -> list[list[int]]:
+        """Greedy completions (a tensor-parallel group's ranks call it together, with or without prompts),
+        with each prompt's `images` if given."""
+        params = SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            stop_token_ids=[self.eos],
+            logit_bias=self.ban or None,
+            **self._stop(),
+        )
+        return [list(o.outputs[0].token_ids) for o in self._run(prompts, params, images)]
 
     def prompt_logprobs(self, seqs: list[list[int]], images: list[tuple] | None = None) -> list[list[float]]:
         """log p(seq[t] | seq[:t]) for t >= 1, as vLLM computes it (temperature 1). With `images`
@@ -449,7 +465,8 @@ class Rollout:
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load every parameter anew (in process: tensors by reference, no serialisation; out of
         process: through the staging buckets), then drop the prefix cache: its KV entries were
-        computed by the old weights. Always the full set, so it also restores a level-2 sleep.
+        computed by the old weights (and a vision-language model's encoder cache: its tower's features).
+        Always the full set, so it also restores a level-2 sleep.
         LoRA: the tensors are the adapter, which replaces the previous one (the base weights stay;
         a level-2 sleep, which discards them, is not used with LoRA: recipe.resolve)."""
         if self.sender is not None:
@@ -463,6 +480,8 @@ class Rollout:
         else:
             vllm_compat.load_weights(self.llm, named_tensors)
         self.llm.reset_prefix_cache()
+        if self.vision:  # a trained tower's features changed (model.train_vision); a frozen one's are recomputed
+            vllm_compat.reset_encoder_cache(self.llm)
         if self.adapter:
             self.lora_request = vllm_compat.lora_request()
         else:

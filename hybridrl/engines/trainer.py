@@ -19,8 +19,9 @@ from hybridrl.algorithms import policy_loss
 from hybridrl.core import faults, platform
 from hybridrl.core.canaries import distribution_metrics
 from hybridrl.core.config import Config, ConfigError, completion_budget, get
+from hybridrl.core.families import vision_family
 from hybridrl.core.launch import all_sum, world_size
-from hybridrl.core.models import enable_checkpointing, is_native
+from hybridrl.core.models import enable_checkpointing, freeze_vision, is_native, load_class, vision_frozen
 from hybridrl.data import partial
 from hybridrl.data.batch import Batch, per_token
 from hybridrl.engines import deepspeed_compat, lora, routing, ulysses
@@ -43,27 +44,27 @@ TAG = "ds"  # its DeepSpeed checkpoint's directory inside a hybridrl checkpoint
 class Trainer:
     router: routing.Router | None = None  # MoE: the routers' hooks (_router); class defaults for stand-ins
     replay = False
+    vision = None  # a vision-language model's family row (core/families.py)
     sp = ulysses.Group(None, 0, 1, 0)  # no sequence parallelism until __init__ says otherwise
     _part = slice(None)  # the last forward's loss tokens on this rank (all of them without it)
 
     def __init__(
         self, cfg: Config, model_path: str, *, device: torch.device, dtype: torch.dtype, attn_implementation: str
     ):
-        from transformers import AutoModelForCausalLM
-
         self.cfg, self.device, self.platform = cfg, device, platform.current()
         self.teacher = None  # algo.distill_loss full: the teacher (reference.load_teacher), whose head the loss reads
         self.compute_dtype = dtype  # model.dtype: vLLM's weights and KV cache, the GEMMs' here
         dtype, autocast = precision(cfg, dtype)  # amp: float32 weights under bfloat16 autocast
         conf = ds_config(cfg, dtype == torch.bfloat16, self.platform)
         hf = from_pretrained(
-            AutoModelForCausalLM,
+            load_class(model_path, cfg.model.trust_remote_code),
             model_path,
             conf,
             dtype=dtype,
             attn_implementation=attn_implementation,
             trust_remote_code=cfg.model.trust_remote_code,
         )
+        freeze_vision(hf, cfg.model.train_vision)  # a vision-language model's tower: frozen by default
         # LoRA: the adapter is injected into `hf` in place; only its parameters train (see lora.py)
         self.peft = lora.attach(hf, cfg.model) if cfg.model.lora_rank else None
         if cfg.model.gradient_checkpointing:
@@ -113,6 +114,7 @@ class Trainer:
         if self.platform.one_pass_zero_step:  # one gradient pass for overflow + norm
             deepspeed_compat.fuse_overflow_check(self.engine.optimizer, world_size())
         self.hf = hf
+        self.vision = vision_family(hf.config)  # None for a text model
 
     @staticmethod
     def _router(cfg: Config, hf: nn.Module) -> tuple[routing.Router | None, bool]:
@@ -153,7 +155,9 @@ class Trainer:
         return self.router.run(segments, self.replay)
 
     # --- log-probs ----------------------------------------------------------------------------
-    def _forward(self, mb: Batch, temperature: float, loss: dict | None = None, distill: dict | None = None):
+    def _forward(
+        self, mb: Batch, temperature: float, loss: dict | None = None, distill: dict | None = None, ban: bool = True
+    ):
         """Log-probs (and the loss) of mb's masked tokens, in the order of `mb.loss_mask`'s True
         entries whether packed or padded; `distill` (TokenLogprobs' distill=) with the loss."""
         if self.sp.size > 1:  # this rank's slice of the packed row, and of the per-token loss inputs
@@ -163,7 +167,7 @@ class Trainer:
                 loss = {k: v[s.part] if isinstance(v, torch.Tensor) else v for k, v in loss.items()}
             return self.engine(*args, temperature, loss, **kw)
         args, kw = module_inputs(mb, self.packing, self.share_prompt)
-        return self.engine(*args, temperature, loss, **kw, distill=distill)
+        return self.engine(*args, temperature, loss, **kw, distill=distill, ban=ban)
 
     def _plan(self, rows: Batch | None) -> list[torch.Tensor | None]:
         """Micro-batches of train.max_tokens_per_micro_batch tokens per rank: with sequence parallelism
@@ -182,8 +186,9 @@ class Trainer:
         return plan_micro_batches(rows, budget * sp, self.packing, self.share_prompt)
 
     @torch.no_grad()
-    def logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
-        """Trainer log-probs of every masked token, laid out like `batch.loss_mask`: [B, T]."""
+    def logprobs(self, batch: Batch, temperature: float, ban: bool = True) -> torch.Tensor:
+        """Trainer log-probs of every masked token, laid out like `batch.loss_mask`: [B, T]. `ban`: under
+        a vision-language model's placeholder ban, as vLLM samples (off: as vLLM scores a prompt)."""
         if self.sp.size > 1:  # the group scores its ranks' rows together, each rank a slice of every row
             return ulysses.group_logprobs(
                 lambda mb: self._forward(mb, temperature)[0], batch, self._plan, self.sp, self.device
@@ -191,7 +196,7 @@ class Trainer:
 
         def forward(mb):
             with self._routed(mb):
-                return self._forward(mb, temperature)[0]
+                return self._forward(mb, temperature, ban=ban)[0]
 
         return per_token(forward, batch, self._plan(batch), self.device)
 
@@ -380,10 +385,13 @@ class Trainer:
         (one collective per bucket, not per parameter) and frees each bucket once the consumer
         moves past it, so a full copy of the model never exists at once. Lazy: consume it once,
         on every rank, in the same order. LoRA: the adapter's parameters only, named as in a PEFT
-        adapter file (lora.sync_name); the frozen base never changes, and vLLM keeps its own."""
+        adapter file (lora.sync_name); the frozen base never changes, and vLLM keeps its own. A
+        vision-language model's frozen tower (model.train_vision) is left out alike."""
         named = list(self.hf.named_parameters())
         if self.peft is not None:
             named = [(lora.sync_name(n), p) for n, p in named if lora.is_adapter(n)]
+        elif self.vision is not None:
+            named = [(n, p) for n, p in named if not vision_frozen(n, self.vision, self.cfg.model.train_vision)]
         if not self.zero3:
             yield from ((n, p.detach()) for n, p in named)
             return

@@ -623,6 +623,13 @@ def abort_keeping_tokens(
     return got
 
 
+def reset_encoder_cache(llm: LLM) -> None:
+    """Drop the vision encoder's cached outputs (keyed by image, shared by every request that holds
+    it): computed by the tower the weights had, they would fill the next requests' image tokens
+    with the old tower's features after a hand-off that changed it (0.26 and 0.32 both have it)."""
+    llm.llm_engine.reset_encoder_cache()
+
+
 def requests_held(llm: LLM) -> int:
     """Requests the in-process engine's output processor still holds (samples' states and parents of
     n > 1 requests): 0 once every request finished or was aborted."""

@@ -155,18 +155,35 @@ def _cpu_packed_linears(model) -> tuple[dict[str, list[torch.nn.Module]], torch.
             ):
                 return None
             by_layer.setdefault(_layer_of(name + ".weight"), []).append(m)
-    head = getattr(model, "lm_head", None)
+    head = _head(model)
     if not by_layer or not hasattr(head, "cpu_linear"):
         return None
     return by_layer, head
 
 
+def _head(model):
+    """The LM head: the model's own, or a vision-language model's language model's."""
+    return getattr(model, "lm_head", None) or getattr(getattr(model, "language_model", None), "lm_head", None)
+
+
+def _embedding(model):
+    body = getattr(model, "model", None) or getattr(getattr(model, "language_model", None), "model", None)
+    return getattr(body, "embed_tokens", None)
+
+
 def _layer_of(name: str) -> str:
-    """'model.layers.3.mlp.gate_proj.weight' -> 'model.layers.3'; '' outside the decoder layers."""
+    """The layer a weight belongs to, alike in the trainer's names and vLLM's: 'layers.3' for
+    'model.layers.3.mlp.gate_proj.weight' (and a vision-language model's 'model.language_model.layers.3...',
+    vLLM's 'language_model.model.layers.3...'); '' for the rest of the language model. A Qwen-VL vision
+    tower ('visual' in both engines' names) is apart: 'visual.blocks.0', and 'visual.merger',
+    'visual.patch_embed', ... for its other modules (each arrives in one run, in the trainer's order),
+    so that a hand-off that leaves the frozen tower out never unpacks it."""
     parts = name.split(".")
     for i, p in enumerate(parts[:-1]):
-        if p == "layers" and parts[i + 1].isdigit():
-            return ".".join(parts[: i + 2])
+        if p in ("layers", "blocks") and parts[i + 1].isdigit():
+            return f"{'visual.' if 'visual' in parts[:i] else ''}{p}.{parts[i + 1]}"
+    if "visual" in parts[:-1]:
+        return "visual." + parts[parts.index("visual") + 1]
     return ""
 
 
@@ -264,12 +281,16 @@ def _keep_unpacked(by_layer: dict[str, list[torch.nn.Module]], head: torch.nn.Mo
 
 
 def _cpu_plain(model) -> bool:
-    """Every linear layer computes with `_plain_linear` on its own weight (`_keep_unpacked`)."""
+    """Every linear layer computes with `_plain_linear` on its own weight (`_keep_unpacked`). A vision
+    tower's do not count: a frozen one is never handed off, so it stays packed as vLLM loaded it, and a
+    trained one's turned plain in the first hand-off, which sends every tensor."""
     try:
         from vllm.model_executor.layers.linear import LinearBase
     except ImportError:
         return False
-    mods = [m for m in model.modules() if isinstance(m, LinearBase)] + [getattr(model, "lm_head", None)]
+    mods = [
+        m for name, m in model.named_modules() if isinstance(m, LinearBase) and not _layer_of(name).startswith("visual")
+    ] + [_head(model)]
     return len(mods) > 1 and all(getattr(m, "cpu_linear", None) is _plain_linear for m in mods)
 
 
@@ -280,7 +301,7 @@ def _repack_tied_head(model) -> None:
     packed copy kept the first weights: vLLM then sampled from a stale head (the handed-off engine's
     log-probs drifted from a fresh engine's, and the probe's gap grew every step; docs/speed.md).
     Pack it again from the embedding just loaded."""
-    head, embed = getattr(model, "lm_head", None), getattr(getattr(model, "model", None), "embed_tokens", None)
+    head, embed = _head(model), _embedding(model)
     weight = getattr(head, "weight", None)
     if weight is not None and weight is getattr(embed, "weight", None) and hasattr(head, "cpu_linear"):
         head.quant_method.process_weights_after_loading(head)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,7 @@ from hybridrl.core import launch
 from hybridrl.core.config import Config, UserError, completion_budget
 from hybridrl.data import partial
 from hybridrl.data.batch import Sample
+from hybridrl.data.images import Vision
 from hybridrl.data.prompts import Prompt, Sampler
 from hybridrl.data.rewards import Scorer
 from hybridrl.engines import reward_model
@@ -41,9 +42,15 @@ from hybridrl.run import multiturn
 log = logging.getLogger("hybridrl")
 
 
+def images_of(prompts: list[Prompt]) -> list[tuple] | None:
+    """The prompts' images for vLLM (Rollout.generate's images=), None when none has any."""
+    return [p.images for p in prompts] if any(p.images for p in prompts) else None
+
+
 def single_turn_greedy(rollout, tokenizer, prompts: list, max_tokens: int) -> tuple[list[str], list[float]]:
     """vLLM's greedy answers to `prompts`, decoded, and their environment rewards (none: 0)."""
-    outs = rollout.greedy([p.ids for p in prompts], max_tokens)  # with no prompts too: a TP group asks together
+    # with no prompts too: a TP group asks together
+    outs = rollout.greedy([p.ids for p in prompts], max_tokens, images=images_of(prompts))
     return tokenizer.batch_decode(outs, skip_special_tokens=True), [0.0] * len(prompts)
 
 
@@ -56,6 +63,19 @@ class Rollouts:
     rewards: torch.Tensor  # [G, n] final rewards (overlong penalty included)
     masked: torch.Tensor  # [G * n] bool: carries no gradient (overlong-filtered, or this rank's filler group)
     metrics: dict[str, float]  # summed or averaged over all ranks
+    # a vision-language model's: each group's prompt's images as the trainer takes them, None for a
+    # prompt without (images.Vision.pixels); [] for a text model
+    pixels: list = field(default_factory=list)
+
+    def prompt_ids(self) -> list[list[int]]:
+        """Each sample's prompt as vLLM ran it (a vision-language prompt with its images expanded)."""
+        n = len(self.samples) // max(len(self.prompts), 1)
+        return [s.prompt_ids or self.prompts[i // n].ids for i, s in enumerate(self.samples)]
+
+    def row_pixels(self) -> list | None:
+        """Each sample's prompt's pixels (Batch.from_rows' pixels); None for a text model."""
+        n = len(self.samples) // max(len(self.prompts), 1)
+        return [self.pixels[i // n] for i in range(len(self.samples))] if self.pixels else None
 
 
 @dataclass
@@ -77,8 +97,11 @@ class Collector:
         sampler: Sampler,
         world,
         models: list[tuple[str, float, RewardModel]] | None = None,
+        vision: Vision | None = None,
     ):
+        """`vision`: how a vision-language model takes images (the trainer's pixels of each prompt)."""
         self.cfg, self.rollout, self.scorer, self.tokenizer = cfg, rollout, scorer, tokenizer
+        self.vision = vision
         self.prompts, self.sampler, self.world = prompts, sampler, world
         # (name, weight, model) per rm: term; the loop loads them before vLLM is planned
         self.models = reward_model.load_all(cfg, world.device) if models is None else models
@@ -167,7 +190,14 @@ class Collector:
                 },
             )
             out.update(partial.metrics(samples, partial.version_of(step), self.cfg.rollout.partial_max_age))
-        return Rollouts([g.prompt for g in kept], samples, torch.stack([g.rewards for g in kept]), masked, out)
+        pixels = [self._pixels(g) for g in kept] if self.vision else []
+        return Rollouts([g.prompt for g in kept], samples, torch.stack([g.rewards for g in kept]), masked, out, pixels)
+
+    def _pixels(self, g: _Group):
+        """The group's prompt's images as the trainer takes them, at the ids vLLM expanded them to."""
+        if not g.prompt.images:
+            return None
+        return self.vision.pixels(g.prompt.images, g.samples[0].prompt_ids)
 
     def _round(self, step: int, phases: Phases) -> tuple[list[_Group], int]:
         """Generate n samples for each of this rank's share of `prompts_per_step` new prompts and
@@ -183,7 +213,7 @@ class Collector:
             gen = (
                 self.episodes.generate(batch, n, index, **kw)
                 if self.episodes
-                else self.rollout.generate([p.ids for p in batch], n, **kw)
+                else self.rollout.generate([p.ids for p in batch], n, **kw, images=images_of(batch))
             )
             for i in gen.rejected:
                 del pending[i]

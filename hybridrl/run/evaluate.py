@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from hybridrl.core import launch
-from hybridrl.run.collect import single_turn_greedy
+from hybridrl.run.collect import images_of, single_turn_greedy
 
 
 def heldout_eval(
@@ -43,6 +43,7 @@ def heldout_eval(
         gen = rollout.generate(
             [p.ids for p in shard],
             cfg.log.eval_n,
+            images=images_of(shard),
             temperature=cfg.log.eval_temperature,
             top_p=cfg.rollout.top_p,
             max_tokens=cfg.rollout.max_new_tokens,
@@ -115,7 +116,6 @@ def run(target: str, cfg) -> dict:
             prompts.load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out", vision
         )
         heldout = heldout[: cfg.log.eval_size or None]
-        resolve.images_not_wired(heldout)
         if not heldout:
             raise UserError("no held-out prompts to evaluate: pass --data FILE (or set data.heldout_path)")
         rollout = Rollout(

@@ -105,17 +105,20 @@ def train(cfg: Config) -> dict:
         tp=tp,
         sizing=sizing,
     )  # tp: the ranks that share its engine
+    seqs, images = sync.probe_inputs(
+        (heldout or prompts)[:8], tokenizer, cfg.rollout.max_new_tokens, cfg.rollout.max_model_len
+    )  # held-out prompts with their answers; a vision-language model's with their images
     probe = sync.Probe(
-        sync.probe_sequences(
-            (heldout or prompts)[:8], tokenizer, cfg.rollout.max_new_tokens, cfg.rollout.max_model_len
-        ),
+        seqs,
         cfg.train.probe_tol or sync.PROBE[cfg.model.dtype][1],
         cfg.train.probe_action,
         stat=sync.PROBE[cfg.model.dtype][0],
         every=cfg.train.probe_every,
         calibrated=bool(cfg.train.probe_tol),
+        images=images,
+        vision=res.vision,
     )
-    collector = Collector(cfg, rollout, scorer, tokenizer, prompts, sampler, world, reward_models)
+    collector = Collector(cfg, rollout, scorer, tokenizer, prompts, sampler, world, reward_models, res.vision)
 
     evaluate = Evaluator(cfg, rollout, scorer, tokenizer, heldout, world, run, collector)  # held-out split
     # trainer -> vLLM: offload, wake weights, hand-off, wake KV cache (the order, and why: engine_cycle.py)
@@ -138,18 +141,19 @@ def train(cfg: Config) -> dict:
             # 1. rollout and rewards: n samples per prompt (this rank's share), each scored as it
             #    finishes while vLLM generates the rest; DAPO's dynamic sampling and overlong shaping
             ro = collector.batch(step, phases)
-            samples, src = ro.samples, [p for p in ro.prompts for _ in range(cfg.rollout.n)]
+            samples = ro.samples
             engine_cycle.release(engines, phases, cfg=cfg)  # vLLM sleeps, trainers reload
             # 2. the sampling policy's, the reference's and the critic's view; advantages
             R = ro.rewards  # [P, n]
             batch = Batch.from_rows(
-                [p.ids for p in src],
+                ro.prompt_ids(),  # as vLLM ran them: a vision-language prompt with its images expanded
                 [s.token_ids for s in samples],
                 [s.logprobs for s in samples],
                 [0.0] * len(samples),
                 [s.loss_mask for s in samples],  # multi-turn: environment tokens carry no loss
-                [s.routes for s in samples],
-            )  # MoE: vLLM's experts, for routing replay
+                [s.routes for s in samples],  # MoE: vLLM's experts, for routing replay
+                ro.row_pixels(),  # a vision-language model's images, as the trainer's forward takes them
+            )
             if collector.buffer:  # partial rollouts: the tokens an older policy sampled (data/partial.py)
                 batch.stale = partial.stale_mask(samples, partial.version_of(step), batch.loss_mask)
             if trainer.needs_old_logprobs:  # several updates per rollout, KL in the reward, LoRA dropout with IS

@@ -23,8 +23,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from hybridrl.algorithms import estimator
 from hybridrl.core import launch, memory, models, platform, recipe
-from hybridrl.core.config import Config, ConfigError, UserError, freeze, put
+from hybridrl.core.config import Config, ConfigError, freeze, put
 from hybridrl.cycle import plan
 from hybridrl.data.images import Vision
 from hybridrl.data.prompts import encode, load_rows, template_choice
@@ -49,6 +50,7 @@ class Resolved:
     chat: dict  # what data.chat_template=auto did, for the recipe printed at start (prompts.template_choice)
     layout: policy.Layout  # what the trainer will run with (recipe.describe's `engines`)
     resumed: checkpoint.Resume | None = None  # the checkpoint the run continues from (ckpt.resume)
+    vision: Vision | None = None  # how a vision-language model takes images; None for a text model
 
 
 def run_config(cfg: Config, world) -> Resolved:
@@ -74,11 +76,11 @@ def run_config(cfg: Config, world) -> Resolved:
     prompts, dropped = encode(rows, tokenizer, cfg.data, cfg.data.path, vision)
     heldout = encode(load_rows(cfg.data, "heldout"), tokenizer, cfg.data, "held-out", vision)[0]
     heldout = heldout[: cfg.log.eval_size or None]
-    images_not_wired(prompts + heldout)
     cfg = recipe.fit_to_data(
         cfg, info, max((p.length for p in prompts + heldout), default=0), on_cpu=on_cpu, world_size=world.size
     )  # the context the data needs, before the plan counts it
     cfg = plan_memory(cfg, model_path, world, on_cpu)  # every phase on the device; what the user left unset
+    vision_limits(cfg, vision, prompts + heldout)  # what images do not go with yet (the plan's ZeRO stage too)
     if cfg.train.prompts_per_step % world.size:
         raise ConfigError(
             f"train.prompts_per_step={cfg.train.prompts_per_step} must be divisible by the {world.size} ranks"
@@ -107,7 +109,12 @@ def run_config(cfg: Config, world) -> Resolved:
     if resumed:  # continue in that run's directory
         cfg = put(cfg, "log.run_dir", str(resumed.run_dir), "the resumed run")
     layout = policy.layout(
-        cfg, cfg.model.attn_implementation, native=info.native, plain_cache=info.plain_cache, name=info.arch
+        cfg,
+        cfg.model.attn_implementation,
+        native=info.native,
+        plain_cache=info.plain_cache,
+        name=info.arch,
+        vision=bool(info.vision),
     )
     # frozen from here: what the engines read is what the run prints and records (plan_rollout's
     # measured sizes come back beside it, engine_cycle.plan_rollout)
@@ -122,19 +129,37 @@ def run_config(cfg: Config, world) -> Resolved:
         template_choice(rows, tokenizer, cfg.data),
         layout,
         resumed,
+        vision,
     )
 
 
-def images_not_wired(prompts: list) -> None:
-    """Prompts with images stop here, before any engine starts, until the rollout and the trainer
-    take them (issue 74: vLLM's multi_modal_data, the trainer's pixel_values and positions); the
-    data path reads and checks them already. Remove this, and its calls (run_config,
-    evaluate.run), when they do."""
-    n = sum(bool(p.images) for p in prompts)
-    if n:
-        raise UserError(
-            f"{n} prompt(s) have images, and vision-language training is not wired yet (the data is read "
-            "and checked; vLLM and the trainer do not take images yet: issue 74); give text prompts"
+def vision_limits(cfg: Config, vision: Vision | None, prompts: list) -> None:
+    """What a vision-language run does not do yet stops here, before any engine starts, in one line
+    naming the setting to change (docs/vision.md's limits). A text model passes. (An out-of-process
+    vLLM would need vllm_compat.images_without_torchvision in its own process too.)"""
+    if vision is None:
+        return
+    name = vision.family.model_type
+    for bad, what, fix in (
+        (cfg.train.sequence_parallel_size > 1, "sequence parallelism", "set train.sequence_parallel_size 1"),
+        (bool(cfg.env.cls), "multi-turn environments", "unset env.cls"),
+        (cfg.rollout.partial == "on", "partial rollouts", "set rollout.partial off"),
+        (cfg.rollout.mode == "outofprocess", "an out-of-process vLLM", "set rollout.mode inprocess"),
+        (bool(cfg.model.lora_rank), "LoRA", "set model.lora_rank 0 (full fine-tuning)"),
+        (bool(cfg.algo.teacher), "a distillation teacher", "unset algo.teacher"),
+        (estimator(cfg.algo.advantage).critic, f"a critic (algo.advantage={cfg.algo.advantage})",
+         "use algo.advantage grpo, rloo or reinforce_pp"),
+    ):  # fmt: skip
+        if bad:
+            raise ConfigError(f"a vision-language model ({name}): {what} is not wired for images yet; {fix}")
+    # ZeRO-3 gathers the tower's shards on every rank together: a rank whose micro-batch holds no image
+    # would skip its forward, and the ranks would wait on each other
+    text = sum(not p.images for p in prompts)
+    if cfg.train.zero_stage == 3 and text:
+        raise ConfigError(
+            f"a vision-language model under ZeRO-3: {text} prompt(s) without images, whose micro-batches "
+            "would not run the vision tower the other ranks gather; give every prompt an image, or set "
+            "train.zero_stage 2"
         )
 
 
