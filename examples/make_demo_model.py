@@ -42,6 +42,15 @@ SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>"]  # ids 0, 1, 2
 CHARS = list("0123456789+=")  # ids 3..14
 ACC_BAND = (0.20, 0.25)  # stop at the first evaluation inside this held-out accuracy band
 MAX_NEW_TOKENS = 4  # answers are at most 2 digits, then eos
+# the demo models' decoder (the tool and vision demos' too): 4 layers of width 128, 4 heads of 32
+SHAPE = dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    max_position_embeddings=64,
+)
 
 
 # transformers 5 loads the tokenizer of any `model_type: qwen2` checkpoint as Qwen2Tokenizer,
@@ -133,12 +142,7 @@ def build_model(tokenizer):
 
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=64,
+        **SHAPE,
         tie_word_embeddings=False,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -101,12 +101,7 @@ def main() -> None:
     model = Qwen2ForCausalLM(
         Qwen2Config(
             vocab_size=len(tok),
-            hidden_size=128,
-            intermediate_size=384,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=64,
+            **make_demo_model.SHAPE,
             tie_word_embeddings=False,
             bos_token_id=1,
             eos_token_id=2,

@@ -61,12 +61,7 @@ def build_model(tokenizer):
     config = Qwen2VLConfig(
         text_config=dict(
             vocab_size=len(tokenizer),
-            hidden_size=128,
-            intermediate_size=384,
-            num_hidden_layers=4,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            max_position_embeddings=64,
+            **make_demo_model.SHAPE,
             rope_parameters={"rope_type": "default", "rope_theta": 1e4, "mrope_section": [4, 6, 6]},
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,

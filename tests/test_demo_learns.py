@@ -58,7 +58,7 @@ def test_the_vision_demo_raises_accuracy_and_reward(tmp_path):
         "5e-5",
         "--log.eval_size",
         "256",
-    )
+    )  # the demo's recipe (train_cli's SMALL flags are a short run's)
     before, after = summary["heldout_acc_before"], summary["heldout_acc_after"]
     assert before == 77 / 256  # the shipped model's fixed held-out score (30.1%)
     assert after >= before + 0.05, (before, after)
