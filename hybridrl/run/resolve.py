@@ -23,7 +23,6 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from hybridrl.algorithms import estimator
 from hybridrl.core import launch, memory, models, platform, recipe
 from hybridrl.core.config import Config, ConfigError, freeze, put
 from hybridrl.cycle import plan
@@ -145,10 +144,7 @@ def vision_limits(cfg: Config, vision: Vision | None, prompts: list) -> None:
         (bool(cfg.env.cls), "multi-turn environments", "unset env.cls"),
         (cfg.rollout.partial == "on", "partial rollouts", "set rollout.partial off"),
         (cfg.rollout.mode == "outofprocess", "an out-of-process vLLM", "set rollout.mode inprocess"),
-        (bool(cfg.model.lora_rank), "LoRA", "set model.lora_rank 0 (full fine-tuning)"),
         (bool(cfg.algo.teacher), "a distillation teacher", "unset algo.teacher"),
-        (estimator(cfg.algo.advantage).critic, f"a critic (algo.advantage={cfg.algo.advantage})",
-         "use algo.advantage grpo, rloo or reinforce_pp"),
     ):  # fmt: skip
         if bad:
             raise ConfigError(f"a vision-language model ({name}): {what} is not wired for images yet; {fix}")
