@@ -348,15 +348,45 @@ def test_a_batch_of_image_rows_gives_the_model_each_rows_pixels_and_positions_in
     assert "images" not in kw and kw["position_ids"].shape == (4, 1, 5)  # a text row: no pixels
 
 
-def test_the_shared_prompt_layout_is_refused_for_a_vision_language_model():
-    """train.share_prompt computes a prompt once without its images or positions: a vision-language
-    model must not take it (its log-probs were 0.2-1.2 off vLLM's, where packing was off: auto turned it on)."""
+def test_a_vision_language_batch_computes_each_prompt_once_with_its_images():
+    """train.share_prompt on a VLM: each distinct prompt (its tokens and its images: one question asked
+    of two images is two prompts) runs once with its images and multimodal positions, its rows'
+    completions continue from its cache at theirs; the log-probs equal the padded layout's. Before, the
+    shared layout ran prompts without images (0.2-1.2 off vLLM's), and was then refused."""
+    from hybridrl.data.batch import Batch
     from hybridrl.engines import policy
 
-    cfg = C.load(None, {"train.share_prompt": "auto", "train.zero_stage": 2})
-    assert policy.layout(cfg, "sdpa").share_prompt
-    got = policy.layout(cfg, "sdpa", vision=True)
-    assert not got.share_prompt and not got.packing
+    model = tiny_vlm("qwen2_vl")
+    module = policy.TokenLogprobs(model, "torch", 64)
+    ip = image_processor(model)
+    text = [1, 3, PAD, 4, 9, 10]  # the same question of two images
+    pixels, prompts = [], []
+    for seed in (0, 1):
+        out = ip(images=[picture(56, 56, seed)], return_tensors="pt")
+        ids = images.expand(text, out["image_grid_thw"], PAD, 2)
+        pos = images.positions(ids, out["image_grid_thw"], PAD, 2)
+        pixels.append(images.Pixels(out["pixel_values"], out["image_grid_thw"], pos, int(pos.max()) + 1))
+        prompts.append(ids)
+    rows = [(0, [11, 12, 2]), (1, [13, 2]), (0, [14, 15, 16, 2]), (1, [11, 2])]
+    batch = Batch.from_rows(
+        [prompts[g] for g, _ in rows],
+        [c for _, c in rows],
+        [[0.0] * len(c) for _, c in rows],
+        [0.0] * len(rows),
+        pixels=[pixels[g] for g, _ in rows],
+    )
+    assert batch.prompt_groups() == [[0, 2], [1, 3]]  # same tokens, other image: two prompts
+
+    def logp(packing: bool, share: bool) -> torch.Tensor:
+        args, kw = policy.module_inputs(batch, packing=packing, share=share)
+        if share:
+            assert "shared" in kw and kw["images"]["image_grid_thw"].shape == (2, 3)  # each prompt's image once
+        with torch.no_grad():
+            return module(*args, 1.0, **kw)[0]
+
+    shared, padded, packed = logp(False, True), logp(False, False), logp(True, False)
+    torch.testing.assert_close(shared, padded, rtol=0, atol=1e-5)
+    torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
 
 
 def test_vllm_cpu_groups_a_vision_towers_weights_apart_from_the_language_model():

@@ -48,7 +48,6 @@ class ModelInfo:
     native: bool = True
     plain_cache: bool = True
     moe: str = ""  # the mixture-of-experts family (its model_type, one of MOE_FAMILIES); "" for a dense model
-    vision: str = ""  # the vision-language family (its model_type, in VISION_FAMILIES); "" for a text model
 
     def kv_bytes_per_token(self, dtype: str) -> int:
         return self.kv_values_per_token * (4 if dtype == "float32" else 2)
@@ -241,7 +240,6 @@ def inspect(name: str, trust_remote_code: bool = False) -> ModelInfo:
         native=native,
         plain_cache=plain_cache(config),
         moe=moe,
-        vision=getattr(families.vision_family(config), "model_type", ""),
     )
 
 

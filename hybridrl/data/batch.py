@@ -71,6 +71,10 @@ class Shared(NamedTuple):
     attention_mask: torch.Tensor  # [B, P + C] long: the row's prompt's real tokens, then its completion's
     position_ids: torch.Tensor  # [B, C] long, the row's prompt length + 0..C-1
     loss_mask: torch.Tensor  # [B, C] bool, completion positions that carry loss
+    # a vision-language batch's multimodal positions (Batch.mrope): [G, P, 3] of the prompts, [B, C, 3]
+    # of the completions; None for a text batch (the prompts' images: RowImages.inputs of `first`)
+    prompt_mrope: torch.Tensor | None = None
+    completion_mrope: torch.Tensor | None = None
 
 
 @dataclass
@@ -93,6 +97,11 @@ class RowImages:
             return None if t is None else moved.setdefault(id(t), t.to(device))
 
         return RowImages([move(t) for t in self.values], [move(t) for t in self.grids])
+
+    def key(self, b: int) -> int | None:
+        """Which images row b's prompt holds (None: none): rows of one prompt share its tensor, so
+        prompts of the same text with other images (one question asked of many images) stay apart."""
+        return None if self.values[b] is None else id(self.values[b])
 
     def inputs(self) -> dict[str, torch.Tensor]:
         """pixel_values and image_grid_thw of the rows' images, in row order; {} if they have none."""
@@ -227,15 +236,16 @@ class Batch:
         return torch.where(self.loss_mask.any(1), self.loss_mask.int().argmax(1), 0)
 
     def prompt_groups(self, lens: torch.Tensor | None = None) -> list[list[int]] | None:
-        """Rows grouped by identical prompt (the tokens before the first loss token), groups in order
-        of first appearance; None if a row has no prompt or no loss token. `lens`: prompt_lengths(),
-        if the caller has it."""
+        """Rows grouped by identical prompt (the tokens before the first loss token, and the images),
+        groups in order of first appearance; None if a row has no prompt or no loss token. `lens`:
+        prompt_lengths(), if the caller has it."""
         lens = self.prompt_lengths() if lens is None else lens
         if not bool((lens > 0).all()):
             return None
         groups: dict[tuple, list[int]] = {}
         for b, n in enumerate(lens.tolist()):
-            groups.setdefault(tuple(self.tokens[b, :n].tolist()), []).append(b)
+            key = (tuple(self.tokens[b, :n].tolist()), self.images.key(b) if self.images is not None else None)
+            groups.setdefault(key, []).append(b)
         return list(groups.values())
 
     def shared(self) -> Shared | None:
@@ -261,7 +271,13 @@ class Batch:
         completions = torch.where(comp_mask, self.tokens.gather(1, src), 0)
         loss = self.loss_mask.gather(1, src) & comp_mask
         attn = torch.cat([prompt_mask[group], comp_mask], 1).long()
-        return Shared(prompts, plen, group, completions, attn, lens[:, None] + C_idx[None], loss)
+        mm = {}
+        if self.mrope is not None:  # the prompts' positions, and the completions' from where each prompt ends
+            mm = dict(
+                prompt_mrope=self.mrope[first, :P],
+                completion_mrope=self.mrope.gather(1, src[..., None].expand(-1, -1, 3)),
+            )
+        return Shared(prompts, plen, group, completions, attn, lens[:, None] + C_idx[None], loss, **mm)
 
 
 def _with_images(pixels: list[Pixels | None] | None, lengths: np.ndarray) -> dict:

@@ -18,7 +18,6 @@ from torch import nn
 
 from hybridrl.algorithms import policy_loss
 from hybridrl.core.config import Config, UserError
-from hybridrl.core.families import vision_family
 from hybridrl.core.models import is_native, plain_cache
 from hybridrl.data import images as image_io
 from hybridrl.data.batch import Batch, Shared
@@ -104,7 +103,11 @@ class TokenLogprobs(nn.Module):
             sel, targets = shard["sel"], shard["targets"]  # [1, S]: taken from the whole row
         elif shared is not None:
             s = Shared(**shared)
-            hidden, sel, targets = self._shared_hidden(s), s.loss_mask, s.completions  # [B, C, d], [B, C], [B, C]
+            hidden, sel, targets = (
+                self._shared_hidden(s, images),
+                s.loss_mask,
+                s.completions,
+            )  # [B, C, d], [B, C], [B, C]
         else:
             # use_cache=False: a KV cache is useless here, and transformers only looks for packed
             # sequences in position_ids when there is none (masking_utils._preprocess_mask_arguments)
@@ -152,22 +155,31 @@ class TokenLogprobs(nn.Module):
             out = (out[0] + 0.0 * hidden.sum(), *out[1:])  # slice holds no loss token (they are collectives)
         return out
 
-    def _shared_hidden(self, s: Shared) -> torch.Tensor:
+    def _shared_hidden(self, s: Shared, images: dict | None = None) -> torch.Tensor:
         """[B, C, d] hidden states that predict each row's completion tokens, its prompt computed once
         per group: the distinct prompts run first and keep their KV cache (with its autograd graph),
         which is gathered to the rows and extended by the completions; the prompt's last hidden
         state predicts the first completion token. Backward sums each prompt's gradient over its rows:
-        the same loss and gradients as running every row whole, for 1/rows of the prompt's compute."""
+        the same loss and gradients as running every row whole, for 1/rows of the prompt's compute.
+        A vision-language batch's prompts run with their `images` and multimodal positions, and the
+        completions continue from theirs."""
         body = self.hf.base_model
-        P = s.prompts.shape[1]
+        G, P = s.prompts.shape
         prompt_mask = (torch.arange(P, device=s.prompts.device)[None] < s.prompt_lens[:, None]).long()
-        out = body(input_ids=s.prompts, attention_mask=prompt_mask, use_cache=True)
+        prompt_pos, comp_pos = None, s.position_ids
+        if s.prompt_mrope is not None:  # [4, G, P] and [4, B, C]: the text position, then t, h, w
+            text = torch.arange(P, device=s.prompts.device).expand(1, G, P)
+            prompt_pos = torch.cat([text, s.prompt_mrope.permute(2, 0, 1)])
+            comp_pos = torch.cat([s.position_ids[None], s.completion_mrope.permute(2, 0, 1)])
+        out = body(
+            input_ids=s.prompts, attention_mask=prompt_mask, position_ids=prompt_pos, use_cache=True, **(images or {})
+        )
         cache = out.past_key_values
         cache.batch_select_indices(s.group)  # [G, ...] -> [B, ...]: an index, differentiable
         comp = body(
             input_ids=s.completions,
             attention_mask=s.attention_mask,
-            position_ids=s.position_ids,
+            position_ids=comp_pos,
             past_key_values=cache,
             use_cache=True,
         ).last_hidden_state  # [B, C, d]
@@ -246,7 +258,6 @@ def share_prompt_refusals(
     native: bool,
     plain_cache: bool,
     name: str,
-    vision: bool = False,
 ) -> list[str]:
     """Why train.share_prompt (on or auto) is not done for a model of class `name`; [] when it is."""
     return [
@@ -259,7 +270,6 @@ def share_prompt_refusals(
             (f"{name} (not transformers' own, or a sliding-window cache)", not plain_cache or not native),
             ("ZeRO-3 (auto)", cfg.train.share_prompt == "auto" and cfg.train.zero_stage == 3),
             ("sequence parallelism", cfg.train.sequence_parallel_size > 1),
-            ("a vision-language model (its prompt's images and positions)", vision),
         )
         if bad
     ]
@@ -282,7 +292,6 @@ def share_prompt(cfg: Config, hf: nn.Module, provider: str, attn_implementation:
         native=is_native(type(hf)),
         plain_cache=plain_cache(hf.config),
         name=type(hf).__name__,
-        vision=vision_family(hf.config) is not None,
     )
     if why and want == "on":  # asked for by name: say why it is not done
         log.warning(SHARE_PROMPT_REFUSED + " %s; every row computes its own prompt", ", ".join(why))
@@ -321,13 +330,12 @@ def layout(
     native: bool = True,
     plain_cache: bool = True,
     name: str = "the model",
-    vision: bool = False,
 ) -> Layout:
-    """The trainer's Layout for a model with these facts (models.ModelInfo's native, plain_cache, vision)."""
+    """The trainer's Layout for a model with these facts (models.ModelInfo's native and plain_cache)."""
     provider = kernel_provider(cfg)
     packing = packs(cfg, provider, attn_implementation, native)
     share = cfg.train.share_prompt != "off" and not share_prompt_refusals(
-        cfg, provider, attn_implementation, packing, native=native, plain_cache=plain_cache, name=name, vision=vision
+        cfg, provider, attn_implementation, packing, native=native, plain_cache=plain_cache, name=name
     )
     return Layout(provider, packing, share)
 
@@ -350,7 +358,9 @@ def module_inputs(mb: Batch, packing: bool, share: bool) -> tuple[tuple, dict]:
             return (move(p.tokens), None, move(p.loss_mask)), kw
         s = host.shared()
         if s is not None and len(s.prompts) < len(mb):
-            return (None, None, None), dict(shared={k: move(v) for k, v in s._asdict().items()})
+            first = torch.tensor([rows[0] for rows in host.prompt_groups()])  # each prompt's images, in order
+            kw = dict(shared={k: move(v) for k, v in s._asdict().items() if v is not None})
+            return (None, None, None), kw | _images(mb.select(first) if mb.images is not None else mb)
     if mb.mrope is not None:  # a vision-language batch: its positions, and its rows' images
         return (mb.tokens, mb.attention_mask(), mb.loss_mask), dict(position_ids=mb.position_ids(), **_images(mb))
     return (mb.tokens, mb.attention_mask(), mb.loss_mask), {}

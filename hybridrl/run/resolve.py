@@ -113,7 +113,6 @@ def run_config(cfg: Config, world) -> Resolved:
         native=info.native,
         plain_cache=info.plain_cache,
         name=info.arch,
-        vision=bool(info.vision),
     )
     # frozen from here: what the engines read is what the run prints and records (plan_rollout's
     # measured sizes come back beside it, engine_cycle.plan_rollout)
