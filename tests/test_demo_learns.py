@@ -42,7 +42,7 @@ def test_short_demo_run_raises_accuracy_and_reward(tmp_path):
 def test_the_vision_demo_raises_accuracy_and_reward(tmp_path):
     """The README's vision command: the tiny Qwen2-VL (hybridrl/demo_model_vision, warmed to 30%
     held-out on the cells task, guessing 1/6) trained with GRPO by the demo's recipe, its tower frozen,
-    for 150 steps (~2 min on 2 cores). In three runs of 300 steps on a 2-core EPYC the held-out accuracy
+    for 150 steps (~2 min on 2 cores). In three runs of 300 steps on a 2-core Xeon (AMX) the held-out accuracy
     peaked at 40-43% (30.1% at step 0), the sampled reward about doubled (0.17 -> 0.34)."""
     out, steps, summary = train_cli(
         tmp_path / "run",
