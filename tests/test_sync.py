@@ -99,7 +99,7 @@ def test_probe_sequences_leave_vllm_the_position_it_asks_for():
     max_model_len - 1, and a prompt with no room left is left out."""
     from types import SimpleNamespace
 
-    from hybridrl.cycle.sync import probe_sequences
+    from hybridrl.cycle.sync import probe_inputs
 
     class Tok:
         eos_token_id = 2
@@ -110,7 +110,8 @@ def test_probe_sequences_leave_vllm_the_position_it_asks_for():
     longest = SimpleNamespace(ids=list(range(3, 18)), answer="777777")  # 15 tokens, a 6-token answer
     short = SimpleNamespace(ids=[3, 4], answer="12")
     full = SimpleNamespace(ids=list(range(3, 21)), answer="1")  # 18 tokens: no room at a context of 19
-    seqs = probe_sequences([longest, short, full], Tok(), max_new_tokens=4, max_model_len=15 + 4)
+    seqs, images = probe_inputs([longest, short, full], Tok(), max_new_tokens=4, max_model_len=15 + 4)
+    assert images is None  # text prompts
     assert [len(s) for s in seqs] == [18, 5]  # 15 + 3 (not 4), 2 + "12" + EOS
     assert seqs[0][:15] == longest.ids and seqs[1] == [3, 4, 6, 7, 2]
 

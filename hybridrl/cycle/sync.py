@@ -41,11 +41,6 @@ def _counted(named, sent: dict):
         yield name, t
 
 
-def probe_sequences(prompts: list, tokenizer, max_new_tokens: int, max_model_len: int) -> list[list[int]]:
-    """probe_inputs' sequences."""
-    return probe_inputs(prompts, tokenizer, max_new_tokens, max_model_len)[0]
-
-
 def probe_inputs(
     prompts: list, tokenizer, max_new_tokens: int, max_model_len: int
 ) -> tuple[list[list[int]], list[tuple] | None]:

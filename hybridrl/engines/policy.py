@@ -250,14 +250,7 @@ def packs(cfg: Config, provider: str, attn_implementation: str, native: bool) ->
 
 
 def share_prompt_refusals(
-    cfg: Config,
-    provider: str,
-    attn_implementation: str,
-    packing: bool,
-    *,
-    native: bool,
-    plain_cache: bool,
-    name: str,
+    cfg: Config, provider: str, attn_implementation: str, packing: bool, *, native: bool, plain_cache: bool, name: str
 ) -> list[str]:
     """Why train.share_prompt (on or auto) is not done for a model of class `name`; [] when it is."""
     return [
@@ -324,12 +317,7 @@ class Layout:
 
 
 def layout(
-    cfg: Config,
-    attn_implementation: str,
-    *,
-    native: bool = True,
-    plain_cache: bool = True,
-    name: str = "the model",
+    cfg: Config, attn_implementation: str, *, native: bool = True, plain_cache: bool = True, name: str = "the model"
 ) -> Layout:
     """The trainer's Layout for a model with these facts (models.ModelInfo's native and plain_cache)."""
     provider = kernel_provider(cfg)

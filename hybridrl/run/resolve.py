@@ -108,11 +108,7 @@ def run_config(cfg: Config, world) -> Resolved:
     if resumed:  # continue in that run's directory
         cfg = put(cfg, "log.run_dir", str(resumed.run_dir), "the resumed run")
     layout = policy.layout(
-        cfg,
-        cfg.model.attn_implementation,
-        native=info.native,
-        plain_cache=info.plain_cache,
-        name=info.arch,
+        cfg, cfg.model.attn_implementation, native=info.native, plain_cache=info.plain_cache, name=info.arch
     )
     # frozen from here: what the engines read is what the run prints and records (plan_rollout's
     # measured sizes come back beside it, engine_cycle.plan_rollout)
