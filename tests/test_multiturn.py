@@ -491,3 +491,25 @@ def test_hung_sync_calls_leave_a_bounded_number_of_threads(monkeypatch):
     release.set()
     time.sleep(0.2)
     assert envs.abandoned_threads() <= already and asyncio.run(calls(1)) == []  # room again: the call runs
+
+
+@pytest.mark.fast
+def test_an_episode_trains_on_the_prompt_its_reset_rendered(tmp_path):
+    """An environment's reset renders its own first messages (ToolEnv's with the tools' schemas): the
+    episode's sample carries those ids, and the batch's rows start with them, not with the data's
+    prompt that vLLM never saw (before: Rollouts.prompt_ids() gave the data's, so the trainer scored the
+    episode's tokens after another prompt)."""
+    import torch
+
+    from hybridrl.run.collect import Rollouts
+
+    eps, tok, prompts = _episodes(tmp_path)
+    data = prompts(["ok"])
+    [s] = [s for done in eps.generate(data, 1, temperature=1.0, top_p=1.0, max_tokens=4) for s in done]
+    eps.close()
+    reset = tok.apply_chat_template(
+        [{"role": "user", "content": "1+1="}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert list(reset) != data[0].ids and s.prompt_ids == list(reset)
+    ro = Rollouts(data, [s], torch.zeros(1, 1), torch.zeros(1, dtype=torch.bool), {})
+    assert ro.prompt_ids() == [list(reset)]

@@ -44,8 +44,9 @@ class Sample:
     # partial rollouts (data/partial.py): the policy version (optimizer updates before it) that sampled
     # each completion token; None = all by the version of this step
     versions: list[int] | None = None
-    # vision-language prompts: the prompt's ids as vLLM ran them, each image's placeholder expanded into
-    # its patch tokens (data/images.py); None for a text prompt (its ids are the ones sent)
+    # the prompt's ids as vLLM ran them where they are not its Prompt's: a vision-language prompt's, each
+    # image's placeholder expanded into its patch tokens (data/images.py), and a multi-turn episode's,
+    # rendered from its environment's reset; None for a text prompt sent as it is
     prompt_ids: list[int] | None = None
 
 

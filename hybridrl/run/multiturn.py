@@ -426,4 +426,6 @@ class _Run:
         o._counts["env/turns"] += e.turns
         o._counts["env/truncated_turns"] += e.end == "turns"
         o._counts["env/truncated_length"] += e.end == "length"
-        return Sample(e.i, e.ids, e.logprobs, e.end == "done", e.j, loss_mask=e.mask, env_reward=e.reward)
+        return Sample(
+            e.i, e.ids, e.logprobs, e.end == "done", e.j, loss_mask=e.mask, env_reward=e.reward, prompt_ids=e.prompt
+        )  # the prompt its reset rendered, which vLLM ran: not the data's Prompt.ids
