@@ -92,3 +92,35 @@ class Misbehaving:
         if self.p == "echo" and self.turn == 1:
             return [{"role": "tool", "content": "1<eos>2"}], 0.0, False
         return None, 1.0, True
+
+
+# the vision demo's vocabulary has no '=': a tool message is its contents, as a user's is
+VISION_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}{{ eos_token }}"
+    "{% else %}{{ m.content }}{% endif %}{% endfor %}"
+)
+
+
+class Looks:
+    """For the vision demo (data.path vision): the row's prompt and image (its '<image>' marker), then
+    a tool turn that shows a 28x28 image (one image token) of the answer's colour beside a question;
+    done after the second assistant turn, reward 1 if it names that colour."""
+
+    def reset(self, row):
+        self.answer = row["answer"]
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, text):
+        if getattr(self, "shown", False):
+            return None, float(text.strip() == self.answer), True
+        from PIL import Image
+
+        from hybridrl.data.tasks import cells
+
+        self.shown = True
+        seen = Image.new("RGB", (cells.CELL, cells.CELL), cells.COLOURS[self.answer])
+        return (
+            [{"role": "tool", "content": [{"type": "image", "image": seen}, {"type": "text", "text": "colour?"}]}],
+            0.0,
+            False,
+        )

@@ -387,7 +387,7 @@ class _ScriptedGen:
         self.queue, self.rejected, self.eos = list(range(n)), {}, eos
         self.lost = []  # a tensor-parallel group's refused late requests: none here
 
-    def extend(self, i, j, ids, max_tokens, turn):
+    def extend(self, i, j, ids, max_tokens, turn, images=()):
         self.queue.append(i)
 
     def __iter__(self):
@@ -513,3 +513,60 @@ def test_an_episode_trains_on_the_prompt_its_reset_rendered(tmp_path):
     assert list(reset) != data[0].ids and s.prompt_ids == list(reset)
     ro = Rollouts(data, [s], torch.zeros(1, 1), torch.zeros(1, dtype=torch.bool), {})
     assert ro.prompt_ids() == [list(reset)]
+
+
+# --- images in environment turns (a vision-language model's) -----------------------------------
+@pytest.mark.fast
+def test_an_environment_turns_image_parts_become_placeholders_and_its_text_never_does():
+    """render_turn: each image part of a turn is the model's placeholder (one image token, which vLLM
+    expands); a tool that prints the placeholder's text gives the model that text, not an image token;
+    a text-only model refuses an image part (the episode ends in an error, never a silent drop)."""
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from hybridrl.data.images import Vision
+    from hybridrl.data.tasks import cells
+
+    from envs_for_tests import VISION_TEMPLATE
+
+    tok = AutoTokenizer.from_pretrained(cells.MODEL_DIR)
+    tok.chat_template = VISION_TEMPLATE
+    vision = Vision.of(cells.MODEL_DIR, tok)
+    place = tok(vision.placeholder, add_special_tokens=False)["input_ids"]
+    seen = Image.new("RGB", (28, 28))
+    parts = [{"type": "text", "text": "this"}, {"type": "image", "image": seen}, {"type": "text", "text": "?"}]
+    ids = multiturn.render_turn(tok, [{"role": "tool", "content": parts}], vision.placeholder)
+    assert ids == tok("this", add_special_tokens=False)["input_ids"] + place + tok("?")["input_ids"][-1:]
+    assert multiturn.turn_images([{"role": "tool", "content": parts}]) == [seen]
+    forged = multiturn.render_turn(tok, [{"role": "tool", "content": vision.placeholder}], vision.placeholder)
+    assert vision.image_token_id not in forged  # its text, tokenized as text
+    text_tok = AutoTokenizer.from_pretrained(DEMO)
+    text_tok.chat_template = TEMPLATE
+    with pytest.raises(ValueError, match="text-only"):
+        multiturn.render_turn(text_tok, [{"role": "tool", "content": parts}])
+
+
+@pytest.mark.fast
+def test_a_tool_that_returns_an_image_gives_its_message_an_image_part():
+    """A ToolEnv tool's PIL image (a plot, a screenshot), alone or in a list with text, becomes an
+    image part of its tool message; text past max_output_chars is cut, the images kept."""
+    from PIL import Image
+
+    shot = Image.new("RGB", (28, 28))
+
+    def look(what: str) -> list:
+        """Shows it."""
+        return ["here:", shot, what * 10]
+
+    class Shows(envs.ToolEnv):
+        tools = [look]
+        max_output_chars = 8
+
+    env = Shows()
+    env.reset({"prompt": "p"})
+    call = '<tool_call>{"name": "look", "arguments": {"what": "ab"}}</tool_call>'
+    msgs, reward, done, info = asyncio.run(env.step(call))
+    assert not done and reward == 0.0 and info["tools/truncated"] == 1
+    [content] = [m["content"] for m in msgs]
+    assert [p["type"] for p in content] == ["text", "image", "text", "text"] and content[1]["image"] is shot
+    assert "".join(p["text"] for p in content if p["type"] == "text") == "here:aba... [truncated]"

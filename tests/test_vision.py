@@ -289,7 +289,6 @@ def test_every_bad_image_row_stops_in_one_line_naming_it_or_is_skipped(tmp_path,
     "over, says",
     [
         ({"train.sequence_parallel_size": 2}, "sequence parallelism is not wired for images yet; set train.seq"),
-        ({"env.cls": "examples.calculator_env:Calculator"}, "multi-turn environments is not wired"),
         ({"rollout.partial": "on"}, "partial rollouts is not wired"),
         ({"rollout.mode": "outofprocess"}, "an out-of-process vLLM is not wired"),
         ({"train.zero_stage": 3}, r"under ZeRO-3: 1 prompt\(s\) without images"),
@@ -387,6 +386,45 @@ def test_a_vision_language_batch_computes_each_prompt_once_with_its_images():
     shared, padded, packed = logp(False, True), logp(False, False), logp(True, False)
     torch.testing.assert_close(shared, padded, rtol=0, atol=1e-5)
     torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
+
+
+def test_a_row_whose_completion_holds_an_image_takes_its_whole_rows_pixels_and_positions():
+    """A multi-turn episode's row: its prompt's image, then in its completion a tool turn's image. Its
+    pixels and positions are the whole row's (images.Vision.pixels of prompt + completion), the text
+    after each image counts on from it; the shared-prompt layout steps aside for such a batch (its
+    prompts would run without the completions' images) and the padded and packed layouts agree, to a
+    row with a plain image prompt beside it."""
+    from hybridrl.data.batch import Batch
+    from hybridrl.engines import policy
+
+    model = tiny_vlm("qwen2_vl")
+    module = policy.TokenLogprobs(model, "torch", 64)
+    ip = image_processor(model)
+    pics = [picture(56, 56, 0), picture(28, 56, 1)]
+    out = ip(images=pics, return_tensors="pt")
+    prompt = images.expand([1, 3, PAD, 4, 9], out["image_grid_thw"][:1], PAD, 2)
+    turn = images.expand([11, 2, 3, PAD, 4, 12], out["image_grid_thw"][1:], PAD, 2)  # answer, EOS, tool's image
+    whole = prompt + turn + [13, 2]
+    pos = images.positions(whole, out["image_grid_thw"], PAD, 2)
+    assert torch.equal(pos, images.rope_positions(model, whole, out["image_grid_thw"], PAD)[1:])  # the model's own
+    both = images.Pixels(out["pixel_values"], out["image_grid_thw"], pos, int(pos.max()) + 1)
+    one = ip(images=pics[:1], return_tensors="pt")
+    pos1 = images.positions(prompt, one["image_grid_thw"], PAD, 2)
+    first = images.Pixels(one["pixel_values"], one["image_grid_thw"], pos1, int(pos1.max()) + 1)
+    comps = [turn + [13, 2], [14, 2]]
+    batch = Batch.from_rows([prompt, prompt], comps, [[0.0] * len(c) for c in comps], [0.0] * 2, pixels=[both, first])
+    assert batch.images.later == [True, False] and batch.shared() is None
+    assert batch.mrope[0, : len(whole)].T.tolist() == pos.tolist()
+
+    def logp(packing: bool, share: bool) -> torch.Tensor:
+        args, kw = policy.module_inputs(batch, packing=packing, share=share)
+        assert "shared" not in kw
+        with torch.no_grad():
+            return module(*args, 1.0, **kw)[0]
+
+    padded = logp(False, False)
+    torch.testing.assert_close(logp(False, True), padded, rtol=0, atol=0)
+    torch.testing.assert_close(logp(True, False), padded, rtol=0, atol=1e-5)
 
 
 def test_vllm_cpu_groups_a_vision_towers_weights_apart_from_the_language_model():

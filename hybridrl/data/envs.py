@@ -15,6 +15,14 @@ once per episode (so `self` is the episode's state). Either method may be `async
             conversation, or None to end the episode. info: counts to log (the keys of
             COUNTS, e.g. {"tools/calls": 2}) and "errors", a list of dicts for the dead letter.'''
 
+Images (a vision-language model): `row["images"]` holds the prompt's, PIL and fitted to the model (do
+not draw on them: the prompt's samples share them). A content may be a list of parts, {"type":
+"text", "text": ...} and {"type": "image", "image": <a PIL image, bytes, a path or a datasets Image>};
+a tool's screenshot or plot is an image part of its message (a ToolEnv tool returns the PIL image, or
+a list of images and strings). In reset's messages an image part without "image", and each '<image>'
+marker in a text, takes the row's next image (so `row["prompt"]` as it is places them); in an
+observation only image parts are images. An episode holds at most rollout.images_per_prompt images.
+
 The episode's reward is the sum of its steps' rewards plus the `reward.fn` terms on the final
 assistant message (`--reward.fn none` for the environment's reward alone). Guards (multiturn.py):
 each call runs under 2 x `env.tool_timeout_s` + 5 s; one that raises or hangs ends its episode,
@@ -233,12 +241,13 @@ class ToolEnv:
         if not calls and not problems:
             return None, self.score(text), True, info
         results = await asyncio.gather(*(self._run(table[name], args, info) for name, args in calls))
-        msgs = [{"role": "tool", "content": r} for r in results]
+        msgs: list[dict] = [{"role": "tool", "content": r} for r in results]
         msgs += [{"role": "tool", "content": f"error: {p}"} for p in problems]
         return msgs, 0.0, False, info
 
-    async def _run(self, fn: Callable, args: dict, info: dict) -> str:
-        """One call -> the tool message's text; failures become text too (and counts in info)."""
+    async def _run(self, fn: Callable, args: dict, info: dict) -> str | list[dict]:
+        """One call -> the tool message's content: its text, or its parts where it returned images;
+        failures become text too (and counts in info)."""
         t0, name = time.perf_counter(), fn.__name__
 
         def fail(kind, error):
@@ -248,10 +257,19 @@ class ToolEnv:
 
         cap = self.max_output_chars
         try:
-            out = str(await call(fn, timeout=self.tool_timeout_s, **args))
-            if len(out) > cap:
-                fail("truncated", f"{len(out)} characters, more than max_output_chars={cap}")
-                out = out[:cap] + f"... [truncated {len(out) - cap} characters]"
+            got = await call(fn, timeout=self.tool_timeout_s, **args)
+            parts = _parts(got)
+            if parts is not None:
+                out: str | list[dict] = parts
+                text = sum(len(p["text"]) for p in parts if p["type"] == "text")
+                if text > cap:
+                    fail("truncated", f"{text} characters of text, more than max_output_chars={cap}")
+                    out = _cut(parts, cap)
+            else:
+                out = str(got)
+                if len(out) > cap:
+                    fail("truncated", f"{len(out)} characters, more than max_output_chars={cap}")
+                    out = out[:cap] + f"... [truncated {len(out) - cap} characters]"
         except (asyncio.TimeoutError, TimeoutError):
             fail("timeout", f"no result within {self.tool_timeout_s} s")
             out = f"error: {name} timed out after {self.tool_timeout_s} s"
@@ -261,6 +279,30 @@ class ToolEnv:
         info["tools/calls"] = info.get("tools/calls", 0) + 1
         info["tools/latency_s"] = info.get("tools/latency_s", 0.0) + time.perf_counter() - t0
         return out
+
+
+def _is_image(x) -> bool:
+    return type(x).__module__.startswith("PIL.") and hasattr(x, "convert")
+
+
+def _parts(out) -> list[dict] | None:
+    """A tool's result as content parts where it returned images (a PIL image, or a list or tuple of
+    images and other values, each of those as its text); None for a result without images (its str)."""
+    items = list(out) if isinstance(out, (list, tuple)) else [out]
+    if not any(_is_image(x) for x in items):
+        return None
+    return [{"type": "image", "image": x} if _is_image(x) else {"type": "text", "text": str(x)} for x in items]
+
+
+def _cut(parts: list[dict], cap: int) -> list[dict]:
+    """`parts` with their text cut to `cap` characters in all (the images kept)."""
+    out, left = [], cap
+    for p in parts:
+        if p["type"] == "text":
+            p = {"type": "text", "text": p["text"][: max(left, 0)]}
+            left -= len(p["text"])
+        out.append(p)
+    return out + [{"type": "text", "text": "... [truncated]"}]
 
 
 # --- model-written code as a tool: the sandbox --------------------------------------------------

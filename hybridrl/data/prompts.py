@@ -260,7 +260,7 @@ def _image_values(row: dict) -> list:
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-def _render(content: str | list, placeholder: str) -> tuple[str, str, int]:
+def render(content: str | list, placeholder: str) -> tuple[str, str, int]:
     """A prompt's or turn's content as (the text the tokenizer gets, each image `placeholder`;
     the text the reward sees, each image a '<image>' marker; the images it places)."""
     parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
@@ -429,13 +429,13 @@ def _prompt(
     turns = _turns(value, cfg)
     placeholder = vision.placeholder if vision is not None else MARKER  # text-only: a marker stays text
     if turns is not None:
-        rendered = [(t["role"], *_render(t["content"], placeholder)) for t in turns]
+        rendered = [(t["role"], *render(t["content"], placeholder)) for t in turns]
         chat = [{"role": role, "content": text} for role, text, _, _ in rendered]
         text = [reward for role, _, reward, _ in rendered if role == "user"][-1]
         placed = sum(n for *_, n in rendered)
         parts = any(isinstance(t["content"], list) and any(p["type"] == "image" for p in t["content"]) for t in turns)
     else:
-        model_text, text, placed = _render(value[cfg.prompt_key], placeholder)
+        model_text, text, placed = render(value[cfg.prompt_key], placeholder)
         chat, parts = [{"role": "user", "content": model_text}], False
     pictures: list = []
     tokens: list[int] = []

@@ -72,19 +72,20 @@ class Generation:
     routes: object = None  # Rollout.routes_of, when the model's routes are recorded
     images: bool = False  # prompts with images: samples carry the prompt as vLLM expanded it
 
-    def extend(self, i: int, j: int, ids: list[int], max_tokens: int, turn: int) -> None:
+    def extend(self, i: int, j: int, ids: list[int], max_tokens: int, turn: int, images: tuple = ()) -> None:
         """Queue one more request for (prompt i, sample j) while this generation is being iterated:
         a multi-turn episode's next assistant turn, continuing from `ids` (the prefix cache holds
-        their KV). Raises vllm_compat.REJECTED if the engine will not serve it."""
+        their KV), which hold one placeholder for each of `images` (the episode's, a vision-language
+        model's). Raises vllm_compat.REJECTED if the engine will not serve it."""
         own = self.params.clone()
         own.n, own.max_tokens = 1, max_tokens
         if self.seed is not None:
             own.seed = self.seed + 1_000_003 * turn + i * 1_009 + j
         rid = f"{self.tag}-{i}-{j}-t{turn}"
         if self.tp is not None:  # the group adds every rank's next turns together (_add_queued)
-            self.queued.append((rid, ids, own, i, j))
+            self.queued.append((rid, ids, own, i, j, images))
             return
-        vllm_compat.add_request(self.llm, rid, ids, own, self.lora_request)
+        vllm_compat.add_request(self.llm, rid, ids, own, self.lora_request, images)
         self.requests[rid] = (i, j)
 
     def keep(self, rid: str, at: tuple[int, int | None], mine: bool) -> None:
@@ -114,10 +115,10 @@ class Generation:
         every rank's engine. A refusal (the same on every rank) of one of this rank's is listed in
         `lost`, for its caller to end that episode."""
         for m, queued in enumerate(self.tp.gather(self.queued)):
-            for rid, ids, params, i, j in queued:
+            for rid, ids, params, i, j, images in queued:
                 rid = f"m{m}-{rid}"
                 try:
-                    vllm_compat.add_request(self.llm, rid, ids, params, self.lora_request)
+                    vllm_compat.add_request(self.llm, rid, ids, params, self.lora_request, images)
                 except vllm_compat.REJECTED as e:
                     if m == self.tp.member:
                         self.lost.append((i, j, str(e)))

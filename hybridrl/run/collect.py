@@ -63,8 +63,9 @@ class Rollouts:
     rewards: torch.Tensor  # [G, n] final rewards (overlong penalty included)
     masked: torch.Tensor  # [G * n] bool: carries no gradient (overlong-filtered, or this rank's filler group)
     metrics: dict[str, float]  # summed or averaged over all ranks
-    # a vision-language model's: each group's prompt's images as the trainer takes them, None for a
-    # prompt without (images.Vision.pixels); [] for a text model
+    # a vision-language model's: each sample's images as the trainer takes them (images.Vision.pixels;
+    # a group's samples share their prompt's, a multi-turn episode whose turns hold images has its own),
+    # None for a sample without; [] for a text model
     pixels: list = field(default_factory=list)
 
     def prompt_ids(self) -> list[list[int]]:
@@ -73,9 +74,8 @@ class Rollouts:
         return [s.prompt_ids or self.prompts[i // n].ids for i, s in enumerate(self.samples)]
 
     def row_pixels(self) -> list | None:
-        """Each sample's prompt's pixels (Batch.from_rows' pixels); None for a text model."""
-        n = len(self.samples) // max(len(self.prompts), 1)
-        return [self.pixels[i // n] for i in range(len(self.samples))] if self.pixels else None
+        """Each sample's pixels (Batch.from_rows' pixels); None for a text model."""
+        return list(self.pixels) if self.pixels else None
 
 
 @dataclass
@@ -107,7 +107,7 @@ class Collector:
         self.models = reward_model.load_all(cfg, world.device) if models is None else models
         self.model_sums = {name: 0.0 for name, _, _ in self.models}  # this step's sum of each RM's scores
         self.episodes = (
-            multiturn.Episodes(cfg, rollout, tokenizer, rank=world.rank, run_dir=scorer.run_dir)
+            multiturn.Episodes(cfg, rollout, tokenizer, rank=world.rank, run_dir=scorer.run_dir, vision=vision)
             if cfg.env.cls
             else None
         )  # multi-turn: an environment between assistant turns
@@ -190,14 +190,28 @@ class Collector:
                 },
             )
             out.update(partial.metrics(samples, partial.version_of(step), self.cfg.rollout.partial_max_age))
-        pixels = [self._pixels(g) for g in kept] if self.vision else []
+        pixels = [px for g in kept for px in self._pixels(g)] if self.vision else []
         return Rollouts([g.prompt for g in kept], samples, torch.stack([g.rewards for g in kept]), masked, out, pixels)
 
-    def _pixels(self, g: _Group):
-        """The group's prompt's images as the trainer takes them, at the ids vLLM expanded them to."""
-        if not g.prompt.images:
-            return None
-        return self.vision.pixels(g.prompt.images, g.samples[0].prompt_ids)
+    def _pixels(self, g: _Group) -> list:
+        """Each of the group's samples' images as the trainer takes them, at the ids vLLM expanded them
+        to: its prompt's, one Pixels for the group; a multi-turn episode's, those of its prompt where its
+        turns hold none (shared by the episodes of the same prompt), else of its whole sequence."""
+        if not self.episodes:
+            px = self.vision.pixels(g.prompt.images, g.samples[0].prompt_ids) if g.prompt.images else None
+            return [px] * len(g.samples)
+        out, seen = [], {}
+        for s in g.samples:
+            if not s.images:
+                out.append(None)
+                continue
+            later = self.vision.image_token_id in s.token_ids
+            ids = s.prompt_ids + s.token_ids if later else s.prompt_ids
+            key = (tuple(map(id, s.images)), tuple(ids))
+            if key not in seen:
+                seen[key] = self.vision.pixels(s.images, ids)
+            out.append(seen[key])
+        return out
 
     def _round(self, step: int, phases: Phases) -> tuple[list[_Group], int]:
         """Generate n samples for each of this rank's share of `prompts_per_step` new prompts and

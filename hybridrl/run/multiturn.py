@@ -40,8 +40,9 @@ from typing import Any, Iterator
 
 from hybridrl.core.config import Config, UserError, completion_budget
 from hybridrl.core.journal import DEAD_LETTER_CAP, Journal
-from hybridrl.data import envs
+from hybridrl.data import envs, images as image_io, prompts
 from hybridrl.data.batch import Sample
+from hybridrl.data.images import Vision
 from hybridrl.engines import vllm_compat
 from hybridrl.engines.rollout import Generation, Rollout
 
@@ -56,31 +57,71 @@ COUNTS = (
     "env/truncated_length",
     "env/errors",
     "env/timeouts",
+    "env/images",
     *envs.COUNTS,
 )
 
 
-def render_turn(tokenizer, messages: list[dict]) -> list[int]:
+def render_turn(tokenizer, messages: list[dict], placeholder: str | None = None) -> list[int]:
     """Token ids of an environment turn (`turn_text`, tokenized alone). The messages' contents are
     tokenized without special-token parsing: a tool that echoes '<|im_end|>' (or whatever the
     tokenizer's control tokens are) gives the model that text, never the control token, so it cannot
-    end a turn or forge a role header; the template's own markup keeps its special tokens."""
+    end a turn or forge a role header; the template's own markup keeps its special tokens. A content
+    may be a list of parts ({"type": "text", "text": ...}, {"type": "image", ...}): each image part
+    becomes a vision-language model's `placeholder` (its one image token, which vLLM expands), the
+    only way a turn holds one; a text-only model (no placeholder) takes no image."""
     specials = [t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if t.special]
     contents = [m.get("content") if isinstance(m, dict) else None for m in messages]
-    if not any(isinstance(c, str) and s in c for c in contents for s in specials):
+    pieces = [_pieces(c, placeholder) for c in contents]  # [(is_image, text)] per content; None: not one
+    plain = all(isinstance(c, str) for c, p in zip(contents, pieces) if p is not None)
+    if plain and not any(isinstance(c, str) and s in c for c in contents for s in specials):
         return tokenizer(turn_text(tokenizer, messages), add_special_tokens=False)["input_ids"]
     marks = [f"\x00hybridrl-content-{k}\x00" for k in range(len(messages))]
-    masked = [{**m, "content": mark} if isinstance(c, str) else m for m, c, mark in zip(messages, contents, marks)]
-    pieces = re.split("(\x00hybridrl-content-\\d+\x00)", turn_text(tokenizer, masked))
+    masked = [{**m, "content": mark} if p is not None else m for m, p, mark in zip(messages, pieces, marks)]
     ids = []
-    for piece in pieces:
-        if piece in marks:  # a content: text only
-            ids += tokenizer(contents[marks.index(piece)], add_special_tokens=False, split_special_tokens=True)[
-                "input_ids"
-            ]
+    for piece in re.split("(\x00hybridrl-content-\\d+\x00)", turn_text(tokenizer, masked)):
+        if piece in marks:  # a content: text only, and the placeholder of each image
+            for image, text in pieces[marks.index(piece)] or []:
+                ids += (
+                    tokenizer(placeholder, add_special_tokens=False)["input_ids"]
+                    if image
+                    else tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+                )
         elif piece:  # the template's markup
             ids += tokenizer(piece, add_special_tokens=False)["input_ids"]
     return ids
+
+
+def _pieces(content, placeholder: str | None) -> list[tuple[bool, str]] | None:
+    """A message's content as [(is an image, its text)]: a string is one text; a list of parts each
+    part. None for anything else (left to the template as it is). ValueError on a part that is
+    neither text nor image, or an image for a text-only model."""
+    if isinstance(content, str):
+        return [(False, content)]
+    if not isinstance(content, list):
+        return None
+    out = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image" and placeholder is None:
+            raise ValueError("an image in an environment turn, but the model is text-only")
+        if kind not in ("text", "image"):
+            raise ValueError(f"a content part must be {{'type': 'text' | 'image', ...}}, got {part!r:.100}")
+        out.append((kind == "image", "" if kind == "image" else str(part.get("text", ""))))
+    return out
+
+
+def turn_images(messages: list[dict]) -> list:
+    """The images of an environment turn's messages (their image parts' "image" values), in order."""
+    out = []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        for part in content if isinstance(content, list) else []:
+            if isinstance(part, dict) and part.get("type") == "image":
+                if part.get("image") is None:
+                    raise ValueError('an image part of an environment turn needs its "image" (PIL, bytes or a path)')
+                out.append(part["image"])
+    return out
 
 
 def turn_text(tokenizer, messages: list[dict]) -> str:
@@ -157,6 +198,13 @@ class _Episode:
     prompt: list[int]
     row: int = 0  # its dataset row, for the dead letter
     ids: list[int] = field(default_factory=list)  # completion so far: assistant + environment tokens
+    # a vision-language model's: the prompt's and the environment turns' images (fitted), the completion
+    # as vLLM is fed it (each image one placeholder, where `ids` holds its expanded run), the prompt as
+    # vLLM expanded it (its first output's), and the expanded prompt's length
+    images: list = field(default_factory=list)
+    feed: list[int] = field(default_factory=list)
+    expanded: list[int] | None = None
+    plen: int = 0
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
     reward: float = 0.0
@@ -166,8 +214,19 @@ class _Episode:
 
 
 class Episodes:
-    def __init__(self, cfg: Config, rollout: Rollout, tokenizer, *, rank: int = 0, run_dir: Path | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        rollout: Rollout,
+        tokenizer,
+        *,
+        rank: int = 0,
+        run_dir: Path | None = None,
+        vision: Vision | None = None,
+    ):
+        """`vision`: how a vision-language model takes images (its prompts' and environments' turns')."""
         self.cfg, self.rollout, self.tokenizer, self.rank, self.run_dir = cfg, rollout, tokenizer, rank, run_dir
+        self.vision = vision
         self.env_cls = envs.load(cfg.env.cls)
         self.runner = envs.Runner()
         self.budget = completion_budget(cfg)
@@ -210,8 +269,11 @@ class Episodes:
                 env = self.env_cls()
                 if isinstance(env, envs.ToolEnv):
                     env.tool_timeout_s = self.cfg.env.tool_timeout_s
-                eps.append(_Episode(i, j, env, p.ids, index[i]))
-        rows = [{"prompt": prompts[e.i].text, "answer": prompts[e.i].answer, "index": index[e.i]} for e in eps]
+                eps.append(_Episode(i, j, env, p.ids, index[i], images=list(p.images), plen=p.length))
+        rows = [
+            {"prompt": prompts[e.i].text, "answer": prompts[e.i].answer, "index": index[e.i], "images": list(e.images)}
+            for e in eps
+        ]
         futures = [
             self.runner.submit(e.env.reset, row, timeout=self.timeout) if hasattr(e.env, "reset") else None
             for e, row in zip(eps, rows)
@@ -226,7 +288,7 @@ class Episodes:
         served = [e for e in eps if e.prompt is not None]
         for k, e in enumerate(served):
             e.k = k
-        room = [min(max_tokens, self.budget, self.cfg.rollout.max_model_len - len(e.prompt)) for e in served]
+        room = [min(max_tokens, self.budget, self.cfg.rollout.max_model_len - e.plen) for e in served]
         gen = self.rollout.generate(
             [e.prompt for e in served],
             1,
@@ -234,6 +296,7 @@ class Episodes:
             top_p=top_p,
             max_tokens=max(1, min(room, default=1)),
             seed=seed,
+            images=[tuple(e.images) for e in served] if self.vision else None,
         )
         gen.grows = True  # next turns are added while it runs (a tensor-parallel group gathers them)
         rejected = {e.i: "the environment's reset failed" for e in eps if e.prompt is None}
@@ -241,20 +304,78 @@ class Episodes:
         return _Run(self, gen, served, rejected)
 
     def _first_turn(self, e: _Episode, messages) -> list[int] | None:
-        """The prompt's token ids from reset's messages; None (the prompt is dropped, counted and
-        dead-lettered) when they are not a list of messages the chat template renders."""
+        """The prompt's token ids from reset's messages (and, for a vision-language model, its images:
+        `e.images`, `e.plen`); None (the prompt is dropped, counted and dead-lettered) when they are not
+        a list of messages the chat template renders, or their images do not fill their placeholders."""
         try:
             if not (isinstance(messages, list) and messages and all(isinstance(m, dict) for m in messages)):
                 raise TypeError(f"expected a list of {{role, content}} messages, got {messages!r:.200}")
+            if self.vision is not None:
+                messages, e.images = self._reset_images(messages, e.images)
             schemas = getattr(e.env, "schemas", None) or None
-            return list(
+            ids = list(
                 self.tokenizer.apply_chat_template(
                     messages, tools=schemas, add_generation_prompt=True, tokenize=True, return_dict=False
                 )
             )
+            if self.vision is not None:
+                if ids.count(self.vision.image_token_id) != len(e.images):
+                    raise ValueError(
+                        f"their tokens hold {ids.count(self.vision.image_token_id)} image token(s) for "
+                        f"{len(e.images)} image(s): place images with image parts or '{prompts.MARKER}' only"
+                    )
+                e.plen = len(ids) + sum(self.vision.tokens(im) - 1 for im in e.images)
+            else:
+                e.plen = len(ids)
+            return ids
         except Exception as ex:  # noqa: BLE001 (user data)
             self._fail(e, "error", f"env.reset's messages could not be rendered: {type(ex).__name__}: {ex}")
             return None
+
+    def _reset_images(self, messages: list[dict], given: list) -> tuple[list[dict], list]:
+        """reset's messages with each content as text (each image the model's placeholder), and their
+        images, fitted: an image part's own "image", else (and for each '<image>' in a text) the row's
+        next one, `given`. ValueError where the row has too few."""
+        vision, row, out, images = self.vision, iter(given), [], []
+
+        def take(value=None):
+            if value is not None:
+                images.append(vision.fit(image_io.load(value)))
+                return
+            got = next(row, None)
+            if got is None:
+                raise ValueError(f"more images placed than the row's {len(given)}")
+            images.append(got)
+
+        for m in messages:
+            content = m.get("content")
+            if not isinstance(content, (str, list)):
+                out.append(m)
+                continue
+            parts = [{"type": "text", "text": content}] if isinstance(content, str) else content
+            for part in parts:
+                if part.get("type") == "image":
+                    take(part.get("image"))
+                else:
+                    for _ in range(str(part.get("text", "")).count(prompts.MARKER)):
+                        take()
+            text, _, _ = prompts.render(content, vision.placeholder)
+            out.append({**m, "content": text})
+        return out, images
+
+    def _turn_images(self, obs: list[dict]) -> list:
+        """An observation's images, loaded and fitted to the model (ValueError in one line if one is not)."""
+        return [self.vision.fit(image_io.load(v)) for v in turn_images(obs)] if self.vision else []
+
+    def expand(self, turn: list[int], pictures: list) -> list[int]:
+        """`turn`'s ids with each image's placeholder made the run of tokens vLLM expands it to."""
+        if not pictures:
+            return turn
+        pad = self.vision.image_token_id
+        if turn.count(pad) != len(pictures):
+            raise ValueError(f"the turn renders {turn.count(pad)} image token(s) for its {len(pictures)} image(s)")
+        runs = iter([self.vision.tokens(im) for im in pictures])
+        return [t for x in turn for t in ([pad] * next(runs) if x == pad else [x])]
 
     def result(self, fut, deadline: float):
         """fut's result, waiting until `deadline` at most (TimeoutError past it). Each call has its own
@@ -324,7 +445,16 @@ class _Run:
             ended, stepping = self._lost(), []
             for s in finished:
                 e = self.eps[s.prompt_idx]
+                if s.prompt_ids is not None:  # a vision-language model's: what vLLM made of its feed
+                    if e.expanded is None:
+                        e.expanded = s.prompt_ids
+                    elif s.prompt_ids != e.expanded + e.ids:  # the trainer would place other image tokens
+                        e.end = "error"
+                        o._fail(e, "error", "vLLM expanded the episode's images into other tokens than the trainer")
+                        ended.append(e)
+                        continue
                 e.ids += s.token_ids
+                e.feed += s.token_ids
                 e.logprobs += s.logprobs
                 e.mask += [1] * len(s.token_ids)
                 e.turns += 1
@@ -397,23 +527,33 @@ class _Run:
             e.end = "turns"
             return True
         try:
-            turn = render_turn(o.tokenizer, obs)
+            turn = render_turn(o.tokenizer, obs, o.vision.placeholder if o.vision else None)
+            pictures = o._turn_images(obs)
+            expanded = o.expand(turn, pictures)
         except UserError:  # the template itself: every episode would fail the same way
             raise
-        except Exception as ex:  # noqa: BLE001 (messages the template cannot render)
+        except Exception as ex:  # noqa: BLE001 (messages the template cannot render, images that do not load)
             e.end = "error"
             o._fail(e, "error", f"the observation could not be rendered: {type(ex).__name__}: {ex}")
             return True
-        room = min(o.budget - len(e.ids), cfg.rollout.max_model_len - len(e.prompt) - len(e.ids)) - len(turn)
+        if len(e.images) + len(pictures) > cfg.rollout.images_per_prompt:  # vLLM would refuse the request
+            e.end = "length"
+            o._write(e, "rejected", f"{len(e.images) + len(pictures)} images, more than rollout.images_per_prompt")
+            return True
+        room = min(o.budget - len(e.ids), cfg.rollout.max_model_len - e.plen - len(e.ids)) - len(expanded)
         if room < 1:  # the observation, and at least one assistant token, would not fit
             e.end = "length"
             return True
-        e.ids += turn
-        e.logprobs += [0.0] * len(turn)  # placeholders: environment tokens carry no loss
-        e.mask += [0] * len(turn)
-        o._counts["env/env_tokens"] += len(turn)
+        e.ids += expanded
+        e.feed += turn
+        e.images += pictures
+        e.logprobs += [0.0] * len(expanded)  # placeholders: environment tokens carry no loss
+        e.mask += [0] * len(expanded)
+        o._counts["env/env_tokens"] += len(expanded)
+        o._counts["env/images"] += len(pictures)
         try:
-            self.gen.extend(e.k, 0, e.prompt + e.ids, min(cfg.rollout.max_new_tokens, room), e.turns)
+            images = tuple(e.images) if o.vision else ()
+            self.gen.extend(e.k, 0, e.prompt + e.feed, min(cfg.rollout.max_new_tokens, room), e.turns, images)
         except vllm_compat.REJECTED as ex:
             e.end = "length"
             o._write(e, "rejected", str(ex))
@@ -427,5 +567,13 @@ class _Run:
         o._counts["env/truncated_turns"] += e.end == "turns"
         o._counts["env/truncated_length"] += e.end == "length"
         return Sample(
-            e.i, e.ids, e.logprobs, e.end == "done", e.j, loss_mask=e.mask, env_reward=e.reward, prompt_ids=e.prompt
-        )  # the prompt its reset rendered, which vLLM ran: not the data's Prompt.ids
+            e.i,
+            e.ids,
+            e.logprobs,
+            e.end == "done",
+            e.j,
+            loss_mask=e.mask,
+            env_reward=e.reward,
+            prompt_ids=e.expanded if e.expanded is not None else e.prompt,  # reset's, as vLLM ran it
+            images=tuple(e.images) if o.vision else (),
+        )

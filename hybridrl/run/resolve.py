@@ -136,7 +136,6 @@ def vision_limits(cfg: Config, vision: Vision | None, prompts: list) -> None:
     name = vision.family.model_type
     for bad, what, fix in (
         (cfg.train.sequence_parallel_size > 1, "sequence parallelism", "set train.sequence_parallel_size 1"),
-        (bool(cfg.env.cls), "multi-turn environments", "unset env.cls"),
         (cfg.rollout.partial == "on", "partial rollouts", "set rollout.partial off"),
         (cfg.rollout.mode == "outofprocess", "an out-of-process vLLM", "set rollout.mode inprocess"),
         (bool(cfg.algo.teacher), "a distillation teacher", "unset algo.teacher"),
