@@ -79,25 +79,29 @@ def test_late_requests_are_added_by_every_rank_in_member_order(monkeypatch):
     # order, and keeps the outputs of its own; a refusal of its own is reported, not waited for
     added = []
 
-    def add_request(llm, rid, ids, params, lora):
+    def add_request(llm, rid, ids, params, lora, images):
         if ids == ["too long"]:
             raise vllm_compat.REJECTED[0]("longer than max_model_len")
-        added.append(rid)
+        added.append((rid, images))
 
     monkeypatch.setattr(vllm_compat, "add_request", add_request)
-    mine = [("3-0-0-t1", [1, 2], None, 0, 0), ("3-1-0-t1", ["too long"], None, 1, 0)]
+    mine = [("3-0-0-t1", [1, 2], None, 0, 0, ()), ("3-1-0-t1", ["too long"], None, 1, 0, ())]
     gen = R.Generation(
         llm=None,
         requests={},
         rejected={},
         tag="3",
         tp=_Group(
-            [[("3-0-0-t1", [7], None, 0, 0)], [("3-5-0-t1", [8], None, 5, 0), ("3-6-0-t1", ["too long"], None, 6, 0)]]
+            [
+                [("3-0-0-t1", [7], None, 0, 0, ())],
+                [("3-5-0-t1", [8], None, 5, 0, ("a tool's plot",)), ("3-6-0-t1", ["too long"], None, 6, 0, ())],
+            ]
         ),
     )
     gen.queued = list(mine)
     gen._add_queued()
-    assert added == ["m0-3-0-0-t1", "m1-3-0-0-t1", "m2-3-5-0-t1"]
+    # a turn's images travel with it to every rank's engine
+    assert added == [("m0-3-0-0-t1", ()), ("m1-3-0-0-t1", ()), ("m2-3-5-0-t1", ("a tool's plot",))]
     assert gen.requests == {"m1-3-0-0-t1": (0, 0)}
     assert gen.others == {"m0-3-0-0-t1", "m2-3-5-0-t1"}
     assert gen.lost == [(1, 0, "longer than max_model_len")]  # member 2's refusal is member 2's to report
